@@ -1,0 +1,156 @@
+"""One worker's cache configuration: the family, the layers, and the spec of every page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache.specs import (
+    DEFAULT_MLA_ENTRY_BYTES,
+    BlockOrder,
+    CacheDtype,
+    CacheFamily,
+    KpoolIndexerSpec,
+    MlaPageSpec,
+    PoolMode,
+    QsaCompressedKeySpec,
+    QsaKeyStateRingSpec,
+    TailRingSpec,
+)
+
+LAYOUT_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Everything that decides the bytes of a block and of a ring block.
+
+    ``family`` picks the indexer page (kpool fp8 entries, or QSA compressed keys) and the ring
+    (kpool tail ring, or QSA key state ring). Fields of the other family are ignored.
+    """
+
+    family: CacheFamily = CacheFamily.KPOOL
+    layer_names: tuple[str, ...] = ("layer.0",)
+    block_size: int = 256
+    num_spec: int = 0
+    mla_entry_bytes: int = DEFAULT_MLA_ENTRY_BYTES
+    mla_num_heads: int = 1
+    order: BlockOrder = BlockOrder.BLNHC
+    # kpool family
+    kpool: int = 4
+    pool_mode: PoolMode = PoolMode.SOFTMAX
+    round_scale: bool = True
+    # QSA family
+    compress_ratio: int = 4
+    qsa_head_size: int = 128
+    qsa_num_heads: int = 1
+    qsa_dtype: CacheDtype = CacheDtype.BFLOAT16
+    cache_rope_positions: bool = True
+    format_version: int = field(default=LAYOUT_FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.family, CacheFamily):
+            raise ValueError(f"family must be a CacheFamily, got {self.family!r}")
+        if not self.layer_names:
+            raise ValueError("layer_names must name at least one layer")
+        seen: set[str] = set()
+        for name in self.layer_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"layer name must be a non-empty string, got {name!r}")
+            if name in seen:
+                raise ValueError(f"duplicate layer name {name!r} in {self.layer_names}")
+            seen.add(name)
+        if not isinstance(self.order, BlockOrder):
+            raise ValueError(f"order must be a BlockOrder, got {self.order!r}")
+        # Building the specs validates every number.
+        self.mla
+        if self.family is CacheFamily.KPOOL:
+            self.kpool_indexer
+            self.tail_ring
+        else:
+            self.qsa_keys
+            self.qsa_ring
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def mla(self) -> MlaPageSpec:
+        return MlaPageSpec(
+            block_size=self.block_size, entry_bytes=self.mla_entry_bytes,
+            num_heads=self.mla_num_heads, order=self.order,
+        )
+
+    @property
+    def kpool_indexer(self) -> KpoolIndexerSpec:
+        return KpoolIndexerSpec(
+            kpool=self.kpool, block_size=self.block_size, mode=self.pool_mode, round_scale=self.round_scale,
+        )
+
+    @property
+    def tail_ring(self) -> TailRingSpec:
+        return TailRingSpec(kpool=self.kpool, num_spec=self.num_spec, block_size=self.block_size)
+
+    @property
+    def qsa_keys(self) -> QsaCompressedKeySpec:
+        return QsaCompressedKeySpec(
+            compress_ratio=self.compress_ratio, block_size=self.block_size, head_size=self.qsa_head_size,
+            num_heads=self.qsa_num_heads, dtype=self.qsa_dtype, order=self.order,
+        )
+
+    @property
+    def qsa_ring(self) -> QsaKeyStateRingSpec:
+        return QsaKeyStateRingSpec(
+            compress_ratio=self.compress_ratio, num_spec=self.num_spec, block_size=self.block_size,
+            head_size=self.qsa_head_size, num_heads=self.qsa_num_heads,
+            cache_rope_positions=self.cache_rope_positions,
+        )
+
+    @property
+    def indexer_page_bytes(self) -> int:
+        if self.family is CacheFamily.KPOOL:
+            return self.kpool_indexer.page_bytes
+        return self.qsa_keys.page_bytes
+
+    @property
+    def ring_layer_bytes(self) -> int:
+        if self.family is CacheFamily.KPOOL:
+            return self.tail_ring.layer_bytes
+        return self.qsa_ring.layer_bytes
+
+    def hash_fields(self) -> dict[str, object]:
+        """The parameters that change bytes, as plain values (the layout hash covers them)."""
+        common = {
+            "format_version": self.format_version,
+            "family": self.family.value,
+            "layer_names": list(self.layer_names),
+            "block_size": self.block_size,
+            "num_spec": self.num_spec,
+            "mla_entry_bytes": self.mla_entry_bytes,
+            "mla_num_heads": self.mla_num_heads,
+            "order": self.order.value,
+        }
+        if self.family is CacheFamily.KPOOL:
+            spec = self.kpool_indexer
+            common |= {
+                "kpool": self.kpool,
+                "pool_mode": self.pool_mode.value,
+                "round_scale": self.round_scale,
+                "states_per_block": spec.states_per_block,
+                "ring_size": self.tail_ring.ring_size,
+            }
+        else:
+            keys = self.qsa_keys
+            common |= {
+                "compress_ratio": self.compress_ratio,
+                "qsa_head_size": self.qsa_head_size,
+                "qsa_num_heads": self.qsa_num_heads,
+                "qsa_dtype": self.qsa_dtype.canonical.value,
+                "cache_rope_positions": self.cache_rope_positions,
+                "ring_capacity": self.qsa_ring.capacity,
+                "rotary_dim": keys.rotary_dim,
+                "mrope_section": list(keys.mrope_section),
+                "rope_theta": keys.rope_theta,
+                "norm_eps": keys.norm_eps,
+            }
+        return common

@@ -1,0 +1,98 @@
+"""The memory of one worker: a block pool and a ring pool, with typed per-layer views.
+
+Every view aliases the pool's bytes (no copies): writing through a view changes the block,
+and a transfer of a block's bytes moves every layer's pages at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.layout import BlockLayout
+from kvcache.specs import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockOrder, CacheFamily
+
+
+class CachePool:
+    """``blocks: [num_blocks, block_bytes] uint8`` and ``rings: [num_rings, ring_block_bytes] uint8``."""
+
+    def __init__(self, layout: BlockLayout, *, num_blocks: int, num_rings: int, device: str | torch.device = "cpu") -> None:
+        for name, value in (("num_blocks", num_blocks), ("num_rings", num_rings)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.layout = layout
+        self.config = layout.config
+        self.num_blocks = num_blocks
+        self.num_rings = num_rings
+        self.blocks = torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8, device=device)
+        self.rings = torch.zeros(num_rings, layout.ring_block_bytes, dtype=torch.uint8, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def _block_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.blocks[:, offset:offset + nbytes]
+
+    def _ring_bytes(self, layer: int | str) -> torch.Tensor:
+        pages = self.layout.layer(layer)
+        return self.rings[:, pages.ring_offset:pages.ring_offset + self.layout.ring_layer_bytes]
+
+    def _require(self, family: CacheFamily, what: str) -> None:
+        if self.config.family is not family:
+            raise ValueError(f"{what} exists only in the {family.value} family; this pool is {self.config.family.value}")
+
+    # Main attention ------------------------------------------------------------------
+    def mla(self, layer: int | str) -> torch.Tensor:
+        """uint8 [num_blocks, N, H, C] in logical order; for BLHNC the view is permuted from its
+        storage order [num_blocks, H, N, C]."""
+        spec = self.config.mla
+        raw = self._block_bytes(self.layout.layer(layer).mla_offset, spec.page_bytes)
+        if spec.order is BlockOrder.BLNHC:
+            return raw.view(self.num_blocks, spec.block_size, spec.num_heads, spec.entry_bytes)
+        stored = raw.view(self.num_blocks, spec.num_heads, spec.block_size, spec.entry_bytes)
+        return stored.permute(0, 2, 1, 3)
+
+    # kpool family --------------------------------------------------------------------
+    def indexer_page(self, layer: int | str) -> torch.Tensor:
+        """uint8 [num_blocks, S * 132]: S fp8 entries state-major, then their S fp32 scales."""
+        self._require(CacheFamily.KPOOL, "the kpool indexer page")
+        return self._block_bytes(self.layout.layer(layer).indexer_offset, self.layout.indexer_page_bytes)
+
+    def indexer_q(self, layer: int | str) -> torch.Tensor:
+        """float8_e4m3fn [num_blocks, S, 128]."""
+        page = self.indexer_page(layer)
+        s = self.config.kpool_indexer.states_per_block
+        return page[:, : s * INDEX_HEAD_DIM].view(torch.float8_e4m3fn).view(self.num_blocks, s, INDEX_HEAD_DIM)
+
+    def indexer_scale(self, layer: int | str) -> torch.Tensor:
+        """float32 [num_blocks, S]."""
+        page = self.indexer_page(layer)
+        s = self.config.kpool_indexer.states_per_block
+        return page[:, s * INDEX_HEAD_DIM: s * FP8_ENTRY_BYTES].view(torch.float32)
+
+    def tail_ring(self, layer: int | str) -> torch.Tensor:
+        """bf16 [num_rings, 2, R, 128]: raw K half, then gate half."""
+        self._require(CacheFamily.KPOOL, "the tail ring")
+        r = self.config.tail_ring.ring_size
+        return self._ring_bytes(layer).view(torch.bfloat16).view(self.num_rings, 2, r, INDEX_HEAD_DIM)
+
+    # QSA family ----------------------------------------------------------------------
+    def qsa_keys(self, layer: int | str) -> torch.Tensor:
+        """bf16 or fp8 [num_blocks, rows, H, D] in logical order; for BLHNC the view is permuted
+        from its storage order [num_blocks, H, rows, D]."""
+        self._require(CacheFamily.QSA, "the QSA compressed key cache")
+        spec = self.config.qsa_keys
+        raw = self._block_bytes(self.layout.layer(layer).indexer_offset, spec.page_bytes)
+        typed = raw.view(spec.dtype.torch_dtype)
+        if spec.order is BlockOrder.BLNHC:
+            return typed.view(self.num_blocks, spec.rows_per_block, spec.num_heads, spec.head_size)
+        stored = typed.view(self.num_blocks, spec.num_heads, spec.rows_per_block, spec.head_size)
+        return stored.permute(0, 2, 1, 3)
+
+    def qsa_ring(self, layer: int | str) -> torch.Tensor:
+        """bf16 [num_rings, C, H, W]; W = off + 12 when positions are cached."""
+        self._require(CacheFamily.QSA, "the QSA key state ring")
+        spec = self.config.qsa_ring
+        return self._ring_bytes(layer).view(torch.bfloat16).view(
+            self.num_rings, spec.capacity, spec.num_heads, spec.row_width
+        )
