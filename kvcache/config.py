@@ -113,10 +113,18 @@ class CacheConfig:
         return self.qsa_keys.page_bytes
 
     @property
-    def ring_layer_bytes(self) -> int:
+    def ring_slots(self) -> int:
+        """R (kpool tail ring) or C (QSA key state ring)."""
         if self.family is CacheFamily.KPOOL:
-            return self.tail_ring.layer_bytes
-        return self.qsa_ring.layer_bytes
+            return self.tail_ring.ring_size
+        return self.qsa_ring.capacity
+
+    @property
+    def ring_row_bytes(self) -> int:
+        """Bytes of one layer's row in one ring slot."""
+        if self.family is CacheFamily.KPOOL:
+            return self.tail_ring.row_bytes
+        return self.qsa_ring.row_bytes
 
     def hash_fields(self) -> dict[str, object]:
         """The parameters that change bytes, as plain values (the layout hash covers them)."""

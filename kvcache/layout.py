@@ -4,7 +4,13 @@ A block holds ``block_size`` tokens of every layer, one contiguous byte range::
 
     block b: | layer 0: MLA page | layer 0: indexer page | layer 1: MLA page | ... | pad |
 
-A ring block holds every layer's ring of one request, back to back. Every page starts on a
+A ring block holds every layer's ring of one request, **slot-major**::
+
+    ring block: | slot 0: layer 0 row, layer 1 row, ... | slot 1: ... | ... | slot R-1 |
+
+so the live range of a ring (consecutive positions, slots mod R) is one contiguous byte range,
+or two when it wraps, whatever the number of layers. A layer's row in a slot is its K and gate
+vectors (kpool: bf16[2, D]) or its key row (QSA: bf16[H, W]). Every block page starts on a
 16-byte boundary so that typed views (fp8, bf16, fp32, int64) alias the bytes directly.
 """
 
@@ -25,13 +31,13 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class LayerPages:
-    """Byte offsets of one layer's pages inside a block and inside a ring block."""
+    """Byte offsets of one layer's pages inside a block, and of its row inside a ring slot."""
 
     index: int
     name: str
     mla_offset: int
     indexer_offset: int
-    ring_offset: int
+    ring_row_offset: int
 
 
 class BlockLayout:
@@ -41,19 +47,19 @@ class BlockLayout:
         self.config = config
         self.mla_page_bytes = config.mla.page_bytes
         self.indexer_page_bytes = config.indexer_page_bytes
-        self.ring_layer_bytes = config.ring_layer_bytes
+        self.ring_slots = config.ring_slots
+        self.ring_row_bytes = config.ring_row_bytes
         pages = []
         block_cursor = 0
-        ring_cursor = 0
         for index, name in enumerate(config.layer_names):
             mla_offset = block_cursor
             indexer_offset = _align(mla_offset + self.mla_page_bytes)
             block_cursor = _align(indexer_offset + self.indexer_page_bytes)
-            pages.append(LayerPages(index, name, mla_offset, indexer_offset, ring_cursor))
-            ring_cursor = _align(ring_cursor + self.ring_layer_bytes)
+            pages.append(LayerPages(index, name, mla_offset, indexer_offset, index * self.ring_row_bytes))
         self.layers: tuple[LayerPages, ...] = tuple(pages)
         self.block_bytes = block_cursor
-        self.ring_block_bytes = ring_cursor
+        self.ring_slot_bytes = self.ring_row_bytes * len(pages)
+        self.ring_block_bytes = self.ring_slot_bytes * self.ring_slots
         self._by_name = {p.name: p for p in pages}
 
     def layer(self, key: int | str) -> LayerPages:
@@ -75,6 +81,7 @@ class BlockLayout:
         return self.config.hash_fields() | {
             "block_bytes": self.block_bytes,
             "ring_block_bytes": self.ring_block_bytes,
+            "ring_slot_bytes": self.ring_slot_bytes,
             "layout_hash": self.layout_hash,
         }
 

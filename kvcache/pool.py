@@ -33,9 +33,11 @@ class CachePool:
     def _block_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.blocks[:, offset:offset + nbytes]
 
-    def _ring_bytes(self, layer: int | str) -> torch.Tensor:
+    def _ring_rows(self, layer: int | str) -> torch.Tensor:
+        """uint8 [num_rings, slots, row_bytes]: one layer's rows, strided across the slot-major ring."""
         pages = self.layout.layer(layer)
-        return self.rings[:, pages.ring_offset:pages.ring_offset + self.layout.ring_layer_bytes]
+        slots = self.rings.view(self.num_rings, self.layout.ring_slots, self.layout.ring_slot_bytes)
+        return slots[:, :, pages.ring_row_offset:pages.ring_row_offset + self.layout.ring_row_bytes]
 
     def _require(self, family: CacheFamily, what: str) -> None:
         if self.config.family is not family:
@@ -71,10 +73,11 @@ class CachePool:
         return page[:, s * INDEX_HEAD_DIM: s * FP8_ENTRY_BYTES].view(torch.float32)
 
     def tail_ring(self, layer: int | str) -> torch.Tensor:
-        """bf16 [num_rings, 2, R, 128]: raw K half, then gate half."""
+        """bf16 [num_rings, 2, R, 128]: raw K half, then gate half (a strided view)."""
         self._require(CacheFamily.KPOOL, "the tail ring")
         r = self.config.tail_ring.ring_size
-        return self._ring_bytes(layer).view(torch.bfloat16).view(self.num_rings, 2, r, INDEX_HEAD_DIM)
+        rows = self._ring_rows(layer).view(torch.bfloat16).view(self.num_rings, r, 2, INDEX_HEAD_DIM)
+        return rows.permute(0, 2, 1, 3)
 
     # QSA family ----------------------------------------------------------------------
     def qsa_keys(self, layer: int | str) -> torch.Tensor:
@@ -93,6 +96,5 @@ class CachePool:
         """bf16 [num_rings, C, H, W]; W = off + 12 when positions are cached."""
         self._require(CacheFamily.QSA, "the QSA key state ring")
         spec = self.config.qsa_ring
-        return self._ring_bytes(layer).view(torch.bfloat16).view(
-            self.num_rings, spec.capacity, spec.num_heads, spec.row_width
-        )
+        rows = self._ring_rows(layer).view(torch.bfloat16)
+        return rows.view(self.num_rings, spec.capacity, spec.num_heads, spec.row_width)

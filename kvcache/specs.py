@@ -165,8 +165,9 @@ class TailRingSpec:
         return tail_ring_size(self.kpool, self.num_spec)
 
     @property
-    def layer_bytes(self) -> int:
-        return 2 * self.ring_size * self.head_dim * 2
+    def row_bytes(self) -> int:
+        """One slot of one layer: K and gate, bf16[2, D]."""
+        return 2 * self.head_dim * 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,5 +251,6 @@ class QsaKeyStateRingSpec:
         return self.head_size
 
     @property
-    def layer_bytes(self) -> int:
-        return self.capacity * self.num_heads * self.row_width * 2
+    def row_bytes(self) -> int:
+        """One slot of one layer: bf16[H, W]."""
+        return self.num_heads * self.row_width * 2
