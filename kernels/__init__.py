@@ -1,0 +1,14 @@
+"""Cache ops: each op folder holds a plain-torch reference (``ref.py``); the package exports the
+dispatching entry points only."""
+
+from kernels.hadamard import hadamard_matrix
+from kernels.kpool_cache import kpool_read_entries, kpool_write_entries
+from kernels.kpool_compress import kpool_compress
+from kernels.kpool_decode import kpool_decode_update
+from kernels.kpool_prefill import kpool_prefill
+from kernels.kpool_score import kpool_indexer_topk
+
+__all__ = [
+    "hadamard_matrix", "kpool_compress", "kpool_decode_update", "kpool_indexer_topk", "kpool_prefill",
+    "kpool_read_entries", "kpool_write_entries",
+]

@@ -1,0 +1,33 @@
+"""Reference paged indexer scoring: score_j = sum_h w_h * relu(q_h . dequant(k_j)) over the
+complete pools of each request, then top-k (ties go to the lower pool index)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kpool_cache.ref import dequantize_entries, pool_slots
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, kpool: int, topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """# q: [B, H, 128] bf16; weights: [B, H] fp32; seq_lens: [B] int; block_table: [B, M] int
+    # -> pools: [B, topk] int64 (pool indices, best first, -1 padded), scores: [B, topk] fp32 (-inf padded)
+    """
+    batch, states = q.shape[0], indexer_q.shape[1]
+    pools_out = torch.full((batch, topk), -1, dtype=torch.int64, device=q.device)
+    scores_out = torch.full((batch, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, length in enumerate(seq_lens.tolist()):
+        complete = length // kpool
+        if complete == 0:
+            continue
+        pool_ids = torch.arange(complete, device=q.device)
+        slots = pool_slots(block_table[b:b + 1], pool_ids[None], kpool=kpool, states=states)[0]
+        keys = dequantize_entries(indexer_q, indexer_scale, slots)  # [complete, 128]
+        logits = torch.relu(q[b].to(torch.float32) @ keys.T)  # [H, complete]
+        scores = (weights[b].to(torch.float32)[:, None] * logits).sum(dim=0)
+        order = torch.sort(-scores, stable=True).indices[:topk]
+        pools_out[b, : order.numel()] = pool_ids[order]
+        scores_out[b, : order.numel()] = scores[order]
+    return pools_out, scores_out
