@@ -1,0 +1,3 @@
+from kpool_pd.cli import main
+
+raise SystemExit(main())

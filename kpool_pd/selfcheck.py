@@ -1,0 +1,149 @@
+"""`kpool-pd selfcheck`: the DESIGN section 2 invariant, shown on a small multi-layer config.
+
+For each configuration, one request's committed sequence is run two ways through the public
+cache ops: a colocated prefill of the whole sequence, and a prefill of a prefix followed by
+decode steps with speculative drafts (a seeded accept/reject history; rejected drafts carry
+garbage keys). The digests of the final caches (every complete pool's fp8 entry, the ring's
+open pool) must be equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
+from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, PoolMode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SelfcheckCase:
+    kpool: int
+    num_spec: int
+    prompt_len: int
+    total_len: int
+    mode: PoolMode = PoolMode.SOFTMAX
+    layers: int = 2
+
+
+@dataclass(frozen=True)
+class SelfcheckRow:
+    case: SelfcheckCase
+    steps: int
+    drafts_proposed: int
+    drafts_accepted: int
+    colocated_digest: str
+    pd_digest: str
+
+    @property
+    def holds(self) -> bool:
+        return self.colocated_digest == self.pd_digest
+
+
+DEFAULT_CASES = (
+    SelfcheckCase(kpool=2, num_spec=0, prompt_len=33, total_len=97),
+    SelfcheckCase(kpool=4, num_spec=1, prompt_len=64, total_len=200),
+    SelfcheckCase(kpool=4, num_spec=3, prompt_len=1, total_len=129),
+    SelfcheckCase(kpool=4, num_spec=3, prompt_len=66, total_len=257, mode=PoolMode.KEEP_LAST),
+    SelfcheckCase(kpool=8, num_spec=7, prompt_len=127, total_len=300),
+)
+
+
+class _Request:
+    """One request's caches in its own pool (blocks allocated as the sequence grows)."""
+
+    def __init__(self, config: CacheConfig, ape: torch.Tensor, capacity: int) -> None:
+        self.config = config
+        self.pool = CachePool(BlockLayout(config), num_blocks=-(-capacity // config.block_size) + 3, num_rings=1)
+        self.allocator = BlockAllocator(self.pool.num_blocks)
+        self.allocator.allocate(1)  # start the request's blocks at id 1 so its ids differ from the other run
+        self.block_ids: list[int] = []
+        self.ape = ape
+
+    def _table(self, tokens: int) -> torch.Tensor:
+        while len(self.block_ids) * self.config.block_size < tokens:
+            self.block_ids += self.allocator.allocate(1)
+        return torch.tensor([self.block_ids], dtype=torch.int32)
+
+    def prefill(self, k: torch.Tensor, gate: torch.Tensor) -> None:
+        # k, gate: [layers, L, 128] bf16
+        table = self._table(k.shape[1])
+        for layer in range(self.config.num_layers):
+            kpool_prefill(k[layer], gate[layer], self.ape[layer], torch.tensor([0, k.shape[1]]), table,
+                          torch.tensor([0]), self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
+                          self.pool.tail_ring(layer), mode=self.config.pool_mode)
+
+    def step(self, k: torch.Tensor, gate: torch.Tensor, start: int) -> None:
+        # k, gate: [layers, 1 + drafts, 128] bf16 at positions start, start + 1, ...
+        table = self._table(start + k.shape[1])
+        for layer in range(self.config.num_layers):
+            kpool_decode_update(k[layer], gate[layer], torch.tensor([start]), torch.tensor([0, k.shape[1]]),
+                                torch.tensor([0]), table, self.ape[layer], self.pool.tail_ring(layer),
+                                self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
+                                mode=self.config.pool_mode)
+
+    def digest(self, length: int) -> str:
+        kpool, states = self.config.kpool, self.config.block_size // self.config.kpool
+        pools = torch.arange(length // kpool)
+        table = self._table(length)[0].to(torch.int64)
+        slots = table[pools * kpool // self.config.block_size] * states + pools % states
+        open_positions = torch.arange(length // kpool * kpool, length) % self.config.tail_ring.ring_size
+        sha = hashlib.sha256()
+        for layer in range(self.config.num_layers):
+            q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer), slots,
+                                          dequantize=False)
+            sha.update(q.view(torch.uint8).numpy().tobytes())
+            sha.update(scale.numpy().tobytes())
+            sha.update(self.pool.tail_ring(layer)[0][:, open_positions].contiguous().view(torch.uint8).numpy().tobytes())
+        return sha.hexdigest()
+
+
+def run_case(case: SelfcheckCase, seed: int) -> SelfcheckRow:
+    config = CacheConfig(layer_names=tuple(f"layer.{i}" for i in range(case.layers)), kpool=case.kpool,
+                         num_spec=case.num_spec, block_size=16 * case.kpool,
+                         pool_mode=case.mode)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (case.layers, case.total_len, 128)
+    k = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    gate = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    ape = torch.randn(case.layers, case.kpool, 128, generator=gen)
+    capacity = case.total_len + case.num_spec
+
+    colocated = _Request(config, ape, capacity)
+    colocated.prefill(k, gate)
+
+    pd = _Request(config, ape, capacity)
+    pd.allocator.allocate(1)
+    pd.prefill(k[:, :case.prompt_len], gate[:, :case.prompt_len])
+    length, steps, proposed, accepted_total = case.prompt_len, 0, 0, 0
+    while length < case.total_len:
+        drafts = case.num_spec
+        accepted = min(int(torch.randint(0, drafts + 1, (1,), generator=gen)), case.total_len - length - 1)
+        step_k = torch.randn(case.layers, 1 + drafts, 128, generator=gen).to(torch.bfloat16)
+        step_gate = torch.randn(case.layers, 1 + drafts, 128, generator=gen).to(torch.bfloat16)
+        step_k[:, :1 + accepted] = k[:, length:length + 1 + accepted]
+        step_gate[:, :1 + accepted] = gate[:, length:length + 1 + accepted]
+        pd.step(step_k, step_gate, length)
+        length += 1 + accepted
+        steps, proposed, accepted_total = steps + 1, proposed + drafts, accepted_total + accepted
+    logger.debug("case %s: %d steps", case, steps)
+    return SelfcheckRow(case, steps, proposed, accepted_total, colocated.digest(length), pd.digest(length))
+
+
+def format_table(rows: list[SelfcheckRow]) -> str:
+    header = (f"{'kpool':>5} {'spec':>4} {'mode':>9} {'prompt':>6} {'tokens':>6} {'steps':>5} {'drafts':>11} "
+              f"{'pools':>5}  {'colocated digest':<16}  {'PD digest':<16}  invariant")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        c = row.case
+        lines.append(
+            f"{c.kpool:>5} {c.num_spec:>4} {c.mode.value:>9} {c.prompt_len:>6} {c.total_len:>6} {row.steps:>5} "
+            f"{f'{row.drafts_accepted}/{row.drafts_proposed}':>11} {c.total_len // c.kpool:>5}  "
+            f"{row.colocated_digest[:16]:<16}  {row.pd_digest[:16]:<16}  {'holds' if row.holds else 'BROKEN'}"
+        )
+    return "\n".join(lines)
