@@ -1,0 +1,214 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_UCX: _ClassVar[Transport]
+    TRANSPORT_GRPC_STREAM: _ClassVar[Transport]
+
+class PoolKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_KIND_UNSPECIFIED: _ClassVar[PoolKind]
+    POOL_KIND_BLOCKS: _ClassVar[PoolKind]
+    POOL_KIND_RINGS: _ClassVar[PoolKind]
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_UCX: Transport
+TRANSPORT_GRPC_STREAM: Transport
+POOL_KIND_UNSPECIFIED: PoolKind
+POOL_KIND_BLOCKS: PoolKind
+POOL_KIND_RINGS: PoolKind
+
+class Layout(_message.Message):
+    __slots__ = ("layout_hash", "fields_json", "block_bytes", "ring_block_bytes")
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RING_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layout_hash: str
+    fields_json: str
+    block_bytes: int
+    ring_block_bytes: int
+    def __init__(self, layout_hash: _Optional[str] = ..., fields_json: _Optional[str] = ..., block_bytes: _Optional[int] = ..., ring_block_bytes: _Optional[int] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    layout: Layout
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    ucx_worker_address: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    layout: Layout
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    ucx_worker_address: bytes
+    lease_ms: int
+    max_prompt_tokens: int
+    chunk_bytes: int
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class RingRange(_message.Message):
+    __slots__ = ("start_slot", "num_slots")
+    START_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    start_slot: int
+    num_slots: int
+    def __init__(self, start_slot: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "grant_id", "prompt_len", "num_blocks", "ring_live", "first_token", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RING_LIVE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    grant_id: str
+    prompt_len: int
+    num_blocks: int
+    ring_live: RingRange
+    first_token: int
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_RING_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    UCX_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
+    grant_id: str
+    engine_id: str
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_ring_id: int
+    transport: Transport
+    integrity: bool
+    ucx_tag_base: int
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("kind", "offset", "nbytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: PoolKind
+    offset: int
+    nbytes: int
+    def __init__(self, kind: _Optional[_Union[PoolKind, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class PullGrant(_message.Message):
+    __slots__ = ("src_block_ids", "src_ring_id", "ring_live", "num_regions", "total_bytes")
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SRC_RING_ID_FIELD_NUMBER: _ClassVar[int]
+    RING_LIVE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    src_ring_id: int
+    ring_live: RingRange
+    num_regions: int
+    total_bytes: int
+    def __init__(self, src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., num_regions: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("region", "offset", "data")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    region: int
+    offset: int
+    data: bytes
+    def __init__(self, region: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullDone(_message.Message):
+    __slots__ = ("bytes", "regions", "crc32")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    regions: int
+    crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, bytes: _Optional[int] = ..., regions: _Optional[int] = ..., crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("grant", "chunk", "done")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    grant: PullGrant
+    chunk: Chunk
+    done: PullDone
+    def __init__(self, grant: _Optional[_Union[PullGrant, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("grant_id",)
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    grant_id: str
+    def __init__(self, grant_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("engine_id", "grant_ids")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    grant_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("unknown_grant_ids", "lease_ms")
+    UNKNOWN_GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    unknown_grant_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_ms: int
+    def __init__(self, unknown_grant_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...

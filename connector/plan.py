@@ -1,0 +1,145 @@
+"""Transfer plans: a request's blocks and ring as a few contiguous byte regions on each side.
+
+Pure functions of the layout and the ids; both nodes compute the same plan, so the decode
+node never writes where the prefill node tells it to. Offsets are into the flat pool buffers
+(``CachePool.blocks.view(-1)`` for ``PoolKind.BLOCKS``, ``CachePool.rings.view(-1)`` for
+``PoolKind.RINGS``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcache import BlockLayout, CacheConfig, CacheFamily
+
+
+class PoolKind(enum.Enum):
+    """Which pool a region lies in; values match ``kpoolpd.v1.PoolKind``."""
+
+    BLOCKS = 1
+    RINGS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RingRange:
+    """``num_slots`` consecutive ring slots starting at ``start_slot`` (mod the slot count).
+    ``num_slots == 0`` is the explicit empty ring."""
+
+    start_slot: int
+    num_slots: int
+
+    @property
+    def empty(self) -> bool:
+        return self.num_slots == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    kind: PoolKind
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegionPair:
+    src: Region
+    dst: Region
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Block runs first (in block-table order), then the ring as zero, one or two pieces."""
+
+    pairs: tuple[RegionPair, ...]
+    ring_empty: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.src.nbytes for p in self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+def ring_live_range(config: CacheConfig, prompt_len: int) -> RingRange:
+    """The ring slots that hold live state after ``prompt_len`` committed tokens.
+
+    kpool family: positions ``[floor(L/kpool)*kpool, L)`` (the open pool); QSA: positions
+    ``[floor(L/r)*r, L)`` (the open group), r = compress_ratio. Position ``pos`` is at slot
+    ``pos % ring_slots``. Empty (``num_slots == 0``) when L is a multiple of kpool (or r).
+    """
+    if not isinstance(prompt_len, int) or prompt_len < 0:
+        raise ValueError(f"prompt_len must be an integer >= 0, got {prompt_len!r}")
+    group = config.kpool if config.family is CacheFamily.KPOOL else config.compress_ratio
+    start = prompt_len // group * group
+    count = prompt_len - start
+    return RingRange(start_slot=start % config.ring_slots if count else 0, num_slots=count)
+
+
+def blocks_needed(config: CacheConfig, prompt_len: int) -> int:
+    """Blocks that hold ``prompt_len`` tokens (ceil division by block_size)."""
+    return -(-prompt_len // config.block_size)
+
+
+def _check_ids(name: str, ids: Sequence[int], limit: int) -> None:
+    seen: set[int] = set()
+    for i in ids:
+        if not isinstance(i, int) or not 0 <= i < limit:
+            raise ValueError(f"{name}: id {i!r} outside [0, {limit})")
+        if i in seen:
+            raise ValueError(f"{name}: id {i} appears twice")
+        seen.add(i)
+
+
+def plan_transfer(
+    layout: BlockLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_ring: int,
+    dst_ring: int,
+    live: RingRange,
+    *,
+    src_num_blocks: int | None = None,
+    dst_num_blocks: int | None = None,
+    src_num_rings: int | None = None,
+    dst_num_rings: int | None = None,
+) -> TransferPlan:
+    """Region pairs that copy ``src_blocks[i] -> dst_blocks[i]`` and the ring's live slots.
+
+    Consecutive entries are merged into one region where BOTH sides are consecutive. The pool
+    sizes, when given, bound the ids (ValueError naming the id otherwise).
+    """
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    big = 1 << 62
+    _check_ids("source blocks", src_blocks, src_num_blocks or big)
+    _check_ids("destination blocks", dst_blocks, dst_num_blocks or big)
+    _check_ids("source ring", [src_ring], src_num_rings or big)
+    _check_ids("destination ring", [dst_ring], dst_num_rings or big)
+    if not 0 <= live.num_slots <= layout.ring_slots or not 0 <= live.start_slot < layout.ring_slots:
+        raise ValueError(f"ring range {live} does not fit a ring of {layout.ring_slots} slots")
+
+    bb = layout.block_bytes
+    pairs: list[RegionPair] = []
+    i = 0
+    while i < len(src_blocks):
+        j = i + 1
+        while j < len(src_blocks) and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1:
+            j += 1
+        n = (j - i) * bb
+        pairs.append(RegionPair(Region(PoolKind.BLOCKS, src_blocks[i] * bb, n), Region(PoolKind.BLOCKS, dst_blocks[i] * bb, n)))
+        i = j
+
+    slot_bytes = layout.ring_slot_bytes
+    first = min(live.num_slots, layout.ring_slots - live.start_slot)
+    pieces = [(live.start_slot, first), (0, live.num_slots - first)]
+    for slot, count in pieces:
+        if count == 0:
+            continue
+        n = count * slot_bytes
+        src = Region(PoolKind.RINGS, src_ring * layout.ring_block_bytes + slot * slot_bytes, n)
+        dst = Region(PoolKind.RINGS, dst_ring * layout.ring_block_bytes + slot * slot_bytes, n)
+        pairs.append(RegionPair(src, dst))
+    return TransferPlan(pairs=tuple(pairs), ring_empty=live.empty)
