@@ -1,0 +1,86 @@
+"""Connector settings: leases, limits, deadlines, auth and TLS. Frozen; change with ``dataclasses.replace``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsConfig:
+    """PEM bytes. On a server, ``cert_chain``/``private_key`` are its identity and ``root_certs``
+    (with ``require_client_auth``) checks clients (mTLS); on a client, ``root_certs`` checks the
+    server and ``cert_chain``/``private_key`` (optional) are the client's identity."""
+
+    cert_chain: bytes | None = None
+    private_key: bytes | None = None
+    root_certs: bytes | None = None
+    require_client_auth: bool = False
+    server_name_override: str | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if not self.cert_chain or not self.private_key:
+            raise ValueError("a TLS server needs cert_chain and private_key")
+        if self.require_client_auth and not self.root_certs:
+            raise ValueError("require_client_auth needs root_certs to check client certificates against")
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.cert_chain)], root_certificates=self.root_certs,
+            require_client_auth=self.require_client_auth,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certs, private_key=self.private_key, certificate_chain=self.cert_chain,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    """Shared by both roles; each side reads what concerns it.
+
+    ``ucx_options`` go to ``ucxx.init`` (UCX_<KEY>=value). The default excludes the cma
+    transport: with endpoint error handling off (needed for shared memory), a peer dying during
+    a cma rendezvous read aborts the reading process inside UCX; shared memory (posix, sysv),
+    tcp and the CUDA transports stay available.
+    """
+
+    lease_s: float = 30.0
+    bearer_token: str | None = None
+    tls: TlsConfig | None = None
+    max_prompt_tokens: int = 131072
+    max_grants: int = 4096
+    max_message_bytes: int = 16 * MiB
+    chunk_bytes: int = 4 * MiB
+    rpc_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    heartbeat_s: float | None = None  # default: lease_s / 3
+    ucx_options: tuple[tuple[str, str], ...] = (("TLS", "^cma"),)
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "rpc_timeout_s", "transfer_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        for name in ("max_prompt_tokens", "max_grants", "chunk_bytes", "max_message_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} must leave 64 KiB of room under max_message_bytes {self.max_message_bytes}")
+        if self.bearer_token is not None and not self.bearer_token:
+            raise ValueError("bearer_token must be None (no auth) or a non-empty string")
+        if self.heartbeat_s is not None and not 0 < self.heartbeat_s < self.lease_s:
+            raise ValueError(f"heartbeat_s {self.heartbeat_s} must be in (0, lease_s={self.lease_s})")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]

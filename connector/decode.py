@@ -1,0 +1,324 @@
+"""DecodeConnector: the decode node's side. It handshakes with prefill nodes, asks them to
+prefill, allocates blocks and a ring in its own pool, pulls the request into them over UCX or
+the gRPC stream, verifies, and releases the grant.
+
+Every call that waits on a peer has a deadline (``rpc_timeout_s``, ``transfer_timeout_s``);
+every failure is a ``TransferError`` carrying a gRPC status code, and leaves nothing allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
+from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
+from connector.auth import auth_metadata
+from connector.config import ConnectorConfig
+from connector.engine import SamplingParams
+from connector.errors import TransferError
+from connector.metrics import ConnectorMetrics
+from connector.plan import RingRange, TransferPlan, plan_transfer
+from connector.regions import crc32, region_view, write_bytes
+from connector.ucx import MAX_REGIONS, UcxNode
+from connector.wire import Transport, layout_message, ring_from
+from kvcache import BlockAllocator, CachePool, RingAllocator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillGrant:
+    """What a Prefill call returned: the grant to pull, and what the decode node allocates."""
+
+    grant_id: str
+    request_id: str
+    prompt_len: int
+    num_blocks: int
+    ring_live: RingRange
+    first_token: int
+    lease_s: float
+
+
+class LandedRequest:
+    """A request's blocks and ring in the decode node's pool, filled by a pull.
+
+    Owns them until ``release()`` (idempotent) frees them; a context manager. ``__del__`` only
+    reports a leak."""
+
+    __slots__ = ("grant", "block_ids", "ring_id", "transport", "nbytes", "regions", "seconds", "_connector", "_released")
+
+    def __init__(self, connector: "DecodeConnector", grant: PrefillGrant, block_ids: tuple[int, ...], ring_id: int,
+                 transport: Transport, nbytes: int, regions: int, seconds: float) -> None:
+        self.grant, self.block_ids, self.ring_id = grant, block_ids, ring_id
+        self.transport, self.nbytes, self.regions, self.seconds = transport, nbytes, regions, seconds
+        self._connector = connector
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._connector._free(self.grant.request_id, self.block_ids)
+
+    def __enter__(self) -> "LandedRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            logger.error("LandedRequest %s was never released: %d blocks leak", self.grant.request_id, len(self.block_ids))
+
+    def __repr__(self) -> str:
+        return (f"LandedRequest({self.grant.request_id!r}, blocks={len(self.block_ids)}, ring={self.ring_id}, "
+                f"{self.nbytes} B in {self.regions} regions over {self.transport.label}, "
+                f"{'released' if self._released else 'held'})")
+
+
+def _status(exc: grpc.aio.AioRpcError, what: str) -> TransferError:
+    return TransferError(exc.code(), f"{what}: {exc.details()}")
+
+
+class PrefillPeer:
+    """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``."""
+
+    def __init__(self, connector: "DecodeConnector", address: str, channel: grpc.aio.Channel,
+                 response: pb.HandshakeResponse) -> None:
+        self.connector = connector
+        self.address = address
+        self.engine_id = response.engine_id
+        self.transports = tuple(Transport(t) for t in response.transports if t in {x.value for x in Transport})
+        self.lease_s = response.lease_ms / 1000
+        self._channel = channel
+        self._stub = pb_grpc.PrefillServiceStub(channel)
+
+    @property
+    def _md(self):
+        return auth_metadata(self.connector.config.bearer_token)
+
+    async def prefill(self, request_id: str, prompt_token_ids, sampling: SamplingParams = SamplingParams()) -> PrefillGrant:
+        req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                sampling=pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=sampling.seed))
+        try:
+            r = await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise _status(exc, f"Prefill of {request_id} on {self.address}") from None
+        return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
+                            ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000)
+
+    async def release(self, grant_id: str) -> bool:
+        """Idempotent: False when the grant was already released or expired."""
+        try:
+            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id), timeout=self.connector.config.rpc_timeout_s,
+                                         metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise _status(exc, f"Release of {grant_id} on {self.address}") from None
+        return r.released
+
+    async def heartbeat(self, grant_ids) -> list[str]:
+        """Renew leases; returns the ids the prefill node no longer holds."""
+        try:
+            r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.connector.engine_id, grant_ids=list(grant_ids)),
+                                           timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise _status(exc, f"Heartbeat to {self.address}") from None
+        return list(r.unknown_grant_ids)
+
+    async def pull(self, grant: PrefillGrant, *, transport: Transport | None = None, integrity: bool = False,
+                   release: bool = True) -> LandedRequest:
+        """Allocate ``grant.num_blocks`` blocks and a ring, pull the request into them, verify
+        (``integrity``: crc32 per region, DATA_LOSS on a mismatch) and Release the grant.
+        On any failure the allocation is freed and TransferError raised, within
+        ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the allocation-free Release)."""
+        c = self.connector
+        transport = transport or (Transport.UCX if Transport.UCX in self.transports and c.ucx is not None else Transport.GRPC_STREAM)
+        if transport not in self.transports or (transport is Transport.UCX and c.ucx is None):
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"transport {transport.label} not available with {self.address}")
+        block_ids, ring_id = c._allocate(grant)
+        started = time.perf_counter()
+        heartbeat = asyncio.create_task(self._renew(grant.grant_id))
+        try:
+            plan = await asyncio.wait_for(self._pull(grant, block_ids, ring_id, transport, integrity), c.config.transfer_timeout_s)
+        except BaseException as exc:
+            c._free(grant.request_id, block_ids)
+            cause = exc.code.name.lower() if isinstance(exc, TransferError) else type(exc).__name__
+            c.metrics.failures.labels(cause).inc()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"pull of {grant.request_id} from {self.address} did not finish in {c.config.transfer_timeout_s} s") from None
+            raise
+        finally:
+            heartbeat.cancel()
+        seconds = time.perf_counter() - started
+        c.metrics.transferred(transport.label, plan.total_bytes, len(plan), seconds)
+        landed = LandedRequest(c, grant, block_ids, ring_id, transport, plan.total_bytes, len(plan), seconds)
+        if release:
+            try:
+                await self.release(grant.grant_id)
+            except TransferError as exc:  # the lease frees it; the data has landed
+                logger.warning("release of %s failed (%s); its lease will free it", grant.grant_id, exc)
+        return landed
+
+    async def _renew(self, grant_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.connector.config.heartbeat_interval_s)
+            with contextlib.suppress(TransferError):
+                await self.heartbeat([grant_id])
+
+    async def _pull(self, grant: PrefillGrant, block_ids, ring_id, transport: Transport, integrity: bool) -> TransferPlan:
+        c = self.connector
+        tag_base = (secrets.randbits(64) | 1) if transport is Transport.UCX else 0
+        req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=block_ids, dst_ring_id=ring_id,
+                             transport=transport.value, integrity=integrity, ucx_tag_base=tag_base)
+        call = self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md)
+        receives: list[asyncio.Future] = []
+        try:
+            first = await self._read(call)
+            if first is None or first.WhichOneof("message") != "grant":
+                raise TransferError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
+            g = first.grant
+            if ring_from(g.ring_live) != grant.ring_live or len(g.src_block_ids) != len(block_ids):
+                raise TransferError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
+            plan = plan_transfer(c.pool.layout, list(g.src_block_ids), list(block_ids), g.src_ring_id, ring_id, grant.ring_live,
+                                 dst_num_blocks=c.pool.num_blocks, dst_num_rings=c.pool.num_rings)
+            if len(plan) != g.num_regions or plan.total_bytes != g.total_bytes or len(plan) > MAX_REGIONS:
+                raise TransferError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
+                                    f"with the grant's {g.num_regions} / {g.total_bytes}")
+            views = [region_view(c.pool, p.dst) for p in plan.pairs]
+            if transport is Transport.UCX:
+                receives = await c.ucx.post_receives(self.engine_id, views, tag_base)
+            landed = [0] * len(views)
+            while True:
+                msg = await self._read(call)
+                if msg is None:
+                    raise TransferError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
+                kind = msg.WhichOneof("message")
+                if kind == "chunk":
+                    ch = msg.chunk
+                    if transport is not Transport.GRPC_STREAM or ch.region >= len(views) or ch.offset != landed[ch.region] \
+                            or ch.offset + len(ch.data) > views[ch.region].numel():
+                        raise TransferError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {ch.region}, offset {ch.offset})")
+                    self._apply_chunk(views[ch.region][ch.offset:ch.offset + len(ch.data)], ch.data)
+                    landed[ch.region] += len(ch.data)
+                elif kind == "done":
+                    done = msg.done
+                    break
+                else:
+                    raise TransferError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
+            if receives:
+                await asyncio.gather(*receives)
+                receives = []
+            elif landed != [v.numel() for v in views]:
+                raise TransferError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
+            if integrity:
+                got = [crc32(v) for v in views]
+                bad = [i for i, (a, b) in enumerate(zip(got, done.crc32)) if a != b]
+                if len(done.crc32) != len(views) or bad:
+                    raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                        f"crc32 mismatch in regions {bad or 'all (none sent)'} of {grant.request_id}")
+            return plan
+        except ValueError as exc:
+            raise TransferError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
+        except (TransferError, asyncio.CancelledError, asyncio.TimeoutError):
+            raise
+        except Exception as exc:  # a UCX failure: the peer is gone or unreachable
+            raise TransferError(grpc.StatusCode.UNAVAILABLE,
+                                f"UCX transfer from {self.address} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            call.cancel()
+            if receives:  # the peer failed or timed out while receives into our blocks were posted
+                c.ucx.drop(self.engine_id)
+                await asyncio.gather(*receives, return_exceptions=True)
+
+    def _apply_chunk(self, view, data: bytes) -> None:
+        write_bytes(view, data)
+
+    async def _read(self, call):
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _status(exc, f"Pull from {self.address}") from None
+        return None if msg is grpc.aio.EOF else msg
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class DecodeConnector:
+    """The decode node's pool and allocators, its UCX worker, and its peers.
+
+    ``await start()`` (inside the event loop that will run the pulls) makes the UCX worker when
+    UCX is among ``transports``; ``connect(address)`` handshakes with one prefill node."""
+
+    def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, *, engine_id: str,
+                 config: ConnectorConfig, registry: CollectorRegistry,
+                 transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM)) -> None:
+        self.pool, self.blocks, self.rings = pool, blocks, rings
+        self.engine_id = engine_id
+        self.config = config
+        self.transports = tuple(transports)
+        self.metrics = ConnectorMetrics(registry, "decode")
+        self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
+        self.ucx: UcxNode | None = None
+        self._peers: list[PrefillPeer] = []
+
+    async def start(self) -> "DecodeConnector":
+        if Transport.UCX in self.transports and self.ucx is None:
+            self.ucx = UcxNode(self.config.ucx_options)
+        return self
+
+    async def connect(self, address: str) -> PrefillPeer:
+        """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION (naming the
+        differing layout fields) when the layouts differ; UNAUTHENTICATED without the right token."""
+        opts = self.config.grpc_options()
+        channel = (grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts +
+                                           ([("grpc.ssl_target_name_override", self.config.tls.server_name_override)]
+                                            if self.config.tls.server_name_override else []))
+                   if self.config.tls else grpc.aio.insecure_channel(address, options=opts))
+        req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
+                                  transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
+                                  ucx_worker_address=self.ucx.address if self.ucx else b"")
+        try:
+            r = await pb_grpc.PrefillServiceStub(channel).Handshake(
+                req, timeout=self.config.rpc_timeout_s, metadata=auth_metadata(self.config.bearer_token))
+        except grpc.aio.AioRpcError as exc:
+            await channel.close()
+            self.metrics.failures.labels(exc.code().name.lower()).inc()
+            raise _status(exc, f"Handshake with {address}") from None
+        if self.ucx is not None and r.ucx_worker_address:
+            self.ucx.remember(r.engine_id, r.ucx_worker_address)
+            await self.ucx.endpoint(r.engine_id)
+        peer = PrefillPeer(self, address, channel, r)
+        self._peers.append(peer)
+        return peer
+
+    def _allocate(self, grant: PrefillGrant) -> tuple[tuple[int, ...], int]:
+        if grant.num_blocks > self.blocks.num_free or self.rings.num_free == 0:
+            self.metrics.failures.labels("cache_exhausted").inc()
+            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request {grant.request_id} needs {grant.num_blocks} blocks and a ring; free: "
+                                f"{self.blocks.num_free} blocks, {self.rings.num_free} rings")
+        try:
+            ring_id = self.rings.allocate(grant.request_id)
+        except ValueError as exc:
+            raise TransferError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        return tuple(self.blocks.allocate(grant.num_blocks)), ring_id
+
+    def _free(self, request_id: str, block_ids) -> None:
+        self.blocks.free(list(block_ids))
+        self.rings.free(request_id)
+
+    async def close(self) -> None:
+        for peer in self._peers:
+            await peer.close()
+        self._peers.clear()
+        if self.ucx is not None:
+            self.ucx.close()

@@ -1,0 +1,80 @@
+"""What the prefill connector asks of the model side: the PrefillEngine protocol.
+
+The connector owns the allocators and the leases; the engine computes. For each Prefill RPC
+the connector calls ``engine.prefill(request, cache)`` once; the engine allocates through
+``cache.allocate`` (at most once), fills the blocks and the ring, and returns a
+``PrefillOutput``. If it raises, the connector frees whatever it allocated and answers the RPC
+with an error (``CacheExhaustedError`` -> RESOURCE_EXHAUSTED, ``ValueError`` ->
+INVALID_ARGUMENT, anything else -> INTERNAL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from connector.errors import CacheExhaustedError
+from kvcache import BlockAllocator, CachePool, RingAllocator
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillInput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillOutput:
+    block_ids: tuple[int, ...]
+    ring_id: int
+    prompt_len: int
+    first_token: int
+
+
+class PrefillCache:
+    """One Prefill call's access to the prefill node's cache: the pool, and allocation that the
+    connector can roll back. Not thread-safe; used from the event loop only."""
+
+    __slots__ = ("pool", "_blocks", "_rings", "_key", "block_ids", "ring_id")
+
+    def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, key: str) -> None:
+        self.pool = pool
+        self._blocks = blocks
+        self._rings = rings
+        self._key = key
+        self.block_ids: tuple[int, ...] | None = None
+        self.ring_id: int | None = None
+
+    def allocate(self, num_blocks: int) -> tuple[tuple[int, ...], int]:
+        """``num_blocks`` blocks and one ring. CacheExhaustedError (nothing taken) when short."""
+        if self.block_ids is not None:
+            raise RuntimeError("PrefillCache.allocate may be called once per request")
+        if num_blocks > self._blocks.num_free or self._rings.num_free == 0:
+            raise CacheExhaustedError(
+                f"need {num_blocks} blocks and a ring; free: {self._blocks.num_free} blocks, {self._rings.num_free} rings")
+        self.block_ids = tuple(self._blocks.allocate(num_blocks))
+        self.ring_id = self._rings.allocate(self._key)
+        return self.block_ids, self.ring_id
+
+    def rollback(self) -> None:
+        """Free what ``allocate`` took (idempotent)."""
+        if self.block_ids is not None:
+            self._blocks.free(list(self.block_ids))
+            self._rings.free(self._key)
+            self.block_ids, self.ring_id = None, None
+
+
+class PrefillEngine(Protocol):
+    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+        """Run the prompt: allocate ``blocks_needed(config, len(prompt))`` blocks and a ring through
+        ``cache.allocate``, fill them, and return their ids, the prompt length and the first
+        sampled token. Called once per request, from the connector's event loop."""
+        ...

@@ -1,0 +1,77 @@
+"""Grants held by the prefill node under lease: renewed by Heartbeat, freed by Release or expiry."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from connector.plan import RingRange
+
+
+@dataclass(kw_only=True, eq=False)
+class Grant:
+    grant_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    ring_id: int
+    prompt_len: int
+    live: RingRange
+    first_token: int
+    expires_at: float
+    pulls_in_flight: int = 0
+    release_requested: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class LeaseTable:
+    """Grants by id. A grant whose lease ran out is gone for every lookup; it is handed to the
+    reaper by ``take_expired`` once no pull reads its blocks (a pull's own deadline bounds that)."""
+
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lease_s = lease_s
+        self._clock = clock
+        self._grants: dict[str, Grant] = {}
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+    def add(self, grant: Grant) -> None:
+        if grant.grant_id in self._grants:
+            raise ValueError(f"grant {grant.grant_id} exists")
+        self._grants[grant.grant_id] = grant
+
+    def expiry(self) -> float:
+        return self._clock() + self.lease_s
+
+    def live(self, grant_id: str) -> Grant | None:
+        """The grant if it is held and its lease has not run out."""
+        grant = self._grants.get(grant_id)
+        if grant is None or grant.release_requested or grant.expires_at <= self._clock():
+            return None
+        return grant
+
+    def renew(self, grant_id: str) -> bool:
+        grant = self.live(grant_id)
+        if grant is None:
+            return False
+        grant.expires_at = self.expiry()
+        return True
+
+    def pop(self, grant_id: str) -> Grant | None:
+        return self._grants.pop(grant_id, None)
+
+    def active_request(self, request_id: str) -> bool:
+        return any(g.request_id == request_id and not g.release_requested for g in self._grants.values())
+
+    def take_expired(self) -> list[Grant]:
+        """Remove and return the grants that are expired (or released) and no longer read."""
+        now = self._clock()
+        done = [g for g in self._grants.values()
+                if (g.expires_at <= now or g.release_requested) and g.pulls_in_flight == 0]
+        for g in done:
+            del self._grants[g.grant_id]
+        return done
+
+    def next_deadline(self) -> float | None:
+        return min((g.expires_at for g in self._grants.values()), default=None)

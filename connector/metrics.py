@@ -1,0 +1,36 @@
+"""Prometheus metrics of one connector, registered in a registry the caller passes in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ConnectorMetrics:
+    """``kpoolpd_<role>_*``: bytes and regions moved and transfer seconds by transport, failures
+    by cause, expired leases, and free blocks and rings (read from the allocators when scraped)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        p = f"kpoolpd_{role}"
+        self.bytes = Counter(f"{p}_transfer_bytes", "Bytes moved by completed transfers", ["transport"], registry=registry)
+        self.regions = Counter(f"{p}_transfer_regions", "Contiguous regions moved", ["transport"], registry=registry)
+        self.seconds = Histogram(f"{p}_transfer_seconds", "Pull to last byte landed (decode) or sent (prefill)",
+                                 ["transport"], buckets=TRANSFER_BUCKETS, registry=registry)
+        self.failures = Counter(f"{p}_transfer_failures", "Failed transfers and refused calls by cause", ["cause"], registry=registry)
+        self.leases_expired = Counter(f"{p}_leases_expired", "Grants freed because their lease ran out", registry=registry)
+        self.free_blocks = Gauge(f"{p}_free_blocks", "Free cache blocks", registry=registry)
+        self.free_rings = Gauge(f"{p}_free_rings", "Free ring blocks", registry=registry)
+
+    def watch_free(self, blocks: Callable[[], int], rings: Callable[[], int]) -> None:
+        self.free_blocks.set_function(blocks)
+        self.free_rings.set_function(rings)
+
+    def transferred(self, transport: str, nbytes: int, regions: int, seconds: float) -> None:
+        self.bytes.labels(transport).inc(nbytes)
+        self.regions.labels(transport).inc(regions)
+        self.seconds.labels(transport).observe(seconds)

@@ -1,0 +1,45 @@
+"""Regions of a plan as tensor views of a CachePool, and how each transport reads and writes them."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from connector.plan import PoolKind, Region
+from kvcache import CachePool
+
+
+def region_view(pool: CachePool, region: Region) -> torch.Tensor:
+    """uint8 [nbytes], aliasing the pool (no copy). IndexError-free: ValueError if out of range."""
+    flat = (pool.blocks if region.kind is PoolKind.BLOCKS else pool.rings).view(-1)
+    if region.offset < 0 or region.offset + region.nbytes > flat.numel():
+        raise ValueError(f"region {region} outside the {region.kind.name.lower()} pool of {flat.numel()} bytes")
+    return flat[region.offset:region.offset + region.nbytes]
+
+
+def ucx_buffer(view: torch.Tensor):
+    """What ucxx sends from / receives into: a numpy view of host memory, the tensor itself on
+    CUDA (``__cuda_array_interface__``). Never a copy."""
+    return view.numpy() if view.device.type == "cpu" else view
+
+
+def read_bytes(view: torch.Tensor) -> bytes:
+    """The view's bytes for the gRPC stream (GPU memory goes through host)."""
+    return (view if view.device.type == "cpu" else view.cpu()).numpy().tobytes()
+
+
+def write_bytes(view: torch.Tensor, data: bytes) -> None:
+    # view: [len(data)] uint8
+    src = np.frombuffer(data, dtype=np.uint8)
+    if view.device.type == "cpu":
+        view.numpy()[:] = src
+    else:
+        view.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+
+
+def crc32(view: torch.Tensor) -> int:
+    """crc32 of the view's bytes (GPU memory is read through host)."""
+    host = view if view.device.type == "cpu" else view.cpu()
+    return zlib.crc32(memoryview(host.numpy())) & 0xFFFFFFFF

@@ -1,0 +1,202 @@
+"""Process bodies for the connector tests: a prefill node and a decode node, each in its own
+process (multiprocessing spawn), talking over loopback. Also the test PrefillEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import time
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector.config import ConnectorConfig
+from connector.decode import DecodeConnector
+from connector.engine import PrefillCache, PrefillInput, PrefillOutput
+from connector.errors import TransferError
+from connector.plan import blocks_needed
+from connector.prefill import PrefillConnector
+from connector.wire import Transport
+from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+
+CONFIG = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3, mla_entry_bytes=64)
+TOKEN = "s3cret-token"
+
+
+def _seed(request_id: str, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{request_id}/{index}".encode()).digest()[:8], "little") >> 1
+
+
+def expected_block(layout: BlockLayout, request_id: str, j: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(_seed(request_id, j))
+    return torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8, generator=g)
+
+
+def expected_ring(layout: BlockLayout, request_id: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(_seed(request_id, -1))
+    return torch.randint(0, 256, (layout.ring_block_bytes,), dtype=torch.uint8, generator=g)
+
+
+class SeededFillEngine:
+    """A PrefillEngine that fills each block j of a request, and its ring, with bytes drawn from
+    a generator seeded by (request id, j), so the decode side can regenerate what to expect."""
+
+    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+        n = len(request.prompt_token_ids)
+        block_ids, ring_id = cache.allocate(blocks_needed(cache.pool.config, n))
+        for j, b in enumerate(block_ids):
+            cache.pool.blocks[b] = expected_block(cache.pool.layout, request.request_id, j)
+        cache.pool.rings[ring_id] = expected_ring(cache.pool.layout, request.request_id)
+        return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
+
+
+def _fragment(blocks: BlockAllocator, rng: random.Random) -> list[int]:
+    """Hold a random half of the blocks so that what is allocated next is not contiguous."""
+    held = blocks.allocate(blocks.num_blocks)
+    keep = sorted(rng.sample(held, len(held) // 2))
+    blocks.free([b for b in held if b not in set(keep)])
+    return keep
+
+
+def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: int = 96, num_rings: int = 8, seed: int = 1) -> None:
+    """Serve until told to stop; answer ("counts",) with (free blocks, free rings, grants held)."""
+    async def main():
+        layout = BlockLayout(CONFIG)
+        pool = CachePool(layout, num_blocks=num_blocks, num_rings=num_rings)
+        blocks, rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
+        held = _fragment(blocks, random.Random(seed))
+        config = ConnectorConfig(lease_s=lease_s, bearer_token=TOKEN, transfer_timeout_s=lease_s * 2)
+        node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="prefill-0", config=config,
+                                registry=CollectorRegistry())
+        if die == "grpc":  # fault injection: the process dies after its first chunk
+            import connector.prefill as mod
+            real, calls = mod.read_bytes, [0]
+
+            def dying(view):
+                calls[0] += 1
+                if calls[0] > 1:
+                    os._exit(17)
+                return real(view)
+            mod.read_bytes = dying
+        port = await node.start()
+        if die == "ucx":  # fault injection: the process dies while its UCX sends are in flight
+            ucx = node._ucx
+            real_send = ucx.send
+
+            async def dying_send(peer, views, tag_base):
+                task = asyncio.ensure_future(real_send(peer, views, tag_base))
+                await asyncio.sleep(0.002)
+                os._exit(17)
+            ucx.send = dying_send
+        conn.send(("port", port, blocks.num_free, rings.num_free))
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "counts":
+                conn.send((blocks.num_free, rings.num_free, len(node.leases)))
+            elif cmd[0] == "stop":
+                await node.stop()
+                blocks.free(held)
+                conn.send(("stopped", blocks.num_free, rings.num_free))
+                return
+    asyncio.run(main())
+    os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
+
+
+def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: float, seed: int = 2) -> None:
+    """Run one scenario against the prefill node at ``address``; send back a result dict."""
+    async def main():
+        layout = BlockLayout(CONFIG)
+        num_blocks = 128
+        pool = CachePool(layout, num_blocks=num_blocks, num_rings=8)
+        blocks, rings = BlockAllocator(num_blocks), RingAllocator(8)
+        rng = random.Random(seed)
+        held = _fragment(blocks, rng)
+        start_free = (blocks.num_free, rings.num_free)
+        t = Transport.parse(transport)
+        config = ConnectorConfig(lease_s=lease_s, bearer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
+        node = await DecodeConnector(pool, blocks, rings, engine_id=f"decode-{scenario}", config=config,
+                                     registry=CollectorRegistry(), transports=(t,)).start()
+        out: dict = {"start_free": start_free}
+        peer = await node.connect(address)
+        if scenario == "roundtrip":
+            checked = 0
+            lengths = [1, 3, 4, 5, 63, 64, 65, 200, 256, 257, 700, 1000]
+            for i, n in enumerate(lengths):
+                rid = f"req-{transport}-{i}"
+                grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
+                with await peer.pull(grant, transport=t, integrity=i % 2 == 0) as landed:
+                    assert len(landed.block_ids) == blocks_needed(CONFIG, n)
+                    for j, b in enumerate(landed.block_ids):
+                        assert torch.equal(pool.blocks[b], expected_block(layout, rid, j)), (rid, j)
+                        checked += layout.block_bytes
+                    ring = expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
+                    got = pool.rings[landed.ring_id].view(layout.ring_slots, layout.ring_slot_bytes)
+                    for pos in range(n // CONFIG.kpool * CONFIG.kpool, n):
+                        s = pos % layout.ring_slots
+                        assert torch.equal(got[s], ring[s]), (rid, pos)
+                        checked += layout.ring_slot_bytes
+                    out.setdefault("regions", []).append(landed.regions)
+            out["checked_bytes"] = checked
+            out["released_twice"] = await peer.release(grant.grant_id)  # already released by pull
+            # A late pull after the lease ran out: NOT_FOUND, and nothing stays allocated here.
+            grant = await peer.prefill("late", [1] * 100)
+            await asyncio.sleep(lease_s * 1.6)
+            try:
+                await peer.pull(grant, transport=t)
+                out["late"] = "OK"
+            except TransferError as exc:
+                out["late"] = exc.code.name
+            out["end_free"] = (blocks.num_free, rings.num_free)
+        elif scenario in ("decode_dies", "prefill_dies"):
+            grant = await peer.prefill("victim", [7] * 2000)
+            if scenario == "decode_dies":  # fault injection: exit once the grant arrived and receives are posted
+                if t is Transport.UCX:
+                    real = node.ucx.post_receives
+
+                    async def post_and_die(*a):
+                        await real(*a)
+                        conn.send({"dying": True})
+                        os._exit(17)
+                    node.ucx.post_receives = post_and_die
+                else:
+                    def die_on_chunk(view, data):
+                        conn.send({"dying": True})
+                        os._exit(17)
+                    peer._apply_chunk = die_on_chunk
+            began = time.monotonic()
+            try:
+                await peer.pull(grant, transport=t)
+                out["error"] = None
+            except TransferError as exc:
+                out["error"] = exc.code.name
+                out["message"] = exc.message
+            out["seconds"] = time.monotonic() - began
+            out["end_free"] = (blocks.num_free, rings.num_free)
+        await node.close()
+        conn.send(out)
+    asyncio.run(main())
+    os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
+
+
+def refusal_main(conn, *, address: str, what: str) -> None:
+    """Handshake with a wrong layout or without the token; send back the status code and message."""
+    async def main():
+        config = CONFIG if what == "no_token" else CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=2,
+                                                               num_spec=3, mla_entry_bytes=64)
+        layout = BlockLayout(config)
+        pool = CachePool(layout, num_blocks=4, num_rings=2)
+        token = None if what == "no_token" else TOKEN
+        node = DecodeConnector(pool, BlockAllocator(4), RingAllocator(2), engine_id="decode-x",
+                               config=ConnectorConfig(bearer_token=token, rpc_timeout_s=3.0), registry=CollectorRegistry(),
+                               transports=(Transport.GRPC_STREAM,))
+        try:
+            await node.connect(address)
+            conn.send(("OK", ""))
+        except TransferError as exc:
+            conn.send((exc.code.name, exc.message))
+        await node.close()
+    asyncio.run(main())
