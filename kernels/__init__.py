@@ -1,5 +1,6 @@
-"""Cache ops: each op folder holds a plain-torch reference (``ref.py``); the package exports the
-dispatching entry points only."""
+"""Cache ops: each op folder holds a plain-torch reference (``ref.py``) and, for the kpool ops, its Triton
+kernels (``triton.py``); the package exports the dispatching entry points only (``kernels.dispatch``
+says which implementation runs)."""
 
 from kernels.hadamard import hadamard_matrix
 from kernels.kpool_cache import kpool_read_entries, kpool_write_entries

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_int_tensor, check_same_device, check_tensor
+from kernels.dispatch import use_triton
 from kernels.kpool_checks import check_indexer_page
 from kernels.kpool_cache.ref import dequantize_entries, pool_slots, read_entries, write_entries
 
@@ -31,6 +32,11 @@ def kpool_write_entries(indexer_q, indexer_scale, q, scale, slots) -> None:
     check_tensor("scale", scale, dtype=torch.float32, shape=(q.shape[0],))
     _check_slots(slots, q.shape[0], indexer_q, allow_skip=True)
     check_same_device(indexer_q=indexer_q, q=q, scale=scale, slots=slots)
+    if use_triton(indexer_q):
+        from kernels.kpool_cache.triton import write_entries_triton
+
+        write_entries_triton(indexer_q, indexer_scale, q, scale, slots)
+        return
     write_entries(indexer_q, indexer_scale, q, scale, slots)
 
 
@@ -41,6 +47,11 @@ def kpool_read_entries(indexer_q, indexer_scale, slots, *, dequantize: bool = Tr
     """
     check_indexer_page(indexer_q, indexer_scale)
     _check_slots(slots, slots.shape[0] if isinstance(slots, torch.Tensor) else 0, indexer_q, allow_skip=False)
+    check_same_device(indexer_q=indexer_q, slots=slots)
+    if use_triton(indexer_q):
+        from kernels.kpool_cache.triton import read_entries_triton
+
+        return read_entries_triton(indexer_q, indexer_scale, slots, dequantize=dequantize)
     if dequantize:
         return dequantize_entries(indexer_q, indexer_scale, slots)
     return read_entries(indexer_q, indexer_scale, slots)

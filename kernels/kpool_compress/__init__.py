@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import as_pool_mode, check_same_device, check_tensor
+from kernels.dispatch import use_triton
 from kernels.kpool_compress.ref import compress_pools
 from kvcache import INDEX_HEAD_DIM, PoolMode
 
@@ -12,7 +13,7 @@ from kvcache import INDEX_HEAD_DIM, PoolMode
 def kpool_compress(
     k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *, mode: PoolMode | str = "softmax", round_scale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress P complete pools.
+    """Compress P complete pools (Triton on CUDA tensors, the torch reference on CPU; see kernels.dispatch).
 
     # k, gate: [P, kpool, 128] bf16; ape: [kpool, 128] fp32 -> q: [P, 128] float8_e4m3fn, scale: [P] fp32
     """
@@ -26,4 +27,8 @@ def kpool_compress(
     check_tensor("gate", gate, dtype=torch.bfloat16, shape=(pools, kpool, dim))
     check_tensor("ape", ape, dtype=torch.float32, shape=(kpool, dim))
     check_same_device(k=k, gate=gate, ape=ape)
+    if use_triton(k):
+        from kernels.kpool_compress.triton import compress_pools_triton
+
+        return compress_pools_triton(k, gate, ape, mode=mode, round_scale=round_scale)
     return compress_pools(k, gate, ape, mode=mode, round_scale=round_scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_int_tensor, check_same_device, check_tensor
+from kernels.dispatch import use_triton
 from kernels.kpool_checks import check_indexer_page
 from kernels.kpool_score.ref import indexer_topk
 from kvcache import INDEX_HEAD_DIM
@@ -15,6 +16,9 @@ def kpool_indexer_topk(
     indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, kpool: int, topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k complete pools per request by sum_h w_h * relu(q_h . dequant(k_j)).
+
+    Triton on CUDA tensors (scores equal to fp32 accumulation error, no host synchronisation), the torch
+    reference on CPU (see kernels.dispatch).
 
     # q: [B, H, 128] bf16; weights: [B, H] fp32; seq_lens: [B] int; block_table: [B, M] int
     # -> pools: [B, topk] int64 (best first, ties to the lower index, -1 padded), scores: [B, topk] fp32
@@ -32,4 +36,8 @@ def kpool_indexer_topk(
     if not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive integer, got {topk!r}")
     check_same_device(q=q, weights=weights, seq_lens=seq_lens, block_table=block_table, indexer_q=indexer_q)
+    if use_triton(q):
+        from kernels.kpool_score.triton import indexer_topk_triton
+
+        return indexer_topk_triton(q, weights, seq_lens, block_table, indexer_q, indexer_scale, kpool=kpool, topk=topk)
     return indexer_topk(q, weights, seq_lens, block_table, indexer_q, indexer_scale, kpool=kpool, topk=topk)

@@ -1,0 +1,78 @@
+"""Triton paged write and read of kpool indexer entries (slot = block * S + state; -1 skips a write)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kpool_compress.triton import DIM, decode_e4m3
+
+BLOCK_ENTRIES = 16
+
+
+@triton.jit
+def _write_kernel(iq_ptr, is_ptr, q_ptr, scale_ptr, slots_ptr, count, states, iq_block, iq_state, is_block,
+                  is_state, BLOCK: tl.constexpr):
+    # iq: [num_blocks, S, 128] uint8 view; is: [num_blocks, S] fp32; q: [P, 128] uint8; scale, slots: [P]
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, 128)
+    slot = tl.load(slots_ptr + rows, mask=rows < count, other=-1).to(tl.int64)
+    live = slot >= 0
+    block, state = slot // states, slot % states
+    codes = tl.load(q_ptr + rows[:, None] * 128 + dims[None, :], mask=live[:, None])
+    tl.store(iq_ptr + (block * iq_block + state * iq_state)[:, None] + dims[None, :], codes, mask=live[:, None])
+    tl.store(is_ptr + block * is_block + state * is_state, tl.load(scale_ptr + rows, mask=live), mask=live)
+
+
+@triton.jit
+def _read_kernel(iq_ptr, is_ptr, slots_ptr, q_ptr, scale_ptr, out_ptr, count, states, iq_block, iq_state, is_block,
+                 is_state, BLOCK: tl.constexpr, DEQUANTIZE: tl.constexpr):
+    # q: [P, 128] uint8 and scale: [P] fp32, or out: [P, 128] fp32 when DEQUANTIZE
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, 128)
+    live = rows < count
+    slot = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)
+    block, state = slot // states, slot % states
+    codes = tl.load(iq_ptr + (block * iq_block + state * iq_state)[:, None] + dims[None, :], mask=live[:, None])
+    scale = tl.load(is_ptr + block * is_block + state * is_state, mask=live)
+    if DEQUANTIZE:
+        values = decode_e4m3(codes) * scale[:, None]
+        tl.store(out_ptr + rows[:, None] * 128 + dims[None, :], values, mask=live[:, None])
+    else:
+        tl.store(q_ptr + rows[:, None] * 128 + dims[None, :], codes, mask=live[:, None])
+        tl.store(scale_ptr + rows, scale, mask=live)
+
+
+def _page_strides(indexer_q: torch.Tensor, indexer_scale: torch.Tensor) -> tuple[int, int, int, int]:
+    assert indexer_q.stride(2) == 1, f"indexer_q rows must be contiguous, got strides {indexer_q.stride()}"
+    return indexer_q.stride(0), indexer_q.stride(1), indexer_scale.stride(0), indexer_scale.stride(1)
+
+
+def write_entries_triton(indexer_q: torch.Tensor, indexer_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+    """# indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32; q: [P, 128] fp8; scale, slots: [P]"""
+    count = q.shape[0]
+    if count == 0:
+        return
+    q, scale, slots = q.contiguous(), scale.contiguous(), slots.contiguous()
+    _write_kernel[(triton.cdiv(count, BLOCK_ENTRIES),)](
+        indexer_q.view(torch.uint8), indexer_scale, q.view(torch.uint8), scale, slots, count, indexer_q.shape[1],
+        *_page_strides(indexer_q, indexer_scale), BLOCK=BLOCK_ENTRIES, num_warps=4,
+    )
+
+
+def read_entries_triton(indexer_q: torch.Tensor, indexer_scale: torch.Tensor, slots: torch.Tensor, *,
+                        dequantize: bool):
+    """# slots: [P] int >= 0 -> [P, 128] fp32 when dequantize, else (q: [P, 128] fp8, scale: [P] fp32)"""
+    count, device = slots.shape[0], indexer_q.device
+    q = torch.empty(count, DIM, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(count, dtype=torch.float32, device=device)
+    out = torch.empty(count, DIM, dtype=torch.float32, device=device) if dequantize else scale
+    if count:
+        _read_kernel[(triton.cdiv(count, BLOCK_ENTRIES),)](
+            indexer_q.view(torch.uint8), indexer_scale, slots.contiguous(), q.view(torch.uint8), scale, out, count,
+            indexer_q.shape[1], *_page_strides(indexer_q, indexer_scale), BLOCK=BLOCK_ENTRIES,
+            DEQUANTIZE=dequantize, num_warps=4,
+        )
+    return out if dequantize else (q, scale)
