@@ -1,0 +1,9 @@
+"""The deterministic synthetic model both workers run (weights from a seed), its batch engine,
+and the colocated runner that every PD run must match."""
+
+from model.config import ModelConfig, default_block_size
+from model.engine import DecodeSequence, Engine, PrefillJob, output_digest
+from model.weights import SyntheticWeights
+
+__all__ = ["DecodeSequence", "Engine", "ModelConfig", "PrefillJob", "SyntheticWeights", "default_block_size",
+           "output_digest"]

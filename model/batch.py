@@ -1,0 +1,80 @@
+"""One forward's batch: packed tokens of several requests, their block tables and rings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ForwardBatch:
+    """B requests, each contributing consecutive positions ``start_pos[b] ..`` (a prefill from 0, or
+    a decode step: the last committed token and its drafts). ``rows`` picks the tokens whose
+    next token is asked for (prefill: each prompt's last token; decode: every token).
+
+    # tokens, positions: [T] int64; query_start_loc: [B+1] int32; start_pos, seq_lens: [B] int32
+    # block_table: [B, M] int32 (-1 padded); ring_ids: [B] int32; rows: [Q] int64 indices into tokens
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    start_pos: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    ring_ids: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def row_request(self) -> torch.Tensor:
+        """# -> [Q] int64: the request of each row."""
+        starts = self.query_start_loc.to(torch.int64)
+        return torch.searchsorted(starts[1:], self.rows, right=True)
+
+    @property
+    def row_seq_lens(self) -> torch.Tensor:
+        """# -> [Q] int32: tokens visible to each row (its position + 1)."""
+        return (self.positions[self.rows] + 1).to(torch.int32)
+
+    @property
+    def row_block_table(self) -> torch.Tensor:
+        """# -> [Q, M] int32"""
+        return self.block_table[self.row_request]
+
+
+def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]], *, last_only: bool,
+                device: torch.device) -> ForwardBatch:
+    """``chunks``: per request (token ids, first position, block ids, ring id)."""
+    if not chunks:
+        raise ValueError("a forward needs at least one request")
+    tokens, positions, starts, first, lens = [], [], [0], [], []
+    width = max(len(blocks) for _, _, blocks, _ in chunks)
+    table = torch.full((len(chunks), max(width, 1)), -1, dtype=torch.int32)
+    rows: list[int] = []
+    for b, (ids, start, blocks, _) in enumerate(chunks):
+        if not ids:
+            raise ValueError(f"request {b} of the batch has no tokens")
+        tokens.extend(ids)
+        positions.extend(range(start, start + len(ids)))
+        if last_only:
+            rows.append(starts[-1] + len(ids) - 1)
+        else:
+            rows.extend(range(starts[-1], starts[-1] + len(ids)))
+        starts.append(starts[-1] + len(ids))
+        first.append(start)
+        lens.append(start + len(ids))
+        table[b, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    as_long = dict(dtype=torch.int64, device=device)
+    as_int = dict(dtype=torch.int32, device=device)
+    return ForwardBatch(
+        tokens=torch.tensor(tokens, **as_long), positions=torch.tensor(positions, **as_long),
+        query_start_loc=torch.tensor(starts, **as_int), start_pos=torch.tensor(first, **as_int),
+        seq_lens=torch.tensor(lens, **as_int), block_table=table.to(device),
+        ring_ids=torch.tensor([ring for *_, ring in chunks], **as_int), rows=torch.tensor(rows, **as_long),
+    )

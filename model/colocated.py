@@ -1,0 +1,129 @@
+"""The colocated runner: prefill and decode in one process on one pool, no transfer.
+
+It is the reference that every PD run must match byte for byte: the same engine, the same
+per-request results (tokens, output digest, state digest), whatever the batching.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from model.config import ModelConfig
+from model.engine import DecodeSequence, Engine, PrefillJob, output_digest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestResult:
+    """What a run reports per request (``kpool-pd up`` prints these fields)."""
+
+    request_id: str
+    prompt_len: int
+    tokens: tuple[int, ...]
+    output_digest: str
+    state_digest: str
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    steps: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    transport: str = "none"
+    prefill_worker: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "request_id": self.request_id, "prompt_len": self.prompt_len, "tokens": list(self.tokens),
+            "output_digest": self.output_digest, "state_digest": self.state_digest,
+            "transfer_bytes": self.transfer_bytes, "transfer_ms": round(self.transfer_ms, 3),
+            "ttft_ms": round(self.ttft_ms, 3), "total_ms": round(self.total_ms, 3), "steps": self.steps,
+            "drafts_proposed": self.drafts_proposed, "drafts_accepted": self.drafts_accepted,
+            "transport": self.transport, "prefill_worker": self.prefill_worker,
+        }
+
+
+def make_prompts(count: int, prompt_len: int, *, seed: int, vocab_size: int, max_tokens: int,
+                 prefix: str = "req") -> list[GenerateRequest]:
+    """``count`` seeded prompts of ``prompt_len`` tokens each."""
+    if count < 0 or prompt_len < 1 or max_tokens < 1:
+        raise ValueError(f"need count >= 0, prompt_len >= 1, max_tokens >= 1; got {count}, {prompt_len}, {max_tokens}")
+    gen = torch.Generator().manual_seed(seed + 7919)
+    return [GenerateRequest(request_id=f"{prefix}-{i}", max_tokens=max_tokens,
+                            prompt=tuple(torch.randint(0, vocab_size, (prompt_len,), generator=gen).tolist()))
+            for i in range(count)]
+
+
+def pool_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batch: int) -> CachePool:
+    """A pool that holds the ``max_batch`` largest requests at once."""
+    sizes = sorted((config.blocks_for(len(r.prompt), r.max_tokens) for r in requests), reverse=True)
+    return CachePool(BlockLayout(config.cache_config()), num_blocks=max(1, sum(sizes[:max_batch])),
+                     num_rings=max(1, min(max_batch, len(requests))))
+
+
+def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, max_batch: int = 16,
+                  engine: Engine | None = None,
+                  on_result: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+    """Run every request to completion with continuous batching of up to ``max_batch``; results in
+    request order. ``engine`` (with its pool) may be passed in to reuse or inspect it; every block
+    and ring is freed at the end."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    engine = engine or Engine(config, pool_for(config, requests, max_batch))
+    blocks, rings = BlockAllocator(engine.pool.num_blocks), RingAllocator(engine.pool.num_rings)
+    waiting = list(requests)
+    running: list[DecodeSequence] = []
+    results: dict[str, RequestResult] = {}
+    started = time.perf_counter()
+    while waiting or running:
+        admitted = []
+        while waiting and len(running) + len(admitted) < max_batch:
+            req = waiting[0]
+            need = config.blocks_for(len(req.prompt), req.max_tokens)
+            if need > blocks.num_free or rings.num_free == 0:
+                if not running and not admitted:
+                    raise ValueError(f"request {req.request_id} needs {need} blocks; the pool has {blocks.num_free} free")
+                break
+            waiting.pop(0)
+            seq = DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt), max_tokens=req.max_tokens,
+                                 block_ids=blocks.allocate(need), ring_id=rings.allocate(req.request_id), output=[])
+            admitted.append(seq)
+            seq.extra["prompt"] = req.prompt
+        if admitted:
+            firsts = engine.prefill([PrefillJob(prompt=s.extra["prompt"], block_ids=s.block_ids, ring_id=s.ring_id)
+                                     for s in admitted])
+            now = (time.perf_counter() - started) * 1000
+            for seq, token in zip(admitted, firsts):
+                seq.output.append(token)
+                seq.extra["ttft_ms"] = now
+            running.extend(admitted)
+        engine.decode_step(running)
+        for seq in [s for s in running if s.finished]:
+            running.remove(seq)
+            result = RequestResult(
+                request_id=seq.request_id, prompt_len=seq.prompt_len, tokens=tuple(seq.output),
+                output_digest=output_digest(seq.output),
+                state_digest=engine.state_digest(seq.block_ids, seq.ring_id, seq.cached),
+                ttft_ms=seq.extra["ttft_ms"], total_ms=(time.perf_counter() - started) * 1000, steps=seq.steps,
+                drafts_proposed=seq.drafts_proposed, drafts_accepted=seq.drafts_accepted,
+            )
+            blocks.free(seq.block_ids)
+            rings.free(seq.request_id)
+            results[seq.request_id] = result
+            if on_result is not None:
+                on_result(result)
+    return [results[r.request_id] for r in requests]

@@ -1,0 +1,102 @@
+"""The synthetic model's configuration: the cache family and its parameters, the layers, the seed.
+
+Both daemons and the colocated runner build their caches from one ``ModelConfig``, so the two
+sides of a transfer agree on every byte (the connector's layout hash checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, qsa_ring_capacity, tail_ring_size
+
+MIN_STATES_PER_BLOCK = 16
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def default_block_size(family: CacheFamily, kpool: int, compress_ratio: int, num_spec: int) -> int:
+    """Smallest block with at least 16 pools (groups) that the ring size divides:
+    lcm(16 * group, ring slots). kpool 4, 3 drafts: lcm(64, 8) = 64."""
+    if family is CacheFamily.KPOOL:
+        group, slots = kpool, tail_ring_size(kpool, num_spec)
+    else:
+        group, slots = compress_ratio, qsa_ring_capacity(compress_ratio, num_spec)
+    return math.lcm(MIN_STATES_PER_BLOCK * group, slots)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Everything that decides the model's bytes and tokens.
+
+    ``block_size = None`` picks ``default_block_size``. ``topk`` pools (QSA: groups) are
+    selected per query; ``index_heads`` is the indexer's query head count.
+    """
+
+    family: CacheFamily = CacheFamily.KPOOL
+    num_layers: int = 2
+    kpool: int = 4
+    compress_ratio: int = 4
+    num_spec: int = 0
+    block_size: int | None = None
+    seed: int = 0
+    vocab_size: int = 1024
+    index_heads: int = 4
+    topk: int = 8
+    mla_entry_bytes: int = 656
+    pool_mode: PoolMode = PoolMode.SOFTMAX
+    qsa_dtype: CacheDtype = CacheDtype.BFLOAT16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.family, CacheFamily):
+            raise ValueError(f"family must be a CacheFamily, got {self.family!r}")
+        _positive(num_layers=self.num_layers, vocab_size=self.vocab_size, index_heads=self.index_heads,
+                  topk=self.topk, mla_entry_bytes=self.mla_entry_bytes, kpool=self.kpool,
+                  compress_ratio=self.compress_ratio)
+        if not isinstance(self.num_spec, int) or self.num_spec < 0:
+            raise ValueError(f"num_spec must be an integer >= 0, got {self.num_spec!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.vocab_size < 2 or self.vocab_size > 1 << 20:
+            raise ValueError(f"vocab_size must be in [2, 2**20], got {self.vocab_size}")
+        self.cache_config()  # validates block size, ring size and the family's parameters
+
+    @property
+    def resolved_block_size(self) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        return default_block_size(self.family, self.kpool, self.compress_ratio, self.num_spec)
+
+    @property
+    def group(self) -> int:
+        """Tokens per compressed entry: kpool, or the QSA compress ratio."""
+        return self.kpool if self.family is CacheFamily.KPOOL else self.compress_ratio
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(f"layer.{i}" for i in range(self.num_layers))
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            family=self.family, layer_names=self.layer_names, block_size=self.resolved_block_size,
+            num_spec=self.num_spec, mla_entry_bytes=self.mla_entry_bytes, kpool=self.kpool,
+            pool_mode=self.pool_mode, compress_ratio=self.compress_ratio, qsa_dtype=self.qsa_dtype,
+        )
+
+    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a request holds at its largest: positions [0, prompt_len + max_tokens - 1)
+        (the last output token is never written; drafts never pass it)."""
+        return -(-(prompt_len + max_tokens - 1) // self.resolved_block_size)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "family": self.family.value, "layers": self.num_layers, "kpool": self.kpool,
+            "compress_ratio": self.compress_ratio, "num_spec": self.num_spec,
+            "block_size": self.resolved_block_size, "seed": self.seed, "vocab_size": self.vocab_size,
+            "index_heads": self.index_heads, "topk": self.topk, "mla_entry_bytes": self.mla_entry_bytes,
+        }

@@ -1,0 +1,182 @@
+"""The batch engine: prefill and decode steps of the synthetic model on one ``CachePool``.
+
+A decode step runs every running request at once: per layer one cache-update launch for all of
+their tokens (each request's last committed token and its drafts), then one top-k launch for
+every token of the batch; the target's next token of each token is derived from what it
+selected (``model.rule``). Drafts are then verified per request: draft i is accepted while it
+equals the target's token after draft i - 1; the step commits the last token and the accepted
+drafts, and the target's token after the last accepted one becomes the next step's first
+token (DESIGN section 2). Rejected drafts' cache writes lie past the committed length and are
+overwritten by the next step.
+
+The engine owns no allocator: callers hand it block tables and rings. Not thread-safe; one
+thread at a time may call it (the daemons call it from one worker thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache import CacheFamily, CachePool
+from model.batch import ForwardBatch, build_batch
+from model.cache_io import open_positions, read_ring_rows, write_mla
+from model.config import ModelConfig
+from model.kpool_family import KpoolFamily
+from model.rule import TokenRule
+from model.weights import SyntheticWeights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillJob:
+    prompt: Sequence[int]
+    block_ids: Sequence[int]
+    ring_id: int
+
+
+@dataclass(kw_only=True, eq=False)
+class DecodeSequence:
+    """A request being decoded. ``cached`` positions are committed in the cache; ``pending`` is
+    the last emitted token (not yet in the cache); ``output`` holds every emitted token."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    block_ids: list[int]
+    ring_id: int
+    output: list[int]
+    steps: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cached(self) -> int:
+        return self.prompt_len + len(self.output) - 1
+
+    @property
+    def pending(self) -> int:
+        return self.output[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.remaining <= 0
+
+
+def output_digest(tokens: Sequence[int]) -> str:
+    """sha256 of the token ids as little-endian uint32."""
+    return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in tokens)).hexdigest()
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None) -> None:
+        if pool.config != config.cache_config():
+            raise ValueError("the pool's cache config is not the model's: build the pool from config.cache_config()")
+        self.config = config
+        self.pool = pool
+        self.device = pool.device
+        self.weights = weights if weights is not None else SyntheticWeights(config, self.device)
+        if config.family is CacheFamily.KPOOL:
+            self.family = KpoolFamily(config, self.weights, pool)
+        else:
+            from model.qsa_family import QsaFamily  # the QSA ops load only for a QSA model
+
+            self.family = QsaFamily(config, self.weights, pool)
+        self.rule = TokenRule(self.weights, self.family.feature_width)
+
+    # forwards ---------------------------------------------------------------------------
+    def _targets(self, batch: ForwardBatch) -> list[int]:
+        acc = self.rule.start(batch.rows.shape[0], self.device)
+        for layer in range(self.config.num_layers):
+            acc = self.rule.chain(acc, layer, self.family.features(layer, batch))
+        return self.rule.next_tokens(acc, batch.tokens[batch.rows])
+
+    def _write(self, batch: ForwardBatch, update) -> None:
+        request = torch.repeat_interleave(torch.arange(batch.num_requests, device=self.device),
+                                          (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).to(torch.int64))
+        for layer in range(self.config.num_layers):
+            update(layer, batch)
+            write_mla(self.pool, layer, batch.block_table, request, batch.positions,
+                      self.weights.mla_bytes(layer, batch.tokens, batch.positions))
+
+    def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
+        """Run whole prompts (from position 0) into their blocks and rings; returns each prompt's
+        first output token. ValueError for a token outside the vocabulary or too few blocks."""
+        for job in jobs:
+            self._check_prompt(job.prompt)
+            need = -(-len(job.prompt) // self.config.resolved_block_size)
+            if len(job.block_ids) < need:
+                raise ValueError(f"a {len(job.prompt)}-token prompt needs {need} blocks, got {len(job.block_ids)}")
+        batch = build_batch([(list(j.prompt), 0, list(j.block_ids), j.ring_id) for j in jobs], last_only=True,
+                            device=self.device)
+        self._write(batch, self.family.prefill)
+        return self._targets(batch)
+
+    def decode_step(self, sequences: Sequence[DecodeSequence]) -> list[list[int]]:
+        """One step for every unfinished sequence; updates them in place and returns the tokens
+        each emitted (at least one for every sequence that was not finished)."""
+        live = [s for s in sequences if not s.finished]
+        if not live:
+            return [[] for _ in sequences]
+        chunks, drafts = [], []
+        for seq in live:
+            proposed = self.rule.drafts(seq.pending, min(self.config.num_spec, seq.remaining - 1))
+            drafts.append(proposed)
+            chunks.append(([seq.pending, *proposed], seq.cached, seq.block_ids, seq.ring_id))
+        batch = build_batch(chunks, last_only=False, device=self.device)
+        self._write(batch, self.family.decode)
+        targets = self._targets(batch)
+        emitted_by_id: dict[int, list[int]] = {}
+        cursor = 0
+        for seq, proposed in zip(live, drafts):
+            step_targets = targets[cursor:cursor + 1 + len(proposed)]
+            cursor += 1 + len(proposed)
+            accepted = 0
+            while accepted < len(proposed) and proposed[accepted] == step_targets[accepted]:
+                accepted += 1
+            emitted = proposed[:accepted] + [step_targets[accepted]]
+            seq.output.extend(emitted)
+            seq.steps += 1
+            seq.drafts_proposed += len(proposed)
+            seq.drafts_accepted += accepted
+            emitted_by_id[id(seq)] = emitted
+        return [emitted_by_id.get(id(s), []) for s in sequences]
+
+    def _check_prompt(self, prompt: Sequence[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
+
+    # state ------------------------------------------------------------------------------
+    def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str:
+        """sha256 over a request's compressed entries (every complete pool or group, pool order,
+        layer by layer), then its ring's open pool (position order, layer by layer), then the MLA
+        bytes of positions [0, length) (layer by layer), read from this pool."""
+        sha = hashlib.sha256()
+        group = self.config.group
+        for layer in range(self.config.num_layers):
+            sha.update(self.family.entries(layer, list(block_ids), length))
+        open_pos = open_positions(torch.tensor([length], device=self.device), group)
+        ring = torch.tensor([ring_id], device=self.device)
+        for layer in range(self.config.num_layers):
+            rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length % group])
+            sha.update(rows.cpu().numpy().tobytes())
+        block_size = self.config.resolved_block_size
+        positions = torch.arange(length, device=self.device)
+        table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        for layer in range(self.config.num_layers):
+            mla = self.pool.mla(layer)[table[positions // block_size], positions % block_size]
+            sha.update(mla.contiguous().cpu().numpy().tobytes())
+        return sha.hexdigest()

@@ -1,0 +1,82 @@
+"""The kpool indexer family through the public kpool ops: cache updates, selection, entries."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries
+from kvcache import FP8_ENTRY_BYTES, CachePool
+from model.batch import ForwardBatch
+from model.cache_io import open_positions, read_mla, read_ring_rows
+from model.config import ModelConfig
+from model.weights import SyntheticWeights
+
+
+class KpoolFamily:
+    """Per layer: one prefill or decode-update launch for the whole batch, and one top-k launch
+    for every query row of the batch."""
+
+    def __init__(self, config: ModelConfig, weights: SyntheticWeights, pool: CachePool) -> None:
+        self.config, self.weights, self.pool = config, weights, pool
+        self.cache = pool.config
+        self.kpool = config.kpool
+        self.states = self.cache.kpool_indexer.states_per_block
+
+    @property
+    def feature_width(self) -> int:
+        c = self.config
+        attended = c.topk * c.kpool + c.kpool - 1
+        return (c.topk + c.topk * FP8_ENTRY_BYTES + (c.kpool - 1) * self.pool.layout.ring_row_bytes
+                + attended * self.pool.layout.mla_page_bytes // self.cache.block_size)
+
+    def prefill(self, layer: int, batch: ForwardBatch) -> None:
+        k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
+        kpool_prefill(k, gate, self.weights.ape[layer], batch.query_start_loc, batch.block_table, batch.ring_ids,
+                      self.pool.indexer_q(layer), self.pool.indexer_scale(layer), self.pool.tail_ring(layer),
+                      mode=self.cache.pool_mode, round_scale=self.cache.round_scale)
+
+    def decode(self, layer: int, batch: ForwardBatch) -> None:
+        k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
+        kpool_decode_update(k, gate, batch.start_pos, batch.query_start_loc, batch.ring_ids, batch.block_table,
+                            self.weights.ape[layer], self.pool.tail_ring(layer), self.pool.indexer_q(layer),
+                            self.pool.indexer_scale(layer), mode=self.cache.pool_mode,
+                            round_scale=self.cache.round_scale)
+
+    def _slots(self, block_table: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
+        # block_table: [Q, M] int32; pools: [Q, N] int64 (-1 = none) -> [Q, N] int64 (0 where none)
+        safe = torch.where(pools >= 0, pools, 0)
+        blocks = torch.gather(block_table.to(torch.int64), 1, safe * self.kpool // self.cache.block_size)
+        return torch.where(pools >= 0, blocks * self.states + safe % self.states, 0)
+
+    def features(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """What the next token of each row reads: the selected pools, their fp8 entries, the open
+        pool's raw K and gate, and the MLA bytes of every attended token.
+
+        # -> [Q, feature_width] int64
+        """
+        rows = batch.rows
+        q, weights = self.weights.query(layer, batch.tokens[rows], batch.positions[rows])
+        seq_lens, table = batch.row_seq_lens, batch.row_block_table
+        pools, _ = kpool_indexer_topk(q, weights, seq_lens, table, self.pool.indexer_q(layer),
+                                      self.pool.indexer_scale(layer), kpool=self.kpool, topk=self.config.topk)
+        valid = pools >= 0  # [Q, topk]
+        entry_q, entry_scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
+                                                  self._slots(table, pools).flatten(), dequantize=False)
+        entries = torch.cat([entry_q.view(torch.uint8), entry_scale.view(torch.uint8).view(-1, 4)], dim=1)
+        entries = entries.view(*pools.shape, FP8_ENTRY_BYTES) * valid[..., None]
+        open_pos = open_positions(seq_lens, self.kpool)  # [Q, kpool - 1]
+        ring = read_ring_rows(self.pool, layer, batch.ring_ids[batch.row_request], open_pos)
+        pool_tokens = pools[..., None] * self.kpool + torch.arange(self.kpool, device=pools.device)
+        attended = torch.cat([torch.where(valid[..., None], pool_tokens, -1).flatten(1), open_pos], dim=1)
+        mla = read_mla(self.pool, layer, table, attended)
+        return torch.cat([(pools + 1), entries.flatten(1).to(torch.int64), ring.flatten(1).to(torch.int64),
+                          mla.flatten(1).to(torch.int64)], dim=1)
+
+    def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
+        """The fp8 entries (q bytes, then scale) of every complete pool in pool order."""
+        pools = torch.arange(length // self.kpool, device=self.pool.device)[None]
+        table = torch.tensor([block_ids], dtype=torch.int32, device=self.pool.device)
+        q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
+                                      self._slots(table, pools)[0], dequantize=False)
+        both = torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1)
+        return both.cpu().numpy().tobytes()

@@ -1,0 +1,80 @@
+"""The synthetic model's weights, drawn from the seed, and the per-token tensors they give.
+
+Per layer: key and gate tables (token -> bf16[128]) plus a sinusoidal position term, the kpool
+``ape`` bias, the QSA RMSNorm weight, indexer query tables (token -> bf16[H, 128]) and head
+weights, and the MLA bytes of each token (a token table XOR a position pattern). Everything is
+elementwise per token, so a token's tensors never depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import ModelConfig
+
+D = 128
+MLA_POSITION_PERIOD = 257  # prime, so MLA bytes of nearby positions differ
+
+
+class SyntheticWeights:
+    """Seeded weights of one ``ModelConfig`` (CPU tensors; ``to(device)`` moves them)."""
+
+    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        gen = torch.Generator().manual_seed(config.seed)
+        layers, vocab, heads = config.num_layers, config.vocab_size, config.index_heads
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen)
+
+        self.key_table = randn(layers, vocab, D)
+        self.gate_table = 2.0 * randn(layers, vocab, D)
+        self.position_freq = 0.02 + 0.3 * torch.rand(layers, D, generator=gen)
+        self.position_phase = 6.28 * torch.rand(layers, D, generator=gen)
+        self.ape = randn(layers, config.kpool, D).contiguous()
+        self.norm_weight = 0.2 * randn(layers, D)
+        self.query_table = randn(layers, vocab, heads, D)
+        self.head_weight = 0.25 + torch.rand(layers, vocab, heads, generator=gen)
+        self.mla_table = torch.randint(0, 256, (layers, vocab, config.mla_entry_bytes), generator=gen,
+                                       dtype=torch.int64).to(torch.uint8)
+        self.mla_position = torch.randint(0, 256, (layers, MLA_POSITION_PERIOD, config.mla_entry_bytes),
+                                          generator=gen, dtype=torch.int64).to(torch.uint8)
+        # The draft model: a bigram table that the target follows most of the time (see model.rule).
+        self.draft_table = torch.randint(0, vocab, (vocab,), generator=gen)
+        self.to(device)
+
+    def to(self, device: str | torch.device) -> "SyntheticWeights":
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
+    def _position_term(self, layer: int, positions: torch.Tensor, shift: float) -> torch.Tensor:
+        # positions: [T] int64 -> [T, 128] fp32
+        angle = positions.to(torch.float32)[:, None] * self.position_freq[layer] + self.position_phase[layer] + shift
+        return torch.sin(angle)
+
+    def keys(self, layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw indexer key and gate score of each token.
+
+        # tokens, positions: [T] int64 -> k, gate: [T, 128] bf16
+        """
+        k = self.key_table[layer, tokens] + 0.5 * self._position_term(layer, positions, 0.0)
+        gate = self.gate_table[layer, tokens] + self._position_term(layer, positions, 1.0)
+        return k.to(torch.bfloat16), gate.to(torch.bfloat16)
+
+    def query(self, layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer query heads and head weights of each token.
+
+        # tokens, positions: [T] int64 -> q: [T, H, 128] bf16, weights: [T, H] fp32
+        """
+        q = self.query_table[layer, tokens] + 0.5 * self._position_term(layer, positions, 2.0)[:, None]
+        return q.to(torch.bfloat16), self.head_weight[layer, tokens].contiguous()
+
+    def mla_bytes(self, layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The main-attention entry of each token (fp8 latent, scales and rope as opaque bytes).
+
+        # tokens, positions: [T] int64 -> [T, mla_entry_bytes] uint8
+        """
+        return torch.bitwise_xor(self.mla_table[layer, tokens],
+                                 self.mla_position[layer, positions % MLA_POSITION_PERIOD])
