@@ -1,0 +1,3 @@
+from decode_worker.daemon import main
+
+raise SystemExit(main())

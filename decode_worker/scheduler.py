@@ -1,0 +1,257 @@
+"""Admission, fetching and continuous batching of the decode node.
+
+* Admission: a request reserves the blocks it will ever hold (prompt + output) and a ring
+  before anything is allocated, in arrival order; at most ``max_queue`` wait (more get
+  RESOURCE_EXHAUSTED) and a request larger than the whole pool is refused (INVALID_ARGUMENT).
+  Reservation is what makes every later allocation succeed.
+* Fetching: Prefill on a prefill node picked by the router (another one is tried when a node
+  is unavailable, busy or draining), Pull into our blocks (the connector frees them on failure),
+  Release, then the blocks for the output tokens.
+* Decoding: one loop runs a step for every running request at once in a worker thread; the
+  event loop keeps serving transfers meanwhile. A running request's blocks are freed by the
+  loop only, between steps, so no step ever writes blocks that were handed to someone else.
+
+Every exit path of a request (done, failed, cancelled by its client) frees what it holds,
+through ``finish`` (idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from connector.decode import DecodeConnector
+from connector.errors import TransferError
+from connector.wire import Transport
+from decode_worker.jobs import GenerateError, Job, JobState
+from decode_worker.router import PrefillRouter
+from kvcache import BlockAllocator, RingAllocator
+from model import DecodeSequence, Engine, output_digest
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class DecodeScheduler:
+    def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
+                 router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
+                 integrity: bool, queue_timeout_s: float, registry: CollectorRegistry) -> None:
+        self.engine, self.blocks, self.rings = engine, blocks, rings
+        self.connector, self.router = connector, router
+        self.max_running = min(max_running, rings.num_rings)
+        self.max_queue = max_queue
+        self.transport = transport
+        self.integrity = integrity
+        self.queue_timeout_s = queue_timeout_s
+        self.config = engine.config
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: dict[str, Job] = {}
+        self._running: list[Job] = []
+        self._reserved_blocks = 0
+        self._admitted = 0
+        self._wake = asyncio.Event()
+        self.requests = Counter("kpoolpd_decode_requests", "Generate requests by outcome", ["outcome"], registry=registry)
+        self.tokens = Counter("kpoolpd_decode_tokens", "Output tokens streamed", registry=registry)
+        self.drafts = Counter("kpoolpd_decode_drafts", "Draft tokens by verdict", ["verdict"], registry=registry)
+        self.ttft = Histogram("kpoolpd_decode_ttft_seconds", "Request arrival to first token",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
+        self.step_seconds = Histogram("kpoolpd_decode_step_seconds", "One decode step of the whole batch",
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                      registry=registry)
+        self.step_batch = Histogram("kpoolpd_decode_step_requests", "Requests in one decode step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
+        Gauge("kpoolpd_decode_waiting", "Requests waiting for room", registry=registry).set_function(lambda: len(self._waiting))
+        Gauge("kpoolpd_decode_running", "Requests in the decode batch", registry=registry).set_function(lambda: len(self._running))
+        Gauge("kpoolpd_decode_reserved_blocks", "Blocks reserved by admitted requests",
+              registry=registry).set_function(lambda: self._reserved_blocks)
+
+    @property
+    def idle(self) -> bool:
+        return not self._active
+
+    def active(self) -> int:
+        return len(self._active)
+
+    # admission ----------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Job:
+        """Queue a validated request (raises GenerateError when it cannot be queued)."""
+        need = self.config.blocks_for(len(prompt), max_tokens)
+        if need > self.blocks.num_blocks:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
+                                f"this node has {self.blocks.num_blocks}")
+        if request_id in self._active:
+            raise GenerateError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
+        if len(self._waiting) >= self.max_queue:
+            self.requests.labels("queue_full").inc()
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
+        job = Job(request_id=request_id, prompt=prompt, max_tokens=max_tokens, need_blocks=need,
+                  admitted=asyncio.get_running_loop().create_future())
+        self._active[request_id] = job
+        self._waiting.append(job)
+        self._admit_ready()
+        return job
+
+    def _admit_ready(self) -> None:
+        while self._waiting:
+            job = self._waiting[0]
+            if (self._admitted >= self.max_running
+                    or self._reserved_blocks + job.need_blocks > self.blocks.num_blocks):
+                return
+            self._waiting.popleft()
+            self._reserved_blocks += job.need_blocks
+            self._admitted += 1
+            job.reserved = True
+            job.state = JobState.FETCHING
+            job.admitted.set_result(None)
+
+    async def wait_admitted(self, job: Job) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no room in the decode batch within {self.queue_timeout_s} s") from None
+
+    # fetching -----------------------------------------------------------------------------
+    async def fetch(self, job: Job) -> None:
+        """Prefill remotely, pull, and set up the sequence (GenerateError on failure; the caller
+        then calls ``finish``, which frees what was taken)."""
+        attempts = max(2, len(self.router.healthy()))
+        grant, peer, last = None, None, None
+        for _ in range(attempts):
+            try:
+                peer = await self.router.pick()
+                grant = await peer.prefill(job.request_id, job.prompt)
+                break
+            except TransferError as exc:
+                last = exc
+                if exc.code not in RETRYABLE:
+                    raise GenerateError(exc.code, exc.message) from None
+                if peer is not None and exc.code is grpc.StatusCode.UNAVAILABLE:
+                    self.router.mark_failed(peer, exc.message)
+                logger.info("prefill of %s failed (%s); trying another node", job.request_id, exc,
+                            extra={"request_id": job.request_id})
+        if grant is None:
+            raise GenerateError(last.code, last.message)
+        job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
+        try:
+            job.landed = await peer.pull(grant, transport=self.transport, integrity=self.integrity)
+        except TransferError as exc:
+            if exc.code is grpc.StatusCode.UNAVAILABLE:
+                self.router.mark_failed(peer, exc.message)
+            raise GenerateError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
+        if job.cancelled:
+            return
+        job.extra_blocks = self.blocks.allocate(job.need_blocks - len(job.landed.block_ids))
+        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
+                                 block_ids=list(job.landed.block_ids) + job.extra_blocks, ring_id=job.landed.ring_id,
+                                 output=[grant.first_token])
+
+    def first_token_sent(self, job: Job) -> None:
+        job.ttft_ms = job.elapsed_ms()
+        self.ttft.observe(job.ttft_ms / 1000)
+        self.tokens.inc()
+
+    def start_decoding(self, job: Job) -> None:
+        """Hand a fetched job to the decode loop (which then owns its blocks)."""
+        job.state = JobState.DECODING
+        self._running.append(job)
+        self._wake.set()
+
+    # decoding -----------------------------------------------------------------------------
+    def _step(self, jobs: list[Job]) -> tuple[list[list[int]], dict[int, str], float]:
+        """Worker thread: one step for the batch, and the state digest of each finished job."""
+        started = time.perf_counter()
+        emitted = self.engine.decode_step([j.seq for j in jobs])
+        seconds = time.perf_counter() - started
+        digests = {id(j): self.engine.state_digest(j.seq.block_ids, j.seq.ring_id, j.seq.cached)
+                   for j in jobs if j.seq.finished}
+        return emitted, digests, seconds
+
+    def _finished_event(self, job: Job, state_digest: str):
+        seq = job.seq
+        return ("finished", {
+            "output_digest": output_digest(seq.output), "state_digest": state_digest, "num_tokens": len(seq.output),
+            "steps": seq.steps, "drafts_proposed": seq.drafts_proposed, "drafts_accepted": seq.drafts_accepted,
+            "ttft_ms": job.ttft_ms, "total_ms": job.elapsed_ms(),
+        })
+
+    async def finish_unstarted(self, job: Job) -> None:
+        """A fetched job that needs no step (max_tokens == 1): its digest, then done."""
+        digest = await asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
+        job.events.put_nowait(self._finished_event(job, digest))
+
+    async def run(self) -> None:
+        """The decode loop (a task the daemon owns)."""
+        while True:
+            for job in [j for j in self._running if j.cancelled]:
+                self._running.remove(job)
+                self.finish(job, "cancelled")
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self._running)
+            try:
+                emitted, digests, seconds = await asyncio.to_thread(self._step, batch)
+            except Exception:
+                logger.exception("decode step of %d requests failed", len(batch))
+                for job in batch:
+                    self._running.remove(job)
+                    job.events.put_nowait(("error", GenerateError(grpc.StatusCode.INTERNAL, "decode step failed")))
+                    self.finish(job, "error")
+                continue
+            self.step_seconds.observe(seconds)
+            self.step_batch.observe(len(batch))
+            for job, tokens in zip(batch, emitted):
+                if tokens:
+                    self.tokens.inc(len(tokens))
+                    job.events.put_nowait(("tokens", tokens))
+                if id(job) in digests:
+                    self._running.remove(job)
+                    self.drafts.labels("accepted").inc(job.seq.drafts_accepted)
+                    self.drafts.labels("rejected").inc(job.seq.drafts_proposed - job.seq.drafts_accepted)
+                    job.events.put_nowait(self._finished_event(job, digests[id(job)]))
+                    self.finish(job, "ok")
+
+    # release ------------------------------------------------------------------------------
+    def abandon(self, job: Job, outcome: str) -> None:
+        """The request's handler is leaving (done, failed or cancelled). A job in the running
+        batch is handed back to the decode loop, which frees it between steps."""
+        if job.state is JobState.DECODING and job in self._running:
+            job.cancelled = True
+            self._wake.set()
+            return
+        self.finish(job, outcome)
+
+    def finish(self, job: Job, outcome: str) -> None:
+        """Free everything the job holds (idempotent)."""
+        if job.state is JobState.DONE:
+            return
+        job.state = JobState.DONE
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job.landed is not None:
+            job.landed.release()
+        if job.extra_blocks:
+            self.blocks.free(job.extra_blocks)
+            job.extra_blocks = []
+        if job.reserved:
+            job.reserved = False
+            self._reserved_blocks -= job.need_blocks
+            self._admitted -= 1
+        if not job.admitted.done():
+            job.admitted.cancel()
+        self._active.pop(job.request_id, None)
+        self.requests.labels(outcome).inc()
+        logger.info("request %s %s", job.request_id, outcome,
+                    extra={"request_id": job.request_id, "outcome": outcome, "ms": round(job.elapsed_ms(), 1),
+                           "tokens": len(job.seq.output) if job.seq else 0})
+        self._admit_ready()

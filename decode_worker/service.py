@@ -1,0 +1,108 @@
+"""The public Generate API (kpoolpd.v1.GenerateService) of the decode node."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+
+import grpc
+
+from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
+from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
+from decode_worker.jobs import GenerateError
+from decode_worker.scheduler import DecodeScheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_ID_CHARS = 256
+SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+class GenerateService(gpb_grpc.GenerateServiceServicer):
+    """``draining = True`` refuses new requests with UNAVAILABLE; requests in flight finish."""
+
+    def __init__(self, scheduler: DecodeScheduler, *, max_prompt_tokens: int, max_new_tokens: int,
+                 step_timeout_s: float, engine_id: str) -> None:
+        self.scheduler = scheduler
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.step_timeout_s = step_timeout_s
+        self.engine_id = engine_id
+        self.draining = False
+        self._ids = itertools.count()
+
+    def _validate(self, request: gpb.GenerateRequest) -> tuple[str, tuple[int, ...]]:
+        config = self.scheduler.config
+        request_id = request.request_id or f"{self.engine_id}-{next(self._ids)}"
+        if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
+        n = len(request.prompt_token_ids)
+        if not 1 <= n <= self.max_prompt_tokens:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt has {n} tokens; must have 1 to {self.max_prompt_tokens}")
+        prompt = tuple(request.prompt_token_ids)
+        bad = [t for t in prompt if t >= config.vocab_size]
+        if bad:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
+        if not 1 <= request.max_tokens <= self.max_new_tokens:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")
+        return request_id, prompt
+
+    async def Generate(self, request: gpb.GenerateRequest, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode node is draining; try another")
+        scheduler = self.scheduler
+        job, outcome = None, "cancelled"
+        try:
+            request_id, prompt = self._validate(request)
+            job = scheduler.submit(request_id, prompt, request.max_tokens)
+            await scheduler.wait_admitted(job)
+            queue_ms = job.elapsed_ms()
+            await scheduler.fetch(job)
+            landed = job.landed
+            yield gpb.GenerateResponse(started=gpb.GenerateStarted(
+                request_id=request_id, prefill_address=job.prefill_address, prefill_engine_id=job.prefill_engine_id,
+                transport=landed.transport.label, transfer_bytes=landed.nbytes, transfer_regions=landed.regions,
+                transfer_ms=landed.seconds * 1000, queue_ms=queue_ms))
+            yield gpb.GenerateResponse(tokens=gpb.GenerateTokens(token_ids=job.seq.output[:1]))
+            scheduler.first_token_sent(job)
+            if job.seq.finished:
+                await scheduler.finish_unstarted(job)
+            else:
+                scheduler.start_decoding(job)
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), self.step_timeout_s)
+                except asyncio.TimeoutError:
+                    raise GenerateError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"no decode step finished within {self.step_timeout_s} s") from None
+                if kind == "tokens":
+                    yield gpb.GenerateResponse(tokens=gpb.GenerateTokens(token_ids=payload))
+                elif kind == "error":
+                    raise payload
+                else:
+                    outcome = "ok"
+                    yield gpb.GenerateResponse(finished=gpb.GenerateFinished(**payload))
+                    return
+        except GenerateError as exc:
+            outcome = "rejected" if job is None else "failed"
+            if job is None:
+                scheduler.requests.labels("rejected").inc()
+            shown = (request.request_id or "(unnamed)")[:64]
+            logger.warning("request %s: %s", shown, exc, extra={"request_id": shown, "code": exc.code.name})
+            await context.abort(exc.code, exc.message)
+        finally:
+            if job is not None:
+                scheduler.abandon(job, outcome)
+
+    async def ModelInfo(self, request: gpb.ModelInfoRequest, context) -> gpb.ModelInfoResponse:
+        config = self.scheduler.config
+        return gpb.ModelInfoResponse(
+            model_json=json.dumps(config.describe(), sort_keys=True),
+            layout_hash=self.scheduler.engine.pool.layout.layout_hash, max_prompt_tokens=self.max_prompt_tokens,
+            max_new_tokens=self.max_new_tokens, vocab_size=config.vocab_size)

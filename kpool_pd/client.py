@@ -1,0 +1,89 @@
+"""A client of the Generate API: runs requests against a decode node and collects their results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
+from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
+from model.colocated import GenerateRequest, RequestResult
+
+
+class RequestFailed(Exception):
+    def __init__(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{request_id}: {code.name}: {message}")
+        self.request_id, self.code, self.message = request_id, code, message
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+async def model_info(address: str, *, token: str | None = None, timeout_s: float = 10.0) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        info = await gpb_grpc.GenerateServiceStub(channel).ModelInfo(gpb.ModelInfoRequest(), timeout=timeout_s,
+                                                                      metadata=_metadata(token))
+    return {"model": json.loads(info.model_json), "layout_hash": info.layout_hash,
+            "max_prompt_tokens": info.max_prompt_tokens, "max_new_tokens": info.max_new_tokens,
+            "vocab_size": info.vocab_size}
+
+
+async def generate_one(stub: gpb_grpc.GenerateServiceStub, request: GenerateRequest, *, token: str | None,
+                       timeout_s: float) -> RequestResult:
+    """One request to completion (RequestFailed on an error status). ttft_ms is the client's
+    own: sending to the first token received."""
+    sent = time.perf_counter()
+    tokens: list[int] = []
+    started = finished = None
+    ttft_ms = 0.0
+    call = stub.Generate(gpb.GenerateRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt),
+                                             max_tokens=request.max_tokens), timeout=timeout_s,
+                         metadata=_metadata(token))
+    try:
+        async for response in call:
+            kind = response.WhichOneof("event")
+            if kind == "started":
+                started = response.started
+            elif kind == "tokens":
+                if not tokens:
+                    ttft_ms = (time.perf_counter() - sent) * 1000
+                tokens.extend(response.tokens.token_ids)
+            elif kind == "finished":
+                finished = response.finished
+    except grpc.aio.AioRpcError as exc:
+        raise RequestFailed(request.request_id, exc.code(), exc.details() or "") from None
+    if started is None or finished is None:
+        raise RequestFailed(request.request_id, grpc.StatusCode.INTERNAL, "stream ended without started/finished")
+    return RequestResult(
+        request_id=request.request_id, prompt_len=len(request.prompt), tokens=tuple(tokens),
+        output_digest=finished.output_digest, state_digest=finished.state_digest,
+        transfer_bytes=started.transfer_bytes, transfer_ms=started.transfer_ms, ttft_ms=ttft_ms,
+        total_ms=(time.perf_counter() - sent) * 1000, steps=finished.steps,
+        drafts_proposed=finished.drafts_proposed, drafts_accepted=finished.drafts_accepted,
+        transport=started.transport, prefill_worker=started.prefill_address,
+    )
+
+
+async def generate_all(address: str, requests: Sequence[GenerateRequest], *, token: str | None = None,
+                       timeout_s: float = 120.0,
+                       on_done: Callable[[RequestResult | RequestFailed], None] | None = None,
+                       ) -> list[RequestResult | RequestFailed]:
+    """Send every request at once; results (or the failure) in request order."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gpb_grpc.GenerateServiceStub(channel)
+
+        async def one(request: GenerateRequest):
+            try:
+                result = await generate_one(stub, request, token=token, timeout_s=timeout_s)
+            except RequestFailed as exc:
+                result = exc
+            if on_done is not None:
+                on_done(result)
+            return result
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))

@@ -1,0 +1,3 @@
+from prefill_worker.daemon import main
+
+raise SystemExit(main())

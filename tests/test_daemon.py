@@ -1,0 +1,175 @@
+"""The two daemons as real processes: readiness, health, metrics, auth, malformed and oversized
+requests, bounded queues, a client that goes away, and graceful drain; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
+from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
+from kpool_pd.client import RequestFailed, generate_all, generate_one
+from kpool_pd.launcher import model_flags, start_decode, start_prefill
+from model import ModelConfig
+from model.colocated import GenerateRequest, make_prompts, run_colocated
+
+TOKEN = "daemon-test-token"
+MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=3)
+CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=3)
+LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--log-format", "text"]
+DECODE_BLOCKS = 4 * CONFIG.blocks_for(300, 64)
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(f"{name} not in /metrics of :{port}")
+
+
+def wait_for(predicate, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("daemons")
+    flags = model_flags(**MODEL)
+    prefill = start_prefill(workdir, flags, transports="grpc", extra=["--token", TOKEN, "--num-blocks", "64",
+                                                                       "--log-format", "text"])
+    daemons = [prefill]
+    try:
+        prefill.wait_ready(90)
+        decode = start_decode(workdir, flags, [f"127.0.0.1:{prefill.port}"], transport="grpc",
+                              extra=[*LIMITS, "--max-running", "4", "--num-blocks", str(DECODE_BLOCKS)])
+        small = start_decode(workdir, flags, [f"127.0.0.1:{prefill.port}"], transport="grpc", name="decode-small",
+                             extra=[*LIMITS, "--max-running", "1", "--max-queue", "1"])
+        daemons += [decode, small]
+        decode.wait_ready(90)
+        small.wait_ready(90)
+        yield prefill, decode, small
+    finally:
+        for daemon in reversed(daemons):
+            daemon.stop()
+
+
+def _call(port: int, request: gpb.GenerateRequest, token: str | None = TOKEN):
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            md = (("authorization", f"Bearer {token}"),) if token else ()
+            return [r async for r in gpb_grpc.GenerateServiceStub(channel).Generate(request, timeout=30, metadata=md)]
+    return asyncio.run(go())
+
+
+def test_ready_daemons_report_serving_and_metrics(cluster):
+    prefill, decode, _ = cluster
+
+    async def check(port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+    for daemon in (prefill, decode):
+        assert asyncio.run(check(daemon.port)) == health_pb2.HealthCheckResponse.SERVING
+    assert metric(decode.metrics_port, "kpoolpd_decode_free_blocks") == DECODE_BLOCKS
+    assert metric(prefill.metrics_port, "kpoolpd_prefill_free_blocks") == 64
+
+
+def test_requests_match_colocated(cluster):
+    _, decode, _ = cluster
+    requests = make_prompts(3, 70, seed=8, vocab_size=CONFIG.vocab_size, max_tokens=20)
+    results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, token=TOKEN))
+    reference = run_colocated(CONFIG, requests)
+    assert [(r.output_digest, r.state_digest) for r in results] == [
+        (r.output_digest, r.state_digest) for r in reference]
+    assert all(r.transport == "grpc" and r.transfer_bytes > 0 for r in results)
+
+
+@pytest.mark.parametrize("request_kwargs,needle", [
+    pytest.param(dict(prompt_token_ids=[], max_tokens=4), "prompt has 0 tokens", id="empty-prompt"),
+    pytest.param(dict(prompt_token_ids=[1] * 301, max_tokens=4), "prompt has 301 tokens", id="prompt-too-long"),
+    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "< vocab_size 1024", id="token-outside-vocab"),
+    pytest.param(dict(prompt_token_ids=[1], max_tokens=0), "max_tokens is 0", id="no-output"),
+    pytest.param(dict(prompt_token_ids=[1], max_tokens=65), "max_tokens is 65", id="too-many-outputs"),
+    pytest.param(dict(request_id="x" * 257, prompt_token_ids=[1], max_tokens=1), "request_id", id="long-id"),
+])
+def test_malformed_requests_get_invalid_argument(cluster, request_kwargs, needle):
+    _, decode, _ = cluster
+    with pytest.raises(grpc.RpcError) as info:
+        _call(decode.port, gpb.GenerateRequest(**request_kwargs))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in info.value.details()
+
+
+def test_oversized_message_and_missing_token_are_refused(cluster):
+    _, decode, _ = cluster
+    with pytest.raises(grpc.RpcError) as info:
+        _call(decode.port, gpb.GenerateRequest(request_id="y" * (17 << 20), prompt_token_ids=[1], max_tokens=1))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as info:
+        _call(decode.port, gpb.GenerateRequest(prompt_token_ids=[1], max_tokens=1), token=None)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_full_queue_answers_resource_exhausted(cluster):
+    _, _, small = cluster
+    requests = make_prompts(6, 40, seed=4, vocab_size=CONFIG.vocab_size, max_tokens=48)
+    results = asyncio.run(generate_all(f"127.0.0.1:{small.port}", requests, token=TOKEN))
+    refused = [r for r in results if isinstance(r, RequestFailed)]
+    assert refused and all(r.code == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+    assert len(refused) < len(results)
+
+
+def test_a_client_that_goes_away_frees_its_request(cluster):
+    prefill, decode, _ = cluster
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+            call = gpb_grpc.GenerateServiceStub(channel).Generate(
+                gpb.GenerateRequest(request_id="leaver", prompt_token_ids=[3] * 200, max_tokens=64), timeout=30,
+                metadata=(("authorization", f"Bearer {TOKEN}"),))
+            async for response in call:
+                if response.WhichOneof("event") == "tokens":
+                    call.cancel()
+                    break
+    asyncio.run(go())
+    assert wait_for(lambda: metric(decode.metrics_port, "kpoolpd_decode_free_blocks") == DECODE_BLOCKS)
+    assert wait_for(lambda: metric(prefill.metrics_port, "kpoolpd_prefill_free_blocks") == 64)
+    assert metric(decode.metrics_port, "kpoolpd_decode_running") == 0
+
+
+def test_sigterm_drains_then_exits(cluster):
+    prefill, decode, _ = cluster
+    request = GenerateRequest(request_id="last", prompt=tuple(range(100)), max_tokens=64)
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+            stub = gpb_grpc.GenerateServiceStub(channel)
+            task = asyncio.create_task(generate_one(stub, request, token=TOKEN, timeout_s=60))
+            while metric(decode.metrics_port, "kpoolpd_decode_running") < 1:
+                await asyncio.sleep(0.02)
+            decode.signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            try:
+                await generate_one(stub, GenerateRequest(request_id="late", prompt=(1,), max_tokens=2), token=TOKEN,
+                                   timeout_s=10)
+                late = "OK"
+            except RequestFailed as exc:
+                late = exc.code
+            return await task, late
+    result, late = asyncio.run(go())
+    assert len(result.tokens) == 64
+    assert late == grpc.StatusCode.UNAVAILABLE
+    assert decode.proc.wait(30) == 0
+    assert f"free: {DECODE_BLOCKS} of {DECODE_BLOCKS} blocks, 4 of 4 rings" in decode.log_tail(3)
+    assert wait_for(lambda: metric(prefill.metrics_port, "kpoolpd_prefill_free_blocks") == 64)
