@@ -1,0 +1,235 @@
+"""Transfer benchmark: time from Pull to the last byte landed, per transport and request size,
+beside baselines measured in the same run (memcpy of the same bytes; a raw loopback TCP stream
+between two processes; torch's peer copy when two GPUs are used).
+
+    python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
+
+The prefill node runs in a second process (spawn); the decode node is this process. Prints a
+table, writes transfer-<date>-<machine>.json and .png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector.config import ConnectorConfig
+from connector.decode import DecodeConnector
+from connector.engine import PrefillCache, PrefillInput, PrefillOutput
+from connector.plan import blocks_needed
+from connector.prefill import PrefillConnector
+from connector.ucx import ucx_available
+from connector.wire import Transport
+from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+
+
+def _config(layers: int, block_size: int, kpool: int) -> CacheConfig:
+    return CacheConfig(layer_names=tuple(f"layer.{i}" for i in range(layers)), block_size=block_size, kpool=kpool, num_spec=3)
+
+
+class _TemplateEngine:
+    """Fills a request's blocks from a random template (the fill is not timed)."""
+
+    def __init__(self, template: torch.Tensor) -> None:
+        self.template = template
+
+    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+        n = len(request.prompt_token_ids)
+        ids, ring = cache.allocate(blocks_needed(cache.pool.config, n))
+        cache.pool.blocks[list(ids)] = self.template[: len(ids)]
+        return PrefillOutput(block_ids=ids, ring_id=ring, prompt_len=n, first_token=0)
+
+
+def _prefill_proc(conn, args: dict) -> None:
+    async def main():
+        config = _config(args["layers"], args["block_size"], args["kpool"])
+        layout = BlockLayout(config)
+        device = args["prefill_device"]
+        pool = CachePool(layout, num_blocks=args["num_blocks"], num_rings=4, device=device)
+        template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8).to(device)
+        transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
+        node = PrefillConnector(pool, BlockAllocator(args["num_blocks"]), RingAllocator(4), _TemplateEngine(template),
+                                engine_id="bench-prefill", config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120),
+                                registry=CollectorRegistry(), transports=transports)
+        conn.send(await node.start())
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, conn.recv)
+        await node.stop()
+    asyncio.run(main())
+    os._exit(0)
+
+
+def _socket_sender(port: int, nbytes: int, reps: int) -> None:
+    buf = memoryview(bytearray(os.urandom(1 << 20)) * (-(-nbytes >> 20)))[:nbytes]
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        for _ in range(reps):
+            s.sendall(buf)
+            s.recv(1)
+
+
+def socket_stream_gbps(nbytes: int, reps: int) -> float:
+    """Raw loopback TCP, one stream, between two processes: receive ``nbytes`` into a buffer."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(60)
+    proc = mp.get_context("spawn").Process(target=_socket_sender, args=(srv.getsockname()[1], nbytes, reps), daemon=True)
+    proc.start()
+    conn, _ = srv.accept()
+    conn.settimeout(60)
+    dst = memoryview(bytearray(nbytes))
+    times = []
+    for _ in range(reps):
+        got = conn.recv_into(dst, nbytes)
+        t0 = time.perf_counter()
+        while got < nbytes:
+            got += conn.recv_into(dst[got:], nbytes - got)
+        times.append(time.perf_counter() - t0)
+        conn.sendall(b"k")
+    conn.close()
+    srv.close()
+    proc.join(10)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def copy_gbps(src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:
+    """memcpy (same device) or torch peer copy (cuda:0 -> cuda:1) of ``src.numel()`` bytes."""
+    times = []
+    for _ in range(reps + 1):
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device), torch.cuda.synchronize(dst.device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if dst.is_cuda:
+            torch.cuda.synchronize(dst.device)
+        times.append(time.perf_counter() - t0)
+    return src.numel() / statistics.median(times[1:]) / 1e9
+
+
+async def _run(args) -> list[dict]:
+    config = _config(args.layers, args.block_size, args.kpool)
+    layout = BlockLayout(config)
+    max_tokens = max(args.tokens)
+    num_blocks = blocks_needed(config, max_tokens) + 2
+    use_ucx = ucx_available() and not args.no_ucx
+    prefill_device = "cuda:0" if args.device == "cuda" else "cpu"
+    decode_device = ("cuda:1" if args.two_gpu else "cuda:0") if args.device == "cuda" else "cpu"
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_proc, args=(child, dict(layers=args.layers, block_size=args.block_size, kpool=args.kpool,
+                       num_blocks=num_blocks, ucx=use_ucx, prefill_device=prefill_device)), daemon=True)
+    proc.start()
+    port = conn.recv()
+    pool = CachePool(layout, num_blocks=num_blocks, num_rings=4, device=decode_device)
+    transports = (Transport.UCX, Transport.GRPC_STREAM) if use_ucx else (Transport.GRPC_STREAM,)
+    node = await DecodeConnector(pool, BlockAllocator(num_blocks), RingAllocator(4), engine_id="bench-decode",
+                                 config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120),
+                                 registry=CollectorRegistry(), transports=transports).start()
+    peer = await node.connect(f"127.0.0.1:{port}")
+    rows = []
+    for tokens in args.tokens:
+        nbytes = blocks_needed(config, tokens) * layout.block_bytes
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(prefill_device)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=decode_device)
+        base = {"tokens": tokens, "layers": args.layers, "bytes": nbytes}
+        label = "torch peer copy" if args.two_gpu else ("device copy" if args.device == "cuda" else "memcpy")
+        rows.append(base | {"path": label, "gbps": copy_gbps(src, dst, args.reps)})
+        if args.device == "cpu":
+            rows.append(base | {"path": "raw socket", "gbps": socket_stream_gbps(nbytes, args.reps)})
+        del src, dst
+        for transport in transports:
+            times = []
+            for rep in range(args.reps + 1):
+                grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
+                t0 = time.perf_counter()
+                landed = await peer.pull(grant, transport=transport, release=False)
+                if pool.device.type == "cuda":
+                    torch.cuda.synchronize(pool.device)
+                times.append(time.perf_counter() - t0)
+                await peer.release(grant.grant_id)
+                landed.release()
+            seconds = statistics.median(times[1:])
+            rows.append(base | {"path": f"connector {transport.label}", "gbps": landed.nbytes / seconds / 1e9,
+                                "ms": seconds * 1e3, "regions": landed.regions})
+    await node.close()
+    conn.send("stop")
+    proc.join(30)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    baseline = {r["tokens"]: r["gbps"] for r in rows if r["path"] in ("memcpy", "device copy", "torch peer copy")}
+    sock = {r["tokens"]: r["gbps"] for r in rows if r["path"] == "raw socket"}
+    lines = [f"{'tokens':>7} {'MiB':>8} {'path':<18} {'ms':>9} {'GB/s':>7} {'x copy':>7} {'x socket':>8}"]
+    for r in rows:
+        ms = r.get("ms", r["bytes"] / r["gbps"] / 1e6)
+        vs_sock = f"{r['gbps'] / sock[r['tokens']]:8.2f}" if r["tokens"] in sock else f"{'-':>8}"
+        lines.append(f"{r['tokens']:>7} {r['bytes'] / 2**20:8.1f} {r['path']:<18} {ms:9.3f} {r['gbps']:7.2f} "
+                     f"{r['gbps'] / baseline[r['tokens']]:7.2f} {vs_sock}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["path"] for r in rows):
+        pts = [(r["bytes"] / 2**20, r["gbps"]) for r in rows if r["path"] == name]
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("request size (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kpool-pd bench transfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--two-gpu", action="store_true", help="decode pool on cuda:1 (prefill on cuda:0); needs --device cuda")
+    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 16384, 32768, 65536, 131072])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--kpool", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
+    parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    if args.two_gpu and args.device != "cuda":
+        parser.error("--two-gpu needs --device cuda")
+    if args.device == "cuda" and torch.cuda.device_count() < (2 if args.two_gpu else 1):
+        parser.error(f"--device cuda{' --two-gpu' if args.two_gpu else ''} needs {(2 if args.two_gpu else 1)} GPUs; "
+                     f"{torch.cuda.device_count()} visible")
+    rows = asyncio.run(_run(args))
+    table = _table(rows)
+    sys.stdout.write(table + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"transfer-{dt.date.today().isoformat()}-{args.machine}-{args.device}{'-2gpu' if args.two_gpu else ''}"
+    meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": args.machine, "device": args.device,
+            "two_gpu": args.two_gpu, "layers": args.layers, "block_size": args.block_size, "kpool": args.kpool,
+            "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _plot(rows, args.out / f"{stem}.png", f"kpool-pd transfer, {args.machine} ({args.device})")
+    sys.stdout.write(f"wrote {args.out / stem}.json and .png\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
