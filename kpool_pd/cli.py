@@ -24,6 +24,51 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from kpool_pd.up import run_up
+
+    return run_up(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kpool_pd.up import run_generate
+
+    return run_generate(args)
+
+
+def _add_request_flags(parser: argparse.ArgumentParser, *, requests: int, prompt_len: int, max_tokens: int) -> None:
+    parser.add_argument("--requests", type=int, default=requests, help=f"requests to send (default {requests})")
+    parser.add_argument("--prompt-len", type=int, default=prompt_len,
+                        help=f"prompt tokens of each request (default {prompt_len})")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens,
+                        help=f"output tokens of each request (default {max_tokens})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the model's weights (default 0)")
+    parser.add_argument("--json", action="store_true", help='one JSON object per request, then {"summary": ...}')
+
+
+def _add_up(commands) -> None:
+    from kpool_pd.up import default_transport
+
+    up = commands.add_parser(
+        "up", help="start a prefill and a decode daemon on loopback, run requests through them, report, stop",
+        description="Start one prefill and one decode daemon as subprocesses on loopback, send the requests, "
+                    "print per request its tokens, bytes moved, transfer time and time to first token, then a "
+                    "summary that includes the check against the colocated run, and stop the daemons.")
+    _add_request_flags(up, requests=8, prompt_len=200, max_tokens=32)
+    up.add_argument("--family", choices=["kpool", "qsa"], default="kpool", help="cache family (default kpool)")
+    up.add_argument("--kpool", type=int, default=4, help="tokens per pool, kpool family (default 4)")
+    up.add_argument("--ratio", type=int, default=4, help="compress ratio, qsa family (default 4)")
+    up.add_argument("--num-spec", type=int, default=3, help="draft tokens per decode step (default 3)")
+    up.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
+    up.add_argument("--block-size", type=int, default=0,
+                    help="tokens per block (default 0: the smallest with 16 pools that the ring divides)")
+    transport = default_transport()
+    up.add_argument("--transport", choices=["ucx", "grpc"], default=transport,
+                    help=f"data plane (default here: {transport}; ucx when ucxx is installed, else grpc)")
+    up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
+    up.set_defaults(handler=_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kpool-pd", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -33,10 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     selfcheck.add_argument("--seed", type=int, default=0, help="seed of keys and draft histories (default 0)")
     selfcheck.set_defaults(handler=_selfcheck)
+    _add_up(commands)
+    generate = commands.add_parser("generate", help="send requests to a running decode daemon's Generate API")
+    generate.add_argument("--decode", required=True, metavar="HOST:PORT", help="the decode daemon's gRPC address")
+    generate.add_argument("--token", default="", help="bearer token, when the daemon asks for one")
+    _add_request_flags(generate, requests=4, prompt_len=200, max_tokens=32)
+    generate.set_defaults(handler=_generate)
+    for name, text in (("prefill", "run the prefill daemon"), ("decode", "run the decode daemon (the Generate API)")):
+        commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
     return parser
 
 
+DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DAEMONS:  # the daemons parse their own flags (kpool-pd prefill --help)
+        import importlib
+
+        return importlib.import_module(DAEMONS[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)

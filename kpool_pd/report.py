@@ -1,0 +1,90 @@
+"""What ``kpool-pd up`` and ``kpool-pd generate`` print: a table per request and a summary, or
+one JSON object per request and then ``{"summary": ...}``."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from kpool_pd.client import RequestFailed
+from model.colocated import RequestResult
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def table(results: list[RequestResult | RequestFailed]) -> str:
+    header = (f"{'request':<12} {'prompt':>6} {'tokens':>6} {'transfer':>11} {'xfer ms':>8} {'ttft ms':>8} "
+              f"{'drafts':>7}  {'output digest':<13} {'state digest':<13} first tokens")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        if isinstance(r, RequestFailed):
+            lines.append(f"{r.request_id:<12} FAILED {r.code.name}: {r.message}")
+            continue
+        shown = ", ".join(str(t) for t in r.tokens[:6]) + (", ..." if len(r.tokens) > 6 else "")
+        lines.append(
+            f"{r.request_id:<12} {r.prompt_len:>6} {len(r.tokens):>6} {_mib(r.transfer_bytes):>11} "
+            f"{r.transfer_ms:>8.2f} {r.ttft_ms:>8.1f} {f'{r.drafts_accepted}/{r.drafts_proposed}':>7}  "
+            f"{r.output_digest[:12]:<13} {r.state_digest[:12]:<13} [{shown}]")
+    return "\n".join(lines)
+
+
+def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: float, model: dict,
+            transport: str, reference: list[RequestResult] | None = None) -> dict:
+    ok = [r for r in results if isinstance(r, RequestResult)]
+    tokens = sum(len(r.tokens) for r in ok)
+    out = {
+        "mode": mode, "transport": transport, "model": model, "requests": len(results), "ok": len(ok),
+        "failed": len(results) - len(ok), "tokens": tokens, "wall_s": round(wall_s, 3),
+        "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
+        "transfer_bytes": sum(r.transfer_bytes for r in ok),
+        "transfer_ms_mean": round(statistics.fmean([r.transfer_ms for r in ok]), 3) if ok else 0.0,
+        "ttft_ms_p50": round(_percentile([r.ttft_ms for r in ok], 0.5), 3),
+        "ttft_ms_p90": round(_percentile([r.ttft_ms for r in ok], 0.9), 3),
+        "drafts_proposed": sum(r.drafts_proposed for r in ok),
+        "drafts_accepted": sum(r.drafts_accepted for r in ok),
+    }
+    if reference is not None:
+        by_id = {r.request_id: r for r in reference}
+        out["colocated_match"] = sum(
+            1 for r in ok if r.request_id in by_id
+            and (r.output_digest, r.state_digest) == (by_id[r.request_id].output_digest, by_id[r.request_id].state_digest))
+    return out
+
+
+def summary_text(s: dict) -> str:
+    m = s["model"]
+    group = f"kpool {m['kpool']}" if m["family"] == "kpool" else f"ratio {m['compress_ratio']}"
+    drafts = (f"; drafts accepted {s['drafts_accepted']}/{s['drafts_proposed']} "
+              f"({100 * s['drafts_accepted'] / s['drafts_proposed']:.0f}%)" if s["drafts_proposed"] else "")
+    lines = [
+        f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, transport {s['transport']}; {m['family']} "
+        f"family, {group}, {m['num_spec']} drafts, {m['layers']} layers, block {m['block_size']})",
+        f"  {s['tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.0f} tokens/s); ttft p50 "
+        f"{s['ttft_ms_p50']:.1f} ms, p90 {s['ttft_ms_p90']:.1f} ms{drafts}",
+    ]
+    if s["mode"] == "pd":
+        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request")
+    if "colocated_match" in s:
+        lines.append(f"  colocated reference: {s['colocated_match']}/{s['ok']} requests match byte for byte "
+                     f"(output and state digests)")
+    return "\n".join(lines)
+
+
+def json_lines(results: list[RequestResult | RequestFailed], s: dict) -> str:
+    rows = []
+    for r in results:
+        if isinstance(r, RequestFailed):
+            rows.append(json.dumps({"request_id": r.request_id, "error": r.code.name, "message": r.message}))
+        else:
+            rows.append(json.dumps(r.as_json()))
+    rows.append(json.dumps({"summary": s}))
+    return "\n".join(rows)

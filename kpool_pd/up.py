@@ -1,0 +1,131 @@
+"""``kpool-pd up``: one prefill and one decode daemon on loopback, the requests, the report.
+
+With ``--colocated`` the same requests run in this process with no transfer (the reference).
+A PD run also runs the colocated reference afterwards and says how many requests match it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import torch
+import tempfile
+import time
+from pathlib import Path
+
+from connector.ucx import ucx_available
+from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.launcher import DaemonError, model_flags, start_decode, start_prefill
+from kpool_pd.report import json_lines, summary, summary_text, table
+from kvcache import CacheFamily
+from model import ModelConfig
+from model.colocated import make_prompts, run_colocated
+
+READY_TIMEOUT_S = 120.0
+
+
+def default_transport() -> str:
+    return "ucx" if ucx_available() else "grpc"
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _config(args) -> ModelConfig:
+    return ModelConfig(family=CacheFamily(args.family), num_layers=args.layers, kpool=args.kpool,
+                       compress_ratio=args.ratio, num_spec=args.num_spec, block_size=args.block_size or None,
+                       seed=args.seed)
+
+
+def run_up(args) -> int:
+    for name in ("requests", "prompt_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            _progress(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            return 2
+    try:
+        config = _config(args)  # a bad combination fails here, before any daemon starts
+    except ValueError as exc:
+        _progress(f"error: {exc}")
+        return 2
+    torch.set_num_threads(1)  # the colocated runs: small ops are faster on one thread
+    requests = make_prompts(args.requests, args.prompt_len, seed=args.seed, vocab_size=config.vocab_size,
+                            max_tokens=args.max_tokens)
+    done = [0]
+
+    def on_done(result) -> None:
+        done[0] += 1
+        what = (f"failed: {result.code.name}" if isinstance(result, RequestFailed)
+                else f"{len(result.tokens)} tokens, ttft {result.ttft_ms:.0f} ms")
+        _progress(f"[{done[0]}/{len(requests)}] {result.request_id}: {what}")
+
+    if args.colocated:
+        _progress(f"running {len(requests)} requests colocated (one process, no transfer) ...")
+        started = time.perf_counter()
+        results = run_colocated(config, requests, on_result=on_done)
+        wall = time.perf_counter() - started
+        report = summary(results, mode="colocated", wall_s=wall, model=config.describe(), transport="none")
+        _print(args, results, report)
+        return 0
+
+    model = model_flags(family=args.family, kpool=args.kpool, ratio=args.ratio, num_spec=args.num_spec,
+                        layers=args.layers, block_size=args.block_size, seed=args.seed)
+    limits = ["--max-prompt-tokens", str(args.prompt_len), "--max-new-tokens", str(args.max_tokens)]
+    with tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
+        workdir = Path(tmp)
+        _progress(f"starting the prefill daemon (transport {args.transport}) ...")
+        t0 = time.perf_counter()
+        with start_prefill(workdir, model, transports=args.transport,
+                           extra=["--max-prompt-tokens", str(args.prompt_len)]) as prefill:
+            try:
+                prefill.wait_ready(READY_TIMEOUT_S)
+                _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
+                          f"after {time.perf_counter() - t0:.1f} s")
+                t0 = time.perf_counter()
+                _progress("starting the decode daemon ...")
+                with start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"], transport=args.transport,
+                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16)))]) as decode:
+                    decode.wait_ready(READY_TIMEOUT_S)
+                    _progress(f"  decode ready on 127.0.0.1:{decode.port} (metrics :{decode.metrics_port}) "
+                              f"after {time.perf_counter() - t0:.1f} s")
+                    _progress(f"sending {len(requests)} requests of {args.prompt_len} prompt tokens, "
+                              f"{args.max_tokens} output tokens each ...")
+                    started = time.perf_counter()
+                    results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, on_done=on_done))
+                    wall = time.perf_counter() - started
+                    _progress("stopping the daemons ...")
+            except DaemonError as exc:
+                _progress(f"error: {exc}")
+                return 2
+    _progress("running the colocated reference ...")
+    reference = run_colocated(config, requests)
+    report = summary(results, mode="pd", wall_s=wall, model=config.describe(), transport=args.transport,
+                     reference=reference)
+    _print(args, results, report)
+    return 0 if report["failed"] == 0 and report["colocated_match"] == report["ok"] else 1
+
+
+def _print(args, results, report) -> None:
+    if args.json:
+        print(json_lines(results, report))
+    else:
+        print(table(results))
+        print()
+        print(summary_text(report))
+
+
+def run_generate(args) -> int:
+    from kpool_pd.client import model_info
+
+    info = asyncio.run(model_info(args.decode, token=args.token or None))
+    requests = make_prompts(args.requests, args.prompt_len, seed=args.seed, vocab_size=info["vocab_size"],
+                            max_tokens=args.max_tokens)
+    _progress(f"sending {len(requests)} requests to {args.decode} ({info['model']['family']} model, "
+              f"layout {info['layout_hash'][:12]}) ...")
+    started = time.perf_counter()
+    results = asyncio.run(generate_all(args.decode, requests, token=args.token or None))
+    report = summary(results, mode="pd", wall_s=time.perf_counter() - started, model=info["model"],
+                     transport=",".join(sorted({r.transport for r in results if not isinstance(r, RequestFailed)})))
+    _print(args, results, report)
+    return 0 if report["failed"] == 0 else 1

@@ -1,0 +1,44 @@
+"""`kpool-pd up` end to end, as a user runs it: daemons as subprocesses, JSON out, colocated check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from connector.ucx import ucx_available
+
+FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
+          "ttft_ms"}
+
+
+def _up(*flags: str) -> tuple[int, list[dict], str]:
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--json", *flags], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
+
+
+def test_up_prints_one_object_per_request_then_the_summary_and_matches_colocated():
+    flags = ("--requests", "3", "--prompt-len", "45", "--max-tokens", "9", "--family", "qsa", "--num-spec", "3")
+    code, rows, stderr = _up(*flags)
+    assert code == 0, stderr
+    *requests, last = rows
+    assert [r["request_id"] for r in requests] == ["req-0", "req-1", "req-2"]
+    assert all(FIELDS <= set(r) and len(r["tokens"]) == 9 and r["transfer_bytes"] > 0 for r in requests)
+    summary = last["summary"]
+    assert summary["ok"] == summary["colocated_match"] == 3
+    assert summary["transport"] == ("ucx" if ucx_available() else "grpc")
+    assert "prefill ready on 127.0.0.1:" in stderr and "[3/3]" in stderr
+
+    code, colocated, _ = _up(*flags, "--colocated")
+    assert code == 0
+    assert [(r["output_digest"], r["state_digest"]) for r in colocated[:-1]] == [
+        (r["output_digest"], r["state_digest"]) for r in requests]
+    assert colocated[-1]["summary"]["mode"] == "colocated"
+
+
+def test_up_refuses_a_bad_configuration_before_starting_anything():
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--kpool", "8", "--block-size", "96"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "96 / 8 = 12" in proc.stderr and "starting" not in proc.stderr
