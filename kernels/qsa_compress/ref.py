@@ -9,7 +9,10 @@ three steps, each ending at a fixed rounding point:
    in fp32; **rounded to bf16**.
 2. Gemma-style RMSNorm of that bf16 value, in fp32:
    ``x * rsqrt(mean(x * x) + eps) * (1 + w)``, evaluated left to right (``(x * rsqrt(..)) *
-   (1 + w)``); ``mean`` is torch's fp32 mean over D; **rounded to bf16**.
+   (1 + w)``). Every fp32 step has one defined result, so that a kernel can reproduce it bit
+   for bit: the squares are summed by a pairwise tree (zero-padded to a power of two, then
+   ``s[:n/2] + s[n/2:]`` until one value is left), divided by ``D`` (a true division), ``eps``
+   is added, and ``rsqrt`` is ``1 / sqrt`` with both steps correctly rounded; **rounded to bf16**.
 3. NeoX rotary in fp32 on the first ``rotary_dim`` dims of that bf16 value, at the MRoPE
    position of the group's **first** token (see ``kernels.qsa_rope``); the other dims pass
    through; **cast to the cache dtype**: bf16 by round-to-nearest-even, or fp8 e4m3 with a
@@ -43,27 +46,33 @@ def to_cache_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {out_dtype}")
 
 
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., n] fp32 -> [...] fp32: zero-padded to a power of two, then halves added until one is left
+    width = 1 << max(x.shape[-1] - 1, 0).bit_length()
+    if width != x.shape[-1]:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., D] fp32; weight: [D] fp32 -> [..., D] fp32: x * rsqrt(mean(x^2) + eps) * (1 + weight)
-    inv_rms = torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+    dim = torch.tensor(float(x.shape[-1]), dtype=torch.float32, device=x.device)  # a true division on any device
+    mean_square = pairwise_sum(x * x) / dim
+    inv_rms = torch.reciprocal(torch.sqrt(mean_square + eps))[..., None]  # 1 / sqrt, each correctly rounded
     return x * inv_rms * (1.0 + weight)
 
 
-def compress_group_keys(
-    keys: torch.Tensor,
-    first_positions: torch.Tensor,
-    norm_weight: torch.Tensor,
-    *,
-    eps: float,
-    rotary_dim: int,
-    theta: float,
-    section: tuple[int, int, int],
+def check_compress_args(
+    keys: torch.Tensor, first_positions: torch.Tensor, norm_weight: torch.Tensor, *, eps: float, rotary_dim: int,
     out_dtype: torch.dtype,
-) -> torch.Tensor:
-    # keys: [G, r, H, D] bf16; first_positions: [G, 3] int64; norm_weight: [D] fp32 -> [G, H, D] out_dtype
+) -> None:
+    """Ranks, dtypes, sizes and devices of a compression (reads no tensor values)."""
     if not isinstance(keys, torch.Tensor) or keys.dtype != torch.bfloat16 or keys.dim() != 4 or keys.shape[1] < 1:
         raise ValueError(f"keys must be bf16 [G, r, H, D] with r >= 1, got {_describe(keys)}")
-    num_groups, ratio, _, head_size = keys.shape
+    num_groups, _, _, head_size = keys.shape
     if not isinstance(first_positions, torch.Tensor) or first_positions.dtype != torch.int64 \
             or tuple(first_positions.shape) != (num_groups, 3):
         raise ValueError(f"first_positions must be int64 [{num_groups}, 3], got {_describe(first_positions)}")
@@ -81,6 +90,22 @@ def compress_group_keys(
         raise ValueError(f"rotary_dim {rotary_dim!r} must be an integer <= head size D = {head_size}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
+
+
+def compress_group_keys(
+    keys: torch.Tensor,
+    first_positions: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    eps: float,
+    rotary_dim: int,
+    theta: float,
+    section: tuple[int, int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    # keys: [G, r, H, D] bf16; first_positions: [G, 3] int64; norm_weight: [D] fp32 -> [G, H, D] out_dtype
+    check_compress_args(keys, first_positions, norm_weight, eps=eps, rotary_dim=rotary_dim, out_dtype=out_dtype)
+    ratio = keys.shape[1]
 
     # 1. Mean of the group's keys: sequential fp32 sum over the slots, then / r; round to bf16.
     total = keys[:, 0].to(torch.float32)

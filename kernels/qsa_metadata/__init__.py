@@ -1,5 +1,50 @@
 """Per-forward metadata of the QSA cache ops: token maps, ring and compressed slots, work items."""
 
-from kernels.qsa_metadata.ref import QsaMetadata, build_qsa_metadata, max_work_items
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import use_triton
+from kernels.qsa_metadata import ref
+from kernels.qsa_metadata.ref import QsaMetadata, max_work_items
+
+
+def build_qsa_metadata(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, ring_blocks: torch.Tensor, *,
+    compress_ratio: int, ring_capacity: int, block_size: int, num_tokens: int | None = None,
+) -> QsaMetadata:
+    """The metadata of one forward (see ``ref``): Triton on CUDA tensors, the reference on CPU.
+
+    ``num_tokens`` (T, the tokens of the forward) fixes every output size; when given on CUDA tensors
+    the build never waits on the device and can be captured in a CUDA graph (``k_work`` is padded to
+    ``max_work_items(T, B, r)``, ``num_work`` stays on the device). When omitted it is read from
+    ``query_start_loc[-1]``, one host synchronisation. Both paths check ranks, dtypes and sizes; the
+    values (offsets, lengths, blocks that receive a group) are checked on CPU tensors only.
+
+    # query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_table: [B, M] int32; ring_blocks: [B] int32
+    """
+    if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
+        raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+    if not use_triton(query_start_loc):
+        metadata = ref.build_qsa_metadata(query_start_loc, seq_lens, block_table, ring_blocks,
+                                          compress_ratio=compress_ratio, ring_capacity=ring_capacity,
+                                          block_size=block_size)
+        if num_tokens is not None and num_tokens != metadata.num_tokens:
+            raise ValueError(f"num_tokens {num_tokens} != query_start_loc[-1] = {metadata.num_tokens}")
+        return metadata
+    ref.check_metadata_args(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity,
+                            block_size)
+    if not query_start_loc.is_cuda:
+        ref.check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, block_size)
+        if num_tokens is not None and num_tokens != int(query_start_loc[-1]):
+            raise ValueError(f"num_tokens {num_tokens} != query_start_loc[-1] = {int(query_start_loc[-1])}")
+    if num_tokens is None:
+        num_tokens = int(query_start_loc[-1])
+    from kernels.qsa_metadata.triton import build_qsa_metadata_triton
+
+    return build_qsa_metadata_triton(query_start_loc, seq_lens, block_table, ring_blocks,
+                                     compress_ratio=compress_ratio, ring_capacity=ring_capacity,
+                                     block_size=block_size, num_tokens=num_tokens)
+
 
 __all__ = ["QsaMetadata", "build_qsa_metadata", "max_work_items"]

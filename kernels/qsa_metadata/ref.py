@@ -82,10 +82,11 @@ def _check_int32(name: str, t: object, ndim: int) -> None:
         raise ValueError(f"{name} must be a {ndim}-D int32 tensor, got {_describe(t)}")
 
 
-def _check_inputs(
+def check_metadata_args(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, ring_blocks: torch.Tensor,
     compress_ratio: int, ring_capacity: int, block_size: int,
 ) -> None:
+    """Parameters, ranks, dtypes, sizes and devices (reads no tensor values: no host sync)."""
     params = (("compress_ratio", compress_ratio), ("ring_capacity", ring_capacity), ("block_size", block_size))
     for name, value in params:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -112,6 +113,12 @@ def _check_inputs(
         if t.device != query_start_loc.device:
             raise ValueError(f"{name} is on {t.device}, query_start_loc on {query_start_loc.device}")
 
+
+def check_metadata_values(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, ring_blocks: torch.Tensor,
+    compress_ratio: int, block_size: int,
+) -> None:
+    """Offsets, lengths, ring blocks and the blocks that receive a group (reads the values: host sync)."""
     starts = query_start_loc.tolist()
     if starts[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {starts[0]}")
@@ -132,6 +139,15 @@ def _check_inputs(
             )
         if q_len and ring_block < 0:
             raise ValueError(f"request {req}: ring block {ring_block} is negative")
+    table = block_table.tolist()
+    for req, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens.tolist())):
+        for group in range((seq_len - q_len) // compress_ratio, seq_len // compress_ratio):
+            column = group * compress_ratio // block_size
+            if table[req][column] < 0:
+                raise ValueError(
+                    f"request {req}: block_table column {column} holds block {table[req][column]}, but group "
+                    f"{group} (position {(group + 1) * compress_ratio - 1}) is written there"
+                )
 
 
 def build_qsa_metadata(
@@ -146,7 +162,8 @@ def build_qsa_metadata(
 ) -> QsaMetadata:
     # query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_table: [B, M] int32; ring_blocks: [B] int32
     """The metadata of one forward (see the module docstring). ValueError names the bad values."""
-    _check_inputs(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity, block_size)
+    check_metadata_args(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity, block_size)
+    check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, block_size)
     r, cap = compress_ratio, ring_capacity
     rows_per_block = block_size // r
     device = seq_lens.device
@@ -172,12 +189,6 @@ def build_qsa_metadata(
     completes = (pos + 1) % r == 0
     block_col = (group * r) // block_size
     block_id = block_table.to(torch.int64)[req, block_col]
-    if bool((block_id[completes] < 0).any()):
-        bad = torch.nonzero(completes & (block_id < 0)).flatten()[0]
-        raise ValueError(
-            f"request {int(req[bad])}: block_table column {int(block_col[bad])} holds block {int(block_id[bad])}, "
-            f"but group {int(group[bad])} (position {int(pos[bad])}) is written there"
-        )
     compressed_slot = torch.where(completes, block_id * rows_per_block + group % rows_per_block, -1)
 
     # Groups completed in [start, seq_len): g from start // r to seq_len // r - 1.

@@ -44,14 +44,10 @@ def _check_ring(ring: torch.Tensor) -> None:
         raise ValueError(f"ring rows must be contiguous in their last dim, got strides {ring.stride()}")
 
 
-def write_qsa_ring(
-    ring: torch.Tensor,
-    keys: torch.Tensor,
-    positions: torch.Tensor | None,
-    ring_slots: torch.Tensor,
+def check_write_args(
+    ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None, ring_slots: torch.Tensor,
 ) -> None:
-    # ring: [num_rings, C, H, W] bf16 (written in place); keys: [T, H, D] bf16;
-    # positions: [T, 3] int64 or None (no cached positions); ring_slots: [T] int64, -1 = skip
+    """Ranks, dtypes, sizes and devices of a ring write (reads no tensor values: no host sync)."""
     _check_ring(ring)
     num_rings, capacity, num_heads, width = ring.shape
     if not isinstance(keys, torch.Tensor) or keys.dtype != torch.bfloat16 or keys.dim() != 3 \
@@ -77,16 +73,35 @@ def write_qsa_ring(
         if t is not None and t.device != ring.device:
             raise ValueError(f"{name} is on {t.device}, the ring on {ring.device}")
 
+
+def check_slot_values(ring_slots: torch.Tensor, num_rings: int, capacity: int) -> None:
+    """Every slot is -1 or a row of the ring, and no row is named twice (reads the values: host sync)."""
     out_of_range = (ring_slots < -1) | (ring_slots >= num_rings * capacity)
     if bool(out_of_range.any()):
         raise ValueError(
             f"ring_slots {ring_slots[out_of_range].tolist()} out of range: "
             f"-1 (skip) or [0, num_rings * C = {num_rings * capacity})"
         )
-    valid = ring_slots >= 0
-    slots = ring_slots[valid]
+    slots = ring_slots[ring_slots >= 0]
     if slots.unique().numel() != slots.numel():
         raise ValueError(f"ring_slots name one row twice in one write: {slots.tolist()}")
+
+
+def write_qsa_ring(
+    ring: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor | None,
+    ring_slots: torch.Tensor,
+) -> None:
+    # ring: [num_rings, C, H, W] bf16 (written in place); keys: [T, H, D] bf16;
+    # positions: [T, 3] int64 or None (no cached positions); ring_slots: [T] int64, -1 = skip
+    check_write_args(ring, keys, positions, ring_slots)
+    num_rings, capacity, num_heads, width = ring.shape
+    head_size = keys.shape[2]
+    off = position_offset(head_size)
+    check_slot_values(ring_slots, num_rings, capacity)
+    valid = ring_slots >= 0
+    slots = ring_slots[valid]
 
     # Build the full rows as int16 bit patterns, then scatter them.
     rows = torch.zeros(slots.numel(), num_heads, width, dtype=torch.int16, device=ring.device)

@@ -38,10 +38,11 @@ def _describe(t: object) -> str:
     return type(t).__name__
 
 
-def _check_args(
+def check_topk_args(
     q: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     compress_ratio: int, block_size: int, topk: int,
 ) -> None:
+    """Parameters, ranks, dtypes, sizes and devices (reads no tensor values: no host sync)."""
     for name, value in (("compress_ratio", compress_ratio), ("block_size", block_size), ("topk", topk)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -69,6 +70,12 @@ def _check_args(
     for name, t in (("compressed", compressed), ("block_table", block_table), ("seq_lens", seq_lens)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def check_topk_values(
+    compressed: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, compress_ratio: int, block_size: int,
+) -> None:
+    """Sequence lengths within the tables, visible rows in existing blocks (reads the values: host sync)."""
     max_blocks = block_table.shape[1]
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len < 0 or seq_len > max_blocks * block_size:
@@ -76,6 +83,21 @@ def _check_args(
                 f"query {b}: seq_len {seq_len} must be in [0, {max_blocks * block_size}] "
                 f"(block_table has {max_blocks} columns of {block_size} tokens)"
             )
+    r = compress_ratio
+    num_blocks = compressed.shape[0]
+    visible = seq_lens.to(torch.int64) // r
+    max_rows = int(visible.max()) if seq_lens.numel() else 0
+    row = torch.arange(max_rows, device=seq_lens.device)
+    is_visible = row[None, :] < visible[:, None]
+    block_col = ((row * r) // block_size).clamp(max=max(max_blocks - 1, 0))
+    block_id = torch.where(is_visible, block_table.to(torch.int64)[:, block_col], 0)
+    bad = torch.nonzero((block_id < 0) | (block_id >= num_blocks))
+    if bad.numel():
+        b, j = bad[0].tolist()
+        raise ValueError(
+            f"query {b}: visible row {j} lives in block_table column {int(block_col[j])} = block "
+            f"{int(block_id[b, j])}, outside the cache's blocks [0, {num_blocks})"
+        )
 
 
 def qsa_topk(
@@ -95,7 +117,8 @@ def qsa_topk(
     One row of ``q`` per query token; ``seq_lens[b]`` is the number of tokens that query sees
     (its position + 1), so a decode step's drafts are separate rows with their own lengths.
     """
-    _check_args(q, compressed, block_table, seq_lens, compress_ratio, block_size, topk)
+    check_topk_args(q, compressed, block_table, seq_lens, compress_ratio, block_size, topk)
+    check_topk_values(compressed, block_table, seq_lens, compress_ratio, block_size)
     r = compress_ratio
     rows_per_block = block_size // r
     device = q.device
@@ -110,13 +133,6 @@ def qsa_topk(
     # Gather every query's candidate rows; invisible ones read block 0 and are masked out.
     block_col = ((row * r) // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
     block_id = torch.where(is_visible, block_table.to(torch.int64)[:, block_col], 0)  # [B, J]
-    bad = torch.nonzero((block_id < 0) | (block_id >= num_blocks))
-    if bad.numel():
-        b, j = bad[0].tolist()
-        raise ValueError(
-            f"query {b}: visible row {j} lives in block_table column {int(block_col[j])} = block "
-            f"{int(block_id[b, j])}, outside the cache's blocks [0, {num_blocks})"
-        )
     bits = torch.int16 if compressed.dtype == torch.bfloat16 else torch.uint8
     k = compressed.view(bits)[block_id, (row % rows_per_block)[None, :].expand_as(block_id)]  # [B, J, H, D]
     k = k.view(compressed.dtype).to(torch.float32)

@@ -1,5 +1,45 @@
 """One forward's QSA cache update (prefill chunk or decode step with drafts alike)."""
 
-from kernels.qsa_update.ref import qsa_forward_update
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import use_triton
+from kernels.qsa_metadata.ref import QsaMetadata
+from kernels.qsa_update import ref
+
+
+def qsa_forward_update(
+    keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor,
+    norm_weight: torch.Tensor, *, compress_ratio: int, block_size: int, eps: float, rotary_dim: int, theta: float,
+    section: tuple[int, int, int], cache_rope_positions: bool,
+) -> None:
+    """Write the compressed rows of every group this forward completes, then its ring rows (see ``ref``).
+
+    Triton on CUDA tensors (two launches, no host synchronisation, CUDA-graph capturable), the torch
+    reference on CPU (see kernels.dispatch). Both paths check types, ranks, dtypes, sizes and devices;
+    the values (rings and compressed rows that exist, no row written twice) are checked on CPU tensors
+    only, before anything is written. Called once per layer per forward; not idempotent.
+
+    # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
+    # compressed: [num_blocks, block_size / r, H, D] bf16 | fp8_e4m3 (in place, any strides); norm_weight: [D] fp32
+    """
+    if not use_triton(keys):
+        ref.qsa_forward_update(keys, positions, metadata, ring, compressed, norm_weight,
+                               compress_ratio=compress_ratio, block_size=block_size, eps=eps, rotary_dim=rotary_dim,
+                               theta=theta, section=section, cache_rope_positions=cache_rope_positions)
+        return
+    ref.check_update_args(keys, positions, metadata, ring, compressed, norm_weight, compress_ratio, block_size,
+                          rotary_dim, section, cache_rope_positions)
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not keys.is_cuda:
+        ref.check_update_values(metadata, ring, compressed)
+    from kernels.qsa_update.triton import qsa_forward_update_triton
+
+    qsa_forward_update_triton(keys, positions, metadata, ring, compressed, norm_weight, eps=eps,
+                              rotary_dim=rotary_dim, theta=theta, section=tuple(section),
+                              cache_rope_positions=cache_rope_positions)
+
 
 __all__ = ["qsa_forward_update"]

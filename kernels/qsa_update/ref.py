@@ -42,11 +42,12 @@ def _describe(t: object) -> str:
     return type(t).__name__
 
 
-def _check_args(
+def check_update_args(
     keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor,
     compressed: torch.Tensor, norm_weight: torch.Tensor, compress_ratio: int, block_size: int,
     rotary_dim: int, section: tuple[int, int, int], cache_rope_positions: bool,
 ) -> None:
+    """Types, ranks, dtypes, sizes and devices of a forward update (reads no tensor values: no host sync)."""
     if not isinstance(metadata, QsaMetadata):
         raise TypeError(f"metadata must be a QsaMetadata, got {type(metadata).__name__}")
     if compress_ratio != metadata.compress_ratio or block_size != metadata.block_size:
@@ -87,14 +88,30 @@ def _check_args(
     if not isinstance(norm_weight, torch.Tensor) or norm_weight.dtype != torch.float32 \
             or tuple(norm_weight.shape) != (head_size,):
         raise ValueError(f"norm_weight must be fp32 [{head_size}], got {_describe(norm_weight)}")
-    q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-    active_rings = metadata.ring_blocks[q_lens > 0]
-    if bool((active_rings >= ring.shape[0]).any()):
-        raise ValueError(f"ring_blocks {active_rings.tolist()} reach past the {ring.shape[0]} rings")
     for name, t in (("positions", positions), ("ring", ring), ("compressed", compressed),
                     ("norm_weight", norm_weight), ("metadata", metadata.seq_lens)):
         if t.device != keys.device:
             raise ValueError(f"{name} is on {t.device}, keys on {keys.device}")
+
+
+def check_update_values(metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor) -> None:
+    """The rings and compressed rows this forward writes exist, and no row is written twice (host sync).
+
+    The compressed rows are those of the group-completing tokens, one per ``k_work`` item, in its order.
+    """
+    q_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+    active_rings = metadata.ring_blocks[q_lens > 0]
+    if bool((active_rings >= ring.shape[0]).any()):
+        raise ValueError(f"ring_blocks {active_rings.tolist()} reach past the {ring.shape[0]} rings")
+    slot = metadata.compressed_slot_mapping[metadata.compressed_slot_mapping >= 0]
+    rows_per_block = metadata.rows_per_block
+    if bool((slot >= compressed.shape[0] * rows_per_block).any()):
+        raise ValueError(
+            f"compressed slots {slot.tolist()} reach past the cache's {compressed.shape[0]} blocks "
+            f"of {rows_per_block} rows"
+        )
+    if slot.unique().numel() != slot.numel():
+        raise ValueError(f"two groups of this forward map to one compressed row: slots {slot.tolist()}")
 
 
 def qsa_forward_update(
@@ -121,10 +138,11 @@ def qsa_forward_update(
     in general: a second call sees the ring rows of the first. ValueError (or TypeError
     for a non-metadata argument) names bad inputs before anything is written.
     """
-    _check_args(
+    check_update_args(
         keys, positions, metadata, ring, compressed, norm_weight, compress_ratio, block_size, rotary_dim, section,
         cache_rope_positions,
     )
+    check_update_values(metadata, ring, compressed)
     r, cap = compress_ratio, metadata.ring_capacity
     rows_per_block = metadata.rows_per_block
     device = keys.device
@@ -161,13 +179,6 @@ def qsa_forward_update(
         # The token that completes the group (the group's last) carries its compressed slot.
         slot = metadata.compressed_slot_mapping[token[:, r - 1]]
         assert bool((slot >= 0).all()), "k_work lists a group whose last token has no compressed slot"
-        if bool((slot >= compressed.shape[0] * rows_per_block).any()):
-            raise ValueError(
-                f"compressed slots {slot.tolist()} reach past the cache's {compressed.shape[0]} blocks "
-                f"of {rows_per_block} rows"
-            )
-        if slot.unique().numel() != num_work:
-            raise ValueError(f"two groups of this forward map to one compressed row: slots {slot.tolist()}")
 
         rows = compress_group_keys(
             group_keys, first_pos, norm_weight, eps=eps, rotary_dim=rotary_dim, theta=theta,
