@@ -2,6 +2,7 @@
 kernels (``triton.py``); the package exports the dispatching entry points only (``kernels.dispatch``
 says which implementation runs)."""
 
+from kernels.block_repack import repack_blocks
 from kernels.hadamard import hadamard_matrix
 from kernels.kpool_cache import kpool_read_entries, kpool_write_entries
 from kernels.kpool_compress import kpool_compress
@@ -18,6 +19,6 @@ from kernels.qsa_update import qsa_forward_update
 __all__ = [
     "hadamard_matrix", "kpool_compress", "kpool_decode_update", "kpool_indexer_topk", "kpool_prefill",
     "kpool_read_entries", "kpool_write_entries", "QsaMetadata", "build_qsa_metadata", "compress_group_keys",
-    "mrope_cos_sin", "qsa_forward_update", "qsa_topk", "read_qsa_ring_positions", "text_positions",
-    "write_qsa_ring",
+    "mrope_cos_sin", "qsa_forward_update", "qsa_topk", "read_qsa_ring_positions", "repack_blocks",
+    "text_positions", "write_qsa_ring",
 ]
