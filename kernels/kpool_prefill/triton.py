@@ -83,7 +83,7 @@ def prefill_compress_write_triton(
     qsl = query_start_loc.to(torch.int64)
     pool_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=k.device)
     torch.cumsum((qsl[1:] - qsl[:-1]) // kpool, 0, out=pool_offsets[1:])
-    block_p = block_p or (16 if k.is_cuda else 8)
+    block_p = block_p or 8  # fastest of 8, 16, 32, 64 on the H200 (bench/results/2026-11-30-h200-kernels.txt)
     _prefill_compress_kernel[(triton.cdiv(max_pools, block_p),)](
         k, gate, ape.contiguous(), qsl, pool_offsets, block_table, indexer_q.view(torch.uint8), indexer_scale,
         batch, max(batch - 1, 0).bit_length(), block_table.stride(0), block_table.shape[1], states, kpool * states,

@@ -1,0 +1,61 @@
+"""Shared test setup.
+
+On a machine without CUDA, Triton kernels can only run in Triton's interpreter, which must be
+chosen before any kernel module is imported (``@triton.jit`` reads ``TRITON_INTERPRET`` when it
+decorates). Setting it here, before the test modules import anything, is harmless for every other
+test: the ops run their torch references on CPU tensors unless ``KPOOL_PD_FORCE_TRITON=1`` (the
+``force_triton`` fixture) asks for the kernels. On a CUDA machine nothing is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
+
+if not torch.cuda.is_available():
+    os.environ.setdefault(INTERPRET_ENV, "1")
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    """Run the ops' Triton kernels on CPU tensors (through the interpreter) for one test."""
+    if os.environ.get(INTERPRET_ENV) != "1":
+        pytest.skip(f"the Triton interpreter is off ({INTERPRET_ENV} != 1): on CUDA, tests/gpu runs the kernels")
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+
+
+def entries_within_rule(q: torch.Tensor, scale: torch.Tensor, q_ref: torch.Tensor, scale_ref: torch.Tensor) -> int:
+    """The softmax comparison rule of the kpool kernels against their reference; returns the rows that differ.
+
+    # q, q_ref: [P, 128] fp8; scale, scale_ref: [P] fp32 (any device)
+
+    Bit-identical rows pass (poisoned, unwritten rows included). Elsewhere the one source of difference
+    is exp (an ulp between implementations), which can move one element of the pooled x by one bf16
+    ulp; the Hadamard spreads that over every y by at most 2**-8 of the row's amax. So: scales equal
+    to within one binade (ue8m0) or 2**-6 (fp32 scales), and each dequantized value within one e4m3
+    step of itself plus 2**-6 of the row's range (448 * scale).
+    """
+    q, scale, q_ref, scale_ref = q.cpu(), scale.cpu(), q_ref.cpu(), scale_ref.cpu()
+    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).all(dim=1) & (
+        scale.view(torch.int32) == scale_ref.view(torch.int32))
+    q, scale, q_ref, scale_ref = q[~same], scale[~same], q_ref[~same], scale_ref[~same]
+    if q.shape[0] == 0:
+        return 0
+    ratio = scale / scale_ref
+    binade = (ratio == 1) | (ratio == 2) | (ratio == 0.5) | ((ratio - 1).abs() <= 2**-6)
+    assert bool(binade.all()), f"scales differ by more than the rule allows: {scale[~binade]} vs {scale_ref[~binade]}"
+    deq, deq_ref = q.float() * scale[:, None], q_ref.float() * scale_ref[:, None]
+    bound = torch.maximum(deq.abs(), deq_ref.abs()) / 8 + 448 * torch.maximum(scale, scale_ref)[:, None] / 64
+    worst = float(((deq - deq_ref).abs() / bound).max())
+    assert worst <= 1.0, f"dequantized values differ by {worst:.3f} of the rule's bound"
+    return q.shape[0]
+
+
+@pytest.fixture
+def entry_rule():
+    """The softmax comparison rule (``entries_within_rule``) for tests in any folder."""
+    return entries_within_rule
