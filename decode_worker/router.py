@@ -43,11 +43,17 @@ def parse_targets(text: str) -> tuple[str, ...]:
 class _Node:
     __slots__ = ("address", "peer", "healthy", "health_channel", "reason")
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, reconnect_ms: int) -> None:
         self.address = address
         self.peer: PrefillPeer | None = None
         self.healthy = False
-        self.health_channel = grpc.aio.insecure_channel(address)
+        # Reconnect at least once per health interval: gRPC's default backoff grows to minutes,
+        # which would hide a prefill node that came (back) up.
+        self.health_channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),
+            ("grpc.min_reconnect_backoff_ms", min(100, reconnect_ms)),
+            ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+        ])
         self.reason = "not checked yet"
 
 
@@ -98,7 +104,8 @@ class PrefillRouter:
     async def _check(self, node: _Node) -> None:
         stub = health_pb2_grpc.HealthStub(node.health_channel)
         try:
-            response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.rpc_timeout_s)
+            response = await stub.Check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=not node.healthy,
+                                        timeout=min(self.rpc_timeout_s, self.health_interval_s))
             serving = response.status == health_pb2.HealthCheckResponse.SERVING
             node.reason = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         except grpc.aio.AioRpcError as exc:
@@ -124,7 +131,8 @@ class PrefillRouter:
                     logger.info("prefill node %s is gone from %s", address, self.targets)
                     await node.health_channel.close()
             for address in addresses:
-                self._nodes.setdefault(address, _Node(address))
+                if address not in self._nodes:
+                    self._nodes[address] = _Node(address, max(100, int(self.health_interval_s * 1000)))
             await asyncio.gather(*(self._check(n) for n in self._nodes.values()))
 
     async def _refresh_forever(self) -> None:

@@ -1,0 +1,322 @@
+"""End to end: prefill and decode daemons as real processes; every PD run must equal the colocated
+run byte for byte (output and state digests).
+
+The matrix runs one prefill daemon and two decode daemons per model configuration (one pulling
+over UCX, one over the gRPC stream; so one prefill serves two decode workers), with 16
+concurrent requests on each decode daemon whose prompt lengths sit on and around the pool, ring
+and block boundaries (1 token included). Then: one decode worker using two prefill workers (one
+found through DNS), a prefill worker killed while requests are in flight, a decode worker killed
+in the middle of its requests, and prefill and decode in two network namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from connector.ucx import ucx_available
+from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.launcher import Daemon, model_flags, start_decode, start_prefill
+from kvcache import CacheFamily
+from model import ModelConfig
+from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+
+READY_S = 120
+TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
+DECODE_LIMITS = ["--max-prompt-tokens", "512", "--max-new-tokens", "256", "--max-running", "16",
+                 "--log-format", "text"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _flags(config: ModelConfig) -> list[str]:
+    return model_flags(family=config.family.value, kpool=config.kpool, ratio=config.compress_ratio,
+                       num_spec=config.num_spec, layers=config.num_layers, block_size=config.block_size or 0,
+                       seed=config.seed)
+
+
+def _metric(daemon: Daemon, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def _free_blocks(daemon: Daemon) -> float:
+    role = "prefill" if daemon.name.startswith("prefill") else "decode"
+    return _metric(daemon, f"kpoolpd_{role}_free_blocks")
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def _ready(*daemons: Daemon) -> None:
+    for daemon in daemons:
+        daemon.wait_ready(READY_S)
+
+
+def _stop(*daemons: Daemon) -> None:
+    """SIGTERM all at once (they drain in parallel), then wait for each."""
+    for daemon in daemons:
+        daemon.signal(signal.SIGTERM)
+    for daemon in daemons:
+        daemon.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def boundary_prompts(config: ModelConfig, count: int, max_tokens: int, *, seed: int, prefix: str
+                     ) -> list[GenerateRequest]:
+    """Prompt lengths on and around the pool (group), ring and block boundaries, 1 included,
+    then seeded random lengths up to ``count`` requests."""
+    g, ring, block = config.group, config.cache_config().ring_slots, config.resolved_block_size
+    lengths = sorted({n for base in (g, ring, block, 2 * block + g) for n in (base - 1, base, base + 1) if n >= 1}
+                     | {1})
+    rng = random.Random(seed)
+    while len(lengths) < count:
+        lengths.append(rng.randint(1, 3 * block))
+    prompts = make_prompts(count, max(lengths), seed=seed, vocab_size=config.vocab_size, max_tokens=max_tokens,
+                           prefix=prefix)
+    return [GenerateRequest(request_id=p.request_id, prompt=p.prompt[:n], max_tokens=max_tokens)
+            for p, n in zip(prompts, lengths[:count])]
+
+
+def _assert_match(results, reference: list[RequestResult]) -> None:
+    by_id = {r.request_id: r for r in reference}
+    for result in results:
+        assert isinstance(result, RequestResult), f"{result}"
+        want = by_id[result.request_id]
+        assert (result.tokens, result.output_digest, result.state_digest) == (
+            want.tokens, want.output_digest, want.state_digest), f"{result.request_id} (prompt {result.prompt_len})"
+
+
+MATRIX = [pytest.param(family, group, spec, id=f"{family.value}-{group}-spec{spec}")
+          for family in (CacheFamily.KPOOL, CacheFamily.QSA) for group in (2, 4, 8) for spec in (0, 3)]
+
+
+@pytest.mark.parametrize("family,group,num_spec", MATRIX)
+def test_pd_equals_colocated(tmp_path, family, group, num_spec):
+    key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
+    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, **{key: group})
+    flags = _flags(config)
+    # All three daemons boot at once: the decode daemons retry the prefill port until it serves.
+    port = _free_port()
+    prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
+    decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
+                            extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
+    try:
+        max_tokens = max(10, group + 3)
+        batches = {t: boundary_prompts(config, 16, max_tokens, seed=num_spec, prefix=t) for t in TRANSPORTS}
+        references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+        _ready(prefill, *decodes)
+        start_free = [_free_blocks(d) for d in (prefill, *decodes)]
+
+        async def everything():
+            return await asyncio.gather(*(generate_all(f"127.0.0.1:{d.port}", batches[t])
+                                          for d, t in zip(decodes, TRANSPORTS)))
+        outcomes = asyncio.run(everything())
+        for transport, results in zip(TRANSPORTS, outcomes):
+            failed = [r for r in results if isinstance(r, RequestFailed)]
+            assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}"
+            assert {r.transport for r in results} == {transport}
+            _assert_match(results, references[transport])
+        assert _wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free)
+    finally:
+        _stop(*decodes, prefill)
+
+
+def _two_prefills(tmp_path, flags, extra=()):
+    a = start_prefill(tmp_path, flags, name="prefill-a", extra=["--log-format", "text", *extra])
+    b = start_prefill(tmp_path, flags, name="prefill-b", extra=["--log-format", "text", *extra])
+    _ready(a, b)
+    return a, b
+
+
+def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_path):
+    config = ModelConfig(num_layers=2, num_spec=3, seed=21)
+    flags = _flags(config)
+    a, b = _two_prefills(tmp_path, flags)
+    decode = start_decode(tmp_path, flags, [f"127.0.0.1:{a.port}", f"dns:///localhost:{b.port}"],
+                          transport=TRANSPORTS[0], extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"])
+    try:
+        _ready(decode)
+        decode_free = _free_blocks(decode)
+        address = f"127.0.0.1:{decode.port}"
+        requests = boundary_prompts(config, 8, 12, seed=1, prefix="both")
+        results = asyncio.run(generate_all(address, requests))
+        _assert_match(results, run_colocated(config, requests))
+        assert {r.prefill_worker for r in results} == {f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"}
+
+        # Kill prefill A while requests are in flight: each request either completes and matches
+        # or fails with a clear transfer error; nothing stays allocated; B serves what follows.
+        requests = make_prompts(12, 300, seed=2, vocab_size=config.vocab_size, max_tokens=24, prefix="kill")
+
+        async def with_a_killed():
+            task = asyncio.ensure_future(generate_all(address, requests))
+            while _metric(decode, "kpoolpd_decode_running") + _metric(decode, "kpoolpd_decode_waiting") < 1:
+                await asyncio.sleep(0.01)
+            a.kill()
+            return await task
+        results = asyncio.run(with_a_killed())
+        reference = {r.request_id: r for r in run_colocated(config, requests)}
+        ok = [r for r in results if isinstance(r, RequestResult)]
+        failed = [r for r in results if isinstance(r, RequestFailed)]
+        assert ok, "requests on the surviving prefill worker must finish"
+        _assert_match(ok, list(reference.values()))
+        assert all(f.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL) and f.message for f in failed)
+        assert _wait_for(lambda: _metric(decode, "kpoolpd_decode_reserved_blocks") == 0)
+        assert _free_blocks(decode) == decode_free
+        after = make_prompts(4, 50, seed=3, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
+        results = asyncio.run(generate_all(address, after))
+        _assert_match(results, run_colocated(config, after))
+        assert {r.prefill_worker for r in results} == {f"127.0.0.1:{b.port}"}
+    finally:
+        _stop(decode, a, b)
+
+
+def test_a_decode_worker_killed_mid_request_fails_only_its_requests(tmp_path):
+    config = ModelConfig(family=CacheFamily.QSA, num_layers=2, num_spec=3, seed=5)
+    flags = _flags(config)
+    prefill = start_prefill(tmp_path, flags, extra=["--lease-s", "2", "--num-blocks", "128", "--log-format", "text"])
+    try:
+        _ready(prefill)
+        victim = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-victim",
+                              transport=TRANSPORTS[0], extra=DECODE_LIMITS)
+        survivor = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-survivor",
+                                transport="grpc", extra=DECODE_LIMITS)
+        _ready(victim, survivor)
+        prefill_free, survivor_free = _free_blocks(prefill), _free_blocks(survivor)
+        doomed = make_prompts(4, 90, seed=6, vocab_size=config.vocab_size, max_tokens=256, prefix="doomed")
+        fine = make_prompts(4, 90, seed=7, vocab_size=config.vocab_size, max_tokens=40, prefix="fine")
+
+        async def scenario():
+            survivors = asyncio.ensure_future(generate_all(f"127.0.0.1:{survivor.port}", fine))
+            victims = asyncio.ensure_future(generate_all(f"127.0.0.1:{victim.port}", doomed))
+            while _metric(victim, "kpoolpd_decode_running") < len(doomed):
+                await asyncio.sleep(0.01)
+            victim.kill()
+            return await victims, await survivors
+        lost, kept = asyncio.run(scenario())
+        assert all(isinstance(r, RequestFailed) and r.code == grpc.StatusCode.UNAVAILABLE for r in lost)
+        _assert_match(kept, run_colocated(config, fine))
+        assert _wait_for(lambda: _free_blocks(prefill) == prefill_free)
+        assert _wait_for(lambda: _free_blocks(survivor) == survivor_free)
+        _stop(survivor)
+    finally:
+        _stop(prefill)
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "iproute2 (the ip command) is not installed"
+    return None
+
+
+class NetnsPair:
+    """Two network namespaces joined by a veth pair, 10.213.<n>.1 and .2/24, loopback up."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 10000}"
+        self.names = (f"kpd-p{tag}", f"kpd-d{tag}")
+        self.addresses = (f"10.213.{os.getpid() % 250}.1", f"10.213.{os.getpid() % 250}.2")
+        self.links = (f"kpdp{tag}", f"kpdd{tag}")
+        self._made: list[str] = []
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+    def __enter__(self) -> "NetnsPair":
+        try:
+            for name in self.names:
+                self._ip("netns", "add", name)
+                self._made.append(name)
+                self._ip("-n", name, "link", "set", "lo", "up")
+            self._ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for name, link, address in zip(self.names, self.links, self.addresses):
+                self._ip("link", "set", link, "netns", name)
+                self._ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+                self._ip("-n", name, "link", "set", link, "up")
+        except subprocess.CalledProcessError as exc:
+            self.__exit__()
+            pytest.skip(f"cannot make network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self._made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+        self._made.clear()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_and_decode_in_two_network_namespaces(tmp_path, transport):
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    config = ModelConfig(num_layers=2, num_spec=3, seed=9)
+    flags = _flags(config)
+    requests = boundary_prompts(config, 6, 12, seed=4, prefix="ns")
+    with NetnsPair() as ns:
+        prefill = Daemon("prefill_worker", ["--host", ns.addresses[0], "--port", "0", "--metrics-port", "-1",
+                                            "--log-format", "text", *flags], tmp_path, "prefill", netns=ns.names[0])
+        decode = None
+        try:
+            prefill.wait_ready(READY_S)
+            decode = Daemon("decode_worker", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+                                              "--prefill", f"{ns.addresses[0]}:{prefill.port}",
+                                              "--transport", transport, *DECODE_LIMITS, *flags],
+                            tmp_path, "decode", netns=ns.names[1])
+            decode.wait_ready(READY_S)
+            # The client runs beside the decode daemon, inside its namespace.
+            proc = subprocess.run(
+                ["ip", "netns", "exec", ns.names[1], sys.executable, "-c",
+                 "import asyncio, json, sys; from kpool_pd.client import generate_all; "
+                 "from model.colocated import GenerateRequest; "
+                 "reqs = [GenerateRequest(**r) for r in json.loads(sys.argv[2])]; "
+                 "out = asyncio.run(generate_all(sys.argv[1], reqs)); "
+                 "print(json.dumps([r.as_json() for r in out]))",
+                 f"127.0.0.1:{decode.port}",
+                 json.dumps([{"request_id": r.request_id, "prompt": list(r.prompt), "max_tokens": r.max_tokens}
+                             for r in requests])],
+                capture_output=True, text=True, timeout=180)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            rows = json.loads(proc.stdout)
+        finally:
+            _stop(*(d for d in (decode, prefill) if d is not None))
+    reference = {r.request_id: r for r in run_colocated(config, requests)}
+    for row in rows:
+        assert row["transport"] == transport and row["prefill_worker"].startswith(ns.addresses[0])
+        want = reference[row["request_id"]]
+        assert (row["output_digest"], row["state_digest"]) == (want.output_digest, want.state_digest)
