@@ -99,6 +99,29 @@ def test_compress_rounding_edges(force_triton):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_compress_garbage_keys(force_triton, out_dtype):
+    """Rejected drafts carry any bits: NaN and inf keys give NaN where the reference has NaN (its NaN bits
+    depend on torch's cast path, so a NaN compares as a NaN), and every other byte identical (the zeros of
+    an infinite norm included)."""
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randint(-2 ** 15, 2 ** 15, (12, 2, 1, 128), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    keys[0, :, :, :64] = float("inf")  # an infinite norm: finite dims become 0, infinite ones NaN
+    keys[1, 0, 0, 3] = float("nan")
+    positions = torch.zeros(12, 3, dtype=torch.int64)  # no rotation: no cos/sin ulp can enter
+    weight = torch.randn(128, generator=gen)
+    got = compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
+    want = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
+    assert_same_or_both_nan(got, want)
+
+
+def assert_same_or_both_nan(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = want.float().isnan()
+    assert bool(nan.any()) and torch.equal(got.float().isnan(), nan)
+    bits = torch.int16 if want.dtype == torch.bfloat16 else torch.uint8
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
 def test_compress_checks_like_the_reference(force_triton):
     keys = torch.zeros(1, 2, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="first_positions must be int64"):

@@ -6,7 +6,7 @@ added, zero padding to a power of two), divided by ``D``, ``eps`` added, then ``
 correctly rounded square root and division; products and sums are separate (launched with
 ``enable_fp_fusion=False``); bf16 rounding to nearest even and the e4m3 encoding are done on the
 bits (the interpreter's own bf16 and fp8 casts are not to be trusted, see the tests). Keys and
-outputs move as integer bit patterns.
+outputs move as integer bit patterns. NaN bits are not specified (torch's own casts differ by path).
 
 cos/sin: compiled runs use libdevice's cosf/sinf, the CUDA math library that torch's CUDA cos/sin
 call, so a GPU run matches the reference run on the GPU; the interpreter uses numpy's float32
@@ -44,17 +44,19 @@ def bf16_bits_to_f32(bits):
 
 @triton.jit
 def f32_to_bf16_bits(x):
-    """fp32 -> int16 bit pattern of the nearest-even bf16 (NaN -> 0x7FC0, as torch on CPU)."""
+    """fp32 -> int16 bit pattern of the nearest-even bf16; NaN -> 0x7FFF (torch's own casts write other NaN
+    bits on other paths: 0xFFFF vectorised on CPU, 0x7FC0 scalar; a NaN is compared as a NaN)."""
     rounded = round_to_bf16(x).to(tl.uint32, bitcast=True) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
+    rounded = tl.where(x != x, 0x7FFF, rounded)
     return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
 
 
 @triton.jit
 def f32_to_e4m3_bits(x):
-    """fp32 -> uint8 e4m3 code: clamp to [-448, 448], nearest even (NaN -> 0x7F)."""
+    """fp32 -> uint8 e4m3 code: clamp to [-448, 448], nearest even (NaN -> 0x7F with its sign, as torch)."""
     clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    return tl.where(x != x, 0x7F, encode_e4m3(clamped).to(tl.int32)).to(tl.uint8)
+    nan_code = 0x7F | ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.int32)
+    return tl.where(x != x, nan_code, encode_e4m3(clamped).to(tl.int32)).to(tl.uint8)
 
 
 @triton.jit
@@ -67,7 +69,8 @@ def pairwise_total(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
         a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, N // 2)), (0, 2, 1)))
         s = a + b
         x = tl.reshape(tl.join(s, s), (ROWS, N))
-    return tl.max(x, axis=1)  # every column holds the total
+    first = tl.arange(0, N) == 0
+    return tl.sum(tl.where(first[None, :], x, 0.0), axis=1)  # column 0 (every column holds the total; NaN kept)
 
 
 @triton.jit

@@ -42,8 +42,8 @@ def _ring_position(ring_ptr, row, axis: tl.constexpr, live):
 def _update_compress_kernel(
     keys_ptr, pos_ptr, qsl_ptr, seq_ptr, rings_ptr, work_ptr, num_work_ptr, comp_slot_ptr, ring_ptr, comp_ptr,
     w_ptr, inv_freq_ptr, heads, key_tok_stride, key_head_stride, ring_stride, slot_stride, ring_head_stride,
-    comp_block_stride, comp_row_stride, comp_head_stride, total_rows, eps,
-    R: tl.constexpr, CAP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+    comp_block_stride, comp_row_stride, comp_head_stride, total_rows, cap, rows_per_block, eps,
+    R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
     LOG_D: tl.constexpr, ROT: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, OFF: tl.constexpr,
     ROPE_CACHED: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, PRECISE: tl.constexpr,
 ):
@@ -70,7 +70,7 @@ def _update_compress_kernel(
         first_w = tl.load(pos_ptr + safe_tok * 3 + 2, mask=fresh, other=0)
         old = live & (pos0 < start)
         if ROPE_CACHED:
-            packed = tl.where(old, ring_row0 + (pos0 % CAP) * slot_stride + OFF, 0)
+            packed = tl.where(old, ring_row0 + (pos0 % cap) * slot_stride + OFF, 0)
             first_t = tl.where(old, _ring_position(ring_ptr, packed, 0, old), first_t)
             first_h = tl.where(old, _ring_position(ring_ptr, packed, 1, old), first_h)
             first_w = tl.where(old, _ring_position(ring_ptr, packed, 2, old), first_w)
@@ -81,12 +81,12 @@ def _update_compress_kernel(
 
         slot = tl.load(comp_slot_ptr + tl.where(live, tok0 + R - 1, 0), mask=live, other=-1)
         write = live & (slot >= 0) & (slot < total_rows)
-        row_base = (slot // ROWS) * comp_block_stride + (slot % ROWS) * comp_row_stride
+        row_base = (slot // rows_per_block) * comp_block_stride + (slot % rows_per_block) * comp_row_stride
         cols = tl.arange(0, D_P2)
         mask = write[:, None] & (cols < D)[None, :]
         for h in range(heads):
             y = compress_tile(keys_ptr, ring_ptr, w_ptr, inv_freq_ptr, tok0 * key_tok_stride + h * key_head_stride,
-                              key_tok_stride, ring_row0 + h * ring_head_stride, slot_stride, pos0, start, CAP,
+                              key_tok_stride, ring_row0 + h * ring_head_stride, slot_stride, pos0, start, cap,
                               first_t, first_h, first_w, live, eps, BLOCK_W, R, D, D_P2, LOG_D, ROT, S1, S2, True,
                               PRECISE)
             out = comp_ptr + (row_base + h * comp_head_stride)[:, None] + cols[None, :]
@@ -120,10 +120,11 @@ def qsa_forward_update_triton(
             ring.view(torch.int16), compressed.view(torch.uint8 if fp8 else torch.int16), norm_weight.contiguous(),
             rope_table(rotary_dim, theta, keys.device), heads, keys.stride(0), keys.stride(1), ring.stride(0),
             ring.stride(1), ring.stride(2), compressed.stride(0), compressed.stride(1), compressed.stride(2),
-            compressed.shape[0] * metadata.rows_per_block, float(eps),
-            R=metadata.compress_ratio, CAP=metadata.ring_capacity, ROWS=metadata.rows_per_block, D=head_size,
+            compressed.shape[0] * metadata.rows_per_block, metadata.ring_capacity, metadata.rows_per_block, float(eps),
+            R=metadata.compress_ratio, D=head_size,
             D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim, S1=section[1], S2=section[2],
             OFF=width - 12 if cache_rope_positions else 0, ROPE_CACHED=cache_rope_positions, FP8=fp8,
-            BLOCK_W=block_w, PRECISE=not interpreting(), num_warps=4, **launch_options(),
+            BLOCK_W=block_w, PRECISE=not interpreting(), num_warps=4,
+            **launch_options(),
         )
     write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping)
