@@ -19,9 +19,10 @@ mkdir -p "$OUT/bench"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
   "cuda devices", torch.cuda.device_count())'; } > "$OUT/device.txt" 2>&1
-python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_gpu.log"
+# GPU_TESTS narrows the tests (default: tests/gpu and the gpu-marked QSA tests); BENCH_ONLY the bench cases.
+python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu tests/test_qsa_*.py} -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
-python3 bench/kernels.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" > /dev/null
+python3 bench/kernels.py --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/bench.log" > /dev/null
 bench_rc=${PIPESTATUS[0]}
 echo "== device"; cat "$OUT/device.txt"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
