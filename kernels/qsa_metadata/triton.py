@@ -23,11 +23,10 @@ from kernels.qsa_metadata.ref import QsaMetadata, max_work_items
 @triton.jit
 def _metadata_kernel(qsl_ptr, seq_ptr, table_ptr, rings_ptr, req_ptr, pos_ptr, visible_ptr, ring_slot_ptr,
                      comp_slot_ptr, work_ptr, num_work_ptr, requests, tokens, table_stride, table_width, max_work,
-                     R: tl.constexpr, CAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+                     cap, block_size, R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     # qsl: [B + 1] int32; seq: [B] int32; table: [B, M] int32; rings: [B] int32
     b = tl.program_id(0)
-    ROWS: tl.constexpr = BLOCK_SIZE // R
+    rows = block_size // R
     before = 0
     total = 0
     for c in range(0, requests, BLOCK_B):
@@ -55,13 +54,13 @@ def _metadata_kernel(qsl_ptr, seq_ptr, table_ptr, rings_ptr, req_ptr, pos_ptr, v
         tl.store(req_ptr + tok, tl.zeros((BLOCK_T,), tl.int32) + b, mask=m)
         tl.store(pos_ptr + tok, pos, mask=m)
         tl.store(visible_ptr + tok, tl.minimum((pos + 1) // R, seq // R).to(tl.int32), mask=m)
-        tl.store(ring_slot_ptr + tok, tl.where(i >= q_len - CAP, ring * CAP + pos % CAP, -1), mask=m)
+        tl.store(ring_slot_ptr + tok, tl.where(i >= q_len - cap, ring * cap + pos % cap, -1), mask=m)
         group = pos // R
         completes = ((pos + 1) % R) == 0
-        column = group * R // BLOCK_SIZE
+        column = group * R // block_size
         block = tl.load(table_ptr + b * table_stride + column, mask=m & completes & (column < table_width),
                         other=-1).to(tl.int64)
-        tl.store(comp_slot_ptr + tok, tl.where(completes & (block >= 0), block * ROWS + group % ROWS, -1), mask=m)
+        tl.store(comp_slot_ptr + tok, tl.where(completes & (block >= 0), block * rows + group % rows, -1), mask=m)
 
     done = seq // R - start // R
     for j in range(0, done, BLOCK_T):
@@ -109,7 +108,7 @@ def build_qsa_metadata_triton(
             query_start_loc, seq_lens, block_table, ring_blocks, out["token_to_req"], out["logical_positions"],
             out["visible_blocks"], out["ring_slot_mapping"], out["compressed_slot_mapping"], out["k_work"],
             out["num_work"], requests, num_tokens, block_table.stride(0), block_table.shape[1], max_work,
-            R=compress_ratio, CAP=ring_capacity, BLOCK_SIZE=block_size, BLOCK_B=256 if seq_lens.is_cuda else 16,
+            ring_capacity, block_size, R=compress_ratio, BLOCK_B=256 if seq_lens.is_cuda else 16,
             BLOCK_T=64 if seq_lens.is_cuda else 16, num_warps=4,
         )
     return QsaMetadata(

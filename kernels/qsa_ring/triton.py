@@ -15,16 +15,16 @@ POSITION_SLOTS = 12
 
 
 @triton.jit
-def ring_write_kernel(ring_ptr, keys_ptr, pos_ptr, slots_ptr, tokens, heads, total_rows,
+def ring_write_kernel(ring_ptr, keys_ptr, pos_ptr, slots_ptr, tokens, heads, total_rows, cap,
                       ring_stride, slot_stride, head_stride, key_tok_stride, key_head_stride,
                       D: tl.constexpr, W: tl.constexpr, W_P2: tl.constexpr, OFF: tl.constexpr,
-                      ROPE: tl.constexpr, CAP: tl.constexpr, BLOCK_T: tl.constexpr):
+                      ROPE: tl.constexpr, BLOCK_T: tl.constexpr):
     # ring: [num_rings, C, H, W] int16; keys: [T, H, D] int16; positions: [T, 12] int16 (3 int64); slots: [T] int64
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = tok < tokens
     slot = tl.load(slots_ptr + tok, mask=live, other=-1).to(tl.int64)
     write = live & (slot >= 0) & (slot < total_rows)
-    row = (slot // CAP) * ring_stride + (slot % CAP) * slot_stride
+    row = (slot // cap) * ring_stride + (slot % cap) * slot_stride
     cols = tl.arange(0, W_P2)
     is_key = cols < D
     if ROPE:
@@ -52,8 +52,8 @@ def write_qsa_ring_triton(ring: torch.Tensor, keys: torch.Tensor, positions: tor
     packed = positions.contiguous().view(torch.int16) if positions is not None else ring_slots
     block_t = 32 if keys.is_cuda else 8
     ring_write_kernel[(triton.cdiv(tokens, block_t),)](
-        ring.view(torch.int16), keys.view(torch.int16), packed, ring_slots, tokens, heads, num_rings * capacity,
+        ring.view(torch.int16), keys.view(torch.int16), packed, ring_slots, tokens, heads, num_rings * capacity, capacity,
         ring.stride(0), ring.stride(1), ring.stride(2), keys.stride(0), keys.stride(1),
-        D=head_size, W=width, W_P2=triton.next_power_of_2(width), OFF=off, ROPE=positions is not None, CAP=capacity,
+        D=head_size, W=width, W_P2=triton.next_power_of_2(width), OFF=off, ROPE=positions is not None,
         BLOCK_T=block_t, num_warps=4,
     )
