@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 
@@ -146,6 +147,9 @@ class DecodeScheduler:
         except TransferError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE:
                 self.router.mark_failed(peer, exc.message)
+            else:  # the prefill node is up: free its blocks now rather than at lease expiry
+                with contextlib.suppress(TransferError):
+                    await peer.release(grant.grant_id)
             raise GenerateError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         if job.cancelled:
             return
