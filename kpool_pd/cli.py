@@ -86,10 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=_generate)
     for name, text in (("prefill", "run the prefill daemon"), ("decode", "run the decode daemon (the Generate API)")):
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
+    bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL")):
+        benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
+BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(DAEMONS[argv[0]]).main(argv[1:])
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # the benchmarks parse their own flags
+        import importlib
+
+        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)
