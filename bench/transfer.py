@@ -1,11 +1,14 @@
 """Transfer benchmark: time from Pull to the last byte landed, per transport and request size,
 beside baselines measured in the same run (memcpy of the same bytes; a raw loopback TCP stream
-between two processes; torch's peer copy when two GPUs are used).
+between two processes; torch's peer copy when two GPUs are used; NIXL READ of the same bytes
+across two processes where the nixl package imports).
 
     python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
 
-The prefill node runs in a second process (spawn); the decode node is this process. Prints a
-table, writes transfer-<date>-<machine>.json and .png under --out.
+Each UCX configuration runs with a fresh pair of processes (UCX reads its options once per
+process): the decode node in one spawned process, the prefill node in another. On the CPU
+machine both same-host UCX configurations are measured (see ConnectorConfig.ucx_options).
+Prints a table, writes transfer-<date>-<machine>.json and .png under --out.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector.config import ConnectorConfig
+from connector.config import UCX_NO_CMA, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
 from connector.plan import blocks_needed
@@ -50,6 +53,8 @@ class _TemplateEngine:
         n = len(request.prompt_token_ids)
         ids, ring = cache.allocate(blocks_needed(cache.pool.config, n))
         cache.pool.blocks[list(ids)] = self.template[: len(ids)]
+        if cache.pool.device.type == "cuda":  # the bytes must be written before UCX reads them
+            torch.cuda.synchronize(cache.pool.device)
         return PrefillOutput(block_ids=ids, ring_id=ring, prompt_len=n, first_token=0)
 
 
@@ -61,8 +66,9 @@ def _prefill_proc(conn, args: dict) -> None:
         pool = CachePool(layout, num_blocks=args["num_blocks"], num_rings=4, device=device)
         template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8).to(device)
         transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
+        config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]))
         node = PrefillConnector(pool, BlockAllocator(args["num_blocks"]), RingAllocator(4), _TemplateEngine(template),
-                                engine_id="bench-prefill", config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120),
+                                engine_id="bench-prefill", config=config,
                                 registry=CollectorRegistry(), transports=transports)
         conn.send(await node.start())
         loop = asyncio.get_running_loop()
@@ -76,8 +82,8 @@ def _socket_sender(port: int, nbytes: int, reps: int) -> None:
     buf = memoryview(bytearray(os.urandom(1 << 20)) * (-(-nbytes >> 20)))[:nbytes]
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         for _ in range(reps):
+            s.recv(1)  # the receiver's clock has started
             s.sendall(buf)
-            s.recv(1)
 
 
 def socket_stream_gbps(nbytes: int, reps: int) -> float:
@@ -91,12 +97,12 @@ def socket_stream_gbps(nbytes: int, reps: int) -> float:
     dst = memoryview(bytearray(nbytes))
     times = []
     for _ in range(reps):
-        got = conn.recv_into(dst, nbytes)
         t0 = time.perf_counter()
+        conn.sendall(b"g")
+        got = 0
         while got < nbytes:
             got += conn.recv_into(dst[got:], nbytes - got)
         times.append(time.perf_counter() - t0)
-        conn.sendall(b"k")
     conn.close()
     srv.close()
     proc.join(10)
@@ -107,50 +113,103 @@ def copy_gbps(src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:
     """memcpy (same device) or torch peer copy (cuda:0 -> cuda:1) of ``src.numel()`` bytes."""
     times = []
     for _ in range(reps + 1):
-        if src.is_cuda:
-            torch.cuda.synchronize(src.device), torch.cuda.synchronize(dst.device)
+        for t in (src, dst):
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        if dst.is_cuda:
-            torch.cuda.synchronize(dst.device)
+        for t in (src, dst):  # a peer copy runs on the source device's stream
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
         times.append(time.perf_counter() - t0)
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
-async def _run(args) -> list[dict]:
-    config = _config(args.layers, args.block_size, args.kpool)
-    layout = BlockLayout(config)
-    max_tokens = max(args.tokens)
-    num_blocks = blocks_needed(config, max_tokens) + 2
-    use_ucx = ucx_available() and not args.no_ucx
-    prefill_device = "cuda:0" if args.device == "cuda" else "cpu"
-    decode_device = ("cuda:1" if args.two_gpu else "cuda:0") if args.device == "cuda" else "cpu"
+# NIXL READ -----------------------------------------------------------------------------------
+def import_nixl():
+    """The nixl module (``nixl``, or the CUDA-specific ``nixl_cu12``/``nixl_cu13`` it wraps), or
+    None with the reason."""
+    errors = []
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
+        try:
+            module = __import__(name)
+        except (ImportError, OSError) as exc:  # not installed, or a missing shared library
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module, ""
+        errors.append(f"{name}: no nixl_agent")
+    return None, "; ".join(errors)
+
+
+def _nixl_target(conn, nbytes: int, device: str) -> None:
+    nixl, _ = import_nixl()
+    agent = nixl.nixl_agent("bench-target", nixl.nixl_agent_config(backends=["UCX"]))
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
+    if src.is_cuda:
+        torch.cuda.synchronize(src.device)
+    agent.register_memory(src)
+    conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(agent.get_xfer_descs(src))))
+    conn.recv()  # stop
+    os._exit(0)
+
+
+def nixl_read_gbps(nbytes: int, reps: int, src_device: str, dst_device: str) -> float:
+    """NIXL (UCX backend) READ of one ``nbytes`` region from another process's ``src_device``
+    memory into ``dst_device`` memory here; median of ``reps`` after one warm-up."""
+    nixl, _ = import_nixl()
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_proc, args=(child, dict(layers=args.layers, block_size=args.block_size, kpool=args.kpool,
-                       num_blocks=num_blocks, ucx=use_ucx, prefill_device=prefill_device)), daemon=True)
+    proc = ctx.Process(target=_nixl_target, args=(child, nbytes, src_device), daemon=True)
+    proc.start()
+    if not conn.poll(120):
+        raise RuntimeError("NIXL target process did not start")
+    metadata, remote = conn.recv()
+    agent = nixl.nixl_agent("bench-initiator", nixl.nixl_agent_config(backends=["UCX"]))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
+    agent.register_memory(dst)
+    peer = agent.add_remote_agent(metadata)
+    local, remote = agent.get_xfer_descs(dst), agent.deserialize_descs(remote)
+    times = []
+    for _ in range(reps + 1):
+        handle = agent.initialize_xfer("READ", local, remote, peer)
+        t0 = time.perf_counter()
+        state = agent.transfer(handle)
+        deadline = t0 + 120
+        while state == "PROC" and time.perf_counter() < deadline:
+            time.sleep(20e-6)  # leave the CPU to NIXL's progress thread (2-core machines)
+            state = agent.check_xfer_state(handle)
+        times.append(time.perf_counter() - t0)
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ of {nbytes} B ended in state {state}")
+    conn.send("stop")
+    proc.join(30)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+# the connector --------------------------------------------------------------------------------
+async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str) -> list[dict]:
+    config = _config(args["layers"], args["block_size"], args["kpool"])
+    layout = BlockLayout(config)
+    num_blocks = blocks_needed(config, max(args["tokens"])) + 2
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_proc, args=(child, dict(
+        layers=args["layers"], block_size=args["block_size"], kpool=args["kpool"], num_blocks=num_blocks,
+        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options)), daemon=True)
     proc.start()
     port = conn.recv()
-    pool = CachePool(layout, num_blocks=num_blocks, num_rings=4, device=decode_device)
-    transports = (Transport.UCX, Transport.GRPC_STREAM) if use_ucx else (Transport.GRPC_STREAM,)
+    pool = CachePool(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
     node = await DecodeConnector(pool, BlockAllocator(num_blocks), RingAllocator(4), engine_id="bench-decode",
-                                 config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120),
+                                 config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=ucx_options),
                                  registry=CollectorRegistry(), transports=transports).start()
     peer = await node.connect(f"127.0.0.1:{port}")
     rows = []
-    for tokens in args.tokens:
-        nbytes = blocks_needed(config, tokens) * layout.block_bytes
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(prefill_device)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=decode_device)
-        base = {"tokens": tokens, "layers": args.layers, "bytes": nbytes}
-        label = "torch peer copy" if args.two_gpu else ("device copy" if args.device == "cuda" else "memcpy")
-        rows.append(base | {"path": label, "gbps": copy_gbps(src, dst, args.reps)})
-        if args.device == "cpu":
-            rows.append(base | {"path": "raw socket", "gbps": socket_stream_gbps(nbytes, args.reps)})
-        del src, dst
+    for tokens in args["tokens"]:
         for transport in transports:
             times = []
-            for rep in range(args.reps + 1):
+            for rep in range(args["reps"] + 1):
                 grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
                 t0 = time.perf_counter()
                 landed = await peer.pull(grant, transport=transport, release=False)
@@ -160,23 +219,79 @@ async def _run(args) -> list[dict]:
                 await peer.release(grant.grant_id)
                 landed.release()
             seconds = statistics.median(times[1:])
-            rows.append(base | {"path": f"connector {transport.label}", "gbps": landed.nbytes / seconds / 1e9,
-                                "ms": seconds * 1e3, "regions": landed.regions})
+            rows.append({"tokens": tokens, "layers": args["layers"], "bytes": landed.nbytes,
+                         "path": f"connector {transport.label}{suffix}", "gbps": landed.nbytes / seconds / 1e9,
+                         "ms": seconds * 1e3, "regions": landed.regions})
     await node.close()
     conn.send("stop")
     proc.join(30)
     return rows
 
 
+def _decode_proc(conn, args: dict, ucx_options: tuple, transports: tuple, suffix: str) -> None:
+    rows = asyncio.run(_connector_rows(args, tuple(ucx_options), tuple(Transport(t) for t in transports), suffix))
+    conn.send(rows)
+    os._exit(0)  # skip the UCX worker's teardown (its peer is gone)
+
+
+def connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str = "") -> list[dict]:
+    """Rows for each transport and request size, from a fresh decode process and prefill process."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_proc, args=(child, args, ucx_options, tuple(t.value for t in transports), suffix))
+    proc.start()  # not a daemon: it starts the prefill process
+    rows = conn.recv()
+    proc.join(60)
+    return rows
+
+
+def _run(args) -> tuple[list[dict], dict]:
+    config = _config(args.layers, args.block_size, args.kpool)
+    layout = BlockLayout(config)
+    use_ucx = ucx_available() and not args.no_ucx
+    prefill_device = "cuda:0" if args.device == "cuda" else "cpu"
+    decode_device = ("cuda:1" if args.two_gpu else "cuda:0") if args.device == "cuda" else "cpu"
+    nixl, nixl_reason = import_nixl()
+    notes = {"nixl": "measured" if nixl else f"skipped: {nixl_reason}",
+             "ucx": "measured" if use_ucx else ("skipped: --no-ucx" if args.no_ucx else "skipped: ucxx does not import")}
+    rows = []
+    for tokens in args.tokens:
+        nbytes = blocks_needed(config, tokens) * layout.block_bytes
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(prefill_device)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=decode_device)
+        base = {"tokens": tokens, "layers": args.layers, "bytes": nbytes}
+        label = "torch peer copy" if args.two_gpu else ("device copy" if args.device == "cuda" else "memcpy")
+        rows.append(base | {"path": label, "gbps": copy_gbps(src, dst, args.reps)})
+        del src, dst
+        if args.device == "cpu":
+            rows.append(base | {"path": "raw socket", "gbps": socket_stream_gbps(nbytes, args.reps)})
+        if nixl is not None:
+            rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
+    shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
+                  prefill_device=prefill_device, decode_device=decode_device)
+    if use_ucx:
+        rows += connector_rows(shared, UCX_NO_CMA, (Transport.UCX, Transport.GRPC_STREAM))
+        if args.device == "cpu":  # host memory on one host: the zero-copy (cma) configuration too
+            rows += connector_rows(shared, UCX_SAME_HOST_ZERO_COPY, (Transport.UCX,), " cma")
+    else:
+        rows += connector_rows(shared, UCX_NO_CMA, (Transport.GRPC_STREAM,))
+    order = {t: i for i, t in enumerate(args.tokens)}
+    rows.sort(key=lambda r: order[r["tokens"]])  # stable: paths keep their order within a size
+    return rows, notes
+
+
 def _table(rows: list[dict]) -> str:
-    baseline = {r["tokens"]: r["gbps"] for r in rows if r["path"] in ("memcpy", "device copy", "torch peer copy")}
-    sock = {r["tokens"]: r["gbps"] for r in rows if r["path"] == "raw socket"}
-    lines = [f"{'tokens':>7} {'MiB':>8} {'path':<18} {'ms':>9} {'GB/s':>7} {'x copy':>7} {'x socket':>8}"]
+    """One line per row, with its rate over the copy baseline, the raw socket and NIXL READ of the
+    same request size (a dash where that baseline was not measured)."""
+    def rates(path_names):
+        return {r["tokens"]: r["gbps"] for r in rows if r["path"] in path_names}
+    baselines = [("x copy", rates(("memcpy", "device copy", "torch peer copy"))), ("x socket", rates(("raw socket",))),
+                 ("x nixl", rates(("nixl read",)))]
+    lines = [f"{'tokens':>7} {'MiB':>8} {'path':<20} {'ms':>9} {'GB/s':>7}" + "".join(f" {n:>8}" for n, _ in baselines)]
     for r in rows:
         ms = r.get("ms", r["bytes"] / r["gbps"] / 1e6)
-        vs_sock = f"{r['gbps'] / sock[r['tokens']]:8.2f}" if r["tokens"] in sock else f"{'-':>8}"
-        lines.append(f"{r['tokens']:>7} {r['bytes'] / 2**20:8.1f} {r['path']:<18} {ms:9.3f} {r['gbps']:7.2f} "
-                     f"{r['gbps'] / baseline[r['tokens']]:7.2f} {vs_sock}")
+        ratios = "".join(f" {r['gbps'] / b[r['tokens']]:8.2f}" if r["tokens"] in b else f" {'-':>8}" for _, b in baselines)
+        lines.append(f"{r['tokens']:>7} {r['bytes'] / 2**20:8.1f} {r['path']:<20} {ms:9.3f} {r['gbps']:7.2f}{ratios}")
     return "\n".join(lines)
 
 
@@ -217,15 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < (2 if args.two_gpu else 1):
         parser.error(f"--device cuda{' --two-gpu' if args.two_gpu else ''} needs {(2 if args.two_gpu else 1)} GPUs; "
                      f"{torch.cuda.device_count()} visible")
-    rows = asyncio.run(_run(args))
-    table = _table(rows)
-    sys.stdout.write(table + "\n")
+    rows, notes = _run(args)
+    for what, note in notes.items():
+        sys.stdout.write(f"{what}: {note}\n")
+    sys.stdout.write(_table(rows) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"transfer-{dt.date.today().isoformat()}-{args.machine}-{args.device}{'-2gpu' if args.two_gpu else ''}"
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": args.machine, "device": args.device,
             "two_gpu": args.two_gpu, "layers": args.layers, "block_size": args.block_size, "kpool": args.kpool,
-            "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__}
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "notes": notes}
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     _plot(rows, args.out / f"{stem}.png", f"kpool-pd transfer, {args.machine} ({args.device})")
     sys.stdout.write(f"wrote {args.out / stem}.json and .png\n")
     return 0
