@@ -11,6 +11,7 @@ returns the call to time and the bytes it must move (each input read once, each 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill  # noqa: E402
 from kernels.kpool_cache.triton import write_entries_triton  # noqa: E402
 from kernels.kpool_compress.triton import compress_pools_triton  # noqa: E402
+from kernels.kpool_decode.triton import decode_update_triton  # noqa: E402
 from kernels.kpool_prefill.triton import prefill_compress_write_triton  # noqa: E402
 from kvcache import PoolMode, tail_ring_size  # noqa: E402
 from kernels import build_qsa_metadata, qsa_forward_update, repack_blocks  # noqa: E402
@@ -97,7 +101,8 @@ def make_prefill(requests: int = 256, tokens_each: int = 4096, kpool: int = 4, s
     return make
 
 
-def make_decode(batch: int, tokens_each: int = 4, kpool: int = 4, states: int = 64, calls: int = 1):
+def make_decode(batch: int, tokens_each: int = 4, kpool: int = 4, states: int = 64, calls: int = 1,
+                block_c: int | None = None, num_warps: int | None = None):
     """Decode step of one layer: every request stashes its tokens and compresses the pools they complete."""
     def make(device: torch.device) -> Prepared:
         gen = torch.Generator(device="cpu").manual_seed(2)
@@ -118,7 +123,11 @@ def make_decode(batch: int, tokens_each: int = 4, kpool: int = 4, states: int = 
 
         def run() -> None:
             for _ in range(calls):
-                kpool_decode_update(*args)
+                if num_warps is None:
+                    kpool_decode_update(*args)
+                else:  # a launch variant: the kernel alone
+                    decode_update_triton(*args, mode=PoolMode.SOFTMAX, round_scale=True, block_c=block_c,
+                                         num_warps=num_warps)
         return Prepared(run, moved * calls, calls)
     return make
 
@@ -237,12 +246,14 @@ CASES: list[BenchCase] = [
               make_prefill(), target_copy_fraction=0.60, anchor="vLLM 362 us, 1.58 TB/s, 37% of copy"),
     *[BenchCase(f"prefill compress+write BLOCK_P={bp} warps={nw}", "262,144 pools of 4",
                 make_prefill(block_p=bp, num_warps=nw, public=False), target_copy_fraction=0.60)
-      for bp, nw in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))],
+      for bp, nw in ((4, 4), (8, 4), (8, 2), (16, 4), (16, 8), (32, 4))],
     BenchCase("decode update, 3 drafts", "1 layer, batch 256 x 4 tokens", make_decode(256), target_us=5.0,
               anchor="vLLM 5.1 us a replay"),
     BenchCase("decode update, 3 drafts, 32 calls a graph", "batch 256 x 4 tokens, per call", make_decode(256, calls=32),
               anchor="vLLM 3.0 us a call"),
     BenchCase("decode update, 3 drafts", "1 layer, batch 1024 x 4 tokens", make_decode(1024), target_us=6.3),
+    *[BenchCase(f"decode update, 3 drafts, BLOCK_C={bc} warps={nw}", f"batch {b} x 4 tokens",
+                make_decode(b, block_c=bc, num_warps=nw)) for b in (256, 1024) for bc, nw in ((1, 1), (1, 2), (2, 2), (1, 4))],
     BenchCase("compress (standalone op)", "262,144 pools of 4", make_compress()),
     BenchCase("paged write of entries", "262,144 entries", make_write()),
     BenchCase("indexer scores + top-2048", "64 requests x 16k tokens, 64 heads", make_score()),
@@ -290,11 +301,58 @@ def time_graph(run: Callable[[], None], *, flush: torch.Tensor | None, reps: int
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2**30, reps: int = 30) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    # int32 words, 4 per thread and access (16-byte loads and stores)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+def _cudart_memcpy_async():
+    """cudaMemcpyAsync from the CUDA runtime library that torch loaded (ctypes)."""
+    import glob
+
+    names = [path for folder in sys.path for path in glob.glob(f"{folder}/nvidia/cu*/lib/libcudart.so*")]
+    names += glob.glob(f"{Path(torch.__file__).parent}/lib/libcudart*.so*") + ["libcudart.so", "libcudart.so.13",
+                                                                            "libcudart.so.12"]
+    for name in names:
+        try:
+            return ctypes.CDLL(name).cudaMemcpyAsync
+        except OSError:
+            continue
+    raise RuntimeError("no libcudart found")
+
+
+def copy_bandwidths(device: torch.device, nbytes: int = 2**30, reps: int = 30) -> dict[str, float]:
+    """Device copy bandwidth in bytes/s (bytes read plus bytes written) by three means, each timed the same
+    way (graph replay, median): torch copy_ of the buffer viewed as int64, a vectorised Triton copy kernel
+    (16-byte accesses, 8,192 words a program), and cudaMemcpyAsync device to device."""
+    src = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / (time_graph(lambda: dst.copy_(src), flush=None, reps=reps) * 1e-6)
+    words = src.numel()
+    memcpy_async = _cudart_memcpy_async()
+
+    def memcpy() -> None:
+        code = memcpy_async(ctypes.c_void_p(dst.data_ptr()), ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(nbytes),
+                            3, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))  # 3: device to device
+        if code != 0:
+            raise RuntimeError(f"cudaMemcpyAsync returned {code}")
+
+    block = 8192
+    ways = {
+        "torch copy_ (int64 view)": lambda: dst.view(torch.int64).copy_(src.view(torch.int64)),
+        "triton vectorised copy": lambda: _copy_kernel[(triton.cdiv(words, block),)](src, dst, words, BLOCK=block,
+                                                                                      num_warps=8),
+        "cudaMemcpyAsync D2D": memcpy,
+    }
+    found = {}
+    for name, run in ways.items():
+        try:
+            found[name] = 2 * nbytes / (time_graph(run, flush=None, reps=reps) * 1e-6)
+        except Exception as error:  # one way failing leaves the others
+            print(f"copy baseline {name}: failed: {error!r}", file=sys.stderr)
+    return found
 
 
 def run_cases(cases: list[BenchCase], device: torch.device, copy_bps: float, reps: int) -> list[dict]:
@@ -371,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kpool-pd bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for kernels.json/.txt/.png")
     parser.add_argument("--reps", type=int, default=200, help="timed graph replays per kernel (median reported)")
-    parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains one of these comma-separated texts")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device (none found)", file=sys.stderr)
@@ -379,17 +437,19 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     device_name = torch.cuda.get_device_name(device)
-    copy_bps = copy_bandwidth(device)
-    cases = [c for c in CASES if args.only in c.name]
+    copies = copy_bandwidths(device)
+    copy_name, copy_bps = max(copies.items(), key=lambda item: item[1])
+    wanted = [part for part in args.only.split(",") if part] or [""]
+    cases = [c for c in CASES if any(part in c.name for part in wanted)]
     rows = run_cases(cases, device, copy_bps, args.reps)
     table = format_table(rows, copy_bps, device_name)
+    table += "\ncopy baselines (read + write): " + ", ".join(f"{name} {bps / 1e12:.2f} TB/s" for name, bps in copies.items())
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    import triton
-
     (args.out / "kernels.json").write_text(json.dumps({
         "date": stamp, "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-        "copy_bandwidth_GBps": round(copy_bps / 1e9, 1), "reps": args.reps, "rows": rows,
+        "copy_bandwidth_GBps": round(copy_bps / 1e9, 1), "copy_method": copy_name,
+        "copy_bandwidths_GBps": {name: round(bps / 1e9, 1) for name, bps in copies.items()}, "reps": args.reps, "rows": rows,
     }, indent=1))
     (args.out / "kernels.txt").write_text(table + "\n")
     plot(rows, args.out / "kernels.png", f"kpool kernels on {device_name}, {stamp} (copy {copy_bps / 1e12:.2f} TB/s)")

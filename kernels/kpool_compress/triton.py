@@ -61,46 +61,46 @@ def decode_e4m3(code):
 
 
 @triton.jit
+def _butterfly(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """One butterfly stage in place: x[i] + x[i + HALF] at i, x[i] - x[i + HALF] at i + HALF, for i with
+    bit HALF clear. # x: [ROWS, 128] fp32"""
+    a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, 64 // HALF, 2, HALF)), (0, 1, 3, 2)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, 128))
+
+
+@triton.jit
 def fwht128(x, ROWS: tl.constexpr):
     """H_128 x per row by butterflies, halves 64, 32, ..., 1. # x: [ROWS, 128] fp32"""
-    for _ in tl.static_range(7):
-        a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, 64)), (0, 2, 1)))
-        x = tl.reshape(tl.join(a + b, a - b), (ROWS, 128))
+    x = _butterfly(x, ROWS, 64)
+    x = _butterfly(x, ROWS, 32)
+    x = _butterfly(x, ROWS, 16)
+    x = _butterfly(x, ROWS, 8)
+    x = _butterfly(x, ROWS, 4)
+    x = _butterfly(x, ROWS, 2)
+    x = _butterfly(x, ROWS, 1)
     return x
 
 
 @triton.jit
-def _slot_offsets(i, row0, row_step, pos0, first_fresh, ring_row0, ring_size, ring_step, FROM_RING: tl.constexpr):
-    """Element offsets of slot i of each pool, and whether it is read from the ring instead of the input.
+def _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos0, first_fresh, ring_row0, ring_size,
+               ring_step, mask, dims, FROM_RING: tl.constexpr):
+    """k and gate of slot i of each pool as fp32. # -> [ROWS, 128] fp32 each
 
-    Input rows: row0 + i * row_step. With FROM_RING, positions below first_fresh live in the ring at
-    ring_row0 + ((pos0 + i) % ring_size) * ring_step.
+    Input rows: ``fresh_offset`` ([ROWS, 128] element offsets of slot 0) + i * row_step. With FROM_RING, positions
+    below first_fresh are read from the ring at ring_row0 + ((pos0 + i) % ring_size) * ring_step instead.
     """
-    offset = row0 + i * row_step
+    offset = fresh_offset + i * row_step
     if FROM_RING:
         pos = pos0 + i
-        old = pos < first_fresh
-        return tl.where(old, 0, offset), tl.where(old, ring_row0 + (pos % ring_size) * ring_step, 0), old
-    return offset, offset, offset < 0
-
-
-@triton.jit
-def _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh, ring_row0, ring_size,
-               ring_step, live, dims, FROM_RING: tl.constexpr):
-    """k and gate of slot i as fp32. # -> [ROWS, 128] fp32 each"""
-    offset, ring_offset, old = _slot_offsets(i, row0, row_step, pos0, first_fresh, ring_row0, ring_size, ring_step,
-                                             FROM_RING)
-    mask = live[:, None]
-    if FROM_RING:
-        fresh_mask = mask & ~old[:, None]
-        ring_mask = mask & old[:, None]
-        kv = tl.load(k_ptr + offset[:, None] + dims[None, :], mask=fresh_mask, other=0.0)
-        gv = tl.load(g_ptr + offset[:, None] + dims[None, :], mask=fresh_mask, other=0.0)
-        rk = tl.load(ring_ptr + ring_offset[:, None] + dims[None, :], mask=ring_mask, other=0.0)
-        rg = tl.load(ring_ptr + gate_half + ring_offset[:, None] + dims[None, :], mask=ring_mask, other=0.0)
-        return tl.where(old[:, None], rk, kv).to(tl.float32), tl.where(old[:, None], rg, gv).to(tl.float32)
-    kv = tl.load(k_ptr + offset[:, None] + dims[None, :], mask=mask, other=0.0)
-    gv = tl.load(g_ptr + offset[:, None] + dims[None, :], mask=mask, other=0.0)
+        old = (pos < first_fresh)[:, None]
+        ring_offset = (ring_row0 + (pos % ring_size) * ring_step)[:, None] + dims[None, :]
+        kv = tl.load(k_ptr + offset, mask=mask & ~old, other=0.0)
+        gv = tl.load(g_ptr + offset, mask=mask & ~old, other=0.0)
+        rk = tl.load(ring_ptr + ring_offset, mask=mask & old, other=0.0)
+        rg = tl.load(ring_ptr + gate_half + ring_offset, mask=mask & old, other=0.0)
+        return tl.where(old, rk, kv).to(tl.float32), tl.where(old, rg, gv).to(tl.float32)
+    kv = tl.load(k_ptr + offset, mask=mask, other=0.0)
+    gv = tl.load(g_ptr + offset, mask=mask, other=0.0)
     return kv.to(tl.float32), gv.to(tl.float32)
 
 
@@ -108,48 +108,42 @@ def _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, row0, row_step, pos0, first
 def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh, ring_row0,
                   ring_size, ring_step, live, ROWS: tl.constexpr, KPOOL: tl.constexpr, SOFTMAX: tl.constexpr,
                   ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr, FROM_RING: tl.constexpr):
-    """Compress ROWS pools. # -> codes: [ROWS, 128] uint8 (e4m3 bits), scale: [ROWS] fp32"""
+    """Compress ROWS pools. # -> codes: [ROWS, 128] uint8 (e4m3 bits), scale: [ROWS] fp32
+
+    Slot i of pool r is input row row0[r] + i * row_step (element offsets), or with FROM_RING and a position
+    pos0[r] + i below first_fresh, ring row ring_row0[r] + ((pos0[r] + i) % ring_size) * ring_step. Each slot is
+    loaded once and its logit and exp kept in registers (KPOOL is a compile-time constant): one pass over the
+    slots for the max, then the exps and their sequential sum, then the weighted sum, in the reference's order.
+    """
     dims = tl.arange(0, 128)
+    mask = live[:, None]
+    fresh_offset = row0[:, None] + dims[None, :]
     if SOFTMAX:
-        peak = tl.full((ROWS, 128), float("-inf"), tl.float32)
+        keys = ()
+        logits = ()
         for i in tl.static_range(KPOOL):
-            _, g = _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh, ring_row0,
-                              ring_size, ring_step, live, dims, FROM_RING)
-            logit = g + tl.load(ape_ptr + i * 128 + dims)[None, :]
-            if i == 0:
-                peak = logit
-            else:
-                peak = tl.maximum(peak, logit)
-        total = tl.zeros((ROWS, 128), tl.float32)
+            kv, g = _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos0, first_fresh,
+                               ring_row0, ring_size, ring_step, mask, dims, FROM_RING)
+            keys = keys + (kv,)
+            logits = logits + (g + tl.load(ape_ptr + i * 128 + dims)[None, :],)
+        peak = logits[0]
+        for i in tl.static_range(1, KPOOL):
+            peak = tl.maximum(peak, logits[i])
+        exps = ()
         for i in tl.static_range(KPOOL):
-            _, g = _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh, ring_row0,
-                              ring_size, ring_step, live, dims, FROM_RING)
-            shifted = (g + tl.load(ape_ptr + i * 128 + dims)[None, :]) - peak
             if PRECISE_EXP:
-                e = libdevice.exp(shifted)
+                exps = exps + (libdevice.exp(logits[i] - peak),)
             else:
-                e = tl.exp(shifted)
-            if i == 0:
-                total = e
-            else:
-                total = total + e
-        x = tl.zeros((ROWS, 128), tl.float32)
-        for i in tl.static_range(KPOOL):
-            kv, g = _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh, ring_row0,
-                               ring_size, ring_step, live, dims, FROM_RING)
-            shifted = (g + tl.load(ape_ptr + i * 128 + dims)[None, :]) - peak
-            if PRECISE_EXP:
-                e = libdevice.exp(shifted)
-            else:
-                e = tl.exp(shifted)
-            term = tl.math.div_rn(e, total) * kv
-            if i == 0:
-                x = term
-            else:
-                x = x + term
+                exps = exps + (tl.exp(logits[i] - peak),)
+        total = exps[0]
+        for i in tl.static_range(1, KPOOL):
+            total = total + exps[i]
+        x = tl.math.div_rn(exps[0], total) * keys[0]
+        for i in tl.static_range(1, KPOOL):
+            x = x + tl.math.div_rn(exps[i], total) * keys[i]
     else:
-        x, _ = _load_slot(KPOOL - 1, k_ptr, g_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh,
-                          ring_row0, ring_size, ring_step, live, dims, FROM_RING)
+        x, _ = _load_slot(KPOOL - 1, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos0, first_fresh,
+                          ring_row0, ring_size, ring_step, mask, dims, FROM_RING)
     x = round_to_bf16(x)
     y = round_to_bf16(fwht128(x, ROWS) * _INV_SQRT_DIM)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
@@ -158,9 +152,13 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
         bits = ratio.to(tl.uint32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.uint32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)
+        # 1 / scale is a power of two too (exponent lies in [105, 248]), so y * (1 / scale) is y / scale
+        # correctly rounded: the same bits as the division, for one multiply
+        inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+        q = y * inverse[:, None]
     else:
         scale = ratio
-    q = tl.math.div_rn(y, scale[:, None])
+        q = tl.math.div_rn(y, scale[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     return encode_e4m3(q), scale
 
