@@ -129,3 +129,17 @@ def test_indexer_topk_matches_brute_force():
         assert [p for _, p in got] == [p for _, p in want]
         assert all(abs(a - w) <= 1e-3 * max(1.0, abs(w)) for (a, _), (w, _) in zip(got, want))
     assert pools[0].tolist() == [-1] * 5 and pools[1].tolist()[1:] == [-1] * 4
+
+
+def test_indexer_topk_skips_pools_without_a_block():
+    gen = torch.Generator().manual_seed(6)
+    pool = _pool(6)
+    pool.indexer_scale(0).copy_(torch.rand(12, 16, generator=gen) + 0.1)
+    pool.indexer_q(0).copy_(torch.randn(12, 16, 128, generator=gen).to(torch.float8_e4m3fn))
+    table = torch.tensor([[3, -1]], dtype=torch.int32)  # pools 16..31 have no block; 32.. lie past the table
+    pools, scores = kpool_indexer_topk(torch.randn(1, 2, 128, generator=gen).to(torch.bfloat16), torch.ones(1, 2),
+                                       torch.tensor([200]), table, pool.indexer_q(0), pool.indexer_scale(0),
+                                       kpool=4, topk=40)
+    chosen = pools[0][pools[0] >= 0].tolist()
+    assert len(chosen) == 16 and set(chosen) == set(range(16))
+    assert torch.isinf(scores[0, 16:]).all()

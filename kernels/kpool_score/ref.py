@@ -1,5 +1,5 @@
 """Reference paged indexer scoring: score_j = sum_h w_h * relu(q_h . dequant(k_j)) over the
-complete pools of each request, then top-k (ties go to the lower pool index)."""
+complete pools of each request whose block is held, then top-k (ties go to the lower pool index)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def indexer_topk(
             continue
         pool_ids = torch.arange(complete, device=q.device)
         slots = pool_slots(block_table[b:b + 1], pool_ids[None], kpool=kpool, states=states)[0]
+        held = slots >= 0  # a pool whose block is -1 (or past the table) is no candidate
+        pool_ids, slots = pool_ids[held], slots[held]
+        if pool_ids.numel() == 0:
+            continue
         keys = dequantize_entries(indexer_q, indexer_scale, slots)  # [complete, 128]
         logits = torch.relu(q[b].to(torch.float32) @ keys.T)  # [H, complete]
         scores = (weights[b].to(torch.float32)[:, None] * logits).sum(dim=0)
