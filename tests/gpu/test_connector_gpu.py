@@ -1,0 +1,124 @@
+"""The connector between two GPUs of one host: the prefill node's pool on cuda:0, the decode
+node's on cuda:1, each in its own process; random non-contiguous blocks and the ring travel
+over UCX (cuda_ipc) and over the gRPC stream, and land byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs two CUDA devices (nvidia-h200-x2)"),
+]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (spawned children inherit it)
+
+LENGTHS = [1, 4, 5, 64, 65, 257, 1000, 4096]
+
+
+def _prefill_proc(conn) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from connector.config import ConnectorConfig
+    from connector.prefill import PrefillConnector
+    from connector.wire import Transport
+    from connector_procs import CONFIG, SeededFillEngine
+    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+
+    async def main():
+        pool = CachePool(BlockLayout(CONFIG), num_blocks=256, num_rings=8, device="cuda:0")
+        blocks, rings = BlockAllocator(256), RingAllocator(8)
+        held = blocks.allocate(256)
+        blocks.free(held[1::2])  # every other block stays held: grants are non-contiguous
+        node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="gpu-prefill",
+                                config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
+                                registry=CollectorRegistry(), transports=(Transport.UCX, Transport.GRPC_STREAM))
+        conn.send(await node.start())
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await node.stop()
+        conn.send((blocks.num_free, rings.num_free))
+
+    asyncio.run(main())
+    os._exit(0)
+
+
+def _decode_proc(conn, address: str, transport: str) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from connector.config import ConnectorConfig
+    from connector.decode import DecodeConnector
+    from connector.wire import Transport
+    from connector_procs import CONFIG, expected_block, expected_ring
+    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+
+    async def main():
+        layout = BlockLayout(CONFIG)
+        pool = CachePool(layout, num_blocks=256, num_rings=8, device="cuda:1")
+        pool.blocks.fill_(0xA5)
+        blocks, rings = BlockAllocator(256), RingAllocator(8)
+        blocks.allocate(7)
+        t = Transport.parse(transport)
+        node = await DecodeConnector(pool, blocks, rings, engine_id=f"gpu-decode-{transport}",
+                                     config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
+                                     registry=CollectorRegistry(), transports=(t,)).start()
+        peer = await node.connect(address)
+        rng = random.Random(3)
+        checked = 0
+        for i, n in enumerate(LENGTHS):
+            rid = f"gpu-{transport}-{i}"
+            grant = await peer.prefill(rid, [rng.randrange(1000) for _ in range(n)])
+            with await peer.pull(grant, transport=t, integrity=i % 2 == 1) as landed:
+                for j, b in enumerate(landed.block_ids):
+                    assert torch.equal(pool.blocks[b].cpu(), expected_block(layout, rid, j)), (rid, j)
+                    checked += layout.block_bytes
+                ring = expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
+                got = pool.rings[landed.ring_id].cpu().view(layout.ring_slots, layout.ring_slot_bytes)
+                for pos in range(n // CONFIG.kpool * CONFIG.kpool, n):
+                    assert torch.equal(got[pos % layout.ring_slots], ring[pos % layout.ring_slots]), (rid, pos)
+                    checked += layout.ring_slot_bytes
+        conn.send(("ok", checked, blocks.num_free, rings.num_free))
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:  # report the failure to the test, then leave
+        conn.send(("error", repr(exc)))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_blocks_move_gpu_to_gpu_byte_for_byte(transport):
+    if transport == "ucx":
+        pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (carry the cu13 wheels)")
+    ctx = mp.get_context("spawn")
+    p_conn, p_child = ctx.Pipe()
+    prefill = ctx.Process(target=_prefill_proc, args=(p_child,), daemon=True)
+    prefill.start()
+    assert p_conn.poll(120), "prefill node did not start"
+    address = f"127.0.0.1:{p_conn.recv()}"
+    d_conn, d_child = ctx.Pipe()
+    decode = ctx.Process(target=_decode_proc, args=(d_child, address, transport), daemon=True)
+    decode.start()
+    try:
+        assert d_conn.poll(240), "decode node did not finish within 240 s"
+        result = d_conn.recv()
+        assert result[0] == "ok", result
+        _, checked, free_blocks, free_rings = result
+        assert checked > 0
+        assert (free_blocks, free_rings) == (256 - 7, 8)  # every pull's allocation came back
+        p_conn.send("stop")
+        assert p_conn.poll(60)
+        assert p_conn.recv() == (128, 8)  # the prefill node freed every grant
+    finally:
+        for proc in (decode, prefill):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
