@@ -240,6 +240,9 @@ def connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, 
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_proc, args=(child, args, ucx_options, tuple(t.value for t in transports), suffix))
     proc.start()  # not a daemon: it starts the prefill process
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"the decode benchmark process exited with {proc.exitcode} before sending its rows")
     rows = conn.recv()
     proc.join(60)
     return rows
