@@ -29,10 +29,11 @@ _INV_SQRT_DIM = tl.constexpr(INV_SQRT_DIM)
 
 @triton.jit
 def round_to_bf16(x):
-    """fp32 -> fp32 holding the nearest-even bf16 value (finite x)."""
+    """fp32 -> fp32 holding the nearest-even bf16 value; NaN stays NaN (the GPU's arithmetic NaN,
+    0x7FFFFFFF, would otherwise carry into the sign bit)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, (bits & 0xFFFF0000).to(tl.float32, bitcast=True))
 
 
 @triton.jit

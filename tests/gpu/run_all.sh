@@ -9,7 +9,8 @@
 # The repository root goes on PYTHONPATH (the package is not installed there). Outputs under $OUT (or
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
-# deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output.
+# deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
+# SKIP_BENCH and SKIP_TRANSFER leave a step out.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -27,9 +28,12 @@ gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu tests/test_qsa_*.py} \
   -p no:cacheprovider -rs 2>&1 | tee -a "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-240}" python3 bench/kernels.py --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} \
-  > "$OUT/bench.log" 2>&1
-bench_rc=$?
+bench_rc=0
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-240}" python3 bench/kernels.py --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} \
+    > "$OUT/bench.log" 2>&1
+  bench_rc=$?
+fi
 transfer_rc=0
 if [ "$gpus" -ge 2 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
   timeout "${TRANSFER_TIMEOUT:-240}" python3 -m bench.transfer --device cuda --two-gpu --layers 61 \
