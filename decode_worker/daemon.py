@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -22,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
 from connector.auth import BearerTokenInterceptor
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, TlsConfig
 from connector.decode import DecodeConnector
 from connector.ucx import ucx_available
 from connector.wire import Transport
@@ -32,14 +33,17 @@ from decode_worker.service import SERVICE_NAME, GenerateService
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import DecodeSequence, Engine, PrefillJob
 from model.logs import configure_logging
-from model.service import default_engine_id, on_termination, start_metrics, write_ready_file
-from model.settings import (MODEL_OPTIONS, Option, load_settings, model_config, parse_bool, positive_float,
-                            positive_int, service_options)
+from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
+from model.settings import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, parse_bool,
+                            positive_float, positive_int, resolve_device, service_options)
+from model.tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS, tls_config
 
 logger = logging.getLogger(__name__)
 
 OPTIONS: tuple[Option, ...] = (
     *service_options(port=50052, metrics_port=9402),
+    *TLS_OPTIONS,
+    *TLS_CLIENT_OPTIONS,
     *MODEL_OPTIONS,
     Option("prefill", str, "127.0.0.1:50051", "prefill nodes: host:port or dns:///name:port, comma-separated"),
     Option("transport", str, "auto", "data plane of pulls: ucx, grpc, or auto (ucx when both sides have it)"),
@@ -86,13 +90,13 @@ def _warm_up(engine: Engine, blocks: BlockAllocator, rings: RingAllocator) -> No
         rings.free("warm-up")
 
 
-async def serve(settings: dict) -> None:
+async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) -> None:
     config = model_config(settings)
     layout = BlockLayout(config.cache_config())
     max_running = settings["max_running"]
     num_blocks = settings["num_blocks"] or max_running * config.blocks_for(settings["max_prompt_tokens"],
                                                                            settings["max_new_tokens"])
-    pool = CachePool(layout, num_blocks=num_blocks, num_rings=max_running)
+    pool = CachePool(layout, num_blocks=num_blocks, num_rings=max_running, device=device)
     blocks, rings = BlockAllocator(pool.num_blocks), RingAllocator(pool.num_rings)
     engine = Engine(config, pool)
     started = time.perf_counter()
@@ -104,12 +108,13 @@ async def serve(settings: dict) -> None:
     engine_id = settings["engine_id"] or default_engine_id("decode")
     connector_config = ConnectorConfig(
         lease_s=settings["lease_s"], bearer_token=settings["token"] or None,
-        rpc_timeout_s=settings["rpc_timeout_s"], transfer_timeout_s=settings["transfer_timeout_s"],
+        rpc_timeout_s=settings["rpc_timeout_s"], transfer_timeout_s=settings["transfer_timeout_s"], tls=tls,
     )
     connector = await DecodeConnector(pool, blocks, rings, engine_id=engine_id, config=connector_config,
                                       registry=registry, transports=receive).start()
     router = PrefillRouter(connector, parse_targets(settings["prefill"]),
-                           health_interval_s=settings["health_interval_s"], rpc_timeout_s=settings["rpc_timeout_s"])
+                           health_interval_s=settings["health_interval_s"], rpc_timeout_s=settings["rpc_timeout_s"],
+                           tls=tls)
     scheduler = DecodeScheduler(engine, blocks, rings, connector, router, max_running=max_running,
                                 max_queue=settings["max_queue"], transport=pull, integrity=settings["integrity"],
                                 queue_timeout_s=settings["queue_timeout_s"], registry=registry)
@@ -122,21 +127,26 @@ async def serve(settings: dict) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings['host']}:{settings['port']}")
+    address = f"{settings['host']}:{settings['port']}"
+    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")
     stop = asyncio.Event()
     on_termination(asyncio.get_running_loop(), lambda name: (logger.info("%s: draining", name), stop.set()))
-    metrics_server = None
+    metrics_server = health_server = None
     try:
         await router.start()
         await server.start()
+        health_server, health_port = await start_health_server(settings["host"], settings["health_port"],
+                                                               health_servicer)
         metrics_server, metrics_port = start_metrics(settings["metrics_host"], settings["metrics_port"], registry)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port, engine_id=engine_id)
+        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port, health_port=health_port,
+                         engine_id=engine_id)
         logger.info("decode node ready", extra={"grpc_port": port, "metrics_port": metrics_port,
-                                                 "prefill": router.healthy(), "model": config.describe(),
-                                                 "layout_hash": layout.layout_hash})
+                                                 "health_port": health_port, "tls": tls is not None,
+                                                 "device": str(device), "prefill": router.healthy(),
+                                                 "model": config.describe(), "layout_hash": layout.layout_hash})
         await stop.wait()
         service.draining = True
         for name in ("", SERVICE_NAME):
@@ -148,6 +158,8 @@ async def serve(settings: dict) -> None:
             logger.warning("drain time is up with %d requests in flight; cancelling them", scheduler.active())
     finally:
         await server.stop(1.0)
+        if health_server is not None:
+            await health_server.stop(None)
         loop_task.cancel()
         await asyncio.gather(loop_task, return_exceptions=True)
         await router.close()
@@ -159,9 +171,14 @@ async def serve(settings: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_settings("decode", OPTIONS, argv, description=__doc__.splitlines()[0])
+    try:
+        settings = load_settings("decode", OPTIONS, argv, description=__doc__.splitlines()[0])
+        tls, device = tls_config(settings), resolve_device(settings["device"])
+    except SettingsError as exc:
+        print(f"kpool-pd decode: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging("decode", level=settings["log_level"], fmt=settings["log_format"])
     torch.set_num_threads(settings["torch_threads"])
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, device=device, tls=tls))
     logging.shutdown()
     os._exit(0)  # skip interpreter teardown of the UCX worker, whose peers may be gone

@@ -16,8 +16,10 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from connector.config import TlsConfig
 from connector.decode import DecodeConnector, PrefillPeer
 from connector.errors import TransferError
+from model.tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,13 @@ def parse_targets(text: str) -> tuple[str, ...]:
 class _Node:
     __slots__ = ("address", "peer", "healthy", "health_channel", "reason")
 
-    def __init__(self, address: str, reconnect_ms: int) -> None:
+    def __init__(self, address: str, reconnect_ms: int, tls: TlsConfig | None) -> None:
         self.address = address
         self.peer: PrefillPeer | None = None
         self.healthy = False
         # Reconnect at least once per health interval: gRPC's default backoff grows to minutes,
-        # which would hide a prefill node that came (back) up.
-        self.health_channel = grpc.aio.insecure_channel(address, options=[
+        # which would hide a prefill node that came (back) up. Over TLS when the data plane is.
+        self.health_channel = open_channel(address, tls, options=[
             ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),
             ("grpc.min_reconnect_backoff_ms", min(100, reconnect_ms)),
             ("grpc.max_reconnect_backoff_ms", reconnect_ms),
@@ -59,8 +61,9 @@ class _Node:
 
 class PrefillRouter:
     def __init__(self, connector: DecodeConnector, targets: tuple[str, ...], *, health_interval_s: float,
-                 rpc_timeout_s: float) -> None:
+                 rpc_timeout_s: float, tls: TlsConfig | None = None) -> None:
         self.connector = connector
+        self.tls = tls
         self.targets = targets
         self.health_interval_s = health_interval_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -132,7 +135,7 @@ class PrefillRouter:
                     await node.health_channel.close()
             for address in addresses:
                 if address not in self._nodes:
-                    self._nodes[address] = _Node(address, max(100, int(self.health_interval_s * 1000)))
+                    self._nodes[address] = _Node(address, max(100, int(self.health_interval_s * 1000)), self.tls)
             await asyncio.gather(*(self._check(n) for n in self._nodes.values()))
 
     async def _refresh_forever(self) -> None:

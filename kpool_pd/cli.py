@@ -66,6 +66,8 @@ def _add_up(commands) -> None:
     up.add_argument("--transport", choices=["ucx", "grpc"], default=transport,
                     help=f"data plane (default here: {transport}; ucx when ucxx is installed, else grpc)")
     up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
+    up.add_argument("--tls", action="store_true",
+                    help="make a throwaway CA and certificates (openssl) and run every connection over mTLS")
     up.set_defaults(handler=_up)
 
 
@@ -82,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="send requests to a running decode daemon's Generate API")
     generate.add_argument("--decode", required=True, metavar="HOST:PORT", help="the decode daemon's gRPC address")
     generate.add_argument("--token", default="", help="bearer token, when the daemon asks for one")
+    generate.add_argument("--tls-ca", default="", metavar="PEM", help="connect over TLS, checking the daemon against "
+                                                                     "this CA bundle")
+    generate.add_argument("--tls-cert", default="", metavar="PEM", help="client certificate (mTLS; with --tls-key)")
+    generate.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")
+    generate.add_argument("--tls-server-name", default="", metavar="NAME",
+                          help="name expected in the daemon's certificate (default: the host of --decode)")
     _add_request_flags(generate, requests=4, prompt_len=200, max_tokens=32)
     generate.set_defaults(handler=_generate)
     for name, text in (("prefill", "run the prefill daemon"), ("decode", "run the decode daemon (the Generate API)")):

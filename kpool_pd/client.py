@@ -11,7 +11,9 @@ import grpc
 
 from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
 from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
+from connector.config import TlsConfig
 from model.colocated import GenerateRequest, RequestResult
+from model.tls import open_channel
 
 
 class RequestFailed(Exception):
@@ -24,8 +26,9 @@ def _metadata(token: str | None):
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-async def model_info(address: str, *, token: str | None = None, timeout_s: float = 10.0) -> dict:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def model_info(address: str, *, token: str | None = None, tls: TlsConfig | None = None,
+                     timeout_s: float = 10.0) -> dict:
+    async with open_channel(address, tls) as channel:
         info = await gpb_grpc.GenerateServiceStub(channel).ModelInfo(gpb.ModelInfoRequest(), timeout=timeout_s,
                                                                       metadata=_metadata(token))
     return {"model": json.loads(info.model_json), "layout_hash": info.layout_hash,
@@ -70,11 +73,11 @@ async def generate_one(stub: gpb_grpc.GenerateServiceStub, request: GenerateRequ
 
 
 async def generate_all(address: str, requests: Sequence[GenerateRequest], *, token: str | None = None,
-                       timeout_s: float = 120.0,
+                       tls: TlsConfig | None = None, timeout_s: float = 120.0,
                        on_done: Callable[[RequestResult | RequestFailed], None] | None = None,
                        ) -> list[RequestResult | RequestFailed]:
-    """Send every request at once; results (or the failure) in request order."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    """Send every request at once, over TLS with ``tls``; results (or the failure) in request order."""
+    async with open_channel(address, tls) as channel:
         stub = gpb_grpc.GenerateServiceStub(channel)
 
         async def one(request: GenerateRequest):

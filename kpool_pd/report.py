@@ -38,11 +38,11 @@ def table(results: list[RequestResult | RequestFailed]) -> str:
 
 
 def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: float, model: dict,
-            transport: str, reference: list[RequestResult] | None = None) -> dict:
+            transport: str, tls: bool = False, reference: list[RequestResult] | None = None) -> dict:
     ok = [r for r in results if isinstance(r, RequestResult)]
     tokens = sum(len(r.tokens) for r in ok)
     out = {
-        "mode": mode, "transport": transport, "model": model, "requests": len(results), "ok": len(ok),
+        "mode": mode, "transport": transport, "tls": tls, "model": model, "requests": len(results), "ok": len(ok),
         "failed": len(results) - len(ok), "tokens": tokens, "wall_s": round(wall_s, 3),
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
         "transfer_bytes": sum(r.transfer_bytes for r in ok),
@@ -66,7 +66,8 @@ def summary_text(s: dict) -> str:
     drafts = (f"; drafts accepted {s['drafts_accepted']}/{s['drafts_proposed']} "
               f"({100 * s['drafts_accepted'] / s['drafts_proposed']:.0f}%)" if s["drafts_proposed"] else "")
     lines = [
-        f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, transport {s['transport']}; {m['family']} "
+        f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, transport {s['transport']}"
+        f"{' over mTLS' if s.get('tls') else ''}; {m['family']} "
         f"family, {group}, {m['num_spec']} drafts, {m['layers']} layers, block {m['block_size']})",
         f"  {s['tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.0f} tokens/s); ttft p50 "
         f"{s['ttft_ms_p50']:.1f} ms, p90 {s['ttft_ms_p90']:.1f} ms{drafts}",

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import sys
-
-import torch
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from connector.ucx import ucx_available
+from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import DaemonError, model_flags, start_decode, start_prefill
 from kpool_pd.report import json_lines, summary, summary_text, table
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
+from model.settings import SettingsError
+from model.tls import client_tls
 
 READY_TIMEOUT_S = 120.0
 
@@ -74,10 +77,22 @@ def run_up(args) -> int:
     limits = ["--max-prompt-tokens", str(args.prompt_len), "--max-new-tokens", str(args.max_tokens)]
     with tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
         workdir = Path(tmp)
+        tls_flags, tls = [], None
+        if args.tls:
+            try:
+                ca = make_ca(workdir)
+                server, client = issue(workdir, ca, "daemon"), issue(workdir, ca, "client")
+            except CertificateError as exc:
+                _progress(f"error: {exc}")
+                return 2
+            tls_flags = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(ca.cert),
+                         "--tls-require-client-auth", "true"]
+            tls = client_tls(ca=str(ca.cert), cert=str(client.cert), key=str(client.key))
+            _progress(f"made a throwaway CA and certificates in {workdir}: every connection uses mTLS")
         _progress(f"starting the prefill daemon (transport {args.transport}) ...")
         t0 = time.perf_counter()
         with start_prefill(workdir, model, transports=args.transport,
-                           extra=["--max-prompt-tokens", str(args.prompt_len)]) as prefill:
+                           extra=["--max-prompt-tokens", str(args.prompt_len), *tls_flags]) as prefill:
             try:
                 prefill.wait_ready(READY_TIMEOUT_S)
                 _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
@@ -85,14 +100,16 @@ def run_up(args) -> int:
                 t0 = time.perf_counter()
                 _progress("starting the decode daemon ...")
                 with start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"], transport=args.transport,
-                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16)))]) as decode:
+                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),
+                                         *tls_flags]) as decode:
                     decode.wait_ready(READY_TIMEOUT_S)
                     _progress(f"  decode ready on 127.0.0.1:{decode.port} (metrics :{decode.metrics_port}) "
                               f"after {time.perf_counter() - t0:.1f} s")
                     _progress(f"sending {len(requests)} requests of {args.prompt_len} prompt tokens, "
                               f"{args.max_tokens} output tokens each ...")
                     started = time.perf_counter()
-                    results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, on_done=on_done))
+                    results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, tls=tls,
+                                                       on_done=on_done))
                     wall = time.perf_counter() - started
                     _progress("stopping the daemons ...")
             except DaemonError as exc:
@@ -100,8 +117,8 @@ def run_up(args) -> int:
                 return 2
     _progress("running the colocated reference ...")
     reference = run_colocated(config, requests)
-    report = summary(results, mode="pd", wall_s=wall, model=config.describe(), transport=args.transport,
-                     reference=reference)
+    report = summary(results, mode="pd", wall_s=wall, model=config.describe(),
+                     transport=args.transport, tls=args.tls, reference=reference)
     _print(args, results, report)
     return 0 if report["failed"] == 0 and report["colocated_match"] == report["ok"] else 1
 
@@ -118,14 +135,20 @@ def _print(args, results, report) -> None:
 def run_generate(args) -> int:
     from kpool_pd.client import model_info
 
-    info = asyncio.run(model_info(args.decode, token=args.token or None))
+    try:
+        tls = client_tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
+    except SettingsError as exc:
+        _progress(f"error: {exc}")
+        return 2
+    info = asyncio.run(model_info(args.decode, token=args.token or None, tls=tls))
     requests = make_prompts(args.requests, args.prompt_len, seed=args.seed, vocab_size=info["vocab_size"],
                             max_tokens=args.max_tokens)
     _progress(f"sending {len(requests)} requests to {args.decode} ({info['model']['family']} model, "
               f"layout {info['layout_hash'][:12]}) ...")
     started = time.perf_counter()
-    results = asyncio.run(generate_all(args.decode, requests, token=args.token or None))
+    results = asyncio.run(generate_all(args.decode, requests, token=args.token or None, tls=tls))
     report = summary(results, mode="pd", wall_s=time.perf_counter() - started, model=info["model"],
-                     transport=",".join(sorted({r.transport for r in results if not isinstance(r, RequestFailed)})))
+                     transport=",".join(sorted({r.transport for r in results if not isinstance(r, RequestFailed)})),
+                     tls=tls is not None)
     _print(args, results, report)
     return 0 if report["failed"] == 0 else 1

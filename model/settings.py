@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from kvcache import CacheFamily
@@ -167,7 +169,35 @@ def service_options(*, port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("rpc-timeout-s", _positive_float, 10.0, "deadline of one control-plane RPC"),
         Option("transfer-timeout-s", _positive_float, 30.0, "deadline of one transfer"),
         Option("transports", str, "auto", "ucx, grpc, or both comma-separated (auto: ucx when installed, and grpc)"),
+        Option("device", _device, "cpu", "where the cache pool and the model live: cpu, cuda or cuda:N"),
+        Option("health-port", _port, -1, "a plaintext port serving only grpc.health.v1, for probes that "
+                                         "cannot speak TLS (0: any free port, -1: off)"),
     )
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _device(text: Any) -> str:
+    value = str(text).strip().lower()
+    if not _DEVICE.fullmatch(value):
+        raise ValueError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return value
+
+
+def resolve_device(text: str) -> torch.device:
+    """The torch device that ``--device`` names; SettingsError when it is CUDA and this process
+    has no such CUDA device."""
+    device = torch.device(text)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise SettingsError(f"device {text}: CUDA is not available here (torch {torch.__version__}, built for CUDA "
+                            f"{torch.version.cuda or 'none'}); run with --device cpu or on a machine with a GPU")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise SettingsError(f"device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
 positive_int = _positive_int

@@ -12,27 +12,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 
 import torch
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, TlsConfig
 from connector.prefill import PrefillConnector
 from connector.ucx import ucx_available
 from connector.wire import Transport
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import Engine, PrefillJob
 from model.logs import configure_logging
-from model.service import default_engine_id, on_termination, start_metrics, write_ready_file
-from model.settings import MODEL_OPTIONS, Option, load_settings, model_config, positive_int, service_options
+from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
+from model.settings import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, positive_int,
+                            resolve_device, service_options)
+from model.tls import TLS_OPTIONS, tls_config
 from prefill_worker.batcher import BatchingPrefillEngine
 
 logger = logging.getLogger(__name__)
 
 OPTIONS: tuple[Option, ...] = (
     *service_options(port=50051, metrics_port=9401),
+    *TLS_OPTIONS,
     *MODEL_OPTIONS,
     Option("num-blocks", positive_int, 512, "blocks in the cache pool"),
     Option("num-rings", positive_int, 64, "ring blocks (requests held at once)"),
@@ -54,10 +59,10 @@ def transports_of(text: str) -> tuple[Transport, ...]:
     return chosen
 
 
-async def serve(settings: dict) -> None:
+async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) -> None:
     config = model_config(settings)
     layout = BlockLayout(config.cache_config())
-    pool = CachePool(layout, num_blocks=settings["num_blocks"], num_rings=settings["num_rings"])
+    pool = CachePool(layout, num_blocks=settings["num_blocks"], num_rings=settings["num_rings"], device=device)
     blocks, rings = BlockAllocator(pool.num_blocks), RingAllocator(pool.num_rings)
     engine = Engine(config, pool)
     registry = CollectorRegistry()
@@ -75,7 +80,7 @@ async def serve(settings: dict) -> None:
     connector_config = ConnectorConfig(
         lease_s=settings["lease_s"], bearer_token=settings["token"] or None,
         max_prompt_tokens=settings["max_prompt_tokens"], rpc_timeout_s=settings["rpc_timeout_s"],
-        transfer_timeout_s=settings["transfer_timeout_s"],
+        transfer_timeout_s=settings["transfer_timeout_s"], tls=tls,
     )
     engine_id = settings["engine_id"] or default_engine_id("prefill")
     node = PrefillConnector(pool, blocks, rings, batcher, engine_id=engine_id, config=connector_config,
@@ -83,15 +88,22 @@ async def serve(settings: dict) -> None:
     batch_task = asyncio.create_task(batcher.run(), name="prefill-batches")
     stop = asyncio.Event()
     on_termination(asyncio.get_running_loop(), lambda name: (logger.info("%s: draining", name), stop.set()))
-    metrics_server = None
+    probes = health.aio.HealthServicer()  # the plaintext health port's view of this node
+    metrics_server = health_server = None
     try:
         port = await node.start(settings["host"], settings["port"])
+        health_server, health_port = await start_health_server(settings["host"], settings["health_port"], probes)
+        await probes.set("", health_pb2.HealthCheckResponse.SERVING)
         metrics_server, metrics_port = start_metrics(settings["metrics_host"], settings["metrics_port"], registry)
-        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port, engine_id=engine_id)
+        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port, health_port=health_port,
+                         engine_id=engine_id)
         logger.info("prefill node ready", extra={"grpc_port": port, "metrics_port": metrics_port,
-                                                  "model": config.describe(), "layout_hash": layout.layout_hash})
+                                                  "health_port": health_port, "tls": tls is not None,
+                                                  "device": str(device), "model": config.describe(),
+                                                  "layout_hash": layout.layout_hash})
         await stop.wait()
         batcher.draining = True
+        await probes.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + settings["drain_s"]
         while (len(node.leases) or not batcher.idle) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -101,6 +113,8 @@ async def serve(settings: dict) -> None:
         await node.stop()
         batch_task.cancel()
         await asyncio.gather(batch_task, return_exceptions=True)
+        if health_server is not None:
+            await health_server.stop(None)
         if metrics_server is not None:
             metrics_server.shutdown()
     logger.info("prefill node stopped; free: %d of %d blocks, %d of %d rings", blocks.num_free, blocks.num_blocks,
@@ -108,9 +122,14 @@ async def serve(settings: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_settings("prefill", OPTIONS, argv, description=__doc__.splitlines()[0])
+    try:
+        settings = load_settings("prefill", OPTIONS, argv, description=__doc__.splitlines()[0])
+        tls, device = tls_config(settings), resolve_device(settings["device"])
+    except SettingsError as exc:
+        print(f"kpool-pd prefill: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging("prefill", level=settings["log_level"], fmt=settings["log_format"])
     torch.set_num_threads(settings["torch_threads"])
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, device=device, tls=tls))
     logging.shutdown()
     os._exit(0)  # skip interpreter teardown of the UCX worker, whose peers may be gone

@@ -37,6 +37,14 @@ def test_up_prints_one_object_per_request_then_the_summary_and_matches_colocated
     assert colocated[-1]["summary"]["mode"] == "colocated"
 
 
+def test_up_over_tls_matches_colocated():
+    code, rows, stderr = _up("--tls", "--requests", "2", "--prompt-len", "33", "--max-tokens", "6")
+    assert code == 0, stderr
+    summary = rows[-1]["summary"]
+    assert summary["tls"] is True and summary["ok"] == summary["colocated_match"] == 2
+    assert "throwaway CA" in stderr
+
+
 def test_up_refuses_a_bad_configuration_before_starting_anything():
     proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--kpool", "8", "--block-size", "96"],
                           capture_output=True, text=True, timeout=60)
