@@ -40,7 +40,7 @@ class Variant:
         return "+".join((self.overlay, *self.components))
 
 
-VARIANTS = (Variant("cpu"), Variant("gpu"), Variant("rdma"), Variant("rdma", ("host-network",)))
+VARIANTS = (Variant("cpu"), Variant("cpu", ("tls",)), Variant("gpu"), Variant("rdma"), Variant("rdma", ("host-network",)))
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
 

@@ -12,6 +12,7 @@ decode Service's port and compares the results with the colocated run.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import secrets
@@ -28,7 +29,9 @@ import yaml
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all, model_info
 from model.colocated import make_prompts, run_colocated
-from model.settings import MODEL_OPTIONS, load_settings, model_config
+from kpool_pd.certs import issue, make_ca
+from model.settings import MODEL_OPTIONS, SettingsError, load_settings, model_config
+from model.tls import client_tls, tls_config
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from tests import deploy_launch as dl
 from tests import deploy_manifests as dm
@@ -39,7 +42,10 @@ EXPECTED_OBJECTS = {
     ("Service", "kpool-pd-decode"), ("StatefulSet", "kpool-pd-prefill"), ("Deployment", "kpool-pd-decode"),
     ("PodDisruptionBudget", "kpool-pd-prefill"), ("PodDisruptionBudget", "kpool-pd-decode"),
 }
-DAEMON_PORTS = {"port": "grpc", "metrics_port": "metrics"}  # settings key -> container port name
+DAEMON_PORTS = {"port": "grpc", "metrics_port": "metrics", "health_port": "health"}  # settings key -> port name
+SERVICE_PORTS = {"grpc", "metrics"}  # what a Service exposes; probes reach the health port on the pod
+TLS_SECRET = "kpool-pd-tls"
+TLS_MOUNT = "/etc/kpool-pd/tls"
 EXTENDED_RESOURCES = {"gpu": {"nvidia.com/gpu"}, "rdma": {"nvidia.com/gpu", "rdma/ib"}}
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 TOKEN_SECRET = "kpool-pd-auth"
@@ -58,6 +64,19 @@ def token_secret(token: str) -> dict:
     text = dm.run_tool([dm.kubectl(), "create", "secret", "generic", TOKEN_SECRET, f"--from-literal=token={token}",
                         "--dry-run=client", "-o", "yaml"])
     return yaml.safe_load(text)
+
+
+def tls_secret(directory: Path) -> tuple[dict, dict[str, Path]]:
+    """The TLS Secret the README has users create (a throwaway CA here), made by the same kubectl
+    command; and the files: the CA, and a client certificate it signed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = make_ca(directory)
+    pod = issue(directory, ca, "pod", hosts=("kpool-pd-prefill", "kpool-pd-decode"))
+    client = issue(directory, ca, "client")
+    text = dm.run_tool([dm.kubectl(), "create", "secret", "generic", TLS_SECRET, "--type=kubernetes.io/tls",
+                        f"--from-file=tls.crt={pod.cert}", f"--from-file=tls.key={pod.key}",
+                        f"--from-file=ca.crt={ca.cert}", "--dry-run=client", "-o", "yaml"])
+    return yaml.safe_load(text), {"ca": ca.cert, "cert": client.cert, "key": client.key}
 
 
 def role_of(pod: dl.LocalPod) -> str:
@@ -182,16 +201,17 @@ def test_every_port_the_daemons_listen_on_is_exposed_and_named(variant, tmp_path
         assert {p["containerPort"] for p in container["ports"]} == {settings[k] for k in DAEMON_PORTS}, \
             f"{role}: a container port the daemon does not listen on"
         (service,) = [s for s in services if workload in dm.service_backends(objects, s)]
-        assert {p["targetPort"] for p in service["spec"]["ports"]} == set(DAEMON_PORTS.values())
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == SERVICE_PORTS
         assert all(p.get("name") for p in service["spec"]["ports"])
 
 
 @variants
-def test_probe_ports_are_the_grpc_port(variant, tmp_path):
+def test_probe_ports_are_the_plaintext_health_port(variant, tmp_path):
+    # The kubelet's gRPC probes speak no TLS: they ask the port that serves grpc.health.v1 alone.
     for role, (_, container, settings) in all_settings(variant, tmp_path).items():
-        grpc_port = dm.container_port(container, "grpc")["containerPort"]
+        health_port = dm.container_port(container, "health")["containerPort"]
         for kind in PROBES:
-            assert container[kind]["grpc"]["port"] == grpc_port == settings["port"], f"{role}.{kind}"
+            assert container[kind]["grpc"]["port"] == health_port == settings["health_port"], f"{role}.{kind}"
 
 
 @variants
@@ -317,6 +337,56 @@ def test_transport_choice_per_overlay(variant, tmp_path):
         assert spec.get("dnsPolicy", "ClusterFirst") == ("ClusterFirstWithHostNet" if host_network else "ClusterFirst")
 
 
+@variants
+def test_the_device_is_cuda_on_gpu_overlays(variant, tmp_path):
+    want = "cuda" if variant.overlay in EXTENDED_RESOURCES else "cpu"
+    for role, (_, container, settings) in all_settings(variant, tmp_path).items():
+        assert settings["device"] == want, role
+        (device,) = [v for v in container["env"] if v["name"] == "KPOOLPD_DEVICE"]
+        assert device["valueFrom"]["configMapKeyRef"]["key"] == "device", role
+
+
+@variants
+def test_tls_files_come_from_the_optional_secret(variant, tmp_path):
+    objects = dm.render(variant)
+    secret, _ = tls_secret(tmp_path / "pki")
+    tls_on = "tls" in variant.components
+    for workload in dm.workloads(objects):
+        spec = workload["spec"]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == TLS_SECRET]
+        assert volume["secret"]["optional"] is True, "pods must start without the TLS Secret"
+        (container,) = spec["containers"]
+        assert {m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume["name"]} == {TLS_MOUNT}
+        tls_env = {v["name"]: v["valueFrom"]["configMapKeyRef"]["key"] for v in container["env"]
+                   if v["name"].startswith("KPOOLPD_TLS_")}
+        assert {"KPOOLPD_TLS_CERT", "KPOOLPD_TLS_KEY", "KPOOLPD_TLS_CA",
+                "KPOOLPD_TLS_REQUIRE_CLIENT_AUTH"} <= set(tls_env)
+        for with_secret in (True, False):
+            extra = [token_secret("t" * 32), *([secret] if with_secret else [])]
+            pod = dl.LocalPod(objects, workload, None, tmp_path / f"{with_secret}", extra_objects=extra)
+            role = role_of(pod)
+            settings = load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)
+            if not tls_on:
+                assert tls_config(settings) is None, role
+                continue
+            # The ConfigMap names files of the mounted Secret (mapped to this machine's folder).
+            mount = pod.mounts[TLS_MOUNT]
+            for key, name in (("tls_cert", "tls.crt"), ("tls_key", "tls.key"), ("tls_ca", "ca.crt")):
+                assert settings[key] == str(mount / name), (role, key)
+            if with_secret:
+                tls = tls_config(settings)
+                assert tls.require_client_auth and tls.root_certs == secret_bytes(secret, "ca.crt")
+                if role == "decode":
+                    assert tls.server_name_override == "kpool-pd-prefill"
+            else:  # TLS asked for without the Secret: the daemon stops at start-up and says why
+                with pytest.raises(SettingsError, match="tls-cert .*tls.crt: cannot read it"):
+                    tls_config(settings)
+
+
+def secret_bytes(secret: dict, key: str) -> bytes:
+    return base64.b64decode(secret["data"][key])
+
+
 def test_the_image_runs_the_manifests_user_and_holds_the_package():
     text = (dm.DEPLOY / "Dockerfile").read_text()
     final_stage = text[text.rindex("\nFROM "):]
@@ -352,12 +422,20 @@ def _digests(result: dict) -> tuple:
     return result["request_id"], result["tokens"], result["output_digest"], result["state_digest"]
 
 
-def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(tmp_path):
-    objects = dm.render(dm.Variant("cpu"))
+@pytest.mark.parametrize("variant", [dm.Variant("cpu"), dm.Variant("cpu", ("tls",))], ids=lambda v: v.id)
+def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant, tmp_path):
+    objects = dm.render(variant)
     ports = dl.PortMap(objects)
     token = secrets.token_hex(16)
-    pods = {w["kind"]: dl.LocalPod(objects, w, ports, tmp_path, extra_objects=[token_secret(token)])
-            for w in dm.workloads(objects)}
+    extra, tls, tls_flags = [token_secret(token)], None, []
+    if "tls" in variant.components:  # the Secret the README has users create; clients present a certificate
+        secret, files = tls_secret(tmp_path / "pki")
+        extra.append(secret)
+        tls = client_tls(ca=str(files["ca"]), cert=str(files["cert"]), key=str(files["key"]),
+                         server_name="kpool-pd-decode")
+        tls_flags = ["--tls-ca", str(files["ca"]), "--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]),
+                     "--tls-server-name", "kpool-pd-decode"]
+    pods = {w["kind"]: dl.LocalPod(objects, w, ports, tmp_path, extra_objects=extra) for w in dm.workloads(objects)}
     prefill, decode = pods["StatefulSet"], pods["Deployment"]
     try:
         for pod in (prefill, decode):  # decode pods find prefill pods through the headless Service
@@ -377,8 +455,8 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(tmp_path
         address = f"{dl.LOOPBACK}:{ports.service(service['metadata']['name'], service_port)}"
 
         # The command-line client, as a user of the deployment runs it.
-        pd = _kpool_pd("generate", "--decode", address, "--token", token, "--requests", "3", "--prompt-len", "37",
-                       "--max-tokens", "9", "--seed", "5", "--json")
+        pd = _kpool_pd("generate", "--decode", address, "--token", token, *tls_flags, "--requests", "3",
+                       "--prompt-len", "37", "--max-tokens", "9", "--seed", "5", "--json")
         assert pd.returncode == 0, pd.stderr + pd.stdout
         got = _json_lines(pd.stdout)
         assert got[-1]["summary"]["ok"] == 3, got[-1]
@@ -389,15 +467,20 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(tmp_path
         # Prompts of one token and on a block boundary and past it, through the client library.
         requests = [r for n in (1, config.resolved_block_size, config.resolved_block_size + 1)
                     for r in make_prompts(1, n, seed=n, vocab_size=config.vocab_size, max_tokens=7, prefix=f"len{n}")]
-        results = asyncio.run(generate_all(address, requests, token=token))
+        results = asyncio.run(generate_all(address, requests, token=token, tls=tls))
         failed = [r for r in results if isinstance(r, RequestFailed)]
         assert not failed, failed
         want = run_colocated(config, requests)
         assert [_digests(r.as_json()) for r in results] == [_digests(r.as_json()) for r in want]
 
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            asyncio.run(model_info(address))
+            asyncio.run(model_info(address, tls=tls))
         assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        if tls is not None:  # a plaintext client, and a client without a certificate, get no connection
+            for other in (None, client_tls(ca=str(files["ca"]), server_name="kpool-pd-decode")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    asyncio.run(model_info(address, token=token, tls=other, timeout_s=5))
+                assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         started = time.monotonic()
         statuses = {pod.pod_name: pod.stop() for pod in (decode, prefill)}
