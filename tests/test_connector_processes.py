@@ -4,75 +4,15 @@ refusals, and either side killed in the middle of a transfer."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 
 from tests import connector_procs as procs
+from tests.connector_harness import prefill, run_child  # noqa: F401 (prefill is a fixture)
 
 TRANSPORTS = ["ucx", "grpc"]
-CTX = mp.get_context("spawn")
 LEASE_S = 1.5
-
-
-class Prefill:
-    def __init__(self, **kwargs) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=procs.prefill_main, args=(child,), kwargs=kwargs, daemon=True)
-        self.proc.start()
-        assert self.conn.poll(60), "prefill process did not start"
-        _, self.port, self.free_blocks, self.free_rings = self.conn.recv()
-        self.address = f"127.0.0.1:{self.port}"
-
-    def counts(self):
-        self.conn.send(("counts",))
-        assert self.conn.poll(10)
-        return self.conn.recv()
-
-    def stop(self):
-        if self.proc.is_alive():
-            self.conn.send(("stop",))
-            assert self.conn.poll(10)
-            msg = self.conn.recv()
-            self.proc.join(10)
-            return msg
-        return None
-
-    def kill(self):
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10)
-
-
-def run_child(target, timeout: float = 60, **kwargs):
-    conn, child = CTX.Pipe()
-    proc = CTX.Process(target=target, args=(child,), kwargs=kwargs, daemon=True)
-    proc.start()
-    messages = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if conn.poll(0.1):
-            messages.append(conn.recv())
-            if not (isinstance(messages[-1], dict) and messages[-1].get("dying")):
-                break
-        elif not proc.is_alive():
-            break
-    proc.join(10)
-    return messages, proc.exitcode
-
-
-@pytest.fixture
-def prefill():
-    nodes = []
-
-    def make(**kwargs):
-        node = Prefill(**kwargs)
-        nodes.append(node)
-        return node
-    yield make
-    for node in nodes:
-        node.kill()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

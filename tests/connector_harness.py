@@ -1,0 +1,120 @@
+"""The test side of the connector tests: a prefill node in its own process (spawn), driven
+through a pipe; a child process run to completion, every wait under a deadline; and a prefill
+and a decode node in the test's own event loop."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from connector.config import ConnectorConfig
+from connector.decode import DecodeConnector
+from connector.prefill import PrefillConnector
+from connector.wire import Transport
+from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+from tests import connector_procs as procs
+
+CTX = mp.get_context("spawn")
+
+
+class Prefill:
+    def __init__(self, **kwargs) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=procs.prefill_main, args=(child,), kwargs=kwargs, daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 60
+        while not self.conn.poll(0.1):
+            assert self.proc.is_alive(), f"prefill process exited with {self.proc.exitcode} before serving"
+            assert time.monotonic() < deadline, "prefill process did not start within 60 s"
+        _, self.port, self.free_blocks, self.free_rings = self.conn.recv()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def counts(self):
+        self.conn.send(("counts",))
+        assert self.conn.poll(10)
+        return self.conn.recv()
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            assert self.conn.poll(10)
+            msg = self.conn.recv()
+            self.proc.join(10)
+            return msg
+        return None
+
+    def kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def run_child(target, timeout: float = 60, **kwargs):
+    conn, child = CTX.Pipe()
+    proc = CTX.Process(target=target, args=(child,), kwargs=kwargs, daemon=True)
+    proc.start()
+    messages = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            messages.append(conn.recv())
+            if not (isinstance(messages[-1], dict) and messages[-1].get("dying")):
+                break
+        elif not proc.is_alive():
+            break
+    proc.join(10)
+    return messages, proc.exitcode
+
+
+@pytest.fixture
+def prefill():
+    """``prefill(**kwargs)`` starts a prefill node process; every one is killed at teardown."""
+    nodes = []
+
+    def make(**kwargs):
+        node = Prefill(**kwargs)
+        nodes.append(node)
+        return node
+    yield make
+    for node in nodes:
+        node.kill()
+
+
+class InProcessPair:
+    """A prefill node and a decode node in the test's own event loop, each with its own pool,
+    layout, allocators and registry (``async with``; the prefill node stops without grace)."""
+
+    def __init__(self, *, prefill_config: CacheConfig = procs.CONFIG, decode_config: CacheConfig | None = None,
+                 config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
+                 num_blocks: int = 32, num_rings: int = 4) -> None:
+        config = config or ConnectorConfig(bearer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        self.registry = CollectorRegistry()
+        self.p_blocks, self.p_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
+        self.d_blocks, self.d_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
+        self.prefill = PrefillConnector(CachePool(BlockLayout(prefill_config), num_blocks=num_blocks, num_rings=num_rings),
+                                        self.p_blocks, self.p_rings, engine or procs.SeededFillEngine(),
+                                        engine_id="prefill-t", config=config, registry=self.registry, transports=transports)
+        self.decode = DecodeConnector(CachePool(BlockLayout(decode_config or prefill_config), num_blocks=num_blocks,
+                                                num_rings=num_rings),
+                                      self.d_blocks, self.d_rings, engine_id="decode-t", config=config,
+                                      registry=CollectorRegistry(), transports=transports)
+        self.address = ""
+
+    async def __aenter__(self) -> "InProcessPair":
+        self.address = f"127.0.0.1:{await self.prefill.start()}"
+        await self.decode.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.decode.close()
+        await self.prefill.stop(grace=0)
+
+    def free(self) -> tuple[int, int, int, int]:
+        """Free blocks and rings: prefill side, then decode side."""
+        return self.p_blocks.num_free, self.p_rings.num_free, self.d_blocks.num_free, self.d_rings.num_free
+
+    def prefill_sample(self, name: str, **labels) -> float:
+        return self.registry.get_sample_value(f"kpoolpd_prefill_{name}", labels) or 0.0
