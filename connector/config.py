@@ -56,6 +56,13 @@ class ConnectorConfig:
       ``process_vm_readv``), one copy, several times faster; but UCX treats a failed read as
       fatal when endpoint error handling is off, so a sender dying during the read aborts the
       receiving process. With error handling on, UCX keeps only tcp for the tag protocols.
+
+    Environment variables win over these options: an operator's ``UCX_TLS`` (or any
+    ``UCX_<KEY>`` for a key set here) replaces the connector's value, and the variables UCX reads
+    that are not set here (``UCX_NET_DEVICES``, ``UCX_IB_GID_INDEX``, ...) apply as usual, so a
+    manifest can restrict transports and devices without code (``UCX_TLS=tcp,self``;
+    ``UCX_NET_DEVICES=mlx5_0:1``). ``UcxNode.active_transports()`` reports what UCX chose. The
+    options apply once per process (UCX keeps the first initialisation).
     """
 
     lease_s: float = 30.0

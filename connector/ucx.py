@@ -58,8 +58,8 @@ class UcxNode:
 
     def __init__(self, options: Sequence[tuple[str, str]] = ()) -> None:
         self._ucxx = _import_ucxx()
-        try:
-            self._ucxx.init(options=dict(options))
+        try:  # an operator's UCX_<KEY> in the environment overrides our option <KEY>
+            self._ucxx.init(options=dict(options), env_takes_precedence=True)
         except RuntimeError:
             logger.info("ucxx already initialised in this process; keeping its options")
         self.address: bytes = bytes(self._ucxx.get_worker_address())
@@ -75,6 +75,20 @@ class UcxNode:
 
     def knows(self, peer: str) -> bool:
         return peer in self._addresses
+
+    def active_transports(self) -> frozenset[str]:
+        """The UCX transports this process's context uses (e.g. {"tcp", "self", "sysv"})."""
+        return frozenset(self._ucxx.get_active_transports())
+
+    def ucx_config(self) -> dict[str, str]:
+        """UCX's context configuration as UCX reports it (keys without the ``UCX_`` prefix)."""
+        return dict(self._ucxx.get_config())
+
+    def forget(self, peer: str) -> None:
+        """Drop the endpoint to ``peer`` and its recorded worker address (idempotent); the peer
+        must handshake again before the next transfer with it."""
+        self.drop(peer)
+        self._addresses.pop(peer, None)
 
     async def endpoint(self, peer: str):
         async with self._lock:

@@ -200,3 +200,27 @@ def refusal_main(conn, *, address: str, what: str) -> None:
             conn.send((exc.code.name, exc.message))
         await node.close()
     asyncio.run(main())
+
+
+def ucx_env_report() -> None:
+    """In a fresh process: make a UcxNode with the connector's default options, move one request
+    over UCX between two connectors of this process, and print what UCX reports as one JSON line
+    (prefixed ``UCX-REPORT``) on stdout."""
+    import json
+
+    from tests.connector_harness import InProcessPair
+
+    async def main():
+        async with InProcessPair(transports=(Transport.UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("env", [9] * 150)
+            with await peer.pull(grant, transport=Transport.UCX) as landed:
+                same = all(torch.equal(pair.decode.pool.blocks[b], expected_block(pair.decode.pool.layout, "env", j))
+                           for j, b in enumerate(landed.block_ids))
+            ucx = pair.decode.ucx
+            return {"tls": ucx.ucx_config().get("TLS"), "transports": sorted(ucx.active_transports()),
+                    "bytes_equal": same, "freed": pair.free() == start}
+    report = asyncio.run(asyncio.wait_for(main(), 30))
+    print("UCX-REPORT " + json.dumps(report), flush=True)
+    os._exit(0)  # skip interpreter teardown of the UCX worker
