@@ -4,8 +4,12 @@ The connector owns the allocators and the leases; the engine computes. For each 
 the connector calls ``engine.prefill(request, cache)`` once; the engine allocates through
 ``cache.allocate`` (at most once), fills the blocks and the ring, and returns a
 ``PrefillOutput``. If it raises, the connector frees whatever it allocated and answers the RPC
-with an error (``CacheExhaustedError`` -> RESOURCE_EXHAUSTED, ``ValueError`` ->
-INVALID_ARGUMENT, anything else -> INTERNAL).
+with an error (``CacheExhaustedError`` -> RESOURCE_EXHAUSTED, ``EngineUnavailable`` ->
+UNAVAILABLE, ``ValueError`` -> INVALID_ARGUMENT, anything else -> INTERNAL). If the caller
+gives up (its deadline passes, it cancels), the connector cancels the awaited ``prefill`` and
+frees the allocation as soon as the cancellation reaches it; an engine that still writes to
+those blocks afterwards must finish before any later request's writes can reach them (a
+batch loop that runs one batch at a time does).
 """
 
 from __future__ import annotations

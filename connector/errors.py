@@ -18,3 +18,9 @@ class TransferError(Exception):
 class CacheExhaustedError(Exception):
     """Raised by ``PrefillCache.allocate`` when the pool has too few free blocks or rings;
     the connector answers RESOURCE_EXHAUSTED."""
+
+
+class EngineUnavailable(Exception):
+    """Raised by ``PrefillEngine.prefill`` when the engine cannot take requests now (draining,
+    warming up, its device lost); the connector frees what was allocated and answers
+    UNAVAILABLE with the message, so that a decode node tries another prefill node."""

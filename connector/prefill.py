@@ -3,7 +3,8 @@ Heartbeat, plus grpc.health.v1 and reflection) and the sending side of both tran
 
 Lifecycle: ``await start()`` binds and serves (returns the port), ``await stop()`` stops serving,
 cancels the reaper, frees every grant and closes UCX endpoints; also an async context manager.
-All state lives on the event loop that called ``start``; the engine is awaited there.
+``await set_serving(False)`` reports NOT_SERVING on grpc.health.v1 (warm-up, drain) without
+refusing calls. All state lives on the event loop that called ``start``; the engine is awaited there.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
 from connector.auth import BearerTokenInterceptor
 from connector.config import ConnectorConfig
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, SamplingParams
-from connector.errors import CacheExhaustedError
+from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
 from connector.plan import blocks_needed, plan_transfer, ring_live_range
@@ -64,6 +65,7 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task | None = None
         self._health = health.aio.HealthServicer()
+        self._serving = True
 
     # lifecycle ---------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -81,11 +83,27 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
         await server.start()
         self._server = server
         self._reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
-        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._report_health()
         logger.info("prefill connector %s serving on %s:%d (%s)", self.engine_id, host, bound,
                     ", ".join(t.label for t in self.transports))
         return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING (True) or NOT_SERVING (False) on grpc.health.v1, for this service and
+        for the server as a whole (service ""). Called by the daemon around warm-up and drain;
+        any number of times, before or after ``start`` (``start`` reports the last value set;
+        after ``stop`` the health service stays NOT_SERVING). Changes no RPC's behaviour: to
+        refuse prefills, the engine raises ``EngineUnavailable``."""
+        if not isinstance(serving, bool):
+            raise TypeError(f"serving must be a bool, got {serving!r}")
+        self._serving = serving
+        if self._server is not None:
+            await self._report_health()
+
+    async def _report_health(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self._serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in (SERVICE_NAME, ""):
+            await self._health.set(service, status)
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving and free every grant (idempotent)."""
@@ -179,28 +197,39 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
         cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
         job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
                            sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, seed=s.seed))
-        try:
-            out = await self.engine.prefill(job, cache)
-            want = blocks_needed(self.layout.config, n)
-            if out.prompt_len != n or tuple(out.block_ids) != cache.block_ids or out.ring_id != cache.ring_id or len(out.block_ids) != want:
-                raise RuntimeError(f"engine returned {len(out.block_ids)} blocks / ring {out.ring_id} / length {out.prompt_len} "
-                                   f"for a {n}-token prompt that needs {want} blocks from its own allocation")
-        except CacheExhaustedError as exc:
-            cache.rollback()
-            self.metrics.failures.labels("cache_exhausted").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
-            cache.rollback()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:
-            cache.rollback()
-            logger.exception("prefill engine failed on request %s", request.request_id)
-            self.metrics.failures.labels("engine").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
-        live = ring_live_range(self.layout.config, n)
-        self.leases.add(Grant(grant_id=grant_id, request_id=request.request_id, block_ids=tuple(out.block_ids),
-                              ring_id=out.ring_id, prompt_len=n, live=live, first_token=out.first_token,
-                              expires_at=self.leases.expiry()))
+        granted = False
+        try:  # every exit without a grant (errors, aborts, the caller cancelling) frees the allocation
+            try:
+                out = await self.engine.prefill(job, cache)
+                want = blocks_needed(self.layout.config, n)
+                if out.prompt_len != n or tuple(out.block_ids) != cache.block_ids or out.ring_id != cache.ring_id \
+                        or len(out.block_ids) != want:
+                    raise RuntimeError(f"engine returned {len(out.block_ids)} blocks / ring {out.ring_id} / length "
+                                       f"{out.prompt_len} for a {n}-token prompt that needs {want} blocks from its own allocation")
+            except CacheExhaustedError as exc:
+                self.metrics.failures.labels("cache_exhausted").inc()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except EngineUnavailable as exc:
+                self.metrics.failures.labels("engine_unavailable").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.engine_id} unavailable: {exc}")
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except asyncio.CancelledError:
+                self.metrics.failures.labels("cancelled").inc()
+                logger.info("prefill of request %s cancelled by its caller; freeing its allocation", request.request_id)
+                raise
+            except Exception as exc:
+                logger.exception("prefill engine failed on request %s", request.request_id)
+                self.metrics.failures.labels("engine").inc()
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+            live = ring_live_range(self.layout.config, n)
+            self.leases.add(Grant(grant_id=grant_id, request_id=request.request_id, block_ids=tuple(out.block_ids),
+                                  ring_id=out.ring_id, prompt_len=n, live=live, first_token=out.first_token,
+                                  expires_at=self.leases.expiry()))
+            granted = True
+        finally:
+            if not granted:
+                cache.rollback()
         return pb.PrefillResponse(request_id=request.request_id, grant_id=grant_id, prompt_len=n,
                                   num_blocks=len(out.block_ids), ring_live=ring_message(live),
                                   first_token=out.first_token, lease_ms=int(self.config.lease_s * 1000))

@@ -1,0 +1,138 @@
+"""The connector's lifecycle edges in one process: a Prefill cancelled by its caller frees its
+allocation, an engine that is unavailable is answered UNAVAILABLE, and the health status
+follows set_serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from connector.config import ConnectorConfig
+from connector.engine import PrefillCache, PrefillInput, PrefillOutput
+from connector.errors import EngineUnavailable, TransferError
+from connector.plan import blocks_needed
+from connector.prefill import SERVICE_NAME
+from tests import connector_procs as procs
+from tests.connector_harness import InProcessPair
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def until(condition, timeout_s: float = 5.0) -> bool:
+    """Wait for ``condition()`` to hold, at most ``timeout_s``; returns whether it held."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return condition()
+
+
+class StalledEngine:
+    """Allocates, then waits (at most ``stall_s``) for a release that never comes; records being cancelled."""
+
+    def __init__(self, stall_s: float = 30.0) -> None:
+        self.stall_s = stall_s
+        self.allocated = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+        cache.allocate(blocks_needed(cache.pool.config, len(request.prompt_token_ids)))
+        self.allocated.set()
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), self.stall_s)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise RuntimeError(f"the test engine stalled for {self.stall_s} s without being cancelled")
+
+
+class UnavailableEngine:
+    """Allocates, then finds that it cannot run (as a draining or broken engine would)."""
+
+    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+        cache.allocate(blocks_needed(cache.pool.config, len(request.prompt_token_ids)))
+        raise EngineUnavailable("draining for shutdown")
+
+
+# 1. cancellation -----------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["client-deadline", "client-cancels"])
+def test_cancelled_prefill_frees_its_allocation(how):
+    async def main():
+        engine = StalledEngine()
+        config = ConnectorConfig(bearer_token=procs.TOKEN, rpc_timeout_s=5.0 if how == "client-cancels" else 0.5)
+        async with InProcessPair(engine=engine, config=config) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            call = asyncio.ensure_future(peer.prefill("slow", [1] * 300))  # 5 blocks and a ring
+            assert await asyncio.wait_for(engine.allocated.wait(), 5)
+            assert pair.free()[:2] == (start[0] - 5, start[1] - 1)
+            if how == "client-cancels":
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            else:
+                with pytest.raises(TransferError) as err:
+                    await call
+                assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.wait_for(engine.cancelled.wait(), 5)
+            assert await until(lambda: pair.free() == start), pair.free()
+            assert len(pair.prefill.leases) == 0
+            assert await until(lambda: pair.prefill_sample("transfer_failures_total", cause="cancelled") == 1)
+    run(main())
+
+
+# 2. an unavailable engine and the health status ---------------------------------------------
+def test_engine_unavailable_is_answered_unavailable_and_frees():
+    async def main():
+        async with InProcessPair(engine=UnavailableEngine()) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            with pytest.raises(TransferError) as err:
+                await peer.prefill("refused", [1] * 100)
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE
+            assert "prefill node prefill-t unavailable: draining for shutdown" in err.value.message
+            assert pair.free() == start
+            assert pair.prefill_sample("transfer_failures_total", cause="engine_unavailable") == 1
+    run(main())
+
+
+async def _health(address: str) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return [(await stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)).status for s in ("", SERVICE_NAME)]
+
+
+def test_set_serving_flips_the_health_of_the_service_and_the_server():
+    async def main():
+        async with InProcessPair() as pair:
+            assert await _health(pair.address) == [SERVING, SERVING]
+            await pair.prefill.set_serving(False)
+            assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
+            await pair.prefill.set_serving(False)  # idempotent
+            assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
+            peer = await pair.decode.connect(pair.address)  # NOT_SERVING refuses nothing by itself
+            grant = await peer.prefill("still-served", [1] * 10)
+            assert await peer.release(grant.grant_id) is True
+            await pair.prefill.set_serving(True)
+            assert await _health(pair.address) == [SERVING, SERVING]
+            with pytest.raises(TypeError):
+                await pair.prefill.set_serving("no")
+    run(main())
+
+
+def test_set_serving_before_start_is_what_start_reports():
+    async def main():
+        pair = InProcessPair()
+        await pair.prefill.set_serving(False)
+        async with pair:
+            assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
+            await pair.prefill.set_serving(True)
+            assert await _health(pair.address) == [SERVING, SERVING]
+    run(main())
