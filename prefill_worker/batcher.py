@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.errors import CacheExhaustedError
+from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.plan import blocks_needed
 from model import Engine, PrefillJob
 
@@ -31,7 +31,8 @@ class _Queued:
 
 class BatchingPrefillEngine:
     """Implements ``connector.engine.PrefillEngine``. ``run()`` is the batch loop (a task the
-    daemon owns); ``draining = True`` refuses new prefills with RESOURCE_EXHAUSTED."""
+    daemon owns); ``draining = True`` refuses new prefills with UNAVAILABLE (``EngineUnavailable``),
+    so that decode nodes try another prefill node."""
 
     def __init__(self, engine: Engine, *, max_batch_tokens: int, max_queue: int, registry: CollectorRegistry) -> None:
         if max_batch_tokens <= 0 or max_queue <= 0:
@@ -59,7 +60,7 @@ class BatchingPrefillEngine:
         prompt = request.prompt_token_ids
         if self.draining:
             self.requests.labels("draining").inc()
-            raise CacheExhaustedError("prefill node is draining; try another")
+            raise EngineUnavailable("prefill node is draining; try another")
         bad = [t for t in prompt if t >= config.vocab_size]
         if bad:
             self.requests.labels("invalid").inc()

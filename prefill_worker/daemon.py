@@ -2,9 +2,9 @@
 
 Start-up: build the cache and the model, warm up (one prefill through the engine), then serve
 the connector's prefill side; only then does grpc.health.v1 report SERVING and the ready file
-appear. SIGTERM drains: new prefills are refused (RESOURCE_EXHAUSTED, so decode nodes try
-another), grants already handed out may be pulled until released or for ``drain-s``, then the
-server stops and frees everything.
+appear. SIGTERM drains: grpc.health.v1 turns NOT_SERVING and new prefills are refused
+(UNAVAILABLE, so decode nodes try another), grants already handed out may be pulled until
+released or for ``drain-s``, then the server stops and frees everything.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) 
                                                   "layout_hash": layout.layout_hash})
         await stop.wait()
         batcher.draining = True
+        await node.set_serving(False)
         await probes.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + settings["drain_s"]
         while (len(node.leases) or not batcher.idle) and time.monotonic() < deadline:
