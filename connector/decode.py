@@ -4,6 +4,11 @@ the gRPC stream, verifies, and releases the grant.
 
 Every call that waits on a peer has a deadline (``rpc_timeout_s``, ``transfer_timeout_s``);
 every failure is a ``TransferError`` carrying a gRPC status code, and leaves nothing allocated.
+
+A prefill node whose layout differs from ours only in ``order`` is accepted: its blocks land in
+a staging buffer sized to the request and ``kernels.repack_blocks`` converts them into our
+blocks (the ring has no head axis and lands directly). With equal layouts the bytes land in
+our blocks with no staging copy.
 """
 
 from __future__ import annotations
@@ -16,20 +21,23 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 
 from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
 from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
 from connector.auth import auth_metadata
+from connector.compat import peer_layout
 from connector.config import ConnectorConfig
 from connector.engine import SamplingParams
 from connector.errors import TransferError
 from connector.metrics import ConnectorMetrics
-from connector.plan import RingRange, TransferPlan, plan_transfer
+from connector.plan import PoolKind, RingRange, TransferPlan, plan_transfer
 from connector.regions import crc32, region_view, write_bytes
 from connector.ucx import MAX_REGIONS, UcxNode
 from connector.wire import Transport, layout_message, ring_from
-from kvcache import BlockAllocator, CachePool, RingAllocator
+from kernels import repack_blocks
+from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +61,14 @@ class LandedRequest:
     Owns them until ``release()`` (idempotent) frees them; a context manager. ``__del__`` only
     reports a leak."""
 
-    __slots__ = ("grant", "block_ids", "ring_id", "transport", "nbytes", "regions", "seconds", "_connector", "_released")
+    __slots__ = ("grant", "block_ids", "ring_id", "transport", "nbytes", "regions", "seconds", "repacked",
+                 "_connector", "_released")
 
     def __init__(self, connector: "DecodeConnector", grant: PrefillGrant, block_ids: tuple[int, ...], ring_id: int,
-                 transport: Transport, nbytes: int, regions: int, seconds: float) -> None:
+                 transport: Transport, nbytes: int, regions: int, seconds: float, repacked: bool = False) -> None:
         self.grant, self.block_ids, self.ring_id = grant, block_ids, ring_id
         self.transport, self.nbytes, self.regions, self.seconds = transport, nbytes, regions, seconds
+        self.repacked = repacked  # landed in a staging buffer and converted from the peer's block order
         self._connector = connector
         self._released = False
 
@@ -88,13 +98,18 @@ def _status(exc: grpc.aio.AioRpcError, what: str) -> TransferError:
 
 
 class PrefillPeer:
-    """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``."""
+    """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``;
+    closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the peer's block
+    layout: ours, or ours in the other ``order`` (then ``repacks`` is True)."""
 
     def __init__(self, connector: "DecodeConnector", address: str, channel: grpc.aio.Channel,
-                 response: pb.HandshakeResponse) -> None:
+                 response: pb.HandshakeResponse, layout: BlockLayout) -> None:
         self.connector = connector
         self.address = address
         self.engine_id = response.engine_id
+        self.layout = layout
+        self.repacks = layout.layout_hash != connector.pool.layout.layout_hash
+        self.closed = False
         self.transports = tuple(Transport(t) for t in response.transports if t in {x.value for x in Transport})
         self.lease_s = response.lease_ms / 1000
         self._channel = channel
@@ -104,9 +119,14 @@ class PrefillPeer:
     def _md(self):
         return auth_metadata(self.connector.config.bearer_token)
 
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise TransferError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
+
     async def prefill(self, request_id: str, prompt_token_ids, sampling: SamplingParams = SamplingParams()) -> PrefillGrant:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                                 sampling=pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=sampling.seed))
+        self._check_open(f"Prefill of {request_id}")
         try:
             r = await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
@@ -116,6 +136,7 @@ class PrefillPeer:
 
     async def release(self, grant_id: str) -> bool:
         """Idempotent: False when the grant was already released or expired."""
+        self._check_open(f"Release of {grant_id}")
         try:
             r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id), timeout=self.connector.config.rpc_timeout_s,
                                          metadata=self._md)
@@ -125,6 +146,7 @@ class PrefillPeer:
 
     async def heartbeat(self, grant_ids) -> list[str]:
         """Renew leases; returns the ids the prefill node no longer holds."""
+        self._check_open("Heartbeat")
         try:
             r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.connector.engine_id, grant_ids=list(grant_ids)),
                                            timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
@@ -139,6 +161,7 @@ class PrefillPeer:
         On any failure the allocation is freed and TransferError raised, within
         ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the allocation-free Release)."""
         c = self.connector
+        self._check_open(f"Pull of {grant.request_id}")
         transport = transport or (Transport.UCX if Transport.UCX in self.transports and c.ucx is not None else Transport.GRPC_STREAM)
         if transport not in self.transports or (transport is Transport.UCX and c.ucx is None):
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"transport {transport.label} not available with {self.address}")
@@ -159,7 +182,7 @@ class PrefillPeer:
             heartbeat.cancel()
         seconds = time.perf_counter() - started
         c.metrics.transferred(transport.label, plan.total_bytes, len(plan), seconds)
-        landed = LandedRequest(c, grant, block_ids, ring_id, transport, plan.total_bytes, len(plan), seconds)
+        landed = LandedRequest(c, grant, block_ids, ring_id, transport, plan.total_bytes, len(plan), seconds, self.repacks)
         if release:
             try:
                 await self.release(grant.grant_id)
@@ -176,7 +199,12 @@ class PrefillPeer:
     async def _pull(self, grant: PrefillGrant, block_ids, ring_id, transport: Transport, integrity: bool) -> TransferPlan:
         c = self.connector
         tag_base = (secrets.randbits(64) | 1) if transport is Transport.UCX else 0
-        req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=block_ids, dst_ring_id=ring_id,
+        # With the peer's block order differing from ours, its blocks land in staging block i
+        # (i = 0..n-1, the peer's byte order) and are converted into block_ids[i] at the end.
+        staging = (torch.empty(len(block_ids), c.pool.layout.block_bytes, dtype=torch.uint8, device=c.pool.device)
+                   if self.repacks else None)
+        landing_ids = tuple(range(len(block_ids))) if staging is not None else block_ids
+        req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing_ids, dst_ring_id=ring_id,
                              transport=transport.value, integrity=integrity, ucx_tag_base=tag_base)
         call = self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md)
         receives: list[asyncio.Future] = []
@@ -187,12 +215,14 @@ class PrefillPeer:
             g = first.grant
             if ring_from(g.ring_live) != grant.ring_live or len(g.src_block_ids) != len(block_ids):
                 raise TransferError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
-            plan = plan_transfer(c.pool.layout, list(g.src_block_ids), list(block_ids), g.src_ring_id, ring_id, grant.ring_live,
-                                 dst_num_blocks=c.pool.num_blocks, dst_num_rings=c.pool.num_rings)
+            plan = plan_transfer(c.pool.layout, list(g.src_block_ids), list(landing_ids), g.src_ring_id, ring_id,
+                                 grant.ring_live, dst_num_blocks=len(landing_ids) if staging is not None else c.pool.num_blocks,
+                                 dst_num_rings=c.pool.num_rings)
             if len(plan) != g.num_regions or plan.total_bytes != g.total_bytes or len(plan) > MAX_REGIONS:
                 raise TransferError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
                                     f"with the grant's {g.num_regions} / {g.total_bytes}")
-            views = [region_view(c.pool, p.dst) for p in plan.pairs]
+            views = [region_view(c.pool, p.dst, blocks=staging if p.dst.kind is PoolKind.BLOCKS else None)
+                     for p in plan.pairs]
             if transport is Transport.UCX:
                 receives = await c.ucx.post_receives(self.engine_id, views, tag_base)
             landed = [0] * len(views)
@@ -224,6 +254,8 @@ class PrefillPeer:
                 if len(done.crc32) != len(views) or bad:
                     raise TransferError(grpc.StatusCode.DATA_LOSS,
                                         f"crc32 mismatch in regions {bad or 'all (none sent)'} of {grant.request_id}")
+            if staging is not None:
+                repack_blocks(staging, self.layout, landing_ids, c.pool.blocks, c.pool.layout, block_ids)
             return plan
         except ValueError as exc:
             raise TransferError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
@@ -237,6 +269,7 @@ class PrefillPeer:
             if receives:  # the peer failed or timed out while receives into our blocks were posted
                 c.ucx.drop(self.engine_id)
                 await asyncio.gather(*receives, return_exceptions=True)
+            del staging  # no receive writes into it any more
 
     def _apply_chunk(self, view, data: bytes) -> None:
         write_bytes(view, data)
@@ -249,14 +282,22 @@ class PrefillPeer:
         return None if msg is grpc.aio.EOF else msg
 
     async def close(self) -> None:
+        """Close the channel (idempotent); calls in flight on it fail with CANCELLED."""
+        self.closed = True
         await self._channel.close()
+
+    def __repr__(self) -> str:
+        return (f"PrefillPeer({self.address!r}, engine={self.engine_id!r}, "
+                f"{'repacks from ' + self.layout.config.order.value if self.repacks else 'same layout'}"
+                f"{', closed' if self.closed else ''})")
 
 
 class DecodeConnector:
     """The decode node's pool and allocators, its UCX worker, and its peers.
 
     ``await start()`` (inside the event loop that will run the pulls) makes the UCX worker when
-    UCX is among ``transports``; ``connect(address)`` handshakes with one prefill node."""
+    UCX is among ``transports``; ``connect(address)`` handshakes with one prefill node and
+    ``disconnect(peer_or_address)`` forgets it (before handshaking again with a restarted node)."""
 
     def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, *, engine_id: str,
                  config: ConnectorConfig, registry: CollectorRegistry,
@@ -275,9 +316,16 @@ class DecodeConnector:
             self.ucx = UcxNode(self.config.ucx_options)
         return self
 
+    @property
+    def peers(self) -> tuple[PrefillPeer, ...]:
+        """The connected peers, oldest first."""
+        return tuple(self._peers)
+
     async def connect(self, address: str) -> PrefillPeer:
         """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION (naming the
-        differing layout fields) when the layouts differ; UNAUTHENTICATED without the right token."""
+        differing layout fields) when the layouts differ in more than ``order``; UNAUTHENTICATED
+        without the right token. Each call opens a new channel: a caller that handshakes again
+        with the same node calls ``disconnect`` first."""
         opts = self.config.grpc_options()
         channel = (grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts +
                                            ([("grpc.ssl_target_name_override", self.config.tls.server_name_override)]
@@ -293,12 +341,47 @@ class DecodeConnector:
             await channel.close()
             self.metrics.failures.labels(exc.code().name.lower()).inc()
             raise _status(exc, f"Handshake with {address}") from None
-        if self.ucx is not None and r.ucx_worker_address:
-            self.ucx.remember(r.engine_id, r.ucx_worker_address)
-            await self.ucx.endpoint(r.engine_id)
-        peer = PrefillPeer(self, address, channel, r)
+        layout, differing = peer_layout(self.pool.layout, r.layout)
+        if layout is None:
+            await channel.close()
+            self.metrics.failures.labels("layout_mismatch").inc()
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"Handshake with {address}: cache layout of prefill node {r.engine_id} differs: fields {differing}")
+        try:
+            if self.ucx is not None and r.ucx_worker_address:
+                self.ucx.remember(r.engine_id, r.ucx_worker_address)
+                await asyncio.wait_for(self.ucx.endpoint(r.engine_id), self.config.rpc_timeout_s)
+        except BaseException as exc:
+            await channel.close()
+            if isinstance(exc, Exception):
+                raise TransferError(grpc.StatusCode.UNAVAILABLE,
+                                    f"UCX endpoint to {address} failed: {type(exc).__name__}: {exc}") from None
+            raise
+        peer = PrefillPeer(self, address, channel, r, layout)
         self._peers.append(peer)
         return peer
+
+    async def disconnect(self, peer_or_address: PrefillPeer | str) -> int:
+        """Forget a peer, or every peer connected to an address: close its channel (pulls in
+        flight on it fail and free their blocks), and drop our UCX endpoint to its engine and
+        the worker address we recorded, unless another live peer has the same engine id.
+        Called by a router when a node went away or before it handshakes with a restarted one.
+        Idempotent: returns how many peers it closed (0 when none was connected)."""
+        if isinstance(peer_or_address, PrefillPeer):
+            gone = [p for p in self._peers if p is peer_or_address]
+        elif isinstance(peer_or_address, str):
+            gone = [p for p in self._peers if p.address == peer_or_address]
+        else:
+            raise TypeError(f"disconnect takes a PrefillPeer or a 'host:port' string, got {type(peer_or_address).__name__}")
+        self._peers = [p for p in self._peers if all(p is not g for g in gone)]
+        for peer in gone:
+            await peer.close()
+            if self.ucx is not None and all(p.engine_id != peer.engine_id for p in self._peers):
+                self.ucx.forget(peer.engine_id)
+        if gone:
+            logger.info("disconnected from %s (%d channel%s)", peer_or_address if isinstance(peer_or_address, str)
+                        else peer_or_address.address, len(gone), "" if len(gone) == 1 else "s")
+        return len(gone)
 
     def _allocate(self, grant: PrefillGrant) -> tuple[tuple[int, ...], int]:
         if grant.num_blocks > self.blocks.num_free or self.rings.num_free == 0:

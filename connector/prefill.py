@@ -5,12 +5,14 @@ Lifecycle: ``await start()`` binds and serves (returns the port), ``await stop()
 cancels the reaper, frees every grant and closes UCX endpoints; also an async context manager.
 ``await set_serving(False)`` reports NOT_SERVING on grpc.health.v1 (warm-up, drain) without
 refusing calls. All state lives on the event loop that called ``start``; the engine is awaited there.
+
+A node accepts a decode node whose layout differs from its own only in ``order``: it sends its
+blocks as they are and the decode node converts them (see ``connector.compat``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -24,6 +26,7 @@ from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
 from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
 from connector.auth import BearerTokenInterceptor
 from connector.config import ConnectorConfig
+from connector.compat import peer_layout
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, SamplingParams
 from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
@@ -32,7 +35,7 @@ from connector.plan import blocks_needed, plan_transfer, ring_live_range
 from connector.regions import crc32, read_bytes, region_view
 from connector.ucx import MAX_REGIONS, UcxNode, UcxUnavailableError
 from connector.wire import Transport, layout_message, ring_message
-from kvcache import BlockAllocator, CachePool, RingAllocator, layout_differences
+from kvcache import BlockAllocator, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -155,15 +158,14 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         if not request.engine_id or len(request.engine_id) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine_id must have 1 to {MAX_ID_CHARS} characters")
-        if request.layout.layout_hash != self.layout.layout_hash:
-            try:
-                theirs = json.loads(request.layout.fields_json or "{}")
-            except json.JSONDecodeError:
-                theirs = {}
-            differing = layout_differences(self.layout.config.hash_fields(), theirs) if isinstance(theirs, dict) else []
+        theirs, differing = peer_layout(self.layout, request.layout)
+        if theirs is None:
             self.metrics.failures.labels("layout_mismatch").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"cache layout differs from prefill node {self.engine_id}: fields {differing or ['<unreadable>']}")
+                                f"cache layout differs from prefill node {self.engine_id}: fields {differing}")
+        if differing:
+            logger.info("engine %s stores blocks in %s order, this node in %s; it converts what it pulls",
+                        request.engine_id, theirs.config.order.value, self.layout.config.order.value)
         offered = tuple(Transport(t) for t in request.transports if t in {x.value for x in Transport})
         if Transport.UCX in offered and self._ucx is not None:
             if not request.ucx_worker_address:

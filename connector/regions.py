@@ -11,9 +11,14 @@ from connector.plan import PoolKind, Region
 from kvcache import CachePool
 
 
-def region_view(pool: CachePool, region: Region) -> torch.Tensor:
-    """uint8 [nbytes], aliasing the pool (no copy). IndexError-free: ValueError if out of range."""
-    flat = (pool.blocks if region.kind is PoolKind.BLOCKS else pool.rings).view(-1)
+def region_view(pool: CachePool, region: Region, *, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [nbytes], aliasing the pool (no copy). IndexError-free: ValueError if out of range.
+    ``blocks`` (uint8 [n, block_bytes], contiguous) stands in for the pool's block buffer: a
+    staging buffer that block regions land in."""
+    if region.kind is PoolKind.BLOCKS:
+        flat = (pool.blocks if blocks is None else blocks).view(-1)
+    else:
+        flat = pool.rings.view(-1)
     if region.offset < 0 or region.offset + region.nbytes > flat.numel():
         raise ValueError(f"region {region} outside the {region.kind.name.lower()} pool of {flat.numel()} bytes")
     return flat[region.offset:region.offset + region.nbytes]

@@ -69,8 +69,8 @@ def run_child(target, timeout: float = 60, **kwargs):
     return messages, proc.exitcode
 
 
-@pytest.fixture
-def prefill():
+@pytest.fixture(name="prefill")
+def prefill_nodes():
     """``prefill(**kwargs)`` starts a prefill node process; every one is killed at teardown."""
     nodes = []
 

@@ -1,5 +1,6 @@
 """Process bodies for the connector tests: a prefill node and a decode node, each in its own
-process (multiprocessing spawn), talking over loopback. Also the test PrefillEngine."""
+process (multiprocessing spawn), talking over loopback. Also the test PrefillEngine, and the
+layer-by-layer comparison of a request's state between two pools of possibly different orders."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import os
 import random
 import time
+from dataclasses import replace
 
 import grpc
 import torch
@@ -17,13 +19,68 @@ from connector.config import ConnectorConfig
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
 from connector.errors import TransferError
-from connector.plan import blocks_needed
+from connector.plan import blocks_needed, ring_live_range
 from connector.prefill import PrefillConnector
 from connector.wire import Transport
-from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+from kvcache import BlockAllocator, BlockLayout, BlockOrder, CacheConfig, CacheFamily, CachePool, RingAllocator
 
 CONFIG = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3, mla_entry_bytes=64)
 TOKEN = "s3cret-token"
+# Two heads per page, so that the BLNHC and BLHNC orders store different bytes.
+CONFIGS = {
+    "kpool": CONFIG,
+    "kpool-2heads": replace(CONFIG, mla_num_heads=2),
+    "qsa-2heads": CacheConfig(family=CacheFamily.QSA, layer_names=("a", "b"), block_size=32, compress_ratio=4, num_spec=1,
+                              mla_entry_bytes=32, mla_num_heads=2, qsa_num_heads=2, qsa_head_size=64),
+}
+
+
+def make_config(name: str = "kpool", order: str = "BLNHC") -> CacheConfig:
+    return replace(CONFIGS[name], order=BlockOrder(order))
+
+
+def _as_bytes(view: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., bytes] of a (possibly permuted) typed view, so NaN patterns compare exactly."""
+    return view.contiguous().view(torch.uint8)
+
+
+def state_differences(dst: CachePool, dst_blocks, dst_ring: int, src: CachePool, src_blocks, src_ring: int,
+                      ring_slots) -> list[str]:
+    """Where a request's state in ``dst`` differs from ``src``, compared layer by layer through the
+    pools' logical views (MLA pages, indexer page or QSA keys, ring rows of the live slots)."""
+    bad = []
+    slots = torch.tensor(list(ring_slots), dtype=torch.int64)
+    for layer in range(dst.config.num_layers):
+        views = [("mla", CachePool.mla)]
+        if dst.config.family is CacheFamily.KPOOL:
+            views += [("indexer", CachePool.indexer_page)]
+        else:
+            views += [("qsa_keys", CachePool.qsa_keys)]
+        for name, view in views:
+            for j, (d, s) in enumerate(zip(dst_blocks, src_blocks)):
+                if not torch.equal(_as_bytes(view(dst, layer)[d]), _as_bytes(view(src, layer)[s])):
+                    bad.append(f"layer {layer} {name} block {j}")
+        if dst.config.family is CacheFamily.KPOOL:
+            got, want = dst.tail_ring(layer)[dst_ring][:, slots], src.tail_ring(layer)[src_ring][:, slots]
+        else:
+            got, want = dst.qsa_ring(layer)[dst_ring][slots], src.qsa_ring(layer)[src_ring][slots]
+        if not torch.equal(_as_bytes(got), _as_bytes(want)):
+            bad.append(f"layer {layer} ring slots {slots.tolist()}")
+    return bad
+
+
+def live_slots(config: CacheConfig, prompt_len: int) -> list[int]:
+    live = ring_live_range(config, prompt_len)
+    return [(live.start_slot + i) % config.ring_slots for i in range(live.num_slots)]
+
+
+def mirror_pool(layout: BlockLayout, request_id: str, num_blocks: int) -> CachePool:
+    """What ``SeededFillEngine`` wrote for a request, as blocks 0..n-1 and ring 0 of a fresh pool."""
+    pool = CachePool(layout, num_blocks=max(num_blocks, 1), num_rings=1)
+    for j in range(num_blocks):
+        pool.blocks[j] = expected_block(layout, request_id, j)
+    pool.rings[0] = expected_ring(layout, request_id)
+    return pool
 
 
 def _seed(request_id: str, index: int) -> int:
@@ -61,10 +118,11 @@ def _fragment(blocks: BlockAllocator, rng: random.Random) -> list[int]:
     return keep
 
 
-def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: int = 96, num_rings: int = 8, seed: int = 1) -> None:
+def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: int = 96, num_rings: int = 8, seed: int = 1,
+                 cache: str = "kpool", order: str = "BLNHC") -> None:
     """Serve until told to stop; answer ("counts",) with (free blocks, free rings, grants held)."""
     async def main():
-        layout = BlockLayout(CONFIG)
+        layout = BlockLayout(make_config(cache, order))
         pool = CachePool(layout, num_blocks=num_blocks, num_rings=num_rings)
         blocks, rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
         held = _fragment(blocks, random.Random(seed))
@@ -106,10 +164,11 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
     os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
 
 
-def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: float, seed: int = 2) -> None:
+def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: float, seed: int = 2,
+                cache: str = "kpool", order: str = "BLNHC", peer_order: str = "BLNHC") -> None:
     """Run one scenario against the prefill node at ``address``; send back a result dict."""
     async def main():
-        layout = BlockLayout(CONFIG)
+        layout = BlockLayout(make_config(cache, order))
         num_blocks = 128
         pool = CachePool(layout, num_blocks=num_blocks, num_rings=8)
         blocks, rings = BlockAllocator(num_blocks), RingAllocator(8)
@@ -150,6 +209,20 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 out["late"] = "OK"
             except TransferError as exc:
                 out["late"] = exc.code.name
+            out["end_free"] = (blocks.num_free, rings.num_free)
+        elif scenario == "order":  # the prefill node stores peer_order; compare through both sides' views
+            peer_layout = BlockLayout(make_config(cache, peer_order))
+            out["repacks"] = peer.repacks
+            out["differences"], out["repacked"] = [], []
+            for i, n in enumerate([1, 5, layout.config.block_size + 3, 5 * layout.config.block_size - 1]):
+                rid = f"order-{transport}-{i}"
+                grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
+                with await peer.pull(grant, transport=t, integrity=i % 2 == 0) as landed:
+                    src = mirror_pool(peer_layout, rid, len(landed.block_ids))
+                    out["differences"] += [f"{rid}: {d}" for d in state_differences(
+                        pool, landed.block_ids, landed.ring_id, src, range(len(landed.block_ids)), 0,
+                        live_slots(layout.config, n))]
+                    out["repacked"].append(landed.repacked)
             out["end_free"] = (blocks.num_free, rings.num_free)
         elif scenario in ("decode_dies", "prefill_dies"):
             grant = await peer.prefill("victim", [7] * 2000)

@@ -1,23 +1,28 @@
 """The connector's lifecycle edges in one process: a Prefill cancelled by its caller frees its
-allocation, an engine that is unavailable is answered UNAVAILABLE, and the health status
-follows set_serving."""
+allocation, an engine that is unavailable is answered UNAVAILABLE, the health status follows
+set_serving, and a decode node disconnects from a node (UCX endpoint included) to handshake
+again with its restarted successor."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from connector.config import ConnectorConfig
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
 from connector.errors import EngineUnavailable, TransferError
 from connector.plan import blocks_needed
-from connector.prefill import SERVICE_NAME
+from connector.prefill import SERVICE_NAME, PrefillConnector
+from connector.wire import Transport
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 
+GRPC = Transport.GRPC_STREAM
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -135,4 +140,59 @@ def test_set_serving_before_start_is_what_start_reports():
             assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
             await pair.prefill.set_serving(True)
             assert await _health(pair.address) == [SERVING, SERVING]
+    run(main())
+
+
+# 3. disconnect and handshake again with a restarted node --------------------------------------
+@pytest.mark.parametrize("transport", [GRPC, Transport.UCX], ids=["grpc", "ucx"])
+def test_disconnect_then_handshake_with_a_restarted_node(transport):
+    async def main():
+        async with InProcessPair(transports=(transport,)) as pair:
+            start = pair.free()
+            first = await pair.decode.connect(pair.address)
+            second = await pair.decode.connect(pair.address)  # e.g. a router that handshook twice
+            assert pair.decode.peers == (first, second)
+            if transport is Transport.UCX:
+                assert pair.decode.ucx.knows("prefill-t")
+            assert await pair.decode.disconnect(first) == 1
+            assert pair.decode.peers == (second,) and first.closed and not second.closed
+            if transport is Transport.UCX:  # the other peer of the same engine keeps the endpoint
+                assert pair.decode.ucx.knows("prefill-t")
+            assert await pair.decode.disconnect(pair.address) == 1
+            assert pair.decode.peers == () and second.closed
+            if transport is Transport.UCX:
+                assert not pair.decode.ucx.knows("prefill-t")
+            assert await pair.decode.disconnect(pair.address) == 0  # idempotent
+            assert await pair.decode.disconnect(first) == 0
+            with pytest.raises(TypeError):
+                await pair.decode.disconnect(42)
+
+            # the node restarts on the same port as a new process would: new engine, new UCX worker
+            port = int(pair.address.rsplit(":", 1)[1])
+            await pair.prefill.stop(grace=0)
+            pair.prefill = PrefillConnector(pair.prefill.pool, pair.p_blocks, pair.p_rings, procs.SeededFillEngine(),
+                                            engine_id="prefill-restarted", config=pair.prefill.config,
+                                            registry=CollectorRegistry(), transports=(transport,))
+            assert await pair.prefill.start(port=port) == port
+            peer = await pair.decode.connect(pair.address)
+            assert peer.engine_id == "prefill-restarted" and pair.decode.peers == (peer,)
+            grant = await peer.prefill("after-restart", [4] * 130)
+            with await peer.pull(grant, transport=transport, integrity=True) as landed:
+                assert landed.nbytes > 0
+            assert pair.free() == start
+    run(main())
+
+
+def test_pull_on_a_disconnected_peer_fails_and_frees():
+    async def main():
+        async with InProcessPair(config=dataclasses.replace(
+                ConnectorConfig(bearer_token=procs.TOKEN), rpc_timeout_s=3.0, transfer_timeout_s=3.0)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("orphan", [2] * 100)
+            await pair.decode.disconnect(peer)
+            with pytest.raises(TransferError) as err:
+                await peer.pull(grant, transport=GRPC)
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE and "was disconnected" in err.value.message
+            assert pair.free()[2:] == start[2:]
     run(main())

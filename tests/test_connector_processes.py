@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests import connector_procs as procs
-from tests.connector_harness import prefill, run_child  # noqa: F401 (prefill is a fixture)
+from tests.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
 
 TRANSPORTS = ["ucx", "grpc"]
 LEASE_S = 1.5
