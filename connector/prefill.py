@@ -33,7 +33,7 @@ from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
 from connector.plan import blocks_needed, plan_transfer, ring_live_range
 from connector.regions import crc32, read_bytes, region_view
-from connector.ucx import MAX_REGIONS, UcxNode, UcxUnavailableError
+from connector.ucx import MAX_REGIONS, UcxNode
 from connector.wire import Transport, layout_message, ring_message
 from kvcache import BlockAllocator, CachePool, RingAllocator
 

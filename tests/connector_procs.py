@@ -11,7 +11,6 @@ import random
 import time
 from dataclasses import replace
 
-import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -145,8 +144,8 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
             real_send = ucx.send
 
             async def dying_send(peer, views, tag_base):
-                task = asyncio.ensure_future(real_send(peer, views, tag_base))
-                await asyncio.sleep(0.002)
+                sending = asyncio.ensure_future(real_send(peer, views, tag_base))  # noqa: F841 (kept alive)
+                await asyncio.sleep(0.002)  # the sends are in flight
                 os._exit(17)
             ucx.send = dying_send
         conn.send(("port", port, blocks.num_free, rings.num_free))
@@ -173,7 +172,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
         pool = CachePool(layout, num_blocks=num_blocks, num_rings=8)
         blocks, rings = BlockAllocator(num_blocks), RingAllocator(8)
         rng = random.Random(seed)
-        held = _fragment(blocks, rng)
+        _fragment(blocks, rng)  # the rest of the pool stays held: landed blocks are not contiguous
         start_free = (blocks.num_free, rings.num_free)
         t = Transport.parse(transport)
         config = ConnectorConfig(lease_s=lease_s, bearer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
