@@ -115,6 +115,9 @@ class PrefillRouter:
             serving, node.reason = False, f"health check: {exc.code().name}"
         if serving and node.peer is None:
             try:
+                # The node may be a new process on the same address (and, in a StatefulSet, with
+                # the same engine id): drop the old channel and UCX endpoint before handshaking.
+                await self.connector.disconnect(node.address)
                 node.peer = await self.connector.connect(node.address)
                 logger.info("connected to prefill node %s (%s)", node.address, node.peer.engine_id)
             except TransferError as exc:

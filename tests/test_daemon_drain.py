@@ -1,6 +1,8 @@
 """A prefill daemon's drain, as decode nodes see it: on SIGTERM it reports NOT_SERVING, answers new
 prefills UNAVAILABLE (so they go to another node), lets a grant it handed out be released, then
-exits with every block free."""
+exits with every block free. And a decode daemon whose prefill node restarts on the same address
+(with the same engine id, as a StatefulSet pod does) drops the old connection and serves requests
+through the new process."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from connector.config import ConnectorConfig
 from connector.decode import DecodeConnector
 from connector.errors import TransferError
 from connector.wire import Transport
-from kpool_pd.launcher import model_flags, start_prefill
+from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.launcher import model_flags, start_decode, start_prefill
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import ModelConfig
+from model.colocated import make_prompts, run_colocated
 from model.tls import open_channel
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)
@@ -75,3 +79,39 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
         assert "free: 32 of 32 blocks" in prefill.log_tail(3)
     finally:
         prefill.stop()
+
+
+def test_a_prefill_node_restarted_on_the_same_address_is_reconnected(tmp_path):
+    flags = model_flags(**MODEL)
+    extra = ["--log-format", "text", "--engine-id", "prefill-0"]  # a StatefulSet pod keeps its name
+    first = start_prefill(tmp_path, flags, name="prefill-first", extra=extra)
+    daemons = [first]
+    try:
+        first.wait_ready(90)
+        port = first.port
+        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{port}"],
+                              extra=["--log-format", "text", "--health-interval-s", "0.3"])
+        daemons.append(decode)
+        decode.wait_ready(90)
+        address = f"127.0.0.1:{decode.port}"
+        requests = make_prompts(2, 30, seed=1, vocab_size=CONFIG.vocab_size, max_tokens=6, prefix="before")
+        assert not [r for r in asyncio.run(generate_all(address, requests)) if isinstance(r, RequestFailed)]
+
+        first.kill()
+        second = start_prefill(tmp_path, flags, name="prefill-second", extra=[*extra, "--port", str(port)])
+        daemons.append(second)
+        second.wait_ready(90)
+
+        async def reconnected() -> bool:  # a second handshake, with the new process
+            return decode.log_tail(400).count("connected to prefill node") >= 2
+        asyncio.run(_until(reconnected, "a new handshake with the restarted node"))
+        requests = make_prompts(3, 30, seed=2, vocab_size=CONFIG.vocab_size, max_tokens=6, prefix="after")
+        results = asyncio.run(generate_all(address, requests))
+        assert not [r for r in results if isinstance(r, RequestFailed)], results
+        want = run_colocated(CONFIG, requests)
+        assert [(r.output_digest, r.state_digest) for r in results] == \
+            [(r.output_digest, r.state_digest) for r in want]
+        assert "disconnected from" in decode.log_tail(400)
+    finally:
+        for daemon in reversed(daemons):
+            daemon.stop()
