@@ -36,7 +36,7 @@ from model.logs import configure_logging
 from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
 from model.settings import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, parse_bool,
                             positive_float, positive_int, resolve_device, service_options)
-from model.tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS, tls_config
+from connector.daemon_tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS, tls_config
 
 logger = logging.getLogger(__name__)
 

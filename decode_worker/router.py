@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from connector.config import TlsConfig
 from connector.decode import DecodeConnector, PrefillPeer
 from connector.errors import TransferError
-from model.tls import open_channel
+from connector.daemon_tls import open_channel
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
 from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
 from connector.config import TlsConfig
 from model.colocated import GenerateRequest, RequestResult
-from model.tls import open_channel
+from connector.daemon_tls import open_channel
 
 
 class RequestFailed(Exception):

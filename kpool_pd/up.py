@@ -23,7 +23,7 @@ from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from model.settings import SettingsError
-from model.tls import client_tls
+from connector.daemon_tls import client_tls
 
 READY_TIMEOUT_S = 120.0
 

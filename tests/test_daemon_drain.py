@@ -23,7 +23,7 @@ from kpool_pd.launcher import model_flags, start_decode, start_prefill
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
-from model.tls import open_channel
+from connector.daemon_tls import open_channel
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=4)

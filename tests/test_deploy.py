@@ -31,7 +31,7 @@ from kpool_pd.client import RequestFailed, generate_all, model_info
 from model.colocated import make_prompts, run_colocated
 from kpool_pd.certs import issue, make_ca
 from model.settings import MODEL_OPTIONS, SettingsError, load_settings, model_config
-from model.tls import client_tls, tls_config
+from connector.daemon_tls import client_tls, tls_config
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from tests import deploy_launch as dl
 from tests import deploy_manifests as dm
