@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 import time
 from collections.abc import Sequence
 
@@ -23,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
 from connector.auth import BearerTokenInterceptor
+from connector.daemon_main import run_daemon
 from connector.config import ConnectorConfig, TlsConfig
 from connector.decode import DecodeConnector
 from connector.ucx import ucx_available
@@ -32,11 +31,10 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import SERVICE_NAME, GenerateService
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import DecodeSequence, Engine, PrefillJob
-from model.logs import configure_logging
 from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
-from model.settings import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, parse_bool,
-                            positive_float, positive_int, resolve_device, service_options)
-from connector.daemon_tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS, tls_config
+from model.settings import (MODEL_OPTIONS, Option, model_config, parse_bool,
+                            positive_float, positive_int, service_options)
+from connector.daemon_tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -171,14 +169,4 @@ async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = load_settings("decode", OPTIONS, argv, description=__doc__.splitlines()[0])
-        tls, device = tls_config(settings), resolve_device(settings["device"])
-    except SettingsError as exc:
-        print(f"kpool-pd decode: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging("decode", level=settings["log_level"], fmt=settings["log_format"])
-    torch.set_num_threads(settings["torch_threads"])
-    asyncio.run(serve(settings, device=device, tls=tls))
-    logging.shutdown()
-    os._exit(0)  # skip interpreter teardown of the UCX worker, whose peers may be gone
+    return run_daemon("decode", OPTIONS, serve, argv, description=__doc__.splitlines()[0])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 import time
 from collections.abc import Sequence
 
@@ -20,17 +18,17 @@ import torch
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
+from connector.daemon_main import run_daemon
 from connector.config import ConnectorConfig, TlsConfig
 from connector.prefill import PrefillConnector
 from connector.ucx import ucx_available
 from connector.wire import Transport
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import Engine, PrefillJob
-from model.logs import configure_logging
 from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
-from model.settings import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, positive_int,
-                            resolve_device, service_options)
-from connector.daemon_tls import TLS_OPTIONS, tls_config
+from model.settings import (MODEL_OPTIONS, Option, model_config, positive_int,
+                            service_options)
+from connector.daemon_tls import TLS_OPTIONS
 from prefill_worker.batcher import BatchingPrefillEngine
 
 logger = logging.getLogger(__name__)
@@ -123,14 +121,4 @@ async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = load_settings("prefill", OPTIONS, argv, description=__doc__.splitlines()[0])
-        tls, device = tls_config(settings), resolve_device(settings["device"])
-    except SettingsError as exc:
-        print(f"kpool-pd prefill: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging("prefill", level=settings["log_level"], fmt=settings["log_format"])
-    torch.set_num_threads(settings["torch_threads"])
-    asyncio.run(serve(settings, device=device, tls=tls))
-    logging.shutdown()
-    os._exit(0)  # skip interpreter teardown of the UCX worker, whose peers may be gone
+    return run_daemon("prefill", OPTIONS, serve, argv, description=__doc__.splitlines()[0])
