@@ -34,7 +34,7 @@ from connector.errors import TransferError
 from connector.metrics import ConnectorMetrics
 from connector.plan import PoolKind, RingRange, TransferPlan, plan_transfer
 from connector.regions import crc32, region_view, write_bytes
-from connector.ucx import MAX_REGIONS, UcxNode
+from connector.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
 from connector.wire import Transport, layout_message, ring_from
 from kernels import repack_blocks
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
@@ -207,7 +207,8 @@ class PrefillPeer:
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing_ids, dst_ring_id=ring_id,
                              transport=transport.value, integrity=integrity, ucx_tag_base=tag_base)
         call = self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md)
-        receives: list[asyncio.Future] = []
+        receives: ReceiveBatch | None = None
+        landed_all = False
         try:
             first = await self._read(call)
             if first is None or first.WhichOneof("message") != "grant":
@@ -224,7 +225,7 @@ class PrefillPeer:
             views = [region_view(c.pool, p.dst, blocks=staging if p.dst.kind is PoolKind.BLOCKS else None)
                      for p in plan.pairs]
             if transport is Transport.UCX:
-                receives = await c.ucx.post_receives(self.engine_id, views, tag_base)
+                receives = c.ucx.post_receives(views, tag_base)
             landed = [0] * len(views)
             while True:
                 msg = await self._read(call)
@@ -243,9 +244,9 @@ class PrefillPeer:
                     break
                 else:
                     raise TransferError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
-            if receives:
-                await asyncio.gather(*receives)
-                receives = []
+            if receives is not None:
+                await receives.wait()
+                landed_all = True
             elif landed != [v.numel() for v in views]:
                 raise TransferError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
             if integrity:
@@ -265,10 +266,15 @@ class PrefillPeer:
             raise TransferError(grpc.StatusCode.UNAVAILABLE,
                                 f"UCX transfer from {self.address} failed: {type(exc).__name__}: {exc}") from None
         finally:
-            call.cancel()
-            if receives:  # the peer failed or timed out while receives into our blocks were posted
-                c.ucx.drop(self.engine_id)
-                await asyncio.gather(*receives, return_exceptions=True)
+            call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
+            if receives is not None and not landed_all:
+                # Receives into our blocks are posted and the pull failed: retire them before
+                # the caller frees the blocks.
+                stuck = await c.ucx.abandon(receives)
+                if stuck:
+                    c.metrics.failures.labels("ucx_receive_abandoned").inc(stuck)
+                    logger.warning("pull of %s from %s: %d receives still pending after the sender went away",
+                                   grant.request_id, self.address, stuck)
             del staging  # no receive writes into it any more
 
     def _apply_chunk(self, view, data: bytes) -> None:
@@ -347,25 +353,13 @@ class DecodeConnector:
             self.metrics.failures.labels("layout_mismatch").inc()
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"Handshake with {address}: cache layout of prefill node {r.engine_id} differs: fields {differing}")
-        try:
-            if self.ucx is not None and r.ucx_worker_address:
-                self.ucx.remember(r.engine_id, r.ucx_worker_address)
-                await asyncio.wait_for(self.ucx.endpoint(r.engine_id), self.config.rpc_timeout_s)
-        except BaseException as exc:
-            await channel.close()
-            if isinstance(exc, Exception):
-                raise TransferError(grpc.StatusCode.UNAVAILABLE,
-                                    f"UCX endpoint to {address} failed: {type(exc).__name__}: {exc}") from None
-            raise
         peer = PrefillPeer(self, address, channel, r, layout)
         self._peers.append(peer)
         return peer
 
     async def disconnect(self, peer_or_address: PrefillPeer | str) -> int:
         """Forget a peer, or every peer connected to an address: close its channel (pulls in
-        flight on it fail and free their blocks), and drop our UCX endpoint to its engine and
-        the worker address we recorded, unless another live peer has the same engine id.
-        Called by a router when a node went away or before it handshakes with a restarted one.
+        flight on it fail and free their blocks). Called by a router when a node went away or before it handshakes with a restarted one.
         Idempotent: returns how many peers it closed (0 when none was connected)."""
         if isinstance(peer_or_address, PrefillPeer):
             gone = [p for p in self._peers if p is peer_or_address]
@@ -376,8 +370,6 @@ class DecodeConnector:
         self._peers = [p for p in self._peers if all(p is not g for g in gone)]
         for peer in gone:
             await peer.close()
-            if self.ucx is not None and all(p.engine_id != peer.engine_id for p in self._peers):
-                self.ucx.forget(peer.engine_id)
         if gone:
             logger.info("disconnected from %s (%d channel%s)", peer_or_address if isinstance(peer_or_address, str)
                         else peer_or_address.address, len(gone), "" if len(gone) == 1 else "s")

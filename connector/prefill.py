@@ -171,6 +171,13 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
             if not request.ucx_worker_address:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UCX offered without a ucx_worker_address")
             self._ucx.remember(request.engine_id, request.ucx_worker_address)
+            try:  # reach the decode node's worker now, so that an unreachable one fails the Handshake
+                await asyncio.wait_for(self._ucx.endpoint(request.engine_id), self.config.rpc_timeout_s)
+            except Exception as exc:
+                self._ucx.forget(request.engine_id)
+                self.metrics.failures.labels("ucx_unreachable").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"cannot make a UCX endpoint to engine {request.engine_id}: {type(exc).__name__}: {exc}")
         self._peers[request.engine_id] = offered
         return pb.HandshakeResponse(
             engine_id=self.engine_id, layout=layout_message(self.layout),
@@ -302,9 +309,7 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
             self.metrics.transferred(transport.label, plan.total_bytes, len(plan), time.perf_counter() - started)
             yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums))
         finally:
-            if not finished:
-                if transport is Transport.UCX and self._ucx is not None:
-                    self._ucx.drop(request.engine_id)  # cancels sends still reading our blocks
+            if not finished:  # UcxNode.send dropped its endpoint: no send reads our blocks any more
                 self.metrics.failures.labels("pull_aborted").inc()
                 logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)
             grant.pulls_in_flight -= 1

@@ -24,6 +24,7 @@ from connector.daemon_tls import open_channel
 logger = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:///"
+HEALTH_CHECK_TIMEOUT_S = 5.0  # at most rpc_timeout_s, at least the health interval
 
 
 def split_host_port(target: str) -> tuple[str, int]:
@@ -67,6 +68,7 @@ class PrefillRouter:
         self.targets = targets
         self.health_interval_s = health_interval_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.check_timeout_s = max(health_interval_s, min(rpc_timeout_s, HEALTH_CHECK_TIMEOUT_S))
         self._nodes: dict[str, _Node] = {}
         self._next = 0
         self._task: asyncio.Task | None = None
@@ -107,8 +109,10 @@ class PrefillRouter:
     async def _check(self, node: _Node) -> None:
         stub = health_pb2_grpc.HealthStub(node.health_channel)
         try:
+            # A check may take longer than the interval on a busy node; a short deadline would
+            # take a healthy node out of rotation (and, on its return, cost its pulls in flight).
             response = await stub.Check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=not node.healthy,
-                                        timeout=min(self.rpc_timeout_s, self.health_interval_s))
+                                        timeout=self.check_timeout_s)
             serving = response.status == health_pb2.HealthCheckResponse.SERVING
             node.reason = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         except grpc.aio.AioRpcError as exc:
@@ -116,7 +120,7 @@ class PrefillRouter:
         if serving and node.peer is None:
             try:
                 # The node may be a new process on the same address (and, in a StatefulSet, with
-                # the same engine id): drop the old channel and UCX endpoint before handshaking.
+                # the same engine id): drop the old channel before handshaking on a new one.
                 await self.connector.disconnect(node.address)
                 node.peer = await self.connector.connect(node.address)
                 logger.info("connected to prefill node %s (%s)", node.address, node.peer.engine_id)

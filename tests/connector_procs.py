@@ -223,14 +223,52 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                         live_slots(layout.config, n))]
                     out["repacked"].append(landed.repacked)
             out["end_free"] = (blocks.num_free, rings.num_free)
+        elif scenario == "failed_pulls_then_more":
+            # Pulls that fail on our side after the receives were posted (or mid-stream), a
+            # disconnect and new handshake, and more pulls from the same live prefill node in
+            # between: each must land byte for byte.
+            out["failed"], out["differences"] = [], []
+            for i in range(3):
+                grant = await peer.prefill(f"fail-{i}", [rng.randrange(50000) for _ in range(900 + 100 * i)])
+                if t is Transport.UCX:
+                    real = node.ucx.post_receives
+
+                    def post_then_fail(*a, real=real):
+                        real(*a)
+                        raise RuntimeError("injected failure after posting the receives")
+                    node.ucx.post_receives = post_then_fail
+                else:
+                    def fail_on_chunk(view, data):
+                        raise RuntimeError("injected failure on a chunk")
+                    peer._apply_chunk = fail_on_chunk
+                try:
+                    await peer.pull(grant, transport=t)
+                    out["failed"].append("OK")
+                except TransferError as exc:
+                    out["failed"].append(exc.code.name)
+                    await peer.release(grant.grant_id)  # as a decode worker does after a failed pull
+                finally:  # back to the class's methods
+                    if node.ucx is not None:
+                        vars(node.ucx).pop("post_receives", None)
+                    vars(peer).pop("_apply_chunk", None)
+                if i == 1:  # as a router does when a health check failed: a new channel, a new handshake
+                    await node.disconnect(peer)
+                    peer = await node.connect(address)
+                for j, n in enumerate([1, 300, 1200]):
+                    rid = f"after-{i}-{j}"
+                    grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
+                    with await peer.pull(grant, transport=t, integrity=True) as landed:
+                        out["differences"] += [f"{rid} block {k}" for k, b in enumerate(landed.block_ids)
+                                               if not torch.equal(pool.blocks[b], expected_block(layout, rid, k))]
+            out["end_free"] = (blocks.num_free, rings.num_free)
         elif scenario in ("decode_dies", "prefill_dies"):
             grant = await peer.prefill("victim", [7] * 2000)
             if scenario == "decode_dies":  # fault injection: exit once the grant arrived and receives are posted
                 if t is Transport.UCX:
                     real = node.ucx.post_receives
 
-                    async def post_and_die(*a):
-                        await real(*a)
+                    def post_and_die(*a):
+                        real(*a)
                         conn.send({"dying": True})
                         os._exit(17)
                     node.ucx.post_receives = post_and_die

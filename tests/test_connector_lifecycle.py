@@ -152,16 +152,15 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
             first = await pair.decode.connect(pair.address)
             second = await pair.decode.connect(pair.address)  # e.g. a router that handshook twice
             assert pair.decode.peers == (first, second)
-            if transport is Transport.UCX:
-                assert pair.decode.ucx.knows("prefill-t")
+            if transport is Transport.UCX:  # the prefill node reached our worker during the Handshake
+                assert pair.prefill._ucx.knows(pair.decode.engine_id)
             assert await pair.decode.disconnect(first) == 1
             assert pair.decode.peers == (second,) and first.closed and not second.closed
-            if transport is Transport.UCX:  # the other peer of the same engine keeps the endpoint
-                assert pair.decode.ucx.knows("prefill-t")
+            grant = await second.prefill("on-the-other-peer", [3] * 70)  # the other peer still pulls
+            with await second.pull(grant, transport=transport, integrity=True) as landed:
+                assert landed.nbytes > 0
             assert await pair.decode.disconnect(pair.address) == 1
             assert pair.decode.peers == () and second.closed
-            if transport is Transport.UCX:
-                assert not pair.decode.ucx.knows("prefill-t")
             assert await pair.decode.disconnect(pair.address) == 0  # idempotent
             assert await pair.decode.disconnect(first) == 0
             with pytest.raises(TypeError):

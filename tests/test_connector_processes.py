@@ -52,6 +52,9 @@ def test_decode_killed_mid_transfer_frees_at_lease_expiry(prefill, transport):
         time.sleep(0.1)
     assert node.counts() == (node.free_blocks, node.free_rings, 0)
     assert node.proc.is_alive()
+    # the prefill node still serves a new decode node over the same transport, byte for byte
+    (out,), code = run_child(procs.decode_main, address=node.address, transport=transport, scenario="roundtrip", lease_s=LEASE_S)
+    assert code == 0 and out["checked_bytes"] > 0 and out["end_free"] == out["start_free"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -61,4 +64,18 @@ def test_prefill_killed_mid_transfer_fails_cleanly(prefill, transport):
     assert code == 0
     assert out["error"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"), out
     assert out["seconds"] < 3.0 + 1.0  # within the decode side's transfer deadline
+    assert out["end_free"] == out["start_free"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pulls_from_a_live_node_after_failed_pulls(prefill, transport):
+    """A pull that fails on the decode side once its receives are posted (UCX) or mid-stream
+    (gRPC), or a disconnect and a new handshake, must not break the next pulls from the same
+    prefill node."""
+    node = prefill(lease_s=LEASE_S)
+    (out,), code = run_child(procs.decode_main, address=node.address, transport=transport,
+                             scenario="failed_pulls_then_more", lease_s=LEASE_S)
+    assert code == 0
+    assert set(out["failed"]) <= {"UNAVAILABLE", "INTERNAL"} and len(out["failed"]) == 3, out["failed"]
+    assert out["differences"] == []
     assert out["end_free"] == out["start_free"]

@@ -1,0 +1,71 @@
+"""The daemons on GPUs: a prefill daemon with its pool on cuda:0 and a decode daemon on cuda:1
+(cuda:0 with one GPU), pulling over UCX (cuda_ipc between the two GPUs) and over the gRPC stream;
+every request's tokens and state digest must equal the colocated run on the GPU, byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import torch
+
+from connector.ucx import ucx_available
+from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.launcher import model_flags, start_decode, start_prefill
+from kvcache import BlockLayout, CacheFamily, CachePool
+from model import ModelConfig
+from model.colocated import GenerateRequest, make_prompts, pool_for, run_colocated
+from model.engine import Engine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run tests/gpu/run_all.sh on the H200"),
+]
+
+READY_S = 240
+LENGTHS = [1, 3, 63, 64, 65, 130, 200, 257, 500, 640, 700, 17]  # on and around pool, ring and block boundaries
+TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
+
+
+def _colocated_on_gpu(config: ModelConfig, requests):
+    pool = pool_for(config, requests, 16)
+    engine = Engine(config, CachePool(BlockLayout(config.cache_config()), num_blocks=pool.num_blocks,
+                                      num_rings=pool.num_rings, device="cuda:0"))
+    return {r.request_id: r for r in run_colocated(config, requests, engine=engine)}
+
+
+@pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
+def test_gpu_daemons_equal_colocated(tmp_path, family):
+    config = ModelConfig(family=family, num_layers=2, num_spec=3, seed=11)
+    flags = model_flags(family=family.value, kpool=config.kpool, ratio=config.compress_ratio, num_spec=config.num_spec,
+                        layers=config.num_layers, block_size=config.block_size or 0, seed=config.seed)
+    decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    prefill = start_prefill(tmp_path, flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text"])
+    decodes = []
+    try:
+        prefill.wait_ready(READY_S)
+        decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name=f"decode-{t}", transport=t,
+                                extra=["--device", decode_device, "--log-format", "text", "--max-running", "16"])
+                   for t in TRANSPORTS]
+        for d in decodes:
+            d.wait_ready(READY_S)
+        for transport, decode in zip(TRANSPORTS, decodes):
+            prompts = make_prompts(len(LENGTHS), max(LENGTHS), seed=3, vocab_size=config.vocab_size, max_tokens=24,
+                                   prefix=transport)
+            requests = [GenerateRequest(request_id=p.request_id, prompt=p.prompt[:n], max_tokens=p.max_tokens)
+                        for p, n in zip(prompts, LENGTHS)]
+            reference = _colocated_on_gpu(config, requests)
+            results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests))
+            failed = [r for r in results if isinstance(r, RequestFailed)]
+            assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}\n{decode.log_tail()}"
+            for r in results:
+                want = reference[r.request_id]
+                assert (r.tokens, r.output_digest, r.state_digest) == (want.tokens, want.output_digest, want.state_digest), \
+                    f"{transport} {r.request_id}"
+                assert r.transport == transport
+    finally:
+        for d in (*decodes, prefill):
+            d.signal(signal.SIGTERM)
+        for d in (*decodes, prefill):
+            d.stop()
