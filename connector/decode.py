@@ -114,6 +114,24 @@ class PrefillPeer:
         self.lease_s = response.lease_ms / 1000
         self._channel = channel
         self._stub = pb_grpc.PrefillServiceStub(channel)
+        self._calls = 0  # Prefill and Pull calls in flight
+        self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
+
+    @property
+    def busy(self) -> bool:
+        """True while a Prefill or Pull is in flight or a grant it returned is neither pulled nor
+        released (until that grant's lease ran out): the peer should not be closed yet."""
+        now = time.monotonic()
+        self._open_grants = {g: end for g, end in self._open_grants.items() if end > now}
+        return self._calls > 0 or bool(self._open_grants)
+
+    @contextlib.contextmanager
+    def _call(self):
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
 
     @property
     def _md(self):
@@ -128,14 +146,17 @@ class PrefillPeer:
                                 sampling=pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, seed=sampling.seed))
         self._check_open(f"Prefill of {request_id}")
         try:
-            r = await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+            with self._call():
+                r = await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise _status(exc, f"Prefill of {request_id} on {self.address}") from None
+        self._open_grants[r.grant_id] = time.monotonic() + r.lease_ms / 1000
         return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
                             ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000)
 
     async def release(self, grant_id: str) -> bool:
         """Idempotent: False when the grant was already released or expired."""
+        self._open_grants.pop(grant_id, None)
         self._check_open(f"Release of {grant_id}")
         try:
             r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id), timeout=self.connector.config.rpc_timeout_s,
@@ -160,6 +181,14 @@ class PrefillPeer:
         (``integrity``: crc32 per region, DATA_LOSS on a mismatch) and Release the grant.
         On any failure the allocation is freed and TransferError raised, within
         ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the allocation-free Release)."""
+        with self._call():
+            try:
+                return await self._pull_and_release(grant, transport, integrity, release)
+            finally:
+                self._open_grants.pop(grant.grant_id, None)
+
+    async def _pull_and_release(self, grant: PrefillGrant, transport: Transport | None, integrity: bool,
+                                release: bool) -> LandedRequest:
         c = self.connector
         self._check_open(f"Pull of {grant.request_id}")
         transport = transport or (Transport.UCX if Transport.UCX in self.transports and c.ucx is not None else Transport.GRPC_STREAM)

@@ -3,7 +3,9 @@
 Targets are ``host:port`` (one node) or ``dns:///name:port`` (every address the name resolves
 to, re-resolved at each refresh, as a headless Kubernetes Service gives one per pod). A node is
 healthy when its grpc.health.v1 check answers SERVING and its Handshake succeeded; refreshes
-run every ``health_interval_s`` and a node that fails a call is skipped until the next one.
+run every ``health_interval_s`` and a node that fails a call is skipped until the next one. A
+name that fails to resolve keeps its last answer; a node that its name no longer gives is
+disconnected once its pulls and grants are done.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,16 +63,36 @@ class _Node:
         self.reason = "not checked yet"
 
 
+async def resolve_host(host: str, port: int) -> list[str]:
+    """``host:port`` for every address ``host`` resolves to (IPv6 in brackets). OSError when it
+    does not resolve."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses: list[str] = []
+    for family, *_, sockaddr in infos:
+        address = f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
+        if address not in addresses:
+            addresses.append(address)
+    return addresses
+
+
 class PrefillRouter:
+    """``resolver(host, port)`` turns a ``dns:///`` target into addresses (``resolve_host`` by
+    default). A node gone from DNS leaves the rotation at once; its channel closes once no pull
+    or grant needs it."""
+
     def __init__(self, connector: DecodeConnector, targets: tuple[str, ...], *, health_interval_s: float,
-                 rpc_timeout_s: float, tls: TlsConfig | None = None) -> None:
+                 rpc_timeout_s: float, tls: TlsConfig | None = None,
+                 resolver: Callable[[str, int], Awaitable[list[str]]] = resolve_host) -> None:
         self.connector = connector
+        self._resolver = resolver
+        self._resolved: dict[str, list[str]] = {}  # dns target -> its last answer
         self.tls = tls
         self.targets = targets
         self.health_interval_s = health_interval_s
         self.rpc_timeout_s = rpc_timeout_s
         self.check_timeout_s = max(health_interval_s, min(rpc_timeout_s, HEALTH_CHECK_TIMEOUT_S))
         self._nodes: dict[str, _Node] = {}
+        self._retired: set[str] = set()  # gone from DNS; disconnected once no call or grant needs them
         self._next = 0
         self._task: asyncio.Task | None = None
         self._refresh_lock = asyncio.Lock()
@@ -87,23 +110,21 @@ class PrefillRouter:
         self._nodes.clear()
 
     async def _resolve(self) -> list[str]:
+        """Every target's addresses; a name that fails to resolve keeps its last answer."""
         addresses: list[str] = []
-        loop = asyncio.get_running_loop()
         for target in self.targets:
             if not target.startswith(DNS_PREFIX):
-                addresses.append(target)
-                continue
-            host, port = split_host_port(target.removeprefix(DNS_PREFIX))
-            try:
-                infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), self.rpc_timeout_s)
-            except (OSError, asyncio.TimeoutError) as exc:
-                logger.warning("cannot resolve %s: %s", host, exc)
-                continue
-            for family, *_, sockaddr in infos:
-                ip = sockaddr[0]
-                address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-                if address not in addresses:
-                    addresses.append(address)
+                found = [target]
+            else:
+                host, port = split_host_port(target.removeprefix(DNS_PREFIX))
+                try:
+                    found = await asyncio.wait_for(self._resolver(host, port), self.rpc_timeout_s)
+                    self._resolved[target] = found
+                except (OSError, asyncio.TimeoutError) as exc:
+                    found = self._resolved.get(target, [])
+                    logger.warning("cannot resolve %s (%s); keeping its last %d addresses", host, exc or "timeout",
+                                   len(found))
+            addresses += [a for a in found if a not in addresses]
         return addresses
 
     async def _check(self, node: _Node) -> None:
@@ -140,10 +161,20 @@ class PrefillRouter:
                     node = self._nodes.pop(address)
                     logger.info("prefill node %s is gone from %s", address, self.targets)
                     await node.health_channel.close()
+                    self._retired.add(address)
             for address in addresses:
+                self._retired.discard(address)  # back again: its next check handshakes anew
                 if address not in self._nodes:
                     self._nodes[address] = _Node(address, max(100, int(self.health_interval_s * 1000)), self.tls)
+            await self._disconnect_retired()
             await asyncio.gather(*(self._check(n) for n in self._nodes.values()))
+
+    async def _disconnect_retired(self) -> None:
+        """Close the channels to nodes gone from DNS once their pulls and grants are done."""
+        for address in list(self._retired):
+            if not any(p.busy for p in self.connector.peers if p.address == address):
+                self._retired.discard(address)
+                await self.connector.disconnect(address)
 
     async def _refresh_forever(self) -> None:
         while True:
