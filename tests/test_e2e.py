@@ -12,6 +12,7 @@ in the middle of its requests, and prefill and decode in two network namespaces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -111,6 +112,16 @@ def boundary_prompts(config: ModelConfig, count: int, max_tokens: int, *, seed: 
             for p, n in zip(prompts, lengths[:count])]
 
 
+@contextlib.contextmanager
+def _logs_on_failure(*daemons: Daemon):
+    """Add the daemons' last log lines to a failing assertion's message."""
+    try:
+        yield
+    except AssertionError as exc:
+        tails = "\n".join(f"--- {d.name} ---\n{d.log_tail(40)}" for d in daemons)
+        raise AssertionError(f"{exc}\n{tails}") from None
+
+
 def _assert_match(results, reference: list[RequestResult]) -> None:
     by_id = {r.request_id: r for r in reference}
     for result in results:
@@ -169,38 +180,39 @@ def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_
     decode = start_decode(tmp_path, flags, [f"127.0.0.1:{a.port}", f"dns:///localhost:{b.port}"],
                           transport=TRANSPORTS[0], extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"])
     try:
-        _ready(decode)
-        decode_free = _free_blocks(decode)
-        address = f"127.0.0.1:{decode.port}"
-        requests = boundary_prompts(config, 8, 12, seed=1, prefix="both")
-        results = asyncio.run(generate_all(address, requests))
-        _assert_match(results, run_colocated(config, requests))
-        assert {r.prefill_worker for r in results} == {f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"}
+        with _logs_on_failure(decode, a, b):
+            _ready(decode)
+            decode_free = _free_blocks(decode)
+            address = f"127.0.0.1:{decode.port}"
+            requests = boundary_prompts(config, 8, 12, seed=1, prefix="both")
+            results = asyncio.run(generate_all(address, requests))
+            _assert_match(results, run_colocated(config, requests))
+            assert {r.prefill_worker for r in results} == {f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"}
 
-        # Kill prefill A while requests are in flight: each request either completes and matches
-        # or fails with a clear transfer error; nothing stays allocated; B serves what follows.
-        requests = make_prompts(12, 300, seed=2, vocab_size=config.vocab_size, max_tokens=24, prefix="kill")
+            # Kill prefill A while requests are in flight: each request either completes and matches
+            # or fails with a clear transfer error; nothing stays allocated; B serves what follows.
+            requests = make_prompts(12, 300, seed=2, vocab_size=config.vocab_size, max_tokens=24, prefix="kill")
 
-        async def with_a_killed():
-            task = asyncio.ensure_future(generate_all(address, requests))
-            while _metric(decode, "kpoolpd_decode_running") + _metric(decode, "kpoolpd_decode_waiting") < 1:
-                await asyncio.sleep(0.01)
-            a.kill()
-            return await task
-        results = asyncio.run(with_a_killed())
-        reference = {r.request_id: r for r in run_colocated(config, requests)}
-        ok = [r for r in results if isinstance(r, RequestResult)]
-        failed = [r for r in results if isinstance(r, RequestFailed)]
-        assert ok, "requests on the surviving prefill worker must finish"
-        _assert_match(ok, list(reference.values()))
-        assert all(f.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL) and f.message for f in failed)
-        assert _wait_for(lambda: _metric(decode, "kpoolpd_decode_reserved_blocks") == 0)
-        assert _free_blocks(decode) == decode_free
-        after = make_prompts(4, 50, seed=3, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
-        results = asyncio.run(generate_all(address, after))
-        _assert_match(results, run_colocated(config, after))
-        assert {r.prefill_worker for r in results} == {f"127.0.0.1:{b.port}"}
+            async def with_a_killed():
+                task = asyncio.ensure_future(generate_all(address, requests))
+                while not task.done() and _metric(decode, "kpoolpd_decode_running") + _metric(decode, "kpoolpd_decode_waiting") < 1:
+                    await asyncio.sleep(0.01)
+                a.kill()
+                return await task
+            results = asyncio.run(with_a_killed())
+            reference = {r.request_id: r for r in run_colocated(config, requests)}
+            ok = [r for r in results if isinstance(r, RequestResult)]
+            failed = [r for r in results if isinstance(r, RequestFailed)]
+            assert ok, "requests on the surviving prefill worker must finish"
+            _assert_match(ok, list(reference.values()))
+            assert all(f.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL) and f.message for f in failed)
+            assert _wait_for(lambda: _metric(decode, "kpoolpd_decode_reserved_blocks") == 0)
+            assert _free_blocks(decode) == decode_free
+            after = make_prompts(4, 50, seed=3, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
+            results = asyncio.run(generate_all(address, after))
+            _assert_match(results, run_colocated(config, after))
+            assert {r.prefill_worker for r in results} == {f"127.0.0.1:{b.port}"}
     finally:
         _stop(decode, a, b)
 
@@ -223,7 +235,7 @@ def test_a_decode_worker_killed_mid_request_fails_only_its_requests(tmp_path):
         async def scenario():
             survivors = asyncio.ensure_future(generate_all(f"127.0.0.1:{survivor.port}", fine))
             victims = asyncio.ensure_future(generate_all(f"127.0.0.1:{victim.port}", doomed))
-            while _metric(victim, "kpoolpd_decode_running") < len(doomed):
+            while not victims.done() and _metric(victim, "kpoolpd_decode_running") < len(doomed):
                 await asyncio.sleep(0.01)
             victim.kill()
             return await victims, await survivors
