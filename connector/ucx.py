@@ -112,7 +112,7 @@ class UcxNode:
     def remember(self, peer: str, address: bytes) -> None:
         """Record a peer's worker address (from the Handshake); drop an endpoint to an older one."""
         if self._addresses.get(peer) != address:
-            self.drop(peer)
+            self.drop(peer, reason="the peer's worker address changed")
             self._addresses[peer] = address
 
     def knows(self, peer: str) -> bool:
@@ -134,14 +134,16 @@ class UcxNode:
                 self._endpoints[peer] = ep
             return ep
 
-    def drop(self, peer: str, endpoint=None) -> bool:
+    def drop(self, peer: str, endpoint=None, *, reason: str = "") -> bool:
         """Abort the endpoint to ``peer`` (idempotent), cancelling its requests in flight. With
-        ``endpoint``, only if that is still the current one (a newer one is left alone)."""
+        ``endpoint``, only if that is still the current one (a newer one is left alone). A
+        ``reason`` is logged as a warning."""
         ep = self._endpoints.get(peer)
         if ep is None or (endpoint is not None and ep is not endpoint):
             return False
         del self._endpoints[peer]
-        logger.warning("aborting UCX endpoint to %s (cancels its sends in flight)", peer)
+        if reason:
+            logger.warning("aborting UCX endpoint to %s (%s); its sends in flight are cancelled", peer, reason)
         ep.abort(period=10**9)
         return True
 
@@ -153,8 +155,8 @@ class UcxNode:
         try:
             await asyncio.gather(*(ep.send(ucx_buffer(v), tag=region_tag(tag_base, i), force_tag=True)
                                    for i, v in enumerate(views)))
-        except BaseException:
-            self.drop(peer, ep)
+        except BaseException as exc:
+            self.drop(peer, ep, reason=f"a send failed: {type(exc).__name__}")
             raise
 
     # receiver side -----------------------------------------------------------------------
