@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector.config import UCX_NO_CMA, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig
+from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
 from connector.plan import blocks_needed
@@ -273,11 +273,11 @@ def _run(args) -> tuple[list[dict], dict]:
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
                   prefill_device=prefill_device, decode_device=decode_device)
     if use_ucx:
-        rows += connector_rows(shared, UCX_NO_CMA, (Transport.UCX, Transport.GRPC_STREAM))
-        if args.device == "cpu":  # host memory on one host: the zero-copy (cma) configuration too
-            rows += connector_rows(shared, UCX_SAME_HOST_ZERO_COPY, (Transport.UCX,), " cma")
+        rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.UCX, Transport.GRPC_STREAM))
+        if args.device == "cpu":  # host memory on one host: the shared-memory and cma configuration too
+            rows += connector_rows(shared, UCX_SAME_HOST_ZERO_COPY, (Transport.UCX,), " shm")
     else:
-        rows += connector_rows(shared, UCX_NO_CMA, (Transport.GRPC_STREAM,))
+        rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.GRPC_STREAM,))
     order = {t: i for i, t in enumerate(args.tokens)}
     rows.sort(key=lambda r: order[r["tokens"]])  # stable: paths keep their order within a size
     return rows, notes

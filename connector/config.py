@@ -9,7 +9,7 @@ import grpc
 MiB = 1 << 20
 
 # UCX options (see ConnectorConfig.ucx_options for the trade-off)
-UCX_NO_CMA: tuple[tuple[str, str], ...] = (("TLS", "^cma"),)
+UCX_NO_SHARED_MEMORY: tuple[tuple[str, str], ...] = (("TLS", "^posix,sysv,cma,xpmem,knem"),)
 UCX_SAME_HOST_ZERO_COPY: tuple[tuple[str, str], ...] = ()
 
 
@@ -48,14 +48,17 @@ class ConnectorConfig:
     ``ucx_options`` go to ``ucxx.init`` (UCX_<KEY>=value); they choose between two same-host
     behaviours for host memory (GPU memory goes by cuda_ipc either way; other hosts by tcp/RDMA):
 
-    - ``UCX_NO_CMA`` (default): UCX moves large host-memory messages between processes of one
-      host as fragmented copies through its shared-memory FIFO (two copies, one fragment per
-      progress round), ~10x below memcpy on a 2-core machine, but a prefill process that dies
-      mid-transfer only makes the decode side's pull fail with UNAVAILABLE or DEADLINE_EXCEEDED.
-    - ``UCX_SAME_HOST_ZERO_COPY``: UCX reads the sender's memory directly (cma,
-      ``process_vm_readv``), one copy, several times faster; but UCX treats a failed read as
-      fatal when endpoint error handling is off, so a sender dying during the read aborts the
-      receiving process. With error handling on, UCX keeps only tcp for the tag protocols.
+    - ``UCX_NO_SHARED_MEMORY`` (default): UCX's host shared-memory transports (posix, sysv, cma,
+      xpmem, knem) are left out, so host memory between processes of one host goes over tcp
+      loopback. A peer that dies mid-transfer fails only its own pulls.
+    - ``UCX_SAME_HOST_ZERO_COPY``: every transport UCX finds. Same-host host memory goes through
+      UCX's shared-memory FIFO and cma (``process_vm_readv``), several times faster, but one
+      sender's death can take the receiver down with it: the FIFO is shared by every sender to a
+      worker, and a sender killed while writing a FIFO element leaves it unfinished, so the
+      receiver's transfers from every other node stall (until their deadlines, and again for
+      every later pull) until the receiving process restarts; and UCX treats a failed cma read as
+      fatal when endpoint error handling is off. Use it only where a node's processes fail
+      together.
 
     Environment variables win over these options: an operator's ``UCX_TLS`` (or any
     ``UCX_<KEY>`` for a key set here) replaces the connector's value, and the variables UCX reads
@@ -75,7 +78,7 @@ class ConnectorConfig:
     rpc_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
     heartbeat_s: float | None = None  # default: lease_s / 3
-    ucx_options: tuple[tuple[str, str], ...] = UCX_NO_CMA
+    ucx_options: tuple[tuple[str, str], ...] = UCX_NO_SHARED_MEMORY
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "rpc_timeout_s", "transfer_timeout_s"):

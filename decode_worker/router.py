@@ -92,7 +92,7 @@ class PrefillRouter:
         self.rpc_timeout_s = rpc_timeout_s
         self.check_timeout_s = max(health_interval_s, min(rpc_timeout_s, HEALTH_CHECK_TIMEOUT_S))
         self._nodes: dict[str, _Node] = {}
-        self._retired: set[str] = set()  # gone from DNS; disconnected once no call or grant needs them
+        self._retiring: list[PrefillPeer] = []  # replaced or gone from DNS; closed once no call or grant needs them
         self._next = 0
         self._task: asyncio.Task | None = None
         self._refresh_lock = asyncio.Lock()
@@ -141,9 +141,10 @@ class PrefillRouter:
         if serving and node.peer is None:
             try:
                 # The node may be a new process on the same address (and, in a StatefulSet, with
-                # the same engine id): drop the old channel before handshaking on a new one.
-                await self.connector.disconnect(node.address)
+                # the same engine id): handshake on a new channel; the old one closes once the
+                # pulls and grants in flight on it are done.
                 node.peer = await self.connector.connect(node.address)
+                self._retire(node.address, keep=node.peer)
                 logger.info("connected to prefill node %s (%s)", node.address, node.peer.engine_id)
             except TransferError as exc:
                 serving, node.reason = False, str(exc)
@@ -161,20 +162,24 @@ class PrefillRouter:
                     node = self._nodes.pop(address)
                     logger.info("prefill node %s is gone from %s", address, self.targets)
                     await node.health_channel.close()
-                    self._retired.add(address)
+                    self._retire(address)
             for address in addresses:
-                self._retired.discard(address)  # back again: its next check handshakes anew
                 if address not in self._nodes:
                     self._nodes[address] = _Node(address, max(100, int(self.health_interval_s * 1000)), self.tls)
-            await self._disconnect_retired()
             await asyncio.gather(*(self._check(n) for n in self._nodes.values()))
+            await self._close_idle_retired()
 
-    async def _disconnect_retired(self) -> None:
-        """Close the channels to nodes gone from DNS once their pulls and grants are done."""
-        for address in list(self._retired):
-            if not any(p.busy for p in self.connector.peers if p.address == address):
-                self._retired.discard(address)
-                await self.connector.disconnect(address)
+    def _retire(self, address: str, keep: PrefillPeer | None = None) -> None:
+        """Stop handing out the peers of ``address`` (but ``keep``); close each once idle."""
+        self._retiring += [p for p in self.connector.peers
+                           if p.address == address and p is not keep and p not in self._retiring]
+
+    async def _close_idle_retired(self) -> None:
+        """Close retired peers whose pulls and grants are done (a grant never pulled nor
+        released keeps its peer until its lease ends)."""
+        for peer in [p for p in self._retiring if not p.busy]:
+            self._retiring.remove(peer)
+            await self.connector.disconnect(peer)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -103,3 +103,27 @@ def test_resolve_host_gives_host_port_pairs():
         with pytest.raises(OSError):
             await resolve_host("no-such-host.invalid", 1)
     asyncio.run(main())
+
+
+def test_a_node_that_failed_a_call_gets_a_new_peer_and_the_old_one_finishes_its_pull():
+    async def main():
+        async with InProcessPair() as pair:
+            start = pair.free()
+            router = PrefillRouter(pair.decode, (pair.address,), health_interval_s=60, rpc_timeout_s=5)
+            await router.start()
+            try:
+                old = await router.pick()
+                grant = await old.prefill("in-flight", [5] * 100)
+                router.mark_failed(old, "a pull failed")
+                assert router.healthy() == []
+                await router.refresh()  # healthy again: a new handshake on a new channel
+                new = await router.pick()
+                assert new is not old and not old.closed and pair.decode.peers == (old, new)
+                with await old.pull(grant) as landed:  # the old channel still serves its grant
+                    assert landed.nbytes > 0
+                await router.refresh()
+                assert old.closed and not new.closed and pair.decode.peers == (new,)
+                assert pair.free() == start
+            finally:
+                await router.close()
+    asyncio.run(main())
