@@ -331,8 +331,8 @@ class DecodeConnector:
     """The decode node's pool and allocators, its UCX worker, and its peers.
 
     ``await start()`` (inside the event loop that will run the pulls) makes the UCX worker when
-    UCX is among ``transports``; ``connect(address)`` handshakes with one prefill node and
-    ``disconnect(peer_or_address)`` forgets it (before handshaking again with a restarted node)."""
+    UCX is among ``transports``; ``connect(address)`` handshakes with one prefill node (each
+    call a new channel) and ``disconnect(peer_or_address)`` closes it."""
 
     def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, *, engine_id: str,
                  config: ConnectorConfig, registry: CollectorRegistry,
@@ -388,8 +388,8 @@ class DecodeConnector:
 
     async def disconnect(self, peer_or_address: PrefillPeer | str) -> int:
         """Forget a peer, or every peer connected to an address: close its channel (pulls in
-        flight on it fail and free their blocks). Called by a router when a node went away or before it handshakes with a restarted one.
-        Idempotent: returns how many peers it closed (0 when none was connected)."""
+        flight on it fail and free their blocks). A router calls it for a node gone from DNS or
+        replaced by a new handshake, once ``peer.busy`` is False. Idempotent: returns how many peers it closed (0 when none was connected)."""
         if isinstance(peer_or_address, PrefillPeer):
             gone = [p for p in self._peers if p is peer_or_address]
         elif isinstance(peer_or_address, str):
