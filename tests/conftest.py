@@ -20,6 +20,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault(INTERPRET_ENV, "1")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small ops run faster on one thread than on two contending ones (the daemons do the same)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def force_triton(monkeypatch):
     """Run the ops' Triton kernels on CPU tensors (through the interpreter) for one test."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 import urllib.request
 
 import grpc
@@ -18,6 +17,7 @@ from kpool_pd.client import RequestFailed, generate_all, generate_one
 from kpool_pd.launcher import model_flags, start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
+from tests.polling import wait_for
 
 TOKEN = "daemon-test-token"
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=3)
@@ -32,15 +32,6 @@ def metric(port: int, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(f"{name} not in /metrics of :{port}")
-
-
-def wait_for(predicate, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
-import torch
 
 from connector.ucx import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
@@ -34,19 +32,14 @@ from kpool_pd.launcher import Daemon, model_flags, start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+from tests.polling import wait_for
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 READY_S = 120
+SETTLE_S = 20.0  # how long freed blocks may take to show in the metrics
 TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
 DECODE_LIMITS = ["--max-prompt-tokens", "512", "--max-new-tokens", "256", "--max-running", "16",
                  "--log-format", "text"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _flags(config: ModelConfig) -> list[str]:
@@ -66,15 +59,6 @@ def _metric(daemon: Daemon, name: str) -> float:
 def _free_blocks(daemon: Daemon) -> float:
     role = "prefill" if daemon.name.startswith("prefill") else "decode"
     return _metric(daemon, f"kpoolpd_{role}_free_blocks")
-
-
-def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def _ready(*daemons: Daemon) -> None:
@@ -161,7 +145,7 @@ def test_pd_equals_colocated(tmp_path, family, group, num_spec):
             assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}"
             assert {r.transport for r in results} == {transport}
             _assert_match(results, references[transport])
-        assert _wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free)
+        assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
     finally:
         _stop(*decodes, prefill)
 
@@ -207,7 +191,7 @@ def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_
             _assert_match(ok, list(reference.values()))
             assert all(f.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                   grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL) and f.message for f in failed)
-            assert _wait_for(lambda: _metric(decode, "kpoolpd_decode_reserved_blocks") == 0)
+            assert wait_for(lambda: _metric(decode, "kpoolpd_decode_reserved_blocks") == 0, SETTLE_S)
             assert _free_blocks(decode) == decode_free
             after = make_prompts(4, 50, seed=3, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
             results = asyncio.run(generate_all(address, after))
@@ -242,8 +226,8 @@ def test_a_decode_worker_killed_mid_request_fails_only_its_requests(tmp_path):
         lost, kept = asyncio.run(scenario())
         assert all(isinstance(r, RequestFailed) and r.code == grpc.StatusCode.UNAVAILABLE for r in lost)
         _assert_match(kept, run_colocated(config, fine))
-        assert _wait_for(lambda: _free_blocks(prefill) == prefill_free)
-        assert _wait_for(lambda: _free_blocks(survivor) == survivor_free)
+        assert wait_for(lambda: _free_blocks(prefill) == prefill_free, SETTLE_S)
+        assert wait_for(lambda: _free_blocks(survivor) == survivor_free, SETTLE_S)
         _stop(survivor)
     finally:
         _stop(prefill)

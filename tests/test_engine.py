@@ -11,13 +11,7 @@ from kvcache import BlockLayout, CacheFamily, CachePool
 from model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Small ops run faster on one thread than on two contending ones (the daemons do the same)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 FAMILIES = [pytest.param(CacheFamily.KPOOL, id="kpool"), pytest.param(CacheFamily.QSA, id="qsa")]
