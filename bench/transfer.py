@@ -36,6 +36,7 @@ from connector.plan import blocks_needed
 from connector.prefill import PrefillConnector
 from connector.ucx import ucx_available
 from connector.wire import Transport
+from runtime.grpc_server import GrpcServer
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
 
 
@@ -70,9 +71,14 @@ def _prefill_proc(conn, args: dict) -> None:
         node = PrefillConnector(pool, BlockAllocator(args["num_blocks"]), RingAllocator(4), _TemplateEngine(template),
                                 engine_id="bench-prefill", config=config,
                                 registry=CollectorRegistry(), transports=transports)
-        conn.send(await node.start())
+        server = GrpcServer(options=config.grpc_options())
+        server.add(node)
+        await node.start()
+        await server.set_serving(True)
+        conn.send(await server.start("127.0.0.1", 0))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, conn.recv)
+        await server.stop(0)
         await node.stop()
     asyncio.run(main())
     os._exit(0)

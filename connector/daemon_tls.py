@@ -9,11 +9,9 @@ is a ``SettingsError`` naming the option.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import grpc
 
 from connector.config import TlsConfig
 from model.settings import Option, SettingsError, parse_bool
@@ -78,12 +76,3 @@ def client_tls(*, ca: str = "", cert: str = "", key: str = "", server_name: str 
     return TlsConfig(root_certs=read_pem("tls-ca", ca) if ca else None,
                      cert_chain=read_pem("tls-cert", cert) if cert else None,
                      private_key=read_pem("tls-key", key) if key else None, server_name_override=server_name or None)
-
-
-def open_channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A grpc.aio channel to ``address``: TLS with ``tls`` (its roots, its identity, its server
-    name override), else plaintext."""
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    extra = [("grpc.ssl_target_name_override", tls.server_name_override)] if tls.server_name_override else []
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *extra])

@@ -3,7 +3,7 @@ prefill, allocates blocks and a ring in its own pool, pulls the request into the
 the gRPC stream, verifies, and releases the grant.
 
 Every call that waits on a peer has a deadline (``rpc_timeout_s``, ``transfer_timeout_s``);
-every failure is a ``TransferError`` carrying a gRPC status code, and leaves nothing allocated.
+every failure is a ``StatusError`` carrying a gRPC status code, and leaves nothing allocated.
 
 A prefill node whose layout differs from ours only in ``order`` is accepted: its blocks land in
 a staging buffer sized to the request and ``kernels.repack_blocks`` converts them into our
@@ -27,10 +27,11 @@ from prometheus_client import CollectorRegistry
 from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
 from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
 from connector.auth import auth_metadata
+from connector.channels import open_channel
 from connector.compat import peer_layout
 from connector.config import ConnectorConfig
 from connector.engine import SamplingParams
-from connector.errors import TransferError
+from connector.errors import StatusError
 from connector.metrics import ConnectorMetrics
 from connector.plan import PoolKind, RingRange, TransferPlan, plan_transfer
 from connector.regions import crc32, region_view, write_bytes
@@ -93,8 +94,8 @@ class LandedRequest:
                 f"{'released' if self._released else 'held'})")
 
 
-def _status(exc: grpc.aio.AioRpcError, what: str) -> TransferError:
-    return TransferError(exc.code(), f"{what}: {exc.details()}")
+def _status(exc: grpc.aio.AioRpcError, what: str) -> StatusError:
+    return StatusError(exc.code(), f"{what}: {exc.details()}")
 
 
 class PrefillPeer:
@@ -139,7 +140,7 @@ class PrefillPeer:
 
     def _check_open(self, what: str) -> None:
         if self.closed:
-            raise TransferError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
 
     async def prefill(self, request_id: str, prompt_token_ids, sampling: SamplingParams = SamplingParams()) -> PrefillGrant:
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
@@ -179,7 +180,7 @@ class PrefillPeer:
                    release: bool = True) -> LandedRequest:
         """Allocate ``grant.num_blocks`` blocks and a ring, pull the request into them, verify
         (``integrity``: crc32 per region, DATA_LOSS on a mismatch) and Release the grant.
-        On any failure the allocation is freed and TransferError raised, within
+        On any failure the allocation is freed and StatusError raised, within
         ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the allocation-free Release)."""
         with self._call():
             try:
@@ -193,7 +194,7 @@ class PrefillPeer:
         self._check_open(f"Pull of {grant.request_id}")
         transport = transport or (Transport.UCX if Transport.UCX in self.transports and c.ucx is not None else Transport.GRPC_STREAM)
         if transport not in self.transports or (transport is Transport.UCX and c.ucx is None):
-            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"transport {transport.label} not available with {self.address}")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"transport {transport.label} not available with {self.address}")
         block_ids, ring_id = c._allocate(grant)
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._renew(grant.grant_id))
@@ -201,10 +202,10 @@ class PrefillPeer:
             plan = await asyncio.wait_for(self._pull(grant, block_ids, ring_id, transport, integrity), c.config.transfer_timeout_s)
         except BaseException as exc:
             c._free(grant.request_id, block_ids)
-            cause = exc.code.name.lower() if isinstance(exc, TransferError) else type(exc).__name__
+            cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
             c.metrics.failures.labels(cause).inc()
             if isinstance(exc, asyncio.TimeoutError):
-                raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"pull of {grant.request_id} from {self.address} did not finish in {c.config.transfer_timeout_s} s") from None
             raise
         finally:
@@ -215,14 +216,14 @@ class PrefillPeer:
         if release:
             try:
                 await self.release(grant.grant_id)
-            except TransferError as exc:  # the lease frees it; the data has landed
+            except StatusError as exc:  # the lease frees it; the data has landed
                 logger.warning("release of %s failed (%s); its lease will free it", grant.grant_id, exc)
         return landed
 
     async def _renew(self, grant_id: str) -> None:
         while True:
             await asyncio.sleep(self.connector.config.heartbeat_interval_s)
-            with contextlib.suppress(TransferError):
+            with contextlib.suppress(StatusError):
                 await self.heartbeat([grant_id])
 
     async def _pull(self, grant: PrefillGrant, block_ids, ring_id, transport: Transport, integrity: bool) -> TransferPlan:
@@ -241,15 +242,15 @@ class PrefillPeer:
         try:
             first = await self._read(call)
             if first is None or first.WhichOneof("message") != "grant":
-                raise TransferError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
+                raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
             g = first.grant
             if ring_from(g.ring_live) != grant.ring_live or len(g.src_block_ids) != len(block_ids):
-                raise TransferError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
+                raise StatusError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
             plan = plan_transfer(c.pool.layout, list(g.src_block_ids), list(landing_ids), g.src_ring_id, ring_id,
                                  grant.ring_live, dst_num_blocks=len(landing_ids) if staging is not None else c.pool.num_blocks,
                                  dst_num_rings=c.pool.num_rings)
             if len(plan) != g.num_regions or plan.total_bytes != g.total_bytes or len(plan) > MAX_REGIONS:
-                raise TransferError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
+                raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
                                     f"with the grant's {g.num_regions} / {g.total_bytes}")
             views = [region_view(c.pool, p.dst, blocks=staging if p.dst.kind is PoolKind.BLOCKS else None)
                      for p in plan.pairs]
@@ -259,40 +260,40 @@ class PrefillPeer:
             while True:
                 msg = await self._read(call)
                 if msg is None:
-                    raise TransferError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
                 kind = msg.WhichOneof("message")
                 if kind == "chunk":
                     ch = msg.chunk
                     if transport is not Transport.GRPC_STREAM or ch.region >= len(views) or ch.offset != landed[ch.region] \
                             or ch.offset + len(ch.data) > views[ch.region].numel():
-                        raise TransferError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {ch.region}, offset {ch.offset})")
+                        raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {ch.region}, offset {ch.offset})")
                     self._apply_chunk(views[ch.region][ch.offset:ch.offset + len(ch.data)], ch.data)
                     landed[ch.region] += len(ch.data)
                 elif kind == "done":
                     done = msg.done
                     break
                 else:
-                    raise TransferError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
+                    raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
             if receives is not None:
                 await receives.wait()
                 landed_all = True
             elif landed != [v.numel() for v in views]:
-                raise TransferError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
+                raise StatusError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
             if integrity:
                 got = [crc32(v) for v in views]
                 bad = [i for i, (a, b) in enumerate(zip(got, done.crc32)) if a != b]
                 if len(done.crc32) != len(views) or bad:
-                    raise TransferError(grpc.StatusCode.DATA_LOSS,
+                    raise StatusError(grpc.StatusCode.DATA_LOSS,
                                         f"crc32 mismatch in regions {bad or 'all (none sent)'} of {grant.request_id}")
             if staging is not None:
                 repack_blocks(staging, self.layout, landing_ids, c.pool.blocks, c.pool.layout, block_ids)
             return plan
         except ValueError as exc:
-            raise TransferError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
-        except (TransferError, asyncio.CancelledError, asyncio.TimeoutError):
+            raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
+        except (StatusError, asyncio.CancelledError, asyncio.TimeoutError):
             raise
         except Exception as exc:  # a UCX failure: the peer is gone or unreachable
-            raise TransferError(grpc.StatusCode.UNAVAILABLE,
+            raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                 f"UCX transfer from {self.address} failed: {type(exc).__name__}: {exc}") from None
         finally:
             call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
@@ -361,11 +362,7 @@ class DecodeConnector:
         differing layout fields) when the layouts differ in more than ``order``; UNAUTHENTICATED
         without the right token. Each call opens a new channel: a caller that handshakes again
         with the same node calls ``disconnect`` first."""
-        opts = self.config.grpc_options()
-        channel = (grpc.aio.secure_channel(address, self.config.tls.channel_credentials(), options=opts +
-                                           ([("grpc.ssl_target_name_override", self.config.tls.server_name_override)]
-                                            if self.config.tls.server_name_override else []))
-                   if self.config.tls else grpc.aio.insecure_channel(address, options=opts))
+        channel = open_channel(address, self.config.tls, self.config.grpc_options())
         req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
                                   transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
                                   ucx_worker_address=self.ucx.address if self.ucx else b"")
@@ -380,7 +377,7 @@ class DecodeConnector:
         if layout is None:
             await channel.close()
             self.metrics.failures.labels("layout_mismatch").inc()
-            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"Handshake with {address}: cache layout of prefill node {r.engine_id} differs: fields {differing}")
         peer = PrefillPeer(self, address, channel, r, layout)
         self._peers.append(peer)
@@ -407,13 +404,13 @@ class DecodeConnector:
     def _allocate(self, grant: PrefillGrant) -> tuple[tuple[int, ...], int]:
         if grant.num_blocks > self.blocks.num_free or self.rings.num_free == 0:
             self.metrics.failures.labels("cache_exhausted").inc()
-            raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"request {grant.request_id} needs {grant.num_blocks} blocks and a ring; free: "
                                 f"{self.blocks.num_free} blocks, {self.rings.num_free} rings")
         try:
             ring_id = self.rings.allocate(grant.request_id)
         except ValueError as exc:
-            raise TransferError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         return tuple(self.blocks.allocate(grant.num_blocks)), ring_id
 
     def _free(self, request_id: str, block_ids) -> None:

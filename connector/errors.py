@@ -1,13 +1,16 @@
-"""The one exception the connector raises to its callers: a gRPC status code and a message."""
+"""The exceptions the connector and the daemons raise to their callers."""
 
 from __future__ import annotations
 
 import grpc
 
 
-class TransferError(Exception):
-    """A failed connector call. ``code`` is the gRPC status (the server's, or the client's own:
-    DEADLINE_EXCEEDED, UNAVAILABLE, DATA_LOSS, RESOURCE_EXHAUSTED); ``str()`` is the message."""
+class StatusError(Exception):
+    """A failed call or request: a gRPC status code and a message for whoever answers it.
+
+    The connector raises it for its own failures (the server's status, or its own
+    DEADLINE_EXCEEDED, UNAVAILABLE, DATA_LOSS, RESOURCE_EXHAUSTED); the decode node raises it to
+    abort a Generate call with that status. ``str()`` is ``"CODE: message"``."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")

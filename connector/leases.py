@@ -21,7 +21,6 @@ class Grant:
     expires_at: float
     pulls_in_flight: int = 0
     release_requested: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class LeaseTable:
@@ -73,5 +72,8 @@ class LeaseTable:
             del self._grants[g.grant_id]
         return done
 
-    def next_deadline(self) -> float | None:
-        return min((g.expires_at for g in self._grants.values()), default=None)
+    def pop_all(self) -> list[Grant]:
+        """Remove and return every grant (a node that stops frees them all)."""
+        grants = list(self._grants.values())
+        self._grants.clear()
+        return grants

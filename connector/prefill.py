@@ -1,10 +1,11 @@
 """PrefillConnector: the prefill node's gRPC service (Handshake, Prefill, Pull, Release,
-Heartbeat, plus grpc.health.v1 and reflection) and the sending side of both transports.
+Heartbeat) and the sending side of both transports.
 
-Lifecycle: ``await start()`` binds and serves (returns the port), ``await stop()`` stops serving,
-cancels the reaper, frees every grant and closes UCX endpoints; also an async context manager.
-``await set_serving(False)`` reports NOT_SERVING on grpc.health.v1 (warm-up, drain) without
-refusing calls. All state lives on the event loop that called ``start``; the engine is awaited there.
+Lifecycle: ``add_to_server(server)`` registers the service on the daemon's gRPC server (which
+owns auth, TLS, health and reflection); ``await start()`` makes the UCX worker and starts the
+lease reaper; after the server stopped, ``await stop()`` cancels the reaper, frees every grant and
+closes UCX (also an async context manager). All state lives on the event loop that called
+``start``; the engine is awaited there.
 
 A node accepts a decode node whose layout differs from its own only in ``order``: it sends its
 blocks as they are and the decode node converts them (see ``connector.compat``).
@@ -18,13 +19,10 @@ import secrets
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
 from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
-from connector.auth import BearerTokenInterceptor
 from connector.config import ConnectorConfig
 from connector.compat import peer_layout
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, SamplingParams
@@ -41,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillService"].full_name
 MAX_ID_CHARS = 256
-UINT32_MAX = (1 << 32) - 1
 
 
 class PrefillConnector(pb_grpc.PrefillServiceServicer):
@@ -65,63 +62,41 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
         self.leases = LeaseTable(config.lease_s)
         self._peers: dict[str, tuple[Transport, ...]] = {}
         self._ucx: UcxNode | None = None
-        self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task | None = None
-        self._health = health.aio.HealthServicer()
-        self._serving = True
 
     # lifecycle ---------------------------------------------------------------------------
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind ``host:port`` (0 = a free port) and serve; returns the bound port."""
-        if Transport.UCX in self.transports:
-            self._ucx = UcxNode(self.config.ucx_options)
-        interceptors = [BearerTokenInterceptor(self.config.bearer_token)] if self.config.bearer_token else []
-        server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
+    service_name = SERVICE_NAME
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the PrefillService on ``server`` (the daemon's, which owns auth, TLS and health)."""
         pb_grpc.add_PrefillServiceServicer_to_server(self, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        address = f"{host}:{port}"
-        bound = (server.add_secure_port(address, self.config.tls.server_credentials()) if self.config.tls
-                 else server.add_insecure_port(address))
-        await server.start()
-        self._server = server
-        self._reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
-        await self._report_health()
-        logger.info("prefill connector %s serving on %s:%d (%s)", self.engine_id, host, bound,
-                    ", ".join(t.label for t in self.transports))
-        return bound
 
-    async def set_serving(self, serving: bool) -> None:
-        """Report SERVING (True) or NOT_SERVING (False) on grpc.health.v1, for this service and
-        for the server as a whole (service ""). Called by the daemon around warm-up and drain;
-        any number of times, before or after ``start`` (``start`` reports the last value set;
-        after ``stop`` the health service stays NOT_SERVING). Changes no RPC's behaviour: to
-        refuse prefills, the engine raises ``EngineUnavailable``."""
-        if not isinstance(serving, bool):
-            raise TypeError(f"serving must be a bool, got {serving!r}")
-        self._serving = serving
-        if self._server is not None:
-            await self._report_health()
+    async def start(self) -> None:
+        """Make the UCX worker (when UCX is offered) and start the lease reaper; call it on the
+        event loop that will serve the RPCs, before the server starts. Idempotent."""
+        if Transport.UCX in self.transports and self._ucx is None:
+            self._ucx = UcxNode(self.config.ucx_options)
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
+        logger.info("prefill connector %s started (%s)", self.engine_id, ", ".join(t.label for t in self.transports))
 
-    async def _report_health(self) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if self._serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in (SERVICE_NAME, ""):
-            await self._health.set(service, status)
+    @property
+    def grants_held(self) -> int:
+        """Grants handed out and not yet released or expired (a draining daemon waits for 0)."""
+        return len(self.leases)
 
-    async def stop(self, grace: float = 1.0) -> None:
-        """Stop serving and free every grant (idempotent)."""
-        if self._server is not None:
-            await self._health.enter_graceful_shutdown()
-            await self._server.stop(grace)
-            self._server = None
+    async def stop(self) -> None:
+        """Stop the reaper, free every grant and close UCX (idempotent). The caller stops the
+        server first, so that no RPC reads the blocks being freed."""
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
-        for grant_id in list(self.leases._grants):
-            self._free(self.leases.pop(grant_id))
+        for grant in self.leases.pop_all():
+            self._free(grant)
         if self._ucx is not None:
             self._ucx.close()
+            self._ucx = None
 
     async def __aenter__(self) -> "PrefillConnector":
         return self

@@ -13,14 +13,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
-from connector.auth import BearerTokenInterceptor
 from connector.daemon_main import run_daemon
 from connector.config import ConnectorConfig, TlsConfig
 from connector.decode import DecodeConnector
@@ -28,10 +23,11 @@ from connector.ucx import ucx_available
 from connector.wire import Transport
 from decode_worker.router import PrefillRouter, parse_targets
 from decode_worker.scheduler import DecodeScheduler
-from decode_worker.service import SERVICE_NAME, GenerateService
+from decode_worker.service import GenerateService
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import DecodeSequence, Engine, PrefillJob
-from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
+from model.service import default_engine_id, on_termination, start_metrics, write_ready_file
+from runtime.grpc_server import GrpcServer
 from model.settings import (MODEL_OPTIONS, Option, model_config, parse_bool,
                             positive_float, positive_int, service_options)
 from connector.daemon_tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS
@@ -119,36 +115,26 @@ async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) 
     service = GenerateService(scheduler, max_prompt_tokens=settings["max_prompt_tokens"],
                               max_new_tokens=settings["max_new_tokens"],
                               step_timeout_s=settings["transfer_timeout_s"], engine_id=engine_id)
-    interceptors = [BearerTokenInterceptor(settings["token"])] if settings["token"] else []
-    server = grpc.aio.server(interceptors=interceptors, options=connector_config.grpc_options())
-    gpb_grpc.add_GenerateServiceServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{settings['host']}:{settings['port']}"
-    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    server = GrpcServer(token=connector_config.bearer_token, tls=tls, options=connector_config.grpc_options())
+    server.add(service)
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")
     stop = asyncio.Event()
     on_termination(asyncio.get_running_loop(), lambda name: (logger.info("%s: draining", name), stop.set()))
-    metrics_server = health_server = None
+    metrics_server = None
     try:
         await router.start()
-        await server.start()
-        health_server, health_port = await start_health_server(settings["host"], settings["health_port"],
-                                                               health_servicer)
+        port = await server.start(settings["host"], settings["port"], health_port=settings["health_port"])
         metrics_server, metrics_port = start_metrics(settings["metrics_host"], settings["metrics_port"], registry)
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port, health_port=health_port,
-                         engine_id=engine_id)
+        await server.set_serving(True)
+        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port,
+                         health_port=server.health_port, engine_id=engine_id)
         logger.info("decode node ready", extra={"grpc_port": port, "metrics_port": metrics_port,
-                                                 "health_port": health_port, "tls": tls is not None,
+                                                 "health_port": server.health_port, "tls": tls is not None,
                                                  "device": str(device), "prefill": router.healthy(),
                                                  "model": config.describe(), "layout_hash": layout.layout_hash})
         await stop.wait()
         service.draining = True
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.set_serving(False)
         deadline = time.monotonic() + settings["drain_s"]
         while not scheduler.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -156,8 +142,6 @@ async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) 
             logger.warning("drain time is up with %d requests in flight; cancelling them", scheduler.active())
     finally:
         await server.stop(1.0)
-        if health_server is not None:
-            await health_server.stop(None)
         loop_task.cancel()
         await asyncio.gather(loop_task, return_exceptions=True)
         await router.close()

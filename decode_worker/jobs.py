@@ -7,8 +7,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from connector.decode import LandedRequest
 from model import DecodeSequence
 
@@ -18,15 +16,6 @@ class JobState(enum.Enum):
     FETCHING = "fetching"    # prefill, transfer
     DECODING = "decoding"    # in the running batch (the decode loop owns its blocks)
     DONE = "done"
-
-
-class GenerateError(Exception):
-    """A failed request: a gRPC status and a message for the client."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass(kw_only=True, eq=False)

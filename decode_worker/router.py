@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector.config import TlsConfig
 from connector.decode import DecodeConnector, PrefillPeer
-from connector.errors import TransferError
-from connector.daemon_tls import open_channel
+from connector.errors import StatusError
+from connector.channels import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class PrefillRouter:
                 node.peer = await self.connector.connect(node.address)
                 self._retire(node.address, keep=node.peer)
                 logger.info("connected to prefill node %s (%s)", node.address, node.peer.engine_id)
-            except TransferError as exc:
+            except StatusError as exc:
                 serving, node.reason = False, str(exc)
         if not serving:
             node.peer = None  # handshake again once it is back: it may be a new process
@@ -202,7 +202,7 @@ class PrefillRouter:
             if attempt == 0:
                 await self.refresh()
         reasons = "; ".join(f"{n.address}: {n.reason}" for n in self._nodes.values()) or "no address resolved"
-        raise TransferError(grpc.StatusCode.UNAVAILABLE, f"no healthy prefill node among {list(self.targets)} ({reasons})")
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no healthy prefill node among {list(self.targets)} ({reasons})")
 
     def mark_failed(self, peer: PrefillPeer, reason: str) -> None:
         """Skip the node until its next health check passes."""

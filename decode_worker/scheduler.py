@@ -27,9 +27,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector.decode import DecodeConnector
-from connector.errors import TransferError
+from connector.errors import StatusError
 from connector.wire import Transport
-from decode_worker.jobs import GenerateError, Job, JobState
+from decode_worker.jobs import Job, JobState
 from decode_worker.router import PrefillRouter
 from kvcache import BlockAllocator, RingAllocator
 from model import DecodeSequence, Engine, output_digest
@@ -81,17 +81,17 @@ class DecodeScheduler:
 
     # admission ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Job:
-        """Queue a validated request (raises GenerateError when it cannot be queued)."""
+        """Queue a validated request (raises StatusError when it cannot be queued)."""
         need = self.config.blocks_for(len(prompt), max_tokens)
         if need > self.blocks.num_blocks:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
                                 f"this node has {self.blocks.num_blocks}")
         if request_id in self._active:
-            raise GenerateError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
         if len(self._waiting) >= self.max_queue:
             self.requests.labels("queue_full").inc()
-            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
         job = Job(request_id=request_id, prompt=prompt, max_tokens=max_tokens, need_blocks=need,
                   admitted=asyncio.get_running_loop().create_future())
@@ -117,12 +117,12 @@ class DecodeScheduler:
         try:
             await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout_s)
         except asyncio.TimeoutError:
-            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room in the decode batch within {self.queue_timeout_s} s") from None
 
     # fetching -----------------------------------------------------------------------------
     async def fetch(self, job: Job) -> None:
-        """Prefill remotely, pull, and set up the sequence (GenerateError on failure; the caller
+        """Prefill remotely, pull, and set up the sequence (StatusError on failure; the caller
         then calls ``finish``, which frees what was taken)."""
         attempts = max(2, len(self.router.healthy()))
         grant, peer, last = None, None, None
@@ -131,26 +131,26 @@ class DecodeScheduler:
                 peer = await self.router.pick()
                 grant = await peer.prefill(job.request_id, job.prompt)
                 break
-            except TransferError as exc:
+            except StatusError as exc:
                 last = exc
                 if exc.code not in RETRYABLE:
-                    raise GenerateError(exc.code, exc.message) from None
+                    raise StatusError(exc.code, exc.message) from None
                 if peer is not None and exc.code is grpc.StatusCode.UNAVAILABLE:
                     self.router.mark_failed(peer, exc.message)
                 logger.info("prefill of %s failed (%s); trying another node", job.request_id, exc,
                             extra={"request_id": job.request_id})
         if grant is None:
-            raise GenerateError(last.code, last.message)
+            raise StatusError(last.code, last.message)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         try:
             job.landed = await peer.pull(grant, transport=self.transport, integrity=self.integrity)
-        except TransferError as exc:
+        except StatusError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE:
                 self.router.mark_failed(peer, exc.message)
             else:  # the prefill node is up: free its blocks now rather than at lease expiry
-                with contextlib.suppress(TransferError):
+                with contextlib.suppress(StatusError):
                     await peer.release(grant.grant_id)
-            raise GenerateError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
+            raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         if job.cancelled:
             return
         job.extra_blocks = self.blocks.allocate(job.need_blocks - len(job.landed.block_ids))
@@ -209,7 +209,7 @@ class DecodeScheduler:
                 logger.exception("decode step of %d requests failed", len(batch))
                 for job in batch:
                     self._running.remove(job)
-                    job.events.put_nowait(("error", GenerateError(grpc.StatusCode.INTERNAL, "decode step failed")))
+                    job.events.put_nowait(("error", StatusError(grpc.StatusCode.INTERNAL, "decode step failed")))
                     self.finish(job, "error")
                 continue
             self.step_seconds.observe(seconds)

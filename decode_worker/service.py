@@ -11,7 +11,7 @@ import grpc
 
 from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
 from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
-from decode_worker.jobs import GenerateError
+from connector.errors import StatusError
 from decode_worker.scheduler import DecodeScheduler
 
 logger = logging.getLogger(__name__)
@@ -33,23 +33,28 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
         self.draining = False
         self._ids = itertools.count()
 
+    service_name = SERVICE_NAME
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        gpb_grpc.add_GenerateServiceServicer_to_server(self, server)
+
     def _validate(self, request: gpb.GenerateRequest) -> tuple[str, tuple[int, ...]]:
         config = self.scheduler.config
         request_id = request.request_id or f"{self.engine_id}-{next(self._ids)}"
         if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
         n = len(request.prompt_token_ids)
         if not 1 <= n <= self.max_prompt_tokens:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {n} tokens; must have 1 to {self.max_prompt_tokens}")
         prompt = tuple(request.prompt_token_ids)
         bad = [t for t in prompt if t >= config.vocab_size]
         if bad:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
         if not 1 <= request.max_tokens <= self.max_new_tokens:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")
         return request_id, prompt
 
@@ -79,7 +84,7 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
                 try:
                     kind, payload = await asyncio.wait_for(job.events.get(), self.step_timeout_s)
                 except asyncio.TimeoutError:
-                    raise GenerateError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"no decode step finished within {self.step_timeout_s} s") from None
                 if kind == "tokens":
                     yield gpb.GenerateResponse(tokens=gpb.GenerateTokens(token_ids=payload))
@@ -89,7 +94,7 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
                     outcome = "ok"
                     yield gpb.GenerateResponse(finished=gpb.GenerateFinished(**payload))
                     return
-        except GenerateError as exc:
+        except StatusError as exc:
             outcome = "rejected" if job is None else "failed"
             if job is None:
                 scheduler.requests.labels("rejected").inc()

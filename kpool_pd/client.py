@@ -12,14 +12,20 @@ import grpc
 from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
 from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
 from connector.config import TlsConfig
+from connector.errors import StatusError
 from model.colocated import GenerateRequest, RequestResult
-from connector.daemon_tls import open_channel
+from connector.channels import open_channel
 
 
-class RequestFailed(Exception):
+class RequestFailed(StatusError):
+    """A request that ended with an error status; ``request_id`` names it."""
+
     def __init__(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{request_id}: {code.name}: {message}")
-        self.request_id, self.code, self.message = request_id, code, message
+        super().__init__(code, message)
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"{self.request_id}: {super().__str__()}"
 
 
 def _metadata(token: str | None):

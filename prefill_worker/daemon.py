@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
 from connector.daemon_main import run_daemon
@@ -25,11 +24,12 @@ from connector.ucx import ucx_available
 from connector.wire import Transport
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import Engine, PrefillJob
-from model.service import default_engine_id, on_termination, start_health_server, start_metrics, write_ready_file
+from model.service import default_engine_id, on_termination, start_metrics, write_ready_file
 from model.settings import (MODEL_OPTIONS, Option, model_config, positive_int,
                             service_options)
 from connector.daemon_tls import TLS_OPTIONS
 from prefill_worker.batcher import BatchingPrefillEngine
+from runtime.grpc_server import GrpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -83,37 +83,36 @@ async def serve(settings: dict, *, device: torch.device, tls: TlsConfig | None) 
     engine_id = settings["engine_id"] or default_engine_id("prefill")
     node = PrefillConnector(pool, blocks, rings, batcher, engine_id=engine_id, config=connector_config,
                             registry=registry, transports=transports_of(settings["transports"]))
+    server = GrpcServer(token=connector_config.bearer_token, tls=tls, options=connector_config.grpc_options())
+    server.add(node)
     batch_task = asyncio.create_task(batcher.run(), name="prefill-batches")
     stop = asyncio.Event()
     on_termination(asyncio.get_running_loop(), lambda name: (logger.info("%s: draining", name), stop.set()))
-    probes = health.aio.HealthServicer()  # the plaintext health port's view of this node
-    metrics_server = health_server = None
+    metrics_server = None
     try:
-        port = await node.start(settings["host"], settings["port"])
-        health_server, health_port = await start_health_server(settings["host"], settings["health_port"], probes)
-        await probes.set("", health_pb2.HealthCheckResponse.SERVING)
+        await node.start()
+        port = await server.start(settings["host"], settings["port"], health_port=settings["health_port"])
+        await server.set_serving(True)
         metrics_server, metrics_port = start_metrics(settings["metrics_host"], settings["metrics_port"], registry)
-        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port, health_port=health_port,
-                         engine_id=engine_id)
+        write_ready_file(settings["ready_file"], grpc_port=port, metrics_port=metrics_port,
+                         health_port=server.health_port, engine_id=engine_id)
         logger.info("prefill node ready", extra={"grpc_port": port, "metrics_port": metrics_port,
-                                                  "health_port": health_port, "tls": tls is not None,
+                                                  "health_port": server.health_port, "tls": tls is not None,
                                                   "device": str(device), "model": config.describe(),
                                                   "layout_hash": layout.layout_hash})
         await stop.wait()
         batcher.draining = True
-        await node.set_serving(False)
-        await probes.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.set_serving(False)
         deadline = time.monotonic() + settings["drain_s"]
-        while (len(node.leases) or not batcher.idle) and time.monotonic() < deadline:
+        while (node.grants_held or not batcher.idle) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if len(node.leases):
-            logger.warning("drain time is up with %d grants still held; freeing them", len(node.leases))
+        if node.grants_held:
+            logger.warning("drain time is up with %d grants still held; freeing them", node.grants_held)
     finally:
+        await server.stop(1.0)
         await node.stop()
         batch_task.cancel()
         await asyncio.gather(batch_task, return_exceptions=True)
-        if health_server is not None:
-            await health_server.stop(None)
         if metrics_server is not None:
             metrics_server.shutdown()
     logger.info("prefill node stopped; free: %d of %d blocks, %d of %d rings", blocks.num_free, blocks.num_blocks,

@@ -16,6 +16,7 @@ from connector.prefill import PrefillConnector
 from connector.wire import Transport
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
 from tests import connector_procs as procs
+from tests.serving import serve_prefill, stop_prefill
 
 CTX = mp.get_context("spawn")
 
@@ -104,13 +105,14 @@ class InProcessPair:
         self.address = ""
 
     async def __aenter__(self) -> "InProcessPair":
-        self.address = f"127.0.0.1:{await self.prefill.start()}"
+        self.server = await serve_prefill(self.prefill)
+        self.address = f"127.0.0.1:{self.server.port}"
         await self.decode.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.decode.close()
-        await self.prefill.stop(grace=0)
+        await stop_prefill(self.server, self.prefill)
 
     def free(self) -> tuple[int, int, int, int]:
         """Free blocks and rings: prefill side, then decode side."""

@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry
 from connector.config import ConnectorConfig
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.errors import TransferError
+from connector.errors import StatusError
 from connector.plan import blocks_needed, ring_live_range
 from connector.prefill import PrefillConnector
 from connector.wire import Transport
 from kvcache import BlockAllocator, BlockLayout, BlockOrder, CacheConfig, CacheFamily, CachePool, RingAllocator
+from tests.serving import serve_prefill, stop_prefill
 
 CONFIG = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3, mla_entry_bytes=64)
 TOKEN = "s3cret-token"
@@ -138,7 +139,8 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                     os._exit(17)
                 return real(view)
             mod.read_bytes = dying
-        port = await node.start()
+        server = await serve_prefill(node)
+        port = server.port
         if die == "ucx":  # fault injection: the process dies while its UCX sends are in flight
             ucx = node._ucx
             real_send = ucx.send
@@ -155,7 +157,7 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
             if cmd[0] == "counts":
                 conn.send((blocks.num_free, rings.num_free, len(node.leases)))
             elif cmd[0] == "stop":
-                await node.stop()
+                await stop_prefill(server, node)
                 blocks.free(held)
                 conn.send(("stopped", blocks.num_free, rings.num_free))
                 return
@@ -206,7 +208,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             try:
                 await peer.pull(grant, transport=t)
                 out["late"] = "OK"
-            except TransferError as exc:
+            except StatusError as exc:
                 out["late"] = exc.code.name
             out["end_free"] = (blocks.num_free, rings.num_free)
         elif scenario == "order":  # the prefill node stores peer_order; compare through both sides' views
@@ -244,7 +246,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 try:
                     await peer.pull(grant, transport=t)
                     out["failed"].append("OK")
-                except TransferError as exc:
+                except StatusError as exc:
                     out["failed"].append(exc.code.name)
                     await peer.release(grant.grant_id)  # as a decode worker does after a failed pull
                 finally:  # back to the class's methods
@@ -281,7 +283,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             try:
                 await peer.pull(grant, transport=t)
                 out["error"] = None
-            except TransferError as exc:
+            except StatusError as exc:
                 out["error"] = exc.code.name
                 out["message"] = exc.message
             out["seconds"] = time.monotonic() - began
@@ -306,7 +308,7 @@ def refusal_main(conn, *, address: str, what: str) -> None:
         try:
             await node.connect(address)
             conn.send(("OK", ""))
-        except TransferError as exc:
+        except StatusError as exc:
             conn.send((exc.code.name, exc.message))
         await node.close()
     asyncio.run(main())

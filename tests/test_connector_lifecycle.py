@@ -15,12 +15,13 @@ from prometheus_client import CollectorRegistry
 
 from connector.config import ConnectorConfig
 from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.errors import EngineUnavailable, TransferError
+from connector.errors import EngineUnavailable, StatusError
 from connector.plan import blocks_needed
 from connector.prefill import SERVICE_NAME, PrefillConnector
 from connector.wire import Transport
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests.serving import serve_prefill, stop_prefill
 
 GRPC = Transport.GRPC_STREAM
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -83,7 +84,7 @@ def test_cancelled_prefill_frees_its_allocation(how):
                 with pytest.raises(asyncio.CancelledError):
                     await call
             else:
-                with pytest.raises(TransferError) as err:
+                with pytest.raises(StatusError) as err:
                     await call
                 assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.wait_for(engine.cancelled.wait(), 5)
@@ -99,7 +100,7 @@ def test_engine_unavailable_is_answered_unavailable_and_frees():
         async with InProcessPair(engine=UnavailableEngine()) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.prefill("refused", [1] * 100)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE
             assert "prefill node prefill-t unavailable: draining for shutdown" in err.value.message
@@ -118,29 +119,40 @@ def test_set_serving_flips_the_health_of_the_service_and_the_server():
     async def main():
         async with InProcessPair() as pair:
             assert await _health(pair.address) == [SERVING, SERVING]
-            await pair.prefill.set_serving(False)
+            await pair.server.set_serving(False)
             assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
-            await pair.prefill.set_serving(False)  # idempotent
+            await pair.server.set_serving(False)  # idempotent
             assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
             peer = await pair.decode.connect(pair.address)  # NOT_SERVING refuses nothing by itself
             grant = await peer.prefill("still-served", [1] * 10)
             assert await peer.release(grant.grant_id) is True
-            await pair.prefill.set_serving(True)
+            await pair.server.set_serving(True)
             assert await _health(pair.address) == [SERVING, SERVING]
             with pytest.raises(TypeError):
-                await pair.prefill.set_serving("no")
+                await pair.server.set_serving("no")
     run(main())
 
 
 def test_set_serving_before_start_is_what_start_reports():
     async def main():
         pair = InProcessPair()
-        await pair.prefill.set_serving(False)
-        async with pair:
-            assert await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
-            await pair.prefill.set_serving(True)
-            assert await _health(pair.address) == [SERVING, SERVING]
+        server = await serve_prefill(pair.prefill, serving=False)  # set before the server starts
+        try:
+            address = f"127.0.0.1:{server.port}"
+            assert await _health(address) == [NOT_SERVING, NOT_SERVING]
+            await server.set_serving(True)
+            assert await _health(address) == [SERVING, SERVING]
+        finally:
+            await stop_prefill(server, pair.prefill)
+        assert await _health_or_code(address) is grpc.StatusCode.UNAVAILABLE  # stopped: nothing answers
     run(main())
+
+
+async def _health_or_code(address: str):
+    try:
+        return await _health(address)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
 
 
 # 3. disconnect and handshake again with a restarted node --------------------------------------
@@ -168,11 +180,12 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
 
             # the node restarts on the same port as a new process would: new engine, new UCX worker
             port = int(pair.address.rsplit(":", 1)[1])
-            await pair.prefill.stop(grace=0)
+            await stop_prefill(pair.server, pair.prefill)
             pair.prefill = PrefillConnector(pair.prefill.pool, pair.p_blocks, pair.p_rings, procs.SeededFillEngine(),
                                             engine_id="prefill-restarted", config=pair.prefill.config,
                                             registry=CollectorRegistry(), transports=(transport,))
-            assert await pair.prefill.start(port=port) == port
+            pair.server = await serve_prefill(pair.prefill, port=port)
+            assert pair.server.port == port
             peer = await pair.decode.connect(pair.address)
             assert peer.engine_id == "prefill-restarted" and pair.decode.peers == (peer,)
             grant = await peer.prefill("after-restart", [4] * 130)
@@ -190,7 +203,7 @@ def test_pull_on_a_disconnected_peer_fails_and_frees():
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("orphan", [2] * 100)
             await pair.decode.disconnect(peer)
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.pull(grant, transport=GRPC)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE and "was disconnected" in err.value.message
             assert pair.free()[2:] == start[2:]

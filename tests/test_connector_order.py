@@ -17,7 +17,7 @@ import connector.prefill as prefill_mod
 from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
 from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
 from connector.auth import auth_metadata
-from connector.errors import TransferError
+from connector.errors import StatusError
 from connector.wire import Transport, layout_message
 from kvcache import BlockLayout
 from tests import connector_procs as procs
@@ -109,7 +109,7 @@ def test_failed_pull_with_staging_frees_everything(monkeypatch):
             before = pair.decode.pool.blocks.clone()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("corrupt", [1] * 200)
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.pull(grant, transport=Transport.GRPC_STREAM, integrity=True)
             assert err.value.code is grpc.StatusCode.DATA_LOSS
             assert torch.equal(pair.decode.pool.blocks, before)  # nothing converted into our blocks
@@ -128,7 +128,7 @@ def test_handshake_refuses_more_than_an_order_difference(decode_name, decode_ord
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads", "BLNHC"),
                                  decode_config=procs.make_config(decode_name, decode_order)) as pair:
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await pair.decode.connect(pair.address)
             return err.value
     err = run(main())

@@ -22,11 +22,12 @@ from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
 from connector.auth import auth_metadata
 from connector.config import ConnectorConfig, TlsConfig
 from connector.decode import DecodeConnector
-from connector.errors import TransferError
+from connector.errors import StatusError
 from connector.prefill import SERVICE_NAME, PrefillConnector
 from connector.wire import Transport, layout_message
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from tests.connector_procs import CONFIG, TOKEN, SeededFillEngine
+from tests.serving import serve_prefill, stop_prefill
 
 GRPC = Transport.GRPC_STREAM
 BASE = ConnectorConfig(bearer_token=TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
@@ -50,13 +51,14 @@ class Pair:
         self.address = ""
 
     async def __aenter__(self) -> "Pair":
-        self.address = f"127.0.0.1:{await self.prefill.start()}"
+        self.server = await serve_prefill(self.prefill)
+        self.address = f"127.0.0.1:{self.server.port}"
         await self.decode.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.decode.close()
-        await self.prefill.stop(grace=0)
+        await stop_prefill(self.server, self.prefill)
 
     def free(self) -> tuple[int, int, int, int]:
         return self.p_blocks.num_free, self.p_rings.num_free, self.d_blocks.num_free, self.d_rings.num_free
@@ -147,7 +149,7 @@ def test_tls_refuses(pki, mutual, client_tls):
 
     async def main():
         async with Pair(server, client) as pair:
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await pair.decode.connect(pair.address)
             return err.value
     err = run(main())
@@ -170,7 +172,7 @@ def test_corrupted_region_is_data_loss_and_frees_the_allocation(monkeypatch):
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("corrupt", [3] * 500)
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.pull(grant, transport=GRPC, integrity=True)
             assert err.value.code is grpc.StatusCode.DATA_LOSS and "crc32 mismatch" in err.value.message
             assert pair.free()[2:] == start[2:]  # the decode side freed its blocks and ring
@@ -187,7 +189,7 @@ def test_grants_are_bounded():
             peer = await pair.decode.connect(pair.address)
             await peer.prefill("a", [1] * 10)
             await peer.prefill("b", [1] * 10)
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.prefill("c", [1] * 10)
             assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "2 grants held (limit 2)" in err.value.message
@@ -199,7 +201,7 @@ def test_prompt_larger_than_the_prefill_pool():
     async def main():
         async with Pair(prefill_blocks=8) as pair:
             peer = await pair.decode.connect(pair.address)
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.prefill("big", [1] * (64 * 9))
             assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "need 9 blocks and a ring; free: 8 blocks" in err.value.message
@@ -213,7 +215,7 @@ def test_grant_larger_than_the_decode_pool():
         async with Pair(decode_blocks=4) as pair:
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("big", [1] * (64 * 5))
-            with pytest.raises(TransferError) as err:
+            with pytest.raises(StatusError) as err:
                 await peer.pull(grant, transport=GRPC)
             assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "needs 5 blocks and a ring; free: 4 blocks" in err.value.message
@@ -297,7 +299,7 @@ def test_metrics_after_a_transfer_and_after_failures():
             await asyncio.sleep(0.8)
             assert pair.sample("prefill", "leases_expired_total") == 1
             assert pair.sample("prefill", "free_blocks") == 64
-            with pytest.raises(TransferError):
+            with pytest.raises(StatusError):
                 await peer.pull(late, transport=GRPC)
             assert pair.sample("prefill", "transfer_failures_total", cause="unknown_grant") == 1
             assert pair.sample("decode", "transfer_failures_total", cause="not_found") == 1
@@ -328,5 +330,5 @@ def test_health_and_reflection_answer_without_a_token():
                     await pb_grpc.PrefillServiceStub(channel).Handshake(
                         pb.HandshakeRequest(engine_id="x", layout=layout_message(pair.decode.pool.layout)), timeout=5)
                 assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
-            await pair.prefill.stop(grace=0)
+            await stop_prefill(pair.server, pair.prefill)  # stopping twice (again on exit) is harmless
     run(main())

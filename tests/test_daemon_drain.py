@@ -16,14 +16,14 @@ from prometheus_client import CollectorRegistry
 
 from connector.config import ConnectorConfig
 from connector.decode import DecodeConnector
-from connector.errors import TransferError
+from connector.errors import StatusError
 from connector.wire import Transport
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import model_flags, start_decode, start_prefill
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
-from connector.daemon_tls import open_channel
+from connector.channels import open_channel
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=4)
@@ -66,7 +66,7 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
                     ports = (prefill.port, prefill.info["health_port"])
                     return all([await _health(p) != serving for p in ports])
                 await _until(not_serving, "NOT_SERVING on both ports")
-                with pytest.raises(TransferError) as refused:
+                with pytest.raises(StatusError) as refused:
                     await peer.prefill("late", [1, 2, 3])
                 assert refused.value.code is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.message
                 landed = await peer.pull(grant)  # a grant handed out before the drain is still served

@@ -20,7 +20,8 @@ from kpool_pd.launcher import model_flags, start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from model.settings import SettingsError, load_settings, resolve_device
-from connector.daemon_tls import client_tls, open_channel, tls_config
+from connector.channels import open_channel
+from connector.daemon_tls import client_tls, tls_config
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from connector.config import ConnectorConfig
-from connector.errors import TransferError
+from connector.errors import StatusError
 from decode_worker.router import PrefillRouter, resolve_host
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
@@ -47,7 +47,7 @@ def test_a_node_gone_from_dns_is_disconnected_once_its_grant_is_pulled():
                 await router.refresh()
                 assert router.healthy() == []
                 assert peer.busy and not peer.closed and pair.decode.peers == (peer,)  # its grant is still to pull
-                with pytest.raises(TransferError) as err:
+                with pytest.raises(StatusError) as err:
                     await router.pick()
                 assert err.value.code is grpc.StatusCode.UNAVAILABLE
 

@@ -33,6 +33,7 @@ def _prefill_proc(conn) -> None:
     from connector.wire import Transport
     from connector_procs import CONFIG, SeededFillEngine
     from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+    from serving import serve_prefill, stop_prefill
 
     async def main():
         pool = CachePool(BlockLayout(CONFIG), num_blocks=256, num_rings=8, device="cuda:0")
@@ -42,9 +43,10 @@ def _prefill_proc(conn) -> None:
         node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="gpu-prefill",
                                 config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
                                 registry=CollectorRegistry(), transports=(Transport.UCX, Transport.GRPC_STREAM))
-        conn.send(await node.start())
+        server = await serve_prefill(node)
+        conn.send(server.port)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-        await node.stop()
+        await stop_prefill(server, node)
         conn.send((blocks.num_free, rings.num_free))
 
     asyncio.run(main())

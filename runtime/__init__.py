@@ -1,0 +1,1 @@
+"""What both daemons share: settings, TLS, logs, the gRPC server, metrics, signals, readiness, drain."""

@@ -1,0 +1,25 @@
+"""A prefill connector behind a daemon's gRPC server, for tests that run one without the daemon."""
+
+from __future__ import annotations
+
+from connector import PrefillConnector
+from runtime.grpc_server import GrpcServer
+
+
+async def serve_prefill(node: PrefillConnector, *, host: str = "127.0.0.1", port: int = 0,
+                        serving: bool = True) -> GrpcServer:
+    """Start ``node`` and a server for it (the connector's token, TLS and message limits); the
+    bound port is ``server.port``."""
+    config = node.config
+    server = GrpcServer(token=config.bearer_token, tls=config.tls, options=config.grpc_options())
+    server.add(node)
+    await node.start()
+    await server.set_serving(serving)
+    await server.start(host, port)
+    return server
+
+
+async def stop_prefill(server: GrpcServer, node: PrefillConnector) -> None:
+    """Stop the server (calls in flight are cut), then the node (frees every grant)."""
+    await server.stop(0)
+    await node.stop()
