@@ -29,15 +29,10 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig
-from connector.decode import DecodeConnector
-from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.plan import blocks_needed
-from connector.prefill import PrefillConnector
-from connector.ucx import ucx_available
-from connector.wire import Transport
-from runtime.grpc_server import GrpcServer
+from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillCache,
+                       PrefillConnector, PrefillInput, PrefillOutput, Transport, ucx_available)
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+from runtime import GrpcServer
 
 
 def _config(layers: int, block_size: int, kpool: int) -> CacheConfig:
@@ -52,7 +47,7 @@ class _TemplateEngine:
 
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
         n = len(request.prompt_token_ids)
-        ids, ring = cache.allocate(blocks_needed(cache.pool.config, n))
+        ids, ring = cache.allocate(cache.pool.config.blocks_for_tokens(n))
         cache.pool.blocks[list(ids)] = self.template[: len(ids)]
         if cache.pool.device.type == "cuda":  # the bytes must be written before UCX reads them
             torch.cuda.synchronize(cache.pool.device)
@@ -71,9 +66,9 @@ def _prefill_proc(conn, args: dict) -> None:
         node = PrefillConnector(pool, BlockAllocator(args["num_blocks"]), RingAllocator(4), _TemplateEngine(template),
                                 engine_id="bench-prefill", config=config,
                                 registry=CollectorRegistry(), transports=transports)
+        await node.start()  # UCX first, then the server's threads (see runtime.daemon.serve)
         server = GrpcServer(options=config.grpc_options())
         server.add(node)
-        await node.start()
         await server.set_serving(True)
         conn.send(await server.start("127.0.0.1", 0))
         loop = asyncio.get_running_loop()
@@ -198,7 +193,7 @@ def nixl_read_gbps(nbytes: int, reps: int, src_device: str, dst_device: str) -> 
 async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str) -> list[dict]:
     config = _config(args["layers"], args["block_size"], args["kpool"])
     layout = BlockLayout(config)
-    num_blocks = blocks_needed(config, max(args["tokens"])) + 2
+    num_blocks = config.blocks_for_tokens(max(args["tokens"])) + 2
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill_proc, args=(child, dict(
@@ -265,7 +260,7 @@ def _run(args) -> tuple[list[dict], dict]:
              "ucx": "measured" if use_ucx else ("skipped: --no-ucx" if args.no_ucx else "skipped: ucxx does not import")}
     rows = []
     for tokens in args.tokens:
-        nbytes = blocks_needed(config, tokens) * layout.block_bytes
+        nbytes = config.blocks_for_tokens(tokens) * layout.block_bytes
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(prefill_device)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=decode_device)
         base = {"tokens": tokens, "layers": args.layers, "bytes": nbytes}

@@ -1,21 +1,28 @@
 """The connector: gRPC control plane, UCX and gRPC-stream data planes, transfer plans, leases.
 
-The public names are below; the modules behind them are the connector's own.
+Everything outside the connector imports these names from ``connector``; the modules behind them
+are the connector's own.
 
 - Prefill side: ``PrefillConnector`` serves a prefill node's cache to decode nodes; the model side
-  plugs in as a ``PrefillEngine`` (``PrefillInput`` -> ``PrefillOutput`` through a ``PrefillCache``).
-- Decode side: ``DecodeConnector`` handshakes with prefill nodes (``PrefillPeer``), pulls a
-  ``PrefillGrant`` into a ``LandedRequest`` that owns the landed blocks until released.
-- Both: ``ConnectorConfig`` and ``TlsConfig``, ``Transport``, ``StatusError`` (a gRPC status and
-  a message), channels and auth helpers.
+  plugs in as a ``PrefillEngine`` (``PrefillInput`` -> ``PrefillOutput`` through a ``PrefillCache``,
+  raising ``CacheExhaustedError`` or ``EngineUnavailable``).
+- Decode side: ``DecodeConnector`` handshakes with prefill nodes (``PrefillPeer``) and pulls a
+  ``PrefillGrant`` into a ``LandedRequest``, which owns every block the pull reserved until released.
+- Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``) and
+  ``TlsConfig``, ``Transport`` (``ucx_available``), ``StatusError`` (a gRPC status and a message),
+  ``open_channel`` and the bearer-token helpers.
+- ``prefill_api``: the PrefillService wire format, for tests and tools that speak it directly.
 """
 
+from connector import prefill_api
 from connector.auth import BearerTokenInterceptor, auth_metadata
 from connector.channels import open_channel
 from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
-from connector.decode import DecodeConnector, LandedRequest, PrefillGrant, PrefillPeer
+from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
+from connector.landed import LandedRequest, PrefillGrant
+from connector.peer import PrefillPeer
 from connector.prefill import PrefillConnector
 from connector.ucx import ucx_available
 from connector.wire import Transport
@@ -24,5 +31,5 @@ __all__ = [
     "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "StatusError", "TlsConfig", "Transport", "UCX_NO_SHARED_MEMORY",
-    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "open_channel", "ucx_available",
+    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "open_channel", "prefill_api", "ucx_available",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
+from connector import prefill_api as pb
 from kvcache import BlockLayout, BlockOrder, layout_differences
 
 

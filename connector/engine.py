@@ -14,7 +14,7 @@ batch loop that runs one batch at a time does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from connector.errors import CacheExhaustedError
@@ -22,21 +22,18 @@ from kvcache import BlockAllocator, CachePool, RingAllocator
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    seed: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
 class PrefillInput:
+    """One Prefill call: the decode node's request id and the prompt (1 to ``max_prompt_tokens`` ids)."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillOutput:
+    """What the engine returns: the blocks and ring it took through ``cache.allocate``, the
+    prompt length, and the first token."""
+
     block_ids: tuple[int, ...]
     ring_id: int
     prompt_len: int
@@ -78,7 +75,7 @@ class PrefillCache:
 
 class PrefillEngine(Protocol):
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
-        """Run the prompt: allocate ``blocks_needed(config, len(prompt))`` blocks and a ring through
+        """Run the prompt: allocate ``config.blocks_for_tokens(len(prompt))`` blocks and a ring through
         ``cache.allocate``, fill them, and return their ids, the prompt length and the first
-        sampled token. Called once per request, from the connector's event loop."""
+        output token. Called once per request, from the connector's event loop."""
         ...

@@ -18,6 +18,11 @@ class StatusError(Exception):
         self.message = message
 
 
+def rpc_failure(exc: grpc.aio.AioRpcError, what: str) -> StatusError:
+    """The StatusError of a failed call: its code, its details prefixed with ``what`` (the call and the peer)."""
+    return StatusError(exc.code(), f"{what}: {exc.details()}")
+
+
 class CacheExhaustedError(Exception):
     """Raised by ``PrefillCache.allocate`` when the pool has too few free blocks or rings;
     the connector answers RESOURCE_EXHAUSTED."""

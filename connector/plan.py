@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcache import BlockLayout, CacheConfig, CacheFamily
+from kvcache import BlockLayout, CacheConfig
 
 
 class PoolKind(enum.Enum):
@@ -66,21 +66,15 @@ class TransferPlan:
 def ring_live_range(config: CacheConfig, prompt_len: int) -> RingRange:
     """The ring slots that hold live state after ``prompt_len`` committed tokens.
 
-    kpool family: positions ``[floor(L/kpool)*kpool, L)`` (the open pool); QSA: positions
-    ``[floor(L/r)*r, L)`` (the open group), r = compress_ratio. Position ``pos`` is at slot
-    ``pos % ring_slots``. Empty (``num_slots == 0``) when L is a multiple of kpool (or r).
+    Positions ``[config.open_entry_start(L), L)``: the open pool (kpool family) or open group
+    (QSA). Position ``pos`` is at slot ``pos % ring_slots``. Empty (``num_slots == 0``) when L is
+    a multiple of kpool (or r).
     """
     if not isinstance(prompt_len, int) or prompt_len < 0:
         raise ValueError(f"prompt_len must be an integer >= 0, got {prompt_len!r}")
-    group = config.kpool if config.family is CacheFamily.KPOOL else config.compress_ratio
-    start = prompt_len // group * group
+    start = config.open_entry_start(prompt_len)
     count = prompt_len - start
     return RingRange(start_slot=start % config.ring_slots if count else 0, num_slots=count)
-
-
-def blocks_needed(config: CacheConfig, prompt_len: int) -> int:
-    """Blocks that hold ``prompt_len`` tokens (ceil division by block_size)."""
-    return -(-prompt_len // config.block_size)
 
 
 def _check_ids(name: str, ids: Sequence[int], limit: int) -> None:

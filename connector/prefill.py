@@ -21,27 +21,25 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
-from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
-from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
-from connector.config import ConnectorConfig
+from connector import prefill_api as pb
+from connector import regions
 from connector.compat import peer_layout
-from connector.engine import PrefillCache, PrefillEngine, PrefillInput, SamplingParams
+from connector.config import ConnectorConfig
+from connector.engine import PrefillCache, PrefillEngine, PrefillInput
 from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
-from connector.plan import blocks_needed, plan_transfer, ring_live_range
-from connector.regions import crc32, read_bytes, region_view
+from connector.plan import plan_transfer, ring_live_range
 from connector.ucx import MAX_REGIONS, UcxNode
 from connector.wire import Transport, layout_message, ring_message
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillService"].full_name
 MAX_ID_CHARS = 256
 
 
-class PrefillConnector(pb_grpc.PrefillServiceServicer):
+class PrefillConnector(pb.PrefillServiceServicer):
     """Serves one prefill node's cache. Not thread-safe: one event loop."""
 
     def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, engine: PrefillEngine, *,
@@ -65,11 +63,11 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
         self._reaper: asyncio.Task | None = None
 
     # lifecycle ---------------------------------------------------------------------------
-    service_name = SERVICE_NAME
+    service_name = pb.SERVICE_NAME
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the PrefillService on ``server`` (the daemon's, which owns auth, TLS and health)."""
-        pb_grpc.add_PrefillServiceServicer_to_server(self, server)
+        pb.add_PrefillServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
         """Make the UCX worker (when UCX is offered) and start the lease reaper; call it on the
@@ -169,9 +167,6 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
         if not 1 <= n <= self.config.max_prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {n} tokens; must have 1 to {self.config.max_prompt_tokens}")
-        s = request.sampling
-        if not s.temperature >= 0:  # also NaN
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.temperature must be >= 0, got {s.temperature}")
         if len(self.leases) >= self.config.max_grants:
             self.metrics.failures.labels("too_many_grants").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.leases)} grants held (limit {self.config.max_grants})")
@@ -179,13 +174,12 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} already holds a grant")
         grant_id = secrets.token_hex(16)
         cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
-        job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-                           sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, seed=s.seed))
+        job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids))
         granted = False
         try:  # every exit without a grant (errors, aborts, the caller cancelling) frees the allocation
             try:
                 out = await self.engine.prefill(job, cache)
-                want = blocks_needed(self.layout.config, n)
+                want = self.layout.config.blocks_for_tokens(n)
                 if out.prompt_len != n or tuple(out.block_ids) != cache.block_ids or out.ring_id != cache.ring_id \
                         or len(out.block_ids) != want:
                     raise RuntimeError(f"engine returned {len(out.block_ids)} blocks / ring {out.ring_id} / length "
@@ -259,19 +253,20 @@ class PrefillConnector(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(plan)} regions (limit {MAX_REGIONS})")
 
         grant.pulls_in_flight += 1
-        views = [region_view(self.pool, p.src) for p in plan.pairs]
+        views = [regions.region_view(self.pool, p.src) for p in plan.pairs]
         started = time.perf_counter()
         finished = False
         try:
             yield pb.PullResponse(grant=pb.PullGrant(
                 src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),
                 num_regions=len(plan), total_bytes=plan.total_bytes))
-            checksums = [crc32(v) for v in views] if request.integrity else []
+            checksums = [regions.crc32(v) for v in views] if request.integrity else []
             if transport is Transport.GRPC_STREAM:
                 step = self.config.chunk_bytes
                 for index, view in enumerate(views):
                     for off in range(0, view.numel(), step):
-                        yield pb.PullResponse(chunk=pb.Chunk(region=index, offset=off, data=read_bytes(view[off:off + step])))
+                        data = regions.read_bytes(view[off:off + step])
+                        yield pb.PullResponse(chunk=pb.Chunk(region=index, offset=off, data=data))
             else:
                 try:
                     await asyncio.wait_for(self._ucx.send(request.engine_id, views, request.ucx_tag_base),

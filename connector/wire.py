@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 
-from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
+from connector import prefill_api as pb
 from connector.plan import RingRange
 from kvcache import BlockLayout
 

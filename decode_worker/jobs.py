@@ -1,4 +1,4 @@
-"""One Generate request inside the decode node, and what it holds."""
+"""One Generate request inside the decode node, what it holds, and the events its handler receives."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from connector.decode import LandedRequest
+from connector import LandedRequest, StatusError
 from model import DecodeSequence
 
 
@@ -18,8 +18,43 @@ class JobState(enum.Enum):
     DONE = "done"
 
 
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Tokens one decode step committed, in order."""
+
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed after it started streaming; the handler aborts the call with ``error``."""
+
+    error: StatusError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finished:
+    """The request's last event: its digests (the colocated run reproduces them) and counters."""
+
+    output_digest: str
+    state_digest: str
+    num_tokens: int
+    steps: int
+    drafts_proposed: int
+    drafts_accepted: int
+    ttft_ms: float
+    total_ms: float
+
+
+JobEvent = Tokens | Failed | Finished
+
+
 @dataclass(kw_only=True, eq=False)
 class Job:
+    """A request from submission to ``DecodeScheduler.finish``. ``need_blocks`` is what admission
+    reserves; ``landed`` owns that many blocks (the prompt's and the output's) and the ring once
+    the pull succeeded; ``events`` carry ``JobEvent``s from the decode loop to the handler."""
+
     request_id: str
     prompt: tuple[int, ...]
     max_tokens: int
@@ -28,11 +63,10 @@ class Job:
     state: JobState = JobState.WAITING
     admitted: asyncio.Future | None = None
     landed: LandedRequest | None = None
-    extra_blocks: list[int] = field(default_factory=list)
     reserved: bool = False
     seq: DecodeSequence | None = None
     cancelled: bool = False
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[JobEvent] = field(default_factory=asyncio.Queue)
     prefill_address: str = ""
     prefill_engine_id: str = ""
     ttft_ms: float = 0.0

@@ -19,10 +19,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector.config import TlsConfig
-from connector.decode import DecodeConnector, PrefillPeer
-from connector.errors import StatusError
-from connector.channels import open_channel
+from connector import DecodeConnector, PrefillPeer, StatusError, TlsConfig, open_channel
 
 logger = logging.getLogger(__name__)
 

@@ -3,15 +3,18 @@
 * Admission: a request reserves the blocks it will ever hold (prompt + output) and a ring
   before anything is allocated, in arrival order; at most ``max_queue`` wait (more get
   RESOURCE_EXHAUSTED) and a request larger than the whole pool is refused (INVALID_ARGUMENT).
-  Reservation is what makes every later allocation succeed.
+  Reservation is what makes the pull's allocation succeed.
 * Fetching: Prefill on a prefill node picked by the router (another one is tried when a node
-  is unavailable, busy or draining), Pull into our blocks (the connector frees them on failure),
-  Release, then the blocks for the output tokens.
+  is unavailable, busy or draining), then one Pull that allocates the whole reservation, lands
+  the prompt in it and Releases the grant. The connector's ``LandedRequest`` owns every block
+  of the request from then on (it freed them all itself if the pull failed).
 * Decoding: one loop runs a step for every running request at once in a worker thread; the
   event loop keeps serving transfers meanwhile. A running request's blocks are freed by the
   loop only, between steps, so no step ever writes blocks that were handed to someone else.
+  The loop reports to the request's handler through ``Job.events`` (``Tokens``, ``Failed``,
+  ``Finished``).
 
-Every exit path of a request (done, failed, cancelled by its client) frees what it holds,
+Every exit path of a request (done, failed, cancelled by its client) releases what it holds,
 through ``finish`` (idempotent).
 """
 
@@ -26,10 +29,8 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector.decode import DecodeConnector
-from connector.errors import StatusError
-from connector.wire import Transport
-from decode_worker.jobs import Job, JobState
+from connector import DecodeConnector, StatusError, Transport
+from decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from decode_worker.router import PrefillRouter
 from kvcache import BlockAllocator, RingAllocator
 from model import DecodeSequence, Engine, output_digest
@@ -40,6 +41,12 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, gr
 
 
 class DecodeScheduler:
+    """Admission, fetching and the decode loop of one decode node; one event loop.
+
+    ``GenerateService`` drives each request: ``submit``, ``wait_admitted``, ``fetch``,
+    ``first_token_sent``, then ``start_decoding`` (or ``finish_unstarted``), and ``abandon``
+    whatever the exit. The daemon runs ``run()`` as a task and drains until ``idle``."""
+
     def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
                  router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
                  integrity: bool, queue_timeout_s: float, registry: CollectorRegistry) -> None:
@@ -85,14 +92,14 @@ class DecodeScheduler:
         need = self.config.blocks_for(len(prompt), max_tokens)
         if need > self.blocks.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
-                                f"this node has {self.blocks.num_blocks}")
+                              f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
+                              f"this node has {self.blocks.num_blocks}")
         if request_id in self._active:
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
         if len(self._waiting) >= self.max_queue:
             self.requests.labels("queue_full").inc()
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
+                              f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
         job = Job(request_id=request_id, prompt=prompt, max_tokens=max_tokens, need_blocks=need,
                   admitted=asyncio.get_running_loop().create_future())
         self._active[request_id] = job
@@ -118,12 +125,13 @@ class DecodeScheduler:
             await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout_s)
         except asyncio.TimeoutError:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no room in the decode batch within {self.queue_timeout_s} s") from None
+                              f"no room in the decode batch within {self.queue_timeout_s} s") from None
 
     # fetching -----------------------------------------------------------------------------
     async def fetch(self, job: Job) -> None:
-        """Prefill remotely, pull, and set up the sequence (StatusError on failure; the caller
-        then calls ``finish``, which frees what was taken)."""
+        """Prefill remotely, pull into the job's whole reservation, and set up the sequence.
+        StatusError on failure, with nothing allocated (the pull frees its own); the caller then
+        calls ``abandon``, which returns the reservation."""
         attempts = max(2, len(self.router.healthy()))
         grant, peer, last = None, None, None
         for _ in range(attempts):
@@ -143,7 +151,8 @@ class DecodeScheduler:
             raise StatusError(last.code, last.message)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         try:
-            job.landed = await peer.pull(grant, transport=self.transport, integrity=self.integrity)
+            job.landed = await peer.pull(grant, reserve_blocks=job.need_blocks, transport=self.transport,
+                                         integrity=self.integrity)
         except StatusError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE:
                 self.router.mark_failed(peer, exc.message)
@@ -151,11 +160,8 @@ class DecodeScheduler:
                 with contextlib.suppress(StatusError):
                     await peer.release(grant.grant_id)
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
-        if job.cancelled:
-            return
-        job.extra_blocks = self.blocks.allocate(job.need_blocks - len(job.landed.block_ids))
         job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
-                                 block_ids=list(job.landed.block_ids) + job.extra_blocks, ring_id=job.landed.ring_id,
+                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
                                  output=[grant.first_token])
 
     def first_token_sent(self, job: Job) -> None:
@@ -179,13 +185,11 @@ class DecodeScheduler:
                    for j in jobs if j.seq.finished}
         return emitted, digests, seconds
 
-    def _finished_event(self, job: Job, state_digest: str):
+    def _finished_event(self, job: Job, state_digest: str) -> Finished:
         seq = job.seq
-        return ("finished", {
-            "output_digest": output_digest(seq.output), "state_digest": state_digest, "num_tokens": len(seq.output),
-            "steps": seq.steps, "drafts_proposed": seq.drafts_proposed, "drafts_accepted": seq.drafts_accepted,
-            "ttft_ms": job.ttft_ms, "total_ms": job.elapsed_ms(),
-        })
+        return Finished(output_digest=output_digest(seq.output), state_digest=state_digest, num_tokens=len(seq.output),
+                        steps=seq.steps, drafts_proposed=seq.drafts_proposed, drafts_accepted=seq.drafts_accepted,
+                        ttft_ms=job.ttft_ms, total_ms=job.elapsed_ms())
 
     async def finish_unstarted(self, job: Job) -> None:
         """A fetched job that needs no step (max_tokens == 1): its digest, then done."""
@@ -209,7 +213,7 @@ class DecodeScheduler:
                 logger.exception("decode step of %d requests failed", len(batch))
                 for job in batch:
                     self._running.remove(job)
-                    job.events.put_nowait(("error", StatusError(grpc.StatusCode.INTERNAL, "decode step failed")))
+                    job.events.put_nowait(Failed(StatusError(grpc.StatusCode.INTERNAL, "decode step failed")))
                     self.finish(job, "error")
                 continue
             self.step_seconds.observe(seconds)
@@ -217,7 +221,7 @@ class DecodeScheduler:
             for job, tokens in zip(batch, emitted):
                 if tokens:
                     self.tokens.inc(len(tokens))
-                    job.events.put_nowait(("tokens", tokens))
+                    job.events.put_nowait(Tokens(tuple(tokens)))
                 if id(job) in digests:
                     self._running.remove(job)
                     self.drafts.labels("accepted").inc(job.seq.drafts_accepted)
@@ -236,7 +240,8 @@ class DecodeScheduler:
         self.finish(job, outcome)
 
     def finish(self, job: Job, outcome: str) -> None:
-        """Free everything the job holds (idempotent)."""
+        """Release the job's blocks and ring (its LandedRequest) and its reservation, count its
+        outcome, and admit who waits (idempotent)."""
         if job.state is JobState.DONE:
             return
         job.state = JobState.DONE
@@ -244,9 +249,6 @@ class DecodeScheduler:
             self._waiting.remove(job)
         if job.landed is not None:
             job.landed.release()
-        if job.extra_blocks:
-            self.blocks.free(job.extra_blocks)
-            job.extra_blocks = []
         if job.reserved:
             job.reserved = False
             self._reserved_blocks -= job.need_blocks

@@ -1,4 +1,5 @@
-"""The public Generate API (kpoolpd.v1.GenerateService) of the decode node."""
+"""The public Generate API (kpoolpd.v1.GenerateService) of the decode node: validates each request,
+drives it through the scheduler, and streams its events."""
 
 from __future__ import annotations
 
@@ -9,19 +10,19 @@ import logging
 
 import grpc
 
-from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
-from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
-from connector.errors import StatusError
+from connector import StatusError
+from decode_worker import api
+from decode_worker.jobs import Failed, Finished, JobEvent, Tokens
 from decode_worker.scheduler import DecodeScheduler
 
 logger = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
-SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
-class GenerateService(gpb_grpc.GenerateServiceServicer):
-    """``draining = True`` refuses new requests with UNAVAILABLE; requests in flight finish."""
+class GenerateService(api.GenerateServiceServicer):
+    """Registered on the daemon's gRPC server (``add_to_server``); one event loop.
+    ``draining = True`` refuses new requests with UNAVAILABLE; requests in flight finish."""
 
     def __init__(self, scheduler: DecodeScheduler, *, max_prompt_tokens: int, max_new_tokens: int,
                  step_timeout_s: float, engine_id: str) -> None:
@@ -33,32 +34,32 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
         self.draining = False
         self._ids = itertools.count()
 
-    service_name = SERVICE_NAME
+    service_name = api.SERVICE_NAME
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        gpb_grpc.add_GenerateServiceServicer_to_server(self, server)
+        api.add_GenerateServiceServicer_to_server(self, server)
 
-    def _validate(self, request: gpb.GenerateRequest) -> tuple[str, tuple[int, ...]]:
+    def _validate(self, request: api.GenerateRequest) -> tuple[str, tuple[int, ...]]:
         config = self.scheduler.config
         request_id = request.request_id or f"{self.engine_id}-{next(self._ids)}"
         if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
+                              f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
         n = len(request.prompt_token_ids)
         if not 1 <= n <= self.max_prompt_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {n} tokens; must have 1 to {self.max_prompt_tokens}")
+                              f"prompt has {n} tokens; must have 1 to {self.max_prompt_tokens}")
         prompt = tuple(request.prompt_token_ids)
         bad = [t for t in prompt if t >= config.vocab_size]
         if bad:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
+                              f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
         if not 1 <= request.max_tokens <= self.max_new_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")
+                              f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")
         return request_id, prompt
 
-    async def Generate(self, request: gpb.GenerateRequest, context):
+    async def Generate(self, request: api.GenerateRequest, context):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode node is draining; try another")
         scheduler = self.scheduler
@@ -70,11 +71,11 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
             queue_ms = job.elapsed_ms()
             await scheduler.fetch(job)
             landed = job.landed
-            yield gpb.GenerateResponse(started=gpb.GenerateStarted(
+            yield api.GenerateResponse(started=api.GenerateStarted(
                 request_id=request_id, prefill_address=job.prefill_address, prefill_engine_id=job.prefill_engine_id,
                 transport=landed.transport.label, transfer_bytes=landed.nbytes, transfer_regions=landed.regions,
                 transfer_ms=landed.seconds * 1000, queue_ms=queue_ms))
-            yield gpb.GenerateResponse(tokens=gpb.GenerateTokens(token_ids=job.seq.output[:1]))
+            yield api.GenerateResponse(tokens=api.GenerateTokens(token_ids=job.seq.output[:1]))
             scheduler.first_token_sent(job)
             if job.seq.finished:
                 await scheduler.finish_unstarted(job)
@@ -82,18 +83,19 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
                 scheduler.start_decoding(job)
             while True:
                 try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), self.step_timeout_s)
+                    event: JobEvent = await asyncio.wait_for(job.events.get(), self.step_timeout_s)
                 except asyncio.TimeoutError:
                     raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"no decode step finished within {self.step_timeout_s} s") from None
-                if kind == "tokens":
-                    yield gpb.GenerateResponse(tokens=gpb.GenerateTokens(token_ids=payload))
-                elif kind == "error":
-                    raise payload
-                else:
-                    outcome = "ok"
-                    yield gpb.GenerateResponse(finished=gpb.GenerateFinished(**payload))
-                    return
+                                      f"no decode step finished within {self.step_timeout_s} s") from None
+                match event:
+                    case Tokens(token_ids=token_ids):
+                        yield api.GenerateResponse(tokens=api.GenerateTokens(token_ids=token_ids))
+                    case Failed(error=error):
+                        raise error
+                    case Finished():
+                        outcome = "ok"
+                        yield api.GenerateResponse(finished=_finished_message(event))
+                        return
         except StatusError as exc:
             outcome = "rejected" if job is None else "failed"
             if job is None:
@@ -105,9 +107,16 @@ class GenerateService(gpb_grpc.GenerateServiceServicer):
             if job is not None:
                 scheduler.abandon(job, outcome)
 
-    async def ModelInfo(self, request: gpb.ModelInfoRequest, context) -> gpb.ModelInfoResponse:
+    async def ModelInfo(self, request: api.ModelInfoRequest, context) -> api.ModelInfoResponse:
         config = self.scheduler.config
-        return gpb.ModelInfoResponse(
+        return api.ModelInfoResponse(
             model_json=json.dumps(config.describe(), sort_keys=True),
             layout_hash=self.scheduler.engine.pool.layout.layout_hash, max_prompt_tokens=self.max_prompt_tokens,
             max_new_tokens=self.max_new_tokens, vocab_size=config.vocab_size)
+
+
+def _finished_message(event: Finished) -> api.GenerateFinished:
+    return api.GenerateFinished(
+        output_digest=event.output_digest, state_digest=event.state_digest, num_tokens=event.num_tokens,
+        steps=event.steps, drafts_proposed=event.drafts_proposed, drafts_accepted=event.drafts_accepted,
+        ttft_ms=event.ttft_ms, total_ms=event.total_ms)

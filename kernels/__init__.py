@@ -1,6 +1,10 @@
-"""Cache ops: each op folder holds a plain-torch reference (``ref.py``) and, for the kpool ops, its Triton
-kernels (``triton.py``); the package exports the dispatching entry points only (``kernels.dispatch``
-says which implementation runs)."""
+"""Cache ops of both families: each op folder holds a plain-torch reference (``ref.py``) and its Triton
+kernels (``triton.py``), except ``qsa_rope``, torch only (the MRoPE tables and rotary that the QSA ops
+share); the package exports the dispatching entry points only (``kernels.dispatch`` says which
+implementation runs).
+
+Importing the package loads every op's entry point and reference, kpool and QSA alike; an op's
+``triton`` module is imported on the op's first Triton call."""
 
 from kernels.block_repack import repack_blocks
 from kernels.hadamard import hadamard_matrix

@@ -47,21 +47,16 @@ def _add_request_flags(parser: argparse.ArgumentParser, *, requests: int, prompt
 
 
 def _add_up(commands) -> None:
-    from kpool_pd.up import default_transport
+    from kpool_pd.up import UP_MODEL_DEFAULTS, default_transport
+    from runtime import add_model_arguments
 
     up = commands.add_parser(
         "up", help="start a prefill and a decode daemon on loopback, run requests through them, report, stop",
         description="Start one prefill and one decode daemon as subprocesses on loopback, send the requests, "
                     "print per request its tokens, bytes moved, transfer time and time to first token, then a "
                     "summary that includes the check against the colocated run, and stop the daemons.")
-    _add_request_flags(up, requests=8, prompt_len=200, max_tokens=32)
-    up.add_argument("--family", choices=["kpool", "qsa"], default="kpool", help="cache family (default kpool)")
-    up.add_argument("--kpool", type=int, default=4, help="tokens per pool, kpool family (default 4)")
-    up.add_argument("--ratio", type=int, default=4, help="compress ratio, qsa family (default 4)")
-    up.add_argument("--num-spec", type=int, default=3, help="draft tokens per decode step (default 3)")
-    up.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
-    up.add_argument("--block-size", type=int, default=0,
-                    help="tokens per block (default 0: the smallest with 16 pools that the ring divides)")
+    _add_request_flags(up, requests=8, prompt_len=200, max_tokens=32)  # --seed: prompts and weights
+    add_model_arguments(up, defaults=UP_MODEL_DEFAULTS, skip=("seed",))
     transport = default_transport()
     up.add_argument("--transport", choices=["ucx", "grpc"], default=transport,
                     help=f"data plane (default here: {transport}; ucx when ucxx is installed, else grpc)")

@@ -9,12 +9,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
-from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
-from connector.config import TlsConfig
-from connector.errors import StatusError
+from connector import StatusError, TlsConfig, auth_metadata, open_channel
+from decode_worker import api
 from model.colocated import GenerateRequest, RequestResult
-from connector.channels import open_channel
 
 
 class RequestFailed(StatusError):
@@ -28,21 +25,18 @@ class RequestFailed(StatusError):
         return f"{self.request_id}: {super().__str__()}"
 
 
-def _metadata(token: str | None):
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
 async def model_info(address: str, *, token: str | None = None, tls: TlsConfig | None = None,
                      timeout_s: float = 10.0) -> dict:
+    """The decode node's ModelInfo as a dict (grpc.aio.AioRpcError when the call fails)."""
     async with open_channel(address, tls) as channel:
-        info = await gpb_grpc.GenerateServiceStub(channel).ModelInfo(gpb.ModelInfoRequest(), timeout=timeout_s,
-                                                                      metadata=_metadata(token))
+        info = await api.GenerateServiceStub(channel).ModelInfo(api.ModelInfoRequest(), timeout=timeout_s,
+                                                                 metadata=auth_metadata(token))
     return {"model": json.loads(info.model_json), "layout_hash": info.layout_hash,
             "max_prompt_tokens": info.max_prompt_tokens, "max_new_tokens": info.max_new_tokens,
             "vocab_size": info.vocab_size}
 
 
-async def generate_one(stub: gpb_grpc.GenerateServiceStub, request: GenerateRequest, *, token: str | None,
+async def generate_one(stub: api.GenerateServiceStub, request: GenerateRequest, *, token: str | None,
                        timeout_s: float) -> RequestResult:
     """One request to completion (RequestFailed on an error status). ttft_ms is the client's
     own: sending to the first token received."""
@@ -50,9 +44,9 @@ async def generate_one(stub: gpb_grpc.GenerateServiceStub, request: GenerateRequ
     tokens: list[int] = []
     started = finished = None
     ttft_ms = 0.0
-    call = stub.Generate(gpb.GenerateRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt),
+    call = stub.Generate(api.GenerateRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt),
                                              max_tokens=request.max_tokens), timeout=timeout_s,
-                         metadata=_metadata(token))
+                         metadata=auth_metadata(token))
     try:
         async for response in call:
             kind = response.WhichOneof("event")
@@ -84,7 +78,7 @@ async def generate_all(address: str, requests: Sequence[GenerateRequest], *, tok
                        ) -> list[RequestResult | RequestFailed]:
     """Send every request at once, over TLS with ``tls``; results (or the failure) in request order."""
     async with open_channel(address, tls) as channel:
-        stub = gpb_grpc.GenerateServiceStub(channel)
+        stub = api.GenerateServiceStub(channel)
 
         async def one(request: GenerateRequest):
             try:

@@ -98,14 +98,10 @@ class Daemon:
         self.stop()
 
 
-def model_flags(*, family: str, kpool: int, ratio: int, num_spec: int, layers: int, block_size: int,
-                seed: int) -> list[str]:
-    return ["--family", family, "--kpool", str(kpool), "--ratio", str(ratio), "--num-spec", str(num_spec),
-            "--layers", str(layers), "--block-size", str(block_size), "--seed", str(seed)]
-
-
 def start_prefill(workdir: Path, model: Sequence[str], *, name: str = "prefill", host: str = "127.0.0.1",
                   transports: str = "auto", extra: Sequence[str] = (), netns: str | None = None) -> Daemon:
+    """A prefill daemon on ``host`` (any free ports) offering ``transports``; ``model`` is its model
+    flags (``runtime.model_flags``), ``extra`` any other flags."""
     return Daemon("prefill_worker", ["--host", host, "--port", "0", "--metrics-host", host, "--metrics-port", "0",
                                      "--transports", transports, *model, *extra], workdir, name, netns=netns)
 
@@ -113,7 +109,8 @@ def start_prefill(workdir: Path, model: Sequence[str], *, name: str = "prefill",
 def start_decode(workdir: Path, model: Sequence[str], prefill: Sequence[str], *, name: str = "decode",
                  host: str = "127.0.0.1", transport: str = "auto", extra: Sequence[str] = (),
                  netns: str | None = None) -> Daemon:
-    transports = "auto" if transport == "auto" else transport
+    """A decode daemon on ``host`` (any free ports) pulling from the ``prefill`` addresses over
+    ``transport`` (also what it offers); ``model`` and ``extra`` as for ``start_prefill``."""
     return Daemon("decode_worker", ["--host", host, "--port", "0", "--metrics-host", host, "--metrics-port", "0",
                                     "--prefill", ",".join(prefill), "--transport", transport,
-                                    "--transports", transports, *model, *extra], workdir, name, netns=netns)
+                                    "--transports", transport, *model, *extra], workdir, name, netns=netns)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
-from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, PoolMode
+from kernels.kpool_cache import pool_slots
+from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, PoolMode, complete_entries
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +60,15 @@ class _Request:
 
     def __init__(self, config: CacheConfig, ape: torch.Tensor, capacity: int) -> None:
         self.config = config
-        self.pool = CachePool(BlockLayout(config), num_blocks=-(-capacity // config.block_size) + 3, num_rings=1)
+        self.pool = CachePool(BlockLayout(config), num_blocks=config.blocks_for_tokens(capacity) + 3,
+                              num_rings=1)
         self.allocator = BlockAllocator(self.pool.num_blocks)
         self.allocator.allocate(1)  # start the request's blocks at id 1 so its ids differ from the other run
         self.block_ids: list[int] = []
         self.ape = ape
 
     def _table(self, tokens: int) -> torch.Tensor:
-        while len(self.block_ids) * self.config.block_size < tokens:
+        while len(self.block_ids) < self.config.blocks_for_tokens(tokens):
             self.block_ids += self.allocator.allocate(1)
         return torch.tensor([self.block_ids], dtype=torch.int32)
 
@@ -88,11 +90,11 @@ class _Request:
                                 mode=self.config.pool_mode)
 
     def digest(self, length: int) -> str:
-        kpool, states = self.config.kpool, self.config.block_size // self.config.kpool
-        pools = torch.arange(length // kpool)
-        table = self._table(length)[0].to(torch.int64)
-        slots = table[pools * kpool // self.config.block_size] * states + pools % states
-        open_positions = torch.arange(length // kpool * kpool, length) % self.config.tail_ring.ring_size
+        config = self.config
+        pools = torch.arange(config.complete_entries(length))[None]
+        states = config.family_spec.entries_per_block
+        slots = pool_slots(self._table(length), pools, kpool=config.kpool, states=states)[0]
+        open_positions = torch.arange(config.open_entry_start(length), length) % config.ring_slots
         sha = hashlib.sha256()
         for layer in range(self.config.num_layers):
             q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer), slots,
@@ -143,7 +145,7 @@ def format_table(rows: list[SelfcheckRow]) -> str:
         c = row.case
         lines.append(
             f"{c.kpool:>5} {c.num_spec:>4} {c.mode.value:>9} {c.prompt_len:>6} {c.total_len:>6} {row.steps:>5} "
-            f"{f'{row.drafts_accepted}/{row.drafts_proposed}':>11} {c.total_len // c.kpool:>5}  "
+            f"{f'{row.drafts_accepted}/{row.drafts_proposed}':>11} {complete_entries(c.total_len, c.kpool):>5}  "
             f"{row.colocated_digest[:16]:<16}  {row.pd_digest[:16]:<16}  {'holds' if row.holds else 'BROKEN'}"
         )
     return "\n".join(lines)

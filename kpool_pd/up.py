@@ -14,18 +14,16 @@ from pathlib import Path
 
 import torch
 
-from connector.ucx import ucx_available
+from connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import DaemonError, model_flags, start_decode, start_prefill
+from kpool_pd.launcher import DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, summary, summary_text, table
-from kvcache import CacheFamily
-from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
-from model.settings import SettingsError
-from connector.daemon_tls import client_tls
+from runtime import SettingsError, client_tls, model_config, model_flags
 
 READY_TIMEOUT_S = 120.0
+UP_MODEL_DEFAULTS = {"num_spec": 3}  # where `up` differs from the daemons' defaults
 
 
 def default_transport() -> str:
@@ -36,19 +34,13 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _config(args) -> ModelConfig:
-    return ModelConfig(family=CacheFamily(args.family), num_layers=args.layers, kpool=args.kpool,
-                       compress_ratio=args.ratio, num_spec=args.num_spec, block_size=args.block_size or None,
-                       seed=args.seed)
-
-
 def run_up(args) -> int:
     for name in ("requests", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             _progress(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
             return 2
     try:
-        config = _config(args)  # a bad combination fails here, before any daemon starts
+        config = model_config(vars(args))  # a bad combination fails here, before any daemon starts
     except ValueError as exc:
         _progress(f"error: {exc}")
         return 2
@@ -72,8 +64,7 @@ def run_up(args) -> int:
         _print(args, results, report)
         return 0
 
-    model = model_flags(family=args.family, kpool=args.kpool, ratio=args.ratio, num_spec=args.num_spec,
-                        layers=args.layers, block_size=args.block_size, seed=args.seed)
+    model = model_flags(vars(args))
     limits = ["--max-prompt-tokens", str(args.prompt_len), "--max-new-tokens", str(args.max_tokens)]
     with tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
         workdir = Path(tmp)

@@ -2,6 +2,15 @@
 
 from kvcache.allocator import BlockAllocator, RingAllocator
 from kvcache.config import LAYOUT_FORMAT_VERSION, CacheConfig
+from kvcache.family import (
+    FamilySpec,
+    KpoolFamilySpec,
+    QsaFamilySpec,
+    blocks_for_tokens,
+    complete_entries,
+    family_spec_type,
+    open_entry_start,
+)
 from kvcache.layout import BlockLayout, layout_differences, layout_hash
 from kvcache.pool import CachePool
 from kvcache.specs import (
@@ -22,7 +31,9 @@ from kvcache.specs import (
 
 __all__ = [
     "BlockAllocator", "BlockLayout", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "FP8_ENTRY_BYTES", "INDEX_HEAD_DIM", "KpoolIndexerSpec", "LAYOUT_FORMAT_VERSION",
-    "MlaPageSpec", "PoolMode", "QsaCompressedKeySpec", "QsaKeyStateRingSpec", "RingAllocator",
-    "TailRingSpec", "layout_differences", "layout_hash", "qsa_ring_capacity", "tail_ring_size",
+    "CachePool", "FP8_ENTRY_BYTES", "FamilySpec", "INDEX_HEAD_DIM", "KpoolFamilySpec", "KpoolIndexerSpec",
+    "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
+    "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
+    "family_spec_type", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
+    "tail_ring_size",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcache.family import Count, FamilySpec, blocks_for_tokens, family_spec_type
 from kvcache.specs import (
     DEFAULT_MLA_ENTRY_BYTES,
     BlockOrder,
@@ -25,7 +26,8 @@ class CacheConfig:
     """Everything that decides the bytes of a block and of a ring block.
 
     ``family`` picks the indexer page (kpool fp8 entries, or QSA compressed keys) and the ring
-    (kpool tail ring, or QSA key state ring). Fields of the other family are ignored.
+    (kpool tail ring, or QSA key state ring), both answered by ``family_spec``. Fields of the
+    other family are ignored.
     """
 
     family: CacheFamily = CacheFamily.KPOOL
@@ -63,12 +65,7 @@ class CacheConfig:
             raise ValueError(f"order must be a BlockOrder, got {self.order!r}")
         # Building the specs validates every number.
         self.mla
-        if self.family is CacheFamily.KPOOL:
-            self.kpool_indexer
-            self.tail_ring
-        else:
-            self.qsa_keys
-            self.qsa_ring
+        self.family_spec
 
     @property
     def num_layers(self) -> int:
@@ -107,28 +104,46 @@ class CacheConfig:
         )
 
     @property
+    def family_spec(self) -> FamilySpec:
+        """The family's page and ring specs behind one interface (``KpoolFamilySpec`` or ``QsaFamilySpec``)."""
+        return family_spec_type(self.family).from_config(self)
+
+    @property
     def indexer_page_bytes(self) -> int:
-        if self.family is CacheFamily.KPOOL:
-            return self.kpool_indexer.page_bytes
-        return self.qsa_keys.page_bytes
+        return self.family_spec.page_bytes
 
     @property
     def ring_slots(self) -> int:
         """R (kpool tail ring) or C (QSA key state ring)."""
-        if self.family is CacheFamily.KPOOL:
-            return self.tail_ring.ring_size
-        return self.qsa_ring.capacity
+        return self.family_spec.ring_slots
 
     @property
     def ring_row_bytes(self) -> int:
         """Bytes of one layer's row in one ring slot."""
-        if self.family is CacheFamily.KPOOL:
-            return self.tail_ring.row_bytes
-        return self.qsa_ring.row_bytes
+        return self.family_spec.ring_row_bytes
+
+    @property
+    def tokens_per_entry(self) -> int:
+        """Tokens per compressed entry: kpool, or the QSA compress ratio."""
+        return self.family_spec.tokens_per_entry
+
+    def blocks_for_tokens(self, num_tokens: Count) -> Count:
+        """Blocks that hold positions ``[0, num_tokens)``: ceil(num_tokens / block_size); 0 for 0.
+        ValueError for a negative count."""
+        return blocks_for_tokens(num_tokens, self.block_size)
+
+    def complete_entries(self, num_tokens: Count) -> Count:
+        """Compressed entries (pools, groups) complete after ``num_tokens`` committed tokens."""
+        return self.family_spec.complete_entries(num_tokens)
+
+    def open_entry_start(self, num_tokens: Count) -> Count:
+        """First position of the open pool (group) after ``num_tokens`` committed tokens; the ring
+        holds positions ``[open_entry_start(n), n)``, none when n is a multiple of the entry size."""
+        return self.family_spec.open_entry_start(num_tokens)
 
     def hash_fields(self) -> dict[str, object]:
         """The parameters that change bytes, as plain values (the layout hash covers them)."""
-        common = {
+        return {
             "format_version": self.format_version,
             "family": self.family.value,
             "layer_names": list(self.layer_names),
@@ -137,28 +152,4 @@ class CacheConfig:
             "mla_entry_bytes": self.mla_entry_bytes,
             "mla_num_heads": self.mla_num_heads,
             "order": self.order.value,
-        }
-        if self.family is CacheFamily.KPOOL:
-            spec = self.kpool_indexer
-            common |= {
-                "kpool": self.kpool,
-                "pool_mode": self.pool_mode.value,
-                "round_scale": self.round_scale,
-                "states_per_block": spec.states_per_block,
-                "ring_size": self.tail_ring.ring_size,
-            }
-        else:
-            keys = self.qsa_keys
-            common |= {
-                "compress_ratio": self.compress_ratio,
-                "qsa_head_size": self.qsa_head_size,
-                "qsa_num_heads": self.qsa_num_heads,
-                "qsa_dtype": self.qsa_dtype.canonical.value,
-                "cache_rope_positions": self.cache_rope_positions,
-                "ring_capacity": self.qsa_ring.capacity,
-                "rotary_dim": keys.rotary_dim,
-                "mrope_section": list(keys.mrope_section),
-                "rope_theta": keys.rope_theta,
-                "norm_eps": keys.norm_eps,
-            }
-        return common
+        } | self.family_spec.hash_fields()

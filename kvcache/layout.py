@@ -46,9 +46,10 @@ class BlockLayout:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self.mla_page_bytes = config.mla.page_bytes
-        self.indexer_page_bytes = config.indexer_page_bytes
-        self.ring_slots = config.ring_slots
-        self.ring_row_bytes = config.ring_row_bytes
+        family = config.family_spec
+        self.indexer_page_bytes = family.page_bytes
+        self.ring_slots = family.ring_slots
+        self.ring_row_bytes = family.ring_row_bytes
         pages = []
         block_cursor = 0
         for index, name in enumerate(config.layer_names):

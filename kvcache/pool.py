@@ -6,10 +6,15 @@ and a transfer of a block's bytes moves every layer's pages at once.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
+from kvcache.family import KpoolFamilySpec, QsaFamilySpec
 from kvcache.layout import BlockLayout
-from kvcache.specs import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockOrder, CacheFamily
+from kvcache.specs import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockOrder
+
+_Spec = TypeVar("_Spec", KpoolFamilySpec, QsaFamilySpec)
 
 
 class CachePool:
@@ -21,6 +26,7 @@ class CachePool:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.layout = layout
         self.config = layout.config
+        self.family_spec = layout.config.family_spec
         self.num_blocks = num_blocks
         self.num_rings = num_rings
         self.blocks = torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8, device=device)
@@ -39,9 +45,12 @@ class CachePool:
         slots = self.rings.view(self.num_rings, self.layout.ring_slots, self.layout.ring_slot_bytes)
         return slots[:, :, pages.ring_row_offset:pages.ring_row_offset + self.layout.ring_row_bytes]
 
-    def _require(self, family: CacheFamily, what: str) -> None:
-        if self.config.family is not family:
-            raise ValueError(f"{what} exists only in the {family.value} family; this pool is {self.config.family.value}")
+    def _family_spec(self, kind: type[_Spec], what: str) -> _Spec:
+        """The pool's family spec when it is of ``kind``; ValueError naming both families otherwise."""
+        spec = self.family_spec
+        if not isinstance(spec, kind):
+            raise ValueError(f"{what} exists only in the {kind.family.value} family; this pool is {spec.family.value}")
+        return spec
 
     # Main attention ------------------------------------------------------------------
     def mla(self, layer: int | str) -> torch.Tensor:
@@ -57,25 +66,24 @@ class CachePool:
     # kpool family --------------------------------------------------------------------
     def indexer_page(self, layer: int | str) -> torch.Tensor:
         """uint8 [num_blocks, S * 132]: S fp8 entries state-major, then their S fp32 scales."""
-        self._require(CacheFamily.KPOOL, "the kpool indexer page")
+        self._family_spec(KpoolFamilySpec, "the kpool indexer page")
         return self._block_bytes(self.layout.layer(layer).indexer_offset, self.layout.indexer_page_bytes)
 
     def indexer_q(self, layer: int | str) -> torch.Tensor:
         """float8_e4m3fn [num_blocks, S, 128]."""
         page = self.indexer_page(layer)
-        s = self.config.kpool_indexer.states_per_block
+        s = self.family_spec.entries_per_block
         return page[:, : s * INDEX_HEAD_DIM].view(torch.float8_e4m3fn).view(self.num_blocks, s, INDEX_HEAD_DIM)
 
     def indexer_scale(self, layer: int | str) -> torch.Tensor:
         """float32 [num_blocks, S]."""
         page = self.indexer_page(layer)
-        s = self.config.kpool_indexer.states_per_block
+        s = self.family_spec.entries_per_block
         return page[:, s * INDEX_HEAD_DIM: s * FP8_ENTRY_BYTES].view(torch.float32)
 
     def tail_ring(self, layer: int | str) -> torch.Tensor:
         """bf16 [num_rings, 2, R, 128]: raw K half, then gate half (a strided view)."""
-        self._require(CacheFamily.KPOOL, "the tail ring")
-        r = self.config.tail_ring.ring_size
+        r = self._family_spec(KpoolFamilySpec, "the tail ring").ring_slots
         rows = self._ring_rows(layer).view(torch.bfloat16).view(self.num_rings, r, 2, INDEX_HEAD_DIM)
         return rows.permute(0, 2, 1, 3)
 
@@ -83,8 +91,7 @@ class CachePool:
     def qsa_keys(self, layer: int | str) -> torch.Tensor:
         """bf16 or fp8 [num_blocks, rows, H, D] in logical order; for BLHNC the view is permuted
         from its storage order [num_blocks, H, rows, D]."""
-        self._require(CacheFamily.QSA, "the QSA compressed key cache")
-        spec = self.config.qsa_keys
+        spec = self._family_spec(QsaFamilySpec, "the QSA compressed key cache").keys
         raw = self._block_bytes(self.layout.layer(layer).indexer_offset, spec.page_bytes)
         typed = raw.view(spec.dtype.torch_dtype)
         if spec.order is BlockOrder.BLNHC:
@@ -94,7 +101,6 @@ class CachePool:
 
     def qsa_ring(self, layer: int | str) -> torch.Tensor:
         """bf16 [num_rings, C, H, W]; W = off + 12 when positions are cached."""
-        self._require(CacheFamily.QSA, "the QSA key state ring")
-        spec = self.config.qsa_ring
+        spec = self._family_spec(QsaFamilySpec, "the QSA key state ring").ring
         rows = self._ring_rows(layer).view(torch.bfloat16)
         return rows.view(self.num_rings, spec.capacity, spec.num_heads, spec.row_width)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache import CachePool
+from kvcache import CacheConfig, CachePool
 
 
 def write_mla(pool: CachePool, layer: int, block_table: torch.Tensor, request: torch.Tensor,
@@ -55,11 +55,13 @@ def read_ring_rows(pool: CachePool, layer: int, ring_ids: torch.Tensor, position
     return torch.where(valid[..., None], rows, torch.zeros((), dtype=torch.uint8, device=rows.device))
 
 
-def open_positions(seq_lens: torch.Tensor, group: int) -> torch.Tensor:
-    """Positions of each row's open pool (group): [floor(L/g)*g, L), -1 padded to g - 1.
+def open_positions(config: CacheConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Positions of each row's open pool (group) of g = ``config.tokens_per_entry`` tokens:
+    [open_entry_start(L), L), -1 padded to g - 1.
 
     # seq_lens: [Q] int -> [Q, g - 1] int64
     """
+    group = config.tokens_per_entry
     seq = seq_lens.to(torch.int64)[:, None]
-    pos = seq // group * group + torch.arange(max(group - 1, 0), device=seq_lens.device)[None]
+    pos = config.open_entry_start(seq) + torch.arange(max(group - 1, 0), device=seq_lens.device)[None]
     return torch.where(pos < seq, pos, -1)

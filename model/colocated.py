@@ -88,9 +88,10 @@ def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, m
     waiting = list(requests)
     running: list[DecodeSequence] = []
     results: dict[str, RequestResult] = {}
+    ttft_ms: dict[str, float] = {}  # by request id, from prefill to the result
     started = time.perf_counter()
     while waiting or running:
-        admitted = []
+        admitted: list[tuple[DecodeSequence, tuple[int, ...]]] = []  # (sequence, prompt)
         while waiting and len(running) + len(admitted) < max_batch:
             req = waiting[0]
             need = config.blocks_for(len(req.prompt), req.max_tokens)
@@ -101,16 +102,15 @@ def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, m
             waiting.pop(0)
             seq = DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt), max_tokens=req.max_tokens,
                                  block_ids=blocks.allocate(need), ring_id=rings.allocate(req.request_id), output=[])
-            admitted.append(seq)
-            seq.extra["prompt"] = req.prompt
+            admitted.append((seq, req.prompt))
         if admitted:
-            firsts = engine.prefill([PrefillJob(prompt=s.extra["prompt"], block_ids=s.block_ids, ring_id=s.ring_id)
-                                     for s in admitted])
+            firsts = engine.prefill([PrefillJob(prompt=prompt, block_ids=seq.block_ids, ring_id=seq.ring_id)
+                                     for seq, prompt in admitted])
             now = (time.perf_counter() - started) * 1000
-            for seq, token in zip(admitted, firsts):
+            for (seq, _), token in zip(admitted, firsts):
                 seq.output.append(token)
-                seq.extra["ttft_ms"] = now
-            running.extend(admitted)
+                ttft_ms[seq.request_id] = now
+                running.append(seq)
         engine.decode_step(running)
         for seq in [s for s in running if s.finished]:
             running.remove(seq)
@@ -118,7 +118,7 @@ def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, m
                 request_id=seq.request_id, prompt_len=seq.prompt_len, tokens=tuple(seq.output),
                 output_digest=output_digest(seq.output),
                 state_digest=engine.state_digest(seq.block_ids, seq.ring_id, seq.cached),
-                ttft_ms=seq.extra["ttft_ms"], total_ms=(time.perf_counter() - started) * 1000, steps=seq.steps,
+                ttft_ms=ttft_ms.pop(seq.request_id), total_ms=(time.perf_counter() - started) * 1000, steps=seq.steps,
                 drafts_proposed=seq.drafts_proposed, drafts_accepted=seq.drafts_accepted,
             )
             blocks.free(seq.block_ids)

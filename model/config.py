@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, qsa_ring_capacity, tail_ring_size
+from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, family_spec_type
 
 MIN_STATES_PER_BLOCK = 16
 
@@ -23,11 +23,9 @@ def _positive(**values: int) -> None:
 def default_block_size(family: CacheFamily, kpool: int, compress_ratio: int, num_spec: int) -> int:
     """Smallest block with at least 16 pools (groups) that the ring size divides:
     lcm(16 * group, ring slots). kpool 4, 3 drafts: lcm(64, 8) = 64."""
-    if family is CacheFamily.KPOOL:
-        group, slots = kpool, tail_ring_size(kpool, num_spec)
-    else:
-        group, slots = compress_ratio, qsa_ring_capacity(compress_ratio, num_spec)
-    return math.lcm(MIN_STATES_PER_BLOCK * group, slots)
+    spec = family_spec_type(family)
+    group = spec.tokens_per_entry_for(kpool=kpool, compress_ratio=compress_ratio)
+    return math.lcm(MIN_STATES_PER_BLOCK * group, spec.ring_slots_for(group, num_spec))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +73,7 @@ class ModelConfig:
     @property
     def group(self) -> int:
         """Tokens per compressed entry: kpool, or the QSA compress ratio."""
-        return self.kpool if self.family is CacheFamily.KPOOL else self.compress_ratio
+        return family_spec_type(self.family).tokens_per_entry_for(kpool=self.kpool, compress_ratio=self.compress_ratio)
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -90,8 +88,9 @@ class ModelConfig:
 
     def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks a request holds at its largest: positions [0, prompt_len + max_tokens - 1)
-        (the last output token is never written; drafts never pass it)."""
-        return -(-(prompt_len + max_tokens - 1) // self.resolved_block_size)
+        (the last output token is never written; drafts never pass it). ValueError when that
+        count is negative."""
+        return self.cache_config().blocks_for_tokens(prompt_len + max_tokens - 1)
 
     def describe(self) -> dict[str, object]:
         return {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +27,7 @@ from model.batch import ForwardBatch, build_batch
 from model.cache_io import open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
 from model.kpool_family import KpoolFamily
+from model.qsa_family import QsaFamily
 from model.rule import TokenRule
 from model.weights import SyntheticWeights
 
@@ -54,7 +55,6 @@ class DecodeSequence:
     steps: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def cached(self) -> int:
@@ -86,12 +86,8 @@ class Engine:
         self.pool = pool
         self.device = pool.device
         self.weights = weights if weights is not None else SyntheticWeights(config, self.device)
-        if config.family is CacheFamily.KPOOL:
-            self.family = KpoolFamily(config, self.weights, pool)
-        else:
-            from model.qsa_family import QsaFamily  # the QSA ops load only for a QSA model
-
-            self.family = QsaFamily(config, self.weights, pool)
+        family_type = KpoolFamily if config.family is CacheFamily.KPOOL else QsaFamily
+        self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
 
     # forwards ---------------------------------------------------------------------------
@@ -114,7 +110,7 @@ class Engine:
         first output token. ValueError for a token outside the vocabulary or too few blocks."""
         for job in jobs:
             self._check_prompt(job.prompt)
-            need = -(-len(job.prompt) // self.config.resolved_block_size)
+            need = self.pool.config.blocks_for_tokens(len(job.prompt))
             if len(job.block_ids) < need:
                 raise ValueError(f"a {len(job.prompt)}-token prompt needs {need} blocks, got {len(job.block_ids)}")
         batch = build_batch([(list(j.prompt), 0, list(j.block_ids), j.ring_id) for j in jobs], last_only=True,
@@ -165,13 +161,13 @@ class Engine:
         layer by layer), then its ring's open pool (position order, layer by layer), then the MLA
         bytes of positions [0, length) (layer by layer), read from this pool."""
         sha = hashlib.sha256()
-        group = self.config.group
         for layer in range(self.config.num_layers):
             sha.update(self.family.entries(layer, list(block_ids), length))
-        open_pos = open_positions(torch.tensor([length], device=self.device), group)
+        cache = self.pool.config
+        open_pos = open_positions(cache, torch.tensor([length], device=self.device))
         ring = torch.tensor([ring_id], device=self.device)
         for layer in range(self.config.num_layers):
-            rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length % group])
+            rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
             sha.update(rows.cpu().numpy().tobytes())
         block_size = self.config.resolved_block_size
         positions = torch.arange(length, device=self.device)

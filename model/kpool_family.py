@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries
+from kernels.kpool_cache import pool_slots
 from kvcache import FP8_ENTRY_BYTES, CachePool
 from model.batch import ForwardBatch
 from model.cache_io import open_positions, read_mla, read_ring_rows
@@ -20,7 +21,7 @@ class KpoolFamily:
         self.config, self.weights, self.pool = config, weights, pool
         self.cache = pool.config
         self.kpool = config.kpool
-        self.states = self.cache.kpool_indexer.states_per_block
+        self.states = self.cache.family_spec.entries_per_block
 
     @property
     def feature_width(self) -> int:
@@ -43,10 +44,12 @@ class KpoolFamily:
                             round_scale=self.cache.round_scale)
 
     def _slots(self, block_table: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
-        # block_table: [Q, M] int32; pools: [Q, N] int64 (-1 = none) -> [Q, N] int64 (0 where none)
-        safe = torch.where(pools >= 0, pools, 0)
-        blocks = torch.gather(block_table.to(torch.int64), 1, safe * self.kpool // self.cache.block_size)
-        return torch.where(pools >= 0, blocks * self.states + safe % self.states, 0)
+        """Indexer slots of pools to read; pool -1 reads slot 0 (its bytes are masked out later).
+
+        # block_table: [Q, M] int32; pools: [Q, N] int64 (-1 = none) -> [Q, N] int64
+        """
+        slots = pool_slots(block_table, pools, kpool=self.kpool, states=self.states)
+        return torch.where(pools >= 0, slots, 0)
 
     def features(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """What the next token of each row reads: the selected pools, their fp8 entries, the open
@@ -64,7 +67,7 @@ class KpoolFamily:
                                                   self._slots(table, pools).flatten(), dequantize=False)
         entries = torch.cat([entry_q.view(torch.uint8), entry_scale.view(torch.uint8).view(-1, 4)], dim=1)
         entries = entries.view(*pools.shape, FP8_ENTRY_BYTES) * valid[..., None]
-        open_pos = open_positions(seq_lens, self.kpool)  # [Q, kpool - 1]
+        open_pos = open_positions(self.cache, seq_lens)  # [Q, kpool - 1]
         ring = read_ring_rows(self.pool, layer, batch.ring_ids[batch.row_request], open_pos)
         pool_tokens = pools[..., None] * self.kpool + torch.arange(self.kpool, device=pools.device)
         attended = torch.cat([torch.where(valid[..., None], pool_tokens, -1).flatten(1), open_pos], dim=1)
@@ -74,7 +77,7 @@ class KpoolFamily:
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
         """The fp8 entries (q bytes, then scale) of every complete pool in pool order."""
-        pools = torch.arange(length // self.kpool, device=self.pool.device)[None]
+        pools = torch.arange(self.cache.complete_entries(length), device=self.pool.device)[None]
         table = torch.tensor([block_ids], dtype=torch.int32, device=self.pool.device)
         q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
                                       self._slots(table, pools)[0], dequantize=False)

@@ -81,7 +81,7 @@ class QsaFamily:
         rows_per_block = self.keys_spec.rows_per_block
         picked = compressed[torch.where(valid, blocks, 0), safe % rows_per_block]  # [Q, topk, H, D]
         picked = picked.contiguous().view(torch.uint8).reshape(*chosen.shape, -1) * valid[..., None]
-        open_pos = open_positions(seq_lens, self.ratio)
+        open_pos = open_positions(self.cache, seq_lens)  # [Q, r - 1]
         ring = read_ring_rows(self.pool, layer, batch.ring_ids[batch.row_request], open_pos)
         mla = read_mla(self.pool, layer, table, token_indices)
         return torch.cat([(chosen + 1), picked.flatten(1).to(torch.int64), ring.flatten(1).to(torch.int64),
@@ -89,7 +89,7 @@ class QsaFamily:
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
         """The compressed rows of every complete group in group order."""
-        groups = torch.arange(length // self.ratio, device=self.pool.device)
+        groups = torch.arange(self.cache.complete_entries(length), device=self.pool.device)
         table = torch.tensor(block_ids, dtype=torch.int64, device=self.pool.device)
         blocks = table[groups * self.ratio // self.cache.block_size]
         rows = self.pool.qsa_keys(layer)[blocks, groups % self.keys_spec.rows_per_block]

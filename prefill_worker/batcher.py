@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.errors import CacheExhaustedError, EngineUnavailable
-from connector.plan import blocks_needed
+from connector import CacheExhaustedError, EngineUnavailable, PrefillCache, PrefillInput, PrefillOutput
 from model import Engine, PrefillJob
 
 logger = logging.getLogger(__name__)
@@ -30,7 +28,7 @@ class _Queued:
 
 
 class BatchingPrefillEngine:
-    """Implements ``connector.engine.PrefillEngine``. ``run()`` is the batch loop (a task the
+    """Implements ``connector.PrefillEngine``. ``run()`` is the batch loop (a task the
     daemon owns); ``draining = True`` refuses new prefills with UNAVAILABLE (``EngineUnavailable``),
     so that decode nodes try another prefill node."""
 
@@ -68,7 +66,7 @@ class BatchingPrefillEngine:
         if len(self._pending) >= self.max_queue:
             self.requests.labels("queue_full").inc()
             raise CacheExhaustedError(f"prefill queue is full ({len(self._pending)} waiting)")
-        block_ids, ring_id = cache.allocate(blocks_needed(self.engine.pool.config, len(prompt)))
+        block_ids, ring_id = cache.allocate(self.engine.pool.config.blocks_for_tokens(len(prompt)))
         queued = _Queued(PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id), request.request_id,
                          asyncio.get_running_loop().create_future())
         self._pending.append(queued)

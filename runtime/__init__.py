@@ -1,1 +1,31 @@
-"""What both daemons share: settings, TLS, logs, the gRPC server, metrics, signals, readiness, drain."""
+"""What both daemons share: option tables and settings (flags > env > YAML), TLS, logs, the
+device, transports, the gRPC server with auth, health, reflection and the health port,
+``/metrics``, signals, readiness and drain.
+
+A daemon is a ``DaemonSpec`` (its role, its option table, how to build its ``Node``) handed to
+``run_daemon``; the runtime serves it (``runtime.daemon`` says in which order).
+"""
+
+from runtime.daemon import run_daemon, serve
+from runtime.device import device_name, resolve_device
+from runtime.grpc_server import GrpcServer, Servicer
+from runtime.logs import JsonFormatter, LogFormat, configure_logging
+from runtime.metrics import MetricsEndpoint
+from runtime.model_options import MODEL_OPTIONS, add_model_arguments, model_config, model_flags, model_settings
+from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
+from runtime.options import (ENV_PREFIX, Option, Role, SettingsError, parse_bool, parse_port, positive_float,
+                             positive_int)
+from runtime.process import termination_event, write_ready_file
+from runtime.service_options import service_options
+from runtime.settings import load_settings
+from runtime.tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS, client_tls, read_pem, tls_config
+from runtime.transports import Transports, parse_pull, parse_transports, pull_choice, transport_list, transports_of
+
+__all__ = [
+    "ENV_PREFIX", "MODEL_OPTIONS", "TLS_CLIENT_OPTIONS", "TLS_OPTIONS", "DaemonSpec", "GrpcServer", "JsonFormatter",
+    "LogFormat", "MetricsEndpoint", "Node", "NodeContext", "Option", "Role", "Servicer", "SettingsError", "Transports",
+    "add_model_arguments", "client_tls", "configure_logging", "default_engine_id", "device_name", "load_settings",
+    "model_config", "model_flags", "model_settings", "parse_bool", "parse_port", "parse_pull", "parse_transports",
+    "positive_float", "positive_int", "pull_choice", "read_pem", "resolve_device", "run_daemon", "serve",
+    "service_options", "termination_event", "tls_config", "transport_list", "transports_of", "write_ready_file",
+]

@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class Servicer(Protocol):
-    service_name: str
+    """A gRPC service implementation as the server registers it."""
 
-    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+    service_name: str  # the full protobuf name, e.g. "kpoolpd.v1.PrefillService"
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the service's handlers on ``server``."""
 
 
 class GrpcServer:

@@ -10,10 +10,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector.config import ConnectorConfig
-from connector.decode import DecodeConnector
-from connector.prefill import PrefillConnector
-from connector.wire import Transport
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, Transport
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
@@ -92,7 +89,7 @@ class InProcessPair:
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
                  num_blocks: int = 32, num_rings: int = 4) -> None:
         config = config or ConnectorConfig(bearer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
-        self.registry = CollectorRegistry()
+        self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
         self.p_blocks, self.p_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
         self.d_blocks, self.d_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
         self.prefill = PrefillConnector(CachePool(BlockLayout(prefill_config), num_blocks=num_blocks, num_rings=num_rings),
@@ -101,7 +98,7 @@ class InProcessPair:
         self.decode = DecodeConnector(CachePool(BlockLayout(decode_config or prefill_config), num_blocks=num_blocks,
                                                 num_rings=num_rings),
                                       self.d_blocks, self.d_rings, engine_id="decode-t", config=config,
-                                      registry=CollectorRegistry(), transports=transports)
+                                      registry=self.decode_registry, transports=transports)
         self.address = ""
 
     async def __aenter__(self) -> "InProcessPair":
@@ -120,3 +117,6 @@ class InProcessPair:
 
     def prefill_sample(self, name: str, **labels) -> float:
         return self.registry.get_sample_value(f"kpoolpd_prefill_{name}", labels) or 0.0
+
+    def decode_sample(self, name: str, **labels) -> float:
+        return self.decode_registry.get_sample_value(f"kpoolpd_decode_{name}", labels) or 0.0

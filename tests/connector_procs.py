@@ -14,13 +14,10 @@ from dataclasses import replace
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector.config import ConnectorConfig
-from connector.decode import DecodeConnector
-from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.errors import StatusError
-from connector.plan import blocks_needed, ring_live_range
-from connector.prefill import PrefillConnector
-from connector.wire import Transport
+from connector import (ConnectorConfig, DecodeConnector, PrefillCache, PrefillConnector, PrefillInput, PrefillOutput,
+                       StatusError, Transport)
+from connector import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
+from connector.plan import ring_live_range
 from kvcache import BlockAllocator, BlockLayout, BlockOrder, CacheConfig, CacheFamily, CachePool, RingAllocator
 from tests.serving import serve_prefill, stop_prefill
 
@@ -103,7 +100,7 @@ class SeededFillEngine:
 
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
         n = len(request.prompt_token_ids)
-        block_ids, ring_id = cache.allocate(blocks_needed(cache.pool.config, n))
+        block_ids, ring_id = cache.allocate(cache.pool.config.blocks_for_tokens(n))
         for j, b in enumerate(block_ids):
             cache.pool.blocks[b] = expected_block(cache.pool.layout, request.request_id, j)
         cache.pool.rings[ring_id] = expected_ring(cache.pool.layout, request.request_id)
@@ -130,15 +127,14 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
         node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry())
         if die == "grpc":  # fault injection: the process dies after its first chunk
-            import connector.prefill as mod
-            real, calls = mod.read_bytes, [0]
+            real, calls = regions.read_bytes, [0]
 
             def dying(view):
                 calls[0] += 1
                 if calls[0] > 1:
                     os._exit(17)
                 return real(view)
-            mod.read_bytes = dying
+            regions.read_bytes = dying
         server = await serve_prefill(node)
         port = server.port
         if die == "ucx":  # fault injection: the process dies while its UCX sends are in flight
@@ -189,7 +185,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 rid = f"req-{transport}-{i}"
                 grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
                 with await peer.pull(grant, transport=t, integrity=i % 2 == 0) as landed:
-                    assert len(landed.block_ids) == blocks_needed(CONFIG, n)
+                    assert len(landed.block_ids) == CONFIG.blocks_for_tokens(n)
                     for j, b in enumerate(landed.block_ids):
                         assert torch.equal(pool.blocks[b], expected_block(layout, rid, j)), (rid, j)
                         checked += layout.block_bytes
@@ -230,6 +226,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             # disconnect and new handshake, and more pulls from the same live prefill node in
             # between: each must land byte for byte.
             out["failed"], out["differences"] = [], []
+            real_write_bytes = regions.write_bytes
             for i in range(3):
                 grant = await peer.prefill(f"fail-{i}", [rng.randrange(50000) for _ in range(900 + 100 * i)])
                 if t is Transport.UCX:
@@ -242,17 +239,17 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 else:
                     def fail_on_chunk(view, data):
                         raise RuntimeError("injected failure on a chunk")
-                    peer._apply_chunk = fail_on_chunk
+                    regions.write_bytes = fail_on_chunk
                 try:
                     await peer.pull(grant, transport=t)
                     out["failed"].append("OK")
                 except StatusError as exc:
                     out["failed"].append(exc.code.name)
                     await peer.release(grant.grant_id)  # as a decode worker does after a failed pull
-                finally:  # back to the class's methods
+                finally:  # back to the real receive and chunk paths
                     if node.ucx is not None:
                         vars(node.ucx).pop("post_receives", None)
-                    vars(peer).pop("_apply_chunk", None)
+                    regions.write_bytes = real_write_bytes
                 if i == 1:  # as a router does when a health check failed: a new channel, a new handshake
                     await node.disconnect(peer)
                     peer = await node.connect(address)
@@ -278,7 +275,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                     def die_on_chunk(view, data):
                         conn.send({"dying": True})
                         os._exit(17)
-                    peer._apply_chunk = die_on_chunk
+                    regions.write_bytes = die_on_chunk
             began = time.monotonic()
             try:
                 await peer.pull(grant, transport=t)

@@ -31,12 +31,12 @@ class RequestCache:
     def __init__(self, config: CacheConfig, max_tokens: int, ape: torch.Tensor, generator: torch.Generator) -> None:
         self.config = config
         self.layout = BlockLayout(config)
-        blocks_needed = -(-max_tokens // config.block_size)
-        self.pool = CachePool(self.layout, num_blocks=3 * blocks_needed + 1, num_rings=3)
+        blocks = config.blocks_for_tokens(max_tokens)
+        self.pool = CachePool(self.layout, num_blocks=3 * blocks + 1, num_rings=3)
         self.pool.blocks.random_(0, 256, generator=generator)  # poison: unwritten bytes never match
         self.pool.rings.random_(0, 256, generator=generator)
         allocator = BlockAllocator(self.pool.num_blocks)
-        shuffled = torch.randperm(self.pool.num_blocks, generator=generator)[:blocks_needed]
+        shuffled = torch.randperm(self.pool.num_blocks, generator=generator)[:blocks]
         allocator.allocate(self.pool.num_blocks)
         self.block_ids = [int(b) for b in shuffled]
         self.block_table = torch.tensor([self.block_ids], dtype=torch.int32)

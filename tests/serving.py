@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from connector import PrefillConnector
-from runtime.grpc_server import GrpcServer
+from runtime import GrpcServer
 
 
 async def serve_prefill(node: PrefillConnector, *, host: str = "127.0.0.1", port: int = 0,
                         serving: bool = True) -> GrpcServer:
     """Start ``node`` and a server for it (the connector's token, TLS and message limits); the
     bound port is ``server.port``."""
+    await node.start()  # before the server's threads exist: it may initialise UCX (see runtime.daemon.serve)
     config = node.config
     server = GrpcServer(token=config.bearer_token, tls=config.tls, options=config.grpc_options())
     server.add(node)
-    await node.start()
     await server.set_serving(serving)
     await server.start(host, port)
     return server

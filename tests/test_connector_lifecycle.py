@@ -13,12 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector.config import ConnectorConfig
-from connector.engine import PrefillCache, PrefillInput, PrefillOutput
-from connector.errors import EngineUnavailable, StatusError
-from connector.plan import blocks_needed
-from connector.prefill import SERVICE_NAME, PrefillConnector
-from connector.wire import Transport
+from connector import (ConnectorConfig, EngineUnavailable, PrefillCache, PrefillConnector, PrefillInput, PrefillOutput,
+                       StatusError, Transport)
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.serving import serve_prefill, stop_prefill
@@ -49,7 +45,7 @@ class StalledEngine:
         self.cancelled = asyncio.Event()
 
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
-        cache.allocate(blocks_needed(cache.pool.config, len(request.prompt_token_ids)))
+        cache.allocate(cache.pool.config.blocks_for_tokens(len(request.prompt_token_ids)))
         self.allocated.set()
         try:
             await asyncio.wait_for(asyncio.Event().wait(), self.stall_s)
@@ -63,7 +59,7 @@ class UnavailableEngine:
     """Allocates, then finds that it cannot run (as a draining or broken engine would)."""
 
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
-        cache.allocate(blocks_needed(cache.pool.config, len(request.prompt_token_ids)))
+        cache.allocate(cache.pool.config.blocks_for_tokens(len(request.prompt_token_ids)))
         raise EngineUnavailable("draining for shutdown")
 
 
@@ -112,7 +108,8 @@ def test_engine_unavailable_is_answered_unavailable_and_frees():
 async def _health(address: str) -> list[int]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return [(await stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)).status for s in ("", SERVICE_NAME)]
+        return [(await stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)).status
+                for s in ("", PrefillConnector.service_name)]
 
 
 def test_set_serving_flips_the_health_of_the_service_and_the_server():

@@ -12,13 +12,11 @@ import grpc
 import pytest
 import torch
 
-import connector.decode as decode_mod
-import connector.prefill as prefill_mod
-from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
-from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as pb_grpc
-from connector.auth import auth_metadata
-from connector.errors import StatusError
-from connector.wire import Transport, layout_message
+import kernels
+from connector import StatusError, Transport, auth_metadata
+from connector import prefill_api as pb
+from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
+from connector.wire import layout_message
 from kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
@@ -79,7 +77,7 @@ def test_qsa_keys_convert_between_orders(prefill_order, decode_order, transport)
 def test_equal_orders_land_without_staging(monkeypatch):
     def no_repack(*args, **kwargs):
         raise AssertionError("repack_blocks called for equal layouts")
-    monkeypatch.setattr(decode_mod, "repack_blocks", no_repack)
+    monkeypatch.setattr(kernels, "repack_blocks", no_repack)
 
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads")) as pair:
@@ -94,13 +92,13 @@ def test_equal_orders_land_without_staging(monkeypatch):
 
 
 def test_failed_pull_with_staging_frees_everything(monkeypatch):
-    real = prefill_mod.read_bytes
+    real = regions.read_bytes
 
     def flip_one_byte(view):
         data = bytearray(real(view))
         data[0] ^= 1
         return bytes(data)
-    monkeypatch.setattr(prefill_mod, "read_bytes", flip_one_byte)
+    monkeypatch.setattr(regions, "read_bytes", flip_one_byte)
 
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads", "BLHNC"),
@@ -146,7 +144,7 @@ def test_handshake_refuses_an_order_difference_whose_hash_does_not_match():
             forged.layout_hash = "0" * 64  # its fields claim an order-only difference; its hash says otherwise
             async with grpc.aio.insecure_channel(pair.address) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await pb_grpc.PrefillServiceStub(channel).Handshake(
+                    await pb.PrefillServiceStub(channel).Handshake(
                         pb.HandshakeRequest(engine_id="forger", layout=forged), timeout=5, metadata=auth_metadata(procs.TOKEN))
             return err.value
     err = run(main())

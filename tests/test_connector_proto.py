@@ -1,11 +1,16 @@
-"""The checked-in generated gRPC code is exactly what proto/generate.py makes from proto/."""
+"""The checked-in generated gRPC code is exactly what proto/generate.py makes from proto/, each
+file's code in the package that uses it, and the wire facades (connector.prefill_api,
+decode_worker.api) match the services and the connector's enums."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+GENERATED = ("connector/_generated", "decode_worker/_generated")
 
 
 def _generator():
@@ -18,20 +23,53 @@ def _generator():
 def test_generated_code_is_fresh(tmp_path):
     written = _generator().generate(tmp_path)
     fresh = {p.relative_to(tmp_path): p.read_bytes() for p in written}
-    package = ROOT / "connector" / "_generated"
-    committed = {p.relative_to(ROOT): p.read_bytes() for p in package.rglob("*")
+    committed = {p.relative_to(ROOT): p.read_bytes() for package in GENERATED for p in (ROOT / package).rglob("*")
                  if p.is_file() and "__pycache__" not in p.parts}
     assert sorted(fresh) == sorted(committed), "generated file set differs: run python proto/generate.py"
     stale = [str(k) for k in fresh if fresh[k] != committed[k]]
     assert not stale, f"stale generated files {stale}: run python proto/generate.py"
 
 
-def test_service_and_enums_match_the_connector():
-    from connector._generated.kpoolpd.v1 import prefill_pb2 as pb
-    from connector.plan import PoolKind
-    from connector.wire import Transport
+def test_each_proto_file_goes_to_the_package_that_uses_it(tmp_path):
+    written = {p.relative_to(tmp_path).as_posix() for p in _generator().generate(tmp_path)}
+    assert "connector/_generated/kpoolpd/v1/prefill_pb2_grpc.py" in written
+    assert "decode_worker/_generated/kpoolpd/v1/generate_pb2_grpc.py" in written
+    assert not any("generate_pb2" in p for p in written if p.startswith("connector/"))
+    assert not any("prefill_pb2" in p for p in written if p.startswith("decode_worker/"))
 
-    methods = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillService"].methods]
-    assert methods == ["Handshake", "Prefill", "Pull", "Release", "Heartbeat"]
+
+def test_a_proto_file_without_a_package_is_refused(tmp_path, monkeypatch):
+    generator = _generator()
+    monkeypatch.setattr(generator, "PROTO_DIR", tmp_path)
+    (tmp_path / "kpoolpd" / "v1").mkdir(parents=True)
+    (tmp_path / "kpoolpd" / "v1" / "stray.proto").write_text('syntax = "proto3";\n')
+    with pytest.raises(ValueError, match="stray.proto"):
+        generator.proto_files()
+
+
+def test_prefill_service_and_enums_match_the_connector():
+    from connector import PrefillConnector, Transport
+    from connector import prefill_api as pb
+    from connector.plan import PoolKind
+
+    assert [m.name for m in pb.SERVICE_DESCRIPTOR.methods] == ["Handshake", "Prefill", "Pull", "Release", "Heartbeat"]
+    assert PrefillConnector.service_name == pb.SERVICE_NAME == "kpoolpd.v1.PrefillService"
     assert {k.name: k.value for k in PoolKind} == {"BLOCKS": pb.POOL_KIND_BLOCKS, "RINGS": pb.POOL_KIND_RINGS}
     assert {t.value for t in Transport} == {pb.TRANSPORT_UCX, pb.TRANSPORT_GRPC_STREAM}
+
+
+def test_prefill_request_carries_the_prompt_only():
+    from connector import prefill_api as pb
+
+    fields = pb.PrefillRequest.DESCRIPTOR.fields_by_name
+    assert sorted(fields) == ["prompt_token_ids", "request_id"]
+    assert 3 not in pb.PrefillRequest.DESCRIPTOR.fields_by_number
+
+
+def test_generate_service_is_the_decode_workers():
+    from decode_worker import api
+    from decode_worker.service import GenerateService
+
+    assert [m.name for m in api.SERVICE_DESCRIPTOR.methods] == ["Generate", "ModelInfo"]
+    assert GenerateService.service_name == api.SERVICE_NAME == "kpoolpd.v1.GenerateService"
+    assert issubclass(GenerateService, api.GenerateServiceServicer)

@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector._generated.kpoolpd.v1 import generate_pb2 as gpb
-from connector._generated.kpoolpd.v1 import generate_pb2_grpc as gpb_grpc
+from decode_worker import api as gpb
 from kpool_pd.client import RequestFailed, generate_all, generate_one
-from kpool_pd.launcher import model_flags, start_decode, start_prefill
+from kpool_pd.launcher import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
+from runtime import model_flags
 from tests.polling import wait_for
 
 TOKEN = "daemon-test-token"
@@ -37,7 +37,7 @@ def metric(port: int, name: str) -> float:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("daemons")
-    flags = model_flags(**MODEL)
+    flags = model_flags(MODEL)
     prefill = start_prefill(workdir, flags, transports="grpc", extra=["--token", TOKEN, "--num-blocks", "64",
                                                                        "--log-format", "text"])
     daemons = [prefill]
@@ -60,7 +60,7 @@ def _call(port: int, request: gpb.GenerateRequest, token: str | None = TOKEN):
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             md = (("authorization", f"Bearer {token}"),) if token else ()
-            return [r async for r in gpb_grpc.GenerateServiceStub(channel).Generate(request, timeout=30, metadata=md)]
+            return [r async for r in gpb.GenerateServiceStub(channel).Generate(request, timeout=30, metadata=md)]
     return asyncio.run(go())
 
 
@@ -126,7 +126,7 @@ def test_a_client_that_goes_away_frees_its_request(cluster):
 
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
-            call = gpb_grpc.GenerateServiceStub(channel).Generate(
+            call = gpb.GenerateServiceStub(channel).Generate(
                 gpb.GenerateRequest(request_id="leaver", prompt_token_ids=[3] * 200, max_tokens=64), timeout=30,
                 metadata=(("authorization", f"Bearer {TOKEN}"),))
             async for response in call:
@@ -145,7 +145,7 @@ def test_sigterm_drains_then_exits(cluster):
 
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
-            stub = gpb_grpc.GenerateServiceStub(channel)
+            stub = gpb.GenerateServiceStub(channel)
             task = asyncio.create_task(generate_one(stub, request, token=TOKEN, timeout_s=60))
             while metric(decode.metrics_port, "kpoolpd_decode_running") < 1:
                 await asyncio.sleep(0.02)

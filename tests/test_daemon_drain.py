@@ -14,16 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector.config import ConnectorConfig
-from connector.decode import DecodeConnector
-from connector.errors import StatusError
-from connector.wire import Transport
+from connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import model_flags, start_decode, start_prefill
+from kpool_pd.launcher import start_decode, start_prefill
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
-from connector.channels import open_channel
+from runtime import model_flags
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=4)
@@ -45,7 +42,7 @@ async def _until(predicate, what: str) -> None:
 
 
 def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path):
-    prefill = start_prefill(tmp_path, model_flags(**MODEL), transports="grpc",
+    prefill = start_prefill(tmp_path, model_flags(MODEL), transports="grpc",
                             extra=["--health-port", "0", "--log-format", "text", "--num-blocks", "32"])
     try:
         prefill.wait_ready(90)
@@ -82,7 +79,7 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
 
 
 def test_a_prefill_node_restarted_on_the_same_address_is_reconnected(tmp_path):
-    flags = model_flags(**MODEL)
+    flags = model_flags(MODEL)
     extra = ["--log-format", "text", "--engine-id", "prefill-0"]  # a StatefulSet pod keeps its name
     first = start_prefill(tmp_path, flags, name="prefill-first", extra=extra)
     daemons = [first]

@@ -6,8 +6,8 @@ import pytest
 
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from decode_worker.router import parse_targets
-from model.settings import SettingsError, load_settings, model_config
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from runtime import SettingsError, load_settings, model_config
 
 
 def _load(role, argv, env=None):

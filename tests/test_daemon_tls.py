@@ -14,16 +14,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from connector import open_channel
+from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all, model_info
-from kpool_pd.launcher import model_flags, start_decode, start_prefill
+from kpool_pd.launcher import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
-from model.settings import SettingsError, load_settings, resolve_device
-from connector.channels import open_channel
-from connector.daemon_tls import client_tls, tls_config
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from runtime import SettingsError, client_tls, load_settings, model_flags, resolve_device, tls_config
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=11)
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=11)
@@ -46,7 +45,7 @@ def _tls_flags(pki) -> list[str]:
 @pytest.fixture(scope="module")
 def tls_cluster(pki, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tls-daemons")
-    flags = [*model_flags(**MODEL), "--device", "cpu", "--log-format", "text", *_tls_flags(pki)]
+    flags = [*model_flags(MODEL), "--device", "cpu", "--log-format", "text", *_tls_flags(pki)]
     prefill = start_prefill(workdir, flags, transports="grpc", extra=["--health-port", "0"])
     daemons = [prefill]
     try:

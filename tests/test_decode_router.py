@@ -9,8 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.errors import StatusError
+from connector import ConnectorConfig, StatusError
 from decode_worker.router import PrefillRouter, resolve_host
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair

@@ -26,12 +26,13 @@ import urllib.request
 import grpc
 import pytest
 
-from connector.ucx import ucx_available
+from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, model_flags, start_decode, start_prefill
+from kpool_pd.launcher import Daemon, start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+from runtime import model_flags, model_settings
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,9 +44,7 @@ DECODE_LIMITS = ["--max-prompt-tokens", "512", "--max-new-tokens", "256", "--max
 
 
 def _flags(config: ModelConfig) -> list[str]:
-    return model_flags(family=config.family.value, kpool=config.kpool, ratio=config.compress_ratio,
-                       num_spec=config.num_spec, layers=config.num_layers, block_size=config.block_size or 0,
-                       seed=config.seed)
+    return model_flags(model_settings(config))
 
 
 def _metric(daemon: Daemon, name: str) -> float:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from connector.ucx import ucx_available
+from connector import ucx_available
 
 FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
           "ttft_ms"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.plan import PoolKind, blocks_needed, plan_transfer, ring_live_range
+from connector.plan import PoolKind, plan_transfer, ring_live_range
 from kvcache import BlockLayout, CacheFamily, CachePool
 from model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
 from model.colocated import GenerateRequest, make_prompts, run_colocated
@@ -101,7 +101,7 @@ class _TwoPools:
         for pool in (self.src.pool, self.dst.pool):  # poison: bytes that are not moved never match
             pool.blocks.random_(0, 256, generator=generator)
             pool.rings.random_(0, 256, generator=generator)
-        prompt_blocks = blocks_needed(config.cache_config(), len(prompt))
+        prompt_blocks = config.cache_config().blocks_for_tokens(len(prompt))
         self.src_blocks = list(range(2, 2 + prompt_blocks))
         self.dst_blocks = [b for b in range(need + 5) if b % 2 == 1][:need]
         self.first = self.src.prefill([PrefillJob(prompt=prompt, block_ids=self.src_blocks, ring_id=1)])[0]

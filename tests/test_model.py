@@ -7,6 +7,7 @@ import torch
 
 from kvcache import CacheFamily
 from model import ModelConfig, SyntheticWeights, default_block_size
+from model.cache_io import open_positions
 
 
 @pytest.mark.parametrize("family,kpool,ratio,num_spec,expected", [
@@ -46,3 +47,27 @@ def test_weights_come_from_the_seed_only():
     assert not torch.equal(mla[1], mla[2])  # one token at two positions: different bytes
     k, gate = a.keys(0, tokens, positions)
     assert k.dtype == gate.dtype == torch.bfloat16 and k.shape == (3, 128)
+
+
+@pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
+def test_blocks_for_counts_prompt_plus_outputs_minus_one_positions(family):
+    config = ModelConfig(family=family, kpool=4, compress_ratio=3, num_spec=2)
+    block = config.resolved_block_size
+    for prompt_len, max_tokens in [(1, 1), (1, 2), (block - 1, 1), (block, 1), (block, 2), (block + 1, 1),
+                                   (block - 1, 3), (2 * block, block + 1)]:
+        positions = prompt_len + max_tokens - 1  # the last output token is never written
+        expected = next(b for b in range(positions + 2) if b * block >= positions)
+        assert config.blocks_for(prompt_len, max_tokens) == expected, (prompt_len, max_tokens)
+
+
+@pytest.mark.parametrize("family, group", [(CacheFamily.KPOOL, 4), (CacheFamily.QSA, 3)], ids=["kpool", "qsa"])
+def test_group_and_open_positions(family, group):
+    config = ModelConfig(family=family, kpool=4, compress_ratio=3, num_spec=1)
+    assert config.group == config.cache_config().tokens_per_entry == group
+    block = config.resolved_block_size
+    lengths = [0, 1, group - 1, group, group + 1, block - 1, block, block + 1]
+    got = open_positions(config.cache_config(), torch.tensor(lengths, dtype=torch.int32))
+    assert got.shape == (len(lengths), group - 1) and got.dtype == torch.int64
+    for row, length in zip(got.tolist(), lengths):
+        open_pool = [p for p in range(length) if p >= length - length % group]
+        assert row == open_pool + [-1] * (group - 1 - len(open_pool)), length

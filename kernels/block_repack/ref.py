@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvcache import BlockLayout, BlockOrder, CacheFamily
+from kvcache import BlockLayout, BlockOrder
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,9 @@ def repack_segments(src_layout: BlockLayout, dst_layout: BlockLayout) -> tuple[S
     segments = [_transposed(mla_offsets[0], _layer_stride(mla_offsets), layers, mla.block_size, mla.num_heads,
                             mla.entry_bytes, src_order, dst_order)]
     index_offsets = [p.indexer_offset for p in src_layout.layers]
-    index_stride = _layer_stride(index_offsets)
-    if config.family is CacheFamily.QSA:
-        keys = config.qsa_keys
-        segments.append(_transposed(index_offsets[0], index_stride, layers, keys.rows_per_block, keys.num_heads,
-                                    keys.head_size * keys.element_bytes, src_order, dst_order))
-    else:
-        segments.append(Segment(index_offsets[0], index_stride, layers, 1, 1, src_layout.indexer_page_bytes))
+    rows, heads, row_bytes = config.family_spec.page_axes
+    segments.append(_transposed(index_offsets[0], _layer_stride(index_offsets), layers, rows, heads, row_bytes,
+                                src_order, dst_order))
     return tuple(segments)
 
 

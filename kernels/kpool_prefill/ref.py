@@ -8,7 +8,7 @@ import torch
 
 from kernels.kpool_cache.ref import pool_slots, write_entries
 from kernels.kpool_compress.ref import compress_pools
-from kvcache import PoolMode
+from kvcache import PoolMode, complete_entries, open_entry_start
 
 
 def prefill_compress_write(
@@ -22,7 +22,7 @@ def prefill_compress_write(
     starts = query_start_loc.tolist()
     token_rows, slot_rows = [], []
     for b in range(len(starts) - 1):
-        pools = (starts[b + 1] - starts[b]) // kpool
+        pools = complete_entries(starts[b + 1] - starts[b], kpool)
         if pools == 0:
             continue
         token_rows.append(starts[b] + torch.arange(pools * kpool, device=k.device).view(pools, kpool))
@@ -48,7 +48,7 @@ def seed_tail_ring(
     starts = query_start_loc.tolist()
     for b, ring_id in enumerate(ring_ids.tolist()):
         length = starts[b + 1] - starts[b]
-        first = length // kpool * kpool
+        first = open_entry_start(length, kpool)
         if ring_id < 0 or first == length:
             continue
         positions = torch.arange(first, length, device=k.device)

@@ -28,9 +28,7 @@ LENGTHS = [1, 4, 5, 64, 65, 257, 1000, 4096]
 def _prefill_proc(conn) -> None:
     from prometheus_client import CollectorRegistry
 
-    from connector.config import ConnectorConfig
-    from connector.prefill import PrefillConnector
-    from connector.wire import Transport
+    from connector import ConnectorConfig, PrefillConnector, Transport
     from connector_procs import CONFIG, SeededFillEngine
     from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
     from serving import serve_prefill, stop_prefill
@@ -56,9 +54,7 @@ def _prefill_proc(conn) -> None:
 def _decode_proc(conn, address: str, transport: str) -> None:
     from prometheus_client import CollectorRegistry
 
-    from connector.config import ConnectorConfig
-    from connector.decode import DecodeConnector
-    from connector.wire import Transport
+    from connector import ConnectorConfig, DecodeConnector, Transport
     from connector_procs import CONFIG, expected_block, expected_ring
     from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 
@@ -78,8 +74,11 @@ def _decode_proc(conn, address: str, transport: str) -> None:
         for i, n in enumerate(LENGTHS):
             rid = f"gpu-{transport}-{i}"
             grant = await peer.prefill(rid, [rng.randrange(1000) for _ in range(n)])
-            with await peer.pull(grant, transport=t, integrity=i % 2 == 1) as landed:
-                for j, b in enumerate(landed.block_ids):
+            extra = 2 if i % 2 else 0  # every other pull also reserves blocks for output tokens
+            with await peer.pull(grant, reserve_blocks=grant.num_blocks + extra, transport=t,
+                                 integrity=i % 2 == 1) as landed:
+                assert len(landed.block_ids) == grant.num_blocks + extra
+                for j, b in enumerate(landed.block_ids[:grant.num_blocks]):
                     assert torch.equal(pool.blocks[b].cpu(), expected_block(layout, rid, j)), (rid, j)
                     checked += layout.block_bytes
                 ring = expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)

@@ -10,13 +10,13 @@ import signal
 import pytest
 import torch
 
-from connector.ucx import ucx_available
+from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import model_flags, start_decode, start_prefill
+from kpool_pd.launcher import start_decode, start_prefill
 from kvcache import BlockLayout, CacheFamily, CachePool
-from model import ModelConfig
+from model import Engine, ModelConfig
 from model.colocated import GenerateRequest, make_prompts, pool_for, run_colocated
-from model.engine import Engine
+from runtime import model_flags, model_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,8 +38,7 @@ def _colocated_on_gpu(config: ModelConfig, requests):
 @pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
 def test_gpu_daemons_equal_colocated(tmp_path, family):
     config = ModelConfig(family=family, num_layers=2, num_spec=3, seed=11)
-    flags = model_flags(family=family.value, kpool=config.kpool, ratio=config.compress_ratio, num_spec=config.num_spec,
-                        layers=config.num_layers, block_size=config.block_size or 0, seed=config.seed)
+    flags = model_flags(model_settings(config))
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     prefill = start_prefill(tmp_path, flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text"])
     decodes = []

@@ -1,4 +1,4 @@
-"""TLS for both daemons: the ``--tls-*`` options, reading their PEM files, and gRPC channels.
+"""TLS for both daemons and the command-line client: the ``--tls-*`` options and their PEM files.
 
 One certificate per daemon serves as its server identity and, on a decode node, as its client
 identity towards prefill nodes (mTLS); ``tls-ca`` checks the peers' certificates (clients of a
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from connector.config import TlsConfig
-from model.settings import Option, SettingsError, parse_bool
+from connector import TlsConfig
+from runtime.options import Option, SettingsError, parse_bool
 
 TLS_OPTIONS: tuple[Option, ...] = (
     Option("tls-cert", str, "", "PEM certificate chain of this daemon (with tls-key: serve TLS; empty: plaintext)"),

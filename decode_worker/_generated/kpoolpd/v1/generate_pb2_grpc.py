@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from connector._generated.kpoolpd.v1 import generate_pb2 as connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2
+from decode_worker._generated.kpoolpd.v1 import generate_pb2 as decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in connector/_generated/kpoolpd/v1/generate_pb2_grpc.py depends on'
+        + ' but the generated code in decode_worker/_generated/kpoolpd/v1/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GenerateServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/kpoolpd.v1.GenerateService/Generate',
-                request_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/kpoolpd.v1.GenerateService/ModelInfo',
-                request_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
+                request_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
-                    response_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
+                    response_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class GenerateService:
             request,
             target,
             '/kpoolpd.v1.GenerateService/Generate',
-            connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-            connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class GenerateService:
             request,
             target,
             '/kpoolpd.v1.GenerateService/ModelInfo',
-            connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
-            connector_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
+            decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
+            decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_generate__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,98 @@
+"""Kernel bench cases of the QSA family: metadata builder, forward update, block repack."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from bench.timing import BenchCase, Prepared
+from kernels import build_qsa_metadata, qsa_forward_update, repack_blocks
+from kvcache import (
+    INDEX_HEAD_DIM, BlockLayout, BlockOrder, CacheConfig, CacheFamily, blocks_for_tokens, qsa_ring_capacity,
+)
+
+D = INDEX_HEAD_DIM
+
+
+def _qsa_batch(device: torch.device, requests: int, q_len: int, context: int, r: int, block_size: int):
+    """A batch of `requests` chunks of `q_len` tokens ending at random lengths up to `context` (+ q_len)."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    seq = torch.randint(0, context, (requests,), generator=gen) + q_len
+    cols = blocks_for_tokens(context + q_len, block_size)
+    table = torch.randperm(requests * cols, generator=gen).view(requests, cols)
+    qsl = torch.arange(0, requests * q_len + 1, q_len)
+    rings = torch.randperm(requests, generator=gen)
+    return [t.to(torch.int32).to(device) for t in (qsl, seq, table, rings)]
+
+
+def make_qsa_metadata(requests: int = 256, tokens: int = 8192, r: int = 4, num_spec: int = 3, block_size: int = 64):
+    """QSA metadata builder: every output of one forward from the batch's offsets, lengths and tables."""
+    def make(device: torch.device) -> Prepared:
+        qsl, seq, table, rings = _qsa_batch(device, requests, tokens // requests, 16_384, r, block_size)
+        cap = qsa_ring_capacity(r, num_spec)
+        outputs = tokens * (4 + 8 + 4 + 8 + 8) + ((tokens + (r - 1) * requests) // r) * 8 + 4
+        moved = (qsl.numel() + seq.numel() + rings.numel()) * 4 + tokens // r * 4 + outputs
+        return Prepared(lambda: build_qsa_metadata(qsl, seq, table, rings, compress_ratio=r, ring_capacity=cap,
+                                                   block_size=block_size, num_tokens=tokens), moved)
+    return make
+
+
+def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: int = 1, num_spec: int = 3,
+                    block_size: int = 64, fp8: bool = False):
+    """QSA forward update of one layer for a prefill batch: compress + write every completed group, then the
+    ring rows (keys and packed positions) of each request's last C tokens."""
+    def make(device: torch.device) -> Prepared:
+        qsl, seq, table, rings = _qsa_batch(device, requests, q_len, 2 * block_size, r, block_size)
+        cap = qsa_ring_capacity(r, num_spec)
+        tokens = requests * q_len
+        gen = torch.Generator(device=device).manual_seed(8)
+        meta = build_qsa_metadata(qsl, seq, table, rings, compress_ratio=r, ring_capacity=cap,
+                                  block_size=block_size, num_tokens=tokens)
+        keys = torch.randn(tokens, heads, D, generator=gen, device=device).to(torch.bfloat16)
+        positions = torch.randint(0, 1 << 20, (tokens, 3), generator=gen, device=device)
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        compressed = torch.zeros(table.numel(), block_size // r, heads, D, dtype=dtype, device=device)
+        ring = torch.zeros(requests, cap, heads, D + 12, dtype=torch.bfloat16, device=device)
+        weight = torch.randn(D, generator=gen, device=device)
+        groups = int(meta.num_work)
+        moved = keys.numel() * 2 + positions.numel() * 8 + groups * heads * D * compressed.element_size() + \
+            requests * cap * (heads * (D + 12) * 2 + D * heads * 2 + 24)
+        return Prepared(lambda: qsa_forward_update(
+            keys, positions, meta, ring, compressed, weight, compress_ratio=r, block_size=block_size, eps=1e-6,
+            rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True), moved)
+    return make
+
+
+def make_repack(blocks: int = 512, layers: int = 16, block_size: int = 64, heads: int = 8, mla_heads: int = 1):
+    """Block repack BLNHC -> BLHNC of a QSA pool: per layer an MLA page (656 B a token and head) and a
+    compressed-key page of `heads` bf16 heads, transposed; bytes read + written against the device copy."""
+    def make(device: torch.device) -> Prepared:
+        config = CacheConfig(family=CacheFamily.QSA, layer_names=tuple(f"l{i}" for i in range(layers)),
+                             block_size=block_size, mla_num_heads=mla_heads, qsa_num_heads=heads,
+                             order=BlockOrder.BLNHC)
+        src_layout = BlockLayout(config)
+        dst_layout = BlockLayout(replace(config, order=BlockOrder.BLHNC))
+        src = torch.randint(0, 256, (blocks, src_layout.block_bytes), dtype=torch.uint8, device=device)
+        dst = torch.zeros(blocks, dst_layout.block_bytes, dtype=torch.uint8, device=device)
+        gen = torch.Generator(device="cpu").manual_seed(9)
+        src_ids = torch.randperm(blocks, generator=gen).to(device)
+        dst_ids = torch.randperm(blocks, generator=gen).to(device)
+        pages = layers * (src_layout.mla_page_bytes + src_layout.indexer_page_bytes)
+        return Prepared(lambda: repack_blocks(src, src_layout, src_ids, dst, dst_layout, dst_ids),
+                        2 * blocks * pages)
+    return make
+
+
+QSA_CASES: list[BenchCase] = [
+    BenchCase("qsa metadata builder", "8,192 tokens in 256 requests, r 4, C 8", make_qsa_metadata(), target_us=10.0),
+    BenchCase("qsa forward update (prefill), bf16", "1 layer, 64 x 4096 tokens, r 4, 1 head",
+              make_qsa_update()),
+    BenchCase("qsa forward update (prefill), fp8, 4 heads", "1 layer, 16 x 4096 tokens, r 4, 4 heads",
+              make_qsa_update(requests=16, heads=4, fp8=True)),
+    BenchCase("qsa forward update (decode), 3 drafts", "1 layer, batch 256 x 4 tokens", make_qsa_update(
+        requests=256, q_len=4), target_us=10.0),
+    BenchCase("qsa block repack BLNHC->BLHNC", "512 blocks x 16 layers (MLA 1 head, keys 8 heads)", make_repack()),
+    BenchCase("qsa block repack BLNHC->BLHNC, MLA 16 heads", "256 blocks x 16 layers", make_repack(
+        blocks=256, mla_heads=16)),
+]

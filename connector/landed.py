@@ -1,0 +1,119 @@
+"""What a decode node holds for one request: the grant a Prefill call returned, the blocks and ring
+it took in its own pool, and the request once a pull landed it there."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from connector.errors import StatusError
+from connector.plan import RingRange
+from connector.wire import Transport
+from kvcache import BlockAllocator, RingAllocator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillGrant:
+    """What a Prefill call returned: the grant to pull, and what the decode node allocates."""
+
+    grant_id: str
+    request_id: str
+    prompt_len: int
+    num_blocks: int
+    ring_live: RingRange
+    first_token: int
+    lease_s: float
+
+
+class Allocation:
+    """A request's blocks and ring in the decode node's pool (the ring is keyed by the request id).
+
+    ``take`` allocates both or nothing; ``free()`` returns both (idempotent). One object frees
+    them, whichever path the request leaves by."""
+
+    __slots__ = ("request_id", "block_ids", "ring_id", "_blocks", "_rings", "_freed")
+
+    def __init__(self, request_id: str, block_ids: tuple[int, ...], ring_id: int, blocks: BlockAllocator,
+                 rings: RingAllocator) -> None:
+        self.request_id, self.block_ids, self.ring_id = request_id, block_ids, ring_id
+        self._blocks, self._rings = blocks, rings
+        self._freed = False
+
+    @classmethod
+    def take(cls, blocks: BlockAllocator, rings: RingAllocator, request_id: str, num_blocks: int) -> "Allocation":
+        """``num_blocks`` blocks and a ring, or StatusError with nothing taken: RESOURCE_EXHAUSTED
+        when the pool is short, ALREADY_EXISTS when the request already holds a ring."""
+        if num_blocks > blocks.num_free or rings.num_free == 0:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"request {request_id} needs {num_blocks} blocks and a ring; free: "
+                              f"{blocks.num_free} blocks, {rings.num_free} rings")
+        try:
+            ring_id = rings.allocate(request_id)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        return cls(request_id, tuple(blocks.allocate(num_blocks)), ring_id, blocks, rings)
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    def free(self) -> None:
+        if not self._freed:
+            self._freed = True
+            self._blocks.free(list(self.block_ids))
+            self._rings.free(self.request_id)
+
+
+class LandedRequest:
+    """A request's blocks and ring in the decode node's pool, filled by a pull.
+
+    ``block_ids`` are every block the pull reserved: the prompt's ``grant.num_blocks`` first
+    (landed, in block-table order), then the blocks reserved for the tokens still to come.
+    Owns them all until ``release()`` (idempotent) frees them; a context manager. ``__del__``
+    only reports a leak."""
+
+    __slots__ = ("grant", "transport", "nbytes", "regions", "seconds", "repacked", "_allocation")
+
+    def __init__(self, grant: PrefillGrant, allocation: Allocation, *, transport: Transport, nbytes: int, regions: int,
+                 seconds: float, repacked: bool = False) -> None:
+        self.grant = grant
+        self.transport, self.nbytes, self.regions, self.seconds = transport, nbytes, regions, seconds
+        self.repacked = repacked  # landed in a staging buffer and converted from the peer's block order
+        self._allocation = allocation
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self._allocation.block_ids
+
+    @property
+    def ring_id(self) -> int:
+        return self._allocation.ring_id
+
+    @property
+    def released(self) -> bool:
+        return self._allocation.freed
+
+    def release(self) -> None:
+        self._allocation.free()
+
+    def __enter__(self) -> "LandedRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        allocation = getattr(self, "_allocation", None)
+        if allocation is not None and not allocation.freed:
+            logger.error("LandedRequest %s was never released: %d blocks leak", self.grant.request_id,
+                         len(allocation.block_ids))
+
+    def __repr__(self) -> str:
+        return (f"LandedRequest({self.grant.request_id!r}, blocks={len(self.block_ids)} "
+                f"({self.grant.num_blocks} landed), ring={self.ring_id}, "
+                f"{self.nbytes} B in {self.regions} regions over {self.transport.label}, "
+                f"{'released' if self.released else 'held'})")

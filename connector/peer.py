@@ -1,0 +1,211 @@
+"""PrefillPeer: one prefill node as a decode node sees it after a Handshake; the calls it makes to
+that node (Prefill, Pull, Release, Heartbeat), each with a deadline, each failure a StatusError."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from connector import prefill_api as pb
+from connector.auth import auth_metadata
+from connector.errors import StatusError, rpc_failure
+from connector.landed import Allocation, LandedRequest, PrefillGrant
+from connector.plan import TransferPlan
+from connector.pull import InboundPull, Landing
+from connector.wire import Transport, ring_from
+from kvcache import BlockLayout
+
+if TYPE_CHECKING:
+    from connector.decode import DecodeConnector
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillPeer:
+    """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``;
+    closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the peer's block
+    layout: ours, or ours in the other ``order`` (then ``repacks`` is True)."""
+
+    def __init__(self, connector: "DecodeConnector", address: str, channel: grpc.aio.Channel,
+                 response: pb.HandshakeResponse, layout: BlockLayout) -> None:
+        self.connector = connector
+        self.address = address
+        self.engine_id = response.engine_id
+        self.layout = layout
+        self.repacks = layout.layout_hash != connector.pool.layout.layout_hash
+        self.closed = False
+        self.transports = tuple(Transport(t) for t in response.transports if t in {x.value for x in Transport})
+        self._channel = channel
+        self._stub = pb.PrefillServiceStub(channel)
+        self._calls = 0  # Prefill and Pull calls in flight
+        self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
+
+    @property
+    def busy(self) -> bool:
+        """True while a Prefill or Pull is in flight or a grant it returned is neither pulled nor
+        released (until that grant's lease ran out): the peer should not be closed yet."""
+        now = time.monotonic()
+        self._open_grants = {g: end for g, end in self._open_grants.items() if end > now}
+        return self._calls > 0 or bool(self._open_grants)
+
+    @contextlib.contextmanager
+    def _call(self):
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+
+    @property
+    def _md(self):
+        return auth_metadata(self.connector.config.bearer_token)
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
+
+    # control calls ---------------------------------------------------------------------------
+    async def prefill(self, request_id: str, prompt_token_ids) -> PrefillGrant:
+        """Run the prompt on the prefill node; the grant holds its blocks there under lease until
+        pulled and released. StatusError with the node's status (within ``rpc_timeout_s``)."""
+        req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids))
+        self._check_open(f"Prefill of {request_id}")
+        try:
+            with self._call():
+                r = await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_failure(exc, f"Prefill of {request_id} on {self.address}") from None
+        self._open_grants[r.grant_id] = time.monotonic() + r.lease_ms / 1000
+        return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
+                            ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000)
+
+    async def release(self, grant_id: str) -> bool:
+        """Idempotent: False when the grant was already released or expired."""
+        self._open_grants.pop(grant_id, None)
+        self._check_open(f"Release of {grant_id}")
+        try:
+            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id), timeout=self.connector.config.rpc_timeout_s,
+                                         metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
+        return r.released
+
+    async def heartbeat(self, grant_ids) -> list[str]:
+        """Renew leases; returns the ids the prefill node no longer holds."""
+        self._check_open("Heartbeat")
+        try:
+            r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.connector.engine_id, grant_ids=list(grant_ids)),
+                                           timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_failure(exc, f"Heartbeat to {self.address}") from None
+        return list(r.unknown_grant_ids)
+
+    async def _renew(self, grant_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.connector.config.heartbeat_interval_s)
+            with contextlib.suppress(StatusError):
+                await self.heartbeat([grant_id])
+
+    # the pull --------------------------------------------------------------------------------
+    async def pull(self, grant: PrefillGrant, *, reserve_blocks: int | None = None, transport: Transport | None = None,
+                   integrity: bool = False, release: bool = True) -> LandedRequest:
+        """Allocate ``max(grant.num_blocks, reserve_blocks)`` blocks and a ring, pull the request's
+        prompt into the first ``grant.num_blocks`` of them, verify (``integrity``: crc32 per
+        region, DATA_LOSS on a mismatch) and Release the grant (unless ``release`` is False).
+
+        The returned LandedRequest owns every block it allocated, the ones reserved for later
+        tokens included, until its ``release()``. On any failure the whole allocation is freed and
+        StatusError raised, within ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the
+        allocation-free Release); cancelling the call frees it too. ValueError (nothing taken) for a
+        negative or non-integer ``reserve_blocks``. Called from the connector's event loop, any
+        number at once."""
+        if reserve_blocks is not None and (type(reserve_blocks) is not int or reserve_blocks < 0):
+            raise ValueError(f"reserve_blocks must be None or an integer >= 0, got {reserve_blocks!r}")
+        with self._call():
+            try:
+                return await self._pull_and_release(grant, max(grant.num_blocks, reserve_blocks or 0), transport,
+                                                    integrity, release)
+            finally:
+                self._open_grants.pop(grant.grant_id, None)
+
+    def _transport_for(self, asked: Transport | None) -> Transport:
+        """The transport asked for, else UCX when both sides have it; FAILED_PRECONDITION if unavailable."""
+        ucx = self.connector.ucx
+        both_ucx = Transport.UCX in self.transports and ucx is not None
+        transport = asked or (Transport.UCX if both_ucx else Transport.GRPC_STREAM)
+        if transport not in self.transports or (transport is Transport.UCX and ucx is None):
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"transport {transport.label} not available with {self.address}")
+        return transport
+
+    def _allocate(self, grant: PrefillGrant, num_blocks: int) -> Allocation:
+        c = self.connector
+        try:
+            return Allocation.take(c.blocks, c.rings, grant.request_id, num_blocks)
+        except StatusError as exc:
+            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                c.metrics.failures.labels("cache_exhausted").inc()
+            raise
+
+    async def _pull_and_release(self, grant: PrefillGrant, num_blocks: int, transport: Transport | None, integrity: bool,
+                                release: bool) -> LandedRequest:
+        c = self.connector
+        self._check_open(f"Pull of {grant.request_id}")
+        transport = self._transport_for(transport)
+        allocation = self._allocate(grant, num_blocks)
+        started = time.perf_counter()
+        heartbeat = asyncio.create_task(self._renew(grant.grant_id))
+        try:
+            plan = await asyncio.wait_for(self._land(grant, allocation, transport, integrity), c.config.transfer_timeout_s)
+        except BaseException as exc:
+            allocation.free()
+            cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
+            c.metrics.failures.labels(cause).inc()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pull of {grant.request_id} from {self.address} "
+                                  f"did not finish in {c.config.transfer_timeout_s} s") from None
+            raise
+        finally:
+            heartbeat.cancel()
+        seconds = time.perf_counter() - started
+        c.metrics.transferred(transport.label, plan.total_bytes, len(plan), seconds)
+        landed = LandedRequest(grant, allocation, transport=transport, nbytes=plan.total_bytes, regions=len(plan),
+                               seconds=seconds, repacked=self.repacks)
+        if release:
+            try:
+                await self.release(grant.grant_id)
+            except StatusError as exc:  # the lease frees it; the data has landed
+                logger.warning("release of %s failed (%s); its lease will free it", grant.grant_id, exc)
+            except BaseException:  # cancelled while releasing: no caller will own the landed request
+                landed.release()
+                raise
+        return landed
+
+    async def _land(self, grant: PrefillGrant, allocation: Allocation, transport: Transport,
+                    integrity: bool) -> TransferPlan:
+        """Open the Pull stream and land the prompt into the first ``grant.num_blocks`` blocks."""
+        c = self.connector
+        landing = Landing(c.pool, self.layout, allocation.block_ids[:grant.num_blocks])
+        tag_base = InboundPull.tag_base_for(transport)
+        req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
+                             dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
+                             ucx_tag_base=tag_base)
+        call = self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md)
+        return await InboundPull(call, address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
+                                 transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx,
+                                 metrics=c.metrics).run()
+
+    async def close(self) -> None:
+        """Close the channel (idempotent); calls in flight on it fail with CANCELLED."""
+        self.closed = True
+        await self._channel.close()
+
+    def __repr__(self) -> str:
+        return (f"PrefillPeer({self.address!r}, engine={self.engine_id!r}, "
+                f"{'repacks from ' + self.layout.config.order.value if self.repacks else 'same layout'}"
+                f"{', closed' if self.closed else ''})")

@@ -1,0 +1,124 @@
+"""Running a daemon, the same for both roles: ``run_daemon`` is the process entry (settings,
+TLS, device, transports, logging, the event loop), ``serve`` the life of its node:
+
+1. ``spec.build`` makes the node (cache, model, connector side); ``node.warm_up`` runs in a
+   worker thread (``warmed up in N ms``).
+2. ``node.start``; the gRPC server binds (and the plaintext health port); ``/metrics`` binds;
+   grpc.health.v1 turns SERVING; the ready file is written; ``<role> node ready`` is logged.
+   Until then health is NOT_SERVING and there is no ready file.
+3. SIGTERM or SIGINT drains: ``node.drain`` (new work is refused), health turns NOT_SERVING,
+   and the runtime waits until ``node.idle`` or for ``drain-s`` (then it warns with
+   ``node.leftover``).
+4. The server stops (calls in flight get one second), ``node.close`` frees everything, the
+   metrics endpoint closes, and ``<role> node stopped; free: ...`` reports the allocators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector import TlsConfig
+from runtime.device import resolve_device
+from runtime.grpc_server import GrpcServer
+from runtime.logs import configure_logging
+from runtime.metrics import MetricsEndpoint
+from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
+from runtime.options import SettingsError
+from runtime.process import termination_event, write_ready_file
+from runtime.settings import load_settings
+from runtime.tls import tls_config
+from runtime.transports import Transports, transports_of
+
+logger = logging.getLogger(__name__)
+STOP_GRACE_S = 1.0  # what RPCs in flight get once the drain is over
+DRAIN_POLL_S = 0.05
+
+
+async def drain(node: Node, server: GrpcServer, drain_s: float) -> None:
+    """Refuse new work, report NOT_SERVING, then wait until the node is idle or ``drain_s`` is up."""
+    node.drain()
+    await server.set_serving(False)
+    deadline = time.monotonic() + drain_s
+    while not node.idle and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    leftover = node.leftover()
+    if leftover:
+        logger.warning("drain time is up with %s", leftover)
+
+
+async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.device, tls: TlsConfig | None,
+                transports: Transports) -> None:
+    """Run the node of ``spec`` until SIGTERM or SIGINT, then drain and stop (steps 1 to 4 of
+    the module's docstring). Returns once everything is closed; what ``build`` or a start step raises
+    propagates after the cleanup."""
+    role = spec.role
+    registry = CollectorRegistry()
+    context = NodeContext(role=role, settings=settings, device=device, tls=tls, transports=transports,
+                          registry=registry, engine_id=settings["engine_id"] or default_engine_id(role))
+    node = spec.build(context)
+    server: GrpcServer | None = None
+    metrics = MetricsEndpoint(registry)
+    try:
+        started = time.perf_counter()
+        await asyncio.to_thread(node.warm_up)
+        logger.info("warmed up in %.0f ms", (time.perf_counter() - started) * 1000)
+        stop = termination_event()
+        await node.start()
+        # The gRPC server (and its threads) comes after node.start, which may initialise UCX: UCX
+        # patches the process's memory functions while it initialises, which is unsafe while
+        # other threads may be calling them.
+        connector_config = context.connector_config
+        server = GrpcServer(token=connector_config.bearer_token, tls=tls, options=connector_config.grpc_options())
+        server.add(node.servicer)
+        grpc_port = await server.start(settings["host"], settings["port"], health_port=settings["health_port"])
+        metrics_port = metrics.start(settings["metrics_host"], settings["metrics_port"])
+        await server.set_serving(True)
+        write_ready_file(settings["ready_file"], grpc_port=grpc_port, metrics_port=metrics_port,
+                         health_port=server.health_port, engine_id=context.engine_id)
+        logger.info("%s node ready", role.value,
+                    extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "health_port": server.health_port,
+                           "tls": tls is not None, "device": str(device), **node.describe()})
+        await stop.wait()
+        await drain(node, server, settings["drain_s"])
+    finally:
+        if server is not None:
+            await server.stop(STOP_GRACE_S)
+        await node.close()
+        metrics.close()
+    blocks, rings = node.blocks, node.rings
+    logger.info("%s node stopped; free: %d of %d blocks, %d of %d rings", role.value, blocks.num_free,
+                blocks.num_blocks, rings.num_free, rings.num_rings)
+
+
+def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
+    """Parse the settings (flags > env > YAML; ``argv`` None: ``sys.argv[1:]``), then serve until
+    SIGTERM and drain.
+
+    A bad setting (a value, a TLS file, a device or a transport that cannot be used here) prints
+    ``kpool-pd <role>: error: <option> ...`` to stderr and returns 2 before anything starts.
+    After serving, the process exits at once (status 0), skipping interpreter teardown of the UCX
+    worker, whose peers may be gone.
+    """
+    role = spec.role.value
+    try:
+        settings = load_settings(spec.role, spec.options, argv, description=spec.description)
+        tls = tls_config(settings)
+        device = resolve_device(settings["device"])
+        transports = transports_of(settings)
+    except SettingsError as exc:
+        print(f"kpool-pd {role}: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(role, level=settings["log_level"], fmt=settings["log_format"])
+    torch.set_num_threads(settings["torch_threads"])
+    asyncio.run(serve(spec, settings, device=device, tls=tls, transports=transports))
+    logging.shutdown()
+    os._exit(0)

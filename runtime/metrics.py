@@ -1,0 +1,37 @@
+"""A daemon's Prometheus ``/metrics`` endpoint: one registry, served over HTTP on its own thread."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsEndpoint:
+    """Serves ``registry`` at ``http://host:port/metrics``. ``start`` once; ``close`` is idempotent
+    and safe before ``start``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._server = None
+        self.port = -1
+
+    def start(self, host: str, port: int) -> int:
+        """Bind and serve (``port`` 0: any free port; below 0: no endpoint). Returns the bound port,
+        or -1 when off."""
+        if self._server is not None:
+            raise RuntimeError("MetricsEndpoint.start may be called once")
+        if port < 0:
+            return -1
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+        return self.port
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,112 @@
+"""What a daemon declares to the runtime: its role, its option table and how to build its node;
+and the contract of the node it builds.
+
+The runtime (``runtime.daemon``) does the rest the same way for every daemon: it builds the node,
+warms it up, serves its servicer with auth, TLS and health, exposes ``/metrics``, writes the
+ready file, waits for SIGTERM, drains and closes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector import ConnectorConfig, TlsConfig
+from kvcache import BlockAllocator, RingAllocator
+from runtime.grpc_server import Servicer
+from runtime.options import Option, Role
+from runtime.transports import Transports
+
+# Settings keys the runtime reads itself; every daemon's table has them (service_options, TLS_OPTIONS).
+RUNTIME_KEYS = frozenset({
+    "host", "port", "metrics_host", "metrics_port", "health_port", "token", "engine_id", "log_level", "log_format",
+    "torch_threads", "drain_s", "ready_file", "lease_s", "rpc_timeout_s", "transfer_timeout_s", "transports",
+    "device", "tls_cert", "tls_key", "tls_ca", "tls_require_client_auth",
+})
+
+
+def default_engine_id(role: Role | str) -> str:
+    """``<role>-<hostname>-<pid>``: unique per process, readable in logs."""
+    return f"{Role(role).value}-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeContext:
+    """What the runtime hands a daemon's ``build``: the settings and the process-wide pieces."""
+
+    role: Role
+    settings: Mapping[str, Any]
+    device: torch.device
+    tls: TlsConfig | None
+    transports: Transports
+    registry: CollectorRegistry  # served at /metrics
+    engine_id: str
+
+    @property
+    def connector_config(self) -> ConnectorConfig:
+        """The connector settings every node shares: token, TLS, lease and deadlines (a node may
+        ``dataclasses.replace`` what is its own)."""
+        s = self.settings
+        return ConnectorConfig(lease_s=s["lease_s"], bearer_token=s["token"] or None, tls=self.tls,
+                               rpc_timeout_s=s["rpc_timeout_s"], transfer_timeout_s=s["transfer_timeout_s"])
+
+
+class Node(Protocol):
+    """One daemon's running parts, as the runtime drives them, in this order, once each:
+    ``warm_up`` (in a worker thread), ``start``, then, after SIGTERM, ``drain`` and polling
+    ``idle`` until true or the drain time is up, then ``close`` (also when anything before it
+    failed, so it must cope with a node that never started)."""
+
+    servicer: Servicer  # registered on the daemon's gRPC server before it starts
+    blocks: BlockAllocator  # the cache's allocators, reported when the node stops
+    rings: RingAllocator
+
+    def warm_up(self) -> None:
+        """Run the model once through the cache so that the first request is not slow; blocking.
+        Leaves the allocators as it found them."""
+
+    async def start(self) -> None:
+        """Start background tasks and peers, on the serving event loop, before the server binds."""
+
+    def drain(self) -> None:
+        """Refuse new work from now on (UNAVAILABLE, so callers try another node)."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing left in flight that a drain waits for."""
+
+    def leftover(self) -> str | None:
+        """What is still in flight, in words (``"3 grants still held; freeing them"``), or None."""
+
+    async def close(self) -> None:
+        """Stop every task and free every resource; called after the server stopped. Idempotent."""
+
+    def describe(self) -> dict[str, object]:
+        """Fields of the ``<role> node ready`` log line (model, layout hash, peers)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonSpec:
+    """A daemon: ``build`` makes its node from the settings that ``options`` parse."""
+
+    role: Role
+    description: str  # the first line of --help
+    options: tuple[Option, ...]
+    build: Callable[[NodeContext], Node]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise TypeError(f"role must be a Role, got {self.role!r}")
+        names = [option.name for option in self.options]
+        doubled = sorted({name for name in names if names.count(name) > 1})
+        if doubled:
+            raise ValueError(f"{self.role.value}: options declared twice: {doubled}")
+        missing = sorted(RUNTIME_KEYS - {option.key for option in self.options})
+        if missing:
+            raise ValueError(f"{self.role.value}: the runtime needs options {missing}")

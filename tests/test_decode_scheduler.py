@@ -1,0 +1,184 @@
+"""The decode scheduler against a real prefill connector on loopback, both with the synthetic model:
+a request's whole reservation is pulled into one LandedRequest (no block of the scheduler's own),
+its events are typed (Tokens, then Finished) and match the colocated run byte for byte, and every
+exit (done, failed pull, cancelled while decoding, failed step) frees what it holds exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
+from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
+from decode_worker.jobs import Failed, Finished, JobState, Tokens
+from decode_worker.router import PrefillRouter
+from decode_worker.scheduler import DecodeScheduler
+from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from model import Engine, ModelConfig
+from model.colocated import GenerateRequest, run_colocated
+from prefill_worker.batcher import BatchingPrefillEngine
+from tests.serving import serve_prefill, stop_prefill
+
+CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=5)
+GRPC = Transport.GRPC_STREAM
+NUM_BLOCKS, NUM_RINGS = 16, 4
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+class Nodes:
+    """A prefill node (connector + batching engine) and a decode node (connector, router,
+    scheduler and its loop) in this event loop, each with its own pool."""
+
+    async def __aenter__(self) -> "Nodes":
+        layout = BlockLayout(CONFIG.cache_config())
+        config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=10.0)
+        p_pool = CachePool(layout, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.p_blocks, self.p_rings = BlockAllocator(NUM_BLOCKS), RingAllocator(NUM_RINGS)
+        self.batcher = BatchingPrefillEngine(Engine(CONFIG, p_pool), max_batch_tokens=4096, max_queue=8,
+                                             registry=CollectorRegistry())
+        self.prefill = PrefillConnector(p_pool, self.p_blocks, self.p_rings, self.batcher, engine_id="prefill-s",
+                                        config=config, registry=CollectorRegistry(), transports=(GRPC,))
+        self.batch_loop = asyncio.create_task(self.batcher.run())
+        self.server = await serve_prefill(self.prefill)
+        d_pool = CachePool(layout, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.d_blocks, self.d_rings = BlockAllocator(NUM_BLOCKS), RingAllocator(NUM_RINGS)
+        self.decode = await DecodeConnector(d_pool, self.d_blocks, self.d_rings, engine_id="decode-s", config=config,
+                                            registry=CollectorRegistry(), transports=(GRPC,)).start()
+        self.router = PrefillRouter(self.decode, (f"127.0.0.1:{self.server.port}",), health_interval_s=60,
+                                    rpc_timeout_s=10)
+        await self.router.start()
+        self.registry = CollectorRegistry()
+        self.engine = Engine(CONFIG, d_pool)
+        self.scheduler = DecodeScheduler(self.engine, self.d_blocks, self.d_rings, self.decode, self.router,
+                                         max_running=4, max_queue=8, transport=GRPC, integrity=True,
+                                         queue_timeout_s=10, registry=self.registry)
+        self.decode_loop = asyncio.create_task(self.scheduler.run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in (self.decode_loop, self.batch_loop):
+            task.cancel()
+        await asyncio.gather(self.decode_loop, self.batch_loop, return_exceptions=True)
+        await self.router.close()
+        await self.decode.close()
+        await stop_prefill(self.server, self.prefill)
+
+    def free(self) -> tuple[int, int, int, int]:
+        return self.p_blocks.num_free, self.p_rings.num_free, self.d_blocks.num_free, self.d_rings.num_free
+
+    def sample(self, name: str, **labels) -> float:
+        return self.registry.get_sample_value(f"kpoolpd_decode_{name}", labels) or 0.0
+
+    async def fetched(self, request_id: str, prompt: tuple[int, ...], max_tokens: int):
+        job = self.scheduler.submit(request_id, prompt, max_tokens)
+        await self.scheduler.wait_admitted(job)
+        await self.scheduler.fetch(job)
+        return job
+
+    async def until_free(self, start) -> bool:
+        for _ in range(500):
+            if self.free() == start and self.scheduler.idle:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+
+PROMPT = tuple((7 * i + 3) % CONFIG.vocab_size for i in range(90))
+
+
+def test_a_request_is_one_reservation_owned_by_its_landed_request_and_matches_colocated():
+    async def main():
+        async with Nodes() as nodes:
+            start = nodes.free()
+            job = await nodes.fetched("one", PROMPT, 60)
+            landed = job.landed
+            assert job.need_blocks == CONFIG.blocks_for(len(PROMPT), 60) > landed.grant.num_blocks
+            assert len(landed.block_ids) == job.need_blocks and job.seq.block_ids == list(landed.block_ids)
+            assert nodes.free() == (start[0], start[1], start[2] - job.need_blocks, start[3] - 1)
+            assert nodes.sample("reserved_blocks") == job.need_blocks
+            nodes.scheduler.first_token_sent(job)
+            nodes.scheduler.start_decoding(job)
+            tokens, events = list(job.seq.output[:1]), []
+            while not events or not isinstance(events[-1], Finished):
+                events.append(await asyncio.wait_for(job.events.get(), 30))
+                if isinstance(events[-1], Tokens):
+                    tokens += events[-1].token_ids
+            assert all(isinstance(e, Tokens) and e.token_ids for e in events[:-1])
+            nodes.scheduler.abandon(job, "ok")  # what the handler does on its way out: nothing more to free
+            assert await nodes.until_free(start), nodes.free()
+            assert job.state is JobState.DONE and landed.released
+            reference, = run_colocated(CONFIG, [GenerateRequest(request_id="one", prompt=PROMPT, max_tokens=60)])
+            finished = events[-1]
+            assert tuple(tokens) == reference.tokens and finished.num_tokens == len(reference.tokens)
+            assert (finished.output_digest, finished.state_digest) == (reference.output_digest, reference.state_digest)
+            assert nodes.sample("requests_total", outcome="ok") == 1 and nodes.sample("reserved_blocks") == 0
+    run(main())
+
+
+def test_a_failed_pull_leaves_nothing_allocated_and_the_reservation_returns(monkeypatch):
+    real = regions.read_bytes
+
+    def flip_one_byte(view):
+        data = bytearray(real(view))
+        data[len(data) // 3] ^= 0x10
+        return bytes(data)
+    monkeypatch.setattr(regions, "read_bytes", flip_one_byte)
+
+    async def main():
+        async with Nodes() as nodes:
+            start = nodes.free()
+            job = nodes.scheduler.submit("corrupt", PROMPT, 40)
+            await nodes.scheduler.wait_admitted(job)
+            with pytest.raises(StatusError) as err:
+                await nodes.scheduler.fetch(job)
+            assert err.value.code is grpc.StatusCode.DATA_LOSS and "transfer from" in err.value.message
+            assert job.landed is None and nodes.free() == start  # the pull freed its reservation, the grant is released
+            assert nodes.sample("reserved_blocks") == job.need_blocks  # admission's count, until the handler leaves
+            nodes.scheduler.abandon(job, "failed")
+            nodes.scheduler.abandon(job, "failed")  # idempotent
+            assert nodes.sample("reserved_blocks") == 0 and nodes.sample("requests_total", outcome="failed") == 1
+            assert nodes.scheduler.idle and nodes.free() == start
+    run(main())
+
+
+def test_a_request_cancelled_while_decoding_is_freed_once_by_the_loop():
+    async def main():
+        async with Nodes() as nodes:
+            start = nodes.free()
+            job = await nodes.fetched("leaver", PROMPT, 200)
+            nodes.scheduler.start_decoding(job)
+            assert isinstance(await asyncio.wait_for(job.events.get(), 30), Tokens)
+            nodes.scheduler.abandon(job, "cancelled")  # the client went away mid-stream
+            assert job.cancelled and job.state is JobState.DECODING  # the loop frees it, between steps
+            assert await nodes.until_free(start), nodes.free()
+            nodes.scheduler.finish(job, "cancelled")  # a second exit frees nothing twice
+            assert nodes.free() == start and job.landed.released
+            assert nodes.sample("requests_total", outcome="cancelled") == 1 and nodes.sample("reserved_blocks") == 0
+    run(main())
+
+
+def test_a_failed_step_reports_failed_and_frees(monkeypatch):
+    async def main():
+        async with Nodes() as nodes:
+            start = nodes.free()
+            job = await nodes.fetched("stepper", PROMPT, 30)
+
+            def broken_step(_sequences):
+                raise RuntimeError("injected step failure")
+            monkeypatch.setattr(nodes.engine, "decode_step", broken_step)
+            nodes.scheduler.start_decoding(job)
+            event = await asyncio.wait_for(job.events.get(), 30)
+            assert isinstance(event, Failed) and event.error.code is grpc.StatusCode.INTERNAL
+            assert await nodes.until_free(start), nodes.free()
+            assert nodes.sample("requests_total", outcome="error") == 1
+            nodes.scheduler.abandon(job, "failed")  # the handler leaves after raising the error
+            assert nodes.free() == start and nodes.sample("requests_total", outcome="failed") == 0
+    run(main())

@@ -1,0 +1,106 @@
+"""The daemons started exactly as the cpu overlay describes them (plaintext, and with the TLS
+component), on loopback: requests through the decode Service's port, by the command-line client
+and the client library, equal the colocated run; unauthenticated and untrusted clients are
+refused; both pods stop within their grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from kpool_pd.client import RequestFailed, generate_all, model_info
+from model.colocated import make_prompts, run_colocated
+from runtime import client_tls, load_settings, model_config
+from tests import deploy_launch as dl
+from tests import deploy_manifests as dm
+from tests.deploy_daemons import role_of, tls_secret, token_secret
+
+
+def _kpool_pd(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "kpool-pd"), *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _digests(result: dict) -> tuple:
+    return result["request_id"], result["tokens"], result["output_digest"], result["state_digest"]
+
+
+@pytest.mark.parametrize("variant", [dm.Variant("cpu"), dm.Variant("cpu", ("tls",))], ids=lambda v: v.id)
+def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant, tmp_path):
+    objects = dm.render(variant)
+    ports = dl.PortMap(objects)
+    token = secrets.token_hex(16)
+    extra, tls, tls_flags = [token_secret(token)], None, []
+    if "tls" in variant.components:  # the Secret the README has users create; clients present a certificate
+        secret, files = tls_secret(tmp_path / "pki")
+        extra.append(secret)
+        tls = client_tls(ca=str(files["ca"]), cert=str(files["cert"]), key=str(files["key"]),
+                         server_name="kpool-pd-decode")
+        tls_flags = ["--tls-ca", str(files["ca"]), "--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]),
+                     "--tls-server-name", "kpool-pd-decode"]
+    pods = {w["kind"]: dl.LocalPod(objects, w, ports, tmp_path, extra_objects=extra) for w in dm.workloads(objects)}
+    prefill, decode = pods["StatefulSet"], pods["Deployment"]
+    try:
+        for pod in (prefill, decode):  # decode pods find prefill pods through the headless Service
+            pod.start()
+            pod.wait_started(timeout_s=120)
+            assert pod.probe("readinessProbe") == pod.probe("livenessProbe") == "SERVING"
+            annotations = pod.workload["spec"]["template"]["metadata"]["annotations"]
+            url = (f"http://{dl.LOOPBACK}:{pod.local_port(int(annotations['prometheus.io/port']))}"
+                   f"{annotations['prometheus.io/path']}")
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                assert f"kpoolpd_{role_of(pod)}_" in reply.read().decode()
+
+        settings = load_settings("decode", DECODE_OPTIONS, decode.argv[2:], description="decode", env=decode.env)
+        config = model_config(settings)
+        service = dm.find(objects, "Service", "kpool-pd-decode")
+        (service_port,) = [p["port"] for p in service["spec"]["ports"] if p["targetPort"] == "grpc"]
+        address = f"{dl.LOOPBACK}:{ports.service(service['metadata']['name'], service_port)}"
+
+        # The command-line client, as a user of the deployment runs it.
+        pd = _kpool_pd("generate", "--decode", address, "--token", token, *tls_flags, "--requests", "3",
+                       "--prompt-len", "37", "--max-tokens", "9", "--seed", "5", "--json")
+        assert pd.returncode == 0, pd.stderr + pd.stdout
+        got = _json_lines(pd.stdout)
+        assert got[-1]["summary"]["ok"] == 3, got[-1]
+        want = run_colocated(config, make_prompts(3, 37, seed=5, vocab_size=config.vocab_size, max_tokens=9))
+        assert [_digests(r) for r in got[:-1]] == [_digests(r.as_json()) for r in want]
+        assert all(r["transfer_bytes"] > 0 for r in got[:-1])
+
+        # Prompts of one token and on a block boundary and past it, through the client library.
+        requests = [r for n in (1, config.resolved_block_size, config.resolved_block_size + 1)
+                    for r in make_prompts(1, n, seed=n, vocab_size=config.vocab_size, max_tokens=7, prefix=f"len{n}")]
+        results = asyncio.run(generate_all(address, requests, token=token, tls=tls))
+        failed = [r for r in results if isinstance(r, RequestFailed)]
+        assert not failed, failed
+        want = run_colocated(config, requests)
+        assert [_digests(r.as_json()) for r in results] == [_digests(r.as_json()) for r in want]
+
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(model_info(address, tls=tls))
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        if tls is not None:  # a plaintext client, and a client without a certificate, get no connection
+            for other in (None, client_tls(ca=str(files["ca"]), server_name="kpool-pd-decode")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    asyncio.run(model_info(address, token=token, tls=other, timeout_s=5))
+                assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        started = time.monotonic()
+        statuses = {pod.pod_name: pod.stop() for pod in (decode, prefill)}
+        logs = "\n".join(f"--- {pod.pod_name}\n{pod.log_tail()}" for pod in (decode, prefill))
+    assert statuses == {decode.pod_name: 0, prefill.pod_name: 0}, logs
+    assert time.monotonic() - started < decode.pod_spec["terminationGracePeriodSeconds"]

@@ -1,0 +1,134 @@
+"""What each daemon reads in the cluster, through its own settings loader: the ConfigMap (every
+key read, none unread, the same model options on both roles), the bearer-token Secret, drain
+and grace periods, the metrics annotations, the transports and device per overlay, and the
+optional TLS Secret."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from runtime import MODEL_OPTIONS, SettingsError, load_settings, tls_config
+from tests import deploy_launch as dl
+from tests import deploy_manifests as dm
+from tests.deploy_daemons import (DAEMON_OPTIONS, EXTENDED_RESOURCES, TLS_MOUNT, TLS_SECRET, TOKEN_SECRET,
+                                   all_settings, role_of, secret_bytes, tls_secret, token_secret, variants)
+
+
+@variants
+def test_configmap_keys_read_by_the_daemons_exist_and_none_is_unread(variant, tmp_path):
+    objects = dm.render(variant)
+    (configmap,) = dm.of_kind(objects, "ConfigMap")
+    read: set[str] = set()
+    for workload in dm.workloads(objects):
+        spec = workload["spec"]["template"]["spec"]
+        for volume in spec.get("volumes", []):
+            if volume.get("configMap", {}).get("name") == configmap["metadata"]["name"]:
+                read |= {item["key"] for item in volume["configMap"]["items"]}
+        for container in dm.containers(workload):
+            for var in container.get("env", []):
+                ref = var.get("valueFrom", {}).get("configMapKeyRef")
+                if ref:
+                    assert ref["name"] == configmap["metadata"]["name"], var
+                    read.add(ref["key"])
+    assert read == set(configmap["data"]), f"read {sorted(read)}, ConfigMap has {sorted(configmap['data'])}"
+    # Every option in config.yaml is one the daemons know (their loader refuses unknown names),
+    # and both roles read the same model and cache options.
+    settings = all_settings(variant, tmp_path)
+    for option in MODEL_OPTIONS:
+        assert settings["prefill"][2][option.key] == settings["decode"][2][option.key], option.name
+    assert settings["decode"][2]["max_prompt_tokens"] <= settings["prefill"][2]["max_prompt_tokens"]
+
+
+@variants
+def test_secret_references_give_both_daemons_the_same_bearer_token(variant, tmp_path):
+    objects = dm.render(variant)
+    token = secrets.token_hex(16)
+    for workload in dm.workloads(objects):
+        pod = dl.LocalPod(objects, workload, None, tmp_path, extra_objects=[token_secret(token)])
+        refs = [v["valueFrom"]["secretKeyRef"] for v in pod.container["env"]
+                if "secretKeyRef" in v.get("valueFrom", {})]
+        assert refs == [{"name": TOKEN_SECRET, "key": "token"}], "the token Secret must be required, not optional"
+        role = role_of(pod)
+        assert load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)["token"] == token
+
+
+@variants
+def test_termination_grace_outlasts_the_drain_and_liveness_outlasts_the_grace(variant, tmp_path):
+    for role, (workload, container, settings) in all_settings(variant, tmp_path).items():
+        grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > settings["drain_s"] + 5, f"{role}: grace {grace} s, drain {settings['drain_s']} s"
+        liveness = container["livenessProbe"]
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] >= grace, role
+
+
+@variants
+def test_metrics_scraping_annotations_name_the_metrics_port(variant, tmp_path):
+    for role, (workload, container, settings) in all_settings(variant, tmp_path).items():
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/path"] == "/metrics"
+        assert int(annotations["prometheus.io/port"]) == settings["metrics_port"] \
+            == dm.container_port(container, "metrics")["containerPort"], role
+
+
+@variants
+def test_transport_choice_per_overlay(variant, tmp_path):
+    expected = {"cpu": ("auto", "auto"), "gpu": ("ucx,grpc", "ucx"), "rdma": ("ucx,grpc", "ucx")}[variant.overlay]
+    settings = all_settings(variant, tmp_path)
+    assert settings["prefill"][2]["transports"] == expected[0]
+    assert (settings["decode"][2]["transports"], settings["decode"][2]["transport"]) == expected
+    for workload, container, _ in settings.values():
+        env = {v["name"] for v in container.get("env", [])}
+        assert ("UCX_NET_DEVICES" in env) == (variant.overlay == "rdma")
+        spec = workload["spec"]["template"]["spec"]
+        host_network = "host-network" in variant.components
+        assert spec.get("hostNetwork", False) is host_network
+        assert spec.get("dnsPolicy", "ClusterFirst") == ("ClusterFirstWithHostNet" if host_network else "ClusterFirst")
+
+
+@variants
+def test_the_device_is_cuda_on_gpu_overlays(variant, tmp_path):
+    want = "cuda" if variant.overlay in EXTENDED_RESOURCES else "cpu"
+    for role, (_, container, settings) in all_settings(variant, tmp_path).items():
+        assert settings["device"] == want, role
+        (device,) = [v for v in container["env"] if v["name"] == "KPOOLPD_DEVICE"]
+        assert device["valueFrom"]["configMapKeyRef"]["key"] == "device", role
+
+
+@variants
+def test_tls_files_come_from_the_optional_secret(variant, tmp_path):
+    objects = dm.render(variant)
+    secret, _ = tls_secret(tmp_path / "pki")
+    tls_on = "tls" in variant.components
+    for workload in dm.workloads(objects):
+        spec = workload["spec"]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == TLS_SECRET]
+        assert volume["secret"]["optional"] is True, "pods must start without the TLS Secret"
+        (container,) = spec["containers"]
+        assert {m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume["name"]} == {TLS_MOUNT}
+        tls_env = {v["name"]: v["valueFrom"]["configMapKeyRef"]["key"] for v in container["env"]
+                   if v["name"].startswith("KPOOLPD_TLS_")}
+        assert {"KPOOLPD_TLS_CERT", "KPOOLPD_TLS_KEY", "KPOOLPD_TLS_CA",
+                "KPOOLPD_TLS_REQUIRE_CLIENT_AUTH"} <= set(tls_env)
+        for with_secret in (True, False):
+            extra = [token_secret("t" * 32), *([secret] if with_secret else [])]
+            pod = dl.LocalPod(objects, workload, None, tmp_path / f"{with_secret}", extra_objects=extra)
+            role = role_of(pod)
+            settings = load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)
+            if not tls_on:
+                assert tls_config(settings) is None, role
+                continue
+            # The ConfigMap names files of the mounted Secret (mapped to this machine's folder).
+            mount = pod.mounts[TLS_MOUNT]
+            for key, name in (("tls_cert", "tls.crt"), ("tls_key", "tls.key"), ("tls_ca", "ca.crt")):
+                assert settings[key] == str(mount / name), (role, key)
+            if with_secret:
+                tls = tls_config(settings)
+                assert tls.require_client_auth and tls.root_certs == secret_bytes(secret, "ca.crt")
+                if role == "decode":
+                    assert tls.server_name_override == "kpool-pd-prefill"
+            else:  # TLS asked for without the Secret: the daemon stops at start-up and says why
+                with pytest.raises(SettingsError, match="tls-cert .*tls.crt: cannot read it"):
+                    tls_config(settings)
