@@ -15,6 +15,7 @@ thread at a time may call it (the daemons call it from one worker thread).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -78,6 +79,19 @@ def output_digest(tokens: Sequence[int]) -> str:
     return hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in tokens)).hexdigest()
 
 
+def _on_pool_device(method):
+    """Run an Engine method with the pool's CUDA device current, so that every kernel launches on
+    the device its tensors live on, whichever thread calls (a thread's current device is cuda:0
+    until set, and a daemon steps its engine in worker threads)."""
+    @functools.wraps(method)
+    def run(self: "Engine", *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None) -> None:
         if pool.config != config.cache_config():
@@ -105,6 +119,7 @@ class Engine:
             write_mla(self.pool, layer, batch.block_table, request, batch.positions,
                       self.weights.mla_bytes(layer, batch.tokens, batch.positions))
 
+    @_on_pool_device
     def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
         """Run whole prompts (from position 0) into their blocks and rings; returns each prompt's
         first output token. ValueError for a token outside the vocabulary or too few blocks."""
@@ -118,6 +133,7 @@ class Engine:
         self._write(batch, self.family.prefill)
         return self._targets(batch)
 
+    @_on_pool_device
     def decode_step(self, sequences: Sequence[DecodeSequence]) -> list[list[int]]:
         """One step for every unfinished sequence; updates them in place and returns the tokens
         each emitted (at least one for every sequence that was not finished)."""
@@ -156,6 +172,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
 
     # state ------------------------------------------------------------------------------
+    @_on_pool_device
     def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str:
         """sha256 over a request's compressed entries (every complete pool or group, pool order,
         layer by layer), then its ring's open pool (position order, layer by layer), then the MLA

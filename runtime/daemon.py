@@ -119,6 +119,8 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(role, level=settings["log_level"], fmt=settings["log_format"])
     torch.set_num_threads(settings["torch_threads"])
+    if device.type == "cuda":  # what the event loop's thread launches (a repack, a copy) runs there too
+        torch.cuda.set_device(device)
     asyncio.run(serve(spec, settings, device=device, tls=tls, transports=transports))
     logging.shutdown()
     os._exit(0)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+import pytest
 
 
 def wait_for(predicate, timeout_s: float = 15.0, period_s: float = 0.1) -> bool:
@@ -13,3 +16,14 @@ def wait_for(predicate, timeout_s: float = 15.0, period_s: float = 0.1) -> bool:
             return True
         time.sleep(period_s)
     return predicate()
+
+
+async def until(predicate, what: str, timeout_s: float, period_s: float = 0.05) -> None:
+    """Await ``predicate()`` (a coroutine function) every ``period_s`` until it is true; fail the
+    test naming ``what`` when ``timeout_s`` passed first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s} s")
+        await asyncio.sleep(period_s)

@@ -21,6 +21,7 @@ from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import model_flags
+from tests.polling import until
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=4)
@@ -30,15 +31,6 @@ DEADLINE_S = 30.0
 async def _health(port: int) -> int:
     async with open_channel(f"127.0.0.1:{port}", None) as channel:
         return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
-
-
-async def _until(predicate, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not await predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"{what} did not happen within {DEADLINE_S} s")
-        await asyncio.sleep(0.05)
 
 
 def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path):
@@ -62,7 +54,7 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
                 async def not_serving() -> bool:
                     ports = (prefill.port, prefill.info["health_port"])
                     return all([await _health(p) != serving for p in ports])
-                await _until(not_serving, "NOT_SERVING on both ports")
+                await until(not_serving, "NOT_SERVING on both ports", DEADLINE_S)
                 with pytest.raises(StatusError) as refused:
                     await peer.prefill("late", [1, 2, 3])
                 assert refused.value.code is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.message
@@ -101,7 +93,7 @@ def test_a_prefill_node_restarted_on_the_same_address_is_reconnected(tmp_path):
 
         async def reconnected() -> bool:  # a second handshake, with the new process
             return decode.log_tail(400).count("connected to prefill node") >= 2
-        asyncio.run(_until(reconnected, "a new handshake with the restarted node"))
+        asyncio.run(until(reconnected, "a new handshake with the restarted node", DEADLINE_S))
         requests = make_prompts(3, 30, seed=2, vocab_size=CONFIG.vocab_size, max_tokens=6, prefix="after")
         results = asyncio.run(generate_all(address, requests))
         assert not [r for r in results if isinstance(r, RequestFailed)], results

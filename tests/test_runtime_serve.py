@@ -25,6 +25,7 @@ from connector import Transport, open_channel
 from kvcache import BlockAllocator, RingAllocator
 from runtime import (TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
                      service_options)
+from tests.polling import until
 
 OPTIONS = (*service_options(grpc_port=50051, metrics_port=9401), *TLS_OPTIONS)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -99,15 +100,6 @@ def _serve(spec: DaemonSpec, settings: dict) -> asyncio.Task:
                                      transports=Transports(offered=(Transport.GRPC_STREAM,))))
 
 
-async def _until(predicate, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not await predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"{what} did not happen within {DEADLINE_S} s")
-        await asyncio.sleep(0.02)
-
-
 async def _health(port: int) -> int:
     async with open_channel(f"127.0.0.1:{port}", None) as channel:
         return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
@@ -129,7 +121,7 @@ def test_serve_runs_the_steps_in_order_and_drains_until_idle(tmp_path, caplog):
         async def is_ready() -> bool:
             assert not task.done(), task.exception()
             return ready.exists()
-        await _until(is_ready, "the ready file")
+        await until(is_ready, "the ready file", DEADLINE_S)
         info = json.loads(ready.read_text())
         node = nodes[0]
         node.grpc_port = info["grpc_port"]
@@ -141,7 +133,7 @@ def test_serve_runs_the_steps_in_order_and_drains_until_idle(tmp_path, caplog):
 
         async def not_serving() -> bool:
             return await _health(info["health_port"]) == NOT_SERVING
-        await _until(not_serving, "NOT_SERVING after SIGTERM")
+        await until(not_serving, "NOT_SERVING after SIGTERM", DEADLINE_S)
         assert node.events[-1] == "drain"
         assert await _health(info["grpc_port"]) == NOT_SERVING  # still answering while draining
         await asyncio.sleep(0.3)
@@ -177,7 +169,7 @@ def test_a_drain_that_runs_out_of_time_warns_and_stops(tmp_path, caplog):
 
         async def is_ready() -> bool:
             return (tmp_path / "ready.json").exists()
-        await _until(is_ready, "the ready file")
+        await until(is_ready, "the ready file", DEADLINE_S)
         loop = asyncio.get_running_loop()
         started = loop.time()
         os.kill(os.getpid(), signal.SIGTERM)

@@ -26,7 +26,7 @@ mkdir -p "$OUT/bench" "$OUT/transfer"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 # GPU_TESTS narrows the tests (default: tests/gpu and the gpu-marked QSA tests); BENCH_ONLY the bench cases.
 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu tests/test_qsa_*.py} \
-  -p no:cacheprovider -rs 2>&1 | tee -a "$OUT/pytest_gpu.log"
+  -p no:cacheprovider -rA 2>&1 | tee -a "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
