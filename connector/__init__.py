@@ -9,13 +9,14 @@ are the connector's own.
 - Decode side: ``DecodeConnector`` handshakes with prefill nodes (``PrefillPeer``) and pulls a
   ``PrefillGrant`` into a ``LandedRequest``, which owns every block the pull reserved until released.
 - Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``) and
-  ``TlsConfig``, ``Transport`` (``ucx_available``), ``StatusError`` (a gRPC status and a message),
-  ``open_channel`` and the bearer-token helpers.
+  ``TlsConfig``, ``Transport`` (``ucx_available``; ``bind_ucx_options`` keeps UCX on a daemon's
+  host), ``StatusError`` (a gRPC status and a message),
+  ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token).
 - ``prefill_api``: the PrefillService wire format, for tests and tools that speak it directly.
 """
 
 from connector import prefill_api
-from connector.auth import BearerTokenInterceptor, auth_metadata
+from connector.auth import BearerTokenInterceptor, Credential, auth_metadata
 from connector.channels import open_channel
 from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
 from connector.decode import DecodeConnector
@@ -25,11 +26,12 @@ from connector.landed import LandedRequest, PrefillGrant
 from connector.peer import PrefillPeer
 from connector.prefill import PrefillConnector
 from connector.ucx import ucx_available
+from connector.ucx_host import bind_ucx_options
 from connector.wire import Transport
 
 __all__ = [
-    "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "DecodeConnector", "EngineUnavailable",
+    "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "StatusError", "TlsConfig", "Transport", "UCX_NO_SHARED_MEMORY",
-    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "open_channel", "prefill_api", "ucx_available",
+    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "open_channel", "prefill_api", "ucx_available",
 ]

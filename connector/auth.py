@@ -1,33 +1,87 @@
-"""Bearer-token check on every RPC of the server (the health service excepted, so that
-orchestrator probes need no secret), and the client's matching metadata."""
+"""Bearer tokens: the two credentials of a deployment, the server's check and the caller's metadata.
+
+A deployment has two credentials, never one:
+
+- the **client** token (``--token``) guards a decode node's public Generate API;
+- the **peer** token (``--peer-token``) guards a prefill node's internal PrefillService, which
+  decode nodes call. (With mTLS a prefill node may rely on client certificates alone.)
+
+Each service a server registers says which one it requires; a token of the other kind is refused
+like a wrong one (UNAUTHENTICATED). grpc.health.v1 needs none, so that orchestrator probes need no
+secret; any other service the server carries (reflection) takes any token the server requires.
+The scheme ``Bearer`` is matched case-insensitively (RFC 7235); the token exactly, in constant time.
+"""
 
 from __future__ import annotations
 
+import enum
 import hmac
+from collections.abc import Mapping
 
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+SCHEME = "bearer"
+
+
+class Credential(enum.Enum):
+    """Which token a service requires; the value names the daemon option that sets it."""
+
+    CLIENT = "token"  # callers of a decode node's Generate API
+    PEER = "peer-token"  # kpool-pd nodes calling each other: a decode node calling a prefill node
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata a caller sends with ``token`` (none for None or empty)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED unless ``authorization: Bearer <token>`` matches (constant time)."""
+def presented_token(metadata) -> str | None:
+    """The token of the first ``authorization`` entry when its scheme is Bearer (any case), else None."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            if not isinstance(value, str):
+                return None
+            scheme, _, token = value.strip().partition(" ")
+            return token.strip() if scheme.lower() == SCHEME and token.strip() else None
+    return None
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED unless the call presents the token its service requires.
+
+    ``required`` maps a full service name (``"kpoolpd.v1.PrefillService"``) to its credential and
+    token; a service not in it (reflection) accepts any of those tokens; health is always open.
+    The interceptor reads ``required`` at each call, so a server may fill it until it starts."""
+
+    def __init__(self, required: Mapping[str, tuple[Credential, str]]) -> None:
+        self._required = required
+
+    def _expected(self, method: str) -> tuple[Credential | None, list[bytes]]:
+        service = method.lstrip("/").rpartition("/")[0]
+        if service in self._required:
+            credential, token = self._required[service]
+            return credential, [token.encode()]
+        return None, sorted({token.encode() for _, token in self._required.values()})
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        method = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
-        presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
+        credential, expected = self._expected(method)
+        if not expected:
             return handler
-        reason = "missing bearer token" if not presented else "wrong bearer token"
+        presented = presented_token(handler_call_details.invocation_metadata)
+        if presented is not None:
+            given = presented.encode()
+            matched = False
+            for token in expected:  # no early exit: the time does not say which token was close
+                matched |= hmac.compare_digest(given, token)
+            if matched:
+                return handler
+        needed = f" (this service needs the {credential.value})" if credential is not None else ""
+        reason = f"missing bearer token{needed}" if presented is None else f"wrong bearer token{needed}"
         return _refusal(handler, reason)
 
 

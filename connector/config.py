@@ -1,4 +1,4 @@
-"""Connector settings: leases, limits, deadlines, auth and TLS. Frozen; change with ``dataclasses.replace``."""
+"""Connector settings: leases, limits, deadlines, the peer credential and TLS. Frozen; change with ``dataclasses.replace``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ class ConnectorConfig:
       fatal when endpoint error handling is off. Use it only where a node's processes fail
       together.
 
+    ``peer_token`` is the peer credential (DESIGN section 5): a prefill node's PrefillService
+    requires it on every call (the daemon's server checks it), and a decode node sends it on every
+    call to prefill nodes. It is never the client token of a decode node's Generate API, which is
+    the daemon's business, not the connector's. None: no token (plaintext loopback, or mTLS
+    client certificates as the peer identity).
+
     Environment variables win over these options: an operator's ``UCX_TLS`` (or any
     ``UCX_<KEY>`` for a key set here) replaces the connector's value, and the variables UCX reads
     that are not set here (``UCX_NET_DEVICES``, ``UCX_IB_GID_INDEX``, ...) apply as usual, so a
@@ -69,7 +75,7 @@ class ConnectorConfig:
     """
 
     lease_s: float = 30.0
-    bearer_token: str | None = None
+    peer_token: str | None = None
     tls: TlsConfig | None = None
     max_prompt_tokens: int = 131072
     max_grants: int = 4096
@@ -91,8 +97,9 @@ class ConnectorConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.chunk_bytes + 64 * 1024 > self.max_message_bytes:
             raise ValueError(f"chunk_bytes {self.chunk_bytes} must leave 64 KiB of room under max_message_bytes {self.max_message_bytes}")
-        if self.bearer_token is not None and not self.bearer_token:
-            raise ValueError("bearer_token must be None (no auth) or a non-empty string")
+        if self.peer_token is not None and (not isinstance(self.peer_token, str) or not self.peer_token.strip()
+                                            or self.peer_token != self.peer_token.strip()):
+            raise ValueError("peer_token must be None (no token) or a non-empty string without surrounding spaces")
         if self.heartbeat_s is not None and not 0 < self.heartbeat_s < self.lease_s:
             raise ValueError(f"heartbeat_s {self.heartbeat_s} must be in (0, lease_s={self.lease_s})")
 

@@ -8,6 +8,8 @@ every failure is a ``StatusError`` carrying a gRPC status code, and leaves nothi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -16,12 +18,12 @@ from prometheus_client import CollectorRegistry
 from connector import prefill_api as pb
 from connector.auth import auth_metadata
 from connector.channels import open_channel
-from connector.compat import peer_layout
+from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.config import ConnectorConfig
 from connector.errors import StatusError, rpc_failure
 from connector.metrics import ConnectorMetrics
 from connector.peer import PrefillPeer
-from connector.ucx import UcxNode
+from connector.ucx import NOT_ENCRYPTED, UcxNode
 from connector.wire import Transport, layout_message
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
@@ -37,20 +39,27 @@ class DecodeConnector:
 
     def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, *, engine_id: str,
                  config: ConnectorConfig, registry: CollectorRegistry,
-                 transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM)) -> None:
+                 transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM),
+                 model_identity: str = "") -> None:
+        if not isinstance(model_identity, str) or len(model_identity) > MAX_MODEL_IDENTITY_CHARS:
+            raise ValueError(f"model_identity must be a string of at most {MAX_MODEL_IDENTITY_CHARS} characters")
         self.pool, self.blocks, self.rings = pool, blocks, rings
         self.engine_id = engine_id
+        self.model_identity = model_identity
         self.config = config
         self.transports = tuple(transports)
         self.metrics = ConnectorMetrics(registry, "decode")
         self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
         self.ucx: UcxNode | None = None
         self._peers: list[PrefillPeer] = []
+        self._keepalives: set[asyncio.Task] = set()
 
     async def start(self) -> "DecodeConnector":
         """Make the UCX worker when UCX is among ``transports`` (idempotent); returns self."""
         if Transport.UCX in self.transports and self.ucx is None:
             self.ucx = UcxNode(self.config.ucx_options)
+            if self.config.tls is not None:
+                logger.warning(NOT_ENCRYPTED)
         return self
 
     @property
@@ -59,30 +68,67 @@ class DecodeConnector:
         return tuple(self._peers)
 
     async def connect(self, address: str) -> PrefillPeer:
-        """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION (naming the
-        differing layout fields) when the layouts differ in more than ``order``; UNAUTHENTICATED
-        without the right token. Each call opens a new channel: a caller that handshakes again
-        with the same node calls ``disconnect`` first."""
+        """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION when the layouts
+        differ in more than ``order`` (naming the fields) or the model identities differ (naming
+        what differs); UNAUTHENTICATED without the right token; INVALID_ARGUMENT or UNAVAILABLE
+        when the prefill node refuses or cannot reach our UCX worker address. Each call opens a new
+        channel: a caller that handshakes again with the same node calls ``disconnect`` first.
+
+        The peer is kept alive: a Heartbeat without grants every lease of the prefill node, and a
+        new Handshake on the same channel when the prefill node says it forgot this engine (after a
+        long silence); this ends when the peer is closed."""
         channel = open_channel(address, self.config.tls, self.config.grpc_options())
         req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
                                   transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
-                                  ucx_worker_address=self.ucx.address if self.ucx else b"")
+                                  ucx_worker_address=self.ucx.address if self.ucx else b"",
+                                  model_identity=self.model_identity)
+        stub = pb.PrefillServiceStub(channel)
         try:
-            r = await pb.PrefillServiceStub(channel).Handshake(
-                req, timeout=self.config.rpc_timeout_s, metadata=auth_metadata(self.config.bearer_token))
+            r = await stub.Handshake(req, timeout=self.config.rpc_timeout_s,
+                                     metadata=auth_metadata(self.config.peer_token))
         except grpc.aio.AioRpcError as exc:
             await channel.close()
             self.metrics.failures.labels(exc.code().name.lower()).inc()
             raise rpc_failure(exc, f"Handshake with {address}") from None
         layout, differing = peer_layout(self.pool.layout, r.layout)
-        if layout is None:
+        model = model_differences(self.model_identity, r.model_identity)
+        if layout is None or model:
             await channel.close()
-            self.metrics.failures.labels("layout_mismatch").inc()
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"Handshake with {address}: cache layout of prefill node {r.engine_id} differs: fields {differing}")
+            self.metrics.failures.labels("layout_mismatch" if layout is None else "model_mismatch").inc()
+            what = (f"cache layout of prefill node {r.engine_id} differs: fields {differing}" if layout is None else
+                    f"model differs (this engine vs prefill node {r.engine_id}): {'; '.join(model)}")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"Handshake with {address}: {what}")
         peer = PrefillPeer(self, address, channel, r, layout)
         self._peers.append(peer)
+        task = asyncio.create_task(self._keep_alive(peer, stub, req, r.lease_ms / 1000 or self.config.lease_s),
+                                   name=f"keepalive-{address}")
+        self._keepalives.add(task)
+        task.add_done_callback(self._keepalives.discard)
         return peer
+
+    async def _keep_alive(self, peer: PrefillPeer, stub: pb.PrefillServiceStub, handshake: pb.HandshakeRequest,
+                          period_s: float) -> None:
+        """Until ``peer`` is closed: every ``period_s`` a Heartbeat without grants (the prefill node
+        forgets engines it does not hear from), and a new Handshake when it answers that it does not
+        know this engine. Failures are left to the router's health checks and the calls' own errors."""
+        md = auth_metadata(self.config.peer_token)
+        while not peer.closed:
+            await asyncio.sleep(period_s)
+            if peer.closed:
+                return
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                try:
+                    r = await stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.engine_id),
+                                             timeout=self.config.rpc_timeout_s, metadata=md)
+                    unknown = r.engine_unknown
+                except grpc.aio.AioRpcError as exc:  # a node that refuses unknown engines outright
+                    if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    unknown = True
+                if unknown and not peer.closed:
+                    logger.info("prefill node %s does not know engine %s (any more); handshaking again",
+                                peer.address, self.engine_id)
+                    await stub.Handshake(handshake, timeout=self.config.rpc_timeout_s, metadata=md)
 
     async def disconnect(self, peer_or_address: PrefillPeer | str) -> int:
         """Forget a peer, or every peer connected to an address: close its channel (pulls in
@@ -106,6 +152,9 @@ class DecodeConnector:
     async def close(self) -> None:
         """At shutdown: close every peer's channel (calls in flight on them fail) and the UCX
         worker. Requests already landed keep their blocks until released."""
+        for task in list(self._keepalives):
+            task.cancel()
+        await asyncio.gather(*self._keepalives, return_exceptions=True)
         for peer in self._peers:
             await peer.close()
         self._peers.clear()

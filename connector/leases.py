@@ -11,8 +11,12 @@ from connector.plan import RingRange
 
 @dataclass(kw_only=True, eq=False)
 class Grant:
+    """A prefilled request's blocks held for ``engine_id``, the decode engine that asked for them:
+    only it may pull, release or renew them."""
+
     grant_id: str
     request_id: str
+    engine_id: str
     block_ids: tuple[int, ...]
     ring_id: int
     prompt_len: int
@@ -60,8 +64,11 @@ class LeaseTable:
     def pop(self, grant_id: str) -> Grant | None:
         return self._grants.pop(grant_id, None)
 
-    def active_request(self, request_id: str) -> bool:
-        return any(g.request_id == request_id and not g.release_requested for g in self._grants.values())
+    def active_request(self, request_id: str, engine_id: str) -> bool:
+        """Whether ``engine_id`` holds an unreleased grant for ``request_id`` (request ids are a decode
+        engine's own: another engine's request of the same id is no conflict, and no answer says it exists)."""
+        return any(g.request_id == request_id and g.engine_id == engine_id and not g.release_requested
+                   for g in self._grants.values())
 
     def take_expired(self) -> list[Grant]:
         """Remove and return the grants that are expired (or released) and no longer read."""

@@ -25,11 +25,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RELEASE_SOON_TIMEOUT_S = 2.0  # deadline of a background Release (``release_soon``), at most rpc_timeout_s
+
 
 class PrefillPeer:
     """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``;
     closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the peer's block
-    layout: ours, or ours in the other ``order`` (then ``repacks`` is True)."""
+    layout: ours, or ours in the other ``order`` (then ``repacks`` is True).
+
+    A caller cancelled while it waits on this node leaves the node no grant to expire: a Prefill
+    is cancelled (or, if it was granted already, its grant released); a pull frees what it
+    allocated and releases its grant in the background (``release_soon``)."""
 
     def __init__(self, connector: "DecodeConnector", address: str, channel: grpc.aio.Channel,
                  response: pb.HandshakeResponse, layout: BlockLayout) -> None:
@@ -42,8 +48,9 @@ class PrefillPeer:
         self.transports = tuple(Transport(t) for t in response.transports if t in {x.value for x in Transport})
         self._channel = channel
         self._stub = pb.PrefillServiceStub(channel)
-        self._calls = 0  # Prefill and Pull calls in flight
+        self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
+        self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
 
     @property
     def busy(self) -> bool:
@@ -63,7 +70,7 @@ class PrefillPeer:
 
     @property
     def _md(self):
-        return auth_metadata(self.connector.config.bearer_token)
+        return auth_metadata(self.connector.config.peer_token)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -72,25 +79,75 @@ class PrefillPeer:
     # control calls ---------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_token_ids) -> PrefillGrant:
         """Run the prompt on the prefill node; the grant holds its blocks there under lease until
-        pulled and released. StatusError with the node's status (within ``rpc_timeout_s``)."""
-        req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids))
+        pulled and released. StatusError with the node's status (within ``rpc_timeout_s``).
+
+        Cancelling the caller cancels the call (the node stops the prefill and frees its blocks);
+        if the answer had already come, the grant it names is released at once in the background,
+        so that no grant nobody knows of holds the node's blocks until its lease runs out. (An
+        answer still on the wire when the cancel leaves is lost; its lease frees it.)"""
+        req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                engine_id=self.connector.engine_id)
         self._check_open(f"Prefill of {request_id}")
+        call = asyncio.ensure_future(self._prefill_call(req))
         try:
-            with self._call():
-                r = await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_failure(exc, f"Prefill of {request_id} on {self.address}") from None
+            r = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.cancel()  # no-op when the answer is already here: then its grant is released
+            self._background.add(call)
+            call.add_done_callback(self._release_abandoned)
+            raise
         self._open_grants[r.grant_id] = time.monotonic() + r.lease_ms / 1000
         return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
                             ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000)
+
+    async def _prefill_call(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
+        try:
+            with self._call():
+                return await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_failure(exc, f"Prefill of {req.request_id} on {self.address}") from None
+
+    def _release_abandoned(self, call: asyncio.Task) -> None:
+        """Done-callback of a Prefill whose caller was cancelled: release the grant it returned, if any."""
+        self._background.discard(call)
+        if call.cancelled() or call.exception() is not None:
+            return  # no grant: the call was cancelled in time, or failed
+        grant_id = call.result().grant_id
+        logger.info("prefill of %s was granted as its caller left; releasing grant %s",
+                    call.result().request_id, grant_id)
+        self.release_soon(grant_id)
+
+    def release_soon(self, grant_id: str, *, timeout_s: float = RELEASE_SOON_TIMEOUT_S) -> asyncio.Task:
+        """Release ``grant_id`` in a task the peer keeps, and return that task; never blocks nor
+        raises. Best effort: a failure, or no answer within ``timeout_s`` (at most
+        ``rpc_timeout_s``), is logged and the lease frees the grant. For callers that cannot wait
+        (they were cancelled) or need not (a failure path); awaiting ``asyncio.shield`` of the task
+        waits for the answer without cancelling the Release if the waiter is cancelled. The peer
+        stays ``busy`` until the task ends; ``close`` cancels it."""
+        self._open_grants.pop(grant_id, None)
+        timeout_s = min(timeout_s, self.connector.config.rpc_timeout_s)
+        task = asyncio.ensure_future(self._release_quietly(grant_id, timeout_s))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _release_quietly(self, grant_id: str, timeout_s: float) -> None:
+        with self._call():
+            try:
+                await asyncio.wait_for(self.release(grant_id), timeout_s)
+            except StatusError as exc:
+                logger.warning("release of %s failed (%s); its lease will free it", grant_id, exc)
+            except asyncio.TimeoutError:
+                logger.warning("release of %s got no answer within %.1f s; its lease will free it", grant_id,
+                               timeout_s)
 
     async def release(self, grant_id: str) -> bool:
         """Idempotent: False when the grant was already released or expired."""
         self._open_grants.pop(grant_id, None)
         self._check_open(f"Release of {grant_id}")
         try:
-            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id), timeout=self.connector.config.rpc_timeout_s,
-                                         metadata=self._md)
+            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.connector.engine_id),
+                                         timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
         return r.released
@@ -121,9 +178,12 @@ class PrefillPeer:
         The returned LandedRequest owns every block it allocated, the ones reserved for later
         tokens included, until its ``release()``. On any failure the whole allocation is freed and
         StatusError raised, within ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the
-        allocation-free Release); cancelling the call frees it too. ValueError (nothing taken) for a
-        negative or non-integer ``reserve_blocks``. Called from the connector's event loop, any
-        number at once."""
+        allocation-free Release); the grant is then the caller's to release. Cancelling the call
+        frees the allocation too (the landed request, when cancelled during the Release) and,
+        unless ``release`` is False, gives the grant back at once: the Release is sent (or goes
+        on) in the background, so the prefill node frees its blocks now rather than at lease
+        expiry. ValueError (nothing taken) for a negative or non-integer ``reserve_blocks``.
+        Called from the connector's event loop, any number at once."""
         if reserve_blocks is not None and (type(reserve_blocks) is not int or reserve_blocks < 0):
             raise ValueError(f"reserve_blocks must be None or an integer >= 0, got {reserve_blocks!r}")
         with self._call():
@@ -166,6 +226,8 @@ class PrefillPeer:
             allocation.free()
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
             c.metrics.failures.labels(cause).inc()
+            if release and isinstance(exc, asyncio.CancelledError):
+                self.release_soon(grant.grant_id)
             if isinstance(exc, asyncio.TimeoutError):
                 raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pull of {grant.request_id} from {self.address} "
                                   f"did not finish in {c.config.transfer_timeout_s} s") from None
@@ -177,10 +239,8 @@ class PrefillPeer:
         landed = LandedRequest(grant, allocation, transport=transport, nbytes=plan.total_bytes, regions=len(plan),
                                seconds=seconds, repacked=self.repacks)
         if release:
-            try:
-                await self.release(grant.grant_id)
-            except StatusError as exc:  # the lease frees it; the data has landed
-                logger.warning("release of %s failed (%s); its lease will free it", grant.grant_id, exc)
+            try:  # a failed Release is logged (the lease frees it): the data has landed
+                await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s))
             except BaseException:  # cancelled while releasing: no caller will own the landed request
                 landed.release()
                 raise
@@ -201,8 +261,11 @@ class PrefillPeer:
                                  metrics=c.metrics).run()
 
     async def close(self) -> None:
-        """Close the channel (idempotent); calls in flight on it fail with CANCELLED."""
+        """Close the channel (idempotent); calls in flight on it fail with CANCELLED, background
+        ones (``release_soon``, abandoned Prefills) are cancelled."""
         self.closed = True
+        for task in list(self._background):
+            task.cancel()
         await self._channel.close()
 
     def __repr__(self) -> str:

@@ -8,7 +8,21 @@ closes UCX (also an async context manager). All state lives on the event loop th
 ``start``; the engine is awaited there.
 
 A node accepts a decode node whose layout differs from its own only in ``order``: it sends its
-blocks as they are and the decode node converts them (see ``connector.compat``).
+blocks as they are and the decode node converts them (see ``connector.compat``). It refuses one
+whose model identity differs (``model_identity``, given by the daemon).
+
+A Handshake checks everything it is given before it changes anything: a refused one leaves the
+engine's earlier state (its transports, UCX worker address and endpoint) as it was. A UCX worker
+address reaches UCX in this process only after ``UcxNode.vet`` (its bytes checked, then a first
+endpoint made in a child process). A decode engine not heard from (Handshake, Prefill, Pull,
+Heartbeat) for ``FORGET_AFTER_LEASES`` leases, or ``FORGET_AFTER_FAILED_SEND_LEASES`` after a UCX
+send to it failed, is forgotten with its UCX address and endpoint; Heartbeat tells a forgotten
+engine (``engine_unknown``), which then handshakes again (``DecodeConnector`` does).
+
+The server requires the peer credential on every RPC (``credential``). A grant belongs to the
+handshaken decode engine whose Prefill made it (``PrefillRequest.engine_id``): Pull, Release and
+Heartbeat naming another engine's grant answer PERMISSION_DENIED and touch nothing (no byte sent,
+no lease renewed or released).
 """
 
 from __future__ import annotations
@@ -23,20 +37,25 @@ from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
 from connector import regions
-from connector.compat import peer_layout
+from connector.auth import Credential
+from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.config import ConnectorConfig
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput
 from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
 from connector.plan import plan_transfer, ring_live_range
-from connector.ucx import MAX_REGIONS, UcxNode
+from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode, UcxSendError, UcxUnreachableError
+from connector.ucx_address import WorkerAddressError
 from connector.wire import Transport, layout_message, ring_message
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
+FORGET_AFTER_LEASES = 10  # a decode engine silent this many leases is forgotten (a live one heartbeats every lease)
+FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
+VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
 
 
 class PrefillConnector(pb.PrefillServiceServicer):
@@ -44,7 +63,10 @@ class PrefillConnector(pb.PrefillServiceServicer):
 
     def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, engine: PrefillEngine, *,
                  engine_id: str, config: ConnectorConfig, registry: CollectorRegistry,
-                 transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM)) -> None:
+                 transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM),
+                 model_identity: str = "") -> None:
+        if not isinstance(model_identity, str) or len(model_identity) > MAX_MODEL_IDENTITY_CHARS:
+            raise ValueError(f"model_identity must be a string of at most {MAX_MODEL_IDENTITY_CHARS} characters")
         if blocks.num_blocks != pool.num_blocks or rings.num_rings != pool.num_rings:
             raise ValueError(f"allocators ({blocks.num_blocks} blocks, {rings.num_rings} rings) do not match the pool "
                              f"({pool.num_blocks} blocks, {pool.num_rings} rings)")
@@ -58,12 +80,15 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self.metrics = ConnectorMetrics(registry, "prefill")
         self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
         self.leases = LeaseTable(config.lease_s)
+        self.model_identity = model_identity
         self._peers: dict[str, tuple[Transport, ...]] = {}
+        self._heard: dict[str, float] = {}  # handshaken engine -> when it last called (monotonic)
         self._ucx: UcxNode | None = None
         self._reaper: asyncio.Task | None = None
 
     # lifecycle ---------------------------------------------------------------------------
     service_name = pb.SERVICE_NAME
+    credential = Credential.PEER  # decode nodes' token, never a client's
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the PrefillService on ``server`` (the daemon's, which owns auth, TLS and health)."""
@@ -74,6 +99,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
         event loop that will serve the RPCs, before the server starts. Idempotent."""
         if Transport.UCX in self.transports and self._ucx is None:
             self._ucx = UcxNode(self.config.ucx_options)
+            self._ucx.start_vetting()
+            if self.config.tls is not None:
+                logger.warning(NOT_ENCRYPTED)
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
         logger.info("prefill connector %s started (%s)", self.engine_id, ", ".join(t.label for t in self.transports))
@@ -93,6 +121,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         for grant in self.leases.pop_all():
             self._free(grant)
         if self._ucx is not None:
+            await self._ucx.stop_vetting()
             self._ucx.close()
             self._ucx = None
 
@@ -126,39 +155,99 @@ class PrefillConnector(pb.PrefillServiceServicer):
         while True:
             await asyncio.sleep(period)
             self.reap()
+            self.forget_silent()
+
+    # decode engines ----------------------------------------------------------------------
+    def _heard_from(self, engine_id: str) -> None:
+        """Note a call from a handshaken engine (unknown ones are not tracked)."""
+        if engine_id in self._peers:
+            self._heard[engine_id] = time.monotonic()
+
+    def forget_silent(self, now: float | None = None) -> list[str]:
+        """Forget the handshaken engines not heard from for ``FORGET_AFTER_LEASES`` leases, or for
+        ``FORGET_AFTER_FAILED_SEND_LEASES`` when the last UCX send to them failed: their transports,
+        UCX worker address and endpoint. The reaper calls it; ``now`` (``time.monotonic()``) is for
+        tests. Returns the engines forgotten."""
+        now = time.monotonic() if now is None else now
+        gone = []
+        for engine_id in list(self._peers):
+            heard = self._heard.get(engine_id, now)
+            failed = self._ucx.send_failed_at(engine_id) if self._ucx is not None else None
+            leases = FORGET_AFTER_FAILED_SEND_LEASES if failed is not None else FORGET_AFTER_LEASES
+            if now - heard >= leases * self.config.lease_s:
+                gone.append(engine_id)
+                self._forget(engine_id, f"not heard from for {now - heard:.1f} s"
+                             + (" after a failed UCX send" if failed is not None else ""))
+        return gone
+
+    def _forget(self, engine_id: str, why: str) -> None:
+        self._peers.pop(engine_id, None)
+        self._heard.pop(engine_id, None)
+        if self._ucx is not None:
+            self._ucx.forget(engine_id)
+        logger.info("forgetting decode engine %s (%s); it must handshake again", engine_id, why)
 
     # RPCs --------------------------------------------------------------------------------
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
-        if not request.engine_id or len(request.engine_id) > MAX_ID_CHARS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine_id must have 1 to {MAX_ID_CHARS} characters")
+        """Check the decode engine's id, layout, model and UCX worker address, then (only if all
+        pass) record it. INVALID_ARGUMENT for a malformed id or address, FAILED_PRECONDITION for a
+        layout or model mismatch, UNAVAILABLE when UCX cannot reach the address; a refusal is logged
+        as a warning and changes nothing about the engine."""
+        engine_id = request.engine_id
+        if not engine_id or len(engine_id) > MAX_ID_CHARS:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_engine_id", engine_id[:MAX_ID_CHARS],
+                               f"engine_id must have 1 to {MAX_ID_CHARS} characters")
         theirs, differing = peer_layout(self.layout, request.layout)
         if theirs is None:
-            self.metrics.failures.labels("layout_mismatch").inc()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"cache layout differs from prefill node {self.engine_id}: fields {differing}")
-        if differing:
-            logger.info("engine %s stores blocks in %s order, this node in %s; it converts what it pulls",
-                        request.engine_id, theirs.config.order.value, self.layout.config.order.value)
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "layout_mismatch", engine_id,
+                               f"cache layout differs from prefill node {self.engine_id}: fields {differing}")
+        if len(request.model_identity) > MAX_MODEL_IDENTITY_CHARS:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_model_identity", engine_id,
+                               f"model_identity has {len(request.model_identity)} characters "
+                               f"(limit {MAX_MODEL_IDENTITY_CHARS})")
+        model = model_differences(self.model_identity, request.model_identity)
+        if model:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch", engine_id,
+                               f"model differs (prefill node {self.engine_id} vs engine {engine_id}): {'; '.join(model)}")
         offered = tuple(Transport(t) for t in request.transports if t in {x.value for x in Transport})
         if Transport.UCX in offered and self._ucx is not None:
-            if not request.ucx_worker_address:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UCX offered without a ucx_worker_address")
-            self._ucx.remember(request.engine_id, request.ucx_worker_address)
-            try:  # reach the decode node's worker now, so that an unreachable one fails the Handshake
-                await asyncio.wait_for(self._ucx.endpoint(request.engine_id), self.config.rpc_timeout_s)
-            except Exception as exc:
-                self._ucx.forget(request.engine_id)
-                self.metrics.failures.labels("ucx_unreachable").inc()
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"cannot make a UCX endpoint to engine {request.engine_id}: {type(exc).__name__}: {exc}")
-        self._peers[request.engine_id] = offered
+            await self._reach(context, engine_id, request.ucx_worker_address)
+        if differing:
+            logger.info("engine %s stores blocks in %s order, this node in %s; it converts what it pulls",
+                        engine_id, theirs.config.order.value, self.layout.config.order.value)
+        self._peers[engine_id] = offered
+        self._heard_from(engine_id)
         return pb.HandshakeResponse(
             engine_id=self.engine_id, layout=layout_message(self.layout),
             transports=[t.value for t in self.transports],
             ucx_worker_address=self._ucx.address if self._ucx is not None else b"",
             lease_ms=int(self.config.lease_s * 1000), max_prompt_tokens=self.config.max_prompt_tokens,
-            chunk_bytes=self.config.chunk_bytes,
+            chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity,
         )
+
+    async def _reach(self, context, engine_id: str, address: bytes) -> None:
+        """Vet ``address`` and make the UCX endpoint to it, which becomes ``engine_id``'s only when
+        made; aborts the Handshake otherwise (the engine's earlier endpoint and address untouched)."""
+        if not address:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "ucx_address", engine_id,
+                               "UCX offered without a ucx_worker_address")
+        started = time.monotonic()
+        try:
+            await self._ucx.vet(address, VET_SHARE * self.config.rpc_timeout_s)
+            left = max(self.config.rpc_timeout_s - (time.monotonic() - started), 0.1)
+            await asyncio.wait_for(self._ucx.connect(engine_id, address), left)
+        except WorkerAddressError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "ucx_address", engine_id,
+                               f"ucx_worker_address refused: {exc}")
+        except Exception as exc:  # UcxUnreachableError, a time-out, or UCX's own error
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "ucx_unreachable", engine_id,
+                               f"cannot make a UCX endpoint to engine {engine_id}: {type(exc).__name__}: {exc}")
+
+    async def _refuse(self, context, code: grpc.StatusCode, cause: str, engine_id: str, message: str) -> None:
+        """Count, log (a warning naming the engine and why) and abort a Handshake."""
+        self.metrics.failures.labels(cause).inc()
+        logger.warning("handshake of engine %r refused (%s): %s", engine_id, code.name, message)
+        await context.abort(code, message)
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         n = len(request.prompt_token_ids)
@@ -167,10 +256,14 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if not 1 <= n <= self.config.max_prompt_tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {n} tokens; must have 1 to {self.config.max_prompt_tokens}")
+        if request.engine_id not in self._peers:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"engine {request.engine_id[:MAX_ID_CHARS]!r} has not handshaken")
+        self._heard_from(request.engine_id)
         if len(self.leases) >= self.config.max_grants:
             self.metrics.failures.labels("too_many_grants").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.leases)} grants held (limit {self.config.max_grants})")
-        if self.leases.active_request(request.request_id):
+        if self.leases.active_request(request.request_id, request.engine_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} already holds a grant")
         grant_id = secrets.token_hex(16)
         cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
@@ -201,9 +294,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 self.metrics.failures.labels("engine").inc()
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
             live = ring_live_range(self.layout.config, n)
-            self.leases.add(Grant(grant_id=grant_id, request_id=request.request_id, block_ids=tuple(out.block_ids),
-                                  ring_id=out.ring_id, prompt_len=n, live=live, first_token=out.first_token,
-                                  expires_at=self.leases.expiry()))
+            self.leases.add(Grant(grant_id=grant_id, request_id=request.request_id, engine_id=request.engine_id,
+                                  block_ids=tuple(out.block_ids), ring_id=out.ring_id, prompt_len=n, live=live,
+                                  first_token=out.first_token, expires_at=self.leases.expiry()))
             granted = True
         finally:
             if not granted:
@@ -216,6 +309,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
         grant = self.leases.live(request.grant_id)
         if grant is None:
             return pb.ReleaseResponse(released=False)
+        if grant.engine_id != request.engine_id:
+            await self._refuse_foreign(context, "Release", request.engine_id)
         grant.release_requested = True
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
@@ -223,20 +318,39 @@ class PrefillConnector(pb.PrefillServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         if len(request.grant_ids) > self.config.max_grants:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
+        foreign = [g for g in request.grant_ids
+                   if (grant := self.leases.live(g)) is not None and grant.engine_id != request.engine_id]
+        if foreign:  # checked before renewing any: a refused call changes nothing
+            await self._refuse_foreign(context, "Heartbeat", request.engine_id, len(foreign))
         unknown = [g for g in request.grant_ids if not self.leases.renew(g)]
-        return pb.HeartbeatResponse(unknown_grant_ids=unknown, lease_ms=int(self.config.lease_s * 1000))
+        self._heard_from(request.engine_id)
+        return pb.HeartbeatResponse(unknown_grant_ids=unknown, lease_ms=int(self.config.lease_s * 1000),
+                                    engine_unknown=request.engine_id not in self._peers)
+
+    async def _refuse_foreign(self, context, what: str, engine_id: str, count: int = 1) -> None:
+        """Abort with PERMISSION_DENIED: ``engine_id`` named ``count`` grants made for another engine
+        (which one is not said)."""
+        self.metrics.failures.labels("foreign_grant").inc()
+        logger.warning("%s by engine %r refused: %d grant%s of another engine", what, engine_id[:MAX_ID_CHARS], count,
+                       "" if count == 1 else "s")
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"{what}: {count} grant{'' if count == 1 else 's'} not made for engine "
+                            f"{engine_id[:MAX_ID_CHARS]!r}")
 
     async def Pull(self, request: pb.PullRequest, context):
         grant = self.leases.live(request.grant_id)
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
+        if grant.engine_id != request.engine_id:
+            await self._refuse_foreign(context, "Pull", request.engine_id)
         if request.transport not in {t.value for t in self.transports}:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
         transport = Transport(request.transport)
         if request.engine_id not in self._peers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} has not handshaken")
+        self._heard_from(request.engine_id)
         if transport is Transport.UCX and (self._ucx is None or not self._ucx.knows(request.engine_id)):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
         if transport is Transport.UCX and request.ucx_tag_base == 0:
@@ -275,6 +389,10 @@ class PrefillConnector(pb.PrefillServiceServicer):
                     self.metrics.failures.labels("deadline").inc()
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"UCX sends to {request.engine_id} did not complete in {self.config.transfer_timeout_s} s")
+                except UcxSendError as exc:  # the decode node reset the connection or went away
+                    self.metrics.failures.labels("ucx_send").inc()
+                    logger.warning("pull of grant %s by engine %s: %s", grant.grant_id, request.engine_id, exc)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             finished = True
             self.metrics.transferred(transport.label, plan.total_bytes, len(plan), time.perf_counter() - started)
             yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums))

@@ -13,31 +13,56 @@ Endpoint error handling is off, so that UCX may use shared memory; peer failure 
 plane's job (deadlines, leases, heartbeats). Messages are tag-matched with ``force_tag``: region
 i of a pull travels under ``tag_base + i``, where the decode node draws ``tag_base`` at random for
 each pull.
+
+A worker address comes from the wire, and UCX trusts it: a malformed one aborts the process. So a
+peer's address reaches ``connect`` only after ``vet``: a structural check of its bytes
+(``connector.ucx_address``), then a first endpoint made in a child process (``connector.ucx_probe``),
+which UCX may take down instead of the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from connector.regions import ucx_buffer
+from connector.ucx_address import WorkerAddressError, check_worker_address
+from connector.ucx_probe import ProbeOutcome, UcxProbe
 
 logger = logging.getLogger(__name__)
 
 MAX_REGIONS = 1 << 16  # region index fits in the low 16 bits of the tag
 TAG_MASK = (1 << 64) - 1
 ABANDON_GRACE_S = 1.0  # how long abandoned receives may take to settle before their memory is reused
+VETTED_MEMORY = 1024  # worker addresses whose verdict is remembered (each way), so a reconnect costs no probe
+NOT_ENCRYPTED = ("TLS protects the gRPC connections only: the cache bytes sent over UCX are NOT encrypted (UCX has "
+                 "no TLS); offer only the gRPC stream (--transports grpc) where the data plane must be encrypted")
 
 
 class UcxUnavailableError(RuntimeError):
     """ucxx cannot be imported or initialised; deploy with the gRPC stream transport instead."""
 
 
+class UcxUnreachableError(RuntimeError):
+    """UCX cannot make an endpoint to a (well-formed) worker address, or could not check it in time."""
+
+
+class UcxSendError(ConnectionError):
+    """A send failed in UCX (the peer reset the connection, went away, ...); its endpoint was dropped."""
+
+
 def _import_ucxx():
+    # ucxx sets UCX_MEMTYPE_CACHE=n when it is imported, after its libraries were loaded: UCX reads
+    # that option as they load, so then it is ignored and UCX warns at every start. Set before the
+    # import, it applies (an operator's value wins).
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
     try:
         import ucxx
     except Exception as exc:  # ImportError, or a missing libucx
@@ -82,23 +107,33 @@ class UcxNode:
     """The process's ucxx worker (ucxx keeps one per process) and our endpoints to the peers we
     send to. Create it inside the running event loop that will await its transfers.
 
-    Sender side: ``remember`` a peer's worker address, ``send`` to it; a failed or cancelled send
-    drops the endpoint it used (cancelling its requests) and the next send makes a fresh one.
+    Sender side: ``vet`` a peer's worker address from the wire, ``connect`` to it (the endpoint
+    becomes the peer's only once made), ``send`` to it; a failed or cancelled send drops the endpoint
+    it used (cancelling its requests) and the next send makes a fresh one from the same address.
     Receiver side: ``post_receives`` on the worker, and ``abandon`` the receives of a pull that
     failed, so that nothing lands in its memory once it is reused.
     """
 
     def __init__(self, options: Sequence[tuple[str, str]] = ()) -> None:
         self._ucxx = _import_ucxx()
+        self.options: dict[str, str] = dict(options)
         try:  # an operator's UCX_<KEY> in the environment overrides our option <KEY>
-            self._ucxx.init(options=dict(options), env_takes_precedence=True)
+            self._ucxx.init(options=self.options, env_takes_precedence=True)
         except RuntimeError:
             logger.info("ucxx already initialised in this process; keeping its options")
         self.address: bytes = bytes(self._ucxx.get_worker_address())
         self._addresses: dict[str, bytes] = {}
         self._endpoints: dict[str, object] = {}
+        self._send_failed: dict[str, float] = {}  # peer -> when its last send failed (monotonic)
         self._lock = asyncio.Lock()
         self._self_endpoint = None
+        self._probe: UcxProbe | None = None
+        self._vetted: OrderedDict[bytes, None] = OrderedDict()
+        self._refused: OrderedDict[bytes, str] = OrderedDict()
+        config = self.ucx_config()
+        self._unified = config.get("UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1")
+        logger.info("UCX worker up: transports %s, network devices %s", ",".join(sorted(self.active_transports())),
+                    config.get("NET_DEVICES", "all"))
 
     def active_transports(self) -> frozenset[str]:
         """The UCX transports this process's context uses (e.g. {"tcp", "self", "sysv"})."""
@@ -109,19 +144,84 @@ class UcxNode:
         return dict(self._ucxx.get_config())
 
     # sender side -------------------------------------------------------------------------
-    def remember(self, peer: str, address: bytes) -> None:
-        """Record a peer's worker address (from the Handshake); drop an endpoint to an older one."""
-        if self._addresses.get(peer) != address:
-            self.drop(peer, reason="the peer's worker address changed")
-            self._addresses[peer] = address
+    def start_vetting(self) -> None:
+        """Start the probe child in the background, so that the first ``vet`` does not wait for
+        it (a sending node calls it once UCX is up; idempotent)."""
+        if self._probe is None:
+            self._probe = UcxProbe(self.options)
+        self._probe.start()
+
+    async def vet(self, address: bytes, timeout_s: float) -> None:
+        """Check a worker address from the wire before ``connect`` may hand it to UCX here.
+
+        First its bytes (``check_worker_address``), then, for an address not vetted before, a first
+        endpoint made by the probe child. Returns when UCX reached it there. Raises
+        ``WorkerAddressError`` (a ValueError naming why) when the bytes are malformed or took the
+        probe down, ``UcxUnreachableError`` when UCX refused the endpoint or the probe did not answer
+        within ``timeout_s``. Verdicts are remembered (the last ``VETTED_MEMORY`` each way), a time-out
+        excepted. Called on this node's event loop; probes run one at a time."""
+        check_worker_address(address, unified_mode=self._unified)
+        address = bytes(address)
+        if address in self._vetted:
+            self._vetted.move_to_end(address)
+            return
+        if address in self._refused:
+            raise WorkerAddressError(self._refused[address])
+        self.start_vetting()
+        result = await self._probe.probe(address, timeout_s)
+        if result.outcome is ProbeOutcome.REACHED:
+            _remember(self._vetted, address, None)
+            logger.info("UCX worker address of %d bytes vetted in %.0f ms (%s)", len(address), result.seconds * 1000,
+                        result.detail)
+            return
+        if result.outcome is ProbeOutcome.CRASHED:
+            reason = f"making an endpoint to it crashed UCX: {result.detail}"
+            _remember(self._refused, address, reason)
+            raise WorkerAddressError(reason)
+        if result.outcome is ProbeOutcome.UNREACHABLE:
+            raise UcxUnreachableError(f"UCX cannot make an endpoint to it: {result.detail}")
+        raise UcxUnreachableError(f"it could not be checked in time: {result.detail}")
+
+    async def stop_vetting(self) -> None:
+        """End the probe child and wait until it is gone (idempotent); ``close`` only kills it."""
+        if self._probe is not None:
+            await self._probe.close()
 
     def knows(self, peer: str) -> bool:
         return peer in self._addresses
+
+    async def connect(self, peer: str, address: bytes) -> bool:
+        """Make the endpoint to ``peer`` at a vetted ``address``, then make it the peer's (dropping
+        an endpoint to an older address). Nothing about ``peer`` changes unless this succeeds: on any
+        failure (or cancellation) the peer keeps its old address and endpoint, and the error
+        propagates. Returns False when ``address`` already was the peer's, with an endpoint (kept)."""
+        address = bytes(address)
+        async with self._lock:
+            if self._addresses.get(peer) == address and peer in self._endpoints:
+                return False
+            ep = await self._ucxx.create_endpoint_from_worker_address(
+                self._ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False)
+            if self._addresses.get(peer, address) != address:
+                self.drop(peer, reason="the peer's worker address changed")
+            else:
+                self.drop(peer)
+            self._addresses[peer], self._endpoints[peer] = address, ep
+            self._send_failed.pop(peer, None)
+            return True
 
     def forget(self, peer: str) -> None:
         """Drop the endpoint to ``peer`` and its recorded worker address (idempotent)."""
         self.drop(peer)
         self._addresses.pop(peer, None)
+        self._send_failed.pop(peer, None)
+
+    def send_failed_at(self, peer: str) -> float | None:
+        """When (``time.monotonic()``) the last send to ``peer`` failed, if no send or connect succeeded since."""
+        return self._send_failed.get(peer)
+
+    def peers(self) -> tuple[str, ...]:
+        """The peers whose worker address is recorded."""
+        return tuple(self._addresses)
 
     async def endpoint(self, peer: str):
         async with self._lock:
@@ -150,14 +250,18 @@ class UcxNode:
     async def send(self, peer: str, views: Sequence[torch.Tensor], tag_base: int) -> None:
         """Send ``views[i]`` under ``tag_base + i``, all at once; returns when all completed.
         On any failure or cancellation the endpoint used is dropped, so that no send keeps
-        reading ``views`` afterwards."""
+        reading ``views`` afterwards; a failure in UCX is raised as ``UcxSendError``."""
         ep = await self.endpoint(peer)
         try:
             await asyncio.gather(*(ep.send(ucx_buffer(v), tag=region_tag(tag_base, i), force_tag=True)
                                    for i, v in enumerate(views)))
         except BaseException as exc:
+            self._send_failed[peer] = time.monotonic()
             self.drop(peer, ep, reason=f"a send failed: {type(exc).__name__}")
+            if isinstance(exc, self._ucxx.exceptions.UCXError):
+                raise UcxSendError(f"UCX send to {peer} failed: {type(exc).__name__}: {exc}") from exc
             raise
+        self._send_failed.pop(peer, None)
 
     # receiver side -----------------------------------------------------------------------
     def post_receives(self, views: Sequence[torch.Tensor], tag_base: int) -> ReceiveBatch:
@@ -197,8 +301,18 @@ class UcxNode:
             return self._self_endpoint
 
     def close(self) -> None:
+        """Abort every endpoint and end the probe child (idempotent)."""
+        if self._probe is not None:
+            self._probe.kill()
         for peer in list(self._endpoints):
             self.drop(peer)
         if self._self_endpoint is not None:
             self._self_endpoint.abort(period=10**9)
             self._self_endpoint = None
+
+
+def _remember(memory: OrderedDict, key: bytes, value) -> None:
+    memory[key] = value
+    memory.move_to_end(key)
+    while len(memory) > VETTED_MEMORY:
+        memory.popitem(last=False)

@@ -1,8 +1,10 @@
 """`kpool-pd decode`: the decode daemon, serving the public Generate API.
 
 Start-up: build the cache and the model, warm up (one local prefill and decode step), connect
-to the prefill nodes, then serve; grpc.health.v1 reports SERVING and the ready file appears
-only then. SIGTERM drains: health turns NOT_SERVING, new requests get UNAVAILABLE, requests in
+to the prefill nodes, then serve; the ready file appears only then, whether or not a prefill node
+is usable yet (daemons may start in any order). grpc.health.v1 reports SERVING only while a
+prefill node is usable and a request could get a ring (not every ring taken with the queue full);
+NOT_SERVING otherwise, and again as soon as that ends. SIGTERM drains: health turns NOT_SERVING, new requests get UNAVAILABLE, requests in
 flight finish (for at most ``drain-s``), then everything is freed and the process exits.
 """
 
@@ -66,7 +68,7 @@ class DecodeNode:
         self.engine = Engine(self.config, self.pool)
         self.connector = DecodeConnector(self.pool, self.blocks, self.rings, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
-                                         transports=context.transports.offered)
+                                         transports=context.transports.offered, model_identity=self.config.identity())
         self.router = PrefillRouter(self.connector, parse_targets(settings["prefill"]),
                                     health_interval_s=settings["health_interval_s"],
                                     rpc_timeout_s=settings["rpc_timeout_s"], tls=context.tls)
@@ -76,8 +78,18 @@ class DecodeNode:
                                          queue_timeout_s=settings["queue_timeout_s"], registry=context.registry)
         self.servicer = GenerateService(self.scheduler, max_prompt_tokens=settings["max_prompt_tokens"],
                                         max_new_tokens=settings["max_new_tokens"],
-                                        step_timeout_s=settings["transfer_timeout_s"], engine_id=context.engine_id)
+                                        step_timeout_s=settings["transfer_timeout_s"])
         self._loop: asyncio.Task | None = None
+        self._health = context.health
+
+    def _report_health(self, _changed: bool | None = None) -> None:
+        """Tell the runtime's health gate whether this node can serve a request now."""
+        if not self.router.usable:
+            self._health.set_able(False, f"no prefill node is usable: {self.router.reasons()}")
+        elif not self.scheduler.has_room:
+            self._health.set_able(False, "no room: every ring is taken and the queue is full")
+        else:
+            self._health.set_able(True)
 
     def warm_up(self) -> None:
         """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest."""
@@ -99,6 +111,7 @@ class DecodeNode:
     async def start(self) -> None:
         await self.connector.start()
         self._loop = asyncio.create_task(self.scheduler.run(), name="decode-loop")
+        self.router.on_change = self.scheduler.on_room_change = self._report_health
         await self.router.start()
 
     def drain(self) -> None:

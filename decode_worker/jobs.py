@@ -12,9 +12,13 @@ from model import DecodeSequence
 
 
 class JobState(enum.Enum):
-    WAITING = "waiting"      # queued for room in the batch
-    FETCHING = "fetching"    # prefill, transfer
-    DECODING = "decoding"    # in the running batch (the decode loop owns its blocks)
+    """Where a request is; the value labels ``kpoolpd_decode_cancelled_total``."""
+
+    WAITING = "waiting"          # queued for room in the batch
+    PREFILLING = "prefilling"    # admitted; a Prefill call on a prefill node
+    PULLING = "pulling"          # the pull of its grant into the reservation
+    RELEASING = "releasing"      # landed (``landed`` owns the blocks); the grant's Release
+    DECODING = "decoding"        # streaming its first token, then in the running batch (the loop owns its blocks)
     DONE = "done"
 
 

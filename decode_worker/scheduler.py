@@ -5,31 +5,37 @@
   RESOURCE_EXHAUSTED) and a request larger than the whole pool is refused (INVALID_ARGUMENT).
   Reservation is what makes the pull's allocation succeed.
 * Fetching: Prefill on a prefill node picked by the router (another one is tried when a node
-  is unavailable, busy or draining), then one Pull that allocates the whole reservation, lands
-  the prompt in it and Releases the grant. The connector's ``LandedRequest`` owns every block
-  of the request from then on (it freed them all itself if the pull failed).
+  is unavailable, busy or draining; with none usable the request fails at once, UNAVAILABLE with
+  each node's reason), then one Pull that allocates the whole reservation and lands the prompt
+  in it, then the grant's Release. The connector's ``LandedRequest`` owns every block of the
+  request from the landing on (the pull freed them all itself if it failed).
 * Decoding: one loop runs a step for every running request at once in a worker thread; the
   event loop keeps serving transfers meanwhile. A running request's blocks are freed by the
   loop only, between steps, so no step ever writes blocks that were handed to someone else.
   The loop reports to the request's handler through ``Job.events`` (``Tokens``, ``Failed``,
   ``Finished``).
 
-Every exit path of a request (done, failed, cancelled by its client) releases what it holds,
-through ``finish`` (idempotent).
+Every exit path of a request (done, failed, cancelled by its client in any ``JobState``)
+releases what it holds, through ``finish`` (idempotent), and leaves the prefill node no grant to
+expire: a cancelled Prefill is cancelled on the node, a cancelled pull or Release gives the
+grant back in the background (``PrefillPeer``). Cancellations are counted by the state they hit.
+
+``on_room_change(has_room)`` (optional) hears when the node starts or stops refusing new requests
+for room: every ring is taken and ``max_queue`` requests wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector import DecodeConnector, StatusError, Transport
+from connector import DecodeConnector, PrefillGrant, PrefillPeer, StatusError, Transport
 from decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from decode_worker.router import PrefillRouter
 from kvcache import BlockAllocator, RingAllocator
@@ -49,7 +55,8 @@ class DecodeScheduler:
 
     def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
                  router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
-                 integrity: bool, queue_timeout_s: float, registry: CollectorRegistry) -> None:
+                 integrity: bool, queue_timeout_s: float, registry: CollectorRegistry,
+                 on_room_change: Callable[[bool], None] | None = None) -> None:
         self.engine, self.blocks, self.rings = engine, blocks, rings
         self.connector, self.router = connector, router
         self.max_running = min(max_running, rings.num_rings)
@@ -64,9 +71,13 @@ class DecodeScheduler:
         self._reserved_blocks = 0
         self._admitted = 0
         self._wake = asyncio.Event()
+        self.on_room_change = on_room_change
+        self._had_room = True
         self.requests = Counter("kpoolpd_decode_requests", "Generate requests by outcome", ["outcome"], registry=registry)
         self.tokens = Counter("kpoolpd_decode_tokens", "Output tokens streamed", registry=registry)
         self.drafts = Counter("kpoolpd_decode_drafts", "Draft tokens by verdict", ["verdict"], registry=registry)
+        self.cancelled = Counter("kpoolpd_decode_cancelled", "Requests cancelled by their client, by the state "
+                                 "they were in", ["state"], registry=registry)
         self.ttft = Histogram("kpoolpd_decode_ttft_seconds", "Request arrival to first token",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
         self.step_seconds = Histogram("kpoolpd_decode_step_seconds", "One decode step of the whole batch",
@@ -85,6 +96,20 @@ class DecodeScheduler:
 
     def active(self) -> int:
         return len(self._active)
+
+    @property
+    def has_room(self) -> bool:
+        """False while a new request would be refused for room (every ring taken, the queue full)."""
+        return self._admitted < self.max_running or len(self._waiting) < self.max_queue
+
+    def _room_changed(self) -> None:
+        room = self.has_room
+        if room != self._had_room:
+            self._had_room = room
+            logger.info("decode node %s", "has room again" if room else
+                        f"is full: {self._admitted} requests hold rings, {len(self._waiting)} wait")
+            if self.on_room_change is not None:
+                self.on_room_change(room)
 
     # admission ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Job:
@@ -105,6 +130,7 @@ class DecodeScheduler:
         self._active[request_id] = job
         self._waiting.append(job)
         self._admit_ready()
+        self._room_changed()
         return job
 
     def _admit_ready(self) -> None:
@@ -117,7 +143,7 @@ class DecodeScheduler:
             self._reserved_blocks += job.need_blocks
             self._admitted += 1
             job.reserved = True
-            job.state = JobState.FETCHING
+            job.state = JobState.PREFILLING
             job.admitted.set_result(None)
 
     async def wait_admitted(self, job: Job) -> None:
@@ -129,40 +155,57 @@ class DecodeScheduler:
 
     # fetching -----------------------------------------------------------------------------
     async def fetch(self, job: Job) -> None:
-        """Prefill remotely, pull into the job's whole reservation, and set up the sequence.
-        StatusError on failure, with nothing allocated (the pull frees its own); the caller then
-        calls ``abandon``, which returns the reservation."""
-        attempts = max(2, len(self.router.healthy()))
-        grant, peer, last = None, None, None
-        for _ in range(attempts):
-            try:
-                peer = await self.router.pick()
-                grant = await peer.prefill(job.request_id, job.prompt)
-                break
-            except StatusError as exc:
-                last = exc
-                if exc.code not in RETRYABLE:
-                    raise StatusError(exc.code, exc.message) from None
-                if peer is not None and exc.code is grpc.StatusCode.UNAVAILABLE:
-                    self.router.mark_failed(peer, exc.message)
-                logger.info("prefill of %s failed (%s); trying another node", job.request_id, exc,
-                            extra={"request_id": job.request_id})
-        if grant is None:
-            raise StatusError(last.code, last.message)
+        """Prefill remotely, pull into the job's whole reservation, release the grant, and set up
+        the sequence (``job.state``: PREFILLING, PULLING, RELEASING). StatusError on failure, with
+        nothing allocated (the pull frees its own); the caller then calls ``abandon``, which
+        returns the reservation (and frees ``job.landed`` when the handler leaves during the
+        Release). Cancellation at any point leaves the prefill node no grant to expire."""
+        peer, grant = await self._prefill(job)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
+        job.state = JobState.PULLING
         try:
             job.landed = await peer.pull(grant, reserve_blocks=job.need_blocks, transport=self.transport,
-                                         integrity=self.integrity)
+                                         integrity=self.integrity, release=False)
+        except asyncio.CancelledError:
+            peer.release_soon(grant.grant_id)  # the client left: the prefill node frees its blocks now
+            raise
         except StatusError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE:
                 self.router.mark_failed(peer, exc.message)
             else:  # the prefill node is up: free its blocks now rather than at lease expiry
-                with contextlib.suppress(StatusError):
-                    await peer.release(grant.grant_id)
+                await self._release(peer, grant)
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
+        job.state = JobState.RELEASING
+        await self._release(peer, grant)
         job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
                                  block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
                                  output=[grant.first_token])
+        job.state = JobState.DECODING
+
+    async def _release(self, peer: PrefillPeer, grant: PrefillGrant) -> None:
+        """Release ``grant`` and wait for the answer; a failure is logged (its lease frees it), and
+        a cancelled caller leaves the Release going on in the background."""
+        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=self.connector.config.rpc_timeout_s))
+
+    async def _prefill(self, job: Job) -> tuple[PrefillPeer, PrefillGrant]:
+        """A grant for the job's prompt, from the first node that gives one: a node that is
+        unavailable, full or draining is retried on another (as many tries as healthy nodes, at
+        least two). StatusError with the last node's status, or the router's (no node usable)."""
+        attempts = max(2, len(self.router.healthy()))
+        last: StatusError | None = None
+        for _ in range(attempts):
+            peer = await self.router.pick()  # UNAVAILABLE, with each node's reason, when none is usable
+            try:
+                return peer, await peer.prefill(job.request_id, job.prompt)
+            except StatusError as exc:
+                last = exc
+                if exc.code not in RETRYABLE:
+                    raise StatusError(exc.code, exc.message) from None
+                if exc.code is grpc.StatusCode.UNAVAILABLE:
+                    self.router.mark_failed(peer, exc.message)
+                logger.info("prefill of %s failed (%s); trying another node", job.request_id, exc,
+                            extra={"request_id": job.request_id})
+        raise StatusError(last.code, last.message)
 
     def first_token_sent(self, job: Job) -> None:
         job.ttft_ms = job.elapsed_ms()
@@ -171,7 +214,6 @@ class DecodeScheduler:
 
     def start_decoding(self, job: Job) -> None:
         """Hand a fetched job to the decode loop (which then owns its blocks)."""
-        job.state = JobState.DECODING
         self._running.append(job)
         self._wake.set()
 
@@ -244,6 +286,8 @@ class DecodeScheduler:
         outcome, and admit who waits (idempotent)."""
         if job.state is JobState.DONE:
             return
+        if outcome == "cancelled":
+            self.cancelled.labels(job.state.value).inc()
         job.state = JobState.DONE
         if job in self._waiting:
             self._waiting.remove(job)
@@ -261,3 +305,4 @@ class DecodeScheduler:
                     extra={"request_id": job.request_id, "outcome": outcome, "ms": round(job.elapsed_ms(), 1),
                            "tokens": len(job.seq.output) if job.seq else 0})
         self._admit_ready()
+        self._room_changed()

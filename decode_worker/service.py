@@ -4,13 +4,13 @@ drives it through the scheduler, and streams its events."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
+import secrets
 
 import grpc
 
-from connector import StatusError
+from connector import Credential, StatusError
 from decode_worker import api
 from decode_worker.jobs import Failed, Finished, JobEvent, Tokens
 from decode_worker.scheduler import DecodeScheduler
@@ -21,27 +21,28 @@ MAX_ID_CHARS = 256
 
 
 class GenerateService(api.GenerateServiceServicer):
-    """Registered on the daemon's gRPC server (``add_to_server``); one event loop.
-    ``draining = True`` refuses new requests with UNAVAILABLE; requests in flight finish."""
+    """Registered on the daemon's gRPC server (``add_to_server``), which requires the client token
+    on it; one event loop. ``draining = True`` refuses new requests with UNAVAILABLE; requests in
+    flight finish. A request without an id gets a random one (``secrets.token_hex(8)``): nothing
+    a client reads names the decode node's engine id, which its grants on prefill nodes are bound to."""
 
     def __init__(self, scheduler: DecodeScheduler, *, max_prompt_tokens: int, max_new_tokens: int,
-                 step_timeout_s: float, engine_id: str) -> None:
+                 step_timeout_s: float) -> None:
         self.scheduler = scheduler
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.step_timeout_s = step_timeout_s
-        self.engine_id = engine_id
         self.draining = False
-        self._ids = itertools.count()
 
     service_name = api.SERVICE_NAME
+    credential = Credential.CLIENT
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         api.add_GenerateServiceServicer_to_server(self, server)
 
     def _validate(self, request: api.GenerateRequest) -> tuple[str, tuple[int, ...]]:
         config = self.scheduler.config
-        request_id = request.request_id or f"{self.engine_id}-{next(self._ids)}"
+        request_id = request.request_id or secrets.token_hex(8)
         if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id must be 1 to {MAX_ID_CHARS} printable characters")

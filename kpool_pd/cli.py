@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(commands)
     generate = commands.add_parser("generate", help="send requests to a running decode daemon's Generate API")
     generate.add_argument("--decode", required=True, metavar="HOST:PORT", help="the decode daemon's gRPC address")
-    generate.add_argument("--token", default="", help="bearer token, when the daemon asks for one")
+    generate.add_argument("--token", default="", help="the client token (the decode daemon's --token), when it asks "
+                          "for one")
     generate.add_argument("--tls-ca", default="", metavar="PEM", help="connect over TLS, checking the daemon against "
                                                                      "this CA bundle")
     generate.add_argument("--tls-cert", default="", metavar="PEM", help="client certificate (mTLS; with --tls-key)")

@@ -3,10 +3,16 @@
 Each daemon gets ``--port 0`` and a ready file; the launcher waits (with a deadline) until the
 file appears, which the daemon writes only after its warm-up, and reads the bound ports from it.
 Logs go to a file per daemon, whose tail is shown when a daemon fails to start.
+
+A daemon runs in its own session (a terminal's Ctrl-C reaches the launcher, which stops its
+daemons in order), and on Linux it is asked to drain (SIGTERM) when the thread that started it
+dies, however it dies (SIGKILL included): a launcher never leaves daemons behind. Start daemons
+from a thread that outlives them (the main thread).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -14,10 +20,31 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child receive ``sig`` when the thread that forks it dies
+    (Linux ``prctl(PR_SET_PDEATHSIG)``; it survives the exec); None where there is no prctl.
+    If the parent is already gone when the child arms it, the child sends ``sig`` to itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:  # in the child, between fork and exec: system calls only
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+    return arm
 
 
 class DaemonError(RuntimeError):
@@ -40,7 +67,7 @@ class Daemon:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=parent_death_signal())
         self.info: dict = {}
 
     @property
@@ -79,6 +106,7 @@ class Daemon:
             self.proc.wait(10)
 
     def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM (the daemon drains), SIGKILL after ``grace_s``; its exit status (idempotent)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -99,18 +127,21 @@ class Daemon:
 
 
 def start_prefill(workdir: Path, model: Sequence[str], *, name: str = "prefill", host: str = "127.0.0.1",
-                  transports: str = "auto", extra: Sequence[str] = (), netns: str | None = None) -> Daemon:
+                  transports: str = "auto", extra: Sequence[str] = (), netns: str | None = None,
+                  env: dict[str, str] | None = None) -> Daemon:
     """A prefill daemon on ``host`` (any free ports) offering ``transports``; ``model`` is its model
-    flags (``runtime.model_flags``), ``extra`` any other flags."""
+    flags (``runtime.model_flags``), ``extra`` any other flags, ``env`` extra environment variables
+    (secrets go there, ``KPOOLPD_PEER_TOKEN``: a command line is readable by every user)."""
     return Daemon("prefill_worker", ["--host", host, "--port", "0", "--metrics-host", host, "--metrics-port", "0",
-                                     "--transports", transports, *model, *extra], workdir, name, netns=netns)
+                                     "--transports", transports, *model, *extra], workdir, name, netns=netns, env=env)
 
 
 def start_decode(workdir: Path, model: Sequence[str], prefill: Sequence[str], *, name: str = "decode",
                  host: str = "127.0.0.1", transport: str = "auto", extra: Sequence[str] = (),
-                 netns: str | None = None) -> Daemon:
+                 netns: str | None = None, env: dict[str, str] | None = None) -> Daemon:
     """A decode daemon on ``host`` (any free ports) pulling from the ``prefill`` addresses over
-    ``transport`` (also what it offers); ``model`` and ``extra`` as for ``start_prefill``."""
+    ``transport`` (also what it offers); ``model``, ``extra`` and ``env`` as for ``start_prefill``
+    (``KPOOLPD_TOKEN``, ``KPOOLPD_PEER_TOKEN``)."""
     return Daemon("decode_worker", ["--host", host, "--port", "0", "--metrics-host", host, "--metrics-port", "0",
                                     "--prefill", ",".join(prefill), "--transport", transport,
-                                    "--transports", transport, *model, *extra], workdir, name, netns=netns)
+                                    "--transports", transport, *model, *extra], workdir, name, netns=netns, env=env)

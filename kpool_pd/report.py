@@ -38,11 +38,16 @@ def table(results: list[RequestResult | RequestFailed]) -> str:
 
 
 def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: float, model: dict,
-            transport: str, tls: bool = False, reference: list[RequestResult] | None = None) -> dict:
+            transport: str, tls: bool = False, reference: list[RequestResult] | None = None,
+            data_plane_encrypted: bool | None = None) -> dict:
+    """The run's summary. ``tls``: the connections were TLS; ``data_plane_encrypted``: the cache
+    bytes between the daemons were too (only over the gRPC stream with TLS: UCX has no encryption;
+    None when there was no data plane or it is not known)."""
     ok = [r for r in results if isinstance(r, RequestResult)]
     tokens = sum(len(r.tokens) for r in ok)
     out = {
-        "mode": mode, "transport": transport, "tls": tls, "model": model, "requests": len(results), "ok": len(ok),
+        "mode": mode, "transport": transport, "tls": tls, "data_plane_encrypted": data_plane_encrypted,
+        "model": model, "requests": len(results), "ok": len(ok),
         "failed": len(results) - len(ok), "tokens": tokens, "wall_s": round(wall_s, 3),
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
         "transfer_bytes": sum(r.transfer_bytes for r in ok),
@@ -67,7 +72,9 @@ def summary_text(s: dict) -> str:
               f"({100 * s['drafts_accepted'] / s['drafts_proposed']:.0f}%)" if s["drafts_proposed"] else "")
     lines = [
         f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, transport {s['transport']}"
-        f"{' over mTLS' if s.get('tls') else ''}; {m['family']} "
+        f"{' over mTLS' if s.get('tls') else ''}"
+        f"{' (cache bytes over UCX NOT encrypted)' if s.get('tls') and s.get('data_plane_encrypted') is False else ''}"
+        f"; {m['family']} "
         f"family, {group}, {m['num_spec']} drafts, {m['layers']} layers, block {m['block_size']})",
         f"  {s['tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.0f} tokens/s); ttft p50 "
         f"{s['ttft_ms_p50']:.1f} ms, p90 {s['ttft_ms_p90']:.1f} ms{drafts}",

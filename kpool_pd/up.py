@@ -2,11 +2,21 @@
 
 With ``--colocated`` the same requests run in this process with no transfer (the reference).
 A PD run also runs the colocated reference afterwards and says how many requests match it.
+
+However a PD run ends it leaves nothing behind: SIGTERM, SIGINT or SIGHUP stops both daemons (they
+drain, at most ``INTERRUPT_GRACE_S``) and removes the run's temporary folder (logs, ready files,
+the throwaway CA and its key) before ``up`` exits with status 128 + the signal's number; and the
+daemons drain by themselves if ``up`` is killed outright (``kpool_pd.launcher``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,12 +27,14 @@ import torch
 from connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import DaemonError, start_decode, start_prefill
+from kpool_pd.launcher import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, summary, summary_text, table
 from model.colocated import make_prompts, run_colocated
 from runtime import SettingsError, client_tls, model_config, model_flags
 
 READY_TIMEOUT_S = 120.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+INTERRUPT_GRACE_S = 10.0  # how long each daemon may drain once `up` is told to stop
 UP_MODEL_DEFAULTS = {"num_spec": 3}  # where `up` differs from the daemons' defaults
 
 
@@ -32,6 +44,52 @@ def default_transport() -> str:
 
 def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+class Teardown:
+    """What a PD run must undo however it ends: its daemons and its temporary folder.
+
+    Inside ``with``, SIGTERM, SIGINT and SIGHUP stop every ``track``ed daemon (SIGTERM to all, so
+    they drain together, then SIGKILL after ``INTERRUPT_GRACE_S``), remove ``workdir`` and exit
+    the process at once with status 128 + the signal (whatever the main thread was doing: waiting
+    for a daemon, running the requests); a second signal meanwhile is ignored. On a normal exit the
+    caller's context managers stop the daemons and remove the folder, and the handlers are put back.
+    """
+
+    def __init__(self) -> None:
+        self.workdir: Path | None = None
+        self.daemons: list[Daemon] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "Teardown":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def track(self, daemon: Daemon) -> Daemon:
+        """Stop ``daemon`` too if a signal comes; returns it."""
+        self.daemons.append(daemon)
+        return daemon
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        _progress(f"{signal.Signals(signum).name}: stopping the daemons"
+                  f"{f' and removing {self.workdir}' if self.workdir else ''} ...")
+        for daemon in self.daemons:
+            daemon.signal(signal.SIGTERM)
+        for daemon in reversed(self.daemons):
+            try:
+                daemon.stop(INTERRUPT_GRACE_S)
+            except subprocess.SubprocessError:  # the main thread was inside this daemon's own wait
+                daemon.kill()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        os._exit(128 + signum)
 
 
 def run_up(args) -> int:
@@ -66,8 +124,8 @@ def run_up(args) -> int:
 
     model = model_flags(vars(args))
     limits = ["--max-prompt-tokens", str(args.prompt_len), "--max-new-tokens", str(args.max_tokens)]
-    with tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
-        workdir = Path(tmp)
+    with Teardown() as teardown, tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
+        workdir = teardown.workdir = Path(tmp)
         tls_flags, tls = [], None
         if args.tls:
             try:
@@ -80,27 +138,36 @@ def run_up(args) -> int:
                          "--tls-require-client-auth", "true"]
             tls = client_tls(ca=str(ca.cert), cert=str(client.cert), key=str(client.key))
             _progress(f"made a throwaway CA and certificates in {workdir}: every connection uses mTLS")
-        _progress(f"starting the prefill daemon (transport {args.transport}) ...")
+            if args.transport == "ucx":
+                _progress("warning: UCX has no encryption: the cache bytes between the daemons travel unencrypted "
+                          "(--transport grpc keeps them inside TLS)")
+        # Two credentials, never one: the client token for the Generate API, the peer token between
+        # the daemons; through the environment, since any user can read a command line.
+        client_token, peer_token = secrets.token_hex(16), secrets.token_hex(16)
+        peer_env = {"KPOOLPD_PEER_TOKEN": peer_token}
+        _progress(f"starting the prefill daemon (transport {args.transport}; logs in {workdir}) ...")
         t0 = time.perf_counter()
-        with start_prefill(workdir, model, transports=args.transport,
-                           extra=["--max-prompt-tokens", str(args.prompt_len), *tls_flags]) as prefill:
+        with teardown.track(start_prefill(workdir, model, transports=args.transport, env=peer_env,
+                                          extra=["--max-prompt-tokens", str(args.prompt_len), *tls_flags])) as prefill:
             try:
                 prefill.wait_ready(READY_TIMEOUT_S)
                 _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
                           f"after {time.perf_counter() - t0:.1f} s")
                 t0 = time.perf_counter()
                 _progress("starting the decode daemon ...")
-                with start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"], transport=args.transport,
-                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),
-                                         *tls_flags]) as decode:
+                with teardown.track(start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
+                                                 transport=args.transport,
+                                                 env={**peer_env, "KPOOLPD_TOKEN": client_token},
+                                                 extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),
+                                                        *tls_flags])) as decode:
                     decode.wait_ready(READY_TIMEOUT_S)
                     _progress(f"  decode ready on 127.0.0.1:{decode.port} (metrics :{decode.metrics_port}) "
                               f"after {time.perf_counter() - t0:.1f} s")
                     _progress(f"sending {len(requests)} requests of {args.prompt_len} prompt tokens, "
                               f"{args.max_tokens} output tokens each ...")
                     started = time.perf_counter()
-                    results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, tls=tls,
-                                                       on_done=on_done))
+                    results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, token=client_token,
+                                                       tls=tls, on_done=on_done))
                     wall = time.perf_counter() - started
                     _progress("stopping the daemons ...")
             except DaemonError as exc:
@@ -109,7 +176,8 @@ def run_up(args) -> int:
     _progress("running the colocated reference ...")
     reference = run_colocated(config, requests)
     report = summary(results, mode="pd", wall_s=wall, model=config.describe(),
-                     transport=args.transport, tls=args.tls, reference=reference)
+                     transport=args.transport, tls=args.tls, reference=reference,
+                     data_plane_encrypted=bool(args.tls) and args.transport == "grpc")
     _print(args, results, report)
     return 0 if report["failed"] == 0 and report["colocated_match"] == report["ok"] else 1
 
@@ -138,8 +206,9 @@ def run_generate(args) -> int:
               f"layout {info['layout_hash'][:12]}) ...")
     started = time.perf_counter()
     results = asyncio.run(generate_all(args.decode, requests, token=args.token or None, tls=tls))
+    used = {r.transport for r in results if not isinstance(r, RequestFailed)}
     report = summary(results, mode="pd", wall_s=time.perf_counter() - started, model=info["model"],
-                     transport=",".join(sorted({r.transport for r in results if not isinstance(r, RequestFailed)})),
-                     tls=tls is not None)
+                     transport=",".join(sorted(used)), tls=tls is not None,
+                     data_plane_encrypted=False if "ucx" in used else None)
     _print(args, results, report)
     return 0 if report["failed"] == 0 else 1

@@ -6,6 +6,7 @@ sides of a transfer agree on every byte (the connector's layout hash checks it).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -99,3 +100,10 @@ class ModelConfig:
             "block_size": self.resolved_block_size, "seed": self.seed, "vocab_size": self.vocab_size,
             "index_heads": self.index_heads, "topk": self.topk, "mla_entry_bytes": self.mla_entry_bytes,
         }
+
+    def identity(self) -> str:
+        """The model's identity for a handshake: canonical JSON (sorted keys, no spaces) of every
+        field, each of which changes tokens or bytes (``describe()`` plus the pool mode and the QSA
+        dtype). Two nodes may exchange caches only when their identities are equal."""
+        fields = {**self.describe(), "pool_mode": self.pool_mode.value, "qsa_dtype": self.qsa_dtype.value}
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -49,7 +49,7 @@ class PrefillNode:
         config = dataclasses.replace(context.connector_config, max_prompt_tokens=settings["max_prompt_tokens"])
         self.connector = PrefillConnector(self.pool, self.blocks, self.rings, self.batcher,
                                           engine_id=context.engine_id, config=config, registry=context.registry,
-                                          transports=context.transports.offered)
+                                          transports=context.transports.offered, model_identity=self.config.identity())
         self.servicer = self.connector
         self._batches: asyncio.Task | None = None
 

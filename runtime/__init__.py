@@ -8,7 +8,7 @@ A daemon is a ``DaemonSpec`` (its role, its option table, how to build its ``Nod
 
 from runtime.daemon import run_daemon, serve
 from runtime.device import device_name, resolve_device
-from runtime.grpc_server import GrpcServer, Servicer
+from runtime.grpc_server import LIVENESS_SERVICE, GrpcServer, Servicer
 from runtime.logs import JsonFormatter, LogFormat, configure_logging
 from runtime.metrics import MetricsEndpoint
 from runtime.model_options import MODEL_OPTIONS, add_model_arguments, model_config, model_flags, model_settings
@@ -22,7 +22,7 @@ from runtime.tls import TLS_CLIENT_OPTIONS, TLS_OPTIONS, client_tls, read_pem, t
 from runtime.transports import Transports, parse_pull, parse_transports, pull_choice, transport_list, transports_of
 
 __all__ = [
-    "ENV_PREFIX", "MODEL_OPTIONS", "TLS_CLIENT_OPTIONS", "TLS_OPTIONS", "DaemonSpec", "GrpcServer", "JsonFormatter",
+    "ENV_PREFIX", "LIVENESS_SERVICE", "MODEL_OPTIONS", "TLS_CLIENT_OPTIONS", "TLS_OPTIONS", "DaemonSpec", "GrpcServer", "JsonFormatter",
     "LogFormat", "MetricsEndpoint", "Node", "NodeContext", "Option", "Role", "Servicer", "SettingsError", "Transports",
     "add_model_arguments", "client_tls", "configure_logging", "default_engine_id", "device_name", "load_settings",
     "model_config", "model_flags", "model_settings", "parse_bool", "parse_port", "parse_pull", "parse_transports",

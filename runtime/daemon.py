@@ -4,8 +4,9 @@ TLS, device, transports, logging, the event loop), ``serve`` the life of its nod
 1. ``spec.build`` makes the node (cache, model, connector side); ``node.warm_up`` runs in a
    worker thread (``warmed up in N ms``).
 2. ``node.start``; the gRPC server binds (and the plaintext health port); ``/metrics`` binds;
-   grpc.health.v1 turns SERVING; the ready file is written; ``<role> node ready`` is logged.
-   Until then health is NOT_SERVING and there is no ready file.
+   grpc.health.v1 turns SERVING (while the node can serve: ``NodeContext.health``); the ready
+   file is written; ``<role> node ready`` is logged. Until then health is NOT_SERVING and there
+   is no ready file.
 3. SIGTERM or SIGINT drains: ``node.drain`` (new work is refused), health turns NOT_SERVING,
    and the runtime waits until ``node.idle`` or for ``drain-s`` (then it warns with
    ``node.leftover``).
@@ -29,11 +30,14 @@ from prometheus_client import CollectorRegistry
 from connector import TlsConfig
 from runtime.device import resolve_device
 from runtime.grpc_server import GrpcServer
+from runtime.health_gate import HealthGate
 from runtime.logs import configure_logging
 from runtime.metrics import MetricsEndpoint
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
 from runtime.options import SettingsError
+from runtime.ports import BindError, bind_error, ensure_bindable
 from runtime.process import termination_event, write_ready_file
+from runtime.service_options import check_credentials
 from runtime.settings import load_settings
 from runtime.tls import tls_config
 from runtime.transports import Transports, transports_of
@@ -43,10 +47,10 @@ STOP_GRACE_S = 1.0  # what RPCs in flight get once the drain is over
 DRAIN_POLL_S = 0.05
 
 
-async def drain(node: Node, server: GrpcServer, drain_s: float) -> None:
+async def drain(node: Node, health: HealthGate, drain_s: float) -> None:
     """Refuse new work, report NOT_SERVING, then wait until the node is idle or ``drain_s`` is up."""
     node.drain()
-    await server.set_serving(False)
+    await health.drain()
     deadline = time.monotonic() + drain_s
     while not node.idle and time.monotonic() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
@@ -77,18 +81,22 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
         # patches the process's memory functions while it initialises, which is unsafe while
         # other threads may be calling them.
         connector_config = context.connector_config
-        server = GrpcServer(token=connector_config.bearer_token, tls=tls, options=connector_config.grpc_options())
+        server = GrpcServer(client_token=settings["token"] or None, peer_token=connector_config.peer_token, tls=tls,
+                            options=connector_config.grpc_options())
         server.add(node.servicer)
         grpc_port = await server.start(settings["host"], settings["port"], health_port=settings["health_port"])
-        metrics_port = metrics.start(settings["metrics_host"], settings["metrics_port"])
-        await server.set_serving(True)
+        try:
+            metrics_port = metrics.start(settings["metrics_host"], settings["metrics_port"])
+        except OSError as exc:
+            raise bind_error("metrics-port", settings["metrics_host"], settings["metrics_port"], exc) from None
+        await context.health.open(server)  # SERVING, unless the node says it cannot serve yet
         write_ready_file(settings["ready_file"], grpc_port=grpc_port, metrics_port=metrics_port,
                          health_port=server.health_port, engine_id=context.engine_id)
         logger.info("%s node ready", role.value,
                     extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "health_port": server.health_port,
-                           "tls": tls is not None, "device": str(device), **node.describe()})
+                           "tls": tls is not None, "auth": server.auth, "device": str(device), **node.describe()})
         await stop.wait()
-        await drain(node, server, settings["drain_s"])
+        await drain(node, context.health, settings["drain_s"])
     finally:
         if server is not None:
             await server.stop(STOP_GRACE_S)
@@ -103,24 +111,34 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     """Parse the settings (flags > env > YAML; ``argv`` None: ``sys.argv[1:]``), then serve until
     SIGTERM and drain.
 
-    A bad setting (a value, a TLS file, a device or a transport that cannot be used here) prints
-    ``kpool-pd <role>: error: <option> ...`` to stderr and returns 2 before anything starts.
-    After serving, the process exits at once (status 0), skipping interpreter teardown of the UCX
+    A bad setting (a value, credentials that cannot work, a TLS file, a device or a transport that
+    cannot be used here, a port another process holds) prints ``kpool-pd <role>: error: <option>
+    ...`` to stderr and returns 2 before anything starts. A port taken between that check and the
+    bind stops the daemon after its warm-up, with the same line logged and status 2. After
+    serving, the process exits at once (status 0), skipping interpreter teardown of the UCX
     worker, whose peers may be gone.
     """
     role = spec.role.value
     try:
         settings = load_settings(spec.role, spec.options, argv, description=spec.description)
+        check_credentials(spec.role, settings)
         tls = tls_config(settings)
         device = resolve_device(settings["device"])
         transports = transports_of(settings)
-    except SettingsError as exc:
+        for option, host in (("port", "host"), ("health-port", "host"), ("metrics-port", "metrics_host")):
+            ensure_bindable(option, settings[host], settings[option.replace("-", "_")])
+    except (SettingsError, BindError) as exc:
         print(f"kpool-pd {role}: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(role, level=settings["log_level"], fmt=settings["log_format"])
     torch.set_num_threads(settings["torch_threads"])
     if device.type == "cuda":  # what the event loop's thread launches (a repack, a copy) runs there too
         torch.cuda.set_device(device)
-    asyncio.run(serve(spec, settings, device=device, tls=tls, transports=transports))
+    status = 0
+    try:
+        asyncio.run(serve(spec, settings, device=device, tls=tls, transports=transports))
+    except BindError as exc:
+        logger.error("kpool-pd %s: error: %s", role, exc)
+        status = 2
     logging.shutdown()
-    os._exit(0)
+    os._exit(status)

@@ -2,11 +2,20 @@
 optional plaintext health port.
 
 Servicers are registered with ``add`` before ``start``; each is an object with a
-``service_name`` (the full protobuf name) and ``add_to_server(server)``. Health is reported for
+``service_name`` (the full protobuf name), the ``credential`` its RPCs require (the client token
+or the peer token, ``connector.Credential``) and ``add_to_server(server)``. The server requires
+that credential's token on each of the service's RPCs when it was given one (UNAUTHENTICATED
+otherwise, a token of the other kind included); reflection takes any token the server requires,
+health none. A request whose bytes do not parse is answered INVALID_ARGUMENT
+(``runtime.malformed``). Ports are never shared: SO_REUSEPORT is off, so binding a port that
+another process serves fails with ``BindError`` naming it. Health is reported for
 every added service and for the server as a whole (service ``""``); it starts as NOT_SERVING
 until ``set_serving(True)`` (a daemon calls it once warmed up), and ``stop`` leaves it
-NOT_SERVING. The health port serves the same health servicer alone, in plaintext, for probes that
-cannot speak TLS (the kubelet's gRPC probes).
+NOT_SERVING. ``LIVENESS_SERVICE`` is the exception, for liveness and startup probes: SERVING from
+``start`` until ``stop``, whatever ``set_serving`` says, so that a node which cannot serve for a while
+(a decode node without a usable prefill node, a drain) leaves the rotation without being restarted.
+The health port serves the same health servicer alone, in plaintext, for probes that cannot speak
+TLS (the kubelet's gRPC probes).
 """
 
 from __future__ import annotations
@@ -19,30 +28,44 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from connector import BearerTokenInterceptor, TlsConfig
+from connector import BearerTokenInterceptor, Credential, TlsConfig
+from runtime.malformed import MalformedRequestInterceptor
+from runtime.ports import bind_error, ensure_bindable
 
 logger = logging.getLogger(__name__)
+
+LIVENESS_SERVICE = "kpoolpd.liveness"  # the health name that says only: the process serves
+NO_SHARED_PORT = (("grpc.so_reuseport", 0),)  # a second process binding our port fails instead of sharing it
 
 
 class Servicer(Protocol):
     """A gRPC service implementation as the server registers it."""
 
     service_name: str  # the full protobuf name, e.g. "kpoolpd.v1.PrefillService"
+    credential: Credential  # the token its RPCs require: CLIENT (a public API) or PEER (an internal one)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the service's handlers on ``server``."""
 
 
 class GrpcServer:
-    """One daemon's gRPC server. ``start`` once, ``stop`` is idempotent; one event loop."""
+    """One daemon's gRPC server. ``start`` once, ``stop`` is idempotent; one event loop.
 
-    def __init__(self, *, token: str | None = None, tls: TlsConfig | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
-        if token is not None and not token:
-            raise ValueError("token must be None (no auth) or a non-empty string")
+    ``client_token`` guards the services whose credential is CLIENT, ``peer_token`` those whose
+    credential is PEER; None leaves them open (to whoever TLS lets in). The two must differ."""
+
+    def __init__(self, *, client_token: str | None = None, peer_token: str | None = None,
+                 tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
+        for name, token in (("client_token", client_token), ("peer_token", peer_token)):
+            if token is not None and (not isinstance(token, str) or not token.strip()):
+                raise ValueError(f"{name} must be None (no auth) or a non-empty string")
+        if client_token is not None and client_token == peer_token:
+            raise ValueError("client_token and peer_token must differ: two credentials, never one")
         self.tls = tls
-        interceptors = [BearerTokenInterceptor(token)] if token else []
-        self._server = grpc.aio.server(interceptors=interceptors, options=list(options))
+        self._tokens = {Credential.CLIENT: client_token, Credential.PEER: peer_token}
+        self._required: dict[str, tuple[Credential, str]] = {}  # service -> its credential and token
+        interceptors = [BearerTokenInterceptor(self._required), MalformedRequestInterceptor()]
+        self._server = grpc.aio.server(interceptors=interceptors, options=[*options, *NO_SHARED_PORT])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._services: list[str] = []
@@ -57,30 +80,54 @@ class GrpcServer:
     def services(self) -> tuple[str, ...]:
         return tuple(self._services)
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """Each added service and the token it requires (``"token"``, ``"peer-token"``, or
+        ``"none"``), for the ready log line."""
+        return {name: self._required[name][0].value if name in self._required else "none" for name in self._services}
+
     def add(self, servicer: Servicer) -> None:
         """Register ``servicer`` (before ``start``)."""
         if self._started:
             raise RuntimeError(f"add {servicer.service_name} before start")
+        credential = getattr(servicer, "credential", None)
+        if not isinstance(credential, Credential):
+            raise TypeError(f"{servicer.service_name}: a servicer says which token its RPCs require "
+                            f"(credential = Credential.CLIENT or Credential.PEER), got {credential!r}")
         servicer.add_to_server(self._server)
         self._services.append(servicer.service_name)
+        token = self._tokens[credential]
+        if token is not None:
+            self._required[servicer.service_name] = (credential, token)
 
     async def start(self, host: str, port: int, *, health_port: int = -1) -> int:
         """Bind ``host:port`` (0: a free port) and, when ``health_port >= 0``, the plaintext health
-        port; serve; return the bound gRPC port (``self.health_port`` holds the other, or -1)."""
+        port; serve; return the bound gRPC port (``self.health_port`` holds the other, or -1).
+        BindError naming the port when one is taken (or not this host's)."""
         if self._started:
             raise RuntimeError("GrpcServer.start may be called once")
         self._started = True
         reflection.enable_server_reflection((*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
         address = f"{host}:{port}"
-        self.port = (self._server.add_secure_port(address, self.tls.server_credentials()) if self.tls
-                     else self._server.add_insecure_port(address))
+        try:
+            self.port = (self._server.add_secure_port(address, self.tls.server_credentials()) if self.tls
+                         else self._server.add_insecure_port(address))
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."; a plain bind says why
+            ensure_bindable("port", host, port)
+            raise bind_error("port", host, port, exc) from None
         await self._server.start()
         if health_port >= 0:
-            self._probe_server = grpc.aio.server()
+            self._probe_server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()],
+                                                 options=list(NO_SHARED_PORT))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe_server)
-            self.health_port = self._probe_server.add_insecure_port(f"{host}:{health_port}")
+            try:
+                self.health_port = self._probe_server.add_insecure_port(f"{host}:{health_port}")
+            except RuntimeError as exc:
+                ensure_bindable("health-port", host, health_port)
+                raise bind_error("health-port", host, health_port, exc) from None
             await self._probe_server.start()
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._report_health()
         return self.port
 

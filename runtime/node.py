@@ -11,23 +11,24 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, TlsConfig
+from connector import UCX_NO_SHARED_MEMORY, ConnectorConfig, TlsConfig, bind_ucx_options
 from kvcache import BlockAllocator, RingAllocator
 from runtime.grpc_server import Servicer
+from runtime.health_gate import HealthGate
 from runtime.options import Option, Role
 from runtime.transports import Transports
 
 # Settings keys the runtime reads itself; every daemon's table has them (service_options, TLS_OPTIONS).
 RUNTIME_KEYS = frozenset({
-    "host", "port", "metrics_host", "metrics_port", "health_port", "token", "engine_id", "log_level", "log_format",
-    "torch_threads", "drain_s", "ready_file", "lease_s", "rpc_timeout_s", "transfer_timeout_s", "transports",
-    "device", "tls_cert", "tls_key", "tls_ca", "tls_require_client_auth",
+    "host", "port", "metrics_host", "metrics_port", "health_port", "token", "peer_token", "engine_id", "log_level",
+    "log_format", "torch_threads", "drain_s", "ready_file", "lease_s", "rpc_timeout_s", "transfer_timeout_s",
+    "transports", "device", "tls_cert", "tls_key", "tls_ca", "tls_require_client_auth",
 })
 
 
@@ -47,14 +48,16 @@ class NodeContext:
     transports: Transports
     registry: CollectorRegistry  # served at /metrics
     engine_id: str
+    health: HealthGate = field(default_factory=HealthGate)  # a node that cannot always serve reports it here
 
     @property
     def connector_config(self) -> ConnectorConfig:
-        """The connector settings every node shares: token, TLS, lease and deadlines (a node may
-        ``dataclasses.replace`` what is its own)."""
+        """The connector settings every node shares: the peer token, TLS, lease and deadlines (a
+        node may ``dataclasses.replace`` what is its own). The client token is no connector's."""
         s = self.settings
-        return ConnectorConfig(lease_s=s["lease_s"], bearer_token=s["token"] or None, tls=self.tls,
-                               rpc_timeout_s=s["rpc_timeout_s"], transfer_timeout_s=s["transfer_timeout_s"])
+        return ConnectorConfig(lease_s=s["lease_s"], peer_token=s["peer_token"] or None, tls=self.tls,
+                               rpc_timeout_s=s["rpc_timeout_s"], transfer_timeout_s=s["transfer_timeout_s"],
+                               ucx_options=bind_ucx_options(UCX_NO_SHARED_MEMORY, s["host"], s.get("prefill", "")))
 
 
 class Node(Protocol):

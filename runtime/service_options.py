@@ -1,13 +1,54 @@
 """The options every daemon has: where it listens, auth, logs, threads, drain, readiness file,
 connector deadlines, transports and device. A daemon's table is these, the TLS options, the
-model options and its own."""
+model options and its own.
+
+Auth is two credentials, never one (DESIGN section 5):
+
+- ``token``, the client credential: a decode daemon requires it on its public Generate API. A
+  prefill daemon serves no client API, so it has no use for it: given without ``peer-token`` it
+  stops the daemon (status 2), since an operator who gives a prefill node only ``token`` expects
+  it to guard something; given with ``peer-token`` it is unused (one YAML file's top-level keys
+  apply to both roles).
+- ``peer-token``, the peer credential: a prefill daemon requires it on every PrefillService RPC
+  (health and reflection excepted, as for ``token``); a decode daemon sends it on every call to
+  its prefill nodes. With mTLS (``tls-require-client-auth``) a prefill daemon may go without it:
+  then every certificate ``tls-ca`` signed is a peer, clients' certificates included.
+
+The two must differ. Empty means none: the service is open to whoever reaches it (and TLS lets in).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from runtime.device import device_name
 from runtime.logs import LEVELS, LogFormat, log_level
-from runtime.options import Option, one_of, parse_port, positive_float, positive_int
+from runtime.options import Option, Role, SettingsError, one_of, parse_port, positive_float, positive_int
 from runtime.transports import transport_list
+
+
+def bearer_token(text: Any) -> str:
+    """A bearer token: empty (none), or printable ASCII without spaces (what gRPC metadata carries
+    and ``Bearer <token>`` can hold). The error never repeats the value: it is a secret."""
+    value = str(text)
+    if value and not all("!" <= c <= "~" for c in value):
+        raise ValueError(f"a token must be printable ASCII without spaces (got {len(value)} characters, "
+                         "some of them not); the value is not shown")
+    return value
+
+
+def check_credentials(role: Role, settings: Mapping[str, Any]) -> None:
+    """SettingsError when the credentials cannot work as the module docstring says: a prefill
+    daemon given ``token`` without ``peer-token``, or the two tokens equal."""
+    token, peer_token = settings["token"], settings["peer_token"]
+    if token and token == peer_token:
+        raise SettingsError("peer-token must differ from token: the client token would open the prefill "
+                            "nodes' internal service to every client")
+    if Role(role) is Role.PREFILL and token and not peer_token:
+        raise SettingsError("token is the client credential of a decode daemon's Generate API and guards "
+                            "nothing on a prefill daemon: give peer-token (the credential decode daemons "
+                            "present), and leave token to the decode daemons")
 
 
 def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
@@ -17,7 +58,12 @@ def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("port", parse_port, grpc_port, "gRPC port (0: any free port)"),
         Option("metrics-host", str, "0.0.0.0", "address of the Prometheus /metrics endpoint"),
         Option("metrics-port", parse_port, metrics_port, "Prometheus /metrics port (0: any free port, -1: off)"),
-        Option("token", str, "", "bearer token required on every RPC (empty: none)"),
+        Option("token", bearer_token, "", "client credential: bearer token a decode daemon requires on its "
+                                          "Generate API (empty: none); a prefill daemon refuses it without "
+                                          "peer-token"),
+        Option("peer-token", bearer_token, "", "peer credential: bearer token a prefill daemon requires on its "
+                                               "internal PrefillService and a decode daemon sends to it (empty: "
+                                               "none; with mTLS the client certificate may stand alone)"),
         Option("engine-id", str, "", "this node's engine id (empty: <role>-<hostname>-<pid>)"),
         Option("log-level", log_level, "INFO", "log level", choices=LEVELS),
         Option("log-format", one_of(LogFormat), LogFormat.JSON, "json (one object a line) or text",

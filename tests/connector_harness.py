@@ -88,7 +88,7 @@ class InProcessPair:
     def __init__(self, *, prefill_config: CacheConfig = procs.CONFIG, decode_config: CacheConfig | None = None,
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
                  num_blocks: int = 32, num_rings: int = 4) -> None:
-        config = config or ConnectorConfig(bearer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
         self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
         self.p_blocks, self.p_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
         self.d_blocks, self.d_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)

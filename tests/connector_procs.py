@@ -123,7 +123,7 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
         pool = CachePool(layout, num_blocks=num_blocks, num_rings=num_rings)
         blocks, rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
         held = _fragment(blocks, random.Random(seed))
-        config = ConnectorConfig(lease_s=lease_s, bearer_token=TOKEN, transfer_timeout_s=lease_s * 2)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=lease_s * 2)
         node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry())
         if die == "grpc":  # fault injection: the process dies after its first chunk
@@ -173,7 +173,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
         _fragment(blocks, rng)  # the rest of the pool stays held: landed blocks are not contiguous
         start_free = (blocks.num_free, rings.num_free)
         t = Transport.parse(transport)
-        config = ConnectorConfig(lease_s=lease_s, bearer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
         node = await DecodeConnector(pool, blocks, rings, engine_id=f"decode-{scenario}", config=config,
                                      registry=CollectorRegistry(), transports=(t,)).start()
         out: dict = {"start_free": start_free}
@@ -300,7 +300,7 @@ def refusal_main(conn, *, address: str, what: str) -> None:
         pool = CachePool(layout, num_blocks=4, num_rings=2)
         token = None if what == "no_token" else TOKEN
         node = DecodeConnector(pool, BlockAllocator(4), RingAllocator(2), engine_id="decode-x",
-                               config=ConnectorConfig(bearer_token=token, rpc_timeout_s=3.0), registry=CollectorRegistry(),
+                               config=ConnectorConfig(peer_token=token, rpc_timeout_s=3.0), registry=CollectorRegistry(),
                                transports=(Transport.GRPC_STREAM,))
         try:
             await node.connect(address)

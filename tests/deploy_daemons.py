@@ -33,10 +33,11 @@ def base_name(obj: dict) -> str:
     return re.sub(r"-[a-z0-9]{10}$", "", name) if obj["kind"] == "ConfigMap" else name
 
 
-def token_secret(token: str) -> dict:
-    """The Secret the README has users create, made by the same kubectl command (client side)."""
+def token_secret(token: str, peer_token: str) -> dict:
+    """The Secret the README has users create (the client token and the peer token), made by the
+    same kubectl command (client side)."""
     text = dm.run_tool([dm.kubectl(), "create", "secret", "generic", TOKEN_SECRET, f"--from-literal=token={token}",
-                        "--dry-run=client", "-o", "yaml"])
+                        f"--from-literal=peer-token={peer_token}", "--dry-run=client", "-o", "yaml"])
     return yaml.safe_load(text)
 
 
@@ -64,7 +65,7 @@ def role_of(pod: dl.LocalPod) -> str:
 def daemon_settings(objects: list[dict], workload: dict, root: Path) -> tuple[str, dict]:
     """What the daemon in ``workload`` is given in the cluster: its role and its settings, parsed
     by the daemon's own loader from the container's args, env and mounted config file."""
-    pod = dl.LocalPod(objects, workload, None, root, extra_objects=[token_secret("t" * 32)])
+    pod = dl.LocalPod(objects, workload, None, root, extra_objects=[token_secret("t" * 32, "p" * 32)])
     role = role_of(pod)
     return role, load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)
 

@@ -8,11 +8,11 @@ from runtime import GrpcServer
 
 async def serve_prefill(node: PrefillConnector, *, host: str = "127.0.0.1", port: int = 0,
                         serving: bool = True) -> GrpcServer:
-    """Start ``node`` and a server for it (the connector's token, TLS and message limits); the
+    """Start ``node`` and a server for it (the connector's peer token, TLS and message limits); the
     bound port is ``server.port``."""
     await node.start()  # before the server's threads exist: it may initialise UCX (see runtime.daemon.serve)
     config = node.config
-    server = GrpcServer(token=config.bearer_token, tls=config.tls, options=config.grpc_options())
+    server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options())
     server.add(node)
     await server.set_serving(serving)
     await server.start(host, port)

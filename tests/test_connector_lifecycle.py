@@ -68,7 +68,7 @@ class UnavailableEngine:
 def test_cancelled_prefill_frees_its_allocation(how):
     async def main():
         engine = StalledEngine()
-        config = ConnectorConfig(bearer_token=procs.TOKEN, rpc_timeout_s=5.0 if how == "client-cancels" else 0.5)
+        config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0 if how == "client-cancels" else 0.5)
         async with InProcessPair(engine=engine, config=config) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
@@ -195,7 +195,7 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
 def test_pull_on_a_disconnected_peer_fails_and_frees():
     async def main():
         async with InProcessPair(config=dataclasses.replace(
-                ConnectorConfig(bearer_token=procs.TOKEN), rpc_timeout_s=3.0, transfer_timeout_s=3.0)) as pair:
+                ConnectorConfig(peer_token=procs.TOKEN), rpc_timeout_s=3.0, transfer_timeout_s=3.0)) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("orphan", [2] * 100)

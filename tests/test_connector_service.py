@@ -26,7 +26,7 @@ from tests.connector_procs import CONFIG, TOKEN, SeededFillEngine
 from tests.serving import serve_prefill, stop_prefill
 
 GRPC = Transport.GRPC_STREAM
-BASE = ConnectorConfig(bearer_token=TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+BASE = ConnectorConfig(peer_token=TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
 
 
 class Pair:

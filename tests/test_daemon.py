@@ -19,10 +19,12 @@ from model.colocated import GenerateRequest, make_prompts, run_colocated
 from runtime import model_flags
 from tests.polling import wait_for
 
-TOKEN = "daemon-test-token"
+TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)
+PEER_TOKEN = "daemon-test-peer-token"  # the peer credential (the prefill node's service)
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=3)
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=3)
-LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--log-format", "text"]
+LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--peer-token", PEER_TOKEN,
+          "--log-format", "text"]
 DECODE_BLOCKS = 4 * CONFIG.blocks_for(300, 64)
 
 
@@ -38,7 +40,7 @@ def metric(port: int, name: str) -> float:
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("daemons")
     flags = model_flags(MODEL)
-    prefill = start_prefill(workdir, flags, transports="grpc", extra=["--token", TOKEN, "--num-blocks", "64",
+    prefill = start_prefill(workdir, flags, transports="grpc", extra=["--peer-token", PEER_TOKEN, "--num-blocks", "64",
                                                                        "--log-format", "text"])
     daemons = [prefill]
     try:

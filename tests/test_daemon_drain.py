@@ -44,7 +44,8 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
             pool = CachePool(BlockLayout(CONFIG.cache_config()), num_blocks=32, num_rings=4)
             connector = await DecodeConnector(pool, BlockAllocator(32), RingAllocator(4), engine_id="drain-test",
                                               config=ConnectorConfig(), registry=CollectorRegistry(),
-                                              transports=(Transport.GRPC_STREAM,)).start()
+                                              transports=(Transport.GRPC_STREAM,),
+                                              model_identity=CONFIG.identity()).start()
             try:
                 peer = await connector.connect(address)
                 grant = await peer.prefill("held", list(range(40)))  # keeps the node draining

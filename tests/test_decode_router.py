@@ -74,7 +74,7 @@ def test_a_node_gone_from_dns_is_disconnected_once_its_grant_is_pulled():
 
 def test_an_unreleased_grant_keeps_a_retired_peer_only_until_its_lease_ends():
     async def main():
-        config = ConnectorConfig(bearer_token=procs.TOKEN, lease_s=0.5, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=0.5, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
         async with InProcessPair(config=config) as pair:
             dns = FakeDns([pair.address])
             router = PrefillRouter(pair.decode, ("dns:///prefill.example:1",), health_interval_s=60, rpc_timeout_s=5,

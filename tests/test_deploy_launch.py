@@ -1,7 +1,8 @@
 """The daemons started exactly as the cpu overlay describes them (plaintext, and with the TLS
 component), on loopback: requests through the decode Service's port, by the command-line client
 and the client library, equal the colocated run; unauthenticated and untrusted clients are
-refused; both pods stop within their grace period."""
+refused, and the client token opens nothing on a prefill pod; both pods stop within their grace
+period."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from connector import auth_metadata, open_channel
+from connector import prefill_api as pb
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all, model_info
 from model.colocated import make_prompts, run_colocated
@@ -44,7 +47,7 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant,
     objects = dm.render(variant)
     ports = dl.PortMap(objects)
     token = secrets.token_hex(16)
-    extra, tls, tls_flags = [token_secret(token)], None, []
+    extra, tls, tls_flags = [token_secret(token, secrets.token_hex(16))], None, []
     if "tls" in variant.components:  # the Secret the README has users create; clients present a certificate
         secret, files = tls_secret(tmp_path / "pki")
         extra.append(secret)
@@ -92,6 +95,18 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant,
 
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             asyncio.run(model_info(address, tls=tls))
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        # The client token opens nothing on a prefill pod: its PrefillService wants the peer token.
+        prefill_port = ports.of(prefill.workload, dm.container_port(prefill.container, "grpc")["containerPort"])
+        prefill_tls = None if tls is None else client_tls(ca=str(files["ca"]), cert=str(files["cert"]),
+                                                          key=str(files["key"]), server_name="kpool-pd-prefill")
+
+        async def heartbeat_with_the_client_token():
+            async with open_channel(f"{dl.LOOPBACK}:{prefill_port}", prefill_tls) as channel:
+                await pb.PrefillServiceStub(channel).Heartbeat(pb.HeartbeatRequest(engine_id="a-client"), timeout=5,
+                                                               metadata=auth_metadata(token))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(heartbeat_with_the_client_token())
         assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
         if tls is not None:  # a plaintext client, and a client without a certificate, get no connection
             for other in (None, client_tls(ca=str(files["ca"]), server_name="kpool-pd-decode")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import EXTENDED_RESOURCES, all_settings, variants
+from runtime import LIVENESS_SERVICE
 
 DAEMON_PORTS = {"port": "grpc", "metrics_port": "metrics", "health_port": "health"}  # settings key -> port name
 SERVICE_PORTS = {"grpc", "metrics"}  # what a Service exposes; probes reach the health port on the pod
@@ -38,8 +39,11 @@ def test_each_container_has_three_grpc_probes_with_one_handler_each(variant):
             for kind in PROBES:
                 assert kind in container, f"{container['name']}: no {kind}"
                 assert dm.probe_handlers(container[kind]) == ["grpc"], f"{container['name']}.{kind}"
-                # grpc.health.v1's overall status (""): the daemons set it SERVING after warm-up.
-                assert container[kind]["grpc"].get("service", "") == ""
+                # Readiness: grpc.health.v1's overall status (""), SERVING only while the node can take
+                # requests. Startup and liveness: the liveness name, SERVING from warm-up to stop, so
+                # that a node without a usable peer leaves the rotation without being restarted.
+                expected = "" if kind == "readinessProbe" else LIVENESS_SERVICE
+                assert container[kind]["grpc"].get("service", "") == expected, f"{container['name']}.{kind}"
 
 
 @variants

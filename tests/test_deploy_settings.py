@@ -1,5 +1,5 @@
 """What each daemon reads in the cluster, through its own settings loader: the ConfigMap (every
-key read, none unread, the same model options on both roles), the bearer-token Secret, drain
+key read, none unread, the same model options on both roles), the two bearer-token credentials, drain
 and grace periods, the metrics annotations, the transports and device per overlay, and the
 optional TLS Secret."""
 
@@ -42,16 +42,22 @@ def test_configmap_keys_read_by_the_daemons_exist_and_none_is_unread(variant, tm
 
 
 @variants
-def test_secret_references_give_both_daemons_the_same_bearer_token(variant, tmp_path):
+def test_secret_references_give_each_daemon_its_credentials(variant, tmp_path):
+    """The decode pods get the client token (their Generate API) and the peer token (their calls to
+    prefill pods); the prefill pods the peer token alone: the client token opens nothing there."""
     objects = dm.render(variant)
-    token = secrets.token_hex(16)
+    token, peer_token = secrets.token_hex(16), secrets.token_hex(16)
+    expected = {"decode": (["token", "peer-token"], token), "prefill": (["peer-token"], "")}
     for workload in dm.workloads(objects):
-        pod = dl.LocalPod(objects, workload, None, tmp_path, extra_objects=[token_secret(token)])
+        pod = dl.LocalPod(objects, workload, None, tmp_path, extra_objects=[token_secret(token, peer_token)])
         refs = [v["valueFrom"]["secretKeyRef"] for v in pod.container["env"]
                 if "secretKeyRef" in v.get("valueFrom", {})]
-        assert refs == [{"name": TOKEN_SECRET, "key": "token"}], "the token Secret must be required, not optional"
         role = role_of(pod)
-        assert load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)["token"] == token
+        keys, client_token = expected[role]
+        assert refs == [{"name": TOKEN_SECRET, "key": key} for key in keys], \
+            f"{role}: the token Secret's keys {keys} must be required, not optional"
+        settings = load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)
+        assert settings["token"] == client_token and settings["peer_token"] == peer_token, role
 
 
 @variants
@@ -113,7 +119,7 @@ def test_tls_files_come_from_the_optional_secret(variant, tmp_path):
         assert {"KPOOLPD_TLS_CERT", "KPOOLPD_TLS_KEY", "KPOOLPD_TLS_CA",
                 "KPOOLPD_TLS_REQUIRE_CLIENT_AUTH"} <= set(tls_env)
         for with_secret in (True, False):
-            extra = [token_secret("t" * 32), *([secret] if with_secret else [])]
+            extra = [token_secret("t" * 32, "p" * 32), *([secret] if with_secret else [])]
             pod = dl.LocalPod(objects, workload, None, tmp_path / f"{with_secret}", extra_objects=extra)
             role = role_of(pod)
             settings = load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)

@@ -21,7 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
-from connector import Transport, open_channel
+from connector import Credential, Transport, open_channel
 from kvcache import BlockAllocator, RingAllocator
 from runtime import (TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
                      service_options)
@@ -34,6 +34,7 @@ DEADLINE_S = 20.0
 
 class FakeServicer:
     service_name = "kpoolpd.test.Fake"
+    credential = Credential.PEER
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         pass
@@ -145,7 +146,7 @@ def test_serve_runs_the_steps_in_order_and_drains_until_idle(tmp_path, caplog):
     node = nodes[0]
     assert node.events == ["build", "warm_up", "start", "drain", "close"]
     assert node.port_open_at_close is False, "the server stops before the node closes"
-    assert node.context.engine_id.startswith("prefill-") and node.context.connector_config.bearer_token is None
+    assert node.context.engine_id.startswith("prefill-") and node.context.connector_config.peer_token is None
     assert set(info) == {"grpc_port", "metrics_port", "health_port", "engine_id", "pid"}
     assert info["engine_id"] == node.context.engine_id and info["pid"] == os.getpid()
     with pytest.raises(urllib.error.URLError):

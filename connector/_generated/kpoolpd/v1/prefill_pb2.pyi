@@ -38,19 +38,21 @@ class Layout(_message.Message):
     def __init__(self, layout_hash: _Optional[str] = ..., fields_json: _Optional[str] = ..., block_bytes: _Optional[int] = ..., ring_block_bytes: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "model_identity")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
     ucx_worker_address: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ...) -> None: ...
+    model_identity: str
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class HandshakeResponse(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -65,15 +68,18 @@ class HandshakeResponse(_message.Message):
     lease_ms: int
     max_prompt_tokens: int
     chunk_bytes: int
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    model_identity: str
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "engine_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class RingRange(_message.Message):
     __slots__ = ("start_slot", "num_slots")
@@ -174,10 +180,12 @@ class PullResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[PullGrant, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("grant_id",)
+    __slots__ = ("grant_id", "engine_id")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
-    def __init__(self, grant_id: _Optional[str] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -194,9 +202,11 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("unknown_grant_ids", "lease_ms")
+    __slots__ = ("unknown_grant_ids", "lease_ms", "engine_unknown")
     UNKNOWN_GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     unknown_grant_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ms: int
-    def __init__(self, unknown_grant_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    engine_unknown: bool
+    def __init__(self, unknown_grant_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., engine_unknown: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,123 @@
+"""UCX with GPU memory on one GPU, as the Handshake hardening leaves it: the prefill and the decode
+node's pools both on cuda:0, each in its own process; the decode node's worker address (with the
+cuda transports in it) passes the address check and the probe child; requests land byte for byte
+with UCX's memory-type cache off (``UCX_MEMTYPE_CACHE=n`` now applies), and UCX prints no warning
+about unused options. Run by ``tests/gpu/run_all.sh`` on an H200."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (spawned children inherit it)
+
+LENGTHS = [1, 5, 65, 1000, 4096]
+
+
+def _prefill_proc(conn) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from connector import ConnectorConfig, PrefillConnector, Transport
+    from connector_procs import CONFIG, SeededFillEngine
+    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+    from serving import serve_prefill, stop_prefill
+
+    async def main():
+        pool = CachePool(BlockLayout(CONFIG), num_blocks=256, num_rings=8, device="cuda:0")
+        blocks, rings = BlockAllocator(256), RingAllocator(8)
+        node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="gpu-prefill",
+                                config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
+                                registry=CollectorRegistry(), transports=(Transport.UCX,))
+        server = await serve_prefill(node)
+        conn.send((server.port, sorted(node._ucx.active_transports()), node._ucx.ucx_config().get("NET_DEVICES")))
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await stop_prefill(server, node)
+        conn.send((blocks.num_free, rings.num_free))
+
+    asyncio.run(main())
+    os._exit(0)
+
+
+def _decode_proc(conn, address: str) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from connector import ConnectorConfig, DecodeConnector, Transport
+    from connector.ucx_address import check_worker_address
+    from connector_procs import CONFIG, expected_block, expected_ring
+    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+
+    async def main():
+        layout = BlockLayout(CONFIG)
+        pool = CachePool(layout, num_blocks=256, num_rings=8, device="cuda:0")
+        pool.blocks.fill_(0xA5)
+        blocks, rings = BlockAllocator(256), RingAllocator(8)
+        blocks.allocate(7)
+        node = await DecodeConnector(pool, blocks, rings, engine_id="gpu-decode",
+                                     config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
+                                     registry=CollectorRegistry(), transports=(Transport.UCX,)).start()
+        info = check_worker_address(node.ucx.address)
+        peer = await node.connect(address)
+        rng = random.Random(5)
+        checked = 0
+        for i, n in enumerate(LENGTHS):
+            rid = f"one-gpu-{i}"
+            grant = await peer.prefill(rid, [rng.randrange(1000) for _ in range(n)])
+            with await peer.pull(grant, transport=Transport.UCX, integrity=i % 2 == 1) as landed:
+                for j, b in enumerate(landed.block_ids):
+                    assert torch.equal(pool.blocks[b].cpu(), expected_block(layout, rid, j)), (rid, j)
+                    checked += layout.block_bytes
+                ring = expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
+                got = pool.rings[landed.ring_id].cpu().view(layout.ring_slots, layout.ring_slot_bytes)
+                for pos in range(n // CONFIG.kpool * CONFIG.kpool, n):
+                    assert torch.equal(got[pos % layout.ring_slots], ring[pos % layout.ring_slots]), (rid, pos)
+                    checked += layout.ring_slot_bytes
+        conn.send(("ok", checked, len(node.ucx.address), info.interfaces, sorted(node.ucx.active_transports()),
+                   os.environ.get("UCX_MEMTYPE_CACHE")))
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:  # report the failure to the test, then leave
+        conn.send(("error", repr(exc)))
+    os._exit(0)
+
+
+def test_gpu_memory_moves_over_ucx_on_one_gpu(capfd):
+    ctx = mp.get_context("spawn")
+    p_conn, p_child = ctx.Pipe()
+    prefill = ctx.Process(target=_prefill_proc, args=(p_child,), daemon=True)
+    prefill.start()
+    try:
+        assert p_conn.poll(120), "prefill process did not start"
+        port, prefill_transports, _ = p_conn.recv()
+        d_conn, d_child = ctx.Pipe()
+        decode = ctx.Process(target=_decode_proc, args=(d_child, f"127.0.0.1:{port}"), daemon=True)
+        decode.start()
+        assert d_conn.poll(300), "decode process did not report"
+        result = d_conn.recv()
+        decode.join(30)
+        assert result[0] == "ok", result
+        _, checked, nbytes, interfaces, transports, memtype = result
+        print(f"moved and checked {checked} bytes; decode worker address {nbytes} bytes, {interfaces} interfaces; "
+              f"transports decode {transports}, prefill {prefill_transports}; UCX_MEMTYPE_CACHE={memtype}")
+        assert checked > 0 and memtype == "n"
+        p_conn.send("stop")
+        assert p_conn.poll(60)
+        p_conn.recv()
+    finally:
+        if prefill.is_alive():
+            prefill.kill()
+        prefill.join(10)
+    output = capfd.readouterr()
+    assert "unused environment variable" not in output.out + output.err

@@ -1,0 +1,194 @@
+"""Process bodies and helpers for the Handshake hardening tests: a prefill node in its own process
+that logs to a file and reports which decode engines it knows; a decode node that handshakes, then
+waits for the test's go before it pulls; junk worker addresses an attacker would send."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import random
+import time
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
+from connector import prefill_api as pb
+from connector.wire import layout_message
+from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from tests import connector_procs as procs
+from tests.serving import serve_prefill, stop_prefill
+
+CTX = mp.get_context("spawn")
+PULL_LENGTHS = (1, 5, 64, 65, 300, 1000)
+
+
+def prefill_logged_main(conn, *, log_path: str, lease_s: float, model_identity: str = "") -> None:
+    """A prefill node (``procs.CONFIG``, UCX and the gRPC stream) logging to ``log_path``; answers
+    ("counts",) with (free blocks, free rings, grants held), ("peers",) with (the engines it knows,
+    the engines it holds a UCX address of), ("stop",) by stopping."""
+    logging.basicConfig(filename=log_path, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    async def main():
+        layout = BlockLayout(procs.CONFIG)
+        pool = CachePool(layout, num_blocks=96, num_rings=8)
+        blocks, rings = BlockAllocator(96), RingAllocator(8)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=max(lease_s * 2, 3.0))
+        node = PrefillConnector(pool, blocks, rings, procs.SeededFillEngine(), engine_id="prefill-0", config=config,
+                                registry=CollectorRegistry(), model_identity=model_identity)
+        server = await serve_prefill(node)
+        conn.send(("port", server.port, blocks.num_free, rings.num_free))
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "counts":
+                conn.send((blocks.num_free, rings.num_free, len(node.leases)))
+            elif cmd[0] == "peers":
+                conn.send((sorted(node._peers), sorted(node._ucx.peers())))
+            elif cmd[0] == "stop":
+                await stop_prefill(server, node)
+                conn.send(("stopped",))
+                return
+    asyncio.run(main())
+    os._exit(0)  # skip interpreter teardown of the UCX worker
+
+
+class LoggedPrefill:
+    """``prefill_logged_main`` in a spawned process; ``ask(cmd)`` sends a command and returns the answer."""
+
+    def __init__(self, log_path, **kwargs) -> None:
+        self.log_path = log_path
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=prefill_logged_main, args=(child,), kwargs={"log_path": str(log_path), **kwargs},
+                                daemon=True)
+        self.proc.start()
+        assert self.conn.poll(60), f"prefill process did not start (exit {self.proc.exitcode})"
+        _, self.port, self.free_blocks, self.free_rings = self.conn.recv()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def ask(self, *cmd):
+        assert self.proc.is_alive(), f"prefill process died with {self.proc.exitcode}"
+        self.conn.send(cmd)
+        assert self.conn.poll(20), f"no answer to {cmd}"
+        return self.conn.recv()
+
+    def log(self) -> str:
+        return open(self.log_path, errors="replace").read()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "decode-real") -> None:
+    """A decode node (UCX only): handshake, send ("ready", engine id, UCX worker address), wait for
+    ("go",), then prefill and pull ``PULL_LENGTHS`` over UCX and compare every block and the ring's
+    live slots byte for byte; send {"ok": [...], "errors": [...], "differences": [...]}."""
+    async def main():
+        layout = BlockLayout(procs.CONFIG)
+        pool = CachePool(layout, num_blocks=64, num_rings=4)
+        blocks, rings = BlockAllocator(64), RingAllocator(4)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=5.0, rpc_timeout_s=5.0)
+        node = await DecodeConnector(pool, blocks, rings, engine_id=engine_id, config=config,
+                                     registry=CollectorRegistry(), transports=(Transport.UCX,)).start()
+        peer = await node.connect(address)
+        conn.send(("ready", engine_id, node.ucx.address))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, conn.recv)
+        out = {"ok": [], "errors": [], "differences": []}
+        for n in PULL_LENGTHS:
+            rid = f"after-{n}"
+            try:
+                grant = await peer.prefill(rid, [(7 * i) % 50000 for i in range(n)])
+                with await peer.pull(grant, transport=Transport.UCX, integrity=True) as landed:
+                    out["differences"] += [f"{rid} block {j}" for j, b in enumerate(landed.block_ids)
+                                           if not torch.equal(pool.blocks[b], procs.expected_block(layout, rid, j))]
+                    ring = procs.expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
+                    got = pool.rings[landed.ring_id].view(layout.ring_slots, layout.ring_slot_bytes)
+                    out["differences"] += [f"{rid} ring slot {s}" for s in procs.live_slots(procs.CONFIG, n)
+                                           if not torch.equal(got[s], ring[s])]
+                out["ok"].append(n)
+            except StatusError as exc:
+                out["errors"].append(f"{n}: {exc.code.name}: {exc.message}")
+        await node.close()
+        conn.send(out)
+    asyncio.run(main())
+    os._exit(0)
+
+
+class WaitingDecode:
+    """``decode_wait_main`` in a spawned process: ``engine_id`` and ``ucx_address`` once it
+    handshook; ``go()`` lets it pull and returns its result dict."""
+
+    def __init__(self, address: str, lease_s: float, **kwargs) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=decode_wait_main, args=(child,), kwargs={"address": address, "lease_s": lease_s,
+                                                                                **kwargs}, daemon=True)
+        self.proc.start()
+        assert self.conn.poll(60), f"decode process did not handshake (exit {self.proc.exitcode})"
+        _, self.engine_id, self.ucx_address = self.conn.recv()
+
+    def go(self, timeout_s: float = 60) -> dict:
+        self.conn.send(("go",))
+        assert self.conn.poll(timeout_s), "decode process did not report"
+        out = self.conn.recv()
+        self.proc.join(10)
+        return out
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def junk_addresses(real: bytes, count: int, seed: int = 0) -> list[tuple[str, bytes]]:
+    """``count`` addresses an attacker might send, labelled: random 1 KiB, truncated real ones,
+    and real ones with a few bytes changed (some of these still reach the real worker)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        kind = ("random", "truncated", "mutated")[i % 3]
+        if kind == "random":
+            address = bytes(rng.randrange(256) for _ in range(1024))
+        elif kind == "truncated":
+            address = real[:rng.randrange(1, len(real))]
+        else:
+            data = bytearray(real)
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            address = bytes(data)
+        out.append((kind, address))
+    return out
+
+
+def handshake_as(address: str, engine_id: str, ucx_worker_address: bytes, *, layout=None, model_identity: str = "",
+                 timeout_s: float = 15.0) -> tuple[str, str]:
+    """One Handshake sent as an attacker would, with a raw stub (the peer token, any bytes); returns
+    (status code name, details)."""
+    request = pb.HandshakeRequest(engine_id=engine_id, layout=layout or layout_message(BlockLayout(procs.CONFIG)),
+                                  transports=[pb.TRANSPORT_UCX], ucx_worker_address=ucx_worker_address,
+                                  model_identity=model_identity)
+
+    async def go():
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                await pb.PrefillServiceStub(channel).Handshake(
+                    request, timeout=timeout_s, metadata=(("authorization", f"Bearer {procs.TOKEN}"),))
+                return "OK", ""
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name, exc.details()
+    return asyncio.run(go())
+
+
+def wait_until(predicate, timeout_s: float, period_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period_s)
+    return predicate()

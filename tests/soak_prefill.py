@@ -1,0 +1,65 @@
+"""The prefill daemon for the soak test (``python -m tests.soak_prefill <prefill flags>``): the real
+daemon, except that it holds a request at one step for ``HOLD_S`` when the request's id asks for
+it, so that a client's cancel lands in that step on the decode node:
+
+- ``@prefilling``: the prefill is computed (its blocks written), then the answer waits;
+- ``@pulling``: the Pull stream sends its grant, then waits before any byte;
+- ``@releasing``: the Release waits before it frees the grant.
+
+Nothing else changes: a held call that its caller cancels ends as the real one would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from connector import PrefillConnector
+from prefill_worker.batcher import BatchingPrefillEngine
+from prefill_worker.daemon import main
+
+HOLD_S = float(os.environ.get("KPOOLPD_SOAK_HOLD_S", "2.0"))
+
+
+def _asks(request_id: str, step: str) -> bool:
+    return f"@{step}" in request_id
+
+
+def install_holds() -> None:
+    """Patch the prefill node's steps (before the daemon registers its servicer)."""
+    real_prefill, real_pull, real_release = BatchingPrefillEngine.prefill, PrefillConnector.Pull, PrefillConnector.Release
+
+    async def prefill(self, request, cache):
+        out = await real_prefill(self, request, cache)
+        if _asks(request.request_id, "prefilling"):
+            await asyncio.sleep(HOLD_S)
+        return out
+
+    async def pull(self, request, context):
+        grant = self.leases.live(request.grant_id)
+        hold = grant is not None and _asks(grant.request_id, "pulling")
+        stream = real_pull(self, request, context)
+        try:
+            async for message in stream:
+                yield message
+                if hold:
+                    hold = False
+                    await asyncio.sleep(HOLD_S)
+        finally:
+            await stream.aclose()
+
+    async def release(self, request, context):
+        grant = self.leases.live(request.grant_id)
+        if grant is not None and _asks(grant.request_id, "releasing"):
+            await asyncio.sleep(HOLD_S)
+        return await real_release(self, request, context)
+
+    BatchingPrefillEngine.prefill = prefill
+    PrefillConnector.Pull = pull
+    PrefillConnector.Release = release
+
+
+if __name__ == "__main__":
+    install_holds()
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The prefill node's service edge as an attacker meets it, over loopback sockets: two credentials
+(the client token never opens the PrefillService, the peer token does; health needs none), the
+Bearer scheme in any case, raw junk bytes to every method (INVALID_ARGUMENT, no ERROR traceback),
+and a server that will not share its port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
+from connector import prefill_api as pb
+from connector.auth import presented_token
+from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from runtime import GrpcServer
+from runtime.ports import BindError, ensure_bindable
+from tests.connector_procs import CONFIG, SeededFillEngine
+
+CLIENT_TOKEN, PEER_TOKEN = "client-secret", "peer-secret"
+SERVICE = f"/{pb.SERVICE_NAME}/"
+UNARY = ("Handshake", "Prefill", "Release", "Heartbeat")
+METHODS = (*UNARY, "Pull")
+JUNK = b"\xff\xff\xff\xff\x0f"  # field 31, wire type 7: no protobuf message parses it
+
+
+class Served:
+    """A prefill connector behind a GrpcServer that knows both tokens (as a decode daemon's would
+    not: the worst case, where the client token is at hand on the same server)."""
+
+    def __init__(self, *, client_token: str | None = CLIENT_TOKEN, peer_token: str | None = PEER_TOKEN) -> None:
+        layout = BlockLayout(CONFIG)
+        self.node = PrefillConnector(CachePool(layout, num_blocks=8, num_rings=2), BlockAllocator(8), RingAllocator(2),
+                                     SeededFillEngine(), engine_id="prefill-auth",
+                                     config=ConnectorConfig(peer_token=peer_token), registry=CollectorRegistry(),
+                                     transports=(Transport.GRPC_STREAM,))
+        self.server = GrpcServer(client_token=client_token, peer_token=peer_token)
+        self.server.add(self.node)
+
+    async def __aenter__(self) -> "Served":
+        await self.node.start()
+        await self.server.set_serving(True)
+        await self.server.start("127.0.0.1", 0)
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+        await self.server.stop(0)
+        await self.node.stop()
+
+    async def raw(self, method: str, payload: bytes, metadata=()) -> grpc.aio.AioRpcError | list[bytes]:
+        """Call ``method`` with ``payload`` as the request's bytes, as a client without the stubs would."""
+        try:
+            if method == "Pull":
+                call = self.channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
+                return [r async for r in call(payload, timeout=5, metadata=metadata)]
+            call = self.channel.unary_unary(SERVICE + method, request_serializer=None, response_deserializer=None)
+            return [await call(payload, timeout=5, metadata=metadata)]
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def _heartbeat() -> bytes:
+    return pb.HeartbeatRequest(engine_id="anyone").SerializeToString()
+
+
+# two credentials ---------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("presented", [CLIENT_TOKEN, None, "not-a-token"], ids=["client-token", "no-token", "wrong"])
+def test_only_the_peer_token_opens_the_prefill_service(method, presented):
+    async def main():
+        async with Served() as served:
+            request = {"Handshake": pb.HandshakeRequest(engine_id="intruder"),
+                       "Prefill": pb.PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], engine_id="intruder"),
+                       "Pull": pb.PullRequest(grant_id="g", engine_id="intruder"),
+                       "Release": pb.ReleaseRequest(grant_id="g", engine_id="intruder"),
+                       "Heartbeat": pb.HeartbeatRequest(engine_id="intruder")}[method].SerializeToString()
+            refused = await served.raw(method, request, auth_metadata(presented))
+            assert isinstance(refused, grpc.aio.AioRpcError), refused
+            assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert "needs the peer-token" in refused.details()
+            assert served.node.grants_held == 0 and served.node.blocks.num_free == 8
+            assert "intruder" not in served.node._peers
+            # the same call with the peer token gets past auth (to the service's own answer)
+            answered = await served.raw(method, request, auth_metadata(PEER_TOKEN))
+            assert not isinstance(answered, grpc.aio.AioRpcError) or \
+                answered.code() is not grpc.StatusCode.UNAUTHENTICATED, answered
+    run(main())
+
+
+def test_health_is_open_and_reflection_takes_the_peer_token_only():
+    async def main():
+        async with Served() as served:
+            health = health_pb2_grpc.HealthStub(served.channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=pb.SERVICE_NAME), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+            ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in reflect.ServerReflectionInfo(iter(ask), timeout=5, metadata=auth_metadata(CLIENT_TOKEN)):
+                    pass
+            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            names = [s.name async for r in reflect.ServerReflectionInfo(iter(ask), timeout=5,
+                                                                        metadata=auth_metadata(PEER_TOKEN))
+                     for s in r.list_services_response.service]
+            assert pb.SERVICE_NAME in names
+    run(main())
+
+
+def test_one_token_for_both_credentials_is_refused():
+    with pytest.raises(ValueError, match="must differ"):
+        GrpcServer(client_token="same", peer_token="same")
+
+
+# the Bearer scheme -------------------------------------------------------------------------
+@pytest.mark.parametrize("header,accepted", [
+    (f"Bearer {PEER_TOKEN}", True), (f"bearer {PEER_TOKEN}", True), (f"BEARER {PEER_TOKEN}", True),
+    (f"bEaReR   {PEER_TOKEN}", True), (f"Basic {PEER_TOKEN}", False), (PEER_TOKEN, False),
+    (f"Bearer {PEER_TOKEN}x", False), (f"Bearer {PEER_TOKEN[:-1]}", False), ("Bearer ", False),
+], ids=["canonical", "lower", "upper", "mixed-and-spaces", "basic", "no-scheme", "longer", "shorter", "empty"])
+def test_the_bearer_scheme_is_case_insensitive_and_the_token_exact(header, accepted):
+    assert (presented_token([("authorization", header)]) == PEER_TOKEN) is accepted
+
+    async def main():
+        async with Served() as served:
+            got = await served.raw("Heartbeat", _heartbeat(), (("authorization", header),))
+            if accepted:
+                assert not isinstance(got, grpc.aio.AioRpcError), got
+                assert pb.HeartbeatResponse.FromString(got[0]).lease_ms > 0
+            else:
+                assert isinstance(got, grpc.aio.AioRpcError) and got.code() is grpc.StatusCode.UNAUTHENTICATED
+    run(main())
+
+
+# junk bytes --------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_junk_request_bytes_answer_invalid_argument_without_a_traceback(method, caplog):
+    caplog.set_level(logging.INFO)
+
+    async def main():
+        async with Served() as served:
+            got = await served.raw(method, JUNK, auth_metadata(PEER_TOKEN))
+            assert isinstance(got, grpc.aio.AioRpcError), got
+            assert got.code() is grpc.StatusCode.INVALID_ARGUMENT, got
+            assert f"malformed request to {SERVICE}{method}" in got.details()
+            # without the token, the bytes are not even looked at
+            anonymous = await served.raw(method, JUNK)
+            assert anonymous.code() is grpc.StatusCode.UNAUTHENTICATED
+            # and the server still serves
+            fine = await served.raw("Heartbeat", _heartbeat(), auth_metadata(PEER_TOKEN))
+            assert not isinstance(fine, grpc.aio.AioRpcError), fine
+    run(main())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert not any(r.exc_info for r in caplog.records)
+    assert any("malformed request" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_junk_to_the_health_service_answers_invalid_argument(caplog):
+    async def main():
+        async with Served() as served:
+            call = served.channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                              response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(JUNK, timeout=5)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# ports -------------------------------------------------------------------------------------
+def test_a_second_server_on_a_served_port_fails_naming_it_and_the_first_still_serves():
+    async def main():
+        async with Served() as served:
+            port = served.server.port
+            with pytest.raises(BindError, match=f"port: port {port} on 127.0.0.1 is in use"):
+                ensure_bindable("port", "127.0.0.1", port)
+            second = GrpcServer(peer_token=PEER_TOKEN)
+            with pytest.raises(BindError, match=f"port: port {port} on 127.0.0.1 is in use"):
+                await second.start("127.0.0.1", port)
+            await second.stop(0)
+            for _ in range(5):  # every new connection still reaches the first server
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert served.server.port == port
+    run(main())
+
+
+def test_ensure_bindable_passes_a_free_port_and_skips_any_and_off():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    ensure_bindable("port", "127.0.0.1", free)
+    ensure_bindable("port", "127.0.0.1", 0)
+    ensure_bindable("metrics-port", "127.0.0.1", -1)

@@ -1,0 +1,290 @@
+"""The Handshake under attack and under neglect, against a real prefill process (UCX on): junk UCX
+worker addresses sent with a raw stub never take the process down and never touch a working decode
+engine's state; a decode engine that died is forgotten, a live one is kept (its keep-alive) and a
+forgotten one handshakes again; layout, model and UCX refusals are logged; a connection reset during
+a pull is a warning, not an unexpected error; UCX starts without a warning about its options."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector import ConnectorConfig, PrefillConnector, StatusError, TlsConfig, Transport
+from connector.compat import model_differences
+from connector.prefill import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
+from connector.ucx import ucx_available
+from connector.wire import layout_message
+from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from tests import connector_procs as procs
+from tests import handshake_procs as hp
+from tests.connector_harness import InProcessPair, run_child
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")
+ROOT = Path(__file__).resolve().parent.parent
+LEASE_S = 2.0
+OTHER_LAYOUT = layout_message(BlockLayout(procs.make_config("kpool-2heads")))
+
+
+@pytest.fixture
+def nodes():
+    """Every process a test starts, killed at teardown."""
+    started = []
+    yield started
+    for node in started:
+        node.kill()
+
+
+def test_junk_worker_addresses_leave_the_prefill_serving(tmp_path, nodes):
+    prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=LEASE_S)
+    nodes.append(prefill)
+    real = hp.WaitingDecode(prefill.address, LEASE_S)
+    nodes.append(real)
+    junk = hp.junk_addresses(real.ucx_address, 51, seed=3)
+    began = time.monotonic()
+    answers = [(kind, *hp.handshake_as(prefill.address, f"attacker-{i}", address))
+               for i, (kind, address) in enumerate(junk)]
+    seconds = time.monotonic() - began
+    assert prefill.proc.is_alive(), f"the prefill process died ({prefill.proc.exitcode}) after {answers}"
+    for kind, code, details in answers:
+        if kind in ("random", "truncated"):
+            assert code == "INVALID_ARGUMENT" and "ucx_worker_address refused" in details, (kind, code, details)
+        else:  # a changed byte may leave an address that still reaches the real worker
+            assert code in ("OK", "INVALID_ARGUMENT", "UNAVAILABLE"), (kind, code, details)
+    assert seconds < 60, f"51 refused handshakes took {seconds:.1f} s"
+    # the node still serves the real decode node byte for byte, and a new one too
+    out = real.go()
+    assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
+    fresh = hp.WaitingDecode(prefill.address, LEASE_S, engine_id="decode-fresh")
+    nodes.append(fresh)
+    out = fresh.go()
+    assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
+    assert prefill.ask("counts") == (prefill.free_blocks, prefill.free_rings, 0) or wait_for(
+        lambda: prefill.ask("counts") == (prefill.free_blocks, prefill.free_rings, 0), 3 * LEASE_S)
+    log = prefill.log()
+    assert "handshake of engine 'attacker-0' refused (INVALID_ARGUMENT): ucx_worker_address refused" in log
+    assert "Unexpected" not in log and "Traceback" not in log
+
+
+def test_failed_handshakes_under_a_working_engine_id_change_nothing(tmp_path, nodes):
+    prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=LEASE_S)
+    nodes.append(prefill)
+    gone = hp.WaitingDecode(prefill.address, LEASE_S, engine_id="decode-gone")
+    nodes.append(gone)
+    gone.kill()  # its worker address is well formed, and nothing answers there any more
+    real = hp.WaitingDecode(prefill.address, LEASE_S)
+    nodes.append(real)
+    before = prefill.ask("peers")
+    assert real.engine_id in before[0] and real.engine_id in before[1]
+    attacks = {
+        "address of a dead worker": (dict(ucx_worker_address=gone.ucx_address), "UNAVAILABLE"),
+        "truncated address": (dict(ucx_worker_address=real.ucx_address[:30]), "INVALID_ARGUMENT"),
+        "no address": (dict(ucx_worker_address=b""), "INVALID_ARGUMENT"),
+        "other layout": (dict(ucx_worker_address=gone.ucx_address, layout=OTHER_LAYOUT), "FAILED_PRECONDITION"),
+        "other model": (dict(ucx_worker_address=gone.ucx_address, model_identity='{"seed":9}'), "FAILED_PRECONDITION"),
+        "random bytes": (dict(ucx_worker_address=os.urandom(1024)), "INVALID_ARGUMENT"),
+    }
+    for what, (fields, code) in attacks.items():
+        got, details = hp.handshake_as(prefill.address, real.engine_id, **fields)
+        assert got == code, (what, got, details)
+        assert prefill.ask("peers") == before, f"{what} changed the prefill node's peers"
+    out = real.go()
+    assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
+    log = prefill.log()
+    assert f"handshake of engine '{real.engine_id}' refused (FAILED_PRECONDITION): cache layout differs" in log
+    assert f"handshake of engine '{real.engine_id}' refused (UNAVAILABLE): cannot make a UCX endpoint" in log
+
+
+def test_a_dead_decode_engine_is_forgotten_and_a_live_one_kept(tmp_path, nodes):
+    lease_s = 0.5
+    prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=lease_s)
+    nodes.append(prefill)
+    live = hp.WaitingDecode(prefill.address, lease_s, engine_id="decode-live")
+    dead = hp.WaitingDecode(prefill.address, lease_s, engine_id="decode-dead")
+    nodes += [live, dead]
+    assert prefill.ask("peers") == (["decode-dead", "decode-live"], ["decode-dead", "decode-live"])
+    dead.kill()
+    began = time.monotonic()
+    assert wait_for(lambda: "decode-dead" not in prefill.ask("peers")[0], FORGET_AFTER_LEASES * lease_s + 10)
+    assert time.monotonic() - began >= (FORGET_AFTER_LEASES - 1) * lease_s
+    time.sleep(FORGET_AFTER_LEASES * lease_s + 1)  # a whole silence horizon: the live one heartbeats
+    assert prefill.ask("peers") == (["decode-live"], ["decode-live"])
+    out = live.go()
+    assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
+    assert "forgetting decode engine decode-dead (not heard from for" in prefill.log()
+
+
+def test_a_forgotten_engine_handshakes_again_and_pulls():
+    lease_s = 0.5
+
+    async def main():
+        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=lease_s, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        async with InProcessPair(config=config, transports=(Transport.UCX,)) as pair:
+            peer = await pair.decode.connect(pair.address)
+            engine, node = pair.decode.engine_id, pair.prefill
+            now = time.monotonic()
+            assert node.forget_silent(now + (FORGET_AFTER_LEASES - 1) * lease_s) == []
+            assert node.forget_silent(now + FORGET_AFTER_LEASES * lease_s + 0.1) == [engine]
+            assert not node._ucx.knows(engine) and engine not in node._peers
+            deadline = time.monotonic() + 5 * lease_s
+            while not node._ucx.knows(engine):  # the keep-alive finds out and handshakes again
+                assert time.monotonic() < deadline, "the decode engine did not handshake again"
+                await asyncio.sleep(0.05)
+            grant = await peer.prefill("again", [3] * 150)
+            with await peer.pull(grant, transport=Transport.UCX) as landed:
+                layout = pair.decode.pool.layout
+                assert all(torch.equal(pair.decode.pool.blocks[b], procs.expected_block(layout, "again", j))
+                           for j, b in enumerate(landed.block_ids))
+            # after a failed send, a shorter silence is enough
+            node._ucx._send_failed[engine] = time.monotonic()
+            now = time.monotonic()
+            assert node.forget_silent(now + (FORGET_AFTER_FAILED_SEND_LEASES - 1) * lease_s) == []
+            assert node.forget_silent(now + FORGET_AFTER_FAILED_SEND_LEASES * lease_s + 0.1) == [engine]
+    asyncio.run(main())
+
+
+def test_refusals_are_logged_naming_the_engine_and_why(caplog):
+    async def main():
+        async with InProcessPair(decode_config=procs.make_config("kpool-2heads")) as pair:
+            with pytest.raises(StatusError) as err:
+                await pair.decode.connect(pair.address)
+            assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        async with InProcessPair() as pair:
+            pair.prefill.model_identity, pair.decode.model_identity = '{"seed":1}', '{"seed":2}'
+            with pytest.raises(StatusError) as err:
+                await pair.decode.connect(pair.address)
+            assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "seed 1 vs 2" in err.value.message
+    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
+        asyncio.run(main())
+    refusals = [r.getMessage() for r in caplog.records if r.name == "connector.prefill"]
+    assert any(m.startswith("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): cache layout differs")
+               and "mla_num_heads" in m for m in refusals), refusals
+    assert any("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): model differs" in m
+               and "seed 1 vs 2" in m for m in refusals), refusals
+
+
+def test_the_decode_side_refuses_a_prefill_node_of_another_model(monkeypatch):
+    import connector.prefill
+
+    monkeypatch.setattr(connector.prefill, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
+
+    async def main():
+        async with InProcessPair() as pair:
+            pair.prefill.model_identity, pair.decode.model_identity = '{"seed":1}', '{"seed":2}'
+            with pytest.raises(StatusError) as err:
+                await pair.decode.connect(pair.address)
+            assert pair.decode.peers == ()
+            return err.value
+    err = asyncio.run(main())
+    assert err.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert "model differs (this engine vs prefill node prefill-t): seed 2 vs 1" in err.message, err.message
+
+
+@pytest.mark.parametrize("ours,theirs,want", [
+    ('{"a":1,"seed":1}', '{"a":1,"seed":1}', []),
+    ('{"a":1,"seed":1}', '{"a":1,"seed":2}', ["seed 1 vs 2"]),
+    ('{"seed":1}', '{"seed":1,"topk":8}', ["topk (none) vs 8"]),
+    ("", "", []),
+    ('{"seed":1}', "", ["identity '{\"seed\":1}' vs (none)"]),
+    ("abc", "abd", ["identity 'abc' vs 'abd'"]),
+], ids=["equal", "seed", "missing-field", "both-empty", "one-empty", "opaque"])
+def test_model_differences(ours, theirs, want):
+    assert model_differences(ours, theirs) == want
+
+
+def test_model_identity_covers_every_field():
+    import dataclasses
+
+    from kvcache import CacheDtype, CacheFamily, PoolMode
+    from model import ModelConfig
+
+    base = ModelConfig(num_spec=3)
+    changed = {"family": CacheFamily.QSA, "num_layers": 3, "kpool": 2, "compress_ratio": 8, "num_spec": 1, "block_size": 128,
+               "seed": 1, "vocab_size": 512, "index_heads": 2, "topk": 4, "mla_entry_bytes": 64,
+               "pool_mode": next(m for m in PoolMode if m is not base.pool_mode),
+               "qsa_dtype": next(d for d in CacheDtype if d is not base.qsa_dtype)}
+    assert set(changed) == {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, value in changed.items():
+        other = dataclasses.replace(base, **{name: value})
+        assert other.identity() != base.identity(), name
+        assert json.loads(base.identity()) == json.loads(base.identity()) and " " not in base.identity()
+    assert model_differences(base.identity(), dataclasses.replace(base, seed=2).identity()) == ["seed 0 vs 2"]
+
+
+def test_a_connection_reset_during_a_pull_is_a_warning(tmp_path, nodes):
+    prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=LEASE_S)
+    nodes.append(prefill)
+    messages, code = run_child(procs.decode_main, address=prefill.address, transport="ucx", scenario="decode_dies",
+                               lease_s=LEASE_S)
+    assert messages == [{"dying": True}] and code == 17
+    assert wait_for(lambda: "pull of grant" in prefill.log() and "ended before its last byte" in prefill.log(), 20)
+    log = prefill.log()
+    assert "Unexpected" not in log and "Traceback" not in log, log[-3000:]
+    assert "engine decode-decode_dies" in log or "to decode-decode_dies" in log, log[-3000:]
+    assert prefill.proc.is_alive()
+
+
+def test_ucx_starts_without_a_warning_about_its_options():
+    code = ("import asyncio, os\n"
+            "from connector.ucx import UcxNode\n"
+            "async def main():\n"
+            "    node = UcxNode((('TLS', '^posix,sysv,cma,xpmem,knem'),))\n"
+            "    print('TRANSPORTS', sorted(node.active_transports()), os.environ['UCX_MEMTYPE_CACHE'], flush=True)\n"
+            "asyncio.run(main()); os._exit(0)\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    proc = subprocess.run([sys.executable, "-c", code], env=clean, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert "TRANSPORTS" in output and "n" == output.split("TRANSPORTS")[1].split()[-1], output
+    assert "WARN" not in output and "unused environment variable" not in output, output
+
+
+def test_tls_with_ucx_warns_that_the_cache_bytes_are_not_encrypted(caplog):
+    async def main():
+        pool = CachePool(BlockLayout(procs.CONFIG), num_blocks=4, num_rings=2)
+        node = PrefillConnector(pool, BlockAllocator(4), RingAllocator(2), procs.SeededFillEngine(), engine_id="tls-ucx",
+                                config=ConnectorConfig(tls=TlsConfig(cert_chain=b"pem", private_key=b"pem")),
+                                registry=CollectorRegistry(), transports=(Transport.UCX,))
+        await node.start()
+        await node.stop()
+    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
+        asyncio.run(main())
+    assert any("NOT encrypted" in r.getMessage() and "UCX" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("tls,transport,want", [(True, "ucx", False), (True, "grpc", True), (False, "ucx", False)],
+                         ids=["tls-ucx", "tls-grpc", "plaintext-ucx"])
+def test_the_summary_says_whether_the_cache_bytes_were_encrypted(tls, transport, want):
+    from kpool_pd.report import summary, summary_text
+
+    model = {"family": "kpool", "kpool": 4, "compress_ratio": 4, "num_spec": 3, "layers": 2, "block_size": 64}
+    report = summary([], mode="pd", wall_s=1.0, model=model, transport=transport, tls=tls,
+                     data_plane_encrypted=tls and transport == "grpc")
+    assert report["tls"] is tls and report["data_plane_encrypted"] is want
+    assert ("NOT encrypted" in summary_text(report)) is (tls and not want)
+
+
+def test_the_probe_child_takes_the_crash_and_is_replaced():
+    from connector.ucx_probe import ProbeOutcome, UcxProbe
+
+    async def main():
+        probe = UcxProbe({"TLS": "^posix,sysv,cma,xpmem,knem"})
+        try:
+            crash = await probe.probe(b"\x04" + bytes(range(200)), 60)  # a version nibble UCX asserts on
+            after = await probe.probe(b"\x20" + bytes(8) + b"\x00\x80", 60)  # v1, one empty device: no transport
+            return crash, after, probe.starts
+        finally:
+            await probe.close()
+    crash, after, starts = asyncio.run(main())
+    assert crash.outcome is ProbeOutcome.CRASHED and "SIGABRT" in crash.detail, crash
+    assert after.outcome is ProbeOutcome.UNREACHABLE and starts == 2, (after, starts)

@@ -1,0 +1,187 @@
+"""A bounded soak: 300 requests through a real prefill daemon and two decode daemons (one pulling
+over UCX when it is installed, one over the gRPC stream), a quarter of them cancelled by their
+client, aimed at every state of a request: waiting in the queue, prefilling, pulling, releasing
+the grant, decoding. The prefill daemon (``tests.soak_prefill``) holds the requests aimed at
+its steps there until the cancel has come.
+
+At the end nothing is held anywhere: every block and ring is free again on all three daemons,
+no reservation is left, and no lease expired (a lease of 30 s cannot run out here: only Releases
+freed the grants); the cancels landed in every state; every request that was not cancelled
+finished and equals the colocated run byte for byte.
+
+Rounds of 20 requests per decode daemon (``--max-running 3``): the three requests aimed at the
+prefill node's steps go first and take every slot; the rest queue behind them, the one aimed at
+the queue is cancelled there, and the others run once the three are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from connector import open_channel, ucx_available
+from decode_worker import api
+from kpool_pd.client import RequestFailed, generate_one
+from kpool_pd.launcher import Daemon, start_decode
+from model import ModelConfig
+from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+from runtime import model_flags, model_settings
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=17)
+TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
+REQUESTS, ROUND = 300, 20
+HELD = ("prefilling", "pulling", "releasing")  # held on the prefill node until cancelled
+STATES = ("waiting", *HELD, "decoding")
+HOLD_S = 2.0  # the prefill node's hold (tests.soak_prefill)
+CANCEL_HELD_S = 0.5  # a held request is cancelled this long after it was sent
+CANCEL_WAITING_S = 0.15  # the one aimed at the queue: while the held ones still take every slot
+MAX_RUNNING = len(HELD)
+SETTLE_S = HOLD_S + 10.0
+READY_S = 120.0
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Planned:
+    request: GenerateRequest
+    aim: str | None  # the state its cancel is aimed at; None: it runs to the end
+
+
+def plan(transport: str, rounds: int, seed: int) -> list[list[Planned]]:
+    """Rounds of ``ROUND`` requests: one aimed at each state, the rest run to the end. Small
+    prompts (1 to 40 tokens) and few output tokens (64 for the one cancelled while decoding)."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(rounds):
+        prompts = make_prompts(ROUND, 40, seed=seed * 1000 + r, vocab_size=CONFIG.vocab_size, max_tokens=8,
+                               prefix=f"{transport}-{r}")
+        planned = []
+        for i, p in enumerate(prompts):
+            aim = STATES[i] if i < len(STATES) else None
+            request_id = f"{p.request_id}@{aim}" if aim else p.request_id
+            max_tokens = 64 if aim == "decoding" else rng.randint(2, 8)
+            planned.append(Planned(GenerateRequest(request_id=request_id, prompt=p.prompt[:rng.randint(1, 40)],
+                                                   max_tokens=max_tokens), aim))
+        out.append(planned)
+    return out
+
+
+async def cancelled(stub: api.GenerateServiceStub, p: Planned) -> None:
+    """Send ``p`` and cancel it where it is aimed: after a delay, or after its second tokens."""
+    r = p.request
+    call = stub.Generate(api.GenerateRequest(request_id=r.request_id, prompt_token_ids=list(r.prompt),
+                                             max_tokens=r.max_tokens), timeout=60)
+    if p.aim == "decoding":
+        seen = 0
+        async for response in call:
+            seen += response.WhichOneof("event") == "tokens"
+            if seen == 2:  # the first comes before the decode loop; the second from it
+                break
+    else:
+        await asyncio.sleep(CANCEL_WAITING_S if p.aim == "waiting" else CANCEL_HELD_S)
+    call.cancel()
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        async for _ in call:
+            pass
+
+
+async def run_round(stub: api.GenerateServiceStub, planned: list[Planned]) -> list:
+    async def finished(p: Planned):
+        try:
+            return await generate_one(stub, p.request, token=None, timeout_s=60)
+        except RequestFailed as exc:
+            return exc
+
+    def start(p: Planned):
+        return asyncio.ensure_future(finished(p) if p.aim is None else cancelled(stub, p))
+    tasks = [start(p) for p in planned if p.aim in HELD]
+    await asyncio.sleep(0.05)  # they hold every slot now: the rest queue
+    tasks += [start(p) for p in planned if p.aim not in HELD]
+    return [r for r in await asyncio.gather(*tasks) if r is not None]
+
+
+async def drive(port: int, rounds: list[list[Planned]]) -> list:
+    async with open_channel(f"127.0.0.1:{port}", None) as channel:
+        stub = api.GenerateServiceStub(channel)
+        results = []
+        for planned in rounds:
+            results += await run_round(stub, planned)
+        return results
+
+
+def metrics(daemon: Daemon) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10).read().decode()
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kpoolpd_"))}
+
+
+def held_counts(daemon: Daemon, role: str) -> tuple[float, float]:
+    m = metrics(daemon)
+    return m[f"kpoolpd_{role}_free_blocks"], m[f"kpoolpd_{role}_free_rings"]
+
+
+def test_cancels_aimed_at_every_state_leave_nothing_held_and_the_rest_match_colocated(tmp_path):
+    flags = model_flags(model_settings(CONFIG))
+    env = {"PYTHONPATH": str(ROOT), "KPOOLPD_SOAK_HOLD_S": str(HOLD_S)}
+    prefill = Daemon("tests.soak_prefill", ["--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
+                                            "--metrics-port", "0", "--num-blocks", "256", "--max-prompt-tokens", "64",
+                                            "--log-format", "text", *flags], tmp_path, "prefill", env=env)
+    decodes: list[Daemon] = []
+    try:
+        prefill.wait_ready(READY_S)
+        decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name=f"decode-{t}", transport=t,
+                                extra=["--max-running", str(MAX_RUNNING), "--max-prompt-tokens", "64",
+                                       "--max-new-tokens", "64", "--log-format", "text"]) for t in TRANSPORTS]
+        per_decode = REQUESTS // ROUND // len(TRANSPORTS)
+        rounds = {t: plan(t, per_decode + (i < REQUESTS // ROUND % len(TRANSPORTS)), seed=i + 1)
+                  for i, t in enumerate(TRANSPORTS)}
+        assert sum(len(r) for rs in rounds.values() for r in rs) == REQUESTS
+        runs = [p.request for rs in rounds.values() for r in rs for p in r if p.aim is None]
+        reference = {r.request_id: r for r in run_colocated(CONFIG, runs)}  # while the decode daemons warm up
+        for d in decodes:
+            d.wait_ready(READY_S)
+        start = {d.name: held_counts(d, "decode") for d in decodes}
+        prefill_start = held_counts(prefill, "prefill")
+
+        async def everything():
+            return await asyncio.gather(*(drive(d.port, rounds[t]) for d, t in zip(decodes, TRANSPORTS)))
+        outcomes = asyncio.run(everything())
+
+        assert wait_for(lambda: held_counts(prefill, "prefill") == prefill_start, SETTLE_S), \
+            (held_counts(prefill, "prefill"), prefill_start, prefill.log_tail(20))
+        for d in decodes:
+            assert wait_for(lambda: held_counts(d, "decode") == start[d.name], SETTLE_S), d.log_tail(20)
+            assert metrics(d)["kpoolpd_decode_reserved_blocks"] == 0
+        assert metrics(prefill)["kpoolpd_prefill_leases_expired_total"] == 0
+
+        landed = {state: sum(metrics(d).get(f'kpoolpd_decode_cancelled_total{{state="{state}"}}', 0) for d in decodes)
+                  for state in STATES}
+        aimed = REQUESTS // ROUND  # one per round and state
+        assert all(landed[s] >= aimed // 2 for s in STATES), f"cancels by state: {landed} (aimed {aimed} each)"
+        assert sum(landed.values()) == len(STATES) * aimed, landed
+
+        for transport, results in zip(TRANSPORTS, outcomes):
+            failed = [r for r in results if isinstance(r, RequestFailed)]
+            assert not failed, f"{len(failed)} failed over {transport}: {failed[:3]}"
+            assert {r.transport for r in results} == {transport}
+            for r in results:
+                want = reference[r.request_id]
+                assert isinstance(r, RequestResult) and (r.tokens, r.output_digest, r.state_digest) == (
+                    want.tokens, want.output_digest, want.state_digest), r.request_id
+        assert sum(len(r) for r in outcomes) == len(runs)
+    finally:
+        for daemon in (*decodes, prefill):
+            daemon.signal(signal.SIGTERM)
+        for daemon in (*decodes, prefill):
+            daemon.stop()
