@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from connector import (ConnectorConfig, EngineUnavailable, PrefillCache, PrefillConnector, PrefillInput, PrefillOutput,
                        StatusError, Transport)
+from runtime import LIVENESS_SERVICE
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.serving import serve_prefill, stop_prefill
@@ -142,6 +143,28 @@ def test_set_serving_before_start_is_what_start_reports():
         finally:
             await stop_prefill(server, pair.prefill)
         assert await _health_or_code(address) is grpc.StatusCode.UNAVAILABLE  # stopped: nothing answers
+    run(main())
+
+
+def test_the_liveness_name_stays_serving_while_the_server_is_not_serving():
+    async def liveness(address: str) -> int:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=5)
+        return reply.status
+
+    async def main():
+        pair = InProcessPair()
+        server = await serve_prefill(pair.prefill, serving=False)
+        try:
+            address = f"127.0.0.1:{server.port}"
+            assert await _health(address) == [NOT_SERVING, NOT_SERVING]
+            assert await liveness(address) == SERVING  # up, though not taking requests
+            await server.set_serving(True)
+            await server.set_serving(False)  # a drain, a node without peers
+            assert await liveness(address) == SERVING
+        finally:
+            await stop_prefill(server, pair.prefill)
     run(main())
 
 
