@@ -9,7 +9,6 @@ import logging
 import multiprocessing as mp
 import os
 import random
-import time
 
 import grpc
 import torch
@@ -183,12 +182,3 @@ def handshake_as(address: str, engine_id: str, ucx_worker_address: bytes, *, lay
             except grpc.aio.AioRpcError as exc:
                 return exc.code().name, exc.details()
     return asyncio.run(go())
-
-
-def wait_until(predicate, timeout_s: float, period_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(period_s)
-    return predicate()
