@@ -11,7 +11,6 @@ import os
 import random
 
 import grpc
-import torch
 from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
@@ -105,12 +104,7 @@ def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "de
             try:
                 grant = await peer.prefill(rid, [(7 * i) % 50000 for i in range(n)])
                 with await peer.pull(grant, transport=Transport.UCX, integrity=True) as landed:
-                    out["differences"] += [f"{rid} block {j}" for j, b in enumerate(landed.block_ids)
-                                           if not torch.equal(pool.blocks[b], procs.expected_block(layout, rid, j))]
-                    ring = procs.expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
-                    got = pool.rings[landed.ring_id].view(layout.ring_slots, layout.ring_slot_bytes)
-                    out["differences"] += [f"{rid} ring slot {s}" for s in procs.live_slots(procs.CONFIG, n)
-                                           if not torch.equal(got[s], ring[s])]
+                    out["differences"] += procs.landed_differences(pool, landed, rid, n)[0]
                 out["ok"].append(n)
             except StatusError as exc:
                 out["errors"].append(f"{n}: {exc.code.name}: {exc.message}")

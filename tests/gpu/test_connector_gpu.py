@@ -55,7 +55,7 @@ def _decode_proc(conn, address: str, transport: str) -> None:
     from prometheus_client import CollectorRegistry
 
     from connector import ConnectorConfig, DecodeConnector, Transport
-    from connector_procs import CONFIG, expected_block, expected_ring
+    from connector_procs import CONFIG, landed_differences
     from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 
     async def main():
@@ -78,14 +78,9 @@ def _decode_proc(conn, address: str, transport: str) -> None:
             with await peer.pull(grant, reserve_blocks=grant.num_blocks + extra, transport=t,
                                  integrity=i % 2 == 1) as landed:
                 assert len(landed.block_ids) == grant.num_blocks + extra
-                for j, b in enumerate(landed.block_ids[:grant.num_blocks]):
-                    assert torch.equal(pool.blocks[b].cpu(), expected_block(layout, rid, j)), (rid, j)
-                    checked += layout.block_bytes
-                ring = expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
-                got = pool.rings[landed.ring_id].cpu().view(layout.ring_slots, layout.ring_slot_bytes)
-                for pos in range(n // CONFIG.kpool * CONFIG.kpool, n):
-                    assert torch.equal(got[pos % layout.ring_slots], ring[pos % layout.ring_slots]), (rid, pos)
-                    checked += layout.ring_slot_bytes
+                differences, compared = landed_differences(pool, landed, rid, n)
+                assert not differences, differences
+                checked += compared
         conn.send(("ok", checked, blocks.num_free, rings.num_free))
 
     try:

@@ -55,7 +55,7 @@ def _decode_proc(conn, address: str) -> None:
 
     from connector import ConnectorConfig, DecodeConnector, Transport
     from connector.ucx_address import check_worker_address
-    from connector_procs import CONFIG, expected_block, expected_ring
+    from connector_procs import CONFIG, landed_differences
     from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 
     async def main():
@@ -75,14 +75,9 @@ def _decode_proc(conn, address: str) -> None:
             rid = f"one-gpu-{i}"
             grant = await peer.prefill(rid, [rng.randrange(1000) for _ in range(n)])
             with await peer.pull(grant, transport=Transport.UCX, integrity=i % 2 == 1) as landed:
-                for j, b in enumerate(landed.block_ids):
-                    assert torch.equal(pool.blocks[b].cpu(), expected_block(layout, rid, j)), (rid, j)
-                    checked += layout.block_bytes
-                ring = expected_ring(layout, rid).view(layout.ring_slots, layout.ring_slot_bytes)
-                got = pool.rings[landed.ring_id].cpu().view(layout.ring_slots, layout.ring_slot_bytes)
-                for pos in range(n // CONFIG.kpool * CONFIG.kpool, n):
-                    assert torch.equal(got[pos % layout.ring_slots], ring[pos % layout.ring_slots]), (rid, pos)
-                    checked += layout.ring_slot_bytes
+                differences, compared = landed_differences(pool, landed, rid, n)
+                assert not differences, differences
+                checked += compared
         conn.send(("ok", checked, len(node.ucx.address), info.interfaces, sorted(node.ucx.active_transports()),
                    os.environ.get("UCX_MEMTYPE_CACHE")))
 
