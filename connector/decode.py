@@ -52,7 +52,7 @@ class DecodeConnector:
         self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
         self.ucx: UcxNode | None = None
         self._peers: list[PrefillPeer] = []
-        self._keepalives: set[asyncio.Task] = set()
+        self._keepalives: dict[PrefillPeer, asyncio.Task] = {}  # one per connected peer
 
     async def start(self) -> "DecodeConnector":
         """Make the UCX worker when UCX is among ``transports`` (idempotent); returns self."""
@@ -102,8 +102,7 @@ class DecodeConnector:
         self._peers.append(peer)
         task = asyncio.create_task(self._keep_alive(peer, stub, req, r.lease_ms / 1000 or self.config.lease_s),
                                    name=f"keepalive-{address}")
-        self._keepalives.add(task)
-        task.add_done_callback(self._keepalives.discard)
+        self._keepalives[peer] = task
         return peer
 
     async def _keep_alive(self, peer: PrefillPeer, stub: pb.PrefillServiceStub, handshake: pb.HandshakeRequest,
@@ -143,6 +142,9 @@ class DecodeConnector:
             raise TypeError(f"disconnect takes a PrefillPeer or a 'host:port' string, got {type(peer_or_address).__name__}")
         self._peers = [p for p in self._peers if all(p is not g for g in gone)]
         for peer in gone:
+            keepalive = self._keepalives.pop(peer, None)
+            if keepalive is not None:
+                keepalive.cancel()
             await peer.close()
         if gone:
             logger.info("disconnected from %s (%d channel%s)", peer_or_address if isinstance(peer_or_address, str)
@@ -152,9 +154,11 @@ class DecodeConnector:
     async def close(self) -> None:
         """At shutdown: close every peer's channel (calls in flight on them fail) and the UCX
         worker. Requests already landed keep their blocks until released."""
-        for task in list(self._keepalives):
+        keepalives = list(self._keepalives.values())
+        self._keepalives.clear()
+        for task in keepalives:
             task.cancel()
-        await asyncio.gather(*self._keepalives, return_exceptions=True)
+        await asyncio.gather(*keepalives, return_exceptions=True)
         for peer in self._peers:
             await peer.close()
         self._peers.clear()

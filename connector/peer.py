@@ -17,7 +17,7 @@ from connector.errors import StatusError, rpc_failure
 from connector.landed import Allocation, LandedRequest, PrefillGrant
 from connector.plan import TransferPlan
 from connector.pull import InboundPull, Landing
-from connector.wire import Transport, ring_from
+from connector.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class PrefillPeer:
         self.layout = layout
         self.repacks = layout.layout_hash != connector.pool.layout.layout_hash
         self.closed = False
-        self.transports = tuple(Transport(t) for t in response.transports if t in {x.value for x in Transport})
+        self.transports = transports_from(response.transports)
         self._channel = channel
         self._stub = pb.PrefillServiceStub(channel)
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)

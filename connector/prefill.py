@@ -45,9 +45,9 @@ from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
 from connector.plan import plan_transfer, ring_live_range
-from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode, UcxSendError, UcxUnreachableError
+from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode, UcxSendError
 from connector.ucx_address import WorkerAddressError
-from connector.wire import Transport, layout_message, ring_message
+from connector.wire import Transport, layout_message, ring_message, transports_from
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self.config = config
         self.layout = pool.layout
         self.transports = tuple(transports)
+        self._offered_values = frozenset(t.value for t in self.transports)
         self.metrics = ConnectorMetrics(registry, "prefill")
         self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
         self.leases = LeaseTable(config.lease_s)
@@ -209,7 +210,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if model:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch", engine_id,
                                f"model differs (prefill node {self.engine_id} vs engine {engine_id}): {'; '.join(model)}")
-        offered = tuple(Transport(t) for t in request.transports if t in {x.value for x in Transport})
+        offered = transports_from(request.transports)
         if Transport.UCX in offered and self._ucx is not None:
             await self._reach(context, engine_id, request.ucx_worker_address)
         if differing:
@@ -344,14 +345,15 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
         if grant.engine_id != request.engine_id:
             await self._refuse_foreign(context, "Pull", request.engine_id)
-        if request.transport not in {t.value for t in self.transports}:
+        if request.transport not in self._offered_values:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
         transport = Transport(request.transport)
         if request.engine_id not in self._peers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} has not handshaken")
         self._heard_from(request.engine_id)
-        if transport is Transport.UCX and (self._ucx is None or not self._ucx.knows(request.engine_id)):
+        if transport is Transport.UCX and (self._ucx is None or Transport.UCX not in self._peers[request.engine_id]
+                                           or not self._ucx.knows(request.engine_id)):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
         if transport is Transport.UCX and request.ucx_tag_base == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")

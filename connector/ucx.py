@@ -160,13 +160,14 @@ class UcxNode:
         probe down, ``UcxUnreachableError`` when UCX refused the endpoint or the probe did not answer
         within ``timeout_s``. Verdicts are remembered (the last ``VETTED_MEMORY`` each way), a time-out
         excepted. Called on this node's event loop; probes run one at a time."""
+        known = bytes(address) if isinstance(address, (bytes, bytearray, memoryview)) else None
+        if known in self._vetted:  # a verdict is only ever kept for an address whose bytes passed
+            self._vetted.move_to_end(known)
+            return
+        if known in self._refused:
+            raise WorkerAddressError(self._refused[known])
         check_worker_address(address, unified_mode=self._unified)
         address = bytes(address)
-        if address in self._vetted:
-            self._vetted.move_to_end(address)
-            return
-        if address in self._refused:
-            raise WorkerAddressError(self._refused[address])
         self.start_vetting()
         result = await self._probe.probe(address, timeout_s)
         if result.outcome is ProbeOutcome.REACHED:

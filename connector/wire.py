@@ -28,6 +28,15 @@ class Transport(enum.Enum):
         return names[name]
 
 
+
+_TRANSPORT_VALUES = frozenset(t.value for t in Transport)
+
+
+def transports_from(values) -> tuple[Transport, ...]:
+    """The transports a message lists, in its order; values this build does not know are skipped
+    (a newer peer may offer more)."""
+    return tuple(Transport(v) for v in values if v in _TRANSPORT_VALUES)
+
 def layout_message(layout: BlockLayout) -> pb.Layout:
     return pb.Layout(
         layout_hash=layout.layout_hash,

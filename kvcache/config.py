@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 from kvcache.family import Count, FamilySpec, blocks_for_tokens, family_spec_type
@@ -103,9 +105,10 @@ class CacheConfig:
             cache_rope_positions=self.cache_rope_positions,
         )
 
-    @property
+    @functools.cached_property
     def family_spec(self) -> FamilySpec:
-        """The family's page and ring specs behind one interface (``KpoolFamilySpec`` or ``QsaFamilySpec``)."""
+        """The family's page and ring specs behind one interface (``KpoolFamilySpec`` or ``QsaFamilySpec``);
+        built once per config (the config is frozen), since the cache ops ask it every step."""
         return family_spec_type(self.family).from_config(self)
 
     @property

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, family_spec_type
+from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, blocks_for_tokens, family_spec_type
 
 MIN_STATES_PER_BLOCK = 16
 
@@ -91,7 +91,7 @@ class ModelConfig:
         """Blocks a request holds at its largest: positions [0, prompt_len + max_tokens - 1)
         (the last output token is never written; drafts never pass it). ValueError when that
         count is negative."""
-        return self.cache_config().blocks_for_tokens(prompt_len + max_tokens - 1)
+        return blocks_for_tokens(prompt_len + max_tokens - 1, self.resolved_block_size)
 
     def describe(self) -> dict[str, object]:
         return {

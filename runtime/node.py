@@ -8,6 +8,8 @@ ready file, waits for SIGTERM, drains and closes.
 
 from __future__ import annotations
 
+import functools
+
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -22,14 +24,12 @@ from kvcache import BlockAllocator, RingAllocator
 from runtime.grpc_server import Servicer
 from runtime.health_gate import HealthGate
 from runtime.options import Option, Role
+from runtime.service_options import service_options
+from runtime.tls import TLS_OPTIONS
 from runtime.transports import Transports
 
-# Settings keys the runtime reads itself; every daemon's table has them (service_options, TLS_OPTIONS).
-RUNTIME_KEYS = frozenset({
-    "host", "port", "metrics_host", "metrics_port", "health_port", "token", "peer_token", "engine_id", "log_level",
-    "log_format", "torch_threads", "drain_s", "ready_file", "lease_s", "rpc_timeout_s", "transfer_timeout_s",
-    "transports", "device", "tls_cert", "tls_key", "tls_ca", "tls_require_client_auth",
-})
+# Settings keys the runtime reads itself; every daemon's table has them.
+RUNTIME_KEYS = frozenset(option.key for option in (*service_options(grpc_port=0, metrics_port=0), *TLS_OPTIONS))
 
 
 def default_engine_id(role: Role | str) -> str:
@@ -50,10 +50,11 @@ class NodeContext:
     engine_id: str
     health: HealthGate = field(default_factory=HealthGate)  # a node that cannot always serve reports it here
 
-    @property
+    @functools.cached_property
     def connector_config(self) -> ConnectorConfig:
         """The connector settings every node shares: the peer token, TLS, lease and deadlines (a
-        node may ``dataclasses.replace`` what is its own). The client token is no connector's."""
+        node may ``dataclasses.replace`` what is its own). The client token is no connector's.
+        Built once: choosing UCX's interfaces lists the host's and resolves names."""
         s = self.settings
         return ConnectorConfig(lease_s=s["lease_s"], peer_token=s["peer_token"] or None, tls=self.tls,
                                rpc_timeout_s=s["rpc_timeout_s"], transfer_timeout_s=s["transfer_timeout_s"],
