@@ -35,6 +35,9 @@ from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAll
 from runtime import GrpcServer
 
 
+PHASES = ("control", "post", "wire", "completion", "verify")  # connector.PullTimeline's fields, in order
+
+
 def _config(layers: int, block_size: int, kpool: int) -> CacheConfig:
     return CacheConfig(layer_names=tuple(f"layer.{i}" for i in range(layers)), block_size=block_size, kpool=kpool, num_spec=3)
 
@@ -209,7 +212,7 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     rows = []
     for tokens in args["tokens"]:
         for transport in transports:
-            times = []
+            times, timelines = [], []
             for rep in range(args["reps"] + 1):
                 grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
                 t0 = time.perf_counter()
@@ -217,12 +220,15 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
                 if pool.device.type == "cuda":
                     torch.cuda.synchronize(pool.device)
                 times.append(time.perf_counter() - t0)
+                timelines.append(landed.timeline)
                 await peer.release(grant.grant_id)
                 landed.release()
             seconds = statistics.median(times[1:])
             rows.append({"tokens": tokens, "layers": args["layers"], "bytes": landed.nbytes,
                          "path": f"connector {transport.label}{suffix}", "gbps": landed.nbytes / seconds / 1e9,
-                         "ms": seconds * 1e3, "regions": landed.regions})
+                         "ms": seconds * 1e3, "regions": landed.regions,
+                         "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in timelines[1:]), 3)
+                                       for name in PHASES}})
     await node.close()
     conn.send("stop")
     proc.join(30)
@@ -291,11 +297,13 @@ def _table(rows: list[dict]) -> str:
         return {r["tokens"]: r["gbps"] for r in rows if r["path"] in path_names}
     baselines = [("x copy", rates(("memcpy", "device copy", "torch peer copy"))), ("x socket", rates(("raw socket",))),
                  ("x nixl", rates(("nixl read",)))]
-    lines = [f"{'tokens':>7} {'MiB':>8} {'path':<20} {'ms':>9} {'GB/s':>7}" + "".join(f" {n:>8}" for n, _ in baselines)]
+    lines = [f"{'tokens':>7} {'MiB':>8} {'path':<20} {'ms':>9} {'GB/s':>7}" + "".join(f" {n:>8}" for n, _ in baselines)
+             + "  where a connector pull's time went (ms, median): " + " / ".join(PHASES)]
     for r in rows:
         ms = r.get("ms", r["bytes"] / r["gbps"] / 1e6)
         ratios = "".join(f" {r['gbps'] / b[r['tokens']]:8.2f}" if r["tokens"] in b else f" {'-':>8}" for _, b in baselines)
-        lines.append(f"{r['tokens']:>7} {r['bytes'] / 2**20:8.1f} {r['path']:<20} {ms:9.3f} {r['gbps']:7.2f}{ratios}")
+        phases = "  " + " / ".join(f"{r['phases_ms'][name]:.3f}" for name in PHASES) if "phases_ms" in r else ""
+        lines.append(f"{r['tokens']:>7} {r['bytes'] / 2**20:8.1f} {r['path']:<20} {ms:9.3f} {r['gbps']:7.2f}{ratios}{phases}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -13,12 +14,17 @@ from connector.plan import RingRange
 from connector.wire import Transport
 from kvcache import BlockAllocator, RingAllocator
 
+if TYPE_CHECKING:
+    from connector.pull import PullTimeline
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillGrant:
-    """What a Prefill call returned: the grant to pull, and what the decode node allocates."""
+    """What a Prefill call returned: the grant to pull, what the decode node allocates, and the
+    source side of the transfer plan (the prefill node's blocks and ring), so that the decode node
+    plans and posts its receives before it pulls."""
 
     grant_id: str
     request_id: str
@@ -27,6 +33,8 @@ class PrefillGrant:
     ring_live: RingRange
     first_token: int
     lease_s: float
+    src_block_ids: tuple[int, ...]
+    src_ring_id: int
 
 
 class Allocation:
@@ -76,13 +84,14 @@ class LandedRequest:
     Owns them all until ``release()`` (idempotent) frees them; a context manager. ``__del__``
     only reports a leak."""
 
-    __slots__ = ("grant", "transport", "nbytes", "regions", "seconds", "repacked", "_allocation")
+    __slots__ = ("grant", "transport", "nbytes", "regions", "seconds", "repacked", "timeline", "_allocation")
 
     def __init__(self, grant: PrefillGrant, allocation: Allocation, *, transport: Transport, nbytes: int, regions: int,
-                 seconds: float, repacked: bool = False) -> None:
+                 seconds: float, repacked: bool = False, timeline: "PullTimeline | None" = None) -> None:
         self.grant = grant
         self.transport, self.nbytes, self.regions, self.seconds = transport, nbytes, regions, seconds
         self.repacked = repacked  # landed in a staging buffer and converted from the peer's block order
+        self.timeline = timeline  # where the pull's time went (connector.pull.PullTimeline)
         self._allocation = allocation
 
     @property

@@ -15,7 +15,6 @@ from connector import prefill_api as pb
 from connector.auth import auth_metadata
 from connector.errors import StatusError, rpc_failure
 from connector.landed import Allocation, LandedRequest, PrefillGrant
-from connector.plan import TransferPlan
 from connector.pull import InboundPull, Landing
 from connector.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout
@@ -97,8 +96,13 @@ class PrefillPeer:
             call.add_done_callback(self._release_abandoned)
             raise
         self._open_grants[r.grant_id] = time.monotonic() + r.lease_ms / 1000
+        if len(r.src_block_ids) != r.num_blocks:
+            self.release_soon(r.grant_id)
+            raise StatusError(grpc.StatusCode.INTERNAL, f"Prefill of {request_id} on {self.address} named "
+                              f"{len(r.src_block_ids)} source blocks for a grant of {r.num_blocks}")
         return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
-                            ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000)
+                            ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000,
+                            src_block_ids=tuple(r.src_block_ids), src_ring_id=r.src_ring_id)
 
     async def _prefill_call(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         try:
@@ -221,7 +225,7 @@ class PrefillPeer:
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._renew(grant.grant_id))
         try:
-            plan = await asyncio.wait_for(self._land(grant, allocation, transport, integrity), c.config.transfer_timeout_s)
+            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity), c.config.transfer_timeout_s)
         except BaseException as exc:
             allocation.free()
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
@@ -235,9 +239,9 @@ class PrefillPeer:
         finally:
             heartbeat.cancel()
         seconds = time.perf_counter() - started
-        c.metrics.transferred(transport.label, plan.total_bytes, len(plan), seconds)
-        landed = LandedRequest(grant, allocation, transport=transport, nbytes=plan.total_bytes, regions=len(plan),
-                               seconds=seconds, repacked=self.repacks)
+        c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
+        landed = LandedRequest(grant, allocation, transport=transport, nbytes=pull.plan.total_bytes,
+                               regions=len(pull.plan), seconds=seconds, repacked=self.repacks, timeline=pull.timeline)
         if release:
             try:  # a failed Release is logged (the lease frees it): the data has landed
                 await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s))
@@ -247,18 +251,20 @@ class PrefillPeer:
         return landed
 
     async def _land(self, grant: PrefillGrant, allocation: Allocation, transport: Transport,
-                    integrity: bool) -> TransferPlan:
-        """Open the Pull stream and land the prompt into the first ``grant.num_blocks`` blocks."""
+                    integrity: bool) -> InboundPull:
+        """Open the Pull stream and land the prompt into the first ``grant.num_blocks`` blocks; the
+        finished pull (its plan and timeline)."""
         c = self.connector
         landing = Landing(c.pool, self.layout, allocation.block_ids[:grant.num_blocks])
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base)
-        call = self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md)
-        return await InboundPull(call, address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
-                                 transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx,
-                                 metrics=c.metrics).run()
+        pull = InboundPull(lambda: self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md),
+                           address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
+                           transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics)
+        await pull.run()
+        return pull
 
     async def close(self) -> None:
         """Close the channel (idempotent); calls in flight on it fail with CANCELLED, background

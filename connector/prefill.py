@@ -304,7 +304,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 cache.rollback()
         return pb.PrefillResponse(request_id=request.request_id, grant_id=grant_id, prompt_len=n,
                                   num_blocks=len(out.block_ids), ring_live=ring_message(live),
-                                  first_token=out.first_token, lease_ms=int(self.config.lease_s * 1000))
+                                  first_token=out.first_token, lease_ms=int(self.config.lease_s * 1000),
+                                  src_block_ids=out.block_ids, src_ring_id=out.ring_id)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         grant = self.leases.live(request.grant_id)
@@ -372,6 +373,10 @@ class PrefillConnector(pb.PrefillServiceServicer):
         views = [regions.region_view(self.pool, p.src) for p in plan.pairs]
         started = time.perf_counter()
         finished = False
+        # UCX: the decode node posted its receives before it called Pull, so the sends start now,
+        # ahead of the stream's first message
+        sends = (asyncio.ensure_future(self._ucx.send(request.engine_id, views, request.ucx_tag_base))
+                 if transport is Transport.UCX else None)
         try:
             yield pb.PullResponse(grant=pb.PullGrant(
                 src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),
@@ -381,12 +386,13 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 step = self.config.chunk_bytes
                 for index, view in enumerate(views):
                     for off in range(0, view.numel(), step):
-                        data = regions.read_bytes(view[off:off + step])
-                        yield pb.PullResponse(chunk=pb.Chunk(region=index, offset=off, data=data))
+                        message = pb.PullResponse()  # filled in place: a Chunk passed in would be copied again
+                        chunk = message.chunk
+                        chunk.region, chunk.offset, chunk.data = index, off, regions.read_bytes(view[off:off + step])
+                        yield message
             else:
                 try:
-                    await asyncio.wait_for(self._ucx.send(request.engine_id, views, request.ucx_tag_base),
-                                           self.config.transfer_timeout_s)
+                    await asyncio.wait_for(asyncio.shield(sends), self.config.transfer_timeout_s)
                 except asyncio.TimeoutError:
                     self.metrics.failures.labels("deadline").inc()
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -399,6 +405,11 @@ class PrefillConnector(pb.PrefillServiceServicer):
             self.metrics.transferred(transport.label, plan.total_bytes, len(plan), time.perf_counter() - started)
             yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums))
         finally:
+            if sends is not None and not sends.done():
+                sends.cancel()  # UcxNode.send drops its endpoint as it is cancelled
+                await asyncio.wait([sends])
+            if sends is not None and not sends.cancelled():
+                sends.exception()  # retrieved (a failure was answered above, or the pull ended first)
             if not finished:  # UcxNode.send dropped its endpoint: no send reads our blocks any more
                 self.metrics.failures.labels("pull_aborted").inc()
                 logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)

@@ -1,9 +1,10 @@
 """The decode side of one Pull stream: from the PullRequest to the prompt's bytes verified in our blocks.
 
-The steps, in order (``InboundPull.run``): open the stream and check its grant against the
-Prefill response; plan the regions ourselves and post the UCX receives; land the stream's
-chunks (gRPC stream) until PullDone; verify that every byte arrived (and its crc32 when asked);
-convert from the peer's block order. Whatever step fails, the stream is cancelled and the
+The steps, in order (``InboundPull.run``): plan the regions ourselves from the Prefill response
+(which names the source blocks and ring) and post the UCX receives; then open the stream (the
+prefill node starts its UCX sends as the Pull arrives, into receives already posted) and check
+its grant against the Prefill response; land the stream's chunks (gRPC stream) until PullDone;
+verify that every byte arrived (and its crc32 when asked); convert from the peer's block order. Whatever step fails, the stream is cancelled and the
 receives posted into our memory are retired before ``run`` returns, so that the caller may free
 the blocks at once.
 
@@ -18,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -34,6 +38,25 @@ from connector.wire import Transport, ring_from
 from kvcache import BlockLayout, CachePool
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PullTimeline:
+    """Where one pull's time went, in milliseconds, from the Pull call to the bytes in place:
+    ``control`` until the prefill node's grant message arrived, ``post`` planning and posting the
+    receives, ``wire`` until the sender's PullDone (the gRPC stream: landing its chunks too),
+    ``completion`` until every UCX receive completed after that, ``verify`` the integrity check
+    and the conversion from the peer's block order."""
+
+    control_ms: float
+    post_ms: float
+    wire_ms: float
+    completion_ms: float
+    verify_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.control_ms + self.post_ms + self.wire_ms + self.completion_ms + self.verify_ms
 
 
 class Landing:
@@ -74,13 +97,16 @@ class InboundPull:
     UNAVAILABLE for a lost peer or a failed UCX receive, DATA_LOSS for missing or corrupt bytes).
     Cancelling ``run`` (the caller's deadline) cancels the stream and retires the receives too."""
 
-    def __init__(self, call, *, address: str, grant: PrefillGrant, landing: Landing, ring_id: int,
-                 transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
+    def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
+                 landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
                  metrics: ConnectorMetrics) -> None:
-        self.call, self.address, self.grant, self.landing, self.ring_id = call, address, grant, landing, ring_id
+        self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
+        self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
         self.ucx, self.metrics = ucx, metrics
         self.receives: ReceiveBatch | None = None  # posted and not all landed
+        self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``
+        self.timeline: PullTimeline | None = None
 
     @staticmethod
     def tag_base_for(transport: Transport) -> int:
@@ -89,11 +115,21 @@ class InboundPull:
 
     async def run(self) -> TransferPlan:
         try:
-            source = await self._open()
-            plan, views = self._plan(source)
+            marks = [time.perf_counter()]
+            plan, views = self._plan()
+            marks.append(time.perf_counter())
+            self.call = self.open_call()
+            await self._open(plan)
+            marks.append(time.perf_counter())
             done, landed = await self._land_chunks(views)
-            await self._verify(plan, views, done, landed)
+            marks.append(time.perf_counter())
+            await self._wait_landed(plan, views, landed)
+            marks.append(time.perf_counter())
+            self._verify(views, done)
             self.landing.convert()
+            marks.append(time.perf_counter())
+            post, control, *rest = ((b - a) * 1000 for a, b in zip(marks, marks[1:]))
+            self.plan, self.timeline = plan, PullTimeline(control, post, *rest)
             return plan
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
@@ -103,7 +139,8 @@ class InboundPull:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self.transport.label} transfer from {self.address} "
                               f"failed: {type(exc).__name__}: {exc}") from None
         finally:
-            self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
+            if self.call is not None:
+                self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
             await self._retire_receives()
 
     async def _read(self):
@@ -113,30 +150,35 @@ class InboundPull:
             raise rpc_failure(exc, f"Pull from {self.address}") from None
         return None if msg is grpc.aio.EOF else msg
 
-    async def _open(self) -> pb.PullGrant:
-        """The stream's first message: the source side of the plan, checked against the grant."""
-        first = await self._read()
-        if first is None or first.WhichOneof("message") != "grant":
-            raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
-        source = first.grant
-        if ring_from(source.ring_live) != self.grant.ring_live or len(source.src_block_ids) != len(self.landing.ids):
-            raise StatusError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
-        return source
-
-    def _plan(self, source: pb.PullGrant) -> tuple[TransferPlan, list[torch.Tensor]]:
-        """Our own plan (ValueError for ids outside our pools), checked against the grant's
-        totals; the views it lands in, with the UCX receives posted on them."""
-        pool = self.landing.pool
-        plan = plan_transfer(pool.layout, list(source.src_block_ids), list(self.landing.ids), source.src_ring_id,
-                             self.ring_id, self.grant.ring_live, dst_num_blocks=self.landing.num_blocks,
+    def _plan(self) -> tuple[TransferPlan, list[torch.Tensor]]:
+        """Our own plan from the grant's source side (ValueError for ids outside our pools); the
+        views it lands in, with the UCX receives posted on them, before the Pull is sent."""
+        pool, grant = self.landing.pool, self.grant
+        if len(grant.src_block_ids) != len(self.landing.ids):
+            raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
+                              f"{len(self.landing.ids)} destination blocks")
+        plan = plan_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+                             self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
                              dst_num_rings=pool.num_rings)
-        if len(plan) != source.num_regions or plan.total_bytes != source.total_bytes or len(plan) > MAX_REGIONS:
-            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
-                              f"with the grant's {source.num_regions} / {source.total_bytes}")
+        if len(plan) > MAX_REGIONS:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
         views = [self.landing.view(pair) for pair in plan.pairs]
         if self.transport is Transport.UCX:
             self.receives = self.ucx.post_receives(views, self.tag_base)
         return plan, views
+
+    async def _open(self, plan: TransferPlan) -> None:
+        """The stream's first message: the source side of the plan, which must be the grant's."""
+        first = await self._read()
+        if first is None or first.WhichOneof("message") != "grant":
+            raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
+        source = first.grant
+        if ring_from(source.ring_live) != self.grant.ring_live or tuple(source.src_block_ids) != self.grant.src_block_ids \
+                or source.src_ring_id != self.grant.src_ring_id:
+            raise StatusError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
+        if source.num_regions != len(plan) or source.total_bytes != plan.total_bytes:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
+                              f"with the grant's {source.num_regions} / {source.total_bytes}")
 
     async def _land_chunks(self, views: list[torch.Tensor]) -> tuple[pb.PullDone, list[int]]:
         """Write each chunk where it belongs until PullDone; the bytes landed per region."""
@@ -151,20 +193,23 @@ class InboundPull:
             if kind != "chunk":
                 raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
             ch = msg.chunk
-            if self.transport is not Transport.GRPC_STREAM or ch.region >= len(views) or ch.offset != landed[ch.region] \
-                    or ch.offset + len(ch.data) > views[ch.region].numel():
-                raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {ch.region}, offset {ch.offset})")
-            regions.write_bytes(views[ch.region][ch.offset:ch.offset + len(ch.data)], ch.data)
-            landed[ch.region] += len(ch.data)
+            region, offset, data = ch.region, ch.offset, ch.data  # each read of a bytes field is a copy: read it once
+            if self.transport is not Transport.GRPC_STREAM or region >= len(views) or offset != landed[region] \
+                    or offset + len(data) > views[region].numel():
+                raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {region}, offset {offset})")
+            regions.write_bytes(views[region][offset:offset + len(data)], data)
+            landed[region] += len(data)
 
-    async def _verify(self, plan: TransferPlan, views: list[torch.Tensor], done: pb.PullDone, landed: list[int]) -> None:
-        """Every byte is in place (UCX: every receive completed) and, with ``integrity``, every
-        region's crc32 matches the sender's."""
+    async def _wait_landed(self, plan: TransferPlan, views: list[torch.Tensor], landed: list[int]) -> None:
+        """Every byte is in place: UCX, every receive completed; the gRPC stream, every chunk came."""
         if self.receives is not None:
             await self.receives.wait()
             self.receives = None
         elif landed != [v.numel() for v in views]:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
+
+    def _verify(self, views: list[torch.Tensor], done: pb.PullDone) -> None:
+        """With ``integrity``, every region's crc32 matches the sender's."""
         if self.integrity:
             got = [regions.crc32(v) for v in views]
             bad = [i for i, (a, b) in enumerate(zip(got, done.crc32)) if a != b]

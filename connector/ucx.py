@@ -274,8 +274,8 @@ class UcxNode:
     async def abandon(self, batch: ReceiveBatch, grace_s: float = ABANDON_GRACE_S) -> int:
         """Retire the receives of a failed pull before their memory is reused.
 
-        A receive that no message matched yet is completed by a one-byte message that this
-        worker sends itself under its tag (the sender's message, should it still come, then
+        A receive that no message matched yet is completed by an empty message that this worker
+        sends itself under its tag (it writes nothing into the receive's memory) (the sender's message, should it still come, then
         waits unmatched and is never delivered). A receive already matched by the sender's
         message completes or fails when the sender finishes or aborts; this waits ``grace_s``
         for those. Returns how many receives are still pending (a dead sender's, which nothing
@@ -284,8 +284,8 @@ class UcxNode:
         if not pending:
             return 0
         ep = await self._loopback()
-        one = np.zeros(1, dtype=np.uint8)
-        await asyncio.gather(*(ep.send(one, tag=batch.tags[i], force_tag=True) for i in pending),
+        empty = np.zeros(0, dtype=np.uint8)
+        await asyncio.gather(*(ep.send(empty, tag=batch.tags[i], force_tag=True) for i in pending),
                              return_exceptions=True)
         futures = [batch.futures[i] for i in pending]
         _, still = await asyncio.wait(futures, timeout=grace_s)

@@ -176,6 +176,21 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
     os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
 
 
+class _NeverLanding:
+    """Stands in for the UCX receives of a pull that posted none: they never complete, and
+    retiring them finds them all pending (fault injection)."""
+
+    def __init__(self, count: int) -> None:
+        self.tags = [0] * count
+        self.futures = [asyncio.get_running_loop().create_future() for _ in range(count)]
+
+    def pending(self) -> list[int]:
+        return []  # nothing was posted: nothing to retire
+
+    async def wait(self) -> None:
+        await asyncio.gather(*self.futures)
+
+
 def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: float, seed: int = 2,
                 cache: str = "kpool", order: str = "BLNHC", peer_order: str = "BLNHC") -> None:
     """Run one scenario against the prefill node at ``address``; send back a result dict."""
@@ -271,15 +286,17 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             out["end_free"] = (blocks.num_free, rings.num_free)
         elif scenario in ("decode_dies", "prefill_dies"):
             grant = await peer.prefill("victim", [7] * 2000)
-            if scenario == "decode_dies":  # fault injection: exit once the grant arrived and receives are posted
+            if scenario == "decode_dies":  # fault injection: exit while the prefill node sends
                 if t is Transport.UCX:
-                    real = node.ucx.post_receives
-
-                    def post_and_die(*a):
-                        real(*a)
-                        conn.send({"dying": True})
-                        os._exit(17)
-                    node.ucx.post_receives = post_and_die
+                    def post_nothing_and_die(views, tag_base):
+                        """Post no receive (so the prefill node's sends wait for ours), exit once
+                        the Pull has reached the prefill node."""
+                        def die():
+                            conn.send({"dying": True})
+                            os._exit(17)
+                        asyncio.get_running_loop().call_later(0.5, die)
+                        return _NeverLanding(len(views))
+                    node.ucx.post_receives = post_nothing_and_die
                 else:
                     def die_on_chunk(view, data):
                         conn.send({"dying": True})

@@ -188,3 +188,45 @@ def test_a_pull_cancelled_while_releasing_its_grant_frees_what_landed():
             assert await real_release(grant.grant_id) is True
             assert pair.free() == start
     run(main())
+
+
+@pytest.mark.parametrize("transport", [GRPC, Transport.UCX], ids=["grpc", "ucx"])
+def test_the_grant_names_the_source_and_the_timeline_accounts_for_the_pull(transport):
+    async def main():
+        async with InProcessPair(transports=(transport,)) as pair:
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("timed", [5] * 300)
+            assert len(grant.src_block_ids) == grant.num_blocks and grant.src_ring_id >= 0
+            held = pair.prefill.leases.live(grant.grant_id)
+            assert (grant.src_block_ids, grant.src_ring_id) == (held.block_ids, held.ring_id)
+            with await peer.pull(grant, transport=transport, integrity=True) as landed:
+                t = landed.timeline
+                phases = (t.control_ms, t.post_ms, t.wire_ms, t.completion_ms, t.verify_ms)
+                assert all(p >= 0 for p in phases), t
+                assert t.total_ms == pytest.approx(sum(phases))
+                assert t.total_ms <= landed.seconds * 1000 + 1e-6  # the phases lie inside the pull's own time
+                assert t.total_ms >= 0.2 * landed.seconds * 1000, (t, landed.seconds)
+    run(main())
+
+
+def test_a_prefill_response_that_names_too_few_source_blocks_is_refused_and_its_grant_released():
+    async def main():
+        async with InProcessPair() as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            real = peer._prefill_call
+
+            async def short(request):  # the prefill node's answer, one source block short
+                response = await real(request)
+                del response.src_block_ids[-1]
+                return response
+            peer._prefill_call = short
+            with pytest.raises(StatusError) as err:
+                await peer.prefill("short", [5] * 300)
+            assert err.value.code is grpc.StatusCode.INTERNAL and "source blocks" in err.value.message
+            for _ in range(100):  # the grant is released in the background
+                if pair.free() == start:
+                    break
+                await asyncio.sleep(0.02)
+            assert pair.free() == start
+    run(main())

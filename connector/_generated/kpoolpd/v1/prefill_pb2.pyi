@@ -90,7 +90,7 @@ class RingRange(_message.Message):
     def __init__(self, start_slot: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "grant_id", "prompt_len", "num_blocks", "ring_live", "first_token", "lease_ms")
+    __slots__ = ("request_id", "grant_id", "prompt_len", "num_blocks", "ring_live", "first_token", "lease_ms", "src_block_ids", "src_ring_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class PrefillResponse(_message.Message):
     RING_LIVE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SRC_RING_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     grant_id: str
     prompt_len: int
@@ -105,7 +107,9 @@ class PrefillResponse(_message.Message):
     ring_live: RingRange
     first_token: int
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    src_ring_id: int
+    def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base")
