@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kpool-pd bench transfer", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--two-gpu", action="store_true", help="decode pool on cuda:1 (prefill on cuda:0); needs --device cuda")
-    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 16384, 32768, 65536, 131072])
+    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--kpool", type=int, default=4)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
@@ -23,8 +25,8 @@ from connector.config import ConnectorConfig
 from connector.errors import StatusError, rpc_failure
 from connector.metrics import ConnectorMetrics
 from connector.peer import PrefillPeer
-from connector.ucx import NOT_ENCRYPTED, UcxNode
-from connector.wire import Transport, layout_message
+from connector.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
+from connector.wire import Transport, layout_message, transports_from
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)
@@ -83,13 +85,23 @@ class DecodeConnector:
                                   ucx_worker_address=self.ucx.address if self.ucx else b"",
                                   model_identity=self.model_identity)
         stub = pb.PrefillServiceStub(channel)
+        warmup = self._post_warmup(req)
         try:
             r = await stub.Handshake(req, timeout=self.config.rpc_timeout_s,
                                      metadata=auth_metadata(self.config.peer_token))
+            if Transport.UCX in transports_from(r.transports):
+                await self._await_warmup(warmup, address)
         except grpc.aio.AioRpcError as exc:
+            await self._retire(warmup)
             await channel.close()
             self.metrics.failures.labels(exc.code().name.lower()).inc()
             raise rpc_failure(exc, f"Handshake with {address}") from None
+        except BaseException:
+            await self._retire(warmup)
+            await channel.close()
+            raise
+        await self._retire(warmup)  # still posted when the prefill node took no UCX (and sent nothing)
+        req.ucx_warmup_tag = 0  # the keep-alive's Handshakes reuse the endpoint: no warm-up message
         layout, differing = peer_layout(self.pool.layout, r.layout)
         model = model_differences(self.model_identity, r.model_identity)
         if layout is None or model:
@@ -104,6 +116,30 @@ class DecodeConnector:
                                    name=f"keepalive-{address}")
         self._keepalives[peer] = task
         return peer
+
+    def _post_warmup(self, req: pb.HandshakeRequest) -> ReceiveBatch | None:
+        """With UCX: draw the Handshake's warm-up tag and post its (empty) receive."""
+        if self.ucx is None:
+            return None
+        req.ucx_warmup_tag = secrets.randbits(64) | 1
+        return self.ucx.post_receives([torch.empty(0, dtype=torch.uint8)], req.ucx_warmup_tag)
+
+    async def _await_warmup(self, warmup: ReceiveBatch | None, address: str) -> None:
+        """The prefill node's warm-up message arrived (its UCX endpoint to us works), within
+        ``rpc_timeout_s``; UNAVAILABLE otherwise. Only for a prefill node that offers UCX (one that
+        does not sends none)."""
+        if warmup is None:
+            return
+        try:
+            await asyncio.wait_for(warmup.wait(), self.config.rpc_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.failures.labels("ucx_warmup").inc()
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"Handshake with {address}: the prefill node's UCX warm-up "
+                              f"message did not arrive within {self.config.rpc_timeout_s} s") from None
+
+    async def _retire(self, warmup: ReceiveBatch | None) -> None:
+        if warmup is not None and warmup.pending():
+            await self.ucx.abandon(warmup)
 
     async def _keep_alive(self, peer: PrefillPeer, stub: pb.PrefillServiceStub, handshake: pb.HandshakeRequest,
                           period_s: float) -> None:

@@ -242,6 +242,8 @@ class PrefillPeer:
         c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
         landed = LandedRequest(grant, allocation, transport=transport, nbytes=pull.plan.total_bytes,
                                regions=len(pull.plan), seconds=seconds, repacked=self.repacks, timeline=pull.timeline)
+        logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
+                     landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
         if release:
             try:  # a failed Release is logged (the lease frees it): the data has landed
                 await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s))

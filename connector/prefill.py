@@ -212,7 +212,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
                                f"model differs (prefill node {self.engine_id} vs engine {engine_id}): {'; '.join(model)}")
         offered = transports_from(request.transports)
         if Transport.UCX in offered and self._ucx is not None:
-            await self._reach(context, engine_id, request.ucx_worker_address)
+            await self._reach(context, engine_id, request.ucx_worker_address, request.ucx_warmup_tag)
         if differing:
             logger.info("engine %s stores blocks in %s order, this node in %s; it converts what it pulls",
                         engine_id, theirs.config.order.value, self.layout.config.order.value)
@@ -226,9 +226,10 @@ class PrefillConnector(pb.PrefillServiceServicer):
             chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity,
         )
 
-    async def _reach(self, context, engine_id: str, address: bytes) -> None:
+    async def _reach(self, context, engine_id: str, address: bytes, warmup_tag: int) -> None:
         """Vet ``address`` and make the UCX endpoint to it, which becomes ``engine_id``'s only when
-        made; aborts the Handshake otherwise (the engine's earlier endpoint and address untouched)."""
+        made, then (``warmup_tag`` nonzero) send the empty warm-up message through it; aborts the
+        Handshake otherwise (the engine's earlier endpoint and address untouched until made)."""
         if not address:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "ucx_address", engine_id,
                                "UCX offered without a ucx_worker_address")
@@ -237,6 +238,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await self._ucx.vet(address, VET_SHARE * self.config.rpc_timeout_s)
             left = max(self.config.rpc_timeout_s - (time.monotonic() - started), 0.1)
             await asyncio.wait_for(self._ucx.connect(engine_id, address), left)
+            if warmup_tag:
+                left = max(self.config.rpc_timeout_s - (time.monotonic() - started), 0.1)
+                await asyncio.wait_for(self._ucx.warm_up(engine_id, warmup_tag), left)
         except WorkerAddressError as exc:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "ucx_address", engine_id,
                                f"ucx_worker_address refused: {exc}")

@@ -105,6 +105,7 @@ class InboundPull:
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
         self.ucx, self.metrics = ucx, metrics
         self.receives: ReceiveBatch | None = None  # posted and not all landed
+        self.views: list[torch.Tensor] = []  # where the regions land, once planned
         self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``
         self.timeline: PullTimeline | None = None
 
@@ -142,6 +143,7 @@ class InboundPull:
             if self.call is not None:
                 self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
             await self._retire_receives()
+            regions.settle(self.views)  # chunks written into GPU memory have landed before it may be freed
 
     async def _read(self):
         try:
@@ -162,7 +164,7 @@ class InboundPull:
                              dst_num_rings=pool.num_rings)
         if len(plan) > MAX_REGIONS:
             raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
-        views = [self.landing.view(pair) for pair in plan.pairs]
+        views = self.views = [self.landing.view(pair) for pair in plan.pairs]
         if self.transport is Transport.UCX:
             self.receives = self.ucx.post_receives(views, self.tag_base)
         return plan, views
@@ -207,6 +209,8 @@ class InboundPull:
             self.receives = None
         elif landed != [v.numel() for v in views]:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
+        else:
+            regions.settle(views)
 
     def _verify(self, views: list[torch.Tensor], done: pb.PullDone) -> None:
         """With ``integrity``, every region's crc32 matches the sender's."""

@@ -31,17 +31,31 @@ def ucx_buffer(view: torch.Tensor):
 
 
 def read_bytes(view: torch.Tensor) -> bytes:
-    """The view's bytes for the gRPC stream (GPU memory goes through host)."""
-    return (view if view.device.type == "cpu" else view.cpu()).numpy().tobytes()
+    """The view's bytes for the gRPC stream (GPU memory through a pinned host buffer)."""
+    if view.device.type == "cpu":
+        return view.numpy().tobytes()
+    host = torch.empty(view.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(view)
+    return host.numpy().tobytes()
 
 
 def write_bytes(view: torch.Tensor, data: bytes) -> None:
-    # view: [len(data)] uint8
+    """Write ``data`` into ``view`` (uint8 [len(data)]). Into GPU memory the copy is asynchronous
+    (from a pinned host buffer, on the view's device's current stream): ``settle`` before reading."""
     src = np.frombuffer(data, dtype=np.uint8)
     if view.device.type == "cpu":
         view.numpy()[:] = src
-    else:
-        view.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+        return
+    host = torch.empty(len(src), dtype=torch.uint8, pin_memory=True)
+    host.numpy()[:] = src
+    with torch.cuda.device(view.device):
+        view.copy_(host, non_blocking=True)  # the host allocator keeps ``host`` until the copy ran
+
+
+def settle(views: list[torch.Tensor]) -> None:
+    """Wait until every ``write_bytes`` into these views has landed."""
+    for device in {v.device for v in views if v.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def crc32(view: torch.Tensor) -> int:

@@ -60,6 +60,9 @@ def _add_up(commands) -> None:
     transport = default_transport()
     up.add_argument("--transport", choices=["ucx", "grpc"], default=transport,
                     help=f"data plane (default here: {transport}; ucx when ucxx is installed, else grpc)")
+    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the daemons and the colocated reference run (default cpu); cuda: the prefill "
+                         "daemon on cuda:0, the decode daemon on cuda:1 when there are two GPUs (else cuda:0)")
     up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
     up.add_argument("--tls", action="store_true",
                     help="make a throwaway CA and certificates (openssl) and run every connection over mTLS")

@@ -39,10 +39,10 @@ def table(results: list[RequestResult | RequestFailed]) -> str:
 
 def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: float, model: dict,
             transport: str, tls: bool = False, reference: list[RequestResult] | None = None,
-            data_plane_encrypted: bool | None = None) -> dict:
+            data_plane_encrypted: bool | None = None, devices: tuple[str, str] | None = None) -> dict:
     """The run's summary. ``tls``: the connections were TLS; ``data_plane_encrypted``: the cache
     bytes between the daemons were too (only over the gRPC stream with TLS: UCX has no encryption;
-    None when there was no data plane or it is not known)."""
+    None when there was no data plane or it is not known); ``devices``: (prefill, decode) devices."""
     ok = [r for r in results if isinstance(r, RequestResult)]
     tokens = sum(len(r.tokens) for r in ok)
     out = {
@@ -57,6 +57,8 @@ def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: 
         "drafts_proposed": sum(r.drafts_proposed for r in ok),
         "drafts_accepted": sum(r.drafts_accepted for r in ok),
     }
+    if devices is not None:
+        out["prefill_device"], out["decode_device"] = devices
     if reference is not None:
         by_id = {r.request_id: r for r in reference}
         out["colocated_match"] = sum(
@@ -80,7 +82,9 @@ def summary_text(s: dict) -> str:
         f"{s['ttft_ms_p50']:.1f} ms, p90 {s['ttft_ms_p90']:.1f} ms{drafts}",
     ]
     if s["mode"] == "pd":
-        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request")
+        where = (f" (prefill on {s['prefill_device']}, decode on {s['decode_device']})"
+                 if s.get("prefill_device", "cpu") != "cpu" or s.get("decode_device", "cpu") != "cpu" else "")
+        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request{where}")
     if "colocated_match" in s:
         lines.append(f"  colocated reference: {s['colocated_match']}/{s['ok']} requests match byte for byte "
                      f"(output and state digests)")

@@ -42,6 +42,19 @@ def default_transport() -> str:
     return "ucx" if ucx_available() else "grpc"
 
 
+def placement(device: str) -> tuple[str, str]:
+    """(prefill device, decode device) for ``up --device``: cpu for both; with cuda the prefill on
+    cuda:0 and the decode on cuda:1 when there are two GPUs, else both on cuda:0. ValueError when
+    ``device`` is cuda and this machine has no CUDA device."""
+    if device == "cpu":
+        return "cpu", "cpu"
+    if device != "cuda":
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
+    return "cuda:0", ("cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
+
+
 def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -102,6 +115,12 @@ def run_up(args) -> int:
     except ValueError as exc:
         _progress(f"error: {exc}")
         return 2
+    try:
+        prefill_device, decode_device = placement(args.device)
+    except ValueError as exc:
+        _progress(f"error: {exc}")
+        return 2
+    reference_device = torch.device(prefill_device)
     torch.set_num_threads(1)  # the colocated runs: small ops are faster on one thread
     requests = make_prompts(args.requests, args.prompt_len, seed=args.seed, vocab_size=config.vocab_size,
                             max_tokens=args.max_tokens)
@@ -114,9 +133,9 @@ def run_up(args) -> int:
         _progress(f"[{done[0]}/{len(requests)}] {result.request_id}: {what}")
 
     if args.colocated:
-        _progress(f"running {len(requests)} requests colocated (one process, no transfer) ...")
+        _progress(f"running {len(requests)} requests colocated (one process, no transfer, on {reference_device}) ...")
         started = time.perf_counter()
-        results = run_colocated(config, requests, on_result=on_done)
+        results = run_colocated(config, requests, on_result=on_done, device=reference_device)
         wall = time.perf_counter() - started
         report = summary(results, mode="colocated", wall_s=wall, model=config.describe(), transport="none")
         _print(args, results, report)
@@ -145,21 +164,22 @@ def run_up(args) -> int:
         # the daemons; through the environment, since any user can read a command line.
         client_token, peer_token = secrets.token_hex(16), secrets.token_hex(16)
         peer_env = {"KPOOLPD_PEER_TOKEN": peer_token}
-        _progress(f"starting the prefill daemon (transport {args.transport}; logs in {workdir}) ...")
+        _progress(f"starting the prefill daemon on {prefill_device} (transport {args.transport}; logs in {workdir}) ...")
         t0 = time.perf_counter()
         with teardown.track(start_prefill(workdir, model, transports=args.transport, env=peer_env,
-                                          extra=["--max-prompt-tokens", str(args.prompt_len), *tls_flags])) as prefill:
+                                          extra=["--max-prompt-tokens", str(args.prompt_len), "--device", prefill_device,
+                                                 *tls_flags])) as prefill:
             try:
                 prefill.wait_ready(READY_TIMEOUT_S)
                 _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
                           f"after {time.perf_counter() - t0:.1f} s")
                 t0 = time.perf_counter()
-                _progress("starting the decode daemon ...")
+                _progress(f"starting the decode daemon on {decode_device} ...")
                 with teardown.track(start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
                                                  transport=args.transport,
                                                  env={**peer_env, "KPOOLPD_TOKEN": client_token},
                                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),
-                                                        *tls_flags])) as decode:
+                                                        "--device", decode_device, *tls_flags])) as decode:
                     decode.wait_ready(READY_TIMEOUT_S)
                     _progress(f"  decode ready on 127.0.0.1:{decode.port} (metrics :{decode.metrics_port}) "
                               f"after {time.perf_counter() - t0:.1f} s")
@@ -173,9 +193,9 @@ def run_up(args) -> int:
             except DaemonError as exc:
                 _progress(f"error: {exc}")
                 return 2
-    _progress("running the colocated reference ...")
-    reference = run_colocated(config, requests)
-    report = summary(results, mode="pd", wall_s=wall, model=config.describe(),
+    _progress(f"running the colocated reference on {reference_device} ...")
+    reference = run_colocated(config, requests, device=reference_device)
+    report = summary(results, mode="pd", wall_s=wall, model=config.describe(), devices=(prefill_device, decode_device),
                      transport=args.transport, tls=args.tls, reference=reference,
                      data_plane_encrypted=bool(args.tls) and args.transport == "grpc")
     _print(args, results, report)

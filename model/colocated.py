@@ -68,22 +68,23 @@ def make_prompts(count: int, prompt_len: int, *, seed: int, vocab_size: int, max
             for i in range(count)]
 
 
-def pool_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batch: int) -> CachePool:
-    """A pool that holds the ``max_batch`` largest requests at once."""
+def pool_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batch: int,
+             device: torch.device | str = "cpu") -> CachePool:
+    """A pool on ``device`` that holds the ``max_batch`` largest requests at once."""
     sizes = sorted((config.blocks_for(len(r.prompt), r.max_tokens) for r in requests), reverse=True)
     return CachePool(BlockLayout(config.cache_config()), num_blocks=max(1, sum(sizes[:max_batch])),
-                     num_rings=max(1, min(max_batch, len(requests))))
+                     num_rings=max(1, min(max_batch, len(requests))), device=device)
 
 
 def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, max_batch: int = 16,
-                  engine: Engine | None = None,
-                  on_result: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+                  engine: Engine | None = None, on_result: Callable[[RequestResult], None] | None = None,
+                  device: torch.device | str = "cpu") -> list[RequestResult]:
     """Run every request to completion with continuous batching of up to ``max_batch``; results in
-    request order. ``engine`` (with its pool) may be passed in to reuse or inspect it; every block
-    and ring is freed at the end."""
+    request order. ``engine`` (with its pool) may be passed in to reuse or inspect it, else one is
+    made on ``device``; every block and ring is freed at the end."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    engine = engine or Engine(config, pool_for(config, requests, max_batch))
+    engine = engine or Engine(config, pool_for(config, requests, max_batch, device))
     blocks, rings = BlockAllocator(engine.pool.num_blocks), RingAllocator(engine.pool.num_rings)
     waiting = list(requests)
     running: list[DecodeSequence] = []

@@ -1,5 +1,6 @@
 """What a launcher (the kubelet, ``kpool_pd.launcher``) sees of a daemon process: the ready file
-it polls for, and the signals that stop it (SIGTERM; SIGINT from a terminal) by starting a drain."""
+it polls for, and the signals that stop it (SIGTERM; SIGINT from a terminal) by starting a drain;
+and the one interpreter setting a daemon changes (``keep_event_loop_responsive``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 TERMINATION = (signal.SIGTERM, signal.SIGINT)
+# How long a thread that wants the GIL waits before the holder must give it up (Python's default: 5 ms).
+EVENT_LOOP_GIL_WAIT_S = 0.0005
+
+
+def keep_event_loop_responsive() -> None:
+    """A daemon's model steps run in a worker thread while its event loop carries the transfers and
+    RPCs; each step of a pull (a message read, a send posted, a receive completed) waits for the GIL
+    when the model holds it. Cap that wait at ``EVENT_LOOP_GIL_WAIT_S`` instead of Python's 5 ms, at
+    the cost of more frequent thread switches while both are busy."""
+    sys.setswitchinterval(EVENT_LOOP_GIL_WAIT_S)
 
 
 def write_ready_file(path: str, **info: object) -> None:

@@ -25,6 +25,7 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
@@ -63,6 +64,24 @@ def _free_blocks(daemon: Daemon) -> float:
 def _ready(*daemons: Daemon) -> None:
     for daemon in daemons:
         daemon.wait_ready(READY_S)
+
+
+def _serving(daemon: Daemon) -> bool:
+    """The daemon's grpc.health.v1 answer is SERVING (a decode daemon: a prefill node is usable)."""
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _ready_and_serving(*daemons: Daemon) -> None:
+    """Ready, then SERVING: the daemons boot at once, and a decode daemon serves only once it has
+    handshaken with a prefill node, which a loaded machine may take a while to finish."""
+    _ready(*daemons)
+    for daemon in daemons:
+        assert wait_for(lambda daemon=daemon: _serving(daemon), READY_S), f"{daemon.name} never SERVING:\n{daemon.log_tail()}"
 
 
 def _stop(*daemons: Daemon) -> None:
@@ -132,7 +151,7 @@ def test_pd_equals_colocated(tmp_path, family, group, num_spec):
         max_tokens = max(10, group + 3)
         batches = {t: boundary_prompts(config, 16, max_tokens, seed=num_spec, prefix=t) for t in TRANSPORTS}
         references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
-        _ready(prefill, *decodes)
+        _ready_and_serving(prefill, *decodes)
         start_free = [_free_blocks(d) for d in (prefill, *decodes)]
 
         async def everything():

@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from connector import ucx_available
 
 FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
@@ -50,3 +53,28 @@ def test_up_refuses_a_bad_configuration_before_starting_anything():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "96 / 8 = 12" in proc.stderr and "starting" not in proc.stderr
+
+
+def test_up_places_the_daemons_by_device(monkeypatch):
+    from kpool_pd.up import placement
+
+    assert placement("cpu") == ("cpu", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        placement("cuda")
+    except ValueError as exc:
+        assert "no CUDA device" in str(exc)
+    else:
+        raise AssertionError("cuda without a CUDA device must be refused")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count, decode in ((1, "cuda:0"), (2, "cuda:1"), (8, "cuda:1")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        assert placement("cuda") == ("cuda:0", decode)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA runs `up --device cuda` in tests/gpu")
+def test_up_with_cuda_on_a_machine_without_one_says_so_before_starting_anything():
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--device", "cuda"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "starting" not in proc.stderr

@@ -217,3 +217,16 @@ def test_a_spec_needs_the_runtime_options_once_each():
         DaemonSpec(role=Role.DECODE, description="d", options=(*OPTIONS, OPTIONS[0]), build=build)
     with pytest.raises(TypeError, match="role must be a Role"):
         DaemonSpec(role="decode", description="d", options=OPTIONS, build=build)
+
+
+def test_a_daemon_caps_the_event_loops_wait_for_the_gil():
+    import sys
+
+    from runtime.process import EVENT_LOOP_GIL_WAIT_S, keep_event_loop_responsive
+
+    before = sys.getswitchinterval()
+    try:
+        keep_event_loop_responsive()
+        assert sys.getswitchinterval() == pytest.approx(EVENT_LOOP_GIL_WAIT_S) and EVENT_LOOP_GIL_WAIT_S < before
+    finally:
+        sys.setswitchinterval(before)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU suite, the kernel benchmark and (with two GPUs) the transfer benchmark, as one command for the
+# The GPU suite, the kernel benchmark and the transfer benchmark (across two GPUs when there are two), as one command for the
 # device tool (H200):
 #   run(command="bash tests/gpu/run_all.sh", kind="nvidia-h200-x2")   # add carry=[".whl"] if wheels travel
-# It installs nothing; a missing Python package travels as wheels in .whl/ (see the device README), which
-# this script installs first when present:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#     .whl/*.whl && export PYTHONPATH=/tmp/site
+# It installs nothing; the Python packages the GPU machine lacks (ucxx, a recent grpcio, nixl for the
+# NIXL baseline) travel as wheels in .whl/ (../shared/tools/fetch-device-wheels --nixl), which this
+# script unpacks first when present, into one folder put first on the path:
+#   for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done; export PYTHONPATH=/tmp/site
 # The repository root goes on PYTHONPATH (the package is not installed there). Outputs under $OUT (or
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
@@ -14,8 +14,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+  for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site || exit 1; done
+  export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/gpu-out}"
@@ -35,16 +35,19 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   bench_rc=$?
 fi
 transfer_rc=0
-if [ "$gpus" -ge 2 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
-  timeout "${TRANSFER_TIMEOUT:-240}" python3 -m bench.transfer --device cuda --two-gpu --layers 61 \
-    --tokens "${TRANSFER_TOKENS:-4096,16384,32768}" --reps "${TRANSFER_REPS:-5}" --machine h200x2 \
+# The transfer bench: prefill pool on cuda:0, decode pool on cuda:1 with two GPUs, else both on cuda:0
+# (two processes on one GPU: cuda_ipc inside the device, the fixed cost of a pull shows the same way).
+if [ "$gpus" -ge 2 ]; then placement=(--two-gpu --machine h200x2); else placement=(--machine h200); fi
+if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
+  timeout "${TRANSFER_TIMEOUT:-240}" python3 -m bench.transfer --device cuda "${placement[@]}" --layers 61 \
+    --tokens "${TRANSFER_TOKENS:-256,1024,4096,16384,32768}" --reps "${TRANSFER_REPS:-5}" \
     --out "$OUT/transfer" >> "$OUT/bench.log" 2>&1
   transfer_rc=$?
 fi
 echo "== device"; head -n 3 "$OUT/pytest_gpu.log"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
 echo "== kernel bench (rc $bench_rc)"; cat "$OUT/bench/kernels.txt" 2>/dev/null || tail -n 30 "$OUT/bench.log"
-if [ "$gpus" -ge 2 ]; then
-  echo "== transfer bench, two GPUs (rc $transfer_rc)"; grep -v '^wrote' "$OUT/bench.log" | tail -n 25
+if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
+  echo "== transfer bench, $gpus GPU(s) (rc $transfer_rc)"; grep -v '^wrote' "$OUT/bench.log" | tail -n 25
 fi
 exit $(( tests_rc || bench_rc || transfer_rc ))

@@ -5,7 +5,10 @@ every request's tokens and state digest must equal the colocated run on the GPU,
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,9 +16,9 @@ import torch
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import start_decode, start_prefill
-from kvcache import BlockLayout, CacheFamily, CachePool
-from model import Engine, ModelConfig
-from model.colocated import GenerateRequest, make_prompts, pool_for, run_colocated
+from kvcache import CacheFamily
+from model import ModelConfig
+from model.colocated import GenerateRequest, make_prompts, run_colocated
 from runtime import model_flags, model_settings
 
 pytestmark = [
@@ -29,10 +32,7 @@ TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
 
 
 def _colocated_on_gpu(config: ModelConfig, requests):
-    pool = pool_for(config, requests, 16)
-    engine = Engine(config, CachePool(BlockLayout(config.cache_config()), num_blocks=pool.num_blocks,
-                                      num_rings=pool.num_rings, device="cuda:0"))
-    return {r.request_id: r for r in run_colocated(config, requests, engine=engine)}
+    return {r.request_id: r for r in run_colocated(config, requests, device="cuda:0")}
 
 
 @pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
@@ -68,3 +68,17 @@ def test_gpu_daemons_equal_colocated(tmp_path, family):
             d.signal(signal.SIGTERM)
         for d in (*decodes, prefill):
             d.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_up_on_the_gpu_equals_its_colocated_run(transport):
+    """``kpool-pd up --device cuda``: prefill on cuda:0, decode on cuda:1 when there are two GPUs;
+    its own check against the colocated run on the GPU passes, and the summary says where each ran."""
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--device", "cuda", "--json", "--transport", transport,
+                           "--requests", "4", "--prompt-len", "300", "--max-tokens", "12"],
+                          capture_output=True, text=True, timeout=READY_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])["summary"]
+    assert summary["ok"] == summary["colocated_match"] == 4
+    assert summary["prefill_device"] == "cuda:0"
+    assert summary["decode_device"] == ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
