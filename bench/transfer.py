@@ -63,7 +63,7 @@ def _prefill_proc(conn, args: dict) -> None:
         layout = BlockLayout(config)
         device = args["prefill_device"]
         pool = CachePool(layout, num_blocks=args["num_blocks"], num_rings=4, device=device)
-        template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8).to(device)
+        template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8, device=device)
         transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
         config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]))
         node = PrefillConnector(pool, BlockAllocator(args["num_blocks"]), RingAllocator(4), _TemplateEngine(template),
@@ -149,7 +149,7 @@ def import_nixl():
 def _nixl_target(conn, nbytes: int, device: str) -> None:
     nixl, _ = import_nixl()
     agent = nixl.nixl_agent("bench-target", nixl.nixl_agent_config(backends=["UCX"]))
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     if src.is_cuda:
         torch.cuda.synchronize(src.device)
     agent.register_memory(src)
@@ -267,7 +267,7 @@ def _run(args) -> tuple[list[dict], dict]:
     rows = []
     for tokens in args.tokens:
         nbytes = config.blocks_for_tokens(tokens) * layout.block_bytes
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(prefill_device)
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=prefill_device)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=decode_device)
         base = {"tokens": tokens, "layers": args.layers, "bytes": nbytes}
         label = "torch peer copy" if args.two_gpu else ("device copy" if args.device == "cuda" else "memcpy")
