@@ -111,6 +111,18 @@ class PrefillPeer:
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Prefill of {req.request_id} on {self.address}") from None
 
+    def _follow_on(self, stream: asyncio.Task) -> None:
+        """Keep a landed pull's stream (``InboundPull._land_on_receives``) until it ends; ``close``
+        cancels it. A failure after the bytes landed is logged, not raised: nobody waits on it."""
+        self._background.add(stream)
+
+        def ended(task: asyncio.Task) -> None:
+            self._background.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                logger.warning("the Pull stream from %s failed after its bytes landed: %s", self.address,
+                               task.exception())
+        stream.add_done_callback(ended)
+
     def _release_abandoned(self, call: asyncio.Task) -> None:
         """Done-callback of a Prefill whose caller was cancelled: release the grant it returned, if any."""
         self._background.discard(call)
@@ -264,7 +276,8 @@ class PrefillPeer:
                              ucx_tag_base=tag_base)
         pull = InboundPull(lambda: self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md),
                            address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
-                           transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics)
+                           transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
+                           keep=self._follow_on)
         await pull.run()
         return pull
 

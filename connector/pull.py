@@ -42,11 +42,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PullTimeline:
-    """Where one pull's time went, in milliseconds, from the Pull call to the bytes in place:
-    ``control`` until the prefill node's grant message arrived, ``post`` planning and posting the
-    receives, ``wire`` until the sender's PullDone (the gRPC stream: landing its chunks too),
-    ``completion`` until every UCX receive completed after that, ``verify`` the integrity check
-    and the conversion from the peer's block order."""
+    """Where one pull's time went, in milliseconds, from planning to the bytes in place: ``post``
+    planning and posting the receives, ``control`` from the Pull call until the prefill node's
+    grant message arrived, ``wire`` until the sender's PullDone (the gRPC stream: landing its
+    chunks too), ``completion`` until every UCX receive completed after that, ``verify`` the
+    integrity check and the conversion from the peer's block order. A UCX pull without integrity
+    waits on its receives alone: ``control`` and ``completion`` are 0, ``wire`` runs from the Pull
+    call to the last receive landed."""
 
     control_ms: float
     post_ms: float
@@ -99,13 +101,14 @@ class InboundPull:
 
     def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
                  landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
-                 metrics: ConnectorMetrics) -> None:
+                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None]) -> None:
         self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
         self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
-        self.ucx, self.metrics = ucx, metrics
+        self.ucx, self.metrics, self.keep = ucx, metrics, keep
         self.receives: ReceiveBatch | None = None  # posted and not all landed
         self.views: list[torch.Tensor] = []  # where the regions land, once planned
+        self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
         self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``
         self.timeline: PullTimeline | None = None
 
@@ -120,13 +123,18 @@ class InboundPull:
             plan, views = self._plan()
             marks.append(time.perf_counter())
             self.call = self.open_call()
-            await self._open(plan)
-            marks.append(time.perf_counter())
-            done, landed = await self._land_chunks(views)
-            marks.append(time.perf_counter())
-            await self._wait_landed(plan, views, landed)
-            marks.append(time.perf_counter())
-            self._verify(views, done)
+            if self.transport is Transport.UCX and not self.integrity:
+                await self._land_on_receives(plan)
+                marks += [marks[-1], time.perf_counter()]  # no control round trip waited on
+                marks.append(marks[-1])
+            else:
+                await self._open(plan)
+                marks.append(time.perf_counter())
+                done, landed = await self._land_chunks(views)
+                marks.append(time.perf_counter())
+                await self._wait_landed(plan, views, landed)
+                marks.append(time.perf_counter())
+                self._verify(views, done)
             self.landing.convert()
             marks.append(time.perf_counter())
             post, control, *rest = ((b - a) * 1000 for a, b in zip(marks, marks[1:]))
@@ -140,10 +148,39 @@ class InboundPull:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self.transport.label} transfer from {self.address} "
                               f"failed: {type(exc).__name__}: {exc}") from None
         finally:
-            if self.call is not None:
+            if self.call is not None and self.follower is None:
                 self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
             await self._retire_receives()
             regions.settle(self.views)  # chunks written into GPU memory have landed before it may be freed
+
+    async def _land_on_receives(self, plan: TransferPlan) -> None:
+        """UCX without integrity: the bytes are in place once every receive completed, and that is
+        what this waits for; the stream carries only the grant check and the prefill node's
+        failures. Whichever ends first decides: a stream that fails fails the pull; receives that
+        all landed end it, and the stream is followed to its end in the background (``keep``), not
+        cancelled: cancelling it would cancel sends whose completion the prefill node may not have
+        seen yet."""
+        follow = asyncio.ensure_future(self._follow(plan))
+        landed = asyncio.ensure_future(self.receives.wait())  # cancelling it leaves the receives posted
+        try:
+            await asyncio.wait({follow, landed}, return_when=asyncio.FIRST_COMPLETED)
+            if not landed.done():  # the stream ended first: a failure raises here, PullDone waits on
+                follow.result()
+            await landed
+        except BaseException:
+            for task in (follow, landed):
+                task.cancel()
+            await asyncio.gather(follow, landed, return_exceptions=True)
+            raise
+        self.receives = None
+        if not follow.done():
+            self.follower = follow
+            self.keep(follow)
+
+    async def _follow(self, plan: TransferPlan) -> None:
+        """The UCX stream's messages: the grant (checked), then PullDone."""
+        await self._open(plan)
+        await self._land_chunks(self.views)
 
     async def _read(self):
         try:

@@ -230,3 +230,25 @@ def test_a_prefill_response_that_names_too_few_source_blocks_is_refused_and_its_
                 await asyncio.sleep(0.02)
             assert pair.free() == start
     run(main())
+
+
+def test_a_ucx_pull_without_integrity_waits_on_its_receives_alone():
+    async def main():
+        async with InProcessPair(transports=(Transport.UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            for i in range(3):
+                grant = await peer.prefill(f"fast-{i}", [4] * 250)
+                with await peer.pull(grant, transport=Transport.UCX) as landed:
+                    t = landed.timeline
+                    assert t.control_ms == t.completion_ms == 0.0 and t.wire_ms > 0, t
+                    layout = pair.decode.pool.layout
+                    for j, b in enumerate(landed.block_ids[:grant.num_blocks]):
+                        assert torch.equal(pair.decode.pool.blocks[b], procs.expected_block(layout, f"fast-{i}", j)), j
+            for _ in range(100):  # the streams end in the background, then the prefill node frees its blocks
+                if pair.free() == start:
+                    break
+                await asyncio.sleep(0.02)
+            assert pair.free() == start
+            assert pair.registry.get_sample_value("kpoolpd_prefill_transfer_failures_total", {"cause": "pull_aborted"}) is None
+    run(main())
