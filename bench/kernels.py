@@ -1,6 +1,8 @@
-"""Kernel benchmark on a CUDA device: time per kernel (CUDA graph replay, median of many, L2 flushed
-when the case's bytes would fit in it) and achieved bandwidth against this device's own copy
-bandwidth, measured in the same run. Prints a table; writes JSON, the table and a PNG to --out.
+"""Kernel benchmark on a CUDA device: time per kernel (CUDA graph replay, median of many) and achieved
+bandwidth against this device's own copy bandwidth, measured in the same run. Every decode-time kernel is
+timed two ways (32 calls captured in one graph, per call; one call a replay after an L2 flush), each with
+its target and whether it is met (``bench.timing`` says how). Prints a table; writes JSON, the table and a
+PNG to --out.
 
     python bench/kernels.py --out bench-out        # or: kpool-pd bench kernels --out bench-out
 
@@ -25,11 +27,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.copy_baseline import copy_bandwidths  # noqa: E402
 from bench.kernel_report import format_table, plot  # noqa: E402
-from bench.kpool_cases import KPOOL_CASES  # noqa: E402
-from bench.qsa_cases import QSA_CASES  # noqa: E402
+from bench.kpool_cases import KPOOL_CASES, KPOOL_VARIANTS  # noqa: E402
+from bench.qsa_cases import QSA_CASES, QSA_VARIANTS  # noqa: E402
 from bench.timing import BenchCase, run_cases  # noqa: E402
 
 CASES: list[BenchCase] = [*KPOOL_CASES, *QSA_CASES]
+VARIANTS: list[BenchCase] = [*KPOOL_VARIANTS, *QSA_VARIANTS]  # launch variants, with --variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for kernels.json/.txt/.png")
     parser.add_argument("--reps", type=int, default=200, help="timed graph replays per kernel (median reported)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains one of these comma-separated texts")
+    parser.add_argument("--variants", action="store_true", help="also time the kernels' launch variants (sweeps)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device (none found)", file=sys.stderr)
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     copies = copy_bandwidths(device)
     copy_name, copy_bps = max(copies.items(), key=lambda item: item[1])
     wanted = [part for part in args.only.split(",") if part] or [""]
-    cases = [c for c in CASES if any(part in c.name for part in wanted)]
+    cases = [c for c in CASES + (VARIANTS if args.variants else []) if any(part in c.name for part in wanted)]
     rows = run_cases(cases, device, copy_bps, args.reps)
     table = format_table(rows, copy_bps, device_name)
     table += "\ncopy baselines (read + write): " + ", ".join(f"{name} {bps / 1e12:.2f} TB/s" for name, bps in copies.items())

@@ -13,6 +13,8 @@ from kernels.kpool_prefill.triton import prefill_compress_write_triton
 from kvcache import INDEX_HEAD_DIM, PoolMode, blocks_for_tokens, tail_ring_size
 
 D = INDEX_HEAD_DIM
+DECODE_VARIANTS = ((1, 1, False), (1, 2, False), (1, 4, False), (2, 4, False), (1, 1, True), (1, 4, True))
+# (requests a program, warps, programmatic dependent launch)
 
 
 def _keys(tokens: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,12 +60,13 @@ def make_prefill(requests: int = 256, tokens_each: int = 4096, kpool: int = 4, s
     return make
 
 
-def make_decode(batch: int, tokens_each: int = 4, kpool: int = 4, states: int = 64, calls: int = 1,
-                block_c: int | None = None, num_warps: int | None = None):
-    """Decode step of one layer: every request stashes its tokens and compresses the pools they complete."""
+def make_decode(batch: int, tokens_each: int = 4, kpool: int = 4, states: int = 64, num_spec: int = 3,
+                block_r: int | None = None, num_warps: int | None = None, pdl: bool | None = None):
+    """Decode step of one layer: every request stashes its tokens and compresses the pools they complete (ring of
+    a num_spec-draft config; tokens_each = 1 is a step without drafts on it)."""
     def make(device: torch.device) -> Prepared:
         gen = torch.Generator(device="cpu").manual_seed(2)
-        ring_size = tail_ring_size(kpool, tokens_each - 1)
+        ring_size = tail_ring_size(kpool, num_spec)
         start = torch.randint(64, 16_384, (batch,), generator=gen)
         blocks_each = (16_384 + tokens_each) // (kpool * states) + 1
         table = torch.randperm(batch * blocks_each, generator=gen).view(batch, blocks_each).to(torch.int32)
@@ -77,15 +80,10 @@ def make_decode(batch: int, tokens_each: int = 4, kpool: int = 4, states: int = 
         old_slots = int(torch.where((start + tokens_each) // kpool > start // kpool, start % kpool, 0).sum())
         moved = k.numel() * 2 * 2 * 2 + old_slots * 2 * D * 2 + completed * (D + 4)  # read + ring write
         args = (k, gate, start.to(device), qsl, ring_ids, table.to(device), ape, ring, iq, iscale)
-
-        def run() -> None:
-            for _ in range(calls):
-                if num_warps is None:
-                    kpool_decode_update(*args)
-                else:  # a launch variant: the kernel alone
-                    decode_update_triton(*args, mode=PoolMode.SOFTMAX, round_scale=True, block_c=block_c,
-                                         num_warps=num_warps)
-        return Prepared(run, moved * calls, calls)
+        if block_r is None and num_warps is None and pdl is None:
+            return Prepared(lambda: kpool_decode_update(*args), moved)
+        return Prepared(lambda: decode_update_triton(  # a launch variant: the kernel alone
+            *args, mode=PoolMode.SOFTMAX, round_scale=True, block_r=block_r, num_warps=num_warps, pdl=pdl), moved)
     return make
 
 
@@ -129,20 +127,31 @@ def make_score(batch: int = 64, seq_len: int = 16_384, heads: int = 64, kpool: i
     return make
 
 
+_VLLM = "vLLM {}, issue 11 (2026-11-30, same H200 harness)"
+
 KPOOL_CASES: list[BenchCase] = [
-    BenchCase("prefill compress+write+seed (public op)", "1 layer, 256 x 4096 tokens = 262,144 pools of 4",
-              make_prefill(), target_copy_fraction=0.60, anchor="vLLM 362 us, 1.58 TB/s, 37% of copy"),
-    *[BenchCase(f"prefill compress+write BLOCK_P={bp} warps={nw}", "262,144 pools of 4",
-                make_prefill(block_p=bp, num_warps=nw, public=False), target_copy_fraction=0.60)
-      for bp, nw in ((4, 4), (8, 4), (8, 2), (16, 4), (16, 8), (32, 4))],
-    BenchCase("decode update, 3 drafts", "1 layer, batch 256 x 4 tokens", make_decode(256), target_us=5.0,
-              anchor="vLLM 5.1 us a replay"),
-    BenchCase("decode update, 3 drafts, 32 calls a graph", "batch 256 x 4 tokens, per call", make_decode(256, calls=32),
-              anchor="vLLM 3.0 us a call"),
-    BenchCase("decode update, 3 drafts", "1 layer, batch 1024 x 4 tokens", make_decode(1024), target_us=6.3),
-    *[BenchCase(f"decode update, 3 drafts, BLOCK_C={bc} warps={nw}", f"batch {b} x 4 tokens",
-                make_decode(b, block_c=bc, num_warps=nw)) for b in (256, 1024) for bc, nw in ((1, 1), (1, 2), (2, 2), (1, 4))],
-    BenchCase("compress (standalone op)", "262,144 pools of 4", make_compress()),
-    BenchCase("paged write of entries", "262,144 entries", make_write()),
-    BenchCase("indexer scores + top-2048", "64 requests x 16k tokens, 64 heads", make_score()),
+    BenchCase(name="prefill compress+write+seed (public op)", size="1 layer, 256 x 4096 tokens = 262,144 pools of 4",
+              make=make_prefill(), target_copy_fraction=0.60, anchor=_VLLM.format("363 us, 38% of copy")),
+    BenchCase(name="decode update, 3 drafts", size="1 layer, 256 requests x 4 tokens", make=make_decode(256),
+              decode=True, target_graph32_us=3.0, target_flush1_us=8.5, anchor=_VLLM.format("3.13 us"),
+              anchor_flush1=_VLLM.format("8.8 us")),
+    BenchCase(name="decode update, 3 drafts", size="1 layer, 1,024 requests x 4 tokens", make=make_decode(1024),
+              decode=True, target_graph32_us=4.3, target_flush1_us=10.0, anchor=_VLLM.format("4.46 us"),
+              anchor_flush1=_VLLM.format("10.3 us")),
+    BenchCase(name="decode update, no drafts", size="1 layer, 256 requests x 1 token (ring 8)",
+              make=make_decode(256, tokens_each=1), decode=True, target_graph32_us=2.3,
+              anchor=_VLLM.format("2.33 us")),
+    BenchCase(name="compress (standalone op)", size="262,144 pools of 4", make=make_compress()),
+    BenchCase(name="paged write of entries", size="262,144 entries", make=make_write()),
+    BenchCase(name="indexer scores + top-2048", size="64 requests x 16k tokens, 64 heads", make=make_score(),
+              decode=True),
+]
+
+# Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
+KPOOL_VARIANTS: list[BenchCase] = [
+    *[BenchCase(name=f"prefill compress+write BLOCK_P={bp} warps={nw}", size="262,144 pools of 4",
+                make=make_prefill(block_p=bp, num_warps=nw, public=False)) for bp, nw in ((8, 4), (16, 4), (16, 8))],
+    *[BenchCase(name=f"decode update BLOCK_R={br} warps={nw}{' PDL' if pdl else ''}", size=f"{b} requests x {t} tokens",
+                make=make_decode(b, tokens_each=t, block_r=br, num_warps=nw, pdl=pdl), decode=True)
+      for b, t in ((256, 4), (1024, 4), (256, 1)) for br, nw, pdl in DECODE_VARIANTS],
 ]

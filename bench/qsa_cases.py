@@ -8,6 +8,7 @@ import torch
 
 from bench.timing import BenchCase, Prepared
 from kernels import build_qsa_metadata, qsa_forward_update, repack_blocks
+from kernels.qsa_update.triton import qsa_forward_update_triton
 from kvcache import (
     INDEX_HEAD_DIM, BlockLayout, BlockOrder, CacheConfig, CacheFamily, blocks_for_tokens, qsa_ring_capacity,
 )
@@ -39,7 +40,7 @@ def make_qsa_metadata(requests: int = 256, tokens: int = 8192, r: int = 4, num_s
 
 
 def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: int = 1, num_spec: int = 3,
-                    block_size: int = 64, fp8: bool = False):
+                    block_size: int = 64, fp8: bool = False, block_w: int | None = None, num_warps: int | None = None):
     """QSA forward update of one layer for a prefill batch: compress + write every completed group, then the
     ring rows (keys and packed positions) of each request's last C tokens."""
     def make(device: torch.device) -> Prepared:
@@ -58,9 +59,13 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
         groups = int(meta.num_work)
         moved = keys.numel() * 2 + positions.numel() * 8 + groups * heads * D * compressed.element_size() + \
             requests * cap * (heads * (D + 12) * 2 + D * heads * 2 + 24)
-        return Prepared(lambda: qsa_forward_update(
-            keys, positions, meta, ring, compressed, weight, compress_ratio=r, block_size=block_size, eps=1e-6,
-            rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True), moved)
+        if block_w is None and num_warps is None:
+            return Prepared(lambda: qsa_forward_update(
+                keys, positions, meta, ring, compressed, weight, compress_ratio=r, block_size=block_size, eps=1e-6,
+                rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True), moved)
+        return Prepared(lambda: qsa_forward_update_triton(  # a launch variant: the kernels alone
+            keys, positions, meta, ring, compressed, weight, eps=1e-6, rotary_dim=64, theta=10000.0,
+            section=(12, 10, 10), cache_rope_positions=True, block_w=block_w, num_warps=num_warps), moved)
     return make
 
 
@@ -84,15 +89,28 @@ def make_repack(blocks: int = 512, layers: int = 16, block_size: int = 64, heads
     return make
 
 
+QSA_UPDATE_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 4), (16, 4))  # (groups a program, warps)
+
 QSA_CASES: list[BenchCase] = [
-    BenchCase("qsa metadata builder", "8,192 tokens in 256 requests, r 4, C 8", make_qsa_metadata(), target_us=10.0),
-    BenchCase("qsa forward update (prefill), bf16", "1 layer, 64 x 4096 tokens, r 4, 1 head",
-              make_qsa_update()),
-    BenchCase("qsa forward update (prefill), fp8, 4 heads", "1 layer, 16 x 4096 tokens, r 4, 4 heads",
-              make_qsa_update(requests=16, heads=4, fp8=True)),
-    BenchCase("qsa forward update (decode), 3 drafts", "1 layer, batch 256 x 4 tokens", make_qsa_update(
-        requests=256, q_len=4), target_us=10.0),
-    BenchCase("qsa block repack BLNHC->BLHNC", "512 blocks x 16 layers (MLA 1 head, keys 8 heads)", make_repack()),
-    BenchCase("qsa block repack BLNHC->BLHNC, MLA 16 heads", "256 blocks x 16 layers", make_repack(
-        blocks=256, mla_heads=16)),
+    BenchCase(name="qsa metadata builder", size="8,192 tokens in 256 requests, r 4, C 8", make=make_qsa_metadata(),
+              decode=True, target_flush1_us=10.0),
+    BenchCase(name="qsa forward update (prefill), bf16", size="1 layer, 64 x 4096 tokens, r 4, 1 head",
+              make=make_qsa_update(), target_copy_fraction=0.30),
+    BenchCase(name="qsa forward update (prefill), fp8, 4 heads", size="1 layer, 16 x 4096 tokens, r 4, 4 heads",
+              make=make_qsa_update(requests=16, heads=4, fp8=True)),
+    BenchCase(name="qsa forward update (decode), 3 drafts", size="1 layer, 256 requests x 4 tokens",
+              make=make_qsa_update(requests=256, q_len=4), decode=True, target_flush1_us=10.0),
+    BenchCase(name="qsa block repack BLNHC->BLHNC", size="512 blocks x 16 layers (MLA 1 head, keys 8 heads)",
+              make=make_repack()),
+    BenchCase(name="qsa block repack BLNHC->BLHNC, MLA 16 heads", size="256 blocks x 16 layers",
+              make=make_repack(blocks=256, mla_heads=16)),
+]
+
+# Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
+QSA_VARIANTS: list[BenchCase] = [
+    *[BenchCase(name=f"qsa update (decode) BLOCK_W={bw} warps={nw}", size="256 requests x 4 tokens",
+                make=make_qsa_update(requests=256, q_len=4, block_w=bw, num_warps=nw), decode=True)
+      for bw, nw in QSA_UPDATE_VARIANTS],
+    *[BenchCase(name=f"qsa update (prefill) BLOCK_W={bw} warps={nw}", size="64 x 4096 tokens",
+                make=make_qsa_update(block_w=bw, num_warps=nw)) for bw, nw in ((1, 2), (4, 4), (16, 4))],
 ]

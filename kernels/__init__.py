@@ -3,6 +3,11 @@ kernels (``triton.py``), except ``qsa_rope``, torch only (the MRoPE tables and r
 share); the package exports the dispatching entry points only (``kernels.dispatch`` says which
 implementation runs).
 
+Shared pieces: ``checks``, ``kpool_checks`` and ``qsa_checks`` (the argument checks every public entry
+runs, on every path), ``triton_helpers`` (launch options and the bit-exact conversions the kernels
+share), ``fp8`` and ``hadamard`` (constants and math of both paths), ``dispatch`` (which implementation
+runs, and on which device: an op launches on its tensors' device, never the process's current one).
+
 Importing the package loads every op's entry point and reference, kpool and QSA alike; an op's
 ``triton`` module is imported on the op's first Triton call."""
 

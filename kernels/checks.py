@@ -1,4 +1,12 @@
-"""Input checks shared by the ops' public entry points (ValueError/TypeError naming the values)."""
+"""Input checks shared by the ops' public entry points (ValueError/TypeError naming the values).
+
+The convention of every op: its public entry (the op folder's ``__init__``) checks the arguments on
+every path (types, ranks, dtypes, sizes, devices; the values, which need a host synchronisation, on CPU
+tensors only), then runs the Triton kernel or the torch reference; ``ref.py`` is the math alone. One
+int dtype rule: index tensors (offsets, lengths, block tables, ring ids, slots) may be int32 or int64
+(``check_int_tensor``); positions are int64. The family-specific checks live in ``kpool_checks`` and
+``qsa_checks``.
+"""
 
 from __future__ import annotations
 

@@ -156,8 +156,8 @@ GOOD = {"qsl": i32([0, 2, 3]), "seq": i32([4, 9]), "table": i32([[0, 1, -1], [2,
         ({"qsl": i32([0, 3, 2])}, {}, r"not monotone: entry 1 = 3 > entry 2 = 2"),
         ({"qsl": i32([1, 2, 3])}, {}, "start at 0, got 1"),
         ({"qsl": i32([0, 3])}, {}, "expected B \\+ 1 = 3"),
-        ({"qsl": torch.tensor([0, 2, 3])}, {}, "query_start_loc must be a 1-D int32"),
-        ({"table": i32([0, 1, 2])}, {}, "block_table must be a 2-D int32"),
+        ({"qsl": torch.tensor([0.0, 2.0, 3.0])}, {}, "query_start_loc must be int32 or int64, got torch.float32"),
+        ({"table": i32([0, 1, 2])}, {}, r"block_table must have rank 2, got shape \(3,\)"),
         ({"table": i32([[0, 1, -1]])}, {}, "B = 2 rows"),
         ({"table": i32([[-1, 1, -1], [2, 3, 4]])}, {}, r"request 0: block_table column 0 holds block -1"),
         ({"rings": i32([0, -1])}, {}, "request 1: ring block -1"),
@@ -165,7 +165,7 @@ GOOD = {"qsl": i32([0, 2, 3]), "seq": i32([4, 9]), "table": i32([[0, 1, -1], [2,
         ({}, {"ring_capacity": 2, "compress_ratio": 4}, "ring_capacity 2 < compress_ratio 4"),
         ({}, {"block_size": 0}, "block_size must be a positive integer, got 0"),
     ],
-    ids=["q-longer-than-seq", "table-too-short", "non-monotone", "offset-start", "qsl-length", "int64-qsl",
+    ids=["q-longer-than-seq", "table-too-short", "non-monotone", "offset-start", "qsl-length", "float-qsl",
          "1d-table", "table-rows", "negative-block-used", "negative-ring", "block-not-multiple-of-r",
          "ring-smaller-than-group", "zero-block-size"],
 )
@@ -174,6 +174,17 @@ def test_rejects_bad_inputs(change, params, match):
     kwargs = {"compress_ratio": 2, "ring_capacity": 4, "block_size": 4} | params
     with pytest.raises(ValueError, match=match):
         build_qsa_metadata(args["qsl"], args["seq"], args["table"], args["rings"], **kwargs)
+
+
+def test_int64_inputs_give_the_int32_metadata():
+    """One int dtype rule for every op: index tensors may be int32 or int64 (the metadata holds int32)."""
+    kwargs = {"compress_ratio": 2, "ring_capacity": 4, "block_size": 4}
+    narrow = build_qsa_metadata(GOOD["qsl"], GOOD["seq"], GOOD["table"], GOOD["rings"], **kwargs)
+    wide = build_qsa_metadata(*(GOOD[k].to(torch.int64) for k in ("qsl", "seq", "table", "rings")), **kwargs)
+    for name in ("query_start_loc", "seq_lens", "block_table", "ring_blocks", "token_to_req", "logical_positions",
+                 "visible_blocks", "ring_slot_mapping", "compressed_slot_mapping", "k_work", "num_work"):
+        a, b = getattr(wide, name), getattr(narrow, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 @pytest.mark.gpu

@@ -155,14 +155,14 @@ GOOD = {
         ({"q": torch.zeros(2, 4, 8)}, {}, "q must be bf16"),
         ({"cache": torch.zeros(3, 2, 2, 4, dtype=torch.bfloat16)}, {}, "D=8"),
         ({"cache": torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)}, {}, "rows=2"),
-        ({"seq": torch.tensor([8, 3])}, {}, "seq_lens must be int32"),
+        ({"seq": torch.tensor([8.0, 3.0])}, {}, "seq_lens must be int32 or int64"),
         ({"seq": torch.tensor([8, 9], dtype=torch.int32)}, {}, r"query 1: seq_len 9 must be in \[0, 8\]"),
         ({"table": torch.tensor([[0, 1], [5, -1]], dtype=torch.int32)}, {}, "block 5, outside the cache's blocks"),
         ({"table": torch.tensor([[0, -1], [2, -1]], dtype=torch.int32)}, {}, "query 0: visible row 2 .* block -1"),
         ({}, {"topk": 0}, "topk must be a positive integer, got 0"),
         ({}, {"block_size": 6}, "block_size 6 is not a multiple of compress_ratio 4"),
     ],
-    ids=["head-groups", "fp32-q", "head-size", "rows-per-block", "int64-seq", "seq-past-table", "block-past-cache",
+    ids=["head-groups", "fp32-q", "head-size", "rows-per-block", "float-seq", "seq-past-table", "block-past-cache",
          "negative-block-visible", "topk-zero", "block-not-multiple-of-r"],
 )
 def test_rejects_bad_inputs(change, params, match):

@@ -1,18 +1,20 @@
-"""The QSA Triton kernels in Triton's CPU interpreter, against the torch references.
+"""The QSA kernels against their torch references, each body once, on every backend that runs kernels:
+Triton's CPU interpreter here, compiled on CUDA through tests/gpu/test_qsa_gpu.py (tests/kernel_backends.py).
 
-Comparison rules in the interpreter:
+Comparison rules:
 - ring writes, the metadata builder, and every ring byte of a forward update: identical (integer
   and byte moves only);
 - compressed rows (compress, forward update): the kernels do the reference's fp32 operations in its
   order (sequential slot sum, ``div_rn``, the pairwise square sum, correctly rounded sqrt and
   division, no fused multiply-add) and round to bf16 / encode e4m3 on the bits, so the
-  interpreter's own bf16 truncation and fp8 misrounding never enter. The one difference left is
-  cos/sin: the interpreter's are numpy's float32 ones, which can differ from torch's CPU cos/sin by
-  an ulp; a rotated element can then land one bf16 ulp (one e4m3 step) away. ``rows_within_rule``:
-  dims past the rotary identical, rotary dims at most one step apart, and identical rows the rule
-  for nearly all (>= 95% of the elements here);
+  interpreter's own bf16 truncation and fp8 misrounding never enter. Compiled, the kernels call the
+  CUDA math library's cos/sin, as torch does on CUDA: identical to the reference run on the same CUDA
+  tensors. In the interpreter cos/sin are numpy's float32 ones, which can differ from torch's CPU
+  cos/sin by an ulp; a rotated element can then land one bf16 ulp (one e4m3 step) away.
+  ``rows_within_rule``: dims past the rotary identical, rotary dims at most one step apart, and
+  identical rows the rule for nearly all (>= 95% of the elements here);
 - the QSA invariant with every op on its Triton path (a prefill of the whole sequence against
-  chunked prefill and drafted decode steps): identical, as asserted by tests/test_qsa_update.py;
+  chunked prefill and drafted decode steps): identical (tests/test_qsa_update.py, every backend);
 - scoring: with integer-valued rows and queries every product and sum is exact, so rows and token
   indices are identical; with random values, scores within 1e-5 relative of the reference's
   (fp32 accumulation order) and the same rows except near-ties.
@@ -29,11 +31,12 @@ import torch
 from kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, write_qsa_ring
 from kernels.qsa_compress import ref as compress_ref
 from kernels.qsa_metadata import ref as metadata_ref
+from kernels.qsa_ring import ref as ring_ref
 from kernels.qsa_score import ref as score_ref
 from kernels.qsa_score.triton import qsa_scores_triton
 from kernels.qsa_update import ref as update_ref
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
-from tests.test_qsa_update import EDGE_HISTORIES, Storage, make_history, norm_weight, run_both, state_mismatches
+from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend, poison
 
 ROPE = {"rotary_dim": 64, "theta": 10000.0, "section": (12, 10, 10)}
 
@@ -60,28 +63,45 @@ def rows_within_rule(got: torch.Tensor, want: torch.Tensor, rotary_dim: int = 64
     return differing
 
 
-def _poison(t: torch.Tensor, seed: int) -> None:
-    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
-                                            generator=torch.Generator().manual_seed(seed)))
+@pytest.fixture
+def backend(request, monkeypatch) -> Backend:
+    return make_backend(request, monkeypatch, gpu_suite=False)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
 
 
 # --- group compression --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 1, 128), (9, 3, 2, 128), (5, 1, 1, 64), (4, 8, 3, 96)],
-                         ids=lambda s: "G{}-r{}-H{}-D{}".format(*s))
+COMPRESS_SHAPES = [(1, 4, 1, 128), (9, 3, 2, 128), (5, 1, 1, 64), (4, 8, 3, 96), (4099, 4, 2, 128),
+                   (257, 3, 1, 96), (64, 1, 8, 128)]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
+@pytest.mark.parametrize("shape", COMPRESS_SHAPES, ids=lambda s: "G{}-r{}-H{}-D{}".format(*s))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_compress(force_triton, shape, out_dtype):
+def test_compress(backend, shape, out_dtype):
+    if not backend.is_cuda and shape[0] * shape[2] > 64:
+        pytest.skip("large shapes run compiled only (the interpreter's time)")
     gen = torch.Generator().manual_seed(sum(shape))
     keys = (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16)
     positions = torch.randint(0, 2 ** 40, (shape[0], 3), generator=gen)
     weight = torch.randn(shape[3], generator=gen) * 0.5
-    got = compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    want = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    rows_within_rule(got, want)
+    args = tuple(t.to(backend.device) for t in (keys, positions, weight))
+    got = compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
+    want = compress_ref.compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)  # on the same device
+    if backend.is_cuda:
+        assert same_bytes(got, want), f"{int((got.view(torch.uint8) != want.view(torch.uint8)).sum())} bytes differ"
+        cpu = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
+        print(f"compress {shape}: {rows_within_rule(got.cpu(), cpu)} elements differ from the CPU reference")
+    else:
+        rows_within_rule(got, want)
 
 
-def test_compress_rounding_edges(force_triton):
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
+def test_compress_rounding_edges(backend):
     """Position 0 (no rotation) isolates the mean, the norm and the casts: values on bf16 halfway points,
     huge and tiny keys, a saturating fp8 weight, and r = 3 (an inexact division) must be bit-identical."""
     gen = torch.Generator().manual_seed(3)
@@ -91,16 +111,18 @@ def test_compress_rounding_edges(force_triton):
     keys[3] = 1.0 + 2.0 ** -8  # exactly halfway between bf16 values after the mean
     keys[4, :, :, :64] = 0.0
     keys = keys.to(torch.bfloat16)
-    positions = torch.zeros(6, 3, dtype=torch.int64)
+    keys, positions = keys.to(backend.device), torch.zeros(6, 3, dtype=torch.int64, device=backend.device)
     for weight in (torch.randn(128, generator=gen), torch.full((128,), 2000.0)):
+        weight = weight.to(backend.device)
         for out_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             got = compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
             want = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert same_bytes(got, want)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_compress_garbage_keys(force_triton, out_dtype):
+def test_compress_garbage_keys(backend, out_dtype):
     """Rejected drafts carry any bits: NaN and inf keys give NaN where the reference has NaN (its NaN bits
     depend on torch's cast path, so a NaN compares as a NaN), and every other byte identical (the zeros of
     an infinite norm included)."""
@@ -108,11 +130,13 @@ def test_compress_garbage_keys(force_triton, out_dtype):
     keys = torch.randint(-2 ** 15, 2 ** 15, (12, 2, 1, 128), generator=gen, dtype=torch.int16).view(torch.bfloat16)
     keys[0, :, :, :64] = float("inf")  # an infinite norm: finite dims become 0, infinite ones NaN
     keys[1, 0, 0, 3] = float("nan")
-    positions = torch.zeros(12, 3, dtype=torch.int64)  # no rotation: no cos/sin ulp can enter
+    # no rotation in the interpreter (no cos/sin ulp can enter); compiled, any position (CUDA's cos/sin)
+    positions = backend.pick(torch.zeros(12, 3, dtype=torch.int64), torch.randint(0, 2 ** 40, (12, 3), generator=gen))
     weight = torch.randn(128, generator=gen)
-    got = compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    want = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    assert_same_or_both_nan(got, want)
+    args = tuple(t.to(backend.device) for t in (keys, positions, weight))
+    got = compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
+    want = compress_ref.compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
+    assert_same_or_both_nan(got.cpu(), want.cpu())
 
 
 def assert_same_or_both_nan(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -135,30 +159,34 @@ def test_compress_checks_like_the_reference(force_triton):
 # --- ring write ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
 @pytest.mark.parametrize("rope", [True, False], ids=["packed-positions", "keys-only"])
-@pytest.mark.parametrize("heads, head_size", [(1, 128), (2, 30)], ids=["H1-D128", "H2-D30"])
-def test_ring_write(force_triton, rope, heads, head_size):
+@pytest.mark.parametrize("heads, head_size", [(1, 128), (2, 30), (2, 128)], ids=["H1-D128", "H2-D30", "H2-D128"])
+def test_ring_write(backend, rope, heads, head_size):
     gen = torch.Generator().manual_seed(heads * 7 + rope)
-    rings, cap = 3, 6
+    rings, cap, tokens = backend.pick((3, 6, 11), (64, 8, 300))
     width = math.ceil(head_size / 4) * 4 + 12 if rope else head_size + 2  # keys-only rows wider than D: zeros
-    got = torch.empty(rings, cap, heads, width, dtype=torch.bfloat16)
-    _poison(got, 1)
-    want = got.clone()
-    tokens = 11
+    got = torch.empty(rings, cap, heads, width, dtype=torch.bfloat16, device=backend.device)
+    poison(got, 1)
+    want = got.cpu().clone()
     keys = torch.randint(-2 ** 15, 2 ** 15, (tokens, heads, head_size), generator=gen, dtype=torch.int16)
     keys = keys.view(torch.bfloat16)  # any bits, NaN included
     positions = torch.randint(-2 ** 62, 2 ** 62, (tokens, 3), generator=gen) if rope else None
-    # ring 2 wraps (positions 4..9 of a ring of 6), ring 0 gets one token, -1 skips the rest
-    slots = torch.tensor([-1, -1, 2 * cap + 4, 2 * cap + 5, 2 * cap + 0, 2 * cap + 1, 2 * cap + 2, 2 * cap + 3,
-                          -1, 0 * cap + 5, -1])
-    write_qsa_ring(got, keys, positions, slots)
-    from kernels.qsa_ring import ref as ring_ref
-
+    if backend.is_cuda:
+        slots = torch.randperm(rings * cap, generator=gen)[:tokens]
+        slots[::7] = -1
+    else:  # ring 2 wraps (positions 4..9 of a ring of 6), ring 0 gets one token, -1 skips the rest
+        slots = torch.tensor([-1, -1, 2 * cap + 4, 2 * cap + 5, 2 * cap + 0, 2 * cap + 1, 2 * cap + 2, 2 * cap + 3,
+                              -1, 0 * cap + 5, -1])
+    if heads == 2:  # one int dtype rule: slots may be int32 or int64
+        slots = slots.to(torch.int32)
+    write_qsa_ring(got, keys.to(backend.device), positions.to(backend.device) if rope else None,
+                   slots.to(backend.device))
     ring_ref.write_qsa_ring(want, keys, positions, slots)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert same_bytes(got, want)
 
 
-def test_ring_write_single_token_and_checks(force_triton):
+def test_ring_write_single_token_and_checks(force_triton):  # value checks: CPU tensors only
     ring = torch.zeros(1, 4, 1, 140, dtype=torch.bfloat16)
     keys = torch.ones(1, 1, 128, dtype=torch.bfloat16)
     write_qsa_ring(ring, keys, torch.tensor([[1, 2, 3]]), torch.tensor([3]))
@@ -196,16 +224,39 @@ FIELDS = ("token_to_req", "logical_positions", "visible_blocks", "ring_slot_mapp
           "k_work", "num_work")
 
 
-@pytest.mark.parametrize("case", list(METADATA_CASES), ids=list(METADATA_CASES))
-def test_metadata(force_triton, case):
-    q_lens, seq_lens, r, cap, block_size = METADATA_CASES[case]
-    args = _metadata_args(q_lens, seq_lens, block_size, seed=len(case))
+def random_metadata_inputs(requests: int, seed: int, *, block_size: int, max_len: int, max_q: int):
+    """A random batch: prefill chunks, decode steps (every 5th request) and idle requests (every 11th from 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = torch.randint(1, max_len, (requests,), generator=gen)
+    q_lens = torch.minimum(torch.randint(0, max_q, (requests,), generator=gen), seq)
+    q_lens[::5] = 1  # decode steps
+    q_lens[3::11] = 0  # idle requests
+    cols = -(-max_len // block_size)
+    table = torch.randperm(requests * cols, generator=gen).view(requests, cols).to(torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
+    rings = torch.randperm(requests, generator=gen).to(torch.int32)
+    return (starts, seq.to(torch.int32), table, rings), int(q_lens.sum())
+
+
+RANDOM_METADATA = {"random-r4-C8": (4, 8), "random-r1-C4": (1, 4), "random-r3-C6": (3, 6), "random-r8-C16": (8, 16)}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
+@pytest.mark.parametrize("case", [*METADATA_CASES, *RANDOM_METADATA])
+def test_metadata(backend, case):
+    if case in METADATA_CASES:
+        q_lens, seq_lens, r, cap, block_size = METADATA_CASES[case]
+        args, tokens = _metadata_args(q_lens, seq_lens, block_size, seed=len(case)), sum(q_lens)
+    else:
+        (r, cap), block_size = RANDOM_METADATA[case], 48 if case == "random-r3-C6" else 64
+        args, tokens = random_metadata_inputs(backend.pick(12, 300), r, block_size=block_size,
+                                              max_len=backend.pick(256, 4096), max_q=backend.pick(16, 64))
     params = {"compress_ratio": r, "ring_capacity": cap, "block_size": block_size}
-    got = build_qsa_metadata(*args, **params, num_tokens=sum(q_lens))
+    got = build_qsa_metadata(*(t.to(backend.device) for t in args), **params, num_tokens=tokens)
     want = metadata_ref.build_qsa_metadata(*args, **params)
     for name in FIELDS:
         a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a.device == backend.device and a.dtype == b.dtype and torch.equal(a.cpu(), b), name
 
 
 def test_metadata_pads_tokens_past_the_last_request(force_triton):
@@ -236,62 +287,81 @@ def test_metadata_checks_values_on_cpu(force_triton):
 # --- forward update -------------------------------------------------------------------------------------------
 
 
-def _qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec: int, seed: int) -> CachePool:
+def qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec: int, *, blocks: int, rings: int,
+             seed: int, device: torch.device, block_base: int = 8) -> CachePool:
+    """A poisoned QSA pool: two layers, blocks of lcm(r, C, block_base) tokens."""
     cap = qsa_ring_capacity(r, num_spec)
-    config = CacheConfig(family=CacheFamily.QSA, layer_names=("l0", "l1"), block_size=math.lcm(r, cap, 8),
-                         num_spec=num_spec, mla_entry_bytes=8, order=order, compress_ratio=r, qsa_num_heads=heads,
-                         qsa_dtype=dtype)
-    pool = CachePool(BlockLayout(config), num_blocks=12, num_rings=4)
-    _poison(pool.blocks, seed)
-    _poison(pool.rings, seed + 1)
+    config = CacheConfig(family=CacheFamily.QSA, layer_names=("l0", "l1"), block_size=math.lcm(r, cap, block_base),
+                         num_spec=num_spec, mla_entry_bytes=block_base, order=order, compress_ratio=r,
+                         qsa_num_heads=heads, qsa_dtype=dtype)
+    pool = CachePool(BlockLayout(config), num_blocks=blocks, num_rings=rings, device=device)
+    poison(pool.blocks, seed)
+    poison(pool.rings, seed + 1)
     return pool
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
 @pytest.mark.parametrize(
     "dtype, order, heads, rope",
     [(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, True), (CacheDtype.FP8_E4M3, BlockOrder.BLHNC, 2, True),
      (CacheDtype.BFLOAT16, BlockOrder.BLHNC, 2, False)],
     ids=["bf16-BLNHC-rope-cached", "fp8-BLHNC-2heads-rope-cached", "bf16-BLHNC-2heads-text-rope"],
 )
-def test_forward_update(force_triton, dtype, order, heads, rope):
-    """Three forwards over four requests, the same inputs on both paths: a prefill, a second chunk
-    that straddles a group and is longer than the ring, decode steps with drafts wrapping the ring,
-    a single-token request, and an idle one (no tokens: its slots are never written)."""
+def test_forward_update(backend, dtype, order, heads, rope):
+    """Forwards over a batch, the same inputs on both paths: a prefill, a second chunk that straddles a group
+    (longer than the ring), decode steps with drafts wrapping the ring, single-token and idle requests (no
+    tokens: their slots are never written). In the interpreter: four requests, three fixed forwards; compiled:
+    24 requests, five random forwards."""
     r, num_spec = 4, 3
-    got_pool, want_pool = _qsa_pool(dtype, order, heads, r, num_spec, 5), _qsa_pool(dtype, order, heads, r, num_spec, 5)
+    requests, columns = backend.pick((4, 3), (24, 24))
+    pools = [qsa_pool(dtype, order, heads, r, num_spec, blocks=requests * columns, rings=requests, seed=5,
+                      device=backend.device, block_base=backend.pick(8, 64)) for _ in range(2)]
+    got_pool, want_pool = pools
     cap, block_size = got_pool.config.qsa_ring.capacity, got_pool.config.block_size
     gen = torch.Generator().manual_seed(11)
-    weight = torch.randn(128, generator=gen) * 0.5
-    table = torch.randperm(12, generator=gen)[:12].view(4, 3).to(torch.int32)
-    rings = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
-    lengths = [0, 0, 0, 0]
-    for q_lens in ([5, 1, 7, 0], [13, 1, 4, 0], [4, 4, 4, 0]):
+    weight = (torch.randn(128, generator=gen) * 0.5).to(backend.device)
+    table = torch.randperm(requests * columns, generator=gen).view(requests, columns).to(torch.int32)
+    rings = torch.tensor([2, 0, 3, 1]) if requests == 4 else torch.randperm(requests, generator=gen)
+    if backend.is_cuda:
+        plans = [torch.randint(1, 700, (requests,), generator=gen).tolist()]
+        plans += [torch.randint(low, high, (requests,), generator=gen).tolist()
+                  for low, high in ((1, 300), (0, 5), (0, 5), (1, 2))]
+    else:
+        plans = [[5, 1, 7, 0], [13, 1, 4, 0], [4, 4, 4, 0]]
+    spec = got_pool.config.qsa_keys
+    kwargs = {"compress_ratio": r, "block_size": block_size, "eps": spec.norm_eps, "cache_rope_positions": rope, **ROPE}
+    lengths = [0] * requests
+    for q_lens in plans:
         seq = [length + q for length, q in zip(lengths, q_lens)]
         starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
         cols = max(-(-s // block_size) for s in seq)
-        meta = build_qsa_metadata(starts, torch.tensor(seq, dtype=torch.int32), table[:, :cols].contiguous(), rings,
-                                  compress_ratio=r, ring_capacity=cap, block_size=block_size)
-        keys = (torch.randn(sum(q_lens), heads, 128, generator=gen) * 2).to(torch.bfloat16)
-        positions = torch.randint(0, 2 ** 33, (sum(q_lens), 3), generator=gen)
-        spec = got_pool.config.qsa_keys
-        kwargs = {"compress_ratio": r, "block_size": block_size, "eps": spec.norm_eps, "cache_rope_positions": rope,
-                  **ROPE}
+        meta = build_qsa_metadata(starts.to(backend.device),
+                                  torch.tensor(seq, dtype=torch.int32, device=backend.device),
+                                  table[:, :cols].contiguous().to(backend.device),
+                                  rings.to(torch.int32).to(backend.device), compress_ratio=r, ring_capacity=cap,
+                                  block_size=block_size, num_tokens=sum(q_lens))
+        keys = (torch.randn(sum(q_lens), heads, 128, generator=gen) * 2).to(torch.bfloat16).to(backend.device)
+        positions = torch.randint(0, 2 ** 33, (sum(q_lens), 3), generator=gen).to(backend.device)
         qsa_forward_update(keys, positions, meta, got_pool.qsa_ring("l1"), got_pool.qsa_keys("l1"), weight, **kwargs)
         update_ref.qsa_forward_update(keys, positions, meta, want_pool.qsa_ring("l1"), want_pool.qsa_keys("l1"),
-                                      weight, **kwargs)
+                                      weight, **kwargs)  # on the same device
         lengths = seq
     assert torch.equal(got_pool.rings, want_pool.rings)
+    if backend.is_cuda:
+        assert torch.equal(got_pool.blocks, want_pool.blocks)
+        return
     got, want = got_pool.qsa_keys("l1"), want_pool.qsa_keys("l1")
     rows_within_rule(got.contiguous(), want.contiguous())
     outside = got_pool.blocks.clone()
-    patched = CachePool(got_pool.layout, num_blocks=12, num_rings=1)
+    patched = CachePool(got_pool.layout, num_blocks=got_pool.num_blocks, num_rings=1)
     patched.blocks = outside
     patched.qsa_keys("l1").copy_(want)
     assert torch.equal(outside, want_pool.blocks), "bytes outside layer l1's compressed rows differ"
 
 
 def test_forward_update_checks_values_on_cpu(force_triton):
-    pool = _qsa_pool(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, 2, 0, 1)
+    pool = qsa_pool(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, 2, 0, blocks=12, rings=4, seed=1,
+                    device=torch.device("cpu"))
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     meta = build_qsa_metadata(i32([0, 2, 4]), i32([2, 2]), i32([[1], [1]]), i32([0, 1]), compress_ratio=2,
                               ring_capacity=2, block_size=pool.config.block_size)
@@ -301,66 +371,67 @@ def test_forward_update_checks_values_on_cpu(force_triton):
                            block_size=pool.config.block_size, eps=1e-6, cache_rope_positions=True, **ROPE)
 
 
-@pytest.mark.parametrize("case", ["chunk-longer-than-ring-after-straddle", "every-draft-rejected",
-                                  "one-token-request-beside-a-long-one"])
-def test_qsa_invariant_through_the_kernels(force_triton, case):
-    r, num_spec, plans = EDGE_HISTORIES[case]
-    storage = Storage(r=r, num_spec=num_spec, rope=True, dtype=CacheDtype.FP8_E4M3, order=BlockOrder.BLHNC)
-    gen = torch.Generator().manual_seed(7)
-    histories = [make_history(chunks, steps, storage, gen) for chunks, steps in plans]
-    weight = norm_weight(7)
-    whole, stepped = run_both(storage, histories, weight)
-    assert state_mismatches(whole, histories, weight) == []
-    assert state_mismatches(stepped, histories, weight) == []
-
-
 # --- scoring + top-k ------------------------------------------------------------------------------------------
 
 
-def _score_inputs(dtype, integer: bool, seed: int):
+def score_inputs(dtype: CacheDtype, integer: bool, seed: int, backend: Backend):
+    """A BLHNC cache and queries: in the interpreter 5 queries over 7 small blocks (a request with no visible
+    row, one with no tokens); compiled, 48 queries of 16 heads over 400 blocks of 64 tokens."""
     gen = torch.Generator().manual_seed(seed)
-    r, block_size, kv_heads, head_size = 4, 16, 2, 64
-    cache = torch.empty(7, kv_heads, block_size // r, head_size, dtype=dtype.torch_dtype).permute(0, 2, 1, 3)  # BLHNC
+    r, block_size, kv_heads, head_size, blocks, queries, q_heads = backend.pick((4, 16, 2, 64, 7, 5, 4),
+                                                                               (4, 64, 2, 128, 400, 48, 16))
+    cache = torch.empty(blocks, kv_heads, block_size // r, head_size, dtype=dtype.torch_dtype).permute(0, 2, 1, 3)
     values = torch.randint(-3, 4, cache.shape, generator=gen) if integer else torch.randn(cache.shape, generator=gen)
     cache.copy_(values.to(cache.dtype))
-    q = (torch.randint(-3, 4, (5, 4, head_size), generator=gen) if integer
-         else torch.randn(5, 4, head_size, generator=gen)).to(torch.bfloat16)
-    table = torch.tensor([[0, 1, 2], [3, 4, -1], [5, -1, -1], [6, 2, 1], [1, -1, -1]], dtype=torch.int32)
-    seq_lens = torch.tensor([45, 30, 3, 48, 0], dtype=torch.int32)  # 11, 7, 0, 12 and 0 visible rows
+    q = (torch.randint(-3, 4, (queries, q_heads, head_size), generator=gen) if integer
+         else torch.randn(queries, q_heads, head_size, generator=gen)).to(torch.bfloat16)
+    if backend.is_cuda:
+        table = torch.randperm(blocks, generator=gen)[:queries * 8].view(queries, 8).to(torch.int32)
+        seq_lens = torch.randint(0, 8 * block_size + 1, (queries,), generator=gen).to(torch.int32)
+    else:
+        table = torch.tensor([[0, 1, 2], [3, 4, -1], [5, -1, -1], [6, 2, 1], [1, -1, -1]], dtype=torch.int32)
+        seq_lens = torch.tensor([45, 30, 3, 48, 0], dtype=torch.int32)  # 11, 7, 0, 12 and 0 visible rows
     return q, cache, table, seq_lens, {"compress_ratio": r, "block_size": block_size}
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", [CacheDtype.BFLOAT16, CacheDtype.FP8_E4M3], ids=lambda d: d.value)
-@pytest.mark.parametrize("topk", [1, 4, 20], ids=lambda k: f"top{k}")
-def test_topk_exact_on_integer_values(force_triton, dtype, topk):
-    q, cache, table, seq_lens, params = _score_inputs(dtype, True, 1)
-    rows, tokens = qsa_topk(q, cache, table, seq_lens, **params, topk=topk)
+@pytest.mark.parametrize("topk", [1, 4, 20, 200], ids=lambda k: f"top{k}")
+def test_topk_exact_on_integer_values(backend, dtype, topk):
+    q, cache, table, seq_lens, params = score_inputs(dtype, True, 1, backend)
+    if topk == 20:  # one int dtype rule: tables and lengths may be int32 or int64
+        table, seq_lens = table.to(torch.int64), seq_lens.to(torch.int64)
+    rows, tokens = qsa_topk(*(t.to(backend.device) for t in (q, cache, table, seq_lens)), **params, topk=topk)
     want_rows, want_tokens = score_ref.qsa_topk(q, cache, table, seq_lens, **params, topk=topk)
-    assert torch.equal(rows, want_rows) and torch.equal(tokens, want_tokens)
+    assert torch.equal(rows.cpu(), want_rows) and torch.equal(tokens.cpu(), want_tokens)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", [CacheDtype.BFLOAT16, CacheDtype.FP8_E4M3], ids=lambda d: d.value)
-def test_scores_within_accumulation_error(force_triton, dtype):
-    q, cache, table, seq_lens, params = _score_inputs(dtype, False, 2)
-    scores = qsa_scores_triton(q, cache, table, seq_lens, **params)
-    rows, _ = qsa_topk(q, cache, table, seq_lens, **params, topk=12)
+def test_scores_within_accumulation_error(backend, dtype):
+    q, cache, table, seq_lens, params = score_inputs(dtype, False, 2, backend)
+    r, block_size = params["compress_ratio"], params["block_size"]
+    on_device = tuple(t.to(backend.device) for t in (q, cache, table, seq_lens))
+    scores = qsa_scores_triton(*on_device, **params).cpu()
+    rows, _ = qsa_topk(*on_device, **params, topk=12)
+    rows = rows.cpu()
     want_rows, _ = score_ref.qsa_topk(q, cache, table, seq_lens, **params, topk=12)
     assert torch.equal(rows < 0, want_rows < 0)
-    for b, visible in enumerate((seq_lens // 4).tolist()):
+    group = q.shape[1] // cache.shape[2]
+    for b, visible in enumerate((seq_lens // r).tolist()):
         assert bool(torch.isinf(scores[b, visible:]).all())
-        for j in range(visible):  # the reference's score, row by row
-            block, row = int(table[b, j * 4 // 16]), j % 4
-            k = cache[block, row].float().repeat_interleave(2, dim=0)
-            want = torch.relu((q[b].float() * k).sum(-1)).sum() / math.sqrt(64)
-            assert abs(float(scores[b, j]) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
-        same = rows[b] == want_rows[b]
-        for i in torch.nonzero(~same).flatten().tolist():  # only a near-tie may swap
+        j = torch.arange(visible)
+        k = cache[table[b, j * r // block_size].long(), j % (block_size // r)].float().repeat_interleave(group, dim=1)
+        want = torch.relu((q[b].float()[None] * k).sum(-1)).sum(-1) / math.sqrt(q.shape[2])  # [J]
+        assert bool(((scores[b, :visible] - want).abs() <= 1e-5 * want.abs().clamp_min(1.0)).all())
+        for i in torch.nonzero(rows[b] != want_rows[b]).flatten().tolist():  # only a near-tie may swap
             a, c = float(scores[b, rows[b, i]]), float(scores[b, want_rows[b, i]])
             assert abs(a - c) <= 2e-5 * max(1.0, abs(c))
 
 
 def test_topk_checks_values_on_cpu(force_triton):
-    q, cache, table, seq_lens, params = _score_inputs(CacheDtype.BFLOAT16, True, 3)
+    q, cache, table, seq_lens, params = score_inputs(CacheDtype.BFLOAT16, True, 3,
+                                                     Backend("interpreter", torch.device("cpu")))
     table[0, 1] = 9
     with pytest.raises(ValueError, match="block 9, outside the cache's blocks"):
         qsa_topk(q, cache, table, seq_lens, **params, topk=2)

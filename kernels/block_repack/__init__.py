@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
 from kernels.block_repack import ref
 from kvcache import BlockLayout
 
@@ -35,6 +35,7 @@ def _check_blocks(name: str, blocks: torch.Tensor, layout: BlockLayout) -> None:
         )
 
 
+@on_tensor_device
 def repack_blocks(
     src_blocks: torch.Tensor, src_layout: BlockLayout, src_block_ids: torch.Tensor | Sequence[int],
     dst_blocks: torch.Tensor, dst_layout: BlockLayout, dst_block_ids: torch.Tensor | Sequence[int],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_int_tensor, check_same_device, check_tensor
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
 from kernels.kpool_checks import check_indexer_page
 from kernels.kpool_cache.ref import dequantize_entries, pool_slots, read_entries, write_entries
 
@@ -21,6 +21,7 @@ def _check_slots(slots: torch.Tensor, count: int, indexer_q: torch.Tensor, *, al
             raise ValueError(f"slots must lie in [{-1 if allow_skip else 0}, {limit}), got range [{low}, {high}]")
 
 
+@on_tensor_device
 def kpool_write_entries(indexer_q, indexer_scale, q, scale, slots) -> None:
     """Write P entries into the paged indexer cache in place (slot -1 skips).
 
@@ -40,6 +41,7 @@ def kpool_write_entries(indexer_q, indexer_scale, q, scale, slots) -> None:
     write_entries(indexer_q, indexer_scale, q, scale, slots)
 
 
+@on_tensor_device
 def kpool_read_entries(indexer_q, indexer_scale, slots, *, dequantize: bool = True):
     """Read P entries back: fp32 [P, 128] when dequantize, else (q fp8 [P, 128], scale fp32 [P]).
 

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kpool_compress.triton import DIM, decode_e4m3
+from kernels.kpool_compress.triton import DIM
+from kernels.triton_helpers import decode_e4m3
 
 BLOCK_ENTRIES = 16
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import as_pool_mode, check_same_device, check_tensor
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
 from kernels.kpool_compress.ref import compress_pools
 from kvcache import INDEX_HEAD_DIM, PoolMode
 
 
+@on_tensor_device
 def kpool_compress(
     k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *, mode: PoolMode | str = "softmax", round_scale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

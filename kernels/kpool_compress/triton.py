@@ -20,45 +20,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.dispatch import interpreting
+from kernels.fp8 import FP8_MAX
 from kernels.hadamard import INV_SQRT_DIM
+from kernels.triton_helpers import encode_e4m3, launch_options, round_to_bf16
 from kvcache import PoolMode
 
 DIM = 128
 _INV_SQRT_DIM = tl.constexpr(INV_SQRT_DIM)
-
-
-@triton.jit
-def round_to_bf16(x):
-    """fp32 -> fp32 holding the nearest-even bf16 value; NaN stays NaN (the GPU's arithmetic NaN,
-    0x7FFFFFFF, would otherwise carry into the sign bit)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return tl.where(x != x, x, (bits & 0xFFFF0000).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def encode_e4m3(v):
-    """fp32 with |v| <= 448 -> float8_e4m3fn code as uint8, rounded to nearest even."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)  # 3 mantissa bits, exponent bias 7
-    scaled = mag.to(tl.float32, bitcast=True) * 512.0  # subnormals: multiples of 2**-9
-    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.uint32)  # round to an integer, nearest even
-    code = tl.where(mag >= 0x3C800000, normal, subnormal)  # 0x3C800000 = 2**-6, the least normal
-    return (code | sign).to(tl.uint8)
-
-
-@triton.jit
-def decode_e4m3(code):
-    """float8_e4m3fn code (uint8) -> its exact fp32 value (finite codes)."""
-    bits = code.to(tl.uint32)
-    sign = (bits & 0x80) << 24
-    exponent = (bits >> 3) & 0xF
-    mantissa = bits & 0x7
-    normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # 2**-9
-    return tl.where(exponent == 0, tl.where(sign != 0, -subnormal, subnormal), normal)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -83,8 +52,8 @@ def fwht128(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos0, first_fresh, ring_row0, ring_size,
-               ring_step, mask, dims, FROM_RING: tl.constexpr):
+def _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos0, first_fresh, ring_row0,
+               ring_size: tl.constexpr, ring_step, mask, dims, FROM_RING: tl.constexpr):
     """k and gate of slot i of each pool as fp32. # -> [ROWS, 128] fp32 each
 
     Input rows: ``fresh_offset`` ([ROWS, 128] element offsets of slot 0) + i * row_step. With FROM_RING, positions
@@ -107,7 +76,8 @@ def _load_slot(i, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos
 
 @triton.jit
 def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, pos0, first_fresh, ring_row0,
-                  ring_size, ring_step, live, ROWS: tl.constexpr, KPOOL: tl.constexpr, SOFTMAX: tl.constexpr,
+                  ring_size: tl.constexpr, ring_step, live, ROWS: tl.constexpr, KPOOL: tl.constexpr,
+                  SOFTMAX: tl.constexpr,
                   ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr, FROM_RING: tl.constexpr):
     """Compress ROWS pools. # -> codes: [ROWS, 128] uint8 (e4m3 bits), scale: [ROWS] fp32
 
@@ -148,7 +118,7 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
     x = round_to_bf16(x)
     y = round_to_bf16(fwht128(x, ROWS) * _INV_SQRT_DIM)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
-    ratio = tl.math.div_rn(amax, 448.0)
+    ratio = tl.math.div_rn(amax, _FP8_MAX)
     if ROUND_SCALE:
         bits = ratio.to(tl.uint32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.uint32)
@@ -160,7 +130,7 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
     else:
         scale = ratio
         q = tl.math.div_rn(y, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
     return encode_e4m3(q), scale
 
 
@@ -177,12 +147,6 @@ def _compress_kernel(k_ptr, g_ptr, ape_ptr, q_ptr, scale_ptr, pools, pool_stride
     dims = tl.arange(0, 128)
     tl.store(q_ptr + rows[:, None] * 128 + dims[None, :], codes, mask=live[:, None])
     tl.store(scale_ptr + rows, scale, mask=live)
-
-
-def launch_options() -> dict:
-    """Compile options every kpool kernel launches with: no fused multiply-add (the reference rounds
-    each product and each sum)."""
-    return {"enable_fp_fusion": False}
 
 
 def compress_pools_triton(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *, mode: PoolMode,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import as_pool_mode, check_int_tensor, check_same_device
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
 from kernels.kpool_decode.ref import decode_update
 from kernels.kpool_checks import check_kpool_cache, check_tail_ring, check_token_batch
 from kvcache import PoolMode
 
 
+@on_tensor_device
 def kpool_decode_update(
     k: torch.Tensor, gate: torch.Tensor, start_pos: torch.Tensor, query_start_loc: torch.Tensor,
     ring_ids: torch.Tensor, block_table: torch.Tensor, ape: torch.Tensor, tail_ring: torch.Tensor,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import as_pool_mode, check_int_tensor, check_same_device
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
 from kernels.kpool_checks import check_kpool_cache, check_tail_ring, check_token_batch
 from kernels.kpool_prefill.ref import prefill_compress_write, seed_tail_ring
 from kvcache import PoolMode
 
 
+@on_tensor_device
 def kpool_prefill(
     k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, query_start_loc: torch.Tensor,
     block_table: torch.Tensor, ring_ids: torch.Tensor, indexer_q: torch.Tensor, indexer_scale: torch.Tensor,

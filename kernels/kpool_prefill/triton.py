@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
-from kernels.kpool_compress.triton import DIM, compress_tile, launch_options
+from kernels.kpool_compress.triton import DIM, compress_tile
+from kernels.triton_helpers import launch_options
 from kvcache import PoolMode
 
 

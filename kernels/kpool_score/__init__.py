@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_int_tensor, check_same_device, check_tensor
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
 from kernels.kpool_checks import check_indexer_page
 from kernels.kpool_score.ref import indexer_topk
 from kvcache import INDEX_HEAD_DIM
 
 
+@on_tensor_device
 def kpool_indexer_topk(
     q: torch.Tensor, weights: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
     indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, kpool: int, topk: int,

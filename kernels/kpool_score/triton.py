@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
-from kernels.kpool_compress.triton import decode_e4m3
+from kernels.triton_helpers import decode_e4m3
 
 BLOCK_N = 64
 

@@ -12,12 +12,17 @@ cos/sin: compiled runs use libdevice's cosf/sinf, the CUDA math library that tor
 call, so a GPU run matches the reference run on the GPU; the interpreter uses numpy's float32
 cos/sin, which can differ from torch's CPU ones by an ulp (the tests state the bound).
 
-The rotary pairs dim ``d`` with ``d +- rotary_dim / 2``; rather than moving values between lanes,
-each tile is also computed at the partner columns (the same loads, cached), which keeps every
-element's arithmetic the reference's.
+The rotary pairs dim ``d`` with ``d +- rotary_dim / 2``. When rotary_dim is a power of two dividing
+the padded head size (the model's 64 of 128), the partner's normed value is the tile with its two
+rotary halves swapped (split / join, no reload), and cos/sin are computed once per rotary pair and
+spread to both of its columns: each element's arithmetic is the reference's and is done once (cos/sin
+of a large angle take libdevice's slow argument reduction, the dearest step of a group). Otherwise the
+tile is also computed at the partner columns (the same loads, cached) and cos/sin once per column.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -25,39 +30,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.dispatch import interpreting
-from kernels.kpool_compress.triton import encode_e4m3, round_to_bf16
+from kernels.triton_helpers import (bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
+                                     round_to_bf16)
 from kernels.qsa_rope.ref import rope_inv_freq
-
-FP8_MAX = 448.0
-
-
-def launch_options() -> dict:
-    """No fused multiply-add: the reference rounds each product and each sum."""
-    return {"enable_fp_fusion": False}
-
-
-@triton.jit
-def bf16_bits_to_f32(bits):
-    """int16 bit patterns of bf16 -> their exact fp32 values."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def f32_to_bf16_bits(x):
-    """fp32 -> int16 bit pattern of the nearest-even bf16; NaN -> 0x7FFF (torch's own casts write other NaN
-    bits on other paths: 0xFFFF vectorised on CPU, 0x7FC0 scalar; a NaN is compared as a NaN)."""
-    rounded = round_to_bf16(x).to(tl.uint32, bitcast=True) >> 16
-    rounded = tl.where(x != x, 0x7FFF, rounded)
-    return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
-
-
-@triton.jit
-def f32_to_e4m3_bits(x):
-    """fp32 -> uint8 e4m3 code: clamp to [-448, 448], nearest even (NaN -> 0x7F with its sign, as torch)."""
-    clamped = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    nan_code = 0x7F | ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-    return tl.where(x != x, nan_code, encode_e4m3(clamped).to(tl.int32)).to(tl.uint8)
-
 
 @triton.jit
 def pairwise_total(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
@@ -74,7 +49,7 @@ def pairwise_total(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def _pooled(k_ptr, ring_ptr, cols, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap, live,
+def _pooled(k_ptr, ring_ptr, cols, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap: tl.constexpr, live,
             ROWS: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, FROM_RING: tl.constexpr):
     """bf16-rounded mean of the group's R keys at columns ``cols``, as fp32. # -> [ROWS, len(cols)]
 
@@ -104,35 +79,50 @@ def _pooled(k_ptr, ring_ptr, cols, key_row0, key_step, ring_row0, ring_step, pos
 
 
 @triton.jit
-def compress_tile(k_ptr, ring_ptr, w_ptr, inv_freq_ptr, key_row0, key_step, ring_row0, ring_step, pos0,
-                  first_fresh, cap, first_t, first_h, first_w, live, eps, ROWS: tl.constexpr,
-                  R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, LOG_D: tl.constexpr, ROT: tl.constexpr,
-                  S1: tl.constexpr, S2: tl.constexpr, FROM_RING: tl.constexpr, PRECISE: tl.constexpr):
-    """One head of ROWS groups: pooled -> RMSNorm -> MRoPE rotary, fp32 before the cache cast.
+def _halves_swapped(x, ROWS: tl.constexpr, N: tl.constexpr, ROT: tl.constexpr):
+    """x with columns [0, ROT/2) and [ROT/2, ROT) swapped, the rest unchanged (ROT a power of two dividing N).
+    # x: [ROWS, N] -> [ROWS, N]"""
+    parts = tl.permute(tl.reshape(x, (ROWS, N // ROT, 2, ROT // 2)), (0, 1, 3, 2))
+    low, high = tl.split(parts)
+    swapped = tl.reshape(tl.permute(tl.join(high, low), (0, 1, 3, 2)), (ROWS, N))
+    cols = tl.arange(0, N)
+    return tl.where((cols < ROT)[None, :], swapped, x)
 
-    # first_t, first_h, first_w: [ROWS] int64 (the group's first MRoPE position) -> [ROWS, D_P2] fp32"""
+
+@triton.jit
+def _spread_pairs(pair_values, fill, ROWS: tl.constexpr, N: tl.constexpr, ROT: tl.constexpr):
+    """Per-pair values -> per-column ones: column d < ROT takes pair d % (ROT/2), the columns past ROT ``fill``.
+    # pair_values: [ROWS, ROT/2] -> [ROWS, N] (ROT a power of two dividing N)"""
+    both = tl.reshape(tl.permute(tl.join(pair_values, pair_values), (0, 2, 1)), (ROWS, ROT))
+    for _ in tl.static_range(8):  # doublings up to N (N / ROT <= 256): [values, fill, fill, ...]
+        if both.shape[1] < N:
+            both = tl.reshape(tl.permute(tl.join(both, tl.full(both.shape, fill, both.dtype)), (0, 2, 1)),
+                              (ROWS, 2 * both.shape[1]))
+    return both
+
+
+@triton.jit
+def rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS: tl.constexpr, D_P2: tl.constexpr, ROT: tl.constexpr,
+                 S1: tl.constexpr, S2: tl.constexpr, PAIRED: tl.constexpr, PRECISE: tl.constexpr):
+    """cos and sin of each column's rotary angle at the group's first MRoPE position; columns past the rotary
+    get cos 1, sin 0. One tile serves every head. With PAIRED (ROT a power of two dividing D_P2) they are
+    computed once per rotary pair and spread to the pair's two columns, else once per column (the same
+    values: both columns of a pair have one angle). # first_*: [ROWS] int64 -> 2 x [ROWS, D_P2] fp32
+
+    Pair j: height where j % 3 == 1 and j < 3 * S1, width where j % 3 == 2 and j < 3 * S2, time otherwise.
+    The angle is fp32(position) * inv_freq[j], one product, as the reference's."""
     HALF: tl.constexpr = ROT // 2
-    cols = tl.arange(0, D_P2)
-    partner = tl.where(cols < HALF, cols + HALF, tl.where(cols < ROT, cols - HALF, cols))
-    x = _pooled(k_ptr, ring_ptr, cols, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap, live,
-                ROWS, R, D, D_P2, FROM_RING)
-    xp = _pooled(k_ptr, ring_ptr, partner, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap,
-                 live, ROWS, R, D, D_P2, FROM_RING)
-
-    mean_square = tl.math.div_rn(pairwise_total(x * x, ROWS, D_P2, LOG_D), tl.full((ROWS,), D, tl.float32))
-    inv_rms = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.math.sqrt_rn(mean_square + eps))
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    wp = tl.load(w_ptr + partner, mask=partner < D, other=0.0)
-    x = round_to_bf16((x * inv_rms[:, None]) * (1.0 + w)[None, :])
-    xp = round_to_bf16((xp * inv_rms[:, None]) * (1.0 + wp)[None, :])
-
-    # Pair j of column d: d or d - HALF; its axis: height where j % 3 == 1 and j < 3 * S1, width where
-    # j % 3 == 2 and j < 3 * S2, time otherwise.
-    pair = tl.where(cols < HALF, cols, cols - HALF)
+    if PAIRED:
+        pair = tl.arange(0, HALF)
+        live = pair < HALF
+    else:
+        cols = tl.arange(0, D_P2)
+        pair = tl.where(cols < HALF, cols, cols - HALF)
+        live = cols < ROT
     is_h = ((pair % 3) == 1) & (pair < 3 * S1)
     is_w = ((pair % 3) == 2) & (pair < 3 * S2)
     position = tl.where(is_h[None, :], first_h[:, None], tl.where(is_w[None, :], first_w[:, None], first_t[:, None]))
-    inv_freq = tl.load(inv_freq_ptr + pair, mask=cols < ROT, other=0.0)
+    inv_freq = tl.load(inv_freq_ptr + pair, mask=live, other=0.0)
     angle = position.to(tl.float32) * inv_freq[None, :]
     if PRECISE:
         cos = libdevice.cos(angle)
@@ -140,15 +130,56 @@ def compress_tile(k_ptr, ring_ptr, w_ptr, inv_freq_ptr, key_row0, key_step, ring
     else:
         cos = tl.cos(angle)
         sin = tl.sin(angle)
+    if PAIRED:
+        cos = _spread_pairs(cos, 1.0, ROWS, D_P2, ROT)
+        sin = _spread_pairs(sin, 0.0, ROWS, D_P2, ROT)
+    return cos, sin
+
+
+@triton.jit
+def compress_tile(k_ptr, ring_ptr, w_ptr, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh,
+                  cap: tl.constexpr, cos, sin, live, eps, ROWS: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                  D_P2: tl.constexpr, LOG_D: tl.constexpr, ROT: tl.constexpr, PAIRED: tl.constexpr,
+                  FROM_RING: tl.constexpr):
+    """One head of ROWS groups: pooled -> RMSNorm -> MRoPE rotary, fp32 before the cache cast.
+
+    The rotary partner of column d (d + ROT/2 or d - ROT/2): with PAIRED, the normed tile with its halves
+    swapped; else the same steps done at the partner columns. Either way every element's arithmetic is the
+    reference's. # cos, sin: [ROWS, D_P2] fp32 (``rope_cos_sin``) -> [ROWS, D_P2] fp32"""
+    HALF: tl.constexpr = ROT // 2
+    cols = tl.arange(0, D_P2)
+    x = _pooled(k_ptr, ring_ptr, cols, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap, live,
+                ROWS, R, D, D_P2, FROM_RING)
+    mean_square = tl.math.div_rn(pairwise_total(x * x, ROWS, D_P2, LOG_D), tl.full((ROWS,), D, tl.float32))
+    inv_rms = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.math.sqrt_rn(mean_square + eps))
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    if PAIRED:
+        x = round_to_bf16((x * inv_rms[:, None]) * (1.0 + w)[None, :])
+        xp = _halves_swapped(x, ROWS, D_P2, ROT)
+    else:
+        partner = tl.where(cols < HALF, cols + HALF, tl.where(cols < ROT, cols - HALF, cols))
+        xp = _pooled(k_ptr, ring_ptr, partner, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap,
+                     live, ROWS, R, D, D_P2, FROM_RING)
+        wp = tl.load(w_ptr + partner, mask=partner < D, other=0.0)
+        x = round_to_bf16((x * inv_rms[:, None]) * (1.0 + w)[None, :])
+        xp = round_to_bf16((xp * inv_rms[:, None]) * (1.0 + wp)[None, :])
     first_half = (x * cos) - (xp * sin)
     second_half = (x * cos) + (xp * sin)
     return tl.where((cols < HALF)[None, :], first_half, tl.where((cols < ROT)[None, :], second_half, x))
 
 
+def rope_pairs_fit(rotary_dim: int, head_size: int) -> bool:
+    """The rotary pairs can be computed once and spread (PAIRED): rotary_dim a power of two (>= 2) dividing the
+    head size padded to a power of two."""
+    padded = triton.next_power_of_2(head_size)
+    return rotary_dim >= 2 and rotary_dim & (rotary_dim - 1) == 0 and padded % rotary_dim == 0
+
+
 @triton.jit
 def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, out_ptr, groups, heads, eps,
                      R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, LOG_D: tl.constexpr, ROT: tl.constexpr,
-                     S1: tl.constexpr, S2: tl.constexpr, BLOCK_G: tl.constexpr, FP8: tl.constexpr, PRECISE: tl.constexpr):
+                     S1: tl.constexpr, S2: tl.constexpr, PAIRED: tl.constexpr, BLOCK_G: tl.constexpr,
+                     FP8: tl.constexpr, PRECISE: tl.constexpr):
     # keys: [G, R, H, D] int16 (bf16 bits); positions: [G, 3] int64; out: [G, H, D] int16 | uint8
     rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     live = rows < groups
@@ -156,11 +187,11 @@ def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, out_ptr, groups, heads
     first_h = tl.load(pos_ptr + rows * 3 + 1, mask=live, other=0)
     first_w = tl.load(pos_ptr + rows * 3 + 2, mask=live, other=0)
     cols = tl.arange(0, D_P2)
+    cos, sin = rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, BLOCK_G, D_P2, ROT, S1, S2, PAIRED, PRECISE)
     for h in range(heads):
         key_row0 = (rows * R * heads + h) * D
-        y = compress_tile(k_ptr, k_ptr, w_ptr, inv_freq_ptr, key_row0, heads * D, key_row0, 0, rows, rows, 1,
-                          first_t, first_h, first_w, live, eps, BLOCK_G, R, D, D_P2, LOG_D, ROT, S1, S2, False,
-                          PRECISE)
+        y = compress_tile(k_ptr, k_ptr, w_ptr, key_row0, heads * D, key_row0, 0, rows, rows, 1, cos, sin, live, eps,
+                          BLOCK_G, R, D, D_P2, LOG_D, ROT, PAIRED, False)
         out = out_ptr + ((rows * heads + h) * D)[:, None] + cols[None, :]
         mask = live[:, None] & (cols < D)[None, :]
         if FP8:
@@ -170,7 +201,16 @@ def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, out_ptr, groups, heads
 
 
 def rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """inv_freq: [rotary_dim // 2] fp32, made on the device (capturable; no host copy)."""
+    """inv_freq: [rotary_dim // 2] fp32 on the device, read-only for the kernels. Made once per (rotary_dim,
+    theta, device) and kept (a constant table: a decode step then spends no launches rebuilding it), except
+    while a CUDA graph is being captured, where it is made inside the graph (on the device, no host copy)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return rope_inv_freq(rotary_dim, theta, device)
+    return _kept_rope_table(rotary_dim, float(theta), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     return rope_inv_freq(rotary_dim, theta, device)
 
 
@@ -190,6 +230,7 @@ def compress_group_keys_triton(
         rope_table(rotary_dim, theta, keys.device), out.view(bits), groups, heads, float(eps),
         R=ratio, D=head_size, D_P2=triton.next_power_of_2(head_size),
         LOG_D=triton.next_power_of_2(head_size).bit_length() - 1, ROT=rotary_dim, S1=section[1], S2=section[2],
+        PAIRED=rope_pairs_fit(rotary_dim, head_size),
         BLOCK_G=block_g, FP8=out_dtype == torch.float8_e4m3fn, PRECISE=not interpreting(), num_warps=4,
         **launch_options(),
     )

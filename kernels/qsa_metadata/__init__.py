@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
+from kernels import qsa_checks  # a module: its names are read at call time (import order)
 from kernels.qsa_metadata import ref
 from kernels.qsa_metadata.ref import QsaMetadata, max_work_items
 
 
+@on_tensor_device
 def build_qsa_metadata(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, ring_blocks: torch.Tensor, *,
     compress_ratio: int, ring_capacity: int, block_size: int, num_tokens: int | None = None,
@@ -21,23 +23,23 @@ def build_qsa_metadata(
     ``query_start_loc[-1]``, one host synchronisation. Both paths check ranks, dtypes and sizes; the
     values (offsets, lengths, blocks that receive a group) are checked on CPU tensors only.
 
-    # query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_table: [B, M] int32; ring_blocks: [B] int32
+    # query_start_loc: [B + 1] int; seq_lens: [B] int; block_table: [B, M] int; ring_blocks: [B] int
     """
     if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
         raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
-    if not use_triton(query_start_loc):
-        metadata = ref.build_qsa_metadata(query_start_loc, seq_lens, block_table, ring_blocks,
-                                          compress_ratio=compress_ratio, ring_capacity=ring_capacity,
-                                          block_size=block_size)
-        if num_tokens is not None and num_tokens != metadata.num_tokens:
-            raise ValueError(f"num_tokens {num_tokens} != query_start_loc[-1] = {metadata.num_tokens}")
-        return metadata
-    ref.check_metadata_args(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity,
-                            block_size)
+    qsa_checks.check_metadata_args(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity,
+                                   block_size)
+    # int64 inputs are accepted; the metadata holds them as int32 (its documented fields), converted on the device
+    query_start_loc, seq_lens, block_table, ring_blocks = (
+        t.to(torch.int32) for t in (query_start_loc, seq_lens, block_table, ring_blocks))
     if not query_start_loc.is_cuda:
-        ref.check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, block_size)
+        qsa_checks.check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio,
+                                         block_size)
         if num_tokens is not None and num_tokens != int(query_start_loc[-1]):
             raise ValueError(f"num_tokens {num_tokens} != query_start_loc[-1] = {int(query_start_loc[-1])}")
+    if not use_triton(query_start_loc):
+        return ref.build_qsa_metadata(query_start_loc, seq_lens, block_table, ring_blocks,
+                                      compress_ratio=compress_ratio, ring_capacity=ring_capacity, block_size=block_size)
     if num_tokens is None:
         num_tokens = int(query_start_loc[-1])
     from kernels.qsa_metadata.triton import build_qsa_metadata_triton

@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
-from kernels.kpool_compress.triton import decode_e4m3
-from kernels.qsa_compress.triton import bf16_bits_to_f32
+from kernels.triton_helpers import bf16_bits_to_f32, decode_e4m3
 
 BLOCK_N = 64
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import on_tensor_device, use_triton
+from kernels import qsa_checks  # a module: its names are read at call time (import order)
 from kernels.qsa_metadata.ref import QsaMetadata
 from kernels.qsa_update import ref
 
 
+@on_tensor_device
 def qsa_forward_update(
     keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor,
     norm_weight: torch.Tensor, *, compress_ratio: int, block_size: int, eps: float, rotary_dim: int, theta: float,
@@ -24,17 +26,17 @@ def qsa_forward_update(
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
     # compressed: [num_blocks, block_size / r, H, D] bf16 | fp8_e4m3 (in place, any strides); norm_weight: [D] fp32
     """
+    qsa_checks.check_update_args(keys, positions, metadata, ring, compressed, norm_weight, compress_ratio, block_size,
+                      rotary_dim, section, cache_rope_positions)
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not keys.is_cuda:
+        qsa_checks.check_update_values(metadata, ring, compressed)
     if not use_triton(keys):
         ref.qsa_forward_update(keys, positions, metadata, ring, compressed, norm_weight,
                                compress_ratio=compress_ratio, block_size=block_size, eps=eps, rotary_dim=rotary_dim,
                                theta=theta, section=section, cache_rope_positions=cache_rope_positions)
         return
-    ref.check_update_args(keys, positions, metadata, ring, compressed, norm_weight, compress_ratio, block_size,
-                          rotary_dim, section, cache_rope_positions)
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if not keys.is_cuda:
-        ref.check_update_values(metadata, ring, compressed)
     from kernels.qsa_update.triton import qsa_forward_update_triton
 
     qsa_forward_update_triton(keys, positions, metadata, ring, compressed, norm_weight, eps=eps,

@@ -4,12 +4,17 @@ Two launches on one stream, in this order, so every ring read of the first prece
 write of the second (the straddling group's older keys, and its first position, can live in rows
 that this forward's last C tokens overwrite; see ``ref.py``):
 
-1. grid over ``k_work`` (its static size ``max_work``; programs past ``num_work``, read on the
-   device, do nothing): each program compresses BLOCK_W groups, slot by slot from this forward's
-   keys or, for positions before the chunk, from the request's ring; the group's first MRoPE
-   position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; the row goes
+1. grid over ``k_work`` (its static size ``max_work``; items past ``num_work``, read on the device
+   together with the items, do nothing): each program compresses BLOCK_W groups, slot by slot from
+   this forward's keys or, for positions before the chunk, from the request's ring; the group's first
+   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; the row goes
    to the slot that the group's last token carries in ``compressed_slot_mapping``;
-2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping``.
+2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping`` (programs whose tokens have no
+   ring slot, a prefill's all but the last C of each request, return after reading the slots).
+
+(A single launch that writes the ring rows beside the compression, leaving the few rows that a
+straddling group reads to that group's program, was measured on the H200 and was not faster: 20.8 us
+against 23.3 us for a decode step after an L2 flush, and slower for prefill, 321 us against 199 us.)
 
 No host synchronisation, no per-request launch: the update can be captured in a CUDA graph. A
 group whose slot is -1 or past the cache (only CUDA-built metadata can hold such) is skipped.
@@ -22,10 +27,10 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
-from kernels.qsa_compress.triton import (compress_tile, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
-                                         rope_table)
+from kernels.qsa_compress.triton import compress_tile, rope_cos_sin, rope_pairs_fit, rope_table
 from kernels.qsa_metadata.ref import QsaMetadata
 from kernels.qsa_ring.triton import write_qsa_ring_triton
+from kernels.triton_helpers import f32_to_bf16_bits, f32_to_e4m3_bits, launch_options
 
 
 @triton.jit
@@ -41,90 +46,95 @@ def _ring_position(ring_ptr, row, axis: tl.constexpr, live):
 @triton.jit
 def _update_compress_kernel(
     keys_ptr, pos_ptr, qsl_ptr, seq_ptr, rings_ptr, work_ptr, num_work_ptr, comp_slot_ptr, ring_ptr, comp_ptr,
-    w_ptr, inv_freq_ptr, heads, key_tok_stride, key_head_stride, ring_stride, slot_stride, ring_head_stride,
-    comp_block_stride, comp_row_stride, comp_head_stride, total_rows, cap, rows_per_block, eps,
-    R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-    LOG_D: tl.constexpr, ROT: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, OFF: tl.constexpr,
-    ROPE_CACHED: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, PRECISE: tl.constexpr,
+    w_ptr, inv_freq_ptr, heads, max_work, key_tok_stride, key_head_stride, ring_stride, slot_stride, ring_head_stride,
+    comp_block_stride, comp_row_stride, comp_head_stride, total_rows, eps,
+    ROWS_PER_BLOCK: tl.constexpr, CAP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+    LOG_D: tl.constexpr, ROT: tl.constexpr, PAIRED: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    OFF: tl.constexpr, ROPE_CACHED: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, PRECISE: tl.constexpr,
 ):
     # keys: [T, H, D] int16; positions: [T, 3] int64; work: [max_work, 2] int32; ring: [N, C, H, W] int16
     # compressed: [num_blocks, ROWS, H, D] int16 | uint8 (strides comp_*, dims contiguous)
-    first_item = tl.program_id(0) * BLOCK_W
+    items = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    in_list = items < max_work
     num_work = tl.load(num_work_ptr)
-    if first_item < num_work:
-        items = first_item + tl.arange(0, BLOCK_W)
-        live = items < num_work
-        req = tl.load(work_ptr + items * 2, mask=live, other=0).to(tl.int64)
-        index = tl.load(work_ptr + items * 2 + 1, mask=live, other=0).to(tl.int64)
-        q0 = tl.load(qsl_ptr + req, mask=live, other=0).to(tl.int64)
-        q_len = tl.load(qsl_ptr + req + 1, mask=live, other=0).to(tl.int64) - q0
-        start = tl.load(seq_ptr + req, mask=live, other=0).to(tl.int64) - q_len
-        pos0 = (start // R + index) * R  # the group's first position
-        tok0 = q0 + pos0 - start  # its token index in this forward (below q0 when it straddles)
-        ring_row0 = tl.load(rings_ptr + req, mask=live, other=0).to(tl.int64) * ring_stride
+    req = tl.load(work_ptr + items * 2, mask=in_list, other=0).to(tl.int64)
+    index = tl.load(work_ptr + items * 2 + 1, mask=in_list, other=0).to(tl.int64)
+    live = in_list & (items < num_work)
+    q0 = tl.load(qsl_ptr + req, mask=live, other=0).to(tl.int64)
+    q_len = tl.load(qsl_ptr + req + 1, mask=live, other=0).to(tl.int64) - q0
+    seq = tl.load(seq_ptr + req, mask=live, other=0).to(tl.int64)
+    ring_row0 = tl.load(rings_ptr + req, mask=live, other=0).to(tl.int64) * ring_stride
+    start = seq - q_len
+    pos0 = (start // R + index) * R  # the group's first position
+    tok0 = q0 + pos0 - start  # its token index in this forward (below q0 when it straddles)
 
-        fresh = live & (pos0 >= start)
-        safe_tok = tl.where(fresh, tok0, 0)
-        first_t = tl.load(pos_ptr + safe_tok * 3, mask=fresh, other=0)
-        first_h = tl.load(pos_ptr + safe_tok * 3 + 1, mask=fresh, other=0)
-        first_w = tl.load(pos_ptr + safe_tok * 3 + 2, mask=fresh, other=0)
-        old = live & (pos0 < start)
-        if ROPE_CACHED:
-            packed = tl.where(old, ring_row0 + (pos0 % cap) * slot_stride + OFF, 0)
-            first_t = tl.where(old, _ring_position(ring_ptr, packed, 0, old), first_t)
-            first_h = tl.where(old, _ring_position(ring_ptr, packed, 1, old), first_h)
-            first_w = tl.where(old, _ring_position(ring_ptr, packed, 2, old), first_w)
+    fresh = live & (pos0 >= start)
+    safe_tok = tl.where(fresh, tok0, 0)
+    first_t = tl.load(pos_ptr + safe_tok * 3, mask=fresh, other=0)
+    first_h = tl.load(pos_ptr + safe_tok * 3 + 1, mask=fresh, other=0)
+    first_w = tl.load(pos_ptr + safe_tok * 3 + 2, mask=fresh, other=0)
+    old = live & (pos0 < start)
+    if ROPE_CACHED:
+        packed = tl.where(old, ring_row0 + (pos0 % CAP) * slot_stride + OFF, 0)
+        first_t = tl.where(old, _ring_position(ring_ptr, packed, 0, old), first_t)
+        first_h = tl.where(old, _ring_position(ring_ptr, packed, 1, old), first_h)
+        first_w = tl.where(old, _ring_position(ring_ptr, packed, 2, old), first_w)
+    else:
+        first_t = tl.where(old, pos0, first_t)
+        first_h = tl.where(old, pos0, first_h)
+        first_w = tl.where(old, pos0, first_w)
+
+    slot = tl.load(comp_slot_ptr + tl.where(live, tok0 + R - 1, 0), mask=live, other=-1)
+    write = live & (slot >= 0) & (slot < total_rows)
+    row_base = (slot // ROWS_PER_BLOCK) * comp_block_stride + (slot % ROWS_PER_BLOCK) * comp_row_stride
+    cols = tl.arange(0, D_P2)
+    mask = write[:, None] & (cols < D)[None, :]
+    cos, sin = rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, BLOCK_W, D_P2, ROT, S1, S2, PAIRED, PRECISE)
+    for h in range(heads):
+        y = compress_tile(keys_ptr, ring_ptr, w_ptr, tok0 * key_tok_stride + h * key_head_stride, key_tok_stride,
+                          ring_row0 + h * ring_head_stride, slot_stride, pos0, start, CAP, cos, sin, live, eps,
+                          BLOCK_W, R, D, D_P2, LOG_D, ROT, PAIRED, True)
+        out = comp_ptr + (row_base + h * comp_head_stride)[:, None] + cols[None, :]
+        if FP8:
+            tl.store(out, f32_to_e4m3_bits(y), mask=mask)
         else:
-            first_t = tl.where(old, pos0, first_t)
-            first_h = tl.where(old, pos0, first_h)
-            first_w = tl.where(old, pos0, first_w)
-
-        slot = tl.load(comp_slot_ptr + tl.where(live, tok0 + R - 1, 0), mask=live, other=-1)
-        write = live & (slot >= 0) & (slot < total_rows)
-        row_base = (slot // rows_per_block) * comp_block_stride + (slot % rows_per_block) * comp_row_stride
-        cols = tl.arange(0, D_P2)
-        mask = write[:, None] & (cols < D)[None, :]
-        for h in range(heads):
-            y = compress_tile(keys_ptr, ring_ptr, w_ptr, inv_freq_ptr, tok0 * key_tok_stride + h * key_head_stride,
-                              key_tok_stride, ring_row0 + h * ring_head_stride, slot_stride, pos0, start, cap,
-                              first_t, first_h, first_w, live, eps, BLOCK_W, R, D, D_P2, LOG_D, ROT, S1, S2, True,
-                              PRECISE)
-            out = comp_ptr + (row_base + h * comp_head_stride)[:, None] + cols[None, :]
-            if FP8:
-                tl.store(out, f32_to_e4m3_bits(y), mask=mask)
-            else:
-                tl.store(out, f32_to_bf16_bits(y), mask=mask)
+            tl.store(out, f32_to_bf16_bits(y), mask=mask)
 
 
 def qsa_forward_update_triton(
     keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor,
     norm_weight: torch.Tensor, *, eps: float, rotary_dim: int, theta: float, section: tuple[int, int, int],
-    cache_rope_positions: bool,
+    cache_rope_positions: bool, block_w: int | None = None, num_warps: int | None = None,
 ) -> None:
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
-    # compressed: [num_blocks, rows, H, D] bf16 | fp8_e4m3 (in place, any strides, dims contiguous); norm_weight: [D] fp32
+    # compressed: [num_blocks, rows, H, D] bf16 | fp8_e4m3 (in place, any strides, dims contiguous)
+    # norm_weight: [D] fp32
     num_tokens, heads, head_size = keys.shape
     if num_tokens == 0 or heads == 0:
         return
     max_work = metadata.k_work.shape[0]
     assert keys.stride(2) == 1 and ring.stride(3) == 1 and compressed.stride(3) == 1, "rows must be contiguous"
     assert metadata.k_work.is_contiguous() and metadata.compressed_slot_mapping.is_contiguous()
-    width = ring.shape[3]
     if max_work:
-        block_w = 16 if keys.is_cuda else 4
+        block_w = block_w or (DEFAULT_BLOCK_W if keys.is_cuda else 4)
         fp8 = compressed.dtype == torch.float8_e4m3fn
         d_p2 = triton.next_power_of_2(head_size)
         _update_compress_kernel[(triton.cdiv(max_work, block_w),)](
             keys.view(torch.int16), positions.contiguous(), metadata.query_start_loc, metadata.seq_lens,
             metadata.ring_blocks, metadata.k_work, metadata.num_work, metadata.compressed_slot_mapping,
             ring.view(torch.int16), compressed.view(torch.uint8 if fp8 else torch.int16), norm_weight.contiguous(),
-            rope_table(rotary_dim, theta, keys.device), heads, keys.stride(0), keys.stride(1), ring.stride(0),
-            ring.stride(1), ring.stride(2), compressed.stride(0), compressed.stride(1), compressed.stride(2),
-            compressed.shape[0] * metadata.rows_per_block, metadata.ring_capacity, metadata.rows_per_block, float(eps),
-            R=metadata.compress_ratio, D=head_size,
-            D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim, S1=section[1], S2=section[2],
-            OFF=width - 12 if cache_rope_positions else 0, ROPE_CACHED=cache_rope_positions, FP8=fp8,
-            BLOCK_W=block_w, PRECISE=not interpreting(), num_warps=4,
+            rope_table(rotary_dim, theta, keys.device), heads, max_work, keys.stride(0), keys.stride(1),
+            ring.stride(0), ring.stride(1), ring.stride(2), compressed.stride(0), compressed.stride(1),
+            compressed.stride(2), compressed.shape[0] * metadata.rows_per_block, float(eps),
+            ROWS_PER_BLOCK=metadata.rows_per_block, CAP=metadata.ring_capacity, R=metadata.compress_ratio, D=head_size,
+            D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim,
+            PAIRED=rope_pairs_fit(rotary_dim, head_size), S1=section[1], S2=section[2],
+            OFF=ring.shape[3] - 12 if cache_rope_positions else 0, ROPE_CACHED=cache_rope_positions, FP8=fp8,
+            BLOCK_W=block_w, PRECISE=not interpreting(), num_warps=num_warps or DEFAULT_NUM_WARPS,
             **launch_options(),
         )
     write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping)
+
+
+DEFAULT_BLOCK_W = 1  # groups a program; chosen on the H200 (see bench/results)
+DEFAULT_NUM_WARPS = 2

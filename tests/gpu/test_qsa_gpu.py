@@ -1,20 +1,12 @@
-"""The QSA Triton kernels and the block repack compiled on a CUDA device, against the torch references.
+"""The QSA kernels and the block repack compiled on a CUDA device.
 
-Comparison rules (see also tests/test_qsa_triton.py for the interpreter):
-- ring writes, the metadata builder, the block repack, and every ring byte of a forward update:
-  identical (integer and byte moves only);
-- compressed rows against the reference run on the same CUDA tensors: identical (the kernels do the
-  reference's fp32 operations in its order; cos/sin are libdevice's cosf/sinf, which torch's CUDA
-  cos/sin also call); against the reference on CPU tensors: ``rows_within_rule`` (CUDA's cosf/sinf
-  and torch's CPU ones can differ by an ulp);
-- the QSA PD invariant on CUDA tensors: a prefill of the whole sequence and chunked prefill plus
-  drafted decode steps give byte-identical compressed rows and open groups;
-- scoring: integer-valued inputs give identical rows and token indices; random ones scores within
-  1e-5 relative (fp32 accumulation order of the matrix unit), the same rows except near-ties;
-- garbage (NaN / inf) keys: NaN exactly where the reference has NaN (NaN bits are not specified),
-  every other byte identical;
-- the metadata builder and the forward update never synchronise with the host and replay from a
-  CUDA graph with the reference's results.
+The kernel-against-reference bodies are tests/test_qsa_triton.py's and tests/test_qsa_update.py's edge
+histories, run here on the ``cuda`` backend (tests/kernel_backends.py; tests/test_qsa_triton.py states
+the comparison rules: on CUDA, compressed rows identical to the reference run on the same CUDA tensors).
+Here as well, what only a GPU shows: the metadata builder and the forward update never synchronise with
+the host and replay from a CUDA graph with the reference's results; random drafted histories keep the PD
+invariant; the block repack equals its reference; and every op runs on its tensors' device (cuda:1 while
+cuda:0 is current).
 """
 
 from __future__ import annotations
@@ -25,112 +17,41 @@ import math
 import pytest
 import torch
 
-from kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, repack_blocks, \
-    write_qsa_ring
+from kernels import (build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, repack_blocks,
+                     write_qsa_ring)
 from kernels.block_repack import ref as repack_ref
-from kernels.qsa_compress import ref as compress_ref
 from kernels.qsa_metadata import ref as metadata_ref
-from kernels.qsa_ring import ref as ring_ref
-from kernels.qsa_score import ref as score_ref
-from kernels.qsa_score.triton import qsa_scores_triton
 from kernels.qsa_update import ref as update_ref
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
-from tests.test_qsa_triton import ROPE, assert_same_or_both_nan, rows_within_rule
-from tests.test_qsa_update import EDGE_HISTORIES, Storage, make_history, norm_weight, run_both, state_mismatches
+from tests.kernel_backends import Backend, make_backend, poison
+from tests.test_qsa_triton import (ROPE, random_metadata_inputs, test_compress,  # noqa: F401
+                                   test_compress_garbage_keys, test_compress_rounding_edges, test_forward_update,
+                                   test_metadata, test_ring_write, test_scores_within_accumulation_error,
+                                   test_topk_exact_on_integer_values)
+from tests.test_qsa_update import (Storage, make_history, norm_weight, run_both, state_mismatches,  # noqa: F401
+                                   test_edge_histories)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA device: run tests/gpu/run_all.sh on the H200 through the device tool"),
-]
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: run tests/gpu/run_all.sh on the H200 through the device tool")
+gpu_only = [pytest.mark.gpu, needs_cuda]
 
 
-def _poison(t: torch.Tensor, seed: int) -> None:
-    raw = t.view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+@pytest.fixture
+def backend(request, monkeypatch) -> Backend:
+    return make_backend(request, monkeypatch, gpu_suite=True)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("shape", [(1, 4, 1, 128), (4099, 4, 2, 128), (257, 3, 1, 96), (64, 1, 8, 128)],
-                         ids=lambda s: "G{}-r{}-H{}-D{}".format(*s))
-def test_compress_matches_reference(shape, out_dtype):
-    gen = torch.Generator().manual_seed(sum(shape))
-    keys = (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16)
-    positions = torch.randint(0, 2 ** 40, (shape[0], 3), generator=gen)
-    weight = torch.randn(shape[3], generator=gen) * 0.5
-    args = (keys.cuda(), positions.cuda(), weight.cuda())
-    got = compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    want = compress_ref.compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    assert _same(got, want), f"{int((got.view(torch.uint8) != want.view(torch.uint8)).sum())} bytes differ"
-    cpu = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    print(f"compress {shape}: {rows_within_rule(got.cpu(), cpu)} elements differ from the CPU reference")
-
-
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_compress_nan_and_inf_keys_match_the_cuda_reference(out_dtype):
-    # Garbage keys (rejected drafts) reach compressed rows past the committed length: NaN where the
-    # reference has NaN (NaN bits are not specified), every other byte identical.
-    gen = torch.Generator().manual_seed(4)
-    bits = torch.randint(-2 ** 15, 2 ** 15, (64, 4, 2, 128), generator=gen, dtype=torch.int16)
-    keys = bits.view(torch.bfloat16).cuda()
-    positions = torch.randint(0, 2 ** 40, (64, 3), generator=gen).cuda()
-    weight = torch.randn(128, generator=gen).cuda()
-    got = compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    want = compress_ref.compress_group_keys(keys, positions, weight, eps=1e-6, out_dtype=out_dtype, **ROPE)
-    assert_same_or_both_nan(got.cpu(), want.cpu())
-
-
-@pytest.mark.parametrize("rope", [True, False], ids=["packed-positions", "keys-only"])
-def test_ring_write_matches_reference(rope):
-    gen = torch.Generator().manual_seed(1)
-    rings, cap, heads = 64, 8, 2
-    width = 140 if rope else 128
-    got = torch.empty(rings, cap, heads, width, dtype=torch.bfloat16, device="cuda")
-    _poison(got, 2)
-    want = got.clone()
-    tokens = 300
-    keys = torch.randint(-2 ** 15, 2 ** 15, (tokens, heads, 128), generator=gen, dtype=torch.int16)
-    keys = keys.view(torch.bfloat16).cuda()
-    positions = torch.randint(-2 ** 62, 2 ** 62, (tokens, 3), generator=gen).cuda() if rope else None
-    slots = torch.randperm(rings * cap, generator=gen)[:tokens]
-    slots[::7] = -1
-    slots = slots.cuda()
-    write_qsa_ring(got, keys, positions, slots)
-    ring_ref.write_qsa_ring(want, keys, positions, slots)
-    assert _same(got, want)
+    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
 
 
 def _metadata_inputs(requests: int, seed: int, *, block_size: int = 64, max_len: int = 4096, max_q: int = 64):
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(1, max_len, (requests,), generator=gen)
-    q_lens = torch.minimum(torch.randint(0, max_q, (requests,), generator=gen), seq)
-    q_lens[::5] = 1  # decode steps
-    q_lens[3::11] = 0  # idle requests
-    cols = -(-max_len // block_size)
-    table = torch.randperm(requests * cols, generator=gen).view(requests, cols).to(torch.int32)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
-    rings = torch.randperm(requests, generator=gen).to(torch.int32)
-    return [t.cuda() for t in (starts, seq.to(torch.int32), table, rings)], int(q_lens.sum())
+    args, tokens = random_metadata_inputs(requests, seed, block_size=block_size, max_len=max_len, max_q=max_q)
+    return [t.cuda() for t in args], tokens
 
 
-FIELDS = ("token_to_req", "logical_positions", "visible_blocks", "ring_slot_mapping", "compressed_slot_mapping",
-          "k_work", "num_work")
-
-
-@pytest.mark.parametrize("r, cap", [(4, 8), (1, 4), (3, 6), (8, 16)], ids=lambda v: str(v))
-def test_metadata_matches_reference(r, cap):
-    args, tokens = _metadata_inputs(300, r, block_size=48 if r == 3 else 64)
-    params = {"compress_ratio": r, "ring_capacity": cap, "block_size": 48 if r == 3 else 64}
-    got = build_qsa_metadata(*args, **params, num_tokens=tokens)
-    want = metadata_ref.build_qsa_metadata(*args, **params)
-    for name in FIELDS:
-        assert getattr(got, name).is_cuda and torch.equal(getattr(got, name), getattr(want, name)), name
-
-
+@pytest.mark.gpu
+@needs_cuda
 def test_metadata_never_syncs_and_replays_from_a_graph():
     args, tokens = _metadata_inputs(256, 7)
     params = {"compress_ratio": 4, "ring_capacity": 8, "block_size": 64}
@@ -166,54 +87,13 @@ def _qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec
                          num_spec=num_spec, mla_entry_bytes=16, order=order, compress_ratio=r, qsa_num_heads=heads,
                          qsa_dtype=dtype)
     pool = CachePool(BlockLayout(config), num_blocks=blocks, num_rings=rings, device="cuda")
-    _poison(pool.blocks, seed)
-    _poison(pool.rings, seed + 1)
+    poison(pool.blocks, seed)
+    poison(pool.rings, seed + 1)
     return pool
 
 
-def _forwards(requests: int, steps: list[tuple[int, int]], gen: torch.Generator) -> list[list[int]]:
-    """q_lens per forward: a prefill of random lengths, then (q_len range) steps."""
-    plans = [torch.randint(1, 700, (requests,), generator=gen).tolist()]
-    for low, high in steps:
-        plans.append(torch.randint(low, high, (requests,), generator=gen).tolist())
-    return plans
-
-
-@pytest.mark.parametrize(
-    "dtype, order, heads, rope",
-    [(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, True), (CacheDtype.FP8_E4M3, BlockOrder.BLHNC, 2, True),
-     (CacheDtype.BFLOAT16, BlockOrder.BLHNC, 4, False)],
-    ids=["bf16-BLNHC-rope-cached", "fp8-BLHNC-2heads-rope-cached", "bf16-BLHNC-4heads-text-rope"],
-)
-def test_forward_update_matches_reference(dtype, order, heads, rope):
-    r, num_spec, requests = 4, 3, 24
-    blocks = requests * 24
-    got_pool = _qsa_pool(dtype, order, heads, r, num_spec, blocks, requests, 5)
-    want_pool = _qsa_pool(dtype, order, heads, r, num_spec, blocks, requests, 5)
-    cap, block_size = got_pool.config.qsa_ring.capacity, got_pool.config.block_size
-    gen = torch.Generator().manual_seed(11)
-    weight = (torch.randn(128, generator=gen) * 0.5).cuda()
-    table = torch.randperm(blocks, generator=gen).view(requests, 24).to(torch.int32).cuda()
-    rings = torch.randperm(requests, generator=gen).to(torch.int32).cuda()
-    lengths = [0] * requests
-    spec = got_pool.config.qsa_keys
-    kwargs = {"compress_ratio": r, "block_size": block_size, "eps": spec.norm_eps, "cache_rope_positions": rope,
-              **ROPE}
-    for q_lens in _forwards(requests, [(1, 300), (0, 5), (0, 5), (1, 2)], gen):
-        seq = [length + q for length, q in zip(lengths, q_lens)]
-        starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).cuda()
-        meta = build_qsa_metadata(starts, torch.tensor(seq, dtype=torch.int32).cuda(), table, rings,
-                                  compress_ratio=r, ring_capacity=cap, block_size=block_size, num_tokens=sum(q_lens))
-        keys = (torch.randn(sum(q_lens), heads, 128, generator=gen) * 2).to(torch.bfloat16).cuda()
-        positions = torch.randint(0, 2 ** 33, (sum(q_lens), 3), generator=gen).cuda()
-        qsa_forward_update(keys, positions, meta, got_pool.qsa_ring("l1"), got_pool.qsa_keys("l1"), weight, **kwargs)
-        update_ref.qsa_forward_update(keys, positions, meta, want_pool.qsa_ring("l1"), want_pool.qsa_keys("l1"),
-                                      weight, **kwargs)
-        lengths = seq
-    assert torch.equal(got_pool.rings, want_pool.rings)
-    assert torch.equal(got_pool.blocks, want_pool.blocks)
-
-
+@pytest.mark.gpu
+@needs_cuda
 def test_forward_update_never_syncs_and_replays_from_a_graph():
     r, num_spec, requests, heads = 4, 3, 64, 1
     pool = _qsa_pool(CacheDtype.BFLOAT16, BlockOrder.BLNHC, heads, r, num_spec, requests * 4, requests, 1)
@@ -260,27 +140,8 @@ def test_forward_update_never_syncs_and_replays_from_a_graph():
     assert torch.equal(pool.blocks, ref_pool.blocks)
 
 
-# --- the QSA PD invariant on CUDA tensors ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "storage_kind",
-    [{"rope": True}, {"rope": False}, {"rope": True, "dtype": CacheDtype.FP8_E4M3, "order": BlockOrder.BLHNC,
-                                       "heads": 2}],
-    ids=["bf16-BLNHC-rope-cached", "bf16-BLNHC-text-rope", "fp8-BLHNC-2heads-rope-cached"],
-)
-@pytest.mark.parametrize("case", list(EDGE_HISTORIES), ids=list(EDGE_HISTORIES))
-def test_pd_invariant_edge_histories_on_cuda(case, storage_kind):
-    r, num_spec, plans = EDGE_HISTORIES[case]
-    storage = Storage(r=r, num_spec=num_spec, **storage_kind)
-    gen = torch.Generator().manual_seed(7)
-    histories = [make_history(chunks, steps, storage, gen) for chunks, steps in plans]
-    weight = norm_weight(7)
-    whole, stepped = run_both(storage, histories, weight, device="cuda")
-    assert state_mismatches(whole, histories, weight) == []
-    assert state_mismatches(stepped, histories, weight) == []
-
-
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("r", [1, 2, 4, 8], ids=lambda r: f"r{r}")
 @pytest.mark.parametrize("num_spec", [0, 1, 3, 7], ids=lambda n: f"spec{n}")
 def test_pd_invariant_random_histories_on_cuda(r, num_spec):
@@ -300,53 +161,11 @@ def test_pd_invariant_random_histories_on_cuda(r, num_spec):
     assert state_mismatches(stepped, histories, weight) == []
 
 
-# --- scoring + top-k ------------------------------------------------------------------------------------------
-
-
-def _score_inputs(dtype: CacheDtype, integer: bool, seed: int, queries: int = 48, q_heads: int = 16):
-    gen = torch.Generator().manual_seed(seed)
-    r, block_size, kv_heads, head_size, blocks = 4, 64, 2, 128, 400
-    cache = torch.empty(blocks, kv_heads, block_size // r, head_size, dtype=dtype.torch_dtype).permute(0, 2, 1, 3)
-    values = torch.randint(-3, 4, cache.shape, generator=gen) if integer else torch.randn(cache.shape, generator=gen)
-    cache.copy_(values.to(cache.dtype))
-    q = (torch.randint(-3, 4, (queries, q_heads, head_size), generator=gen) if integer
-         else torch.randn(queries, q_heads, head_size, generator=gen)).to(torch.bfloat16)
-    table = torch.randperm(blocks, generator=gen)[:queries * 8].view(queries, 8).to(torch.int32)
-    seq_lens = torch.randint(0, 8 * block_size + 1, (queries,), generator=gen).to(torch.int32)
-    return q.cuda(), cache.cuda(), table.cuda(), seq_lens.cuda(), {"compress_ratio": r, "block_size": block_size}
-
-
-@pytest.mark.parametrize("dtype", [CacheDtype.BFLOAT16, CacheDtype.FP8_E4M3], ids=lambda d: d.value)
-@pytest.mark.parametrize("topk", [1, 16, 200], ids=lambda k: f"top{k}")
-def test_topk_exact_on_integer_values(dtype, topk):
-    q, cache, table, seq_lens, params = _score_inputs(dtype, True, 1)
-    got = qsa_topk(q, cache, table, seq_lens, **params, topk=topk)
-    want = score_ref.qsa_topk(q.cpu(), cache.cpu(), table.cpu(), seq_lens.cpu(), **params, topk=topk)
-    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
-
-
-@pytest.mark.parametrize("dtype", [CacheDtype.BFLOAT16, CacheDtype.FP8_E4M3], ids=lambda d: d.value)
-def test_scores_within_accumulation_error(dtype):
-    q, cache, table, seq_lens, params = _score_inputs(dtype, False, 2)
-    scores = qsa_scores_triton(q, cache, table, seq_lens, **params).cpu()
-    q, cache, table, seq_lens = q.cpu(), cache.cpu(), table.cpu(), seq_lens.cpu()
-    rows, _ = qsa_topk(q.cuda(), cache.cuda(), table.cuda(), seq_lens.cuda(), **params, topk=32)
-    want_rows, _ = score_ref.qsa_topk(q, cache, table, seq_lens, **params, topk=32)
-    rows = rows.cpu()
-    assert torch.equal(rows < 0, want_rows < 0)
-    for b, visible in enumerate((seq_lens // 4).tolist()):
-        j = torch.arange(visible)
-        k = cache[table[b, j * 4 // 64].long(), j % 16].float().repeat_interleave(8, dim=1)  # [J, Hq, D]
-        want = torch.relu((q[b].float()[None] * k).sum(-1)).sum(-1) / math.sqrt(128)
-        assert bool(((scores[b, :visible] - want).abs() <= 1e-5 * want.abs().clamp_min(1.0)).all())
-        for i in torch.nonzero(rows[b] != want_rows[b]).flatten().tolist():  # only a near-tie may swap
-            a, c = float(scores[b, rows[b, i]]), float(scores[b, want_rows[b, i]])
-            assert abs(a - c) <= 2e-5 * max(1.0, abs(c))
-
-
 # --- block repack ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("family", [CacheFamily.QSA, CacheFamily.KPOOL], ids=lambda f: f.value)
 @pytest.mark.parametrize("orders", [(BlockOrder.BLNHC, BlockOrder.BLHNC), (BlockOrder.BLHNC, BlockOrder.BLNHC),
                                     (BlockOrder.BLNHC, BlockOrder.BLNHC)], ids=lambda o: f"{o[0].value}-{o[1].value}")
@@ -356,8 +175,8 @@ def test_repack_matches_reference_and_views(family, orders):
     src = CachePool(BlockLayout(dataclasses.replace(base, order=orders[0])), num_blocks=40, num_rings=1, device="cuda")
     got = CachePool(BlockLayout(dataclasses.replace(base, order=orders[1])), num_blocks=50, num_rings=1, device="cuda")
     want = CachePool(got.layout, num_blocks=50, num_rings=1, device="cuda")
-    _poison(src.blocks, 1)
-    _poison(got.blocks, 2)
+    poison(src.blocks, 1)
+    poison(got.blocks, 2)
     want.blocks.copy_(got.blocks)
     gen = torch.Generator().manual_seed(3)
     src_ids = torch.randperm(40, generator=gen)[:33].cuda()
@@ -369,3 +188,53 @@ def test_repack_matches_reference_and_views(family, orders):
         assert torch.equal(got.mla(layer)[dst_ids], src.mla(layer)[src_ids])
         if family is CacheFamily.QSA:
             assert _same(got.qsa_keys(layer)[dst_ids], src.qsa_keys(layer)[src_ids])
+
+
+# --- every op on its tensors' device ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (runs on the H200 pair)")
+def test_every_op_runs_on_its_tensors_device():
+    """Every QSA op and the block repack on cuda:1 tensors while cuda:0 is current give the bytes they give on
+    cuda:0."""
+    gen = torch.Generator().manual_seed(12)
+    r, num_spec, requests = 4, 3, 6
+    group_keys = torch.randn(9, r, 2, 128, generator=gen).to(torch.bfloat16)
+    group_positions = torch.randint(0, 2 ** 20, (9, 3), generator=gen)
+    weight = torch.randn(128, generator=gen)
+    q_lens = [13, 4, 1, 0, 4, 9]
+    tokens = sum(q_lens)
+    keys = torch.randn(tokens, 1, 128, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 2 ** 20, (tokens, 3), generator=gen)
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    seq = torch.tensor([13, 20, 7, 5, 40, 9], dtype=torch.int32)
+    table = torch.randperm(requests * 2, generator=gen).view(requests, 2).to(torch.int32)
+    rings = torch.randperm(requests, generator=gen).to(torch.int32)
+    q = torch.randn(5, 4, 128, generator=gen).to(torch.bfloat16)
+    results = {}
+    torch.cuda.set_device(0)
+    for index in (0, 1):
+        device = torch.device("cuda", index)
+        on = lambda t: t.to(device)  # noqa: E731
+        pool = _qsa_pool(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, r, num_spec, requests * 2, requests, 3)
+        pool.blocks, pool.rings = on(pool.blocks), on(pool.rings)
+        cap, block_size = pool.config.qsa_ring.capacity, pool.config.block_size
+        rows = compress_group_keys(on(group_keys), on(group_positions), on(weight), eps=1e-6,
+                                   out_dtype=torch.float8_e4m3fn, **ROPE)
+        meta = build_qsa_metadata(on(starts), on(seq), on(table), on(rings), compress_ratio=r, ring_capacity=cap,
+                                  block_size=block_size, num_tokens=tokens)
+        qsa_forward_update(on(keys), on(positions), meta, pool.qsa_ring(0), pool.qsa_keys(0), on(weight),
+                           compress_ratio=r, block_size=block_size, eps=1e-6, cache_rope_positions=True, **ROPE)
+        write_qsa_ring(pool.qsa_ring(1), on(keys), on(positions), meta.ring_slot_mapping)
+        top_rows, top_tokens = qsa_topk(on(q), pool.qsa_keys(0), on(table[:5]), on(seq[:5]), compress_ratio=r,
+                                        block_size=block_size, topk=3)
+        moved = torch.zeros_like(pool.blocks)
+        repack_blocks(pool.blocks, pool.layout, on(torch.arange(requests * 2)), moved, pool.layout,
+                      on(torch.arange(requests * 2).flip(0)))
+        assert torch.cuda.current_device() == 0
+        torch.cuda.synchronize(device)
+        results[index] = (rows, meta.ring_slot_mapping, meta.k_work, pool.blocks, pool.rings, top_rows, top_tokens,
+                          moved)
+    for got, want in zip(results[1], results[0]):
+        assert got.device == torch.device("cuda", 1) and _same(got, want)
