@@ -7,9 +7,16 @@ TLS, device, transports, logging, the event loop), ``serve`` the life of its nod
    grpc.health.v1 turns SERVING (while the node can serve: ``NodeContext.health``); the ready
    file is written; ``<role> node ready`` is logged. Until then health is NOT_SERVING and there
    is no ready file.
-3. SIGTERM or SIGINT drains: ``node.drain`` (new work is refused), health turns NOT_SERVING,
-   and the runtime waits until ``node.idle`` or for ``drain-s`` (then it warns with
-   ``node.leftover``).
+   Between ``node.start`` and the server, ``runtime.fabric_check`` logs the data plane's UCX
+   transports and devices, and holds health NOT_SERVING for good when ``--fabric`` needs what
+   this process lacks.
+3. SIGTERM or SIGINT drains. A node serving a public API (its servicer's credential is CLIENT:
+   the decode node's Generate API) first stops taking new calls on its gRPC port, which sends
+   every client connection a GOAWAY, so clients send new requests to another pod at once while
+   the calls in flight go on; a node serving peers (the prefill node) keeps taking calls, since
+   decode nodes still pull and release the grants it gave. Then ``node.drain`` (new work is
+   refused), health turns NOT_SERVING (the health port keeps answering), and the runtime waits
+   until ``node.idle`` or for ``drain-s`` (then it warns with ``node.leftover``).
 4. The server stops (calls in flight get one second), ``node.close`` frees everything, the
    metrics endpoint closes, and ``<role> node stopped; free: ...`` reports the allocators.
 """
@@ -27,16 +34,17 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import TlsConfig
+from connector import Credential, TlsConfig, Transport
 from runtime.device import resolve_device
+from runtime.fabric_check import FABRIC_OPTIONS, Fabric, fabric_report, log_report
 from runtime.grpc_server import GrpcServer
 from runtime.health_gate import HealthGate
 from runtime.logs import configure_logging
 from runtime.metrics import MetricsEndpoint
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
-from runtime.options import SettingsError
+from runtime.options import Option, SettingsError
 from runtime.ports import BindError, bind_error, ensure_bindable
-from runtime.process import termination_event, write_ready_file
+from runtime.process import keep_event_loop_responsive, termination_event, write_ready_file
 from runtime.service_options import check_credentials
 from runtime.settings import load_settings
 from runtime.tls import tls_config
@@ -47,8 +55,25 @@ STOP_GRACE_S = 1.0  # what RPCs in flight get once the drain is over
 DRAIN_POLL_S = 0.05
 
 
-async def drain(node: Node, health: HealthGate, drain_s: float) -> None:
-    """Refuse new work, report NOT_SERVING, then wait until the node is idle or ``drain_s`` is up."""
+def daemon_options(spec: DaemonSpec) -> tuple[Option, ...]:
+    """The options ``run_daemon`` parses for ``spec``: its table plus the runtime's own start-up
+    checks (``--fabric``), unless the table has them already."""
+    known = {option.name for option in spec.options}
+    return (*spec.options, *(option for option in FABRIC_OPTIONS if option.name not in known))
+
+
+def serves_clients(node: Node) -> bool:
+    """Whether the node's service is a public API (CLIENT credential): its clients need nothing new
+    from a draining node, so it stops taking calls (GOAWAY) when the drain starts."""
+    return getattr(node.servicer, "credential", None) is Credential.CLIENT
+
+
+async def drain(node: Node, health: HealthGate, drain_s: float, server: GrpcServer | None = None) -> None:
+    """Refuse new work, report NOT_SERVING, then wait until the node is idle or ``drain_s`` is up.
+    With ``server``, a node serving a public API first stops taking new calls there (GOAWAY), so
+    clients move to another pod; its calls in flight go on."""
+    if server is not None and serves_clients(node):
+        await server.refuse_new_calls(drain_s + STOP_GRACE_S)
     node.drain()
     await health.drain()
     deadline = time.monotonic() + drain_s
@@ -71,12 +96,18 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
     node = spec.build(context)
     server: GrpcServer | None = None
     metrics = MetricsEndpoint(registry)
+    switch_interval = keep_event_loop_responsive()
     try:
         started = time.perf_counter()
         await asyncio.to_thread(node.warm_up)
         logger.info("warmed up in %.0f ms", (time.perf_counter() - started) * 1000)
         stop = termination_event()
         await node.start()
+        fabric = fabric_report(settings.get("fabric", Fabric.ANY), ucx=Transport.UCX in transports.offered,
+                               device_type=device.type)
+        log_report(fabric)
+        for problem in fabric.problems:
+            context.health.hold(problem)
         # The gRPC server (and its threads) comes after node.start, which may initialise UCX: UCX
         # patches the process's memory functions while it initialises, which is unsafe while
         # other threads may be calling them.
@@ -94,14 +125,16 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
                          health_port=server.health_port, engine_id=context.engine_id)
         logger.info("%s node ready", role.value,
                     extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "health_port": server.health_port,
-                           "tls": tls is not None, "auth": server.auth, "device": str(device), **node.describe()})
+                           "tls": tls is not None, "auth": server.auth, "device": str(device),
+                           "serving": context.health.serving, **fabric.log_fields(), **node.describe()})
         await stop.wait()
-        await drain(node, context.health, settings["drain_s"])
+        await drain(node, context.health, settings["drain_s"], server)
     finally:
         if server is not None:
             await server.stop(STOP_GRACE_S)
         await node.close()
         metrics.close()
+        sys.setswitchinterval(switch_interval)
     blocks, rings = node.blocks, node.rings
     logger.info("%s node stopped; free: %d of %d blocks, %d of %d rings", role.value, blocks.num_free,
                 blocks.num_blocks, rings.num_free, rings.num_rings)
@@ -120,7 +153,7 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     """
     role = spec.role.value
     try:
-        settings = load_settings(spec.role, spec.options, argv, description=spec.description)
+        settings = load_settings(spec.role, daemon_options(spec), argv, description=spec.description)
         check_credentials(spec.role, settings)
         tls = tls_config(settings)
         device = resolve_device(settings["device"])

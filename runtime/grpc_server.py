@@ -15,11 +15,14 @@ NOT_SERVING. ``LIVENESS_SERVICE`` is the exception, for liveness and startup pro
 ``start`` until ``stop``, whatever ``set_serving`` says, so that a node which cannot serve for a while
 (a decode node without a usable prefill node, a drain) leaves the rotation without being restarted.
 The health port serves the same health servicer alone, in plaintext, for probes that cannot speak
-TLS (the kubelet's gRPC probes).
+TLS (the kubelet's gRPC probes). ``refuse_new_calls`` starts a drain on the main port: gRPC sends
+each client connection a GOAWAY and takes no new call there, while the calls in flight go on and
+the health port keeps answering.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -73,6 +76,7 @@ class GrpcServer:
         self._started = False
         self._stopped = False
         self._probe_server: grpc.aio.Server | None = None
+        self._refusing: asyncio.Future | None = None  # the main server's shutdown, once refuse_new_calls began it
         self.port = -1
         self.health_port = -1
 
@@ -150,12 +154,35 @@ class GrpcServer:
         for name in ("", *self._services):
             await self._health.set(name, status)
 
+    @property
+    def refusing(self) -> bool:
+        """Whether ``refuse_new_calls`` began (or ``stop`` ran)."""
+        return self._refusing is not None or self._stopped
+
+    async def refuse_new_calls(self, grace: float) -> None:
+        """Take no new call on the main port from now on: its listener closes and every client
+        connection gets a GOAWAY, so clients open a connection elsewhere (another address of their
+        name) for their next calls, and a call that raced it is refused before any handler ran
+        (UNAVAILABLE, which gRPC clients may retry). Calls in flight go on for at most ``grace``
+        seconds (``stop`` may cut that short). The health port and health statuses stay as they are.
+        Idempotent; nothing before ``start``."""
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise ValueError(f"grace must be seconds >= 0, got {grace!r}")
+        if not self._started or self.refusing:
+            return
+        self._refusing = asyncio.ensure_future(self._server.stop(grace))
+        await asyncio.sleep(0)  # let the shutdown begin: the GOAWAYs go out now
+        logger.info("gRPC port %d takes no new calls (GOAWAY sent); calls in flight go on", self.port)
+
     async def stop(self, grace: float | None = 1.0) -> None:
-        """Report NOT_SERVING, then stop both servers (calls in flight get ``grace`` seconds)."""
+        """Report NOT_SERVING, then stop both servers (calls in flight get ``grace`` seconds, also
+        after ``refuse_new_calls``)."""
         if not self._started or self._stopped:
             return
         self._stopped = True
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._refusing is not None:  # ended by the stop above; its outcome is that stop's
+            await asyncio.gather(self._refusing, return_exceptions=True)
         if self._probe_server is not None:
             await self._probe_server.stop(None)

@@ -25,20 +25,36 @@ class HealthReporter(Protocol):
 
 
 class HealthGate:
-    """SERVING = opened and not draining and able. One event loop; ``set_able`` may be called
-    from plain (non-async) code on that loop, before or after ``open``."""
+    """SERVING = opened and not draining and able and not held. One event loop; ``set_able`` may
+    be called from plain (non-async) code on that loop, before or after ``open``."""
 
     def __init__(self) -> None:
         self._server: HealthReporter | None = None
         self._draining = False
         self._able = True
         self.reason = ""  # why the node cannot serve, while it cannot
+        self._held: tuple[str, ...] = ()  # why this process can never serve (start-up checks)
         self._lock = asyncio.Lock()
         self._pending: set[asyncio.Task] = set()
 
     @property
     def serving(self) -> bool:
-        return self._server is not None and not self._draining and self._able
+        return self._server is not None and not self._draining and self._able and not self._held
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """The reasons given to ``hold``, in order; empty when none."""
+        return self._held
+
+    def hold(self, reason: str) -> None:
+        """This process can never serve (``reason`` in words, logged as an error): NOT_SERVING from
+        now on, whatever ``set_able`` says. Call it before ``open``, so that SERVING is never reported."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"hold needs a reason in words, got {reason!r}")
+        if self._server is not None:
+            raise RuntimeError("hold before open: a held node must never report SERVING")
+        self._held = (*self._held, reason)
+        logger.error("this node will not turn ready: %s", reason)
 
     @property
     def able(self) -> bool:
@@ -62,7 +78,9 @@ class HealthGate:
         changed = able != self._able
         self._able, self.reason = able, "" if able else reason
         if changed:
-            if able:
+            if able and self._held:
+                logger.info("this node could serve again, but it will not turn ready: %s", "; ".join(self._held))
+            elif able:
                 logger.info("this node can serve again")
             else:
                 logger.warning("this node cannot serve: %s", reason)

@@ -18,12 +18,15 @@ TERMINATION = (signal.SIGTERM, signal.SIGINT)
 EVENT_LOOP_GIL_WAIT_S = 0.0005
 
 
-def keep_event_loop_responsive() -> None:
+def keep_event_loop_responsive() -> float:
     """A daemon's model steps run in a worker thread while its event loop carries the transfers and
     RPCs; each step of a pull (a message read, a send posted, a receive completed) waits for the GIL
     when the model holds it. Cap that wait at ``EVENT_LOOP_GIL_WAIT_S`` instead of Python's 5 ms, at
-    the cost of more frequent thread switches while both are busy."""
+    the cost of more frequent thread switches while both are busy. Returns the interval it replaced
+    (``sys.setswitchinterval`` puts it back)."""
+    previous = sys.getswitchinterval()
     sys.setswitchinterval(EVENT_LOOP_GIL_WAIT_S)
+    return previous
 
 
 def write_ready_file(path: str, **info: object) -> None:

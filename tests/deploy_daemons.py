@@ -11,14 +11,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from decode_worker.daemon import SPEC as DECODE_SPEC
 from kpool_pd.certs import issue, make_ca
-from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from prefill_worker.daemon import SPEC as PREFILL_SPEC
 from runtime import load_settings
+from runtime.daemon import daemon_options
+from tests import deploy_image as di
 from tests import deploy_launch as dl
 from tests import deploy_manifests as dm
 
-DAEMON_OPTIONS = {"prefill": PREFILL_OPTIONS, "decode": DECODE_OPTIONS}
+# What each daemon parses when run_daemon starts it: its table and the runtime's start-up checks.
+DAEMON_OPTIONS = {"prefill": daemon_options(PREFILL_SPEC), "decode": daemon_options(DECODE_SPEC)}
 TLS_SECRET = "kpool-pd-tls"
 TLS_MOUNT = "/etc/kpool-pd/tls"
 EXTENDED_RESOURCES = {"gpu": {"nvidia.com/gpu"}, "rdma": {"nvidia.com/gpu", "rdma/ib"}}
@@ -62,10 +65,23 @@ def role_of(pod: dl.LocalPod) -> str:
     return role
 
 
-def daemon_settings(objects: list[dict], workload: dict, root: Path) -> tuple[str, dict]:
-    """What the daemon in ``workload`` is given in the cluster: its role and its settings, parsed
-    by the daemon's own loader from the container's args, env and mounted config file."""
-    pod = dl.LocalPod(objects, workload, None, root, extra_objects=[token_secret("t" * 32, "p" * 32)])
+def local_pod(objects: list[dict], workload: dict, root: Path, *, container: str | None = None,
+              ports: dl.PortMap | None = None, extra_objects: list[dict] = ()) -> dl.LocalPod:
+    """``LocalPod`` of one container, with the image environment of the recipe that the README
+    builds the container's image with."""
+    chosen = [c for c in workload["spec"]["template"]["spec"]["containers"]
+              if container is None or c["name"] == container]
+    dockerfile = di.dockerfile_for(chosen[0]["image"]) if len(chosen) == 1 else dm.DEPLOY / "Dockerfile"
+    return dl.LocalPod(objects, workload, ports, root, container=container, dockerfile=dockerfile,
+                       extra_objects=list(extra_objects))
+
+
+def daemon_settings(objects: list[dict], workload: dict, root: Path, container: str | None = None
+                    ) -> tuple[str, dict]:
+    """What the daemon in ``workload`` (its ``container``; None: its only one) is given in the
+    cluster: its role and its settings, parsed by the daemon's own loader from the container's
+    args, env and mounted config file."""
+    pod = local_pod(objects, workload, root, container=container, extra_objects=[token_secret("t" * 32, "p" * 32)])
     role = role_of(pod)
     return role, load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)
 

@@ -127,20 +127,26 @@ class LocalPod:
     ``probe(kind)``, ``stop()`` (idempotent; SIGTERM, then SIGKILL after the grace period)."""
 
     def __init__(self, objects: list[dict], workload: dict, ports: PortMap | None, root: Path, *,
-                 dockerfile: Path = dm.DEPLOY / "Dockerfile", extra_objects: list[dict] = ()) -> None:
+                 container: str | None = None, dockerfile: Path = dm.DEPLOY / "Dockerfile",
+                 extra_objects: list[dict] = ()) -> None:
         """``ports`` None: no address or port is mapped (the container as it runs in the
-        cluster; only its files are local), for reading what the daemon would be given."""
+        cluster; only its files are local), for reading what the daemon would be given.
+        ``container`` names the pod's container to run (None: the pod must have exactly one)."""
         self.objects = [*objects, *extra_objects]
         self.workload = workload
         self.ports = ports
         kind, name = workload["kind"], workload["metadata"]["name"]
         self.pod_name = f"{name}-0" if kind == "StatefulSet" else f"{name}-local"
         spec = workload["spec"]["template"]["spec"]
-        if len(spec["containers"]) != 1 or spec.get("initContainers"):
-            raise LaunchError(f"{kind}/{name}: expected one container and no init containers")
+        if spec.get("initContainers"):
+            raise LaunchError(f"{kind}/{name}: init containers are not run here")
+        chosen = [c for c in spec["containers"] if container is None or c["name"] == container]
+        if len(chosen) != 1:
+            raise LaunchError(f"{kind}/{name}: expected one container{f' named {container}' if container else ''}, "
+                              f"found {[c['name'] for c in spec['containers']]}")
         self.pod_spec = spec
-        self.container = spec["containers"][0]
-        self.root = root / self.pod_name
+        self.container = chosen[0]
+        self.root = root / self.pod_name / self.container["name"]
         self.mounts = self._make_volumes()
         self.env = self._environment(image_env(dockerfile))
         self.argv = self._argv()

@@ -40,8 +40,14 @@ class Variant:
         return "+".join((self.overlay, *self.components))
 
 
-VARIANTS = (Variant("cpu"), Variant("cpu", ("tls",)), Variant("gpu"), Variant("rdma"), Variant("rdma", ("host-network",)))
+# The overlays whose pods run one daemon each, with and without the components; the same-node
+# overlay (two daemons in one pod) has its own tests.
+VARIANTS = (Variant("cpu"), Variant("cpu", ("tls",)), Variant("cpu", ("monitoring", "autoscaling")), Variant("gpu"),
+            Variant("rdma"), Variant("rdma", ("host-network",)))
+SAME_NODE = Variant("same-node")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# Kinds that Kubernetes' own schemas do not hold (custom resources): tests/deploy_crds.py checks them.
+CUSTOM_KINDS = ("ScaledObject", "PodMonitor")
 
 
 class ToolMissing(RuntimeError):
@@ -115,6 +121,16 @@ def of_kind(objects: list[dict], kind: str) -> list[dict]:
 
 def workloads(objects: list[dict]) -> list[dict]:
     return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
+
+
+def component_of(obj: dict) -> str | None:
+    """The ``app.kubernetes.io/component`` label of an object (a workload: of its pods)."""
+    labels = (obj["spec"]["template"]["metadata"] if obj["kind"] in WORKLOAD_KINDS else obj["metadata"]).get("labels")
+    return (labels or {}).get("app.kubernetes.io/component")
+
+
+def headless(service: dict) -> bool:
+    return service["spec"].get("clusterIP") == "None"
 
 
 def containers(workload: dict) -> list[dict]:

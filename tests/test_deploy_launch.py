@@ -7,7 +7,9 @@ period."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import re
 import secrets
 import subprocess
 import sys
@@ -27,6 +29,19 @@ from runtime import client_tls, load_settings, model_config
 from tests import deploy_launch as dl
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import role_of, tls_secret, token_secret
+
+
+@functools.cache
+def autoscaling_metrics() -> dict[str, set[str]]:
+    """container -> the kpoolpd_* series the autoscaling component's queries select by that container."""
+    objects = dm.render(dm.Variant("cpu", ("monitoring", "autoscaling")))
+    found: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+    for scaled in dm.of_kind(objects, "ScaledObject"):
+        for trigger in scaled["spec"]["triggers"]:
+            for metric, container in re.findall(r'(kpoolpd_\w+)\{[^}]*container="(\w+)"', trigger["metadata"]["query"]):
+                found[container].add(metric)
+    assert all(found.values()), found
+    return found
 
 
 def _kpool_pd(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
@@ -55,8 +70,9 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant,
                          server_name="kpool-pd-decode")
         tls_flags = ["--tls-ca", str(files["ca"]), "--tls-cert", str(files["cert"]), "--tls-key", str(files["key"]),
                      "--tls-server-name", "kpool-pd-decode"]
-    pods = {w["kind"]: dl.LocalPod(objects, w, ports, tmp_path, extra_objects=extra) for w in dm.workloads(objects)}
-    prefill, decode = pods["StatefulSet"], pods["Deployment"]
+    pods = {pod.container["name"]: pod for pod in (dl.LocalPod(objects, w, ports, tmp_path, extra_objects=extra)
+                                                   for w in dm.workloads(objects))}
+    prefill, decode = pods["prefill"], pods["decode"]
     try:
         for pod in (prefill, decode):  # decode pods find prefill pods through the headless Service
             pod.start()
@@ -66,7 +82,11 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant,
             url = (f"http://{dl.LOOPBACK}:{pod.local_port(int(annotations['prometheus.io/port']))}"
                    f"{annotations['prometheus.io/path']}")
             with urllib.request.urlopen(url, timeout=5) as reply:
-                assert f"kpoolpd_{role_of(pod)}_" in reply.read().decode()
+                exported = reply.read().decode()
+            assert f"kpoolpd_{role_of(pod)}_" in exported
+            # What the autoscaling component's queries ask of this role's pods, they export.
+            for metric in autoscaling_metrics()[pod.container["name"]]:
+                assert re.search(rf"^{metric}(\{{| )", exported, flags=re.M), f"{role_of(pod)} does not export {metric}"
 
         settings = load_settings("decode", DECODE_OPTIONS, decode.argv[2:], description="decode", env=decode.env)
         config = model_config(settings)

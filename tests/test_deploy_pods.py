@@ -1,17 +1,20 @@
 """The workloads of ``deploy/`` as the API server and the kubelet see them, beyond schema
-validation: selectors, probes, extended resources, the ports each daemon listens on, Services
-and the headless Service that decode pods resolve prefill pods through, and the pods' security
-context."""
+validation: selectors, probes and their timeouts, the preStop hook, extended resources, the ports
+each daemon listens on, Services, the headless Service that decode pods resolve prefill pods
+through and the one clients balance over decode pods with, rollouts that keep capacity, placement
+(GPU product, CUDA driver, one zone or fabric domain), and the pods' security context."""
 
 from __future__ import annotations
 
+from runtime import LIVENESS_SERVICE
+from tests import deploy_image as di
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import EXTENDED_RESOURCES, all_settings, variants
-from runtime import LIVENESS_SERVICE
 
 DAEMON_PORTS = {"port": "grpc", "metrics_port": "metrics", "health_port": "health"}  # settings key -> port name
 SERVICE_PORTS = {"grpc", "metrics"}  # what a Service exposes; probes reach the health port on the pod
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+CUDA_MAJOR = int(di.stage(dm.DEPLOY / "Dockerfile.cuda", None).base.split(":")[1].split(".")[0])
 
 
 @variants
@@ -29,7 +32,10 @@ def test_selectors_match_template_labels(variant):
         selector = obj["spec"]["selector"]
         selector = selector.get("matchLabels", selector) if obj["kind"] == "PodDisruptionBudget" else selector
         picked = [n for n, w in others.items() if dm.selects(selector, w["spec"]["template"]["metadata"]["labels"])]
-        assert picked == [obj["metadata"]["name"]], f"{obj['kind']}/{obj['metadata']['name']} selects {picked}"
+        # Each selects the one workload it is named after (kpool-pd-decode-headless: kpool-pd-decode's pods).
+        name = obj["metadata"]["name"]
+        want = [n for n in others if name == n or name.startswith(n + "-")]
+        assert len(want) == 1 and picked == want, f"{obj['kind']}/{obj['metadata']['name']} selects {picked}"
 
 
 @variants
@@ -74,9 +80,14 @@ def test_every_port_the_daemons_listen_on_is_exposed_and_named(variant, tmp_path
             assert ports[name]["protocol"] == "TCP"
         assert {p["containerPort"] for p in container["ports"]} == {settings[k] for k in DAEMON_PORTS}, \
             f"{role}: a container port the daemon does not listen on"
-        (service,) = [s for s in services if workload in dm.service_backends(objects, s)]
+        # The Service named after the workload exposes gRPC and metrics; another one (the decode pods'
+        # headless Service, for client-side balancing) a part of them.
+        (service,) = [s for s in services if s["metadata"]["name"] == workload["metadata"]["name"]]
+        assert dm.service_backends(objects, service) == [workload]
         assert {p["targetPort"] for p in service["spec"]["ports"]} == SERVICE_PORTS
-        assert all(p.get("name") for p in service["spec"]["ports"])
+        for other in [s for s in services if workload in dm.service_backends(objects, s)]:
+            assert all(p.get("name") for p in other["spec"]["ports"])
+            assert {p["targetPort"] for p in other["spec"]["ports"]} <= SERVICE_PORTS
 
 
 @variants
@@ -101,24 +112,88 @@ def test_service_target_ports_resolve_to_container_ports(variant):
 
 
 @variants
-def test_statefulset_service_name_is_a_headless_service_selecting_it(variant):
-    objects = dm.render(variant)
-    for statefulset in dm.of_kind(objects, "StatefulSet"):
-        service = dm.find(objects, "Service", statefulset["spec"]["serviceName"])
-        assert service["spec"].get("clusterIP") == "None"
-        assert not service["spec"].get("publishNotReadyAddresses", False), "unready prefill pods would be resolved"
-        assert dm.service_backends(objects, service) == [statefulset]
-
-
-@variants
 def test_decode_workers_resolve_every_prefill_pod_through_the_headless_service(variant, tmp_path):
     objects = dm.render(variant)
     settings = all_settings(variant, tmp_path)
     prefill_workload, _, prefill = settings["prefill"]
-    headless = dm.find(objects, "Service", prefill_workload["spec"]["serviceName"])
+    target = settings["decode"][2]["prefill"]
+    assert target.startswith("dns:///"), f"decode pods must resolve every prefill pod, not dial {target}"
+    name, _, port = target.removeprefix("dns:///").rpartition(":")
+    headless = dm.find(objects, "Service", name)
+    assert dm.headless(headless)
+    assert not headless["spec"].get("publishNotReadyAddresses", False), "unready prefill pods would be resolved"
+    assert dm.service_backends(objects, headless) == [prefill_workload]
     service_port = [p["port"] for p in headless["spec"]["ports"] if p["targetPort"] == "grpc"]
-    assert settings["decode"][2]["prefill"] == f"dns:///{headless['metadata']['name']}:{service_port[0]}"
-    assert service_port == [prefill["port"]]
+    assert service_port == [int(port)] == [prefill["port"]]
+
+
+@variants
+def test_clients_can_balance_over_decode_pods_through_a_headless_service(variant, tmp_path):
+    # gRPC keeps one connection per target: through the ClusterIP a client's calls all go to one pod.
+    objects = dm.render(variant)
+    decode_workload, _, decode = all_settings(variant, tmp_path)["decode"]
+    (balanced,) = [s for s in dm.of_kind(objects, "Service") if dm.headless(s)
+                   and dm.service_backends(objects, s) == [decode_workload]]
+    assert not balanced["spec"].get("publishNotReadyAddresses", False), "draining decode pods would be resolved"
+    (grpc_port,) = [p for p in balanced["spec"]["ports"] if p["targetPort"] == "grpc"]
+    assert grpc_port["port"] == decode["port"] and grpc_port.get("appProtocol") == "grpc"
+
+
+@variants
+def test_rollouts_keep_capacity_and_the_prefill_pods_need_no_stable_identity(variant):
+    # Prefill pods are a Deployment: a pod on a dead node is replaced without a force-delete, and
+    # decode workers find the new one by the headless Service (nothing uses a stable pod name).
+    objects = dm.render(variant)
+    assert not dm.of_kind(objects, "StatefulSet")
+    for workload in dm.workloads(objects):
+        strategy = workload["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate"
+        assert strategy["rollingUpdate"]["maxUnavailable"] == 0 and strategy["rollingUpdate"]["maxSurge"] >= 1
+
+
+@variants
+def test_probes_have_timeouts_a_busy_node_can_meet(variant):
+    for workload in dm.workloads(dm.render(variant)):
+        for container in dm.containers(workload):
+            for kind in PROBES:
+                probe = container[kind]
+                timeout = probe.get("timeoutSeconds", 1)  # the kubelet's default
+                assert 2 <= timeout <= probe.get("periodSeconds", 10), f"{container['name']}.{kind}: {timeout} s"
+
+
+@variants
+def test_every_container_waits_in_pre_stop_before_its_drain(variant):
+    # The kubelet runs preStop before SIGTERM: the pod leaves the Services' endpoints (and DNS) first.
+    for workload in dm.workloads(dm.render(variant)):
+        for container in dm.containers(workload):
+            hook = container["lifecycle"]["preStop"]
+            assert list(hook) == ["sleep"] and hook["sleep"]["seconds"] >= 3, container["name"]
+
+
+# overlay -> the podAffinity topology key that keeps every kpool-pd pod in one domain
+PLACEMENT_DOMAIN = {"gpu": "topology.kubernetes.io/zone", "rdma": "kpool-pd.io/fabric-domain"}
+
+
+@variants
+def test_gpu_pods_need_one_gpu_product_a_cuda_13_driver_and_one_domain(variant):
+    objects = dm.render(variant)
+    templates = [w["spec"]["template"] for w in dm.workloads(objects)]
+    for template in templates:
+        affinity = template["spec"].get("affinity", {})
+        if variant.overlay not in PLACEMENT_DOMAIN:
+            assert not affinity, "the cpu overlay runs anywhere"
+            continue
+        (term,) = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        expressions = {e["key"]: e for e in term["matchExpressions"]}
+        product = expressions["nvidia.com/gpu.product"]
+        assert product["operator"] == "In" and len(product["values"]) == 1, "one GPU product throughout"
+        driver = expressions["nvidia.com/cuda.runtime.major"]  # the newest CUDA the node's driver runs
+        assert driver["operator"] == "Gt" and int(driver["values"][0]) + 1 == CUDA_MAJOR
+        (domain,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert domain["topologyKey"] == PLACEMENT_DOMAIN[variant.overlay]
+        # The term picks the pods of both roles, so each follows the first one into its domain.
+        assert all(dm.selects(domain["labelSelector"]["matchLabels"], t["metadata"]["labels"]) for t in templates)
+
 
 @variants
 def test_pods_run_unprivileged_with_a_memory_backed_dev_shm(variant):

@@ -1,7 +1,8 @@
 """What each daemon reads in the cluster, through its own settings loader: the ConfigMap (every
-key read, none unread, the same model options on both roles), the two bearer-token credentials, drain
-and grace periods, the metrics annotations, the transports and device per overlay, and the
-optional TLS Secret."""
+key read, none unread, the same model options on both roles), the two bearer-token credentials, the
+preStop, drain and grace periods, the metrics annotations, the transports, device and fabric check
+per overlay with the UCX environment (which UCX, which network devices), and the optional TLS
+Secret."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import secrets
 import pytest
 
 from runtime import MODEL_OPTIONS, SettingsError, load_settings, tls_config
-from tests import deploy_launch as dl
+from runtime.fabric_check import Fabric
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import (DAEMON_OPTIONS, EXTENDED_RESOURCES, TLS_MOUNT, TLS_SECRET, TOKEN_SECRET,
-                                   all_settings, role_of, secret_bytes, tls_secret, token_secret, variants)
+                                  all_settings, local_pod, role_of, secret_bytes, tls_secret, token_secret, variants)
 
 
 @variants
@@ -49,7 +50,7 @@ def test_secret_references_give_each_daemon_its_credentials(variant, tmp_path):
     token, peer_token = secrets.token_hex(16), secrets.token_hex(16)
     expected = {"decode": (["token", "peer-token"], token), "prefill": (["peer-token"], "")}
     for workload in dm.workloads(objects):
-        pod = dl.LocalPod(objects, workload, None, tmp_path, extra_objects=[token_secret(token, peer_token)])
+        pod = local_pod(objects, workload, tmp_path, extra_objects=[token_secret(token, peer_token)])
         refs = [v["valueFrom"]["secretKeyRef"] for v in pod.container["env"]
                 if "secretKeyRef" in v.get("valueFrom", {})]
         role = role_of(pod)
@@ -61,10 +62,13 @@ def test_secret_references_give_each_daemon_its_credentials(variant, tmp_path):
 
 
 @variants
-def test_termination_grace_outlasts_the_drain_and_liveness_outlasts_the_grace(variant, tmp_path):
+def test_termination_grace_outlasts_the_pre_stop_and_the_drain_and_liveness_outlasts_the_grace(variant, tmp_path):
     for role, (workload, container, settings) in all_settings(variant, tmp_path).items():
         grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > settings["drain_s"] + 5, f"{role}: grace {grace} s, drain {settings['drain_s']} s"
+        # The kubelet counts the preStop hook in the grace period; then SIGTERM starts the drain.
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert grace >= pre_stop + settings["drain_s"] + 5, \
+            f"{role}: grace {grace} s, preStop {pre_stop} s, drain {settings['drain_s']} s"
         liveness = container["livenessProbe"]
         assert liveness["periodSeconds"] * liveness["failureThreshold"] >= grace, role
 
@@ -120,7 +124,7 @@ def test_tls_files_come_from_the_optional_secret(variant, tmp_path):
                 "KPOOLPD_TLS_REQUIRE_CLIENT_AUTH"} <= set(tls_env)
         for with_secret in (True, False):
             extra = [token_secret("t" * 32, "p" * 32), *([secret] if with_secret else [])]
-            pod = dl.LocalPod(objects, workload, None, tmp_path / f"{with_secret}", extra_objects=extra)
+            pod = local_pod(objects, workload, tmp_path / f"{with_secret}", extra_objects=extra)
             role = role_of(pod)
             settings = load_settings(role, DAEMON_OPTIONS[role], pod.argv[2:], description=role, env=pod.env)
             if not tls_on:
@@ -138,3 +142,20 @@ def test_tls_files_come_from_the_optional_secret(variant, tmp_path):
             else:  # TLS asked for without the Secret: the daemon stops at start-up and says why
                 with pytest.raises(SettingsError, match="tls-cert .*tls.crt: cannot read it"):
                     tls_config(settings)
+
+
+# overlay -> what the daemons' start-up check requires of the data plane
+FABRIC = {"cpu": Fabric.ANY, "gpu": Fabric.GPU, "rdma": Fabric.RDMA}
+
+
+@variants
+def test_the_fabric_check_and_the_ucx_environment_per_overlay(variant, tmp_path):
+    """The rdma pods refuse to turn ready without an RDMA transport; their UCX sees every HCA port in
+    the pod (no one fixed HCA for all); the GPU pods load the image's UCX, not the wheel's."""
+    objects = dm.render(variant)
+    for role, (workload, container, settings) in all_settings(variant, tmp_path).items():
+        assert settings["fabric"] is FABRIC[variant.overlay], role
+        env = local_pod(objects, workload, tmp_path / role, extra_objects=[token_secret("t" * 32, "p" * 32)]).env
+        assert env.get("UCX_NET_DEVICES") == ("all" if variant.overlay == "rdma" else None), role
+        want = "true" if variant.overlay in ("gpu", "rdma") else None
+        assert env.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY") == want, role
