@@ -261,7 +261,7 @@ def _run(args) -> tuple[list[dict], dict]:
     use_ucx = ucx_available() and not args.no_ucx
     prefill_device = "cuda:0" if args.device == "cuda" else "cpu"
     decode_device = ("cuda:1" if args.two_gpu else "cuda:0") if args.device == "cuda" else "cpu"
-    nixl, nixl_reason = import_nixl()
+    nixl, nixl_reason = (None, "--no-nixl") if args.no_nixl else import_nixl()
     notes = {"nixl": "measured" if nixl else f"skipped: {nixl_reason}",
              "ucx": "measured" if use_ucx else ("skipped: --no-ucx" if args.no_ucx else "skipped: ucxx does not import")}
     rows = []
@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kpool", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
+    parser.add_argument("--no-nixl", action="store_true", help="leave the NIXL READ baseline out")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
