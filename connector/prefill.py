@@ -58,6 +58,12 @@ FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
 VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    """Done-callback: retrieve a task's outcome (a failure was answered, or its pull ended first)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class PrefillConnector(pb.PrefillServiceServicer):
     """Serves one prefill node's cache. Not thread-safe: one event loop."""
 
@@ -409,11 +415,12 @@ class PrefillConnector(pb.PrefillServiceServicer):
             self.metrics.transferred(transport.label, plan.total_bytes, len(plan), time.perf_counter() - started)
             yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums))
         finally:
-            if sends is not None and not sends.done():
-                sends.cancel()  # UcxNode.send drops its endpoint as it is cancelled
-                await asyncio.wait([sends])
-            if sends is not None and not sends.cancelled():
-                sends.exception()  # retrieved (a failure was answered above, or the pull ended first)
+            if sends is not None:
+                if not sends.done():  # at once, with no await (a second cancel could cut it short): abort
+                    # the endpoint the sends use, which cancels them, so that no send reads our blocks now
+                    self._ucx.drop(request.engine_id, reason="its pull ended before the sends completed")
+                    sends.cancel()
+                sends.add_done_callback(_retrieved)
             if not finished:  # UcxNode.send dropped its endpoint: no send reads our blocks any more
                 self.metrics.failures.labels("pull_aborted").inc()
                 logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)

@@ -3,7 +3,7 @@ daemon, except that it holds a request at one step for ``HOLD_S`` when the reque
 it, so that a client's cancel lands in that step on the decode node:
 
 - ``@prefilling``: the prefill is computed (its blocks written), then the answer waits;
-- ``@pulling``: the Pull stream sends its grant, then waits before any byte;
+- ``@pulling``: the Pull waits before it starts (before any byte, and before its grant message);
 - ``@releasing``: the Release waits before it frees the grant.
 
 Nothing else changes: a held call that its caller cancels ends as the real one would.
@@ -38,14 +38,12 @@ def install_holds() -> None:
 
     async def pull(self, request, context):
         grant = self.leases.live(request.grant_id)
-        hold = grant is not None and _asks(grant.request_id, "pulling")
+        if grant is not None and _asks(grant.request_id, "pulling"):
+            await asyncio.sleep(HOLD_S)  # before any byte: UCX sends start as the real Pull begins
         stream = real_pull(self, request, context)
         try:
             async for message in stream:
                 yield message
-                if hold:
-                    hold = False
-                    await asyncio.sleep(HOLD_S)
         finally:
             await stream.aclose()
 

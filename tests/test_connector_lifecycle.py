@@ -101,8 +101,9 @@ def test_engine_unavailable_is_answered_unavailable_and_frees():
                 await peer.prefill("refused", [1] * 100)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE
             assert "prefill node prefill-t unavailable: draining for shutdown" in err.value.message
-            assert pair.free() == start
-            assert pair.prefill_sample("transfer_failures_total", cause="engine_unavailable") == 1
+            # the status reaches the caller as the handler aborts; its cleanup follows at once
+            assert await until(lambda: pair.free() == start and pair.prefill_sample(
+                "transfer_failures_total", cause="engine_unavailable") == 1)
     run(main())
 
 
