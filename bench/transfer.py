@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import multiprocessing as mp
@@ -30,12 +31,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillCache,
-                       PrefillConnector, PrefillInput, PrefillOutput, Transport, ucx_available)
+                       PrefillConnector, PrefillInput, PrefillOutput, PullTimeline, Transport, ucx_available)
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
 from runtime import GrpcServer
 
 
-PHASES = ("control", "post", "wire", "completion", "verify")  # connector.PullTimeline's fields, in order
+PHASES = tuple(f.name.removesuffix("_ms") for f in dataclasses.fields(PullTimeline))  # control, post, wire, ...
 
 
 def _config(layers: int, block_size: int, kpool: int) -> CacheConfig:

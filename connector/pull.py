@@ -151,7 +151,7 @@ class InboundPull:
             if self.call is not None and self.follower is None:
                 self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
             await self._retire_receives()
-            regions.settle(self.views)  # chunks written into GPU memory have landed before it may be freed
+            regions.settle(self.views)  # chunks written into GPU memory have landed before the memory is used or freed
 
     async def _land_on_receives(self, plan: TransferPlan) -> None:
         """UCX without integrity: the bytes are in place once every receive completed, and that is
@@ -246,8 +246,6 @@ class InboundPull:
             self.receives = None
         elif landed != [v.numel() for v in views]:
             raise StatusError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
-        else:
-            regions.settle(views)
 
     def _verify(self, views: list[torch.Tensor], done: pb.PullDone) -> None:
         """With ``integrity``, every region's crc32 matches the sender's."""

@@ -266,16 +266,8 @@ class UcxNode:
 
     async def warm_up(self, peer: str, tag: int) -> None:
         """Send an empty message to ``peer`` under ``tag``: UCX wires a new endpoint up on its first
-        message, so the first pull does not pay for it. A failure drops the endpoint and raises
-        ``UcxSendError``."""
-        ep = await self.endpoint(peer)
-        try:
-            await ep.send(np.zeros(0, dtype=np.uint8), tag=tag & TAG_MASK, force_tag=True)
-        except BaseException as exc:
-            self.drop(peer, ep, reason=f"the warm-up send failed: {type(exc).__name__}")
-            if isinstance(exc, self._ucxx.exceptions.UCXError):
-                raise UcxSendError(f"UCX warm-up send to {peer} failed: {type(exc).__name__}: {exc}") from exc
-            raise
+        message, so the first pull does not pay for it. Fails as ``send`` does."""
+        await self.send(peer, [torch.empty(0, dtype=torch.uint8)], tag)
 
     # receiver side -----------------------------------------------------------------------
     def post_receives(self, views: Sequence[torch.Tensor], tag_base: int) -> ReceiveBatch:

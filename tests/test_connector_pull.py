@@ -14,6 +14,7 @@ from connector import StatusError, Transport
 from connector import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests.polling import until
 
 GRPC = Transport.GRPC_STREAM
 
@@ -224,11 +225,9 @@ def test_a_prefill_response_that_names_too_few_source_blocks_is_refused_and_its_
             with pytest.raises(StatusError) as err:
                 await peer.prefill("short", [5] * 300)
             assert err.value.code is grpc.StatusCode.INTERNAL and "source blocks" in err.value.message
-            for _ in range(100):  # the grant is released in the background
-                if pair.free() == start:
-                    break
-                await asyncio.sleep(0.02)
-            assert pair.free() == start
+            async def freed():
+                return pair.free() == start
+            await until(freed, "the grant released in the background", 2.0, 0.02)
     run(main())
 
 
@@ -245,10 +244,8 @@ def test_a_ucx_pull_without_integrity_waits_on_its_receives_alone():
                     layout = pair.decode.pool.layout
                     for j, b in enumerate(landed.block_ids[:grant.num_blocks]):
                         assert torch.equal(pair.decode.pool.blocks[b], procs.expected_block(layout, f"fast-{i}", j)), j
-            for _ in range(100):  # the streams end in the background, then the prefill node frees its blocks
-                if pair.free() == start:
-                    break
-                await asyncio.sleep(0.02)
-            assert pair.free() == start
+            async def freed():  # the streams end in the background, then the prefill node frees its blocks
+                return pair.free() == start
+            await until(freed, "every block free on both sides", 2.0, 0.02)
             assert pair.registry.get_sample_value("kpoolpd_prefill_transfer_failures_total", {"cause": "pull_aborted"}) is None
     run(main())
