@@ -16,6 +16,7 @@ from connector.auth import auth_metadata
 from connector.errors import StatusError, rpc_failure
 from connector.landed import Allocation, LandedRequest, PrefillGrant
 from connector.pull import InboundPull, Landing
+from connector.pull_frames import pull_method
 from connector.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout
 
@@ -47,6 +48,7 @@ class PrefillPeer:
         self.transports = transports_from(response.transports)
         self._channel = channel
         self._stub = pb.PrefillServiceStub(channel)
+        self._pull = pull_method(channel)  # reads chunks without protobuf's copies
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
         self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
@@ -274,7 +276,7 @@ class PrefillPeer:
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base)
-        pull = InboundPull(lambda: self._stub.Pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md),
+        pull = InboundPull(lambda: self._pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md),
                            address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
                            keep=self._follow_on)

@@ -36,7 +36,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
-from connector import regions
+from connector import pull_frames, regions
 from connector.auth import Credential
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.config import ConnectorConfig
@@ -99,7 +99,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the PrefillService on ``server`` (the daemon's, which owns auth, TLS and health)."""
-        pb.add_PrefillServiceServicer_to_server(self, server)
+        pb.add_to_server(self, server, pull_response_serializer=pull_frames.serialize_response)
 
     async def start(self) -> None:
         """Make the UCX worker (when UCX is offered) and start the lease reaper; call it on the
@@ -396,10 +396,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 step = self.config.chunk_bytes
                 for index, view in enumerate(views):
                     for off in range(0, view.numel(), step):
-                        message = pb.PullResponse()  # filled in place: a Chunk passed in would be copied again
-                        chunk = message.chunk
-                        chunk.region, chunk.offset, chunk.data = index, off, regions.read_bytes(view[off:off + step])
-                        yield message
+                        yield pull_frames.encode_chunk(index, off, regions.host_bytes(view[off:off + step]))
             else:
                 try:
                     await asyncio.wait_for(asyncio.shield(sends), self.config.transfer_timeout_s)

@@ -7,6 +7,10 @@ imports it as ``from connector import prefill_api as pb``. Nothing else imports 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import grpc
+
 from connector._generated.kpoolpd.v1 import prefill_pb2 as _pb
 from connector._generated.kpoolpd.v1 import prefill_pb2_grpc as _pb_grpc
 
@@ -42,3 +46,19 @@ SERVICE_NAME: str = SERVICE_DESCRIPTOR.full_name
 PrefillServiceStub = _pb_grpc.PrefillServiceStub
 PrefillServiceServicer = _pb_grpc.PrefillServiceServicer
 add_PrefillServiceServicer_to_server = _pb_grpc.add_PrefillServiceServicer_to_server
+
+
+def add_to_server(servicer: PrefillServiceServicer, server: grpc.aio.Server, *,
+                  pull_response_serializer: Callable[[object], bytes]) -> None:
+    """Register ``servicer`` on ``server`` as ``add_PrefillServiceServicer_to_server`` does, except
+    that Pull's responses go through ``pull_response_serializer`` (which may take pre-encoded bytes)."""
+    handlers = {}
+    for method in SERVICE_DESCRIPTOR.methods:
+        request_type = getattr(_pb, method.input_type.name)
+        response_type = getattr(_pb, method.output_type.name)
+        serializer = pull_response_serializer if method.name == "Pull" else response_type.SerializeToString
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=request_type.FromString,
+                                     response_serializer=serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

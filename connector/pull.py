@@ -33,6 +33,7 @@ from connector.errors import StatusError, rpc_failure
 from connector.landed import PrefillGrant
 from connector.metrics import ConnectorMetrics
 from connector.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
+from connector.pull_frames import ChunkFrame
 from connector.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
 from connector.wire import Transport, ring_from
 from kvcache import BlockLayout, CachePool
@@ -209,7 +210,7 @@ class InboundPull:
     async def _open(self, plan: TransferPlan) -> None:
         """The stream's first message: the source side of the plan, which must be the grant's."""
         first = await self._read()
-        if first is None or first.WhichOneof("message") != "grant":
+        if first is None or isinstance(first, ChunkFrame) or first.WhichOneof("message") != "grant":
             raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
         source = first.grant
         if ring_from(source.ring_live) != self.grant.ring_live or tuple(source.src_block_ids) != self.grant.src_block_ids \
@@ -226,13 +227,12 @@ class InboundPull:
             msg = await self._read()
             if msg is None:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
-            kind = msg.WhichOneof("message")
+            kind = "chunk" if isinstance(msg, ChunkFrame) else msg.WhichOneof("message")
             if kind == "done":
                 return msg.done, landed
             if kind != "chunk":
                 raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
-            ch = msg.chunk
-            region, offset, data = ch.region, ch.offset, ch.data  # each read of a bytes field is a copy: read it once
+            region, offset, data = msg.region, msg.offset, msg.data
             if self.transport is not Transport.GRPC_STREAM or region >= len(views) or offset != landed[region] \
                     or offset + len(data) > views[region].numel():
                 raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {region}, offset {offset})")

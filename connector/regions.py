@@ -30,18 +30,20 @@ def ucx_buffer(view: torch.Tensor):
     return view.numpy() if view.device.type == "cpu" else view
 
 
-def read_bytes(view: torch.Tensor) -> bytes:
-    """The view's bytes for the gRPC stream (GPU memory through a pinned host buffer)."""
+def host_bytes(view: torch.Tensor) -> np.ndarray:
+    """uint8 [n] host memory holding the view's bytes, for the gRPC stream: the view itself on the
+    CPU (no copy), else a pinned host copy (synchronous). Read it before the view changes."""
     if view.device.type == "cpu":
-        return view.numpy().tobytes()
+        return view.numpy()
     host = torch.empty(view.numel(), dtype=torch.uint8, pin_memory=True)
     host.copy_(view)
-    return host.numpy().tobytes()
+    return host.numpy()
 
 
-def write_bytes(view: torch.Tensor, data: bytes) -> None:
-    """Write ``data`` into ``view`` (uint8 [len(data)]). Into GPU memory the copy is asynchronous
-    (from a pinned host buffer, on the view's device's current stream): ``settle`` before reading."""
+def write_bytes(view: torch.Tensor, data) -> None:
+    """Write ``data`` (any buffer of len(view) bytes) into ``view`` (uint8 [n]). Into GPU memory the
+    copy is asynchronous (from a pinned host buffer, on the view's device's current stream):
+    ``settle`` before reading."""
     src = np.frombuffer(data, dtype=np.uint8)
     if view.device.type == "cpu":
         view.numpy()[:] = src

@@ -142,14 +142,14 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
         node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry())
         if die == "grpc":  # fault injection: the process dies after its first chunk
-            real, calls = regions.read_bytes, [0]
+            real, calls = regions.host_bytes, [0]
 
             def dying(view):
                 calls[0] += 1
                 if calls[0] > 1:
                     os._exit(17)
                 return real(view)
-            regions.read_bytes = dying
+            regions.host_bytes = dying
         server = await serve_prefill(node)
         port = server.port
         if die == "ucx":  # fault injection: the process dies while its UCX sends are in flight

@@ -92,13 +92,13 @@ def test_equal_orders_land_without_staging(monkeypatch):
 
 
 def test_failed_pull_with_staging_frees_everything(monkeypatch):
-    real = regions.read_bytes
+    real = regions.host_bytes
 
     def flip_one_byte(view):
         data = bytearray(real(view))
         data[0] ^= 1
         return bytes(data)
-    monkeypatch.setattr(regions, "read_bytes", flip_one_byte)
+    monkeypatch.setattr(regions, "host_bytes", flip_one_byte)
 
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads", "BLHNC"),

@@ -93,13 +93,13 @@ def test_a_reservation_larger_than_the_free_pool_takes_nothing():
 
 
 def _corrupt_the_stream(monkeypatch) -> None:
-    real = regions.read_bytes
+    real = regions.host_bytes
 
     def flip_one_byte(view):
         data = bytearray(real(view))
         data[-1] ^= 0x08
         return bytes(data)
-    monkeypatch.setattr(regions, "read_bytes", flip_one_byte)
+    monkeypatch.setattr(regions, "host_bytes", flip_one_byte)
 
 
 def _fail_on_a_chunk(monkeypatch) -> None:

@@ -155,13 +155,13 @@ def test_tls_refuses(pki, mutual, client_tls):
 
 # integrity ---------------------------------------------------------------------------------
 def test_corrupted_region_is_data_loss_and_frees_the_allocation(monkeypatch):
-    real = regions.read_bytes
+    real = regions.host_bytes
 
     def flip_one_byte(view):  # the wire copy differs from what the checksum covered
         data = bytearray(real(view))
         data[len(data) // 2] ^= 0x40
         return bytes(data)
-    monkeypatch.setattr(regions, "read_bytes", flip_one_byte)
+    monkeypatch.setattr(regions, "host_bytes", flip_one_byte)
 
     async def main():
         async with Pair() as pair:

@@ -124,13 +124,13 @@ def test_a_request_is_one_reservation_owned_by_its_landed_request_and_matches_co
 
 
 def test_a_failed_pull_leaves_nothing_allocated_and_the_reservation_returns(monkeypatch):
-    real = regions.read_bytes
+    real = regions.host_bytes
 
     def flip_one_byte(view):
         data = bytearray(real(view))
         data[len(data) // 3] ^= 0x10
         return bytes(data)
-    monkeypatch.setattr(regions, "read_bytes", flip_one_byte)
+    monkeypatch.setattr(regions, "host_bytes", flip_one_byte)
 
     async def main():
         async with Nodes() as nodes:
