@@ -1,7 +1,8 @@
 """Transfer benchmark: time from Pull to the last byte landed, per transport and request size,
 beside baselines measured in the same run (memcpy of the same bytes; a raw loopback TCP stream
-between two processes; torch's peer copy when two GPUs are used; NIXL READ of the same bytes
-across two processes where the nixl package imports).
+between two processes; a raw gRPC stream between two processes (``bench.grpc_baseline``); torch's
+peer copy when two GPUs are used; NIXL READ of the same bytes across two processes where the nixl
+package imports).
 
     python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.grpc_baseline import grpc_stream_gbps
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillCache,
                        PrefillConnector, PrefillInput, PrefillOutput, PullTimeline, Transport, ucx_available)
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
@@ -276,6 +278,7 @@ def _run(args) -> tuple[list[dict], dict]:
         del src, dst
         if args.device == "cpu":
             rows.append(base | {"path": "raw socket", "gbps": socket_stream_gbps(nbytes, args.reps)})
+        rows.append(base | {"path": "raw grpc stream", "gbps": grpc_stream_gbps(nbytes, args.reps)})
         if nixl is not None:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
@@ -292,12 +295,12 @@ def _run(args) -> tuple[list[dict], dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    """One line per row, with its rate over the copy baseline, the raw socket and NIXL READ of the
-    same request size (a dash where that baseline was not measured)."""
+    """One line per row, with its rate over the copy baseline, the raw socket, the raw gRPC stream
+    and NIXL READ of the same request size (a dash where that baseline was not measured)."""
     def rates(path_names):
         return {r["tokens"]: r["gbps"] for r in rows if r["path"] in path_names}
     baselines = [("x copy", rates(("memcpy", "device copy", "torch peer copy"))), ("x socket", rates(("raw socket",))),
-                 ("x nixl", rates(("nixl read",)))]
+                 ("x grpc", rates(("raw grpc stream",))), ("x nixl", rates(("nixl read",)))]
     lines = [f"{'tokens':>7} {'MiB':>8} {'path':<20} {'ms':>9} {'GB/s':>7}" + "".join(f" {n:>8}" for n, _ in baselines)
              + "  where a connector pull's time went (ms, median): " + " / ".join(PHASES)]
     for r in rows:
