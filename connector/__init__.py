@@ -10,7 +10,7 @@ are the connector's own.
   ``PrefillGrant`` into a ``LandedRequest``, which owns every block the pull reserved until released
   (its ``PullTimeline`` says where the pull's time went).
 - Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``) and
-  ``TlsConfig``, ``Transport`` (``ucx_available``; ``bind_ucx_options`` keeps UCX on a daemon's
+  ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a daemon's
   host), ``StatusError`` (a gRPC status and a message),
   ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token).
 - ``prefill_api``: the PrefillService wire format, for tests and tools that speak it directly.
@@ -27,7 +27,7 @@ from connector.landed import LandedRequest, PrefillGrant
 from connector.peer import PrefillPeer
 from connector.prefill import PrefillConnector
 from connector.pull import PullTimeline
-from connector.ucx import ucx_available
+from connector.ucx import ucx_available, ucx_context_info
 from connector.ucx_host import bind_ucx_options
 from connector.wire import Transport
 
@@ -36,4 +36,5 @@ __all__ = [
     "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PullTimeline", "StatusError", "TlsConfig", "Transport", "UCX_NO_SHARED_MEMORY",
     "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "open_channel", "prefill_api", "ucx_available",
+    "ucx_context_info",
 ]

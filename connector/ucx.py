@@ -80,6 +80,13 @@ def ucx_available() -> bool:
     return True
 
 
+def ucx_context_info() -> str:
+    """UCX's description of this process's context (its transports and devices), as ucxx prints it.
+    Call it once the node's ``UcxNode`` exists: ucxx would otherwise make a context with default
+    options."""
+    return _import_ucxx().get_ucp_context_info()
+
+
 def region_tag(tag_base: int, index: int) -> int:
     return (tag_base + index) & TAG_MASK
 
@@ -132,7 +139,7 @@ class UcxNode:
         self._refused: OrderedDict[bytes, str] = OrderedDict()
         config = self.ucx_config()
         self._unified = config.get("UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1")
-        logger.info("UCX worker up: transports %s, network devices %s", ",".join(sorted(self.active_transports())),
+        logger.debug("UCX worker up: transports %s, network devices %s", ",".join(sorted(self.active_transports())),
                     config.get("NET_DEVICES", "all"))
 
     def active_transports(self) -> frozenset[str]:

@@ -28,6 +28,7 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from connector import ucx_context_info
 from runtime.options import Option, one_of
 
 logger = logging.getLogger(__name__)
@@ -167,9 +168,7 @@ def check_fabric(fabric: Fabric, *, ucx: bool, resources: tuple[Resource, ...], 
 def ucx_resources() -> tuple[Resource, ...]:
     """The transports and devices of this process's UCX context. Call it only once the node's
     connector has made its UCX worker: ucxx would otherwise make a context with default options."""
-    import ucxx  # only where UCX is offered (the connector imported it already)
-
-    return parse_resources(ucxx.get_ucp_context_info())
+    return parse_resources(ucx_context_info())
 
 
 def fabric_report(fabric: Fabric, *, ucx: bool, device_type: str) -> FabricReport:
