@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_helpers import gdc_launch_dependents, gdc_wait
+
 POSITION_SLOTS = 12
 _UNITS = ((4, torch.int64), (2, torch.int32), (1, torch.int16))  # bf16 elements a unit, its dtype
 
@@ -55,10 +57,13 @@ def ring_write_kernel(ring_ptr, keys_ptr, pos_ptr, slots_ptr, tokens, heads, tot
                       ring_stride, slot_stride, head_stride, key_tok_stride, key_head_stride,
                       CAP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ZEROS: tl.constexpr,
                       ZEROS_P2: tl.constexpr, OFF: tl.constexpr, P: tl.constexpr, P_P2: tl.constexpr,
-                      ROPE: tl.constexpr, BLOCK_T: tl.constexpr):
+                      ROPE: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     # in units of the chosen width: ring: [num_rings, CAP, H, W]; keys: [T, H, D]; positions: [T, P]; slots: [T] int64
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = tok < tokens
+    if PDL:  # launched before the previous kernel ends (the update's compression, which reads the ring): wait for it
+        gdc_wait()
+        gdc_launch_dependents()
     slot = tl.load(slots_ptr + tok, mask=live, other=-1).to(tl.int64)
     write = live & (slot >= 0) & (slot < total_rows)
     if tl.max(write.to(tl.int32), axis=0) > 0:
@@ -103,8 +108,12 @@ def ring_units(ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor |
 
 
 def write_qsa_ring_triton(ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None,
-                          ring_slots: torch.Tensor) -> None:
+                          ring_slots: torch.Tensor, *, pdl: bool = False) -> None:
+    """``pdl``: launch with programmatic dependent launch (the kernel waits for the previous one before reading
+    anything); only where ``kernels.triton_helpers.pdl_available()``.
+
     # ring: [num_rings, C, H, W] bf16 (in place); keys: [T, H, D] bf16; positions: [T, 3] int64 | None; slots: [T] int64
+    """
     num_rings, capacity, heads, _ = ring.shape
     tokens = keys.shape[0]
     if tokens == 0 or heads == 0:
@@ -114,5 +123,6 @@ def write_qsa_ring_triton(ring: torch.Tensor, keys: torch.Tensor, positions: tor
     block_t = 32 if keys.is_cuda else 8
     ring_write_kernel[(triton.cdiv(tokens, block_t),)](
         units.ring, units.keys, units.positions if positions is not None else ring_slots, ring_slots, tokens, heads,
-        num_rings * capacity, *units.strides(), CAP=capacity, BLOCK_T=block_t, num_warps=4, **units.constants(),
+        num_rings * capacity, *units.strides(), CAP=capacity, BLOCK_T=block_t, PDL=pdl, num_warps=4,
+        **units.constants(), **({"launch_pdl": True} if pdl else {}),
     )
