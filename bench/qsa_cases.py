@@ -45,7 +45,7 @@ POSITION_RANGE = 1 << 20  # the update cases' MRoPE positions are drawn from [0,
 
 def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: int = 1, num_spec: int = 3,
                     block_size: int = 64, fp8: bool = False, table: bool = True, block_w: int | None = None,
-                    num_warps: int | None = None, pdl: bool | None = None):
+                    num_warps: int | None = None, pdl: bool | None = None, paired: bool | None = None):
     """QSA forward update of one layer for a prefill batch: compress + write every completed group, then the
     ring rows (keys and packed positions) of each request's last C tokens. ``table``: the op reads cos/sin
     from a RopeCache of every position drawn (2**20 rows, 256 MiB, built once), as vLLM's rotary reads its
@@ -67,7 +67,7 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
         groups = int(meta.num_work)
         moved = keys.numel() * 2 + positions.numel() * 8 + groups * heads * D * compressed.element_size() + \
             requests * cap * (heads * (D + 12) * 2 + D * heads * 2 + 24)
-        if block_w is None and num_warps is None and pdl is None:
+        if block_w is None and num_warps is None and pdl is None and paired is None:
             return Prepared(lambda: qsa_forward_update(
                 keys, positions, meta, ring, compressed, weight, compress_ratio=r, block_size=block_size, eps=1e-6,
                 rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True,
@@ -75,7 +75,7 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
         return Prepared(lambda: qsa_forward_update_triton(  # a launch variant: the kernels alone
             keys, positions, meta, ring, compressed, weight, eps=1e-6, rotary_dim=64, theta=10000.0,
             section=(12, 10, 10), cache_rope_positions=True, rope_cache=rope_cache, block_w=block_w,
-            num_warps=num_warps, pdl=pdl), moved)
+            num_warps=num_warps, pdl=pdl, paired=paired), moved)
     return make
 
 
@@ -99,8 +99,11 @@ def make_repack(blocks: int = 512, layers: int = 16, block_size: int = 64, heads
     return make
 
 
-QSA_DECODE_VARIANTS = ((1, 1, True), (1, 2, True), (1, 4, True), (2, 2, True), (1, 2, False))  # (groups, warps, PDL)
-QSA_PREFILL_VARIANTS = ((1, 1), (1, 2), (1, 4), (2, 2), (4, 2), (4, 4), (8, 4), (16, 4))  # (groups a program, warps)
+# (groups a program, warps, PDL, rotary partner by swapping halves)
+QSA_DECODE_VARIANTS = ((1, 1, True, True), (1, 1, True, False), (1, 2, True, True), (1, 2, True, False),
+                       (2, 1, True, False), (1, 1, False, False))
+QSA_PREFILL_VARIANTS = ((1, 1, True), (1, 1, False), (2, 1, True), (2, 1, False), (4, 1, False), (4, 2, True),
+                        (4, 2, False), (8, 2, False), (1, 2, False))  # (groups a program, warps, halves swapped)
 TABLE_NOTE = "cos/sin table of 2**20 positions"
 
 QSA_CASES: list[BenchCase] = [
@@ -124,10 +127,11 @@ QSA_CASES: list[BenchCase] = [
 
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
 QSA_VARIANTS: list[BenchCase] = [
-    *[BenchCase(name=f"qsa update (decode) BLOCK_W={bw} warps={nw}{' PDL' if pdl else ''}",
+    *[BenchCase(name=f"qsa update (decode) BLOCK_W={bw} warps={nw}{' PDL' if pdl else ''}{'' if sw else ' recomputed'}",
                 size=f"256 requests x 4 tokens; {TABLE_NOTE}",
-                make=make_qsa_update(requests=256, q_len=4, block_w=bw, num_warps=nw, pdl=pdl), decode=True)
-      for bw, nw, pdl in QSA_DECODE_VARIANTS],
-    *[BenchCase(name=f"qsa update (prefill) BLOCK_W={bw} warps={nw}", size=f"64 x 4096 tokens; {TABLE_NOTE}",
-                make=make_qsa_update(block_w=bw, num_warps=nw)) for bw, nw in QSA_PREFILL_VARIANTS],
+                make=make_qsa_update(requests=256, q_len=4, block_w=bw, num_warps=nw, pdl=pdl, paired=sw), decode=True)
+      for bw, nw, pdl, sw in QSA_DECODE_VARIANTS],
+    *[BenchCase(name=f"qsa update (prefill) BLOCK_W={bw} warps={nw}{'' if sw else ' recomputed'}",
+                size=f"64 x 4096 tokens; {TABLE_NOTE}", make=make_qsa_update(block_w=bw, num_warps=nw, paired=sw))
+      for bw, nw, sw in QSA_PREFILL_VARIANTS],
 ]

@@ -39,14 +39,12 @@ from kernels.qsa_rope.ref import rope_inv_freq
 def pairwise_total(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
     """Per row, the reference's pairwise tree sum of N (a power of two) values. # x: [ROWS, N] -> [ROWS]
 
-    Each stage adds the first half to the second and writes the sums back twice, so the tile keeps
-    its shape; the next stage then pairs sum k with sum k + n/4, the tree's next level."""
-    for _ in tl.static_range(LOG_N):
-        a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, N // 2)), (0, 2, 1)))
-        s = a + b
-        x = tl.reshape(tl.join(s, s), (ROWS, N))
-    first = tl.arange(0, N) == 0
-    return tl.sum(tl.where(first[None, :], x, 0.0), axis=1)  # column 0 (every column holds the total; NaN kept)
+    Each stage views the row as its two halves and adds them (a sum over an axis of two: one exact,
+    commutative addition, whichever thread holds which half), so the next stage pairs sum k with sum
+    k + n/4, the tree's next level; a NaN anywhere stays NaN."""
+    for k in tl.static_range(LOG_N):
+        x = tl.sum(tl.reshape(x, (ROWS, 2, N >> (k + 1))), axis=1)
+    return tl.reshape(x, (ROWS,))
 
 
 @triton.jit

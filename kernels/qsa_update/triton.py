@@ -114,7 +114,7 @@ def qsa_forward_update_triton(
     keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor,
     norm_weight: torch.Tensor, *, eps: float, rotary_dim: int, theta: float, section: tuple[int, int, int],
     cache_rope_positions: bool, rope_cache: RopeCache | None = None, block_w: int | None = None,
-    num_warps: int | None = None, pdl: bool | None = None,
+    num_warps: int | None = None, pdl: bool | None = None, paired: bool | None = None,
 ) -> None:
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
     # compressed: [num_blocks, rows, H, D] bf16 | fp8_e4m3 (in place, any strides, dims contiguous)
@@ -141,7 +141,8 @@ def qsa_forward_update_triton(
             compressed.stride(2), compressed.shape[0] * metadata.rows_per_block, float(eps),
             ROWS_PER_BLOCK=metadata.rows_per_block, CAP=metadata.ring_capacity, R=metadata.compress_ratio, D=head_size,
             D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim,
-            PAIRED=rope_pairs_fit(rotary_dim, head_size), S1=section[1], S2=section[2],
+            PAIRED=(DEFAULT_PAIRED if paired is None else paired) and rope_pairs_fit(rotary_dim, head_size),
+            S1=section[1], S2=section[2],
             OFF=ring.shape[3] - 12 if cache_rope_positions else 0, ROPE_CACHED=cache_rope_positions, FP8=fp8,
             BLOCK_W=block_w, PRECISE=not interpreting(), TABLE=rope_cache is not None, PDL=pdl,
             num_warps=num_warps or default_warps, **launch_options(), **({"launch_pdl": True} if pdl else {}),
@@ -160,3 +161,4 @@ def default_launch(max_work: int, device: torch.device) -> tuple[int, int]:
 DEFAULT_BLOCK_W = 1  # groups a program; chosen on the H200 (see bench/results)
 DEFAULT_NUM_WARPS = 2
 DEFAULT_PDL = True  # programmatic dependent launch of both kernels (where pdl_available)
+DEFAULT_PAIRED = True  # the rotary partner by swapping the normed tile's halves (where rope_pairs_fit), else recomputed
