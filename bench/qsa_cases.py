@@ -100,10 +100,9 @@ def make_repack(blocks: int = 512, layers: int = 16, block_size: int = 64, heads
 
 
 # (groups a program, warps, PDL, rotary partner by swapping halves)
-QSA_DECODE_VARIANTS = ((1, 1, True, True), (1, 1, True, False), (1, 2, True, True), (1, 2, True, False),
-                       (2, 1, True, False), (1, 1, False, False))
-QSA_PREFILL_VARIANTS = ((1, 1, True), (1, 1, False), (2, 1, True), (2, 1, False), (4, 1, False), (4, 2, True),
-                        (4, 2, False), (8, 2, False), (1, 2, False))  # (groups a program, warps, halves swapped)
+QSA_DECODE_VARIANTS = ((1, 1, True, True), (1, 2, True, True), (1, 1, False, True), (1, 1, True, False))
+QSA_PREFILL_VARIANTS = ((2, 1, True), (1, 1, True), (4, 1, True), (2, 2, True), (4, 2, True), (1, 2, True),
+                        (2, 1, False))  # (groups a program, warps, rotary partner by swapping halves)
 TABLE_NOTE = "cos/sin table of 2**20 positions"
 
 QSA_CASES: list[BenchCase] = [

@@ -367,12 +367,13 @@ def qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec:
 def test_forward_update(backend, dtype, order, heads, rope, table):
     """Forwards over a batch, the same inputs on both paths: a prefill, a second chunk that straddles a group
     (longer than the ring), decode steps with drafts wrapping the ring, single-token and idle requests (no
-    tokens: their slots are never written). In the interpreter: four requests, three fixed forwards; compiled:
-    24 requests, five random forwards. With a RopeCache (``table_for``) both paths read it: where it holds every
+    tokens: their slots are never written). In the interpreter: four requests, four fixed forwards; compiled:
+    24 requests, five random forwards. A forward of more tokens than requests x C takes the ring write over
+    each request's last C tokens. With a RopeCache (``table_for``) both paths read it: where it holds every
     position, the interpreter's rows are identical too (no cos/sin is computed)."""
     r, num_spec = 4, 3
     rope_cache = table_for(table, backend.device)
-    requests, columns = backend.pick((4, 3), (24, 24))
+    requests, columns = backend.pick((4, 6), (24, 24))
     pools = [qsa_pool(dtype, order, heads, r, num_spec, blocks=requests * columns, rings=requests, seed=5,
                       device=backend.device, block_base=backend.pick(8, 64)) for _ in range(2)]
     got_pool, want_pool = pools
@@ -386,7 +387,7 @@ def test_forward_update(backend, dtype, order, heads, rope, table):
         plans += [torch.randint(low, high, (requests,), generator=gen).tolist()
                   for low, high in ((1, 300), (0, 5), (0, 5), (1, 2))]
     else:
-        plans = [[5, 1, 7, 0], [13, 1, 4, 0], [4, 4, 4, 0]]
+        plans = [[5, 1, 7, 0], [13, 1, 4, 0], [4, 4, 4, 0], [21, 9, 3, 0]]  # the last: more tokens than 4 x C
     spec = got_pool.config.qsa_keys
     kwargs = {"compress_ratio": r, "block_size": block_size, "eps": spec.norm_eps, "cache_rope_positions": rope,
               "rope_cache": rope_cache, **ROPE}

@@ -7,10 +7,16 @@ that this forward's last C tokens overwrite; see ``ref.py``):
 1. grid over ``k_work`` (its static size ``max_work``; items past ``num_work``, read on the device
    together with the items, do nothing): each program compresses BLOCK_W groups, slot by slot from
    this forward's keys or, for positions before the chunk, from the request's ring; the group's first
-   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; the row goes
-   to the slot that the group's last token carries in ``compressed_slot_mapping``;
-2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping`` (programs whose tokens have no
-   ring slot, a prefill's all but the last C of each request, return after reading the slots).
+   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; its cos/sin
+   from the ``RopeCache`` where one is given and holds the position, else computed; the row goes to
+   the slot that the group's last token carries in ``compressed_slot_mapping``;
+2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping``: over every token while the
+   forward has at most requests x C of them (a decode step), else over each request's last C tokens
+   alone (the only ones the metadata gives a slot: a prefill's other tokens need no program).
+
+Both launch with programmatic dependent launch where the GPU has it (``pdl_available``): each waits
+for the previous kernel before its first read, and lets the next one launch early, so the ring write's
+launch overlaps the compression (its writes still follow every read of the compression).
 
 (A single launch that writes the ring rows beside the compression, leaving the few rows that a
 straddling group reads to that group's program, was measured on the H200 and was not faster: 20.8 us
@@ -148,17 +154,21 @@ def qsa_forward_update_triton(
             num_warps=num_warps or default_warps, **launch_options(), **({"launch_pdl": True} if pdl else {}),
         )
     write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping,
-                          pdl=pdl)
+                          pdl=pdl, query_start_loc=metadata.query_start_loc)
 
 
 def default_launch(max_work: int, device: torch.device) -> tuple[int, int]:
-    """(groups a program, warps a program) for a compression grid of ``max_work`` groups."""
+    """(groups a program, warps a program) for a compression grid of ``max_work`` groups: one warp a program;
+    one group a program while the grid fits one wave (a decode step: the dependent chain per group is the
+    bound), two beyond. Measured on the H200 (bench/results/2026-12-01-h200-qsa-kernels.txt): a decode step of
+    256 x 4 tokens 11.2 us a call in a 32-call graph with (1, 1), 11.7 with (1, 2), 14.4 with (2, 1); a prefill
+    of 64 x 4096 tokens 89 us with (2, 1), 104 with (1, 1) and with (4, 2), 160 with (1, 2)."""
     if device.type != "cuda":
         return 4, 4
-    return DEFAULT_BLOCK_W, DEFAULT_NUM_WARPS
+    one_wave = max_work <= WAVE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return (1 if one_wave else 2), 1
 
 
-DEFAULT_BLOCK_W = 1  # groups a program; chosen on the H200 (see bench/results)
-DEFAULT_NUM_WARPS = 2
+WAVE_PROGRAMS_PER_SM = 8
 DEFAULT_PDL = True  # programmatic dependent launch of both kernels (where pdl_available)
 DEFAULT_PAIRED = True  # the rotary partner by swapping the normed tile's halves (where rope_pairs_fit), else recomputed
