@@ -90,10 +90,10 @@ def ring_write_last_kernel(ring_ptr, keys_ptr, pos_ptr, slots_ptr, qsl_ptr, requ
     q1 = tl.load(qsl_ptr + req + 1, mask=live, other=0).to(tl.int64)
     tok = q1 - CAP + entry % CAP
     live = live & (tok >= q0)
-    slot = tl.load(slots_ptr + tl.where(live, tok, 0), mask=live, other=-1).to(tl.int64)
+    slot = tl.load(slots_ptr + tok, mask=live, other=-1).to(tl.int64)  # tok is read only where live (masked)
     write = live & (slot >= 0) & (slot < total_rows)
     if tl.max(write.to(tl.int32), axis=0) > 0:
-        write_ring_rows(ring_ptr, keys_ptr, pos_ptr, tl.where(write, tok, 0), slot, write, heads, ring_stride,
+        write_ring_rows(ring_ptr, keys_ptr, pos_ptr, tok, slot, write, heads, ring_stride,
                         slot_stride, head_stride, key_tok_stride, key_head_stride, CAP, D, D_P2, ZEROS, ZEROS_P2,
                         OFF, P, P_P2, ROPE)
 
