@@ -13,7 +13,7 @@ torch computed with the reference's own ops; the others are computed: compiled r
 cosf/sinf, the CUDA math library that torch's CUDA cos/sin call, so a GPU run matches the reference
 run on the GPU; the interpreter uses numpy's float32 cos/sin, which can differ from torch's CPU ones
 by an ulp (the tests state the bound). (Measured on the H200 with positions up to 2**20: the table
-saves about 5% of a prefill update and nothing measurable of a decode step; the cos/sin are not
+saves about 4% of a prefill update and nothing measurable of a decode step; the cos/sin are not
 where a group's time goes.)
 
 The rotary pairs dim ``d`` with ``d +- rotary_dim / 2``. When rotary_dim is a power of two dividing
@@ -34,10 +34,11 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.dispatch import interpreting
-from kernels.triton_helpers import (bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
-                                     round_to_bf16)
 from kernels.qsa_rope.cache import RopeCache
 from kernels.qsa_rope.ref import rope_inv_freq
+from kernels.triton_helpers import (bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
+                                    round_to_bf16)
+
 
 @triton.jit
 def pairwise_total(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):

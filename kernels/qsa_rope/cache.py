@@ -9,7 +9,7 @@ values that the reference computes for that position on the same device; an MRoP
 
 Why a table: an angle above about 1e5 radians (positions past about 1e5 for the fastest pairs) takes
 the slow argument reduction of the CUDA math library's cosf/sinf; a table read costs one load. On the
-H200 that saved about 5% of a prefill update and nothing measurable of a decode step (positions up to
+H200 that saved about 4% of a prefill update and nothing measurable of a decode step (positions up to
 2**20; bench/results/2026-12-01-h200-qsa-kernels.txt). Positions outside ``[0, num_positions)`` are
 still computed (the same values, without the table). The table costs ``num_positions * rotary_dim * 4`` bytes on its
 device (256 MiB for 2**20 positions of the default 64 rotary dims); one table serves every layer.
@@ -55,7 +55,7 @@ class RopeCache:
 
     @classmethod
     def build(cls, num_positions: int, *, rotary_dim: int, theta: float,
-              device: torch.device | str = "cpu") -> "RopeCache":
+              device: torch.device | str = "cpu") -> RopeCache:
         """The table of positions ``[0, num_positions)``, computed on ``device`` (the device of the ops that
         read it: torch's cos/sin are those of the device).
         # -> table: [num_positions, rotary_dim] fp32"""

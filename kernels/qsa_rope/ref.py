@@ -95,7 +95,9 @@ def mrope_cos_sin(
     cos, sin = torch.cos(angle), torch.sin(angle)
     if cache is None:
         return cos, sin
-    from kernels.qsa_rope.cache import check_rope_cache  # (that module builds its table with this one's math)
+    from kernels.qsa_rope.cache import (
+        check_rope_cache,  # (that module builds its table with this one's math)
+    )
 
     check_rope_cache(cache, rotary_dim=rotary_dim, theta=theta, device=positions.device)
     # A position the table holds takes the table's row (torch's values, computed once on its device).

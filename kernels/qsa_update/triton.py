@@ -160,9 +160,10 @@ def qsa_forward_update_triton(
 def default_launch(max_work: int, device: torch.device) -> tuple[int, int]:
     """(groups a program, warps a program) for a compression grid of ``max_work`` groups: one warp a program;
     one group a program while the grid fits one wave (a decode step: the dependent chain per group is the
-    bound), two beyond. Measured on the H200 (bench/results/2026-12-01-h200-qsa-kernels.txt): a decode step of
-    256 x 4 tokens 11.2 us a call in a 32-call graph with (1, 1), 11.7 with (1, 2), 14.4 with (2, 1); a prefill
-    of 64 x 4096 tokens 89 us with (2, 1), 104 with (1, 1) and with (4, 2), 160 with (1, 2)."""
+    bound), two beyond. Measured on the H200 (bench/results/2026-12-01-h200-qsa-kernels.txt): a prefill of
+    64 x 4096 tokens 83 us with (2, 1), 97 with (1, 1), 98 with (4, 2), 99 with (4, 1), 112 with (2, 2), 153 with
+    (1, 2); a decode step of 256 x 4 tokens 11.6 us a call in a 32-call graph with (1, 1) and 11.4 with (1, 2)
+    (the order of the two swapped between runs), 14.4 with (2, 1), partner recomputed, in an earlier run."""
     if device.type != "cuda":
         return 4, 4
     one_wave = max_work <= WAVE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
