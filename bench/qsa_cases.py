@@ -8,6 +8,7 @@ import torch
 
 from bench.timing import BenchCase, Prepared
 from kernels import build_qsa_metadata, qsa_forward_update, repack_blocks
+from kernels.qsa_rope import RopeCache
 from kernels.qsa_update.triton import qsa_forward_update_triton
 from kvcache import (
     INDEX_HEAD_DIM, BlockLayout, BlockOrder, CacheConfig, CacheFamily, blocks_for_tokens, qsa_ring_capacity,
@@ -39,33 +40,42 @@ def make_qsa_metadata(requests: int = 256, tokens: int = 8192, r: int = 4, num_s
     return make
 
 
+POSITION_RANGE = 1 << 20  # the update cases' MRoPE positions are drawn from [0, 2**20)
+
+
 def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: int = 1, num_spec: int = 3,
-                    block_size: int = 64, fp8: bool = False, block_w: int | None = None, num_warps: int | None = None):
+                    block_size: int = 64, fp8: bool = False, table: bool = True, block_w: int | None = None,
+                    num_warps: int | None = None, pdl: bool | None = None, paired: bool | None = None):
     """QSA forward update of one layer for a prefill batch: compress + write every completed group, then the
-    ring rows (keys and packed positions) of each request's last C tokens."""
+    ring rows (keys and packed positions) of each request's last C tokens. ``table``: the op reads cos/sin
+    from a RopeCache of every position drawn (2**20 rows, 256 MiB, built once), as vLLM's rotary reads its
+    cos_sin_cache; else it computes them. The table's reads are not counted in the bytes moved."""
     def make(device: torch.device) -> Prepared:
-        qsl, seq, table, rings = _qsa_batch(device, requests, q_len, 2 * block_size, r, block_size)
+        qsl, seq, table_, rings = _qsa_batch(device, requests, q_len, 2 * block_size, r, block_size)
         cap = qsa_ring_capacity(r, num_spec)
         tokens = requests * q_len
         gen = torch.Generator(device=device).manual_seed(8)
-        meta = build_qsa_metadata(qsl, seq, table, rings, compress_ratio=r, ring_capacity=cap,
+        meta = build_qsa_metadata(qsl, seq, table_, rings, compress_ratio=r, ring_capacity=cap,
                                   block_size=block_size, num_tokens=tokens)
         keys = torch.randn(tokens, heads, D, generator=gen, device=device).to(torch.bfloat16)
-        positions = torch.randint(0, 1 << 20, (tokens, 3), generator=gen, device=device)
+        positions = torch.randint(0, POSITION_RANGE, (tokens, 3), generator=gen, device=device)
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-        compressed = torch.zeros(table.numel(), block_size // r, heads, D, dtype=dtype, device=device)
+        compressed = torch.zeros(table_.numel(), block_size // r, heads, D, dtype=dtype, device=device)
         ring = torch.zeros(requests, cap, heads, D + 12, dtype=torch.bfloat16, device=device)
         weight = torch.randn(D, generator=gen, device=device)
+        rope_cache = RopeCache.build(POSITION_RANGE, rotary_dim=64, theta=10000.0, device=device) if table else None
         groups = int(meta.num_work)
         moved = keys.numel() * 2 + positions.numel() * 8 + groups * heads * D * compressed.element_size() + \
             requests * cap * (heads * (D + 12) * 2 + D * heads * 2 + 24)
-        if block_w is None and num_warps is None:
+        if block_w is None and num_warps is None and pdl is None and paired is None:
             return Prepared(lambda: qsa_forward_update(
                 keys, positions, meta, ring, compressed, weight, compress_ratio=r, block_size=block_size, eps=1e-6,
-                rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True), moved)
+                rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True,
+                rope_cache=rope_cache), moved)
         return Prepared(lambda: qsa_forward_update_triton(  # a launch variant: the kernels alone
             keys, positions, meta, ring, compressed, weight, eps=1e-6, rotary_dim=64, theta=10000.0,
-            section=(12, 10, 10), cache_rope_positions=True, block_w=block_w, num_warps=num_warps), moved)
+            section=(12, 10, 10), cache_rope_positions=True, rope_cache=rope_cache, block_w=block_w,
+            num_warps=num_warps, pdl=pdl, paired=paired), moved)
     return make
 
 
@@ -89,17 +99,25 @@ def make_repack(blocks: int = 512, layers: int = 16, block_size: int = 64, heads
     return make
 
 
-QSA_UPDATE_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 4), (16, 4))  # (groups a program, warps)
+# (groups a program, warps, PDL, rotary partner by swapping halves)
+QSA_DECODE_VARIANTS = ((1, 1, True, True), (1, 2, True, True), (1, 1, False, True), (1, 1, True, False))
+QSA_PREFILL_VARIANTS = ((2, 1, True), (1, 1, True), (4, 1, True), (2, 2, True), (4, 2, True), (1, 2, True),
+                        (2, 1, False))  # (groups a program, warps, rotary partner by swapping halves)
+TABLE_NOTE = "cos/sin table of 2**20 positions"
 
 QSA_CASES: list[BenchCase] = [
     BenchCase(name="qsa metadata builder", size="8,192 tokens in 256 requests, r 4, C 8", make=make_qsa_metadata(),
               decode=True, target_flush1_us=10.0),
-    BenchCase(name="qsa forward update (prefill), bf16", size="1 layer, 64 x 4096 tokens, r 4, 1 head",
+    BenchCase(name="qsa forward update (prefill), bf16", size=f"1 layer, 64 x 4096 tokens, r 4, 1 head; {TABLE_NOTE}",
               make=make_qsa_update(), target_copy_fraction=0.30),
-    BenchCase(name="qsa forward update (prefill), fp8, 4 heads", size="1 layer, 16 x 4096 tokens, r 4, 4 heads",
+    BenchCase(name="qsa forward update (prefill), bf16, computed cos/sin", size="1 layer, 64 x 4096 tokens, r 4, 1 head",
+              make=make_qsa_update(table=False)),
+    BenchCase(name="qsa forward update (prefill), fp8, 4 heads", size=f"1 layer, 16 x 4096 tokens, r 4; {TABLE_NOTE}",
               make=make_qsa_update(requests=16, heads=4, fp8=True)),
-    BenchCase(name="qsa forward update (decode), 3 drafts", size="1 layer, 256 requests x 4 tokens",
+    BenchCase(name="qsa forward update (decode), 3 drafts", size=f"1 layer, 256 requests x 4 tokens; {TABLE_NOTE}",
               make=make_qsa_update(requests=256, q_len=4), decode=True, target_flush1_us=10.0),
+    BenchCase(name="qsa forward update (decode), 3 drafts, computed cos/sin", size="1 layer, 256 requests x 4 tokens",
+              make=make_qsa_update(requests=256, q_len=4, table=False), decode=True),
     BenchCase(name="qsa block repack BLNHC->BLHNC", size="512 blocks x 16 layers (MLA 1 head, keys 8 heads)",
               make=make_repack()),
     BenchCase(name="qsa block repack BLNHC->BLHNC, MLA 16 heads", size="256 blocks x 16 layers",
@@ -108,9 +126,11 @@ QSA_CASES: list[BenchCase] = [
 
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
 QSA_VARIANTS: list[BenchCase] = [
-    *[BenchCase(name=f"qsa update (decode) BLOCK_W={bw} warps={nw}", size="256 requests x 4 tokens",
-                make=make_qsa_update(requests=256, q_len=4, block_w=bw, num_warps=nw), decode=True)
-      for bw, nw in QSA_UPDATE_VARIANTS],
-    *[BenchCase(name=f"qsa update (prefill) BLOCK_W={bw} warps={nw}", size="64 x 4096 tokens",
-                make=make_qsa_update(block_w=bw, num_warps=nw)) for bw, nw in ((1, 2), (4, 4), (16, 4))],
+    *[BenchCase(name=f"qsa update (decode) BLOCK_W={bw} warps={nw}{' PDL' if pdl else ''}{'' if sw else ' recomputed'}",
+                size=f"256 requests x 4 tokens; {TABLE_NOTE}",
+                make=make_qsa_update(requests=256, q_len=4, block_w=bw, num_warps=nw, pdl=pdl, paired=sw), decode=True)
+      for bw, nw, pdl, sw in QSA_DECODE_VARIANTS],
+    *[BenchCase(name=f"qsa update (prefill) BLOCK_W={bw} warps={nw}{'' if sw else ' recomputed'}",
+                size=f"64 x 4096 tokens; {TABLE_NOTE}", make=make_qsa_update(block_w=bw, num_warps=nw, paired=sw))
+      for bw, nw, sw in QSA_PREFILL_VARIANTS],
 ]

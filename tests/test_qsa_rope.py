@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels.qsa_rope import apply_neox_rotary, mrope_axis_of_pair, mrope_cos_sin, rope_inv_freq, text_positions
+from kernels.qsa_rope import (RopeCache, apply_neox_rotary, mrope_axis_of_pair, mrope_cos_sin, rope_inv_freq,
+                              text_positions)
 
 TIME, HEIGHT, WIDTH = 0, 1, 2
 
@@ -103,3 +104,49 @@ def test_neox_rotary_preserves_pair_norms_and_passes_through():
 def test_rejects_bad_inputs(positions, kwargs, match):
     with pytest.raises(ValueError, match=match):
         mrope_cos_sin(positions, **kwargs)
+
+
+# --- the cos/sin table by position ------------------------------------------------------------------------
+
+
+def test_rope_cache_rows_are_the_computed_values():
+    # Row p holds torch's cos/sin of fp32(p) * inv_freq, as mrope_cos_sin computes them for text positions.
+    cache = RopeCache.build(3000, rotary_dim=64, theta=10000.0)
+    cos, sin = mrope_cos_sin(text_positions(torch.arange(3000)))
+    assert cache.table.shape == (3000, 64) and cache.table.dtype == torch.float32
+    assert torch.equal(cache.table[:, :32], cos) and torch.equal(cache.table[:, 32:], sin)
+    assert torch.equal(cache.table[0], torch.tensor([1.0] * 32 + [0.0] * 32))
+    assert cache.table[1, 0].item() == pytest.approx(math.cos(1.0), abs=1e-7)
+    assert cache.table[1, 32].item() == pytest.approx(math.sin(1.0), abs=1e-7)
+
+
+def test_mrope_reads_each_pair_axis_row_and_computes_past_the_table():
+    cache = RopeCache.build(1000, rotary_dim=64, theta=10000.0)
+    gen = torch.Generator().manual_seed(2)
+    positions = torch.randint(0, 1000, (50, 3), generator=gen)
+    positions[::3, 1] += 5000  # some heights past the table
+    positions[1::3, 0] = -7  # a negative time position (computed)
+    positions[-1] = torch.tensor([999, 1000, 0])  # the last held row and the first outside it
+    cos, sin = mrope_cos_sin(positions, cache=cache)
+    plain_cos, plain_sin = mrope_cos_sin(positions)
+    assert torch.equal(cos, plain_cos) and torch.equal(sin, plain_sin)  # the same values, held or not
+    axes = torch.tensor(mrope_axis_of_pair())
+    pair_pos = positions[:, axes]
+    held = (pair_pos >= 0) & (pair_pos < 1000)
+    rows = cache.table[pair_pos.clamp(0, 999), torch.arange(32)]
+    assert torch.equal(cos[held], rows[held])
+
+
+def test_rope_cache_checks():
+    cache = RopeCache.build(8, rotary_dim=64, theta=10000.0)
+    positions = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"rope_cache holds rotary_dim 64, theta 10000.0; this rotary has rotary_dim 64, theta 500.0"):
+        mrope_cos_sin(positions, theta=500.0, cache=cache)
+    with pytest.raises(TypeError, match="RopeCache or None"):
+        mrope_cos_sin(positions, cache=cache.table)
+    with pytest.raises(ValueError, match="positive integer"):
+        RopeCache.build(0, rotary_dim=64, theta=10000.0)
+    with pytest.raises(ValueError, match=r"contiguous fp32 \[num_positions >= 1, 64\]"):
+        RopeCache(rotary_dim=64, theta=10000.0, table=torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="even"):
+        RopeCache.build(4, rotary_dim=5, theta=10000.0)

@@ -31,6 +31,7 @@ import torch
 from kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, write_qsa_ring
 from kernels.qsa_compress import ref as compress_ref
 from kernels.qsa_metadata import ref as metadata_ref
+from kernels.qsa_rope import RopeCache
 from kernels.qsa_ring import ref as ring_ref
 from kernels.qsa_score import ref as score_ref
 from kernels.qsa_score.triton import qsa_scores_triton
@@ -39,6 +40,32 @@ from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamil
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend, poison
 
 ROPE = {"rotary_dim": 64, "theta": 10000.0, "section": (12, 10, 10)}
+
+TABLE_POSITIONS = 4096  # rows of the RopeCache of the forward update cases that have one
+
+
+def draw_positions(n: int, table: str | None, gen: torch.Generator) -> torch.Tensor:
+    """[n, 3] int64 MRoPE positions: table None, up to 2**33; "held", all below TABLE_POSITIONS; "some", each
+    axis below it or up to 2**33 at random (groups whose pairs are partly held)."""
+    far = torch.randint(0, 2 ** 33, (n, 3), generator=gen)
+    if table is None:
+        return far
+    near = torch.randint(0, TABLE_POSITIONS, (n, 3), generator=gen)
+    if table == "held":
+        return near
+    return torch.where(torch.rand(n, 3, generator=gen) < 0.5, near, far)
+
+
+def table_for(table: str | None, device: torch.device) -> RopeCache | None:
+    """The RopeCache of a case: "held" gets a doctored one (the cos/sin of theta 500 labelled theta 10000: values
+    that no computation of this rotary gives, so rows equal to the reference's show that both read the table, at
+    the same rows, pairs and halves); "some" the true table."""
+    if table is None:
+        return None
+    if table == "held":
+        other = RopeCache.build(TABLE_POSITIONS, rotary_dim=ROPE["rotary_dim"], theta=500.0, device=device)
+        return RopeCache(rotary_dim=ROPE["rotary_dim"], theta=ROPE["theta"], table=other.table)
+    return RopeCache.build(TABLE_POSITIONS, rotary_dim=ROPE["rotary_dim"], theta=ROPE["theta"], device=device)
 
 
 def _ordinal(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -137,6 +164,34 @@ def test_compress_garbage_keys(backend, out_dtype):
     got = compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
     want = compress_ref.compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
     assert_same_or_both_nan(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
+@pytest.mark.parametrize("table", ["held", "some"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_compress_reads_the_rope_cache(backend, table, out_dtype):
+    """Given a RopeCache, kernel and reference read the positions it holds from it and compute the others:
+    identical rows on CUDA; in the interpreter identical where the (doctored) table holds every position
+    ("held", no cos/sin computed), within the rule otherwise. On CUDA the true table gives the rows that
+    computing gives."""
+    gen = torch.Generator().manual_seed(12)
+    groups = backend.pick(12, 700)
+    keys = (torch.randn(groups, 4, 2, 128, generator=gen) * 3).to(torch.bfloat16)
+    positions = draw_positions(groups, table, gen)
+    weight = torch.randn(128, generator=gen) * 0.5
+    rope_cache = table_for(table, backend.device)
+    args = tuple(t.to(backend.device) for t in (keys, positions, weight))
+    got = compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, rope_cache=rope_cache, **ROPE)
+    want = compress_ref.compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, rope_cache=rope_cache, **ROPE)
+    if backend.is_cuda or table == "held":
+        assert same_bytes(got, want)
+    else:
+        rows_within_rule(got, want)
+    computed = compress_ref.compress_group_keys(*args, eps=1e-6, out_dtype=out_dtype, **ROPE)
+    if table == "held":
+        assert not same_bytes(got, computed), "the doctored table's values were not read"
+    elif backend.is_cuda:  # the true table holds the values the reference computes on the device
+        assert same_bytes(got, computed)
 
 
 def assert_same_or_both_nan(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -302,18 +357,23 @@ def qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec:
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
 @pytest.mark.parametrize(
-    "dtype, order, heads, rope",
-    [(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, True), (CacheDtype.FP8_E4M3, BlockOrder.BLHNC, 2, True),
-     (CacheDtype.BFLOAT16, BlockOrder.BLHNC, 2, False)],
-    ids=["bf16-BLNHC-rope-cached", "fp8-BLHNC-2heads-rope-cached", "bf16-BLHNC-2heads-text-rope"],
+    "dtype, order, heads, rope, table",
+    [(CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, True, None), (CacheDtype.FP8_E4M3, BlockOrder.BLHNC, 2, True, None),
+     (CacheDtype.BFLOAT16, BlockOrder.BLHNC, 2, False, None), (CacheDtype.BFLOAT16, BlockOrder.BLNHC, 1, True, "held"),
+     (CacheDtype.FP8_E4M3, BlockOrder.BLHNC, 2, True, "some")],
+    ids=["bf16-BLNHC-rope-cached", "fp8-BLHNC-2heads-rope-cached", "bf16-BLHNC-2heads-text-rope",
+         "bf16-BLNHC-rope-table-holds-all", "fp8-BLHNC-2heads-rope-table-holds-some"],
 )
-def test_forward_update(backend, dtype, order, heads, rope):
+def test_forward_update(backend, dtype, order, heads, rope, table):
     """Forwards over a batch, the same inputs on both paths: a prefill, a second chunk that straddles a group
     (longer than the ring), decode steps with drafts wrapping the ring, single-token and idle requests (no
-    tokens: their slots are never written). In the interpreter: four requests, three fixed forwards; compiled:
-    24 requests, five random forwards."""
+    tokens: their slots are never written). In the interpreter: four requests, four fixed forwards; compiled:
+    24 requests, five random forwards. A forward of more tokens than requests x C takes the ring write over
+    each request's last C tokens. With a RopeCache (``table_for``) both paths read it: where it holds every
+    position, the interpreter's rows are identical too (no cos/sin is computed)."""
     r, num_spec = 4, 3
-    requests, columns = backend.pick((4, 3), (24, 24))
+    rope_cache = table_for(table, backend.device)
+    requests, columns = backend.pick((4, 6), (24, 24))
     pools = [qsa_pool(dtype, order, heads, r, num_spec, blocks=requests * columns, rings=requests, seed=5,
                       device=backend.device, block_base=backend.pick(8, 64)) for _ in range(2)]
     got_pool, want_pool = pools
@@ -327,9 +387,10 @@ def test_forward_update(backend, dtype, order, heads, rope):
         plans += [torch.randint(low, high, (requests,), generator=gen).tolist()
                   for low, high in ((1, 300), (0, 5), (0, 5), (1, 2))]
     else:
-        plans = [[5, 1, 7, 0], [13, 1, 4, 0], [4, 4, 4, 0]]
+        plans = [[5, 1, 7, 0], [13, 1, 4, 0], [4, 4, 4, 0], [21, 9, 3, 0]]  # the last: more tokens than 4 x C
     spec = got_pool.config.qsa_keys
-    kwargs = {"compress_ratio": r, "block_size": block_size, "eps": spec.norm_eps, "cache_rope_positions": rope, **ROPE}
+    kwargs = {"compress_ratio": r, "block_size": block_size, "eps": spec.norm_eps, "cache_rope_positions": rope,
+              "rope_cache": rope_cache, **ROPE}
     lengths = [0] * requests
     for q_lens in plans:
         seq = [length + q for length, q in zip(lengths, q_lens)]
@@ -341,13 +402,13 @@ def test_forward_update(backend, dtype, order, heads, rope):
                                   rings.to(torch.int32).to(backend.device), compress_ratio=r, ring_capacity=cap,
                                   block_size=block_size, num_tokens=sum(q_lens))
         keys = (torch.randn(sum(q_lens), heads, 128, generator=gen) * 2).to(torch.bfloat16).to(backend.device)
-        positions = torch.randint(0, 2 ** 33, (sum(q_lens), 3), generator=gen).to(backend.device)
+        positions = draw_positions(sum(q_lens), table, gen).to(backend.device)
         qsa_forward_update(keys, positions, meta, got_pool.qsa_ring("l1"), got_pool.qsa_keys("l1"), weight, **kwargs)
         update_ref.qsa_forward_update(keys, positions, meta, want_pool.qsa_ring("l1"), want_pool.qsa_keys("l1"),
                                       weight, **kwargs)  # on the same device
         lengths = seq
     assert torch.equal(got_pool.rings, want_pool.rings)
-    if backend.is_cuda:
+    if backend.is_cuda or table == "held":
         assert torch.equal(got_pool.blocks, want_pool.blocks)
         return
     got, want = got_pool.qsa_keys("l1"), want_pool.qsa_keys("l1")

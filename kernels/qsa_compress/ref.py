@@ -19,6 +19,9 @@ three steps, each ending at a fixed rounding point:
    static scale of 1.0: the fp32 value is clamped to [-448, 448] (so overflow saturates
    instead of becoming NaN) and cast with round-to-nearest-even. A reader dequantizes fp8
    rows by converting to fp32 (scale 1).
+
+The rotary's cos/sin of a position that a given ``RopeCache`` holds are read from it (the same values,
+computed once; see ``kernels.qsa_rope.cache``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_MAX
+from kernels.qsa_rope.cache import RopeCache
 from kernels.qsa_rope.ref import apply_neox_rotary, mrope_cos_sin
 
 QSA_ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -69,6 +73,7 @@ def compress_group_keys(
     theta: float,
     section: tuple[int, int, int],
     out_dtype: torch.dtype,
+    rope_cache: RopeCache | None = None,
 ) -> torch.Tensor:
     # keys: [G, r, H, D] bf16; first_positions: [G, 3] int64; norm_weight: [D] fp32 -> [G, H, D] out_dtype
     ratio = keys.shape[1]
@@ -84,6 +89,6 @@ def compress_group_keys(
     normed = rms_norm_gemma(pooled.to(torch.float32), norm_weight, eps).to(torch.bfloat16)
 
     # 3. Rotary at the first token's MRoPE position in fp32; cast to the cache dtype.
-    cos, sin = mrope_cos_sin(first_positions, rotary_dim=rotary_dim, theta=theta, section=section)
+    cos, sin = mrope_cos_sin(first_positions, rotary_dim=rotary_dim, theta=theta, section=section, cache=rope_cache)
     rotated = apply_neox_rotary(normed.to(torch.float32), cos, sin, rotary_dim)
     return to_cache_dtype(rotated, out_dtype)

@@ -8,16 +8,20 @@ correctly rounded square root and division; products and sums are separate (laun
 bits (the interpreter's own bf16 and fp8 casts are not to be trusted, see the tests). Keys and
 outputs move as integer bit patterns. NaN bits are not specified (torch's own casts differ by path).
 
-cos/sin: compiled runs use libdevice's cosf/sinf, the CUDA math library that torch's CUDA cos/sin
-call, so a GPU run matches the reference run on the GPU; the interpreter uses numpy's float32
-cos/sin, which can differ from torch's CPU ones by an ulp (the tests state the bound).
+cos/sin: given a ``RopeCache`` (``kernels.qsa_rope.cache``), a position it holds reads its row, which
+torch computed with the reference's own ops; the others are computed: compiled runs use libdevice's
+cosf/sinf, the CUDA math library that torch's CUDA cos/sin call, so a GPU run matches the reference
+run on the GPU; the interpreter uses numpy's float32 cos/sin, which can differ from torch's CPU ones
+by an ulp (the tests state the bound). (Measured on the H200 with positions up to 2**20: the table
+saves about 4% of a prefill update and nothing measurable of a decode step; the cos/sin are not
+where a group's time goes.)
 
 The rotary pairs dim ``d`` with ``d +- rotary_dim / 2``. When rotary_dim is a power of two dividing
 the padded head size (the model's 64 of 128), the partner's normed value is the tile with its two
-rotary halves swapped (split / join, no reload), and cos/sin are computed once per rotary pair and
-spread to both of its columns: each element's arithmetic is the reference's and is done once (cos/sin
-of a large angle take libdevice's slow argument reduction, the dearest step of a group). Otherwise the
-tile is also computed at the partner columns (the same loads, cached) and cos/sin once per column.
+rotary halves swapped (split / join, no reload), and computed cos/sin are computed once per rotary
+pair and spread to both of its columns: each element's arithmetic is the reference's and is done once.
+Otherwise the tile is also computed at the partner columns (the same loads, cached) and cos/sin once
+per column (measured slower on the H200 even for the model's sizes, where both apply).
 """
 
 from __future__ import annotations
@@ -30,22 +34,22 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.dispatch import interpreting
-from kernels.triton_helpers import (bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
-                                     round_to_bf16)
+from kernels.qsa_rope.cache import RopeCache
 from kernels.qsa_rope.ref import rope_inv_freq
+from kernels.triton_helpers import (bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
+                                    round_to_bf16)
+
 
 @triton.jit
 def pairwise_total(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
     """Per row, the reference's pairwise tree sum of N (a power of two) values. # x: [ROWS, N] -> [ROWS]
 
-    Each stage adds the first half to the second and writes the sums back twice, so the tile keeps
-    its shape; the next stage then pairs sum k with sum k + n/4, the tree's next level."""
-    for _ in tl.static_range(LOG_N):
-        a, b = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, N // 2)), (0, 2, 1)))
-        s = a + b
-        x = tl.reshape(tl.join(s, s), (ROWS, N))
-    first = tl.arange(0, N) == 0
-    return tl.sum(tl.where(first[None, :], x, 0.0), axis=1)  # column 0 (every column holds the total; NaN kept)
+    Each stage views the row as its two halves and adds them (a sum over an axis of two: one exact,
+    commutative addition, whichever thread holds which half), so the next stage pairs sum k with sum
+    k + n/4, the tree's next level; a NaN anywhere stays NaN."""
+    for k in tl.static_range(LOG_N):
+        x = tl.sum(tl.reshape(x, (ROWS, 2, N >> (k + 1))), axis=1)
+    return tl.reshape(x, (ROWS,))
 
 
 @triton.jit
@@ -102,15 +106,19 @@ def _spread_pairs(pair_values, fill, ROWS: tl.constexpr, N: tl.constexpr, ROT: t
 
 
 @triton.jit
-def rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS: tl.constexpr, D_P2: tl.constexpr, ROT: tl.constexpr,
-                 S1: tl.constexpr, S2: tl.constexpr, PAIRED: tl.constexpr, PRECISE: tl.constexpr):
-    """cos and sin of each column's rotary angle at the group's first MRoPE position; columns past the rotary
-    get cos 1, sin 0. One tile serves every head. With PAIRED (ROT a power of two dividing D_P2) they are
-    computed once per rotary pair and spread to the pair's two columns, else once per column (the same
-    values: both columns of a pair have one angle). # first_*: [ROWS] int64 -> 2 x [ROWS, D_P2] fp32
+def _pair_positions(pair, first_t, first_h, first_w, S1: tl.constexpr, S2: tl.constexpr):
+    """Each rotary pair's MRoPE position: height where j % 3 == 1 and j < 3 * S1, width where j % 3 == 2 and
+    j < 3 * S2, time otherwise. # pair: [N] int; first_*: [ROWS] int64 -> [ROWS, N] int64"""
+    is_h = ((pair % 3) == 1) & (pair < 3 * S1)
+    is_w = ((pair % 3) == 2) & (pair < 3 * S2)
+    return tl.where(is_h[None, :], first_h[:, None], tl.where(is_w[None, :], first_w[:, None], first_t[:, None]))
 
-    Pair j: height where j % 3 == 1 and j < 3 * S1, width where j % 3 == 2 and j < 3 * S2, time otherwise.
-    The angle is fp32(position) * inv_freq[j], one product, as the reference's."""
+
+@triton.jit
+def _computed_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS: tl.constexpr, D_P2: tl.constexpr,
+                      ROT: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, PAIRED: tl.constexpr,
+                      PRECISE: tl.constexpr):
+    """cos/sin computed in the kernel (``rope_cos_sin`` without a table). # -> 2 x [ROWS, D_P2] fp32"""
     HALF: tl.constexpr = ROT // 2
     if PAIRED:
         pair = tl.arange(0, HALF)
@@ -119,9 +127,7 @@ def rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS: tl.constexpr, D_
         cols = tl.arange(0, D_P2)
         pair = tl.where(cols < HALF, cols, cols - HALF)
         live = cols < ROT
-    is_h = ((pair % 3) == 1) & (pair < 3 * S1)
-    is_w = ((pair % 3) == 2) & (pair < 3 * S2)
-    position = tl.where(is_h[None, :], first_h[:, None], tl.where(is_w[None, :], first_w[:, None], first_t[:, None]))
+    position = _pair_positions(pair, first_t, first_h, first_w, S1, S2)
     inv_freq = tl.load(inv_freq_ptr + pair, mask=live, other=0.0)
     angle = position.to(tl.float32) * inv_freq[None, :]
     if PRECISE:
@@ -133,6 +139,40 @@ def rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS: tl.constexpr, D_
     if PAIRED:
         cos = _spread_pairs(cos, 1.0, ROWS, D_P2, ROT)
         sin = _spread_pairs(sin, 0.0, ROWS, D_P2, ROT)
+    return cos, sin
+
+
+@triton.jit
+def rope_cos_sin(inv_freq_ptr, table_ptr, table_rows, first_t, first_h, first_w, ROWS: tl.constexpr,
+                 D_P2: tl.constexpr, ROT: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, PAIRED: tl.constexpr,
+                 PRECISE: tl.constexpr, TABLE: tl.constexpr):
+    """cos and sin of each column's rotary angle at the group's first MRoPE position; columns past the rotary
+    get cos 1, sin 0. One tile serves every head. # first_*: [ROWS] int64 -> 2 x [ROWS, D_P2] fp32
+
+    With TABLE (a ``RopeCache``: [table_rows, ROT] fp32, row p = cos of the pairs at p, then their sin), a
+    column whose pair position lies in [0, table_rows) loads its values; any other is computed, and only
+    when the tile holds one (a branch on the whole tile). Computed: the angle is fp32(position) * inv_freq[j],
+    one product, as the reference's; with PAIRED (ROT a power of two dividing D_P2) cos/sin are computed once
+    per rotary pair and spread to the pair's two columns, else once per column (the same values)."""
+    if TABLE:
+        HALF: tl.constexpr = ROT // 2
+        cols = tl.arange(0, D_P2)
+        pair = tl.where(cols < HALF, cols, cols - HALF)
+        rotary = (cols < ROT)[None, :]
+        position = _pair_positions(pair, first_t, first_h, first_w, S1, S2)
+        held = (position >= 0) & (position < table_rows)
+        at = table_ptr + position * ROT + pair[None, :]
+        cos = tl.load(at, mask=rotary & held, other=1.0)
+        sin = tl.load(at + HALF, mask=rotary & held, other=0.0)
+        outside = rotary & ~held
+        if tl.max(outside.to(tl.int32)) > 0:
+            computed_cos, computed_sin = _computed_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS, D_P2, ROT,
+                                                           S1, S2, PAIRED, PRECISE)
+            cos = tl.where(outside, computed_cos, cos)
+            sin = tl.where(outside, computed_sin, sin)
+    else:
+        cos, sin = _computed_cos_sin(inv_freq_ptr, first_t, first_h, first_w, ROWS, D_P2, ROT, S1, S2, PAIRED,
+                                     PRECISE)
     return cos, sin
 
 
@@ -176,18 +216,20 @@ def rope_pairs_fit(rotary_dim: int, head_size: int) -> bool:
 
 
 @triton.jit
-def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, out_ptr, groups, heads, eps,
+def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_ptr, table_rows, out_ptr, groups, heads, eps,
                      R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, LOG_D: tl.constexpr, ROT: tl.constexpr,
                      S1: tl.constexpr, S2: tl.constexpr, PAIRED: tl.constexpr, BLOCK_G: tl.constexpr,
-                     FP8: tl.constexpr, PRECISE: tl.constexpr):
+                     FP8: tl.constexpr, PRECISE: tl.constexpr, TABLE: tl.constexpr):
     # keys: [G, R, H, D] int16 (bf16 bits); positions: [G, 3] int64; out: [G, H, D] int16 | uint8
+    # table: [table_rows, ROT] fp32 (with TABLE)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     live = rows < groups
     first_t = tl.load(pos_ptr + rows * 3, mask=live, other=0)
     first_h = tl.load(pos_ptr + rows * 3 + 1, mask=live, other=0)
     first_w = tl.load(pos_ptr + rows * 3 + 2, mask=live, other=0)
     cols = tl.arange(0, D_P2)
-    cos, sin = rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, BLOCK_G, D_P2, ROT, S1, S2, PAIRED, PRECISE)
+    cos, sin = rope_cos_sin(inv_freq_ptr, table_ptr, table_rows, first_t, first_h, first_w, BLOCK_G, D_P2, ROT, S1, S2,
+                            PAIRED, PRECISE, TABLE)
     for h in range(heads):
         key_row0 = (rows * R * heads + h) * D
         y = compress_tile(k_ptr, k_ptr, w_ptr, key_row0, heads * D, key_row0, 0, rows, rows, 1, cos, sin, live, eps,
@@ -200,13 +242,21 @@ def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, out_ptr, groups, heads
             tl.store(out, f32_to_bf16_bits(y), mask=mask)
 
 
-def rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def inv_freq_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """inv_freq: [rotary_dim // 2] fp32 on the device, read-only for the kernels. Made once per (rotary_dim,
     theta, device) and kept (a constant table: a decode step then spends no launches rebuilding it), except
     while a CUDA graph is being captured, where it is made inside the graph (on the device, no host copy)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return rope_inv_freq(rotary_dim, theta, device)
     return _kept_rope_table(rotary_dim, float(theta), device)
+
+
+def rope_cache_args(rope_cache: RopeCache | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The kernels' (table pointer, table rows) of a ``RopeCache``; without one, a placeholder pointer and 0 rows
+    (the kernel is then compiled with TABLE off and reads neither)."""
+    if rope_cache is None:
+        return placeholder, 0
+    return rope_cache.table, rope_cache.num_positions
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,7 +266,7 @@ def _kept_rope_table(rotary_dim: int, theta: float, device: torch.device) -> tor
 
 def compress_group_keys_triton(
     keys: torch.Tensor, first_positions: torch.Tensor, norm_weight: torch.Tensor, *, eps: float, rotary_dim: int,
-    theta: float, section: tuple[int, int, int], out_dtype: torch.dtype,
+    theta: float, section: tuple[int, int, int], out_dtype: torch.dtype, rope_cache: RopeCache | None = None,
 ) -> torch.Tensor:
     # keys: [G, r, H, D] bf16; first_positions: [G, 3] int64; norm_weight: [D] fp32 -> [G, H, D] out_dtype
     groups, ratio, heads, head_size = keys.shape
@@ -225,13 +275,15 @@ def compress_group_keys_triton(
         return out
     bits = torch.uint8 if out_dtype == torch.float8_e4m3fn else torch.int16
     block_g = 16 if keys.is_cuda else 4
+    inv_freq = inv_freq_table(rotary_dim, theta, keys.device)
     _compress_kernel[(triton.cdiv(groups, block_g),)](
-        keys.contiguous().view(torch.int16), first_positions.contiguous(), norm_weight.contiguous(),
-        rope_table(rotary_dim, theta, keys.device), out.view(bits), groups, heads, float(eps),
+        keys.contiguous().view(torch.int16), first_positions.contiguous(), norm_weight.contiguous(), inv_freq,
+        *rope_cache_args(rope_cache, inv_freq), out.view(bits), groups, heads, float(eps),
         R=ratio, D=head_size, D_P2=triton.next_power_of_2(head_size),
         LOG_D=triton.next_power_of_2(head_size).bit_length() - 1, ROT=rotary_dim, S1=section[1], S2=section[2],
         PAIRED=rope_pairs_fit(rotary_dim, head_size),
-        BLOCK_G=block_g, FP8=out_dtype == torch.float8_e4m3fn, PRECISE=not interpreting(), num_warps=4,
+        BLOCK_G=block_g, FP8=out_dtype == torch.float8_e4m3fn, PRECISE=not interpreting(),
+        TABLE=rope_cache is not None, num_warps=4,
         **launch_options(),
     )
     return out

@@ -14,14 +14,21 @@ each axis exactly its size under this rule (ValueError otherwise). Pair ``j`` ha
 ``inv_freq[j] = theta ** (-2j / rotary_dim)``, evaluated in float64 and rounded once to fp32;
 the angle ``fp32(position) * inv_freq[j]`` is one fp32 product, and cos/sin are the fp32
 ``torch.cos`` / ``torch.sin`` of that angle. (Positions beyond 2**24 lose precision when
-converted to fp32; that is the rotary's definition, not an error.)
+converted to fp32; that is the rotary's definition, not an error.) Given a ``RopeCache``
+(``kernels.qsa_rope.cache``: the same values computed once by torch for the positions below its size),
+the positions it holds take its values, the others are computed.
 
 The rotary is NeoX style (rotate-half) on the first ``rotary_dim`` dims; the rest pass through.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from kernels.qsa_rope.cache import RopeCache
 
 MROPE_AXES = 3  # time, height, width
 
@@ -75,6 +82,7 @@ def mrope_cos_sin(
     rotary_dim: int = 64,
     theta: float = 10000.0,
     section: tuple[int, int, int] = (12, 10, 10),
+    cache: RopeCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # positions: [N, 3] int64 (time, height, width) -> cos, sin: [N, rotary_dim // 2] fp32
     if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.dim() != 2 \
@@ -84,7 +92,22 @@ def mrope_cos_sin(
     # pair_pos[n, j] = positions[n, axis(j)]
     pair_pos = positions.index_select(1, axes)
     angle = pair_pos.to(torch.float32) * rope_inv_freq(rotary_dim, theta, positions.device)
-    return torch.cos(angle), torch.sin(angle)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if cache is None:
+        return cos, sin
+    from kernels.qsa_rope.cache import (
+        check_rope_cache,  # (that module builds its table with this one's math)
+    )
+
+    check_rope_cache(cache, rotary_dim=rotary_dim, theta=theta, device=positions.device)
+    # A position the table holds takes the table's row (torch's values, computed once on its device).
+    half = rotary_dim // 2
+    held = (pair_pos >= 0) & (pair_pos < cache.num_positions)
+    row = pair_pos.clamp(0, cache.num_positions - 1)
+    pair = torch.arange(half, device=positions.device)
+    cos = torch.where(held, cache.table[row, pair], cos)
+    sin = torch.where(held, cache.table[row, half + pair], sin)
+    return cos, sin
 
 
 def apply_neox_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from kernels.dispatch import on_tensor_device, use_triton
 from kernels import qsa_checks  # a module: its names are read at call time (import order)
 from kernels.qsa_metadata.ref import QsaMetadata
+from kernels.qsa_rope.cache import RopeCache, check_rope_cache
 from kernels.qsa_update import ref
 
 
@@ -14,9 +15,14 @@ from kernels.qsa_update import ref
 def qsa_forward_update(
     keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor,
     norm_weight: torch.Tensor, *, compress_ratio: int, block_size: int, eps: float, rotary_dim: int, theta: float,
-    section: tuple[int, int, int], cache_rope_positions: bool,
+    section: tuple[int, int, int], cache_rope_positions: bool, rope_cache: RopeCache | None = None,
 ) -> None:
     """Write the compressed rows of every group this forward completes, then its ring rows (see ``ref``).
+
+    ``rope_cache``: the rotary's cos/sin table by position (``kernels.qsa_rope.RopeCache``, built once on the
+    keys' device for this ``rotary_dim`` and ``theta``); the groups whose first position it holds read their
+    cos/sin from it instead of computing them (the same bytes either way; on CUDA the computed cos/sin of an
+    angle above about 1e5 are the dearest step of a group). Without one, every cos/sin is computed.
 
     Triton on CUDA tensors (two launches, no host synchronisation, CUDA-graph capturable), the torch
     reference on CPU (see kernels.dispatch). Both paths check types, ranks, dtypes, sizes and devices;
@@ -30,18 +36,20 @@ def qsa_forward_update(
                       rotary_dim, section, cache_rope_positions)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
+    check_rope_cache(rope_cache, rotary_dim=rotary_dim, theta=theta, device=keys.device)
     if not keys.is_cuda:
         qsa_checks.check_update_values(metadata, ring, compressed)
     if not use_triton(keys):
         ref.qsa_forward_update(keys, positions, metadata, ring, compressed, norm_weight,
                                compress_ratio=compress_ratio, block_size=block_size, eps=eps, rotary_dim=rotary_dim,
-                               theta=theta, section=section, cache_rope_positions=cache_rope_positions)
+                               theta=theta, section=section, cache_rope_positions=cache_rope_positions,
+                               rope_cache=rope_cache)
         return
     from kernels.qsa_update.triton import qsa_forward_update_triton
 
     qsa_forward_update_triton(keys, positions, metadata, ring, compressed, norm_weight, eps=eps,
                               rotary_dim=rotary_dim, theta=theta, section=tuple(section),
-                              cache_rope_positions=cache_rope_positions)
+                              cache_rope_positions=cache_rope_positions, rope_cache=rope_cache)
 
 
 __all__ = ["qsa_forward_update"]

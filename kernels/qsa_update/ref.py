@@ -31,6 +31,7 @@ import torch
 from kernels.qsa_compress.ref import compress_group_keys
 from kernels.qsa_metadata.ref import QsaMetadata
 from kernels.qsa_ring.ref import read_qsa_ring_positions, write_qsa_ring
+from kernels.qsa_rope.cache import RopeCache
 from kernels.qsa_rope.ref import text_positions
 
 _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
@@ -51,6 +52,7 @@ def qsa_forward_update(
     theta: float,
     section: tuple[int, int, int],
     cache_rope_positions: bool,
+    rope_cache: RopeCache | None = None,
 ) -> None:
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
     # compressed: [num_blocks, block_size / r, H, D] bf16 | fp8_e4m3 (in place, any strides); norm_weight: [D] fp32
@@ -99,7 +101,7 @@ def qsa_forward_update(
 
         rows = compress_group_keys(
             group_keys, first_pos, norm_weight, eps=eps, rotary_dim=rotary_dim, theta=theta,
-            section=section, out_dtype=compressed.dtype,
+            section=section, out_dtype=compressed.dtype, rope_cache=rope_cache,
         )
         bits = _BITS[compressed.dtype]
         compressed.view(bits)[slot // rows_per_block, slot % rows_per_block] = rows.view(bits)

@@ -7,10 +7,16 @@ that this forward's last C tokens overwrite; see ``ref.py``):
 1. grid over ``k_work`` (its static size ``max_work``; items past ``num_work``, read on the device
    together with the items, do nothing): each program compresses BLOCK_W groups, slot by slot from
    this forward's keys or, for positions before the chunk, from the request's ring; the group's first
-   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; the row goes
-   to the slot that the group's last token carries in ``compressed_slot_mapping``;
-2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping`` (programs whose tokens have no
-   ring slot, a prefill's all but the last C of each request, return after reading the slots).
+   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; its cos/sin
+   from the ``RopeCache`` where one is given and holds the position, else computed; the row goes to
+   the slot that the group's last token carries in ``compressed_slot_mapping``;
+2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping``: over every token while the
+   forward has at most requests x C of them (a decode step), else over each request's last C tokens
+   alone (the only ones the metadata gives a slot: a prefill's other tokens need no program).
+
+Both launch with programmatic dependent launch where the GPU has it (``pdl_available``): each waits
+for the previous kernel before its first read, and lets the next one launch early, so the ring write's
+launch overlaps the compression (its writes still follow every read of the compression).
 
 (A single launch that writes the ring rows beside the compression, leaving the few rows that a
 straddling group reads to that group's program, was measured on the H200 and was not faster: 20.8 us
@@ -27,10 +33,13 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
-from kernels.qsa_compress.triton import compress_tile, rope_cos_sin, rope_pairs_fit, rope_table
+from kernels.qsa_compress.triton import (compress_tile, inv_freq_table, rope_cache_args, rope_cos_sin,
+                                         rope_pairs_fit)
 from kernels.qsa_metadata.ref import QsaMetadata
 from kernels.qsa_ring.triton import write_qsa_ring_triton
-from kernels.triton_helpers import f32_to_bf16_bits, f32_to_e4m3_bits, launch_options
+from kernels.qsa_rope.cache import RopeCache
+from kernels.triton_helpers import (f32_to_bf16_bits, f32_to_e4m3_bits, gdc_launch_dependents, gdc_wait,
+                                    launch_options, pdl_available)
 
 
 @triton.jit
@@ -46,14 +55,19 @@ def _ring_position(ring_ptr, row, axis: tl.constexpr, live):
 @triton.jit
 def _update_compress_kernel(
     keys_ptr, pos_ptr, qsl_ptr, seq_ptr, rings_ptr, work_ptr, num_work_ptr, comp_slot_ptr, ring_ptr, comp_ptr,
-    w_ptr, inv_freq_ptr, heads, max_work, key_tok_stride, key_head_stride, ring_stride, slot_stride, ring_head_stride,
+    w_ptr, inv_freq_ptr, table_ptr, table_rows, heads, max_work, key_tok_stride, key_head_stride, ring_stride, slot_stride, ring_head_stride,
     comp_block_stride, comp_row_stride, comp_head_stride, total_rows, eps,
     ROWS_PER_BLOCK: tl.constexpr, CAP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
     LOG_D: tl.constexpr, ROT: tl.constexpr, PAIRED: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     OFF: tl.constexpr, ROPE_CACHED: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, PRECISE: tl.constexpr,
+    TABLE: tl.constexpr, PDL: tl.constexpr,
 ):
     # keys: [T, H, D] int16; positions: [T, 3] int64; work: [max_work, 2] int32; ring: [N, C, H, W] int16
     # compressed: [num_blocks, ROWS, H, D] int16 | uint8 (strides comp_*, dims contiguous)
+    # table: [table_rows, ROT] fp32 (the RopeCache, with TABLE)
+    if PDL:  # launched before the previous kernel ends: wait for its writes; let the ring write launch early
+        gdc_wait()
+        gdc_launch_dependents()
     items = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     in_list = items < max_work
     num_work = tl.load(num_work_ptr)
@@ -89,7 +103,8 @@ def _update_compress_kernel(
     row_base = (slot // ROWS_PER_BLOCK) * comp_block_stride + (slot % ROWS_PER_BLOCK) * comp_row_stride
     cols = tl.arange(0, D_P2)
     mask = write[:, None] & (cols < D)[None, :]
-    cos, sin = rope_cos_sin(inv_freq_ptr, first_t, first_h, first_w, BLOCK_W, D_P2, ROT, S1, S2, PAIRED, PRECISE)
+    cos, sin = rope_cos_sin(inv_freq_ptr, table_ptr, table_rows, first_t, first_h, first_w, BLOCK_W, D_P2, ROT, S1, S2,
+                            PAIRED, PRECISE, TABLE)
     for h in range(heads):
         y = compress_tile(keys_ptr, ring_ptr, w_ptr, tok0 * key_tok_stride + h * key_head_stride, key_tok_stride,
                           ring_row0 + h * ring_head_stride, slot_stride, pos0, start, CAP, cos, sin, live, eps,
@@ -104,37 +119,57 @@ def _update_compress_kernel(
 def qsa_forward_update_triton(
     keys: torch.Tensor, positions: torch.Tensor, metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor,
     norm_weight: torch.Tensor, *, eps: float, rotary_dim: int, theta: float, section: tuple[int, int, int],
-    cache_rope_positions: bool, block_w: int | None = None, num_warps: int | None = None,
+    cache_rope_positions: bool, rope_cache: RopeCache | None = None, block_w: int | None = None,
+    num_warps: int | None = None, pdl: bool | None = None, paired: bool | None = None,
 ) -> None:
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
     # compressed: [num_blocks, rows, H, D] bf16 | fp8_e4m3 (in place, any strides, dims contiguous)
-    # norm_weight: [D] fp32
+    # norm_weight: [D] fp32; rope_cache: table [P, rotary_dim] fp32 on the keys' device, or None
     num_tokens, heads, head_size = keys.shape
     if num_tokens == 0 or heads == 0:
         return
     max_work = metadata.k_work.shape[0]
     assert keys.stride(2) == 1 and ring.stride(3) == 1 and compressed.stride(3) == 1, "rows must be contiguous"
     assert metadata.k_work.is_contiguous() and metadata.compressed_slot_mapping.is_contiguous()
+    pdl = (DEFAULT_PDL if pdl is None else pdl) and keys.is_cuda and pdl_available()
     if max_work:
-        block_w = block_w or (DEFAULT_BLOCK_W if keys.is_cuda else 4)
+        default_w, default_warps = default_launch(max_work, keys.device)
+        block_w = block_w or default_w
         fp8 = compressed.dtype == torch.float8_e4m3fn
         d_p2 = triton.next_power_of_2(head_size)
+        inv_freq = inv_freq_table(rotary_dim, theta, keys.device)
         _update_compress_kernel[(triton.cdiv(max_work, block_w),)](
             keys.view(torch.int16), positions.contiguous(), metadata.query_start_loc, metadata.seq_lens,
             metadata.ring_blocks, metadata.k_work, metadata.num_work, metadata.compressed_slot_mapping,
             ring.view(torch.int16), compressed.view(torch.uint8 if fp8 else torch.int16), norm_weight.contiguous(),
-            rope_table(rotary_dim, theta, keys.device), heads, max_work, keys.stride(0), keys.stride(1),
+            inv_freq, *rope_cache_args(rope_cache, inv_freq), heads, max_work, keys.stride(0), keys.stride(1),
             ring.stride(0), ring.stride(1), ring.stride(2), compressed.stride(0), compressed.stride(1),
             compressed.stride(2), compressed.shape[0] * metadata.rows_per_block, float(eps),
             ROWS_PER_BLOCK=metadata.rows_per_block, CAP=metadata.ring_capacity, R=metadata.compress_ratio, D=head_size,
             D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim,
-            PAIRED=rope_pairs_fit(rotary_dim, head_size), S1=section[1], S2=section[2],
+            PAIRED=(DEFAULT_PAIRED if paired is None else paired) and rope_pairs_fit(rotary_dim, head_size),
+            S1=section[1], S2=section[2],
             OFF=ring.shape[3] - 12 if cache_rope_positions else 0, ROPE_CACHED=cache_rope_positions, FP8=fp8,
-            BLOCK_W=block_w, PRECISE=not interpreting(), num_warps=num_warps or DEFAULT_NUM_WARPS,
-            **launch_options(),
+            BLOCK_W=block_w, PRECISE=not interpreting(), TABLE=rope_cache is not None, PDL=pdl,
+            num_warps=num_warps or default_warps, **launch_options(), **({"launch_pdl": True} if pdl else {}),
         )
-    write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping)
+    write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping,
+                          pdl=pdl, query_start_loc=metadata.query_start_loc)
 
 
-DEFAULT_BLOCK_W = 1  # groups a program; chosen on the H200 (see bench/results)
-DEFAULT_NUM_WARPS = 2
+def default_launch(max_work: int, device: torch.device) -> tuple[int, int]:
+    """(groups a program, warps a program) for a compression grid of ``max_work`` groups: one warp a program;
+    one group a program while the grid fits one wave (a decode step: the dependent chain per group is the
+    bound), two beyond. Measured on the H200 (bench/results/2026-12-01-h200-qsa-kernels.txt): a prefill of
+    64 x 4096 tokens 83 us with (2, 1), 97 with (1, 1), 98 with (4, 2), 99 with (4, 1), 112 with (2, 2), 153 with
+    (1, 2); a decode step of 256 x 4 tokens 11.6 us a call in a 32-call graph with (1, 1) and 11.4 with (1, 2)
+    (the order of the two swapped between runs), 14.4 with (2, 1), partner recomputed, in an earlier run."""
+    if device.type != "cuda":
+        return 4, 4
+    one_wave = max_work <= WAVE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return (1 if one_wave else 2), 1
+
+
+WAVE_PROGRAMS_PER_SM = 8
+DEFAULT_PDL = True  # programmatic dependent launch of both kernels (where pdl_available)
+DEFAULT_PAIRED = True  # the rotary partner by swapping the normed tile's halves (where rope_pairs_fit), else recomputed

@@ -21,11 +21,13 @@ from kernels import (build_qsa_metadata, compress_group_keys, qsa_forward_update
                      write_qsa_ring)
 from kernels.block_repack import ref as repack_ref
 from kernels.qsa_metadata import ref as metadata_ref
+from kernels.qsa_rope import RopeCache
 from kernels.qsa_update import ref as update_ref
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import Backend, make_backend, poison
 from tests.test_qsa_triton import (ROPE, random_metadata_inputs, test_compress,  # noqa: F401
-                                   test_compress_garbage_keys, test_compress_rounding_edges, test_forward_update,
+                                   test_compress_garbage_keys, test_compress_reads_the_rope_cache,
+                                   test_compress_rounding_edges, test_forward_update,
                                    test_metadata, test_ring_write, test_scores_within_accumulation_error,
                                    test_topk_exact_on_integer_values)
 from tests.test_qsa_update import (Storage, make_history, norm_weight, run_both, state_mismatches,  # noqa: F401
@@ -94,8 +96,13 @@ def _qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec
 
 @pytest.mark.gpu
 @needs_cuda
-def test_forward_update_never_syncs_and_replays_from_a_graph():
+@pytest.mark.parametrize("with_table", [False, True], ids=["computed-rope", "rope-table-of-2**19"])
+def test_forward_update_never_syncs_and_replays_from_a_graph(with_table):
+    """A decode step of 64 requests x 4 tokens (launched with programmatic dependent launch where the GPU has it),
+    with positions up to 2**20: computed cos/sin, or a RopeCache holding the positions below 2**19."""
     r, num_spec, requests, heads = 4, 3, 64, 1
+    rope_cache = RopeCache.build(2 ** 19, rotary_dim=ROPE["rotary_dim"], theta=ROPE["theta"],
+                                 device=torch.device("cuda")) if with_table else None
     pool = _qsa_pool(CacheDtype.BFLOAT16, BlockOrder.BLNHC, heads, r, num_spec, requests * 4, requests, 1)
     ref_pool = _qsa_pool(CacheDtype.BFLOAT16, BlockOrder.BLNHC, heads, r, num_spec, requests * 4, requests, 1)
     cap, block_size = pool.config.qsa_ring.capacity, pool.config.block_size
@@ -105,7 +112,8 @@ def test_forward_update_never_syncs_and_replays_from_a_graph():
     starts = torch.arange(0, 4 * requests + 1, 4, dtype=torch.int32).cuda()
     rings = torch.arange(requests, dtype=torch.int32).cuda()
     weight = torch.randn(128, generator=gen).cuda()
-    kwargs = {"compress_ratio": r, "block_size": block_size, "eps": 1e-6, "cache_rope_positions": True, **ROPE}
+    kwargs = {"compress_ratio": r, "block_size": block_size, "eps": 1e-6, "cache_rope_positions": True,
+              "rope_cache": rope_cache, **ROPE}
     # the straddling groups' older keys come from the rings: finite keys, small positions
     pool.rings.view(torch.bfloat16).copy_(torch.randn(requests, pool.rings.shape[1] // 2, generator=gen))
     pool.qsa_ring(0)[..., 128:].view(torch.int64).copy_(torch.randint(0, 2 ** 20, (requests, cap, 1, 3)))
