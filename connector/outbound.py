@@ -39,15 +39,20 @@ class PullAborted(Exception):
 
 
 class SendClock:
-    """When regions were being sent: the union of their (start, end) intervals, in ms."""
+    """When regions were being sent: ``spans`` holds (region, start, end) in perf_counter seconds;
+    ``busy_ms`` is the union of their intervals."""
 
-    __slots__ = ("_spans",)
+    __slots__ = ("spans",)
 
     def __init__(self) -> None:
-        self._spans: list[tuple[float, float]] = []
+        self.spans: list[tuple[int, float, float]] = []
 
-    def add(self, start: float, end: float) -> None:
-        self._spans.append((start, end))
+    def add(self, region: int, start: float, end: float) -> None:
+        self.spans.append((region, start, end))
+
+    @property
+    def _spans(self) -> list[tuple[float, float]]:
+        return [(start, end) for _, start, end in self.spans]
 
     def after_ms(self, moment: float) -> float:
         """From ``moment`` (perf_counter) to the last send's end, 0 if none ended later."""
@@ -116,7 +121,7 @@ class OutboundPull:
     async def _send(self, index: int) -> None:
         started = time.perf_counter()
         await self.ucx.send(self.engine_id, [self.views[index]], region_tag(self.tag_base, index))
-        self.clock.add(started, time.perf_counter())
+        self.clock.add(index, started, time.perf_counter())
 
     def _start_ready_sends(self, index: int) -> int:
         """UCX: start the sends of regions ``index``, ``index + 1``, ... that may move now; the next one not started."""
@@ -151,7 +156,7 @@ class OutboundPull:
                 yield message
                 if (note := self._announcement()) is not None:
                     yield note
-            self.clock.add(started, time.perf_counter())
+            self.clock.add(index, started, time.perf_counter())
             index += 1
         await self._until_written(grant.prompt_len)
         if (note := self._announcement()) is not None:

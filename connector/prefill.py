@@ -31,6 +31,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -87,6 +88,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self._heard: dict[str, float] = {}  # handshaken engine -> when it last called (monotonic)
         self._ucx: UcxNode | None = None
         self._reaper: asyncio.Task | None = None
+        # Instrumentation (benchmarks): called with each Pull that sent everything, as its stream ends.
+        self.on_pull_done: Callable[[OutboundPull], None] | None = None
 
     # lifecycle ---------------------------------------------------------------------------
     service_name = pb.SERVICE_NAME
@@ -461,6 +464,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 await context.abort(exc.code, exc.message)
         finally:
             outbound.stop_sends()
+            if finished and self.on_pull_done is not None:
+                self.on_pull_done(outbound)
             if not finished:  # the sends still running were stopped: none reads our blocks any more
                 self.metrics.failures.labels("pull_aborted").inc()
                 logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)

@@ -100,13 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
     bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL")):
+    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
+                       ("pipeline", "time to first token with whole and chunked prefill; exposed transfer")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
-BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer"}
+BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline"}
 
 
 def main(argv: list[str] | None = None) -> int:

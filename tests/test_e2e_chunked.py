@@ -65,6 +65,11 @@ def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
                 _assert_match(results, references[transport])
             prompts = sum(len(b) for b in batches.values())
             assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
+            for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
+                assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
+                for name in ("prefill", "transfer", "exposed_transfer"):
+                    count = _metric(decode, f"kpoolpd_decode_request_{name}_seconds_count")
+                    assert count == len(results), f"{decode.name}: {name} observed {count} times"
             assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
     finally:
         _stop(*decodes, prefill)
@@ -88,6 +93,10 @@ def test_up_with_a_token_budget_equals_colocated(family, transport):
     assert code == 0, stderr
     *requests, last = rows
     assert last["summary"]["ok"] == last["summary"]["colocated_match"] == 3
+    for row in requests:
+        assert row["prefill_ms"] > 0 and row["transfer_ms"] > 0 and row["exposed_transfer_ms"] >= 0, row
+        assert row["exposed_transfer_ms"] < row["ttft_ms"] and row["prefill_ms"] < row["ttft_ms"], row
+    assert last["summary"]["exposed_transfer_ms_mean"] >= 0 and last["summary"]["prefill_ms_mean"] > 0
     code, colocated, _ = _up(*flags, "--colocated")
     assert code == 0
     assert [(r["tokens"], r["output_digest"], r["state_digest"]) for r in colocated[:-1]] == [
