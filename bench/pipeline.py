@@ -125,9 +125,10 @@ async def timeline(config: ModelConfig, prompt: tuple[int, ...], budget: int, de
             engine.steps.clear()
             t0 = time.perf_counter()
             grant = await peer.prefill(name, tokens, pipelined=True)
-            with await peer.pull(grant, transport=transport) as landed:
+            with await peer.pull(grant, transport=transport, release=False) as landed:
                 held = time.perf_counter()
                 times = landed.times
+            await peer.release(grant.grant_id)
         spans = pulls[-1].clock.spans
         ms = lambda t: (t - t0) * 1000  # noqa: E731
         return {"max_batch_tokens": budget, "steps_ms": [(ms(a), ms(b)) for a, b in engine.steps],

@@ -143,11 +143,13 @@ class OutboundPull:
             num_regions=len(plan), total_bytes=plan.total_bytes))
         while index < len(self.views):
             await self._until_written(self.ready[index])
+            if self.transport is Transport.UCX:  # the sends first: PrefillDone must not delay them
+                index = self._start_ready_sends(index)
+                if (note := self._announcement()) is not None:
+                    yield note
+                continue
             if (note := self._announcement()) is not None:
                 yield note
-            if self.transport is Transport.UCX:
-                index = self._start_ready_sends(index)
-                continue
             view, started = self.views[index], time.perf_counter()
             for off in range(0, view.numel(), self.chunk_bytes):
                 message = pb.PullResponse()  # filled in place: a Chunk passed in would be copied again
