@@ -386,6 +386,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if grant.engine_id != request.engine_id:
             await self._refuse_foreign(context, "Release", request.engine_id)
         grant.release_requested = True
+        if grant.computing:  # nobody wants the rest of the prompt: a pull still reading it fails at once
+            grant.failure = "its grant was released"
+            grant.prefill.cancel()
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
 
