@@ -99,7 +99,7 @@ class PrefillCache:
 class PrefillEngine(Protocol):
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
         """Run the prompt: allocate ``config.blocks_for_tokens(len(prompt))`` blocks and a ring through
-        ``cache.allocate`` before its first await, fill them (in chunks or whole, calling
+        ``cache.allocate`` as soon as it can (a pipelined Prefill call is answered once it has), fill them (in chunks or whole, calling
         ``cache.advance(tokens)`` as prompt tokens are written in every layer, at the latest with the
         prompt's length), and return their ids, the prompt length and the first output token. Called once
         per request, from the connector's event loop."""

@@ -109,6 +109,16 @@ class OutboundPull:
             raise PullAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {self.grant.request_id} did not reach "
                               f"token {tokens} before the Pull's deadline", "deadline")
 
+    async def _until_computed(self) -> None:
+        """Until the grant's computation returned (its first token known); PullAborted if it failed."""
+        task = self.grant.prefill
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=max(self._left(), 0))
+            if not task.done():
+                raise PullAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {self.grant.request_id} did not end "
+                                  "before the Pull's deadline", "deadline")
+        self._prefill_outcome()
+
     def _announcement(self) -> pb.PullResponse | None:
         """PrefillDone, once, as soon as the grant's computation ended well."""
         if self._announced or not self.grant.prefill.done():
@@ -160,7 +170,7 @@ class OutboundPull:
                     yield note
             self.clock.add(index, started, time.perf_counter())
             index += 1
-        await self._until_written(grant.prompt_len)
+        await self._until_computed()  # every token may be written before the computation has returned
         if (note := self._announcement()) is not None:
             yield note
         if self.sends:

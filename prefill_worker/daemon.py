@@ -50,7 +50,9 @@ class PrefillNode:
         self.engine = Engine(self.config, self.pool)
         self.batcher = BatchingPrefillEngine(self.engine, max_batch_tokens=settings["max_batch_tokens"],
                                              max_queue=settings["max_queue"], registry=context.registry)
-        config = dataclasses.replace(context.connector_config, max_prompt_tokens=settings["max_prompt_tokens"])
+        # a pipelined transfer moves blocks in pieces of a step's worth of tokens
+        config = dataclasses.replace(context.connector_config, max_prompt_tokens=settings["max_prompt_tokens"],
+                                     piece_tokens=settings["max_batch_tokens"])
         self.connector = PrefillConnector(self.pool, self.blocks, self.rings, self.batcher,
                                           engine_id=context.engine_id, config=config, registry=context.registry,
                                           transports=context.transports.offered, model_identity=self.config.identity())

@@ -126,10 +126,13 @@ class ChunkedFillEngine(SeededFillEngine):
     """SeededFillEngine in chunks of ``chunk_tokens``: before each chunk it awaits ``gate()`` (a pause, or the
     test's go-ahead); after it, the blocks the chunk completed hold their bytes and ``cache.advance`` says so;
     the ring is written with the last chunk. ``fail_after`` chunks: it raises instead of the next one;
-    ``on_chunk(i)`` is called after chunk i (fault injection)."""
+    ``on_chunk(i)`` is called after chunk i (fault injection); ``linger_s``: the time it takes to return
+    once every token is written (as a batch loop's step that still has other requests to finish)."""
 
-    def __init__(self, chunk_tokens: int, gate, *, fail_after: int | None = None, on_chunk=None) -> None:
+    def __init__(self, chunk_tokens: int, gate, *, fail_after: int | None = None, on_chunk=None,
+                 linger_s: float = 0.0) -> None:
         self.chunk_tokens, self.gate, self.fail_after, self.on_chunk = chunk_tokens, gate, fail_after, on_chunk
+        self.linger_s = linger_s
         self.chunks_done = 0
 
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
@@ -151,6 +154,7 @@ class ChunkedFillEngine(SeededFillEngine):
             self.chunks_done += 1
             if self.on_chunk is not None:
                 self.on_chunk(index)
+        await asyncio.sleep(self.linger_s)
         return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=n,
                              first_token=sum(request.prompt_token_ids) % 50000)
 

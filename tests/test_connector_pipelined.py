@@ -142,3 +142,24 @@ def test_a_pull_cancelled_or_a_grant_released_mid_prompt_stops_the_computation_a
             await asyncio.sleep(0.1)
             assert engine.chunks_done == 2, "the prompt's later chunks must not run"
     run(scenario())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prompt_written_before_its_computation_returns_still_brings_its_first_token(transport):
+    """Every piece and the ring may move before the engine returns the first token: the pull waits for it."""
+    async def scenario():
+        steps = Steps()
+        engine = procs.ChunkedFillEngine(BLOCK, steps, linger_s=0.3)
+        async with InProcessPair(engine=engine, config=CONFIG, transports=(transport,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            prompt = [5] * (2 * BLOCK + 3)
+            grant = await peer.prefill("r", prompt, pipelined=True)
+            pull = asyncio.ensure_future(peer.pull(grant, transport=transport))
+            steps.go(3)
+            with await pull as landed:
+                assert landed.first_token == sum(prompt) % 50000
+                differences, _ = procs.landed_differences(pair.decode.pool, landed, "r", len(prompt))
+                assert not differences
+            await soon(lambda: pair.free() == start, "everything freed")
+    run(scenario())

@@ -13,6 +13,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -33,6 +34,12 @@ CASES = [  # family, group, drafts, budget (ring 8 and block 64 in every case)
     pytest.param(CacheFamily.QSA, 4, 3, 9, id="qsa4-spec3-budget9"),
     pytest.param(CacheFamily.QSA, 4, 3, 63, id="qsa4-spec3-budget63"),
 ]
+
+
+def _summed(daemon, name: str) -> float:
+    """The sum of a metric's samples over all its labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 @pytest.mark.parametrize("family,group,num_spec,budget", CASES)
@@ -65,6 +72,9 @@ def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
                 _assert_match(results, references[transport])
             prompts = sum(len(b) for b in batches.values())
             assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
+            # pieces of the budget's worth of blocks (here one block): at least a region per block moved
+            blocks = sum(config.cache_config().blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
+            assert _summed(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
             for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
                 assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
                 for name in ("prefill", "transfer", "exposed_transfer"):
