@@ -55,7 +55,7 @@ def make_prefill(requests: int = 256, tokens_each: int = 4096, kpool: int = 4, s
         if public:
             return Prepared(lambda: kpool_prefill(k, gate, ape, qsl, table, ring_ids, iq, iscale, ring), moved)
         return Prepared(lambda: prefill_compress_write_triton(
-            k, gate, ape, qsl, table, iq, iscale, mode=PoolMode.SOFTMAX, round_scale=True, block_p=block_p,
+            k, gate, ape, qsl, None, table, ring_ids, ring, iq, iscale, mode=PoolMode.SOFTMAX, round_scale=True, block_p=block_p,
             num_warps=num_warps), moved)
     return make
 

@@ -23,7 +23,7 @@ from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, Conn
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
-from connector.landed import LandedRequest, PrefillGrant
+from connector.landed import LandedRequest, PrefillGrant, TransferTimes
 from connector.peer import PrefillPeer
 from connector.prefill import PrefillConnector
 from connector.pull import PullTimeline
@@ -33,7 +33,7 @@ from connector.wire import Transport
 
 __all__ = [
     "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
-    "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
+    "LandedRequest", "TransferTimes", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PullTimeline", "StatusError", "TlsConfig", "Transport", "UCX_NO_SHARED_MEMORY",
     "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "open_channel", "prefill_api", "ucx_available",
     "ucx_context_info",

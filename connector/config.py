@@ -81,6 +81,7 @@ class ConnectorConfig:
     max_grants: int = 4096
     max_message_bytes: int = 16 * MiB
     chunk_bytes: int = 4 * MiB
+    piece_tokens: int = 2048  # a pipelined transfer moves blocks in pieces of this many prompt tokens (at least a block)
     rpc_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
     heartbeat_s: float | None = None  # default: lease_s / 3
@@ -91,7 +92,7 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for name in ("max_prompt_tokens", "max_grants", "chunk_bytes", "max_message_bytes"):
+        for name in ("max_prompt_tokens", "max_grants", "chunk_bytes", "max_message_bytes", "piece_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

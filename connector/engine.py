@@ -14,6 +14,7 @@ batch loop that runs one batch at a time does).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +45,7 @@ class PrefillCache:
     """One Prefill call's access to the prefill node's cache: the pool, and allocation that the
     connector can roll back. Not thread-safe; used from the event loop only."""
 
-    __slots__ = ("pool", "_blocks", "_rings", "_key", "block_ids", "ring_id")
+    __slots__ = ("pool", "_blocks", "_rings", "_key", "block_ids", "ring_id", "prefilled", "_moved", "_allocated")
 
     def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, key: str) -> None:
         self.pool = pool
@@ -53,6 +54,9 @@ class PrefillCache:
         self._key = key
         self.block_ids: tuple[int, ...] | None = None
         self.ring_id: int | None = None
+        self.prefilled = 0  # prompt tokens written in every layer (``advance``)
+        self._moved = asyncio.Event()  # set (and replaced) by each ``advance``
+        self._allocated = asyncio.Event()
 
     def allocate(self, num_blocks: int) -> tuple[tuple[int, ...], int]:
         """``num_blocks`` blocks and one ring. CacheExhaustedError (nothing taken) when short."""
@@ -63,7 +67,26 @@ class PrefillCache:
                 f"need {num_blocks} blocks and a ring; free: {self._blocks.num_free} blocks, {self._rings.num_free} rings")
         self.block_ids = tuple(self._blocks.allocate(num_blocks))
         self.ring_id = self._rings.allocate(self._key)
+        self._allocated.set()
         return self.block_ids, self.ring_id
+
+    async def wait_allocated(self) -> None:
+        """Until ``allocate`` succeeded (never returns if the engine fails first: wait on it too)."""
+        await self._allocated.wait()
+
+    def advance(self, tokens: int) -> None:
+        """The engine says the prompt's first ``tokens`` tokens are written in every layer (after each chunk;
+        the prompt's length once it is done). Wakes ``wait_prefilled``; never goes back."""
+        if tokens > self.prefilled:
+            self.prefilled = tokens
+            moved, self._moved = self._moved, asyncio.Event()
+            moved.set()
+
+    async def wait_prefilled(self, tokens: int) -> None:
+        """Until at least ``tokens`` prompt tokens are written (the caller bounds the wait and watches the
+        engine's own failure)."""
+        while self.prefilled < tokens:
+            await self._moved.wait()
 
     def rollback(self) -> None:
         """Free what ``allocate`` took (idempotent)."""
@@ -76,6 +99,8 @@ class PrefillCache:
 class PrefillEngine(Protocol):
     async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
         """Run the prompt: allocate ``config.blocks_for_tokens(len(prompt))`` blocks and a ring through
-        ``cache.allocate``, fill them, and return their ids, the prompt length and the first
-        output token. Called once per request, from the connector's event loop."""
+        ``cache.allocate`` as soon as it can (a pipelined Prefill call is answered once it has), fill them (in chunks or whole, calling
+        ``cache.advance(tokens)`` as prompt tokens are written in every layer, at the latest with the
+        prompt's length), and return their ids, the prompt length and the first output token. Called once
+        per request, from the connector's event loop."""
         ...

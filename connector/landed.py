@@ -35,6 +35,25 @@ class PrefillGrant:
     lease_s: float
     src_block_ids: tuple[int, ...]
     src_ring_id: int
+    pipelined: bool = False  # the prompt was still computing: ``first_token`` (0 here) comes with the pull
+    piece_blocks: int = 0  # the transfer plan's piece size (``connector.plan.plan_transfer``)
+    prefill_ms: float = 0.0  # the prompt's compute (not pipelined; a pipelined pull reports it)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferTimes:
+    """Where a request's time to first token went on its way to the decode node, in milliseconds:
+    ``prefill_ms`` the prompt on the prefill node (Prefill call to its last chunk computed),
+    ``transfer_ms`` moving all of its bytes (not pipelined: Pull to the last byte landed; pipelined: the
+    time its regions were being sent, overlapping sends counted once), ``exposed_transfer_ms`` from the end
+    of the last chunk's compute to every byte landed here (not pipelined: the whole transfer; pipelined: the
+    larger of the decode node's time from the prefill node's PrefillDone, sent as that compute ended, to
+    the last byte landed, and the prefill node's time from that end to its last send completed: each
+    clock measures its own side, and neither counts the last message's one-way latency)."""
+
+    prefill_ms: float
+    transfer_ms: float
+    exposed_transfer_ms: float
 
 
 class Allocation:
@@ -84,11 +103,16 @@ class LandedRequest:
     Owns them all until ``release()`` (idempotent) frees them; a context manager. ``__del__``
     only reports a leak."""
 
-    __slots__ = ("grant", "transport", "nbytes", "regions", "seconds", "repacked", "timeline", "_allocation")
+    __slots__ = ("grant", "transport", "nbytes", "regions", "seconds", "repacked", "timeline", "first_token", "times",
+                 "_allocation")
 
     def __init__(self, grant: PrefillGrant, allocation: Allocation, *, transport: Transport, nbytes: int, regions: int,
-                 seconds: float, repacked: bool = False, timeline: "PullTimeline | None" = None) -> None:
+                 seconds: float, repacked: bool = False, timeline: "PullTimeline | None" = None,
+                 first_token: int | None = None, times: TransferTimes | None = None) -> None:
         self.grant = grant
+        self.first_token = grant.first_token if first_token is None else first_token  # the prompt's next token
+        self.times = times or TransferTimes(prefill_ms=grant.prefill_ms, transfer_ms=seconds * 1000,
+                                            exposed_transfer_ms=seconds * 1000)
         self.transport, self.nbytes, self.regions, self.seconds = transport, nbytes, regions, seconds
         self.repacked = repacked  # landed in a staging buffer and converted from the peer's block order
         self.timeline = timeline  # where the pull's time went (connector.pull.PullTimeline)

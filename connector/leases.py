@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from connector.plan import RingRange
+
+if TYPE_CHECKING:
+    from connector.engine import PrefillCache
 
 
 @dataclass(kw_only=True, eq=False)
 class Grant:
     """A prefilled request's blocks held for ``engine_id``, the decode engine that asked for them:
-    only it may pull, release or renew them."""
+    only it may pull, release or renew them.
+
+    A pipelined grant is made before its prompt is computed: ``prefill`` is the engine's task until it
+    ends (``cache.prefilled`` says how far it got), ``first_token`` and ``prefill_ms`` are set then, and
+    ``failure`` says why it failed, if it did. ``piece_blocks`` splits the transfer plan (0: not split)."""
 
     grant_id: str
     request_id: str
@@ -25,6 +34,16 @@ class Grant:
     expires_at: float
     pulls_in_flight: int = 0
     release_requested: bool = False
+    cache: "PrefillCache | None" = None  # the allocation (rolled back when the grant is freed)
+    prefill: asyncio.Task | None = None  # a pipelined grant's computation (its result: the output and its ms)
+    piece_blocks: int = 0
+    prefill_ms: float = 0.0
+    failure: str = ""
+
+    @property
+    def computing(self) -> bool:
+        """The prompt is still being computed (a pipelined grant)."""
+        return self.prefill is not None and not self.prefill.done()
 
 
 class LeaseTable:

@@ -25,6 +25,16 @@ class ConnectorMetrics:
         self.leases_expired = Counter(f"{p}_leases_expired", "Grants freed because their lease ran out", registry=registry)
         self.free_blocks = Gauge(f"{p}_free_blocks", "Free cache blocks", registry=registry)
         self.free_rings = Gauge(f"{p}_free_rings", "Free ring blocks", registry=registry)
+        if role == "decode":  # where a request's time to first token went before it reached this node
+            self.prefill_seconds = Histogram(f"{p}_request_prefill_seconds", "A request's prompt on the prefill node, "
+                                             "Prefill call to its last chunk computed", buckets=TRANSFER_BUCKETS,
+                                             registry=registry)
+            self.request_transfer_seconds = Histogram(f"{p}_request_transfer_seconds", "Moving all of a request's "
+                                                      "bytes (pipelined: the time they were being sent)",
+                                                      buckets=TRANSFER_BUCKETS, registry=registry)
+            self.exposed_transfer_seconds = Histogram(f"{p}_request_exposed_transfer_seconds", "End of a request's "
+                                                      "last prefill chunk to every byte landed here",
+                                                      buckets=TRANSFER_BUCKETS, registry=registry)
 
     def watch_free(self, blocks: Callable[[], int], rings: Callable[[], int]) -> None:
         self.free_blocks.set_function(blocks)
@@ -34,3 +44,9 @@ class ConnectorMetrics:
         self.bytes.labels(transport).inc(nbytes)
         self.regions.labels(transport).inc(regions)
         self.seconds.labels(transport).observe(seconds)
+
+    def request_times(self, times) -> None:
+        """A landed request's ``connector.landed.TransferTimes`` (decode role)."""
+        self.prefill_seconds.observe(times.prefill_ms / 1000)
+        self.request_transfer_seconds.observe(times.transfer_ms / 1000)
+        self.exposed_transfer_seconds.observe(times.exposed_transfer_ms / 1000)

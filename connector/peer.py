@@ -78,16 +78,20 @@ class PrefillPeer:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
 
     # control calls ---------------------------------------------------------------------------
-    async def prefill(self, request_id: str, prompt_token_ids) -> PrefillGrant:
+    async def prefill(self, request_id: str, prompt_token_ids, *, pipelined: bool = False) -> PrefillGrant:
         """Run the prompt on the prefill node; the grant holds its blocks there under lease until
         pulled and released. StatusError with the node's status (within ``rpc_timeout_s``).
+
+        ``pipelined``: the node answers once it allocated the blocks (a node that does not pipeline
+        answers after the prompt: ``grant.pipelined`` says which); ``pull`` then moves the blocks as the
+        prompt's chunks complete them and brings the first token (``LandedRequest.first_token``).
 
         Cancelling the caller cancels the call (the node stops the prefill and frees its blocks);
         if the answer had already come, the grant it names is released at once in the background,
         so that no grant nobody knows of holds the node's blocks until its lease runs out. (An
         answer still on the wire when the cancel leaves is lost; its lease frees it.)"""
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                engine_id=self.connector.engine_id)
+                                engine_id=self.connector.engine_id, pipelined=pipelined)
         self._check_open(f"Prefill of {request_id}")
         call = asyncio.ensure_future(self._prefill_call(req))
         try:
@@ -104,7 +108,8 @@ class PrefillPeer:
                               f"{len(r.src_block_ids)} source blocks for a grant of {r.num_blocks}")
         return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
                             ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000,
-                            src_block_ids=tuple(r.src_block_ids), src_ring_id=r.src_ring_id)
+                            src_block_ids=tuple(r.src_block_ids), src_ring_id=r.src_ring_id, pipelined=r.pipelined,
+                            piece_blocks=r.piece_blocks, prefill_ms=r.prefill_ms)
 
     async def _prefill_call(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         try:
@@ -191,7 +196,11 @@ class PrefillPeer:
                    integrity: bool = False, release: bool = True) -> LandedRequest:
         """Allocate ``max(grant.num_blocks, reserve_blocks)`` blocks and a ring, pull the request's
         prompt into the first ``grant.num_blocks`` of them, verify (``integrity``: crc32 per
-        region, DATA_LOSS on a mismatch) and Release the grant (unless ``release`` is False).
+        region, DATA_LOSS on a mismatch) and Release the grant (unless ``release`` is False). A
+        pipelined grant's pull starts before its prompt is computed: the receives are posted at once,
+        the pieces land as the prefill node's chunks complete them, and the deadline adds
+        ``rpc_timeout_s`` (the compute's) to ``transfer_timeout_s``; a prefill node that fails or dies
+        meanwhile fails the pull (INTERNAL, UNAVAILABLE) with everything freed here.
 
         The returned LandedRequest owns every block it allocated, the ones reserved for later
         tokens included, until its ``release()``. On any failure the whole allocation is freed and
@@ -238,8 +247,9 @@ class PrefillPeer:
         allocation = self._allocate(grant, num_blocks)
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._renew(grant.grant_id))
+        budget = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # + the compute
         try:
-            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity), c.config.transfer_timeout_s)
+            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity), budget)
         except BaseException as exc:
             allocation.free()
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
@@ -248,14 +258,16 @@ class PrefillPeer:
                 self.release_soon(grant.grant_id)
             if isinstance(exc, asyncio.TimeoutError):
                 raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pull of {grant.request_id} from {self.address} "
-                                  f"did not finish in {c.config.transfer_timeout_s} s") from None
+                                  f"did not finish in {budget} s") from None
             raise
         finally:
             heartbeat.cancel()
         seconds = time.perf_counter() - started
         c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
         landed = LandedRequest(grant, allocation, transport=transport, nbytes=pull.plan.total_bytes,
-                               regions=len(pull.plan), seconds=seconds, repacked=self.repacks, timeline=pull.timeline)
+                               regions=len(pull.plan), seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
+                               first_token=pull.first_token, times=pull.times)
+        c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
         if release:

@@ -99,12 +99,17 @@ def plan_transfer(
     dst_num_blocks: int | None = None,
     src_num_rings: int | None = None,
     dst_num_rings: int | None = None,
+    piece_blocks: int = 0,
 ) -> TransferPlan:
     """Region pairs that copy ``src_blocks[i] -> dst_blocks[i]`` and the ring's live slots.
 
-    Consecutive entries are merged into one region where BOTH sides are consecutive. The pool
+    Consecutive entries are merged into one region where BOTH sides are consecutive, and, with
+    ``piece_blocks > 0``, not across a block-table index that is a multiple of ``piece_blocks`` (a
+    pipelined transfer moves each piece once the prompt's chunks have written all of it). The pool
     sizes, when given, bound the ids (ValueError naming the id otherwise).
     """
+    if not isinstance(piece_blocks, int) or piece_blocks < 0:
+        raise ValueError(f"piece_blocks must be an integer >= 0, got {piece_blocks!r}")
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
     big = 1 << 62
@@ -120,7 +125,8 @@ def plan_transfer(
     i = 0
     while i < len(src_blocks):
         j = i + 1
-        while j < len(src_blocks) and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1:
+        while (j < len(src_blocks) and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1
+               and not (piece_blocks and j % piece_blocks == 0)):
             j += 1
         n = (j - i) * bb
         pairs.append(RegionPair(Region(PoolKind.BLOCKS, src_blocks[i] * bb, n), Region(PoolKind.BLOCKS, dst_blocks[i] * bb, n)))
@@ -137,3 +143,17 @@ def plan_transfer(
         dst = Region(PoolKind.RINGS, dst_ring * layout.ring_block_bytes + slot * slot_bytes, n)
         pairs.append(RegionPair(src, dst))
     return TransferPlan(pairs=tuple(pairs), ring_empty=live.empty)
+
+
+def ready_at(plan: TransferPlan, block_bytes: int, block_size: int, prompt_len: int) -> list[int]:
+    """For each region of ``plan`` (block runs in block-table order, then the ring), how many prompt
+    tokens must be written in every layer before it may move: a run's last block complete (or the
+    prompt's end, for the block it ends in), the ring only once the whole prompt is."""
+    ready, blocks = [], 0
+    for pair in plan.pairs:
+        if pair.src.kind is PoolKind.BLOCKS:
+            blocks += pair.src.nbytes // block_bytes
+            ready.append(min(prompt_len, blocks * block_size))
+        else:
+            ready.append(prompt_len)
+    return ready

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -40,12 +41,13 @@ from connector import pull_frames, regions
 from connector.auth import Credential
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.config import ConnectorConfig
-from connector.engine import PrefillCache, PrefillEngine, PrefillInput
+from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
-from connector.plan import plan_transfer, ring_live_range
-from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode, UcxSendError
+from connector.outbound import OutboundPull, PullAborted
+from connector.plan import plan_transfer, ready_at, ring_live_range
+from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode
 from connector.ucx_address import WorkerAddressError
 from connector.wire import Transport, layout_message, ring_message, transports_from
 from kvcache import BlockAllocator, CachePool, RingAllocator
@@ -56,12 +58,6 @@ MAX_ID_CHARS = 256
 FORGET_AFTER_LEASES = 10  # a decode engine silent this many leases is forgotten (a live one heartbeats every lease)
 FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
 VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    """Done-callback: retrieve a task's outcome (a failure was answered, or its pull ended first)."""
-    if not task.cancelled():
-        task.exception()
 
 
 class PrefillConnector(pb.PrefillServiceServicer):
@@ -92,6 +88,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self._heard: dict[str, float] = {}  # handshaken engine -> when it last called (monotonic)
         self._ucx: UcxNode | None = None
         self._reaper: asyncio.Task | None = None
+        # Instrumentation (benchmarks): called with each Pull that sent everything, as its stream ends.
+        self.on_pull_done: Callable[[OutboundPull], None] | None = None
 
     # lifecycle ---------------------------------------------------------------------------
     service_name = pb.SERVICE_NAME
@@ -140,7 +138,15 @@ class PrefillConnector(pb.PrefillServiceServicer):
 
     # leases ------------------------------------------------------------------------------
     def _free(self, grant: Grant | None) -> None:
+        """Free a grant's blocks and ring; a computation still running is stopped first (the engine writes
+        nothing into them afterwards that a later request could read: see ``connector.engine``)."""
         if grant is None:
+            return
+        if grant.computing:
+            grant.failure = grant.failure or "its grant was freed"
+            grant.prefill.cancel()
+        if grant.cache is not None:
+            grant.cache.rollback()
             return
         self.blocks.free(list(grant.block_ids))
         self.rings.free(grant.grant_id)
@@ -261,6 +267,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
         await context.abort(code, message)
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        """Check the call, then run the prompt through the engine. A pipelined call (``request.pipelined``)
+        is answered once the engine allocated the blocks, its grant's computation going on behind (the
+        Pull moves the blocks as the chunks complete them); otherwise once the prompt is computed."""
         n = len(request.prompt_token_ids)
         if not request.request_id or len(request.request_id) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must have 1 to {MAX_ID_CHARS} characters")
@@ -279,15 +288,21 @@ class PrefillConnector(pb.PrefillServiceServicer):
         grant_id = secrets.token_hex(16)
         cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
         job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids))
+        task = asyncio.ensure_future(self._compute(job, cache, n))
         granted = False
-        try:  # every exit without a grant (errors, aborts, the caller cancelling) frees the allocation
+        try:  # every exit without a grant (errors, aborts, the caller cancelling) stops the engine and frees
+            out = None
             try:
-                out = await self.engine.prefill(job, cache)
-                want = self.layout.config.blocks_for_tokens(n)
-                if out.prompt_len != n or tuple(out.block_ids) != cache.block_ids or out.ring_id != cache.ring_id \
-                        or len(out.block_ids) != want:
-                    raise RuntimeError(f"engine returned {len(out.block_ids)} blocks / ring {out.ring_id} / length "
-                                       f"{out.prompt_len} for a {n}-token prompt that needs {want} blocks from its own allocation")
+                if request.pipelined:
+                    allocated = asyncio.ensure_future(cache.wait_allocated())
+                    try:
+                        await asyncio.wait({task, allocated}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        allocated.cancel()
+                    if task.done():
+                        out, prefill_ms, _ = task.result()
+                else:
+                    out, prefill_ms, _ = await task
             except CacheExhaustedError as exc:
                 self.metrics.failures.labels("cache_exhausted").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -305,17 +320,64 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 self.metrics.failures.labels("engine").inc()
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
             live = ring_live_range(self.layout.config, n)
-            self.leases.add(Grant(grant_id=grant_id, request_id=request.request_id, engine_id=request.engine_id,
-                                  block_ids=tuple(out.block_ids), ring_id=out.ring_id, prompt_len=n, live=live,
-                                  first_token=out.first_token, expires_at=self.leases.expiry()))
+            pipelined = out is None
+            grant = Grant(grant_id=grant_id, request_id=request.request_id, engine_id=request.engine_id,
+                          block_ids=tuple(cache.block_ids), ring_id=cache.ring_id, prompt_len=n, live=live,
+                          first_token=0 if pipelined else out.first_token, expires_at=self.leases.expiry(),
+                          cache=cache, prefill=task if pipelined else None,
+                          piece_blocks=self._piece_blocks() if pipelined else 0,
+                          prefill_ms=0.0 if pipelined else prefill_ms)
+            if pipelined:
+                task.add_done_callback(lambda t: self._prefilled(grant, t))
+            self.leases.add(grant)
             granted = True
         finally:
             if not granted:
+                task.cancel()
                 cache.rollback()
         return pb.PrefillResponse(request_id=request.request_id, grant_id=grant_id, prompt_len=n,
-                                  num_blocks=len(out.block_ids), ring_live=ring_message(live),
-                                  first_token=out.first_token, lease_ms=int(self.config.lease_s * 1000),
-                                  src_block_ids=out.block_ids, src_ring_id=out.ring_id)
+                                  num_blocks=len(grant.block_ids), ring_live=ring_message(live),
+                                  first_token=grant.first_token, lease_ms=int(self.config.lease_s * 1000),
+                                  src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, pipelined=pipelined,
+                                  piece_blocks=grant.piece_blocks, prefill_ms=grant.prefill_ms)
+
+    async def _compute(self, job: PrefillInput, cache: PrefillCache, n: int) -> tuple[PrefillOutput, float, float]:
+        """The engine's prefill, checked (``_checked``), how long it took (ms) and when it ended (perf_counter)."""
+        started = time.perf_counter()
+        out = self._checked(await self.engine.prefill(job, cache), cache, n)
+        ended = time.perf_counter()
+        return out, (ended - started) * 1000, ended
+
+    def _checked(self, out: PrefillOutput, cache: PrefillCache, n: int) -> PrefillOutput:
+        """The engine's output, if it names its own allocation for an n-token prompt (RuntimeError otherwise)."""
+        want = self.layout.config.blocks_for_tokens(n)
+        if out.prompt_len != n or tuple(out.block_ids) != cache.block_ids or out.ring_id != cache.ring_id \
+                or len(out.block_ids) != want:
+            raise RuntimeError(f"engine returned {len(out.block_ids)} blocks / ring {out.ring_id} / length "
+                               f"{out.prompt_len} for a {n}-token prompt that needs {want} blocks from its own allocation")
+        cache.advance(n)
+        return out
+
+    def _piece_blocks(self) -> int:
+        return max(1, self.config.piece_tokens // self.layout.config.block_size)
+
+    def _prefilled(self, grant: Grant, task: asyncio.Task) -> None:
+        """Done-callback of a pipelined grant's computation: its first token, or its failure (the grant is
+        then released: freed once no pull reads it; a pull waiting on it aborts)."""
+        if task.cancelled():
+            grant.failure = grant.failure or "stopped"
+            return
+        try:
+            out, prefill_ms, _ = task.result()
+        except Exception as exc:
+            grant.failure = f"{type(exc).__name__}: {exc}"
+            self.metrics.failures.labels("engine").inc()
+            logger.error("prefill of request %s (grant %s) failed after it was granted: %s", grant.request_id,
+                         grant.grant_id, grant.failure)
+            grant.release_requested = True
+            self.reap()
+            return
+        grant.first_token, grant.prefill_ms = out.first_token, prefill_ms
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         grant = self.leases.live(request.grant_id)
@@ -324,6 +386,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if grant.engine_id != request.engine_id:
             await self._refuse_foreign(context, "Release", request.engine_id)
         grant.release_requested = True
+        if grant.computing:  # nobody wants the rest of the prompt: a pull still reading it fails at once
+            grant.failure = "its grant was released"
+            grant.prefill.cancel()
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
 
@@ -373,7 +438,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
                                 f"{len(request.dst_block_ids)} destination blocks for a grant of {len(grant.block_ids)} blocks")
         try:
             plan = plan_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
-                                 request.dst_ring_id, grant.live)
+                                 request.dst_ring_id, grant.live, piece_blocks=grant.piece_blocks)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if len(plan) > MAX_REGIONS:
@@ -382,43 +447,29 @@ class PrefillConnector(pb.PrefillServiceServicer):
         grant.pulls_in_flight += 1
         views = [regions.region_view(self.pool, p.src) for p in plan.pairs]
         started = time.perf_counter()
+        budget = self.config.transfer_timeout_s + (self.config.rpc_timeout_s if grant.computing else 0.0)
+        outbound = OutboundPull(grant, plan, views, ready_at(plan, self.layout.block_bytes, self.layout.config.block_size,
+                                                             grant.prompt_len),
+                                transport=transport, engine_id=request.engine_id, ucx=self._ucx,
+                                tag_base=request.ucx_tag_base, chunk_bytes=self.config.chunk_bytes,
+                                integrity=request.integrity, deadline=time.monotonic() + budget)
         finished = False
-        # UCX: the decode node posted its receives before it called Pull, so the sends start now,
-        # ahead of the stream's first message
-        sends = (asyncio.ensure_future(self._ucx.send(request.engine_id, views, request.ucx_tag_base))
-                 if transport is Transport.UCX else None)
         try:
-            yield pb.PullResponse(grant=pb.PullGrant(
-                src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),
-                num_regions=len(plan), total_bytes=plan.total_bytes))
-            checksums = [regions.crc32(v) for v in views] if request.integrity else []
-            if transport is Transport.GRPC_STREAM:
-                step = self.config.chunk_bytes
-                for index, view in enumerate(views):
-                    for off in range(0, view.numel(), step):
-                        yield pull_frames.encode_chunk(index, off, regions.host_bytes(view[off:off + step]))
-            else:
-                try:
-                    await asyncio.wait_for(asyncio.shield(sends), self.config.transfer_timeout_s)
-                except asyncio.TimeoutError:
-                    self.metrics.failures.labels("deadline").inc()
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"UCX sends to {request.engine_id} did not complete in {self.config.transfer_timeout_s} s")
-                except UcxSendError as exc:  # the decode node reset the connection or went away
-                    self.metrics.failures.labels("ucx_send").inc()
-                    logger.warning("pull of grant %s by engine %s: %s", grant.grant_id, request.engine_id, exc)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            finished = True
-            self.metrics.transferred(transport.label, plan.total_bytes, len(plan), time.perf_counter() - started)
-            yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums))
+            try:
+                async for message in outbound.messages():
+                    if not isinstance(message, bytes) and message.WhichOneof("message") == "done":
+                        finished = True
+                        self.metrics.transferred(transport.label, plan.total_bytes, len(plan),
+                                                 time.perf_counter() - started)
+                    yield message
+            except PullAborted as exc:
+                self.metrics.failures.labels(exc.cause).inc()
+                await context.abort(exc.code, exc.message)
         finally:
-            if sends is not None:
-                if not sends.done():  # at once, with no await (a second cancel could cut it short): abort
-                    # the endpoint the sends use, which cancels them, so that no send reads our blocks now
-                    self._ucx.drop(request.engine_id, reason="its pull ended before the sends completed")
-                    sends.cancel()
-                sends.add_done_callback(_retrieved)
-            if not finished:  # UcxNode.send dropped its endpoint: no send reads our blocks any more
+            outbound.stop_sends()
+            if finished and self.on_pull_done is not None:
+                self.on_pull_done(outbound)
+            if not finished:  # the sends still running were stopped: none reads our blocks any more
                 self.metrics.failures.labels("pull_aborted").inc()
                 logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)
             grant.pulls_in_flight -= 1

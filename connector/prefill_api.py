@@ -21,6 +21,7 @@ HandshakeResponse = _pb.HandshakeResponse
 HeartbeatRequest = _pb.HeartbeatRequest
 HeartbeatResponse = _pb.HeartbeatResponse
 Layout = _pb.Layout
+PrefillDone = _pb.PrefillDone
 PrefillRequest = _pb.PrefillRequest
 PrefillResponse = _pb.PrefillResponse
 PullDone = _pb.PullDone

@@ -30,7 +30,7 @@ import kernels
 from connector import prefill_api as pb
 from connector import regions
 from connector.errors import StatusError, rpc_failure
-from connector.landed import PrefillGrant
+from connector.landed import PrefillGrant, TransferTimes
 from connector.metrics import ConnectorMetrics
 from connector.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
 from connector.pull_frames import ChunkFrame
@@ -110,8 +110,13 @@ class InboundPull:
         self.receives: ReceiveBatch | None = None  # posted and not all landed
         self.views: list[torch.Tensor] = []  # where the regions land, once planned
         self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
-        self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``
+        self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``, ``times``, ``first_token``
         self.timeline: PullTimeline | None = None
+        self.times: TransferTimes | None = None
+        self.first_token: int = grant.first_token
+        self.prefill_done: tuple[float, pb.PrefillDone] | None = None  # a pipelined grant's, with when it arrived
+        self.last_landed = 0.0  # when the last byte landed (perf_counter)
+        self.done: pb.PullDone | None = None  # the stream's last message, once read
 
     @staticmethod
     def tag_base_for(transport: Transport) -> int:
@@ -124,7 +129,7 @@ class InboundPull:
             plan, views = self._plan()
             marks.append(time.perf_counter())
             self.call = self.open_call()
-            if self.transport is Transport.UCX and not self.integrity:
+            if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
                 await self._land_on_receives(plan)
                 marks += [marks[-1], time.perf_counter()]  # no control round trip waited on
                 marks.append(marks[-1])
@@ -140,6 +145,7 @@ class InboundPull:
             marks.append(time.perf_counter())
             post, control, *rest = ((b - a) * 1000 for a, b in zip(marks, marks[1:]))
             self.plan, self.timeline = plan, PullTimeline(control, post, *rest)
+            self.times = self._times(marks)
             return plan
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
@@ -153,6 +159,19 @@ class InboundPull:
                 self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
             await self._retire_receives()
             regions.settle(self.views)  # chunks written into GPU memory have landed before the memory is used or freed
+
+    def _times(self, marks: list[float]) -> TransferTimes:
+        """The request's TransferTimes (see there); ``marks``: ``run``'s time marks."""
+        if not self.grant.pipelined:
+            whole = (marks[-2] - marks[1]) * 1000  # Pull to the bytes verified
+            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=whole, exposed_transfer_ms=whole)
+        arrived, prefilled = self.prefill_done
+        here = (max(self.last_landed, arrived) - arrived) * 1000  # its arrival to the last byte landed
+        return TransferTimes(prefill_ms=prefilled.prefill_ms, transfer_ms=self.done.send_ms,
+                             exposed_transfer_ms=max(here, self.done.sent_after_prefill_ms))
+
+    def _landed(self, _future: asyncio.Future) -> None:
+        self.last_landed = max(self.last_landed, time.perf_counter())
 
     async def _land_on_receives(self, plan: TransferPlan) -> None:
         """UCX without integrity: the bytes are in place once every receive completed, and that is
@@ -199,12 +218,14 @@ class InboundPull:
                               f"{len(self.landing.ids)} destination blocks")
         plan = plan_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
                              self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
-                             dst_num_rings=pool.num_rings)
+                             dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
         if len(plan) > MAX_REGIONS:
             raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
         views = self.views = [self.landing.view(pair) for pair in plan.pairs]
         if self.transport is Transport.UCX:
             self.receives = self.ucx.post_receives(views, self.tag_base)
+            for future in self.receives.futures:
+                future.add_done_callback(self._landed)
         return plan, views
 
     async def _open(self, plan: TransferPlan) -> None:
@@ -221,14 +242,23 @@ class InboundPull:
                               f"with the grant's {source.num_regions} / {source.total_bytes}")
 
     async def _land_chunks(self, views: list[torch.Tensor]) -> tuple[pb.PullDone, list[int]]:
-        """Write each chunk where it belongs until PullDone; the bytes landed per region."""
+        """Write each chunk where it belongs until PullDone; the bytes landed per region. A pipelined
+        grant's stream also brings PrefillDone (once, before PullDone): the first token."""
         landed = [0] * len(views)
         while True:
             msg = await self._read()
             if msg is None:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
             kind = "chunk" if isinstance(msg, ChunkFrame) else msg.WhichOneof("message")
+            if kind == "prefilled" and self.grant.pipelined and self.prefill_done is None:
+                self.prefill_done = (time.perf_counter(), msg.prefilled)
+                self.first_token = msg.prefilled.first_token
+                continue
             if kind == "done":
+                if self.grant.pipelined and self.prefill_done is None:
+                    raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream of a pipelined grant ended without "
+                                      "PrefillDone")
+                self.done = msg.done
                 return msg.done, landed
             if kind != "chunk":
                 raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
@@ -238,6 +268,7 @@ class InboundPull:
                 raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {region}, offset {offset})")
             regions.write_bytes(views[region][offset:offset + len(data)], data)
             landed[region] += len(data)
+            self.last_landed = time.perf_counter()
 
     async def _wait_landed(self, plan: TransferPlan, views: list[torch.Tensor], landed: list[int]) -> None:
         """Every byte is in place: UCX, every receive completed; the gRPC stream, every chunk came."""

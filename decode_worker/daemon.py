@@ -42,6 +42,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("transport", pull_choice, "auto", "data plane of pulls: ucx, grpc, or auto (ucx when both sides have it)",
            choices=("auto", "ucx", "grpc")),
     Option("integrity", parse_bool, False, "verify a crc32 of every transferred region"),
+    Option("pipelined-transfer", parse_bool, True, "pull each prompt as its prefill runs: its blocks move while "
+           "later chunks compute (false: pull once the prompt is computed)"),
     Option("max-running", positive_int, 16, "requests decoded at once (the batch)"),
     Option("max-queue", positive_int, 64, "requests waiting for room at most; more get RESOURCE_EXHAUSTED"),
     Option("queue-timeout-s", positive_float, 60.0, "how long a request may wait for room"),
@@ -75,6 +77,7 @@ class DecodeNode:
         self.scheduler = DecodeScheduler(self.engine, self.blocks, self.rings, self.connector, self.router,
                                          max_running=max_running, max_queue=settings["max_queue"],
                                          transport=context.transports.pull, integrity=settings["integrity"],
+                                         pipelined=settings["pipelined_transfer"],
                                          queue_timeout_s=settings["queue_timeout_s"], registry=context.registry)
         self.servicer = GenerateService(self.scheduler, max_prompt_tokens=settings["max_prompt_tokens"],
                                         max_new_tokens=settings["max_new_tokens"],

@@ -56,13 +56,14 @@ class DecodeScheduler:
     def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
                  router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
                  integrity: bool, queue_timeout_s: float, registry: CollectorRegistry,
-                 on_room_change: Callable[[bool], None] | None = None) -> None:
+                 on_room_change: Callable[[bool], None] | None = None, pipelined: bool = True) -> None:
         self.engine, self.blocks, self.rings = engine, blocks, rings
         self.connector, self.router = connector, router
         self.max_running = min(max_running, rings.num_rings)
         self.max_queue = max_queue
         self.transport = transport
         self.integrity = integrity
+        self.pipelined = pipelined  # ask prefill nodes to answer before the prompt is computed (see PrefillPeer.prefill)
         self.queue_timeout_s = queue_timeout_s
         self.config = engine.config
         self._waiting: collections.deque[Job] = collections.deque()
@@ -179,7 +180,7 @@ class DecodeScheduler:
         await self._release(peer, grant)
         job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
                                  block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
-                                 output=[grant.first_token])
+                                 output=[job.landed.first_token])
         job.state = JobState.DECODING
 
     async def _release(self, peer: PrefillPeer, grant: PrefillGrant) -> None:
@@ -196,7 +197,7 @@ class DecodeScheduler:
         for _ in range(attempts):
             peer = await self.router.pick()  # UNAVAILABLE, with each node's reason, when none is usable
             try:
-                return peer, await peer.prefill(job.request_id, job.prompt)
+                return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined)
             except StatusError as exc:
                 last = exc
                 if exc.code not in RETRYABLE:

@@ -48,6 +48,7 @@ def _add_request_flags(parser: argparse.ArgumentParser, *, requests: int, prompt
 
 def _add_up(commands) -> None:
     from kpool_pd.up import UP_MODEL_DEFAULTS, default_transport
+    from prefill_worker.daemon import DEFAULT_MAX_BATCH_TOKENS
     from runtime import add_model_arguments
 
     up = commands.add_parser(
@@ -63,6 +64,10 @@ def _add_up(commands) -> None:
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the daemons and the colocated reference run (default cpu); cuda: the prefill "
                          "daemon on cuda:0, the decode daemon on cuda:1 when there are two GPUs (else cuda:0)")
+    up.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
+                    help=f"the prefill daemon's token budget per step (default {DEFAULT_MAX_BATCH_TOKENS}): longer prompts "
+                         "are prefilled in chunks, their finished blocks moving to the decode daemon while later "
+                         "chunks compute; shorter ones share a step")
     up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
     up.add_argument("--tls", action="store_true",
                     help="make a throwaway CA and certificates (openssl) and run every connection over mTLS")
@@ -95,13 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
     bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL")):
+    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
+                       ("pipeline", "time to first token with whole and chunked prefill; exposed transfer")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
-BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer"}
+BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline"}
 
 
 def main(argv: list[str] | None = None) -> int:

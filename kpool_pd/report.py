@@ -22,7 +22,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def table(results: list[RequestResult | RequestFailed]) -> str:
-    header = (f"{'request':<12} {'prompt':>6} {'tokens':>6} {'transfer':>11} {'xfer ms':>8} {'ttft ms':>8} "
+    header = (f"{'request':<12} {'prompt':>6} {'tokens':>6} {'transfer':>11} {'prefill ms':>10} {'xfer ms':>8} "
+              f"{'exposed':>8} {'ttft ms':>8} "
               f"{'drafts':>7}  {'output digest':<13} {'state digest':<13} first tokens")
     lines = [header, "-" * len(header)]
     for r in results:
@@ -32,7 +33,7 @@ def table(results: list[RequestResult | RequestFailed]) -> str:
         shown = ", ".join(str(t) for t in r.tokens[:6]) + (", ..." if len(r.tokens) > 6 else "")
         lines.append(
             f"{r.request_id:<12} {r.prompt_len:>6} {len(r.tokens):>6} {_mib(r.transfer_bytes):>11} "
-            f"{r.transfer_ms:>8.2f} {r.ttft_ms:>8.1f} {f'{r.drafts_accepted}/{r.drafts_proposed}':>7}  "
+            f"{r.prefill_ms:>10.2f} {r.transfer_ms:>8.2f} {r.exposed_transfer_ms:>8.2f} {r.ttft_ms:>8.1f} {f'{r.drafts_accepted}/{r.drafts_proposed}':>7}  "
             f"{r.output_digest[:12]:<13} {r.state_digest[:12]:<13} [{shown}]")
     return "\n".join(lines)
 
@@ -52,6 +53,8 @@ def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: 
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
         "transfer_bytes": sum(r.transfer_bytes for r in ok),
         "transfer_ms_mean": round(statistics.fmean([r.transfer_ms for r in ok]), 3) if ok else 0.0,
+        "prefill_ms_mean": round(statistics.fmean([r.prefill_ms for r in ok]), 3) if ok else 0.0,
+        "exposed_transfer_ms_mean": round(statistics.fmean([r.exposed_transfer_ms for r in ok]), 3) if ok else 0.0,
         "ttft_ms_p50": round(_percentile([r.ttft_ms for r in ok], 0.5), 3),
         "ttft_ms_p90": round(_percentile([r.ttft_ms for r in ok], 0.9), 3),
         "drafts_proposed": sum(r.drafts_proposed for r in ok),
@@ -84,7 +87,9 @@ def summary_text(s: dict) -> str:
     if s["mode"] == "pd":
         where = (f" (prefill on {s['prefill_device']}, decode on {s['decode_device']})"
                  if s.get("prefill_device", "cpu") != "cpu" or s.get("decode_device", "cpu") != "cpu" else "")
-        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request{where}")
+        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request, "
+                     f"{s['exposed_transfer_ms_mean']:.2f} ms of it after the prefill (exposed); mean prefill "
+                     f"{s['prefill_ms_mean']:.2f} ms{where}")
     if "colocated_match" in s:
         lines.append(f"  colocated reference: {s['colocated_match']}/{s['ok']} requests match byte for byte "
                      f"(output and state digests)")

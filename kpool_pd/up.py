@@ -106,7 +106,7 @@ class Teardown:
 
 
 def run_up(args) -> int:
-    for name in ("requests", "prompt_len", "max_tokens"):
+    for name in ("requests", "prompt_len", "max_tokens", "max_batch_tokens"):
         if getattr(args, name) < 1:
             _progress(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
             return 2
@@ -168,6 +168,7 @@ def run_up(args) -> int:
         t0 = time.perf_counter()
         with teardown.track(start_prefill(workdir, model, transports=args.transport, env=peer_env,
                                           extra=["--max-prompt-tokens", str(args.prompt_len), "--device", prefill_device,
+                                                 "--max-batch-tokens", str(args.max_batch_tokens),
                                                  *tls_flags])) as prefill:
             try:
                 prefill.wait_ready(READY_TIMEOUT_S)

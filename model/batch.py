@@ -10,8 +10,8 @@ import torch
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ForwardBatch:
-    """B requests, each contributing consecutive positions ``start_pos[b] ..`` (a prefill from 0, or
-    a decode step: the last committed token and its drafts). ``rows`` picks the tokens whose
+    """B requests, each contributing consecutive positions ``start_pos[b] ..`` (a prefill chunk, from 0
+    for a whole prompt, or a decode step: the last committed token and its drafts). ``rows`` picks the tokens whose
     next token is asked for (prefill: each prompt's last token; decode: every token).
 
     # tokens, positions: [T] int64; query_start_loc: [B+1] int32; start_pos, seq_lens: [B] int32
@@ -26,6 +26,7 @@ class ForwardBatch:
     block_table: torch.Tensor
     ring_ids: torch.Tensor
     rows: torch.Tensor
+    from_zero: bool = False  # every request starts at position 0 (whole prompts), known without reading start_pos
 
     @property
     def num_requests(self) -> int:
@@ -77,4 +78,5 @@ def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]],
         query_start_loc=torch.tensor(starts, **as_int), start_pos=torch.tensor(first, **as_int),
         seq_lens=torch.tensor(lens, **as_int), block_table=table.to(device),
         ring_ids=torch.tensor([ring for *_, ring in chunks], **as_int), rows=torch.tensor(rows, **as_long),
+        from_zero=not any(first),
     )

@@ -37,7 +37,9 @@ class RequestResult:
     output_digest: str
     state_digest: str
     transfer_bytes: int = 0
-    transfer_ms: float = 0.0
+    transfer_ms: float = 0.0  # moving all of its bytes (connector.landed.TransferTimes)
+    prefill_ms: float = 0.0  # the prompt on the prefill node
+    exposed_transfer_ms: float = 0.0  # end of the prompt's compute to every byte on the decode node
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     steps: int = 0
@@ -51,6 +53,7 @@ class RequestResult:
             "request_id": self.request_id, "prompt_len": self.prompt_len, "tokens": list(self.tokens),
             "output_digest": self.output_digest, "state_digest": self.state_digest,
             "transfer_bytes": self.transfer_bytes, "transfer_ms": round(self.transfer_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3), "exposed_transfer_ms": round(self.exposed_transfer_ms, 3),
             "ttft_ms": round(self.ttft_ms, 3), "total_ms": round(self.total_ms, 3), "steps": self.steps,
             "drafts_proposed": self.drafts_proposed, "drafts_accepted": self.drafts_accepted,
             "transport": self.transport, "prefill_worker": self.prefill_worker,

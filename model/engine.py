@@ -15,6 +15,7 @@ thread at a time may call it (the daemons call it from one worker thread).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -37,9 +38,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillJob:
+    """One chunk of a prompt: positions ``[start, end)`` of ``prompt`` (``end`` None: to the prompt's end).
+    A later chunk of the same request must start where the previous one ended, on the same blocks and ring
+    (the ring carries the open pool or group across chunks). ``block_ids`` cover at least ``end`` tokens."""
+
     prompt: Sequence[int]
     block_ids: Sequence[int]
     ring_id: int
+    start: int = 0
+    end: int | None = None
+
+    @property
+    def stop(self) -> int:
+        """The chunk's end position (exclusive)."""
+        return len(self.prompt) if self.end is None else self.end
+
+    @property
+    def last(self) -> bool:
+        """Whether this chunk ends the prompt (its first output token is then computed)."""
+        return self.stop == len(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
 
 
 @dataclass(kw_only=True, eq=False)
@@ -120,18 +141,29 @@ class Engine:
                       self.weights.mla_bytes(layer, batch.tokens, batch.positions))
 
     @_on_pool_device
-    def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
-        """Run whole prompts (from position 0) into their blocks and rings; returns each prompt's
-        first output token. ValueError for a token outside the vocabulary or too few blocks."""
+    def prefill(self, jobs: Sequence[PrefillJob]) -> list[int | None]:
+        """Run one chunk of each job's prompt (whole prompts by default) into its blocks and ring, all in
+        one forward; returns each prompt's first output token for the chunks that end their prompt, None
+        for the others. Chunked and whole prefill write the same bytes (DESIGN section 2). ValueError for
+        a token outside the vocabulary, a chunk outside its prompt, or too few blocks."""
         for job in jobs:
             self._check_prompt(job.prompt)
-            need = self.pool.config.blocks_for_tokens(len(job.prompt))
+            if not 0 <= job.start < job.stop <= len(job.prompt):
+                raise ValueError(f"chunk [{job.start}, {job.stop}) is empty or outside its {len(job.prompt)}-token "
+                                 "prompt")
+            need = self.pool.config.blocks_for_tokens(job.stop)
             if len(job.block_ids) < need:
-                raise ValueError(f"a {len(job.prompt)}-token prompt needs {need} blocks, got {len(job.block_ids)}")
-        batch = build_batch([(list(j.prompt), 0, list(j.block_ids), j.ring_id) for j in jobs], last_only=True,
-                            device=self.device)
+                raise ValueError(f"a chunk ending at position {job.stop} needs {need} blocks, got {len(job.block_ids)}")
+        batch = build_batch([(list(j.prompt[j.start:j.stop]), j.start, list(j.block_ids), j.ring_id) for j in jobs],
+                            last_only=True, device=self.device)
         self._write(batch, self.family.prefill)
-        return self._targets(batch)
+        finals = [b for b, j in enumerate(jobs) if j.last]
+        if not finals:
+            return [None] * len(jobs)
+        if len(finals) < len(jobs):
+            batch = dataclasses.replace(batch, rows=batch.rows[torch.tensor(finals, device=self.device)])
+        tokens = iter(self._targets(batch))
+        return [next(tokens) if j.last else None for j in jobs]
 
     @_on_pool_device
     def decode_step(self, sequences: Sequence[DecodeSequence]) -> list[list[int]]:

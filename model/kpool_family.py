@@ -34,7 +34,8 @@ class KpoolFamily:
         k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
         kpool_prefill(k, gate, self.weights.ape[layer], batch.query_start_loc, batch.block_table, batch.ring_ids,
                       self.pool.indexer_q(layer), self.pool.indexer_scale(layer), self.pool.tail_ring(layer),
-                      mode=self.cache.pool_mode, round_scale=self.cache.round_scale)
+                      mode=self.cache.pool_mode, round_scale=self.cache.round_scale,
+                      start_pos=None if batch.from_zero else batch.start_pos)
 
     def decode(self, layer: int, batch: ForwardBatch) -> None:
         k, gate = self.weights.keys(layer, batch.tokens, batch.positions)

@@ -1,8 +1,14 @@
-"""The prefill node's engine for the connector: validates, allocates, and batches prefills.
+"""The prefill node's engine for the connector: validates, allocates, and schedules prefills by a
+token budget.
 
-Prefill calls that arrive while a batch runs wait in a bounded queue and run together in the
-next batch (one launch per layer for the whole batch), in one worker thread so the event loop
-keeps serving pulls, releases and heartbeats.
+Each step runs one forward of at most ``max_batch_tokens`` prompt tokens (one launch per layer for
+the whole step), in one worker thread so the event loop keeps serving pulls, releases and
+heartbeats. Requests are served in arrival order: the oldest unfinished prompt gets its next chunk
+first, then the next ones fill what is left of the budget, so a long prompt is split across steps
+and many short prompts share one. Chunks start and end anywhere (the engine carries the open pool
+or group in the ring). After each step a request's ``PrefillCache.advance`` says how many of its
+tokens are written in every layer, so that the connector can move the blocks those complete while
+later chunks compute.
 """
 
 from __future__ import annotations
@@ -22,9 +28,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Queued:
-    job: PrefillJob
+    """A request in the schedule: its prompt, where its blocks are, how far it got."""
+
+    prompt: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    ring_id: int
+    cache: PrefillCache
     request_id: str
     future: asyncio.Future
+    done: int = 0  # prompt tokens prefilled so far
+    running: bool = False  # a chunk of it is in the step now running
+    abandoned: bool = False  # its caller left while a chunk ran: roll back once the step ends
+
+    def chunk(self, budget: int) -> PrefillJob:
+        end = min(len(self.prompt), self.done + budget)
+        return PrefillJob(prompt=self.prompt, block_ids=self.block_ids, ring_id=self.ring_id, start=self.done, end=end)
 
 
 class BatchingPrefillEngine:
@@ -43,11 +61,13 @@ class BatchingPrefillEngine:
         self._wake = asyncio.Event()
         self._busy = False
         self.requests = Counter("kpoolpd_prefill_requests", "Prefill calls by outcome", ["outcome"], registry=registry)
-        self.batch_tokens = Histogram("kpoolpd_prefill_batch_tokens", "Prompt tokens per prefill batch",
+        self.batch_tokens = Histogram("kpoolpd_prefill_batch_tokens", "Prompt tokens per prefill step",
                                       buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=registry)
-        self.batch_seconds = Histogram("kpoolpd_prefill_batch_seconds", "Time of one prefill batch", registry=registry)
-        Gauge("kpoolpd_prefill_queue", "Prefill calls waiting for a batch", registry=registry).set_function(
-            lambda: len(self._pending))
+        self.batch_seconds = Histogram("kpoolpd_prefill_batch_seconds", "Time of one prefill step", registry=registry)
+        self.chunks = Counter("kpoolpd_prefill_chunks", "Prompt chunks prefilled (a prompt split across steps "
+                              "counts once per step)", registry=registry)
+        Gauge("kpoolpd_prefill_queue", "Prefill calls not finished (waiting, or between chunks)",
+              registry=registry).set_function(lambda: len(self._pending))
 
     @property
     def idle(self) -> bool:
@@ -67,55 +87,80 @@ class BatchingPrefillEngine:
             self.requests.labels("queue_full").inc()
             raise CacheExhaustedError(f"prefill queue is full ({len(self._pending)} waiting)")
         block_ids, ring_id = cache.allocate(self.engine.pool.config.blocks_for_tokens(len(prompt)))
-        queued = _Queued(PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id), request.request_id,
+        queued = _Queued(tuple(prompt), tuple(block_ids), ring_id, cache, request.request_id,
                          asyncio.get_running_loop().create_future())
         self._pending.append(queued)
         self._wake.set()
         try:
             first = await asyncio.shield(queued.future)
         except asyncio.CancelledError:
-            # The caller gave up: free the blocks now if they were never written, else once the
-            # batch that writes them has finished.
-            if queued in self._pending:
-                self._pending.remove(queued)
-                cache.rollback()
+            # The caller gave up: free the blocks now if no chunk of it is running, else once the step
+            # that writes them has ended.
+            if queued.running:
+                queued.abandoned = True
             else:
-                queued.future.add_done_callback(lambda _: cache.rollback())
+                if queued in self._pending:
+                    self._pending.remove(queued)
+                cache.rollback()
             self.requests.labels("cancelled").inc()
             raise
         self.requests.labels("ok").inc()
         return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=len(prompt), first_token=first)
 
-    def _take_batch(self) -> list[_Queued]:
-        batch, tokens = [], 0
-        while self._pending and (not batch or tokens + len(self._pending[0].job.prompt) <= self.max_batch_tokens):
-            queued = self._pending.pop(0)
-            batch.append(queued)
-            tokens += len(queued.job.prompt)
-        return batch
+    def _take_step(self) -> list[tuple[_Queued, PrefillJob]]:
+        """The next step's chunks: the oldest unfinished prompts first, up to ``max_batch_tokens``."""
+        step, left = [], self.max_batch_tokens
+        for queued in self._pending:
+            if left == 0:
+                break
+            job = queued.chunk(left)
+            step.append((queued, job))
+            left -= job.num_tokens
+        return step
 
     async def run(self) -> None:
-        """Run batches until cancelled."""
+        """Run steps until cancelled."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                batch = self._take_batch()
-                self._busy = True
-                started = time.perf_counter()
-                try:
-                    firsts = await asyncio.to_thread(self.engine.prefill, [q.job for q in batch])
-                except Exception as exc:  # every waiter gets the error; the connector frees
-                    logger.exception("prefill batch of %d requests failed", len(batch))
-                    for q in batch:
-                        if not q.future.done():
-                            q.future.set_exception(exc)
-                    continue
-                finally:
-                    self._busy = False
-                self.batch_seconds.observe(time.perf_counter() - started)
-                self.batch_tokens.observe(sum(len(q.job.prompt) for q in batch))
-                logger.debug("prefilled %d requests in %.1f ms", len(batch), (time.perf_counter() - started) * 1000)
-                for q, first in zip(batch, firsts):
-                    if not q.future.done():
-                        q.future.set_result(first)
+                await self._run_step(self._take_step())
+
+    async def _run_step(self, step: list[tuple[_Queued, PrefillJob]]) -> None:
+        for queued, _ in step:
+            queued.running = True
+        self._busy = True
+        started = time.perf_counter()
+        try:
+            firsts = await asyncio.to_thread(self.engine.prefill, [job for _, job in step])
+        except Exception as exc:  # every request of the step fails; the connector frees
+            logger.exception("prefill step of %d chunks failed", len(step))
+            for queued, _ in step:
+                self._pending.remove(queued)
+                if queued.abandoned:
+                    queued.cache.rollback()
+                elif not queued.future.done():
+                    queued.future.set_exception(exc)
+            return
+        finally:
+            self._busy = False
+            for queued, _ in step:
+                queued.running = False
+        seconds = time.perf_counter() - started
+        self.batch_seconds.observe(seconds)
+        self.batch_tokens.observe(sum(job.num_tokens for _, job in step))
+        self.chunks.inc(len(step))
+        logger.debug("prefilled %d chunks (%d tokens) in %.1f ms", len(step), sum(j.num_tokens for _, j in step),
+                     seconds * 1000)
+        for (queued, job), first in zip(step, firsts):
+            if queued.abandoned:
+                if queued in self._pending:
+                    self._pending.remove(queued)
+                queued.cache.rollback()
+                continue
+            queued.done = job.stop
+            queued.cache.advance(job.stop)
+            if job.last:
+                self._pending.remove(queued)
+                if not queued.future.done():
+                    queued.future.set_result(first)

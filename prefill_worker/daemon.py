@@ -20,6 +20,8 @@ from prefill_worker.batcher import BatchingPrefillEngine
 from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, model_config, positive_int,
                      run_daemon, service_options)
 
+DEFAULT_MAX_BATCH_TOKENS = 2048
+
 OPTIONS: tuple[Option, ...] = (
     *service_options(grpc_port=50051, metrics_port=9401),
     *TLS_OPTIONS,
@@ -27,7 +29,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("num-blocks", positive_int, 512, "blocks in the cache pool"),
     Option("num-rings", positive_int, 64, "ring blocks (requests held at once)"),
     Option("max-prompt-tokens", positive_int, 8192, "longest prompt accepted"),
-    Option("max-batch-tokens", positive_int, 16384, "prompt tokens per prefill batch"),
+    Option("max-batch-tokens", positive_int, DEFAULT_MAX_BATCH_TOKENS,
+           "prompt tokens per prefill step: longer prompts are prefilled in chunks across steps, shorter ones "
+           "share a step"),
     Option("max-queue", positive_int, 64, "prefill calls waiting at most; more get RESOURCE_EXHAUSTED"),
 )
 
@@ -46,7 +50,9 @@ class PrefillNode:
         self.engine = Engine(self.config, self.pool)
         self.batcher = BatchingPrefillEngine(self.engine, max_batch_tokens=settings["max_batch_tokens"],
                                              max_queue=settings["max_queue"], registry=context.registry)
-        config = dataclasses.replace(context.connector_config, max_prompt_tokens=settings["max_prompt_tokens"])
+        # a pipelined transfer moves blocks in pieces of a step's worth of tokens
+        config = dataclasses.replace(context.connector_config, max_prompt_tokens=settings["max_prompt_tokens"],
+                                     piece_tokens=settings["max_batch_tokens"])
         self.connector = PrefillConnector(self.pool, self.blocks, self.rings, self.batcher,
                                           engine_id=context.engine_id, config=config, registry=context.registry,
                                           transports=context.transports.offered, model_identity=self.config.identity())
@@ -54,12 +60,17 @@ class PrefillNode:
         self._batches: asyncio.Task | None = None
 
     def warm_up(self) -> None:
-        """One prefill of ``2 * group + 1`` tokens (at most a block) through the engine."""
+        """One prefill of ``2 * group + 1`` tokens (at most a block) through the engine, whole and then in two
+        chunks (the second starting inside a pool), so that both kernel variants are built before serving."""
         config = self.config
         prompt = [t % config.vocab_size for t in range(min(config.resolved_block_size, 2 * config.group + 1))]
         block_ids, ring_id = self.blocks.allocate(1), self.rings.allocate("warm-up")
         try:
             self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id)])
+            cut = max(1, len(prompt) // 2)
+            for start, end in ((0, cut), (cut, len(prompt))):
+                self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id, start=start,
+                                                end=end)])
         finally:
             self.blocks.free(block_ids)
             self.rings.free("warm-up")

@@ -122,6 +122,43 @@ class SeededFillEngine:
         return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
 
 
+class ChunkedFillEngine(SeededFillEngine):
+    """SeededFillEngine in chunks of ``chunk_tokens``: before each chunk it awaits ``gate()`` (a pause, or the
+    test's go-ahead); after it, the blocks the chunk completed hold their bytes and ``cache.advance`` says so;
+    the ring is written with the last chunk. ``fail_after`` chunks: it raises instead of the next one;
+    ``on_chunk(i)`` is called after chunk i (fault injection); ``linger_s``: the time it takes to return
+    once every token is written (as a batch loop's step that still has other requests to finish)."""
+
+    def __init__(self, chunk_tokens: int, gate, *, fail_after: int | None = None, on_chunk=None,
+                 linger_s: float = 0.0) -> None:
+        self.chunk_tokens, self.gate, self.fail_after, self.on_chunk = chunk_tokens, gate, fail_after, on_chunk
+        self.linger_s = linger_s
+        self.chunks_done = 0
+
+    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+        n = len(request.prompt_token_ids)
+        layout = cache.pool.layout
+        block_ids, ring_id = cache.allocate(cache.pool.config.blocks_for_tokens(n))
+        size, written = layout.config.block_size, 0
+        for index, start in enumerate(range(0, n, self.chunk_tokens)):
+            await self.gate()
+            if self.fail_after is not None and index >= self.fail_after:
+                raise RuntimeError(f"injected failure before chunk {index}")
+            end = min(n, start + self.chunk_tokens)
+            while written < len(block_ids) and (end >= (written + 1) * size or end == n):
+                cache.pool.blocks[block_ids[written]] = expected_block(layout, request.request_id, written)
+                written += 1
+            if end == n:
+                cache.pool.rings[ring_id] = expected_ring(layout, request.request_id)
+            cache.advance(end)
+            self.chunks_done += 1
+            if self.on_chunk is not None:
+                self.on_chunk(index)
+        await asyncio.sleep(self.linger_s)
+        return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=n,
+                             first_token=sum(request.prompt_token_ids) % 50000)
+
+
 def _fragment(blocks: BlockAllocator, rng: random.Random) -> list[int]:
     """Hold a random half of the blocks so that what is allocated next is not contiguous."""
     held = blocks.allocate(blocks.num_blocks)
@@ -131,15 +168,24 @@ def _fragment(blocks: BlockAllocator, rng: random.Random) -> list[int]:
 
 
 def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: int = 96, num_rings: int = 8, seed: int = 1,
-                 cache: str = "kpool", order: str = "BLNHC") -> None:
-    """Serve until told to stop; answer ("counts",) with (free blocks, free rings, grants held)."""
+                 cache: str = "kpool", order: str = "BLNHC", chunk_tokens: int = 0, chunk_pause_s: float = 0.05) -> None:
+    """Serve until told to stop; answer ("counts",) with (free blocks, free rings, grants held).
+    ``chunk_tokens``: compute prompts in chunks of that many tokens, ``chunk_pause_s`` apart
+    (``ChunkedFillEngine``); with ``die="between_chunks"`` the process exits after the second chunk."""
     async def main():
         layout = BlockLayout(make_config(cache, order))
         pool = CachePool(layout, num_blocks=num_blocks, num_rings=num_rings)
         blocks, rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
         held = _fragment(blocks, random.Random(seed))
         config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=lease_s * 2)
-        node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="prefill-0", config=config,
+        engine = SeededFillEngine()
+        if chunk_tokens:
+            def exit_after_two(index: int) -> None:
+                if die == "between_chunks" and index == 1:
+                    os._exit(17)
+            engine = ChunkedFillEngine(chunk_tokens, lambda: asyncio.sleep(chunk_pause_s), on_chunk=exit_after_two)
+        config = replace(config, piece_tokens=max(chunk_tokens, 1))
+        node = PrefillConnector(pool, blocks, rings, engine, engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry())
         if die == "grpc":  # fault injection: the process dies after its first chunk
             real, calls = regions.host_bytes, [0]
@@ -285,6 +331,31 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                     with await peer.pull(grant, transport=t, integrity=True) as landed:
                         out["differences"] += [f"{rid} block {k}" for k, b in enumerate(landed.block_ids)
                                                if not torch.equal(pool.blocks[b], expected_block(layout, rid, k))]
+            out["end_free"] = (blocks.num_free, rings.num_free)
+        elif scenario in ("pipelined", "pipelined_decode_dies", "pipelined_prefill_dies"):
+            # The prefill node computes in chunks: the pull starts before the prompt is computed.
+            out["differences"], out["pipelined"] = [], []
+            lengths = [700, 1, 257] if scenario == "pipelined" else [2000]
+            for i, n in enumerate(lengths):
+                rid = f"pipe-{transport}-{i}"
+                grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)], pipelined=True)
+                out["pipelined"].append(grant.pipelined)
+                if scenario == "pipelined_decode_dies":  # exit once the pull is under way, between two chunks
+                    def die():
+                        conn.send({"dying": True})
+                        os._exit(17)
+                    asyncio.get_running_loop().call_later(0.3, die)
+                began = time.monotonic()
+                try:
+                    with await peer.pull(grant, transport=t, integrity=i % 2 == 1) as landed:
+                        differences, _ = landed_differences(pool, landed, rid, n)
+                        out["differences"] += [f"{rid}: {d}" for d in differences]
+                        out.setdefault("first_tokens", []).append(landed.first_token)
+                        out.setdefault("times", []).append(landed.times)
+                    out["error"] = None
+                except StatusError as exc:
+                    out["error"], out["message"] = exc.code.name, exc.message
+                out["seconds"] = time.monotonic() - began
             out["end_free"] = (blocks.num_free, rings.num_free)
         elif scenario in ("decode_dies", "prefill_dies"):
             grant = await peer.prefill("victim", [7] * 2000)

@@ -2,7 +2,9 @@
 daemon, except that it holds a request at one step for ``HOLD_S`` when the request's id asks for
 it, so that a client's cancel lands in that step on the decode node:
 
-- ``@prefilling``: the prefill is computed (its blocks written), then the answer waits;
+- ``@prefilling``: the prefill waits before it starts (before its blocks are allocated: a pipelined
+  Prefill call is answered once they are, a whole one once the prompt is computed, so either way the
+  call is still unanswered);
 - ``@pulling``: the Pull waits before it starts (before any byte, and before its grant message);
 - ``@releasing``: the Release waits before it frees the grant.
 
@@ -31,10 +33,9 @@ def install_holds() -> None:
     real_prefill, real_pull, real_release = BatchingPrefillEngine.prefill, PrefillConnector.Pull, PrefillConnector.Release
 
     async def prefill(self, request, cache):
-        out = await real_prefill(self, request, cache)
         if _asks(request.request_id, "prefilling"):
             await asyncio.sleep(HOLD_S)
-        return out
+        return await real_prefill(self, request, cache)
 
     async def pull(self, request, context):
         grant = self.leases.live(request.grant_id)

@@ -79,3 +79,49 @@ def test_pulls_from_a_live_node_after_failed_pulls(prefill, transport):
     assert set(out["failed"]) <= {"UNAVAILABLE", "INTERNAL"} and len(out["failed"]) == 3, out["failed"]
     assert out["differences"] == []
     assert out["end_free"] == out["start_free"]
+
+
+CHUNK_TOKENS = 100  # the prefill node's chunks (a block is 64 tokens): pieces of one block, 1.5 blocks a chunk
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pipelined_pulls_land_byte_for_byte_with_their_first_token(prefill, transport):
+    node = prefill(lease_s=LEASE_S, chunk_tokens=CHUNK_TOKENS)
+    (out,), code = run_child(procs.decode_main, address=node.address, transport=transport, scenario="pipelined",
+                             lease_s=LEASE_S)
+    assert code == 0 and out["error"] is None, out
+    assert out["pipelined"] == [True, True, True]
+    assert out["differences"] == []
+    assert len(out["first_tokens"]) == 3 and out["end_free"] == out["start_free"]
+    for times in out["times"]:
+        assert times.prefill_ms > 0 and times.transfer_ms > 0 and 0 <= times.exposed_transfer_ms
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_killed_between_chunks_frees_everything_on_the_prefill_node(prefill, transport):
+    node = prefill(lease_s=LEASE_S, chunk_tokens=CHUNK_TOKENS)
+    messages, code = run_child(procs.decode_main, address=node.address, transport=transport,
+                               scenario="pipelined_decode_dies", lease_s=LEASE_S)
+    assert messages == [{"dying": True}] and code == 17
+    deadline = time.monotonic() + 4 * LEASE_S
+    while node.counts() != (node.free_blocks, node.free_rings, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.counts() == (node.free_blocks, node.free_rings, 0)
+    assert node.proc.is_alive()
+    (out,), code = run_child(procs.decode_main, address=node.address, transport=transport, scenario="pipelined",
+                             lease_s=LEASE_S)
+    assert code == 0 and out["error"] is None and out["differences"] == [], out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_killed_between_chunks_fails_the_request_cleanly(prefill, transport):
+    node = prefill(lease_s=LEASE_S, die="between_chunks", chunk_tokens=CHUNK_TOKENS)
+    (out,), code = run_child(procs.decode_main, address=node.address, transport=transport,
+                             scenario="pipelined_prefill_dies", lease_s=LEASE_S)
+    assert code == 0
+    assert out["pipelined"] == [True]
+    assert out["error"] in ("UNAVAILABLE", "CANCELLED"), out
+    assert out["seconds"] < 3.0, out  # the lost stream ends the pull, long before its deadline (6 s)
+    assert out["end_free"] == out["start_free"]
+    node.proc.join(10)
+    assert node.proc.exitcode == 17

@@ -12,7 +12,7 @@ import torch
 from connector import ucx_available
 
 FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
-          "ttft_ms"}
+          "ttft_ms", "prefill_ms", "exposed_transfer_ms"}
 
 
 def _up(*flags: str) -> tuple[int, list[dict], str]:

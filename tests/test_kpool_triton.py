@@ -139,9 +139,10 @@ def test_prefill(backend, entry_rule, mode):
     pool, ref_pool = make_pool(CONFIG, 21, 6, 1, device), make_pool(CONFIG, 21, 6, 1, torch.device("cpu"))
     kpool_prefill(k.to(device), gate.to(device), ape.to(device), qsl.to(device), tables.to(device), ring_ids.to(device),
                   pool.indexer_q(1), pool.indexer_scale(1), pool.tail_ring(1), mode=mode)
-    prefill_compress_write(k, gate, ape, qsl, tables, ref_pool.indexer_q(1), ref_pool.indexer_scale(1), mode=mode,
-                           round_scale=True)
-    seed_tail_ring(k, gate, qsl, ring_ids, ref_pool.tail_ring(1), kpool=4)
+    zeros = torch.zeros(len(lengths), dtype=torch.int64)
+    prefill_compress_write(k, gate, ape, qsl, zeros, tables, ring_ids, ref_pool.tail_ring(1), ref_pool.indexer_q(1),
+                           ref_pool.indexer_scale(1), mode=mode, round_scale=True)
+    seed_tail_ring(k, gate, qsl, zeros, ring_ids, ref_pool.tail_ring(1), kpool=4)
     assert_pools_match(pool, ref_pool, 1, mode, entry_rule)
 
 

@@ -19,6 +19,8 @@ from kernels import (kpool_compress, kpool_decode_update, kpool_indexer_topk, kp
 from kernels.kpool_decode.ref import decode_update
 from kvcache import PoolMode
 from tests.kernel_backends import Backend, make_backend
+from tests.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
+from tests.test_chunked_prefill import test_kernel_chunks_equal_one_whole_prefill  # noqa: F401
 from tests.test_kpool_triton import (CONFIG, D, assert_pools_match, keys, make_pool, test_compress,  # noqa: F401
                                      test_compress_encodes_rounding_edges_like_torch, test_decode_step_with_drafts,
                                      test_indexer_topk, test_prefill,

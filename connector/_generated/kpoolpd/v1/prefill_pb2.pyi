@@ -74,14 +74,16 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "engine_id")
+    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     engine_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class RingRange(_message.Message):
     __slots__ = ("start_slot", "num_slots")
@@ -92,7 +94,7 @@ class RingRange(_message.Message):
     def __init__(self, start_slot: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "grant_id", "prompt_len", "num_blocks", "ring_live", "first_token", "lease_ms", "src_block_ids", "src_ring_id")
+    __slots__ = ("request_id", "grant_id", "prompt_len", "num_blocks", "ring_live", "first_token", "lease_ms", "src_block_ids", "src_ring_id", "pipelined", "piece_blocks", "prefill_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,9 @@ class PrefillResponse(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SRC_RING_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     grant_id: str
     prompt_len: int
@@ -111,7 +116,10 @@ class PrefillResponse(_message.Message):
     lease_ms: int
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     src_ring_id: int
-    def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ...) -> None: ...
+    pipelined: bool
+    piece_blocks: int
+    prefill_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., pipelined: _Optional[bool] = ..., piece_blocks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base")
@@ -166,24 +174,38 @@ class Chunk(_message.Message):
     def __init__(self, region: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullDone(_message.Message):
-    __slots__ = ("bytes", "regions", "crc32")
+    __slots__ = ("bytes", "regions", "crc32", "send_ms", "sent_after_prefill_ms")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    SEND_MS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AFTER_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     regions: int
     crc32: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, bytes: _Optional[int] = ..., regions: _Optional[int] = ..., crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+    send_ms: float
+    sent_after_prefill_ms: float
+    def __init__(self, bytes: _Optional[int] = ..., regions: _Optional[int] = ..., crc32: _Optional[_Iterable[int]] = ..., send_ms: _Optional[float] = ..., sent_after_prefill_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillDone(_message.Message):
+    __slots__ = ("first_token", "prefill_ms")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    prefill_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("grant", "chunk", "done")
+    __slots__ = ("grant", "chunk", "done", "prefilled")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
     grant: PullGrant
     chunk: Chunk
     done: PullDone
-    def __init__(self, grant: _Optional[_Union[PullGrant, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ...) -> None: ...
+    prefilled: PrefillDone
+    def __init__(self, grant: _Optional[_Union[PullGrant, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("grant_id", "engine_id")

@@ -17,7 +17,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("request_id", "prefill_address", "prefill_engine_id", "transport", "transfer_bytes", "transfer_regions", "transfer_ms", "queue_ms")
+    __slots__ = ("request_id", "prefill_address", "prefill_engine_id", "transport", "transfer_bytes", "transfer_regions", "transfer_ms", "queue_ms", "prefill_ms", "exposed_transfer_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class GenerateStarted(_message.Message):
     TRANSFER_REGIONS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_address: str
     prefill_engine_id: str
@@ -34,7 +36,9 @@ class GenerateStarted(_message.Message):
     transfer_regions: int
     transfer_ms: float
     queue_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., transport: _Optional[str] = ..., transfer_bytes: _Optional[int] = ..., transfer_regions: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    prefill_ms: float
+    exposed_transfer_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., transport: _Optional[str] = ..., transfer_bytes: _Optional[int] = ..., transfer_regions: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., exposed_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateTokens(_message.Message):
     __slots__ = ("token_ids",)

@@ -1,0 +1,113 @@
+"""End to end with chunked prefill: a prefill daemon whose token budget splits prompts across steps
+(``--max-batch-tokens``) equals the colocated run byte for byte, over both transports.
+
+Budgets one under the ring and one over a block, with 16 concurrent requests a decode daemon whose prompt
+lengths sit on and around the pool (group), ring and block boundaries: chunk edges fall at every residue
+of the pool, ring and block (a request alone in a step is cut at multiples of the budget; requests sharing
+a step at the leftovers). Then ``kpool-pd up --max-batch-tokens N`` against ``--colocated``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.launcher import start_decode, start_prefill
+from kvcache import CacheFamily
+from model import ModelConfig
+from model.colocated import run_colocated
+from tests.polling import wait_for
+from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _assert_match, _flags, _free_blocks, _free_port,
+                            _logs_on_failure, _ready_and_serving, _metric, _stop, boundary_prompts)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CASES = [  # family, group, drafts, budget (ring 8 and block 64 in every case)
+    pytest.param(CacheFamily.KPOOL, 4, 3, 7, id="kpool4-spec3-budget7"),
+    pytest.param(CacheFamily.KPOOL, 4, 3, 65, id="kpool4-spec3-budget65"),
+    pytest.param(CacheFamily.QSA, 4, 3, 9, id="qsa4-spec3-budget9"),
+    pytest.param(CacheFamily.QSA, 4, 3, 63, id="qsa4-spec3-budget63"),
+]
+
+
+def _summed(daemon, name: str) -> float:
+    """The sum of a metric's samples over all its labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("family,group,num_spec,budget", CASES)
+def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
+    key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
+    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=budget, **{key: group})
+    assert (config.cache_config().ring_slots, config.resolved_block_size) == (8, 64)
+    flags = _flags(config)
+    port = _free_port()
+    prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text",
+                                                    "--max-batch-tokens", str(budget)])
+    decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
+                            extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
+    try:
+        with _logs_on_failure(prefill, *decodes):
+            batches = {t: boundary_prompts(config, 16, 8, seed=budget, prefix=t) for t in TRANSPORTS}
+            references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+            _ready_and_serving(prefill, *decodes)
+            start_free = [_free_blocks(d) for d in (prefill, *decodes)]
+            chunks_before = _metric(prefill, "kpoolpd_prefill_chunks_total")
+
+            async def everything():
+                return await asyncio.gather(*(generate_all(f"127.0.0.1:{d.port}", batches[t])
+                                              for d, t in zip(decodes, TRANSPORTS)))
+            outcomes = asyncio.run(everything())
+            for transport, results in zip(TRANSPORTS, outcomes):
+                failed = [r for r in results if isinstance(r, RequestFailed)]
+                assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}"
+                assert {r.transport for r in results} == {transport}
+                _assert_match(results, references[transport])
+            prompts = sum(len(b) for b in batches.values())
+            assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
+            # pieces of the budget's worth of blocks (here one block): at least a region per block moved
+            blocks = sum(config.cache_config().blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
+            assert _summed(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
+            for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
+                assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
+                for name in ("prefill", "transfer", "exposed_transfer"):
+                    count = _metric(decode, f"kpoolpd_decode_request_{name}_seconds_count")
+                    assert count == len(results), f"{decode.name}: {name} observed {count} times"
+            assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
+    finally:
+        _stop(*decodes, prefill)
+
+
+def _up(*flags: str) -> tuple[int, list[dict], str]:
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--json", *flags], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
+
+
+UP_CASES = [pytest.param("kpool", TRANSPORTS[0], id=f"kpool-{TRANSPORTS[0]}"),
+            pytest.param("qsa", "grpc", id="qsa-grpc")]
+
+
+@pytest.mark.parametrize("family,transport", UP_CASES)
+def test_up_with_a_token_budget_equals_colocated(family, transport):
+    """A 141-token prompt (two blocks, a pool, a ring and 13) in 2, 3 or 4 chunks of a 65-token budget."""
+    flags = ("--requests", "3", "--prompt-len", "141", "--max-tokens", "6", "--family", family, "--num-spec", "3")
+    code, rows, stderr = _up(*flags, "--max-batch-tokens", "65", "--transport", transport)
+    assert code == 0, stderr
+    *requests, last = rows
+    assert last["summary"]["ok"] == last["summary"]["colocated_match"] == 3
+    for row in requests:
+        assert row["prefill_ms"] > 0 and row["transfer_ms"] > 0 and row["exposed_transfer_ms"] >= 0, row
+        assert row["exposed_transfer_ms"] < row["ttft_ms"] and row["prefill_ms"] < row["ttft_ms"], row
+    assert last["summary"]["exposed_transfer_ms_mean"] >= 0 and last["summary"]["prefill_ms_mean"] > 0
+    code, colocated, _ = _up(*flags, "--colocated")
+    assert code == 0
+    assert [(r["tokens"], r["output_digest"], r["state_digest"]) for r in colocated[:-1]] == [
+        (r["tokens"], r["output_digest"], r["state_digest"]) for r in requests]
