@@ -109,7 +109,14 @@ class Engine:
         acc = self.rule.start(batch.rows.shape[0], self.device)
         for layer in range(self.config.num_layers):
             acc = self.rule.chain(acc, layer, self.family.features(layer, batch))
-        return self.rule.next_tokens(acc, batch.tokens[batch.rows])
+        return self.rule.next_tokens(self._combine(acc), batch.tokens[batch.rows])
+
+    def _combine(self, acc: torch.Tensor) -> torch.Tensor:
+        """The chained hash of every row from this engine's part of it (one engine holds all of it).
+
+        # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
+        """
+        return acc
 
     def _write(self, batch: ForwardBatch, update) -> None:
         request = torch.repeat_interleave(torch.arange(batch.num_requests, device=self.device),
