@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.plan import RingRange
 
@@ -25,6 +25,21 @@ class Grant:
     expires_at: float
     pulls_in_flight: int = 0
     release_requested: bool = False
+    # A decode-context-parallel instance: its ranks' engine ids (rank 0's is ``engine_id``) and its
+    # interleave; each rank pulls and releases its own share, and the grant is released once all did.
+    dcp_engine_ids: tuple[str, ...] = ()
+    dcp_interleave: int = 0
+    ranks_released: set[int] = field(default_factory=set)
+
+    def owned_by(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` may renew the grant: the engine that asked, or one of its DCP ranks."""
+        return engine_id == self.engine_id or engine_id in self.dcp_engine_ids
+
+    def release_rank(self, rank: int) -> None:
+        """Rank ``rank``'s share is released; the whole grant once every rank's is."""
+        self.ranks_released.add(rank)
+        if len(self.ranks_released) >= len(self.dcp_engine_ids):
+            self.release_requested = True
 
 
 class LeaseTable:

@@ -40,6 +40,7 @@ from connector import regions
 from connector.auth import Credential
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.config import ConnectorConfig
+from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput
 from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
@@ -48,13 +49,14 @@ from connector.plan import plan_transfer, ring_live_range
 from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode, UcxSendError
 from connector.ucx_address import WorkerAddressError
 from connector.wire import Transport, layout_message, ring_message, transports_from
-from kvcache import BlockAllocator, CachePool, RingAllocator
+from kvcache import BlockAllocator, CachePool, DcpConfig, DcpShard, RingAllocator
 
 logger = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
 FORGET_AFTER_LEASES = 10  # a decode engine silent this many leases is forgotten (a live one heartbeats every lease)
 FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
+MAX_DCP_RANKS = 64
 VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
 
 
@@ -276,6 +278,11 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.leases)} grants held (limit {self.config.max_grants})")
         if self.leases.active_request(request.request_id, request.engine_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} already holds a grant")
+        dcp_ids, dcp_interleave = tuple(request.dcp_engine_ids), request.dcp_interleave
+        if dcp_ids:
+            problem = self._dcp_problem(request.engine_id, dcp_ids, dcp_interleave)
+            if problem:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         grant_id = secrets.token_hex(16)
         cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
         job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids))
@@ -307,7 +314,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
             live = ring_live_range(self.layout.config, n)
             self.leases.add(Grant(grant_id=grant_id, request_id=request.request_id, engine_id=request.engine_id,
                                   block_ids=tuple(out.block_ids), ring_id=out.ring_id, prompt_len=n, live=live,
-                                  first_token=out.first_token, expires_at=self.leases.expiry()))
+                                  first_token=out.first_token, expires_at=self.leases.expiry(),
+                                  dcp_engine_ids=dcp_ids, dcp_interleave=dcp_interleave))
             granted = True
         finally:
             if not granted:
@@ -317,13 +325,39 @@ class PrefillConnector(pb.PrefillServiceServicer):
                                   first_token=out.first_token, lease_ms=int(self.config.lease_s * 1000),
                                   src_block_ids=out.block_ids, src_ring_id=out.ring_id)
 
+    def _dcp_problem(self, engine_id: str, ranks: tuple[str, ...], interleave: int) -> str | None:
+        """What is wrong with a Prefill's DCP fields, or None."""
+        if not 2 <= len(ranks) <= MAX_DCP_RANKS or ranks[0] != engine_id or len(set(ranks)) != len(ranks) \
+                or not all(0 < len(r) <= MAX_ID_CHARS for r in ranks):
+            return (f"dcp_engine_ids must name 2 to {MAX_DCP_RANKS} distinct engines of 1 to {MAX_ID_CHARS} "
+                    f"characters, rank 0 being engine_id; got {len(ranks)}")
+        try:
+            DcpConfig.for_cache(self.layout.config, size=len(ranks), interleave=interleave or None)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @staticmethod
+    def _shard(grant: Grant, rank: int) -> DcpShard:
+        return DcpShard(size=len(grant.dcp_engine_ids), rank=rank, interleave=grant.dcp_interleave)
+
+    def _pulls_as(self, grant: Grant, request: pb.PullRequest | pb.ReleaseRequest) -> bool:
+        """Whether the request's engine may pull or release (its share of) ``grant``."""
+        if not grant.dcp_engine_ids:
+            return grant.engine_id == request.engine_id
+        rank = request.dcp_rank
+        return rank < len(grant.dcp_engine_ids) and grant.dcp_engine_ids[rank] == request.engine_id
+
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         grant = self.leases.live(request.grant_id)
         if grant is None:
             return pb.ReleaseResponse(released=False)
-        if grant.engine_id != request.engine_id:
+        if not self._pulls_as(grant, request) or (request.all_ranks and request.dcp_rank != 0):
             await self._refuse_foreign(context, "Release", request.engine_id)
-        grant.release_requested = True
+        if grant.dcp_engine_ids and not request.all_ranks:
+            grant.release_rank(request.dcp_rank)
+        else:
+            grant.release_requested = True
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
 
@@ -331,7 +365,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if len(request.grant_ids) > self.config.max_grants:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
         foreign = [g for g in request.grant_ids
-                   if (grant := self.leases.live(g)) is not None and grant.engine_id != request.engine_id]
+                   if (grant := self.leases.live(g)) is not None and not grant.owned_by(request.engine_id)]
         if foreign:  # checked before renewing any: a refused call changes nothing
             await self._refuse_foreign(context, "Heartbeat", request.engine_id, len(foreign))
         unknown = [g for g in request.grant_ids if not self.leases.renew(g)]
@@ -354,7 +388,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
-        if grant.engine_id != request.engine_id:
+        if not self._pulls_as(grant, request):
             await self._refuse_foreign(context, "Pull", request.engine_id)
         if request.transport not in self._offered_values:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -368,12 +402,19 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
         if transport is Transport.UCX and request.ucx_tag_base == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")
-        if len(request.dst_block_ids) != len(grant.block_ids):
+        shard = self._shard(grant, request.dcp_rank) if grant.dcp_engine_ids else None
+        want = dcp_landed_blocks(self.layout, shard, grant.prompt_len) if shard else len(grant.block_ids)
+        if len(request.dst_block_ids) != want:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.dst_block_ids)} destination blocks for a grant of {len(grant.block_ids)} blocks")
+                                f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"
+                                + (f" (rank {shard.rank} of {shard.size})" if shard else ""))
         try:
-            plan = plan_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
-                                 request.dst_ring_id, grant.live)
+            if shard is None:
+                plan = plan_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
+                                     request.dst_ring_id, grant.live)
+            else:
+                plan = plan_dcp_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
+                                         request.dst_ring_id, grant.live, shard, grant.prompt_len)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if len(plan) > MAX_REGIONS:

@@ -58,11 +58,11 @@ def test_prefill_service_and_enums_match_the_connector():
     assert {t.value for t in Transport} == {pb.TRANSPORT_UCX, pb.TRANSPORT_GRPC_STREAM}
 
 
-def test_prefill_request_carries_the_prompt_and_the_asking_engine_only():
+def test_prefill_request_carries_the_prompt_the_asking_engine_and_its_dcp_ranks_only():
     from connector import prefill_api as pb
 
     fields = pb.PrefillRequest.DESCRIPTOR.fields_by_name
-    assert sorted(fields) == ["engine_id", "prompt_token_ids", "request_id"]
+    assert sorted(fields) == ["dcp_engine_ids", "dcp_interleave", "engine_id", "prompt_token_ids", "request_id"]
     assert 3 not in pb.PrefillRequest.DESCRIPTOR.fields_by_number
 
 

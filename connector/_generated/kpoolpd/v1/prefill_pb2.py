@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-connector/_generated/kpoolpd/v1/prefill.proto\x12\nkpoolpd.v1\"a\n\x06Layout\x12\x13\n\x0blayout_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ring_block_bytes\x18\x04 \x01(\x04\"\xc0\x01\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x16\n\x0eucx_warmup_tag\x18\x06 \x01(\x04\"\xeb\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x08 \x01(\t\"a\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tengine_id\x18\x04 \x01(\tJ\x04\x08\x03\x10\x04R\x08sampling\"2\n\tRingRange\x12\x12\n\nstart_slot\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\xdc\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08grant_id\x18\x02 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\tring_live\x18\x05 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\t \x01(\r\"\xb1\x01\n\x0bPullRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_ring_id\x18\x04 \x01(\r\x12(\n\ttransport\x18\x05 \x01(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x11\n\tintegrity\x18\x06 \x01(\x08\x12\x14\n\x0cucx_tag_base\x18\x07 \x01(\x04\"L\n\x06Region\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kpoolpd.v1.PoolKind\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\tPullGrant\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x02 \x01(\r\x12(\n\tring_live\x18\x03 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0bnum_regions\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"5\n\x05\x43hunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"9\n\x08PullDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x03(\r\"\x8b\x01\n\x0cPullResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kpoolpd.v1.PullGrantH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kpoolpd.v1.ChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.kpoolpd.v1.PullDoneH\x00\x42\t\n\x07message\"5\n\x0eReleaseRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tgrant_ids\x18\x02 \x03(\t\"X\n\x11HeartbeatResponse\x12\x19\n\x11unknown_grant_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x04\x12\x16\n\x0e\x65ngine_unknown\x18\x03 \x01(\x08*T\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_UCX\x10\x01\x12\x19\n\x15TRANSPORT_GRPC_STREAM\x10\x02*P\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10POOL_KIND_BLOCKS\x10\x01\x12\x13\n\x0fPOOL_KIND_RINGS\x10\x02\x32\xe9\x02\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.kpoolpd.v1.HandshakeRequest\x1a\x1d.kpoolpd.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.kpoolpd.v1.PrefillRequest\x1a\x1b.kpoolpd.v1.PrefillResponse\x12;\n\x04Pull\x12\x17.kpoolpd.v1.PullRequest\x1a\x18.kpoolpd.v1.PullResponse0\x01\x12\x42\n\x07Release\x12\x1a.kpoolpd.v1.ReleaseRequest\x1a\x1b.kpoolpd.v1.ReleaseResponse\x12H\n\tHeartbeat\x12\x1c.kpoolpd.v1.HeartbeatRequest\x1a\x1d.kpoolpd.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-connector/_generated/kpoolpd/v1/prefill.proto\x12\nkpoolpd.v1\"a\n\x06Layout\x12\x13\n\x0blayout_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ring_block_bytes\x18\x04 \x01(\x04\"\xc0\x01\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x16\n\x0eucx_warmup_tag\x18\x06 \x01(\x04\"\xeb\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x08 \x01(\t\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x63p_engine_ids\x18\x05 \x03(\t\x12\x16\n\x0e\x64\x63p_interleave\x18\x06 \x01(\rJ\x04\x08\x03\x10\x04R\x08sampling\"2\n\tRingRange\x12\x12\n\nstart_slot\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\xdc\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08grant_id\x18\x02 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\tring_live\x18\x05 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\t \x01(\r\"\xc3\x01\n\x0bPullRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_ring_id\x18\x04 \x01(\r\x12(\n\ttransport\x18\x05 \x01(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x11\n\tintegrity\x18\x06 \x01(\x08\x12\x14\n\x0cucx_tag_base\x18\x07 \x01(\x04\x12\x10\n\x08\x64\x63p_rank\x18\x08 \x01(\r\"L\n\x06Region\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kpoolpd.v1.PoolKind\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\tPullGrant\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x02 \x01(\r\x12(\n\tring_live\x18\x03 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0bnum_regions\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"5\n\x05\x43hunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"9\n\x08PullDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x03(\r\"\x8b\x01\n\x0cPullResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kpoolpd.v1.PullGrantH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kpoolpd.v1.ChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.kpoolpd.v1.PullDoneH\x00\x42\t\n\x07message\"Z\n\x0eReleaseRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x63p_rank\x18\x03 \x01(\r\x12\x11\n\tall_ranks\x18\x04 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tgrant_ids\x18\x02 \x03(\t\"X\n\x11HeartbeatResponse\x12\x19\n\x11unknown_grant_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x04\x12\x16\n\x0e\x65ngine_unknown\x18\x03 \x01(\x08*T\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_UCX\x10\x01\x12\x19\n\x15TRANSPORT_GRPC_STREAM\x10\x02*P\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10POOL_KIND_BLOCKS\x10\x01\x12\x13\n\x0fPOOL_KIND_RINGS\x10\x02\x32\xe9\x02\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.kpoolpd.v1.HandshakeRequest\x1a\x1d.kpoolpd.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.kpoolpd.v1.PrefillRequest\x1a\x1b.kpoolpd.v1.PrefillResponse\x12;\n\x04Pull\x12\x17.kpoolpd.v1.PullRequest\x1a\x18.kpoolpd.v1.PullResponse0\x01\x12\x42\n\x07Release\x12\x1a.kpoolpd.v1.ReleaseRequest\x1a\x1b.kpoolpd.v1.ReleaseResponse\x12H\n\tHeartbeat\x12\x1c.kpoolpd.v1.HeartbeatRequest\x1a\x1d.kpoolpd.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'connector._generated.kpoolpd.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1863
-  _globals['_TRANSPORT']._serialized_end=1947
-  _globals['_POOLKIND']._serialized_start=1949
-  _globals['_POOLKIND']._serialized_end=2029
+  _globals['_TRANSPORT']._serialized_start=1967
+  _globals['_TRANSPORT']._serialized_end=2051
+  _globals['_POOLKIND']._serialized_start=2053
+  _globals['_POOLKIND']._serialized_end=2133
   _globals['_LAYOUT']._serialized_start=61
   _globals['_LAYOUT']._serialized_end=158
   _globals['_HANDSHAKEREQUEST']._serialized_start=161
   _globals['_HANDSHAKEREQUEST']._serialized_end=353
   _globals['_HANDSHAKERESPONSE']._serialized_start=356
   _globals['_HANDSHAKERESPONSE']._serialized_end=591
-  _globals['_PREFILLREQUEST']._serialized_start=593
-  _globals['_PREFILLREQUEST']._serialized_end=690
-  _globals['_RINGRANGE']._serialized_start=692
-  _globals['_RINGRANGE']._serialized_end=742
-  _globals['_PREFILLRESPONSE']._serialized_start=745
-  _globals['_PREFILLRESPONSE']._serialized_end=965
-  _globals['_PULLREQUEST']._serialized_start=968
-  _globals['_PULLREQUEST']._serialized_end=1145
-  _globals['_REGION']._serialized_start=1147
-  _globals['_REGION']._serialized_end=1223
-  _globals['_PULLGRANT']._serialized_start=1226
-  _globals['_PULLGRANT']._serialized_end=1365
-  _globals['_CHUNK']._serialized_start=1367
-  _globals['_CHUNK']._serialized_end=1420
-  _globals['_PULLDONE']._serialized_start=1422
-  _globals['_PULLDONE']._serialized_end=1479
-  _globals['_PULLRESPONSE']._serialized_start=1482
-  _globals['_PULLRESPONSE']._serialized_end=1621
-  _globals['_RELEASEREQUEST']._serialized_start=1623
-  _globals['_RELEASEREQUEST']._serialized_end=1676
-  _globals['_RELEASERESPONSE']._serialized_start=1678
-  _globals['_RELEASERESPONSE']._serialized_end=1713
-  _globals['_HEARTBEATREQUEST']._serialized_start=1715
-  _globals['_HEARTBEATREQUEST']._serialized_end=1771
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1773
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1861
-  _globals['_PREFILLSERVICE']._serialized_start=2032
-  _globals['_PREFILLSERVICE']._serialized_end=2393
+  _globals['_PREFILLREQUEST']._serialized_start=594
+  _globals['_PREFILLREQUEST']._serialized_end=739
+  _globals['_RINGRANGE']._serialized_start=741
+  _globals['_RINGRANGE']._serialized_end=791
+  _globals['_PREFILLRESPONSE']._serialized_start=794
+  _globals['_PREFILLRESPONSE']._serialized_end=1014
+  _globals['_PULLREQUEST']._serialized_start=1017
+  _globals['_PULLREQUEST']._serialized_end=1212
+  _globals['_REGION']._serialized_start=1214
+  _globals['_REGION']._serialized_end=1290
+  _globals['_PULLGRANT']._serialized_start=1293
+  _globals['_PULLGRANT']._serialized_end=1432
+  _globals['_CHUNK']._serialized_start=1434
+  _globals['_CHUNK']._serialized_end=1487
+  _globals['_PULLDONE']._serialized_start=1489
+  _globals['_PULLDONE']._serialized_end=1546
+  _globals['_PULLRESPONSE']._serialized_start=1549
+  _globals['_PULLRESPONSE']._serialized_end=1688
+  _globals['_RELEASEREQUEST']._serialized_start=1690
+  _globals['_RELEASEREQUEST']._serialized_end=1780
+  _globals['_RELEASERESPONSE']._serialized_start=1782
+  _globals['_RELEASERESPONSE']._serialized_end=1817
+  _globals['_HEARTBEATREQUEST']._serialized_start=1819
+  _globals['_HEARTBEATREQUEST']._serialized_end=1875
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1877
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1965
+  _globals['_PREFILLSERVICE']._serialized_start=2136
+  _globals['_PREFILLSERVICE']._serialized_end=2497
 # @@protoc_insertion_point(module_scope)
