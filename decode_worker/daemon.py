@@ -15,11 +15,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from connector import DecodeConnector
+from decode_worker import dcp_api
+from decode_worker.dcp_fetch import DcpLeader
+from decode_worker.dcp_options import DCP_OPTIONS, check_dcp, dcp_config
+from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
 from decode_worker.router import PrefillRouter, parse_targets
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import DecodeSequence, Engine, PrefillJob
+from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
                      model_config, parse_bool, positive_float, positive_int, pull_choice, run_daemon,
                      service_options)
@@ -49,6 +55,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-new-tokens", positive_int, 512, "most output tokens a request may ask for"),
     Option("num-blocks", int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),
     Option("health-interval-s", positive_float, 2.0, "how often prefill nodes are health-checked and re-resolved"),
+    *DCP_OPTIONS,
 )
 
 
@@ -61,11 +68,24 @@ class DecodeNode:
         self.config = model_config(settings)
         self.layout = BlockLayout(self.config.cache_config())
         max_running = settings["max_running"]
-        num_blocks = settings["num_blocks"] or max_running * self.config.blocks_for(settings["max_prompt_tokens"],
-                                                                                    settings["max_new_tokens"])
-        self.pool = CachePool(self.layout, num_blocks=num_blocks, num_rings=max_running, device=context.device)
+        dcp = dcp_config(settings)
+        largest = rank_blocks_for(self.config, dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
+        self.pool = CachePool(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
+                              num_rings=max_running, device=context.device)
         self.blocks, self.rings = BlockAllocator(self.pool.num_blocks), RingAllocator(self.pool.num_rings)
-        self.engine = Engine(self.config, self.pool)
+        self.ranks: DcpRanks | None = None
+        self.leader: DcpLeader | None = None
+        self._watch: asyncio.Task | None = None
+        if dcp.size > 1:  # start ranks 1..N-1, then join their group (which waits for them)
+            self.ranks = DcpRanks(context, dcp, OPTIONS, rendezvous_dir())
+            self.ranks.on_broken = lambda why: context.health.hold(f"the DCP decode instance is broken: {why}")
+            group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
+                                  timeout_s=settings["dcp_timeout_s"])
+            self.engine: Engine = DcpEngine(self.config, self.pool, group)
+            self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
+        else:
+            self.engine = Engine(self.config, self.pool)
+        self._settings = settings
         self.connector = DecodeConnector(self.pool, self.blocks, self.rings, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
                                          transports=context.transports.offered, model_identity=self.config.identity())
@@ -75,7 +95,8 @@ class DecodeNode:
         self.scheduler = DecodeScheduler(self.engine, self.blocks, self.rings, self.connector, self.router,
                                          max_running=max_running, max_queue=settings["max_queue"],
                                          transport=context.transports.pull, integrity=settings["integrity"],
-                                         queue_timeout_s=settings["queue_timeout_s"], registry=context.registry)
+                                         queue_timeout_s=settings["queue_timeout_s"], registry=context.registry,
+                                         dcp=self.leader)
         self.servicer = GenerateService(self.scheduler, max_prompt_tokens=settings["max_prompt_tokens"],
                                         max_new_tokens=settings["max_new_tokens"],
                                         step_timeout_s=settings["transfer_timeout_s"])
@@ -92,7 +113,10 @@ class DecodeNode:
             self._health.set_able(True)
 
     def warm_up(self) -> None:
-        """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest."""
+        """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest.
+        None with DCP: rank 0 runs no prefill, and a step needs every rank."""
+        if self.leader is not None:
+            return
         config = self.config
         prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
         block_ids = self.blocks.allocate(config.blocks_for(len(prompt), WARM_UP_TOKENS))
@@ -108,8 +132,20 @@ class DecodeNode:
             self.blocks.free(block_ids)
             self.rings.free("warm-up")
 
+    def _rank_status(self) -> dcp_api.StatusResponse:
+        """Rank 0's own line of the per-rank metrics."""
+        return dcp_api.StatusResponse(rank=0, free_blocks=self.blocks.num_free, num_blocks=self.blocks.num_blocks,
+                                      free_rings=self.rings.num_free, num_rings=self.rings.num_rings,
+                                      requests=self.scheduler.active(), steps=int(self.scheduler.steps_run),
+                                      step_seconds=self.scheduler.step_seconds_total,
+                                      transfer_bytes=self.scheduler.own_transfer_bytes)
+
     async def start(self) -> None:
         await self.connector.start()
+        if self.ranks is not None:
+            await self.ranks.connect(self._settings["dcp_timeout_s"])
+            self._watch = asyncio.create_task(self.ranks.watch(self._settings["health_interval_s"], self._rank_status),
+                                              name="dcp-watch")
         self._loop = asyncio.create_task(self.scheduler.run(), name="decode-loop")
         self.router.on_change = self.scheduler.on_room_change = self._report_health
         await self.router.start()
@@ -131,13 +167,20 @@ class DecodeNode:
             self._loop = None
         await self.router.close()
         await self.connector.close()
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        if self.ranks is not None:
+            await self.ranks.close()
+            self.engine.group.leave()
 
     def describe(self) -> dict[str, object]:
         return {"prefill": self.router.healthy(), "model": self.config.describe(),
-                "layout_hash": self.layout.layout_hash}
+                "layout_hash": self.layout.layout_hash, "dcp": self.leader.dcp.size if self.leader else 1}
 
 
-SPEC = DaemonSpec(role=Role.DECODE, description=__doc__.splitlines()[0], options=OPTIONS, build=DecodeNode)
+SPEC = DaemonSpec(role=Role.DECODE, description=__doc__.splitlines()[0], options=OPTIONS, build=DecodeNode,
+                  check=check_dcp)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,6 +36,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector import DecodeConnector, PrefillGrant, PrefillPeer, StatusError, Transport
+from decode_worker.dcp_fetch import DcpLeader
 from decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from decode_worker.router import PrefillRouter
 from kvcache import BlockAllocator, RingAllocator
@@ -56,7 +57,7 @@ class DecodeScheduler:
     def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
                  router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
                  integrity: bool, queue_timeout_s: float, registry: CollectorRegistry,
-                 on_room_change: Callable[[bool], None] | None = None) -> None:
+                 on_room_change: Callable[[bool], None] | None = None, dcp: DcpLeader | None = None) -> None:
         self.engine, self.blocks, self.rings = engine, blocks, rings
         self.connector, self.router = connector, router
         self.max_running = min(max_running, rings.num_rings)
@@ -65,12 +66,14 @@ class DecodeScheduler:
         self.integrity = integrity
         self.queue_timeout_s = queue_timeout_s
         self.config = engine.config
+        self.dcp = dcp  # rank 0 of a DCP decode instance: every request and step involves every rank
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[str, Job] = {}
         self._running: list[Job] = []
         self._reserved_blocks = 0
         self._admitted = 0
         self._wake = asyncio.Event()
+        self.steps_run, self.step_seconds_total, self.own_transfer_bytes = 0, 0.0, 0  # this rank's, for DCP metrics
         self.on_room_change = on_room_change
         self._had_room = True
         self.requests = Counter("kpoolpd_decode_requests", "Generate requests by outcome", ["outcome"], registry=registry)
@@ -114,7 +117,9 @@ class DecodeScheduler:
     # admission ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Job:
         """Queue a validated request (raises StatusError when it cannot be queued)."""
-        need = self.config.blocks_for(len(prompt), max_tokens)
+        if self.dcp is not None and self.dcp.ranks.broken:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
+        need = self.engine.blocks_for(len(prompt), max_tokens)
         if need > self.blocks.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
@@ -163,6 +168,9 @@ class DecodeScheduler:
         peer, grant = await self._prefill(job)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         job.state = JobState.PULLING
+        if self.dcp is not None:
+            await self._fetch_dcp(job, peer, grant)
+            return
         try:
             job.landed = await peer.pull(grant, reserve_blocks=job.need_blocks, transport=self.transport,
                                          integrity=self.integrity, release=False)
@@ -177,6 +185,26 @@ class DecodeScheduler:
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         job.state = JobState.RELEASING
         await self._release(peer, grant)
+        landed = job.landed
+        job.transfer_bytes, job.transfer_regions, job.transfer_ms = landed.nbytes, landed.regions, landed.seconds * 1000
+        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
+                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
+                                 output=[grant.first_token])
+        job.state = JobState.DECODING
+
+    async def _fetch_dcp(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
+        """``fetch``'s pull on every DCP rank at once (``DcpLeader.pull`` gives everything back on failure)."""
+        try:
+            job.landed, transfer = await self.dcp.pull(job.request_id, job.max_tokens, job.need_blocks, peer, grant,
+                                                       self.transport, self.integrity)
+        except StatusError as exc:
+            if exc.code is grpc.StatusCode.UNAVAILABLE and not self.dcp.ranks.broken:
+                self.router.mark_failed(peer, exc.message)
+            raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
+        job.transfer_bytes, job.transfer_regions, job.transfer_ms = transfer.nbytes, transfer.regions, transfer.ms
+        self.own_transfer_bytes += transfer.per_rank_bytes[0]
+        logger.debug("request %s landed on %d DCP ranks: %s B each", job.request_id, self.dcp.dcp.size,
+                     transfer.per_rank_bytes)
         job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
                                  block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
                                  output=[grant.first_token])
@@ -196,7 +224,10 @@ class DecodeScheduler:
         for _ in range(attempts):
             peer = await self.router.pick()  # UNAVAILABLE, with each node's reason, when none is usable
             try:
-                return peer, await peer.prefill(job.request_id, job.prompt)
+                if self.dcp is None:
+                    return peer, await peer.prefill(job.request_id, job.prompt)
+                return peer, await peer.prefill(job.request_id, job.prompt, dcp_engine_ids=self.dcp.engine_ids,
+                                                dcp_interleave=self.dcp.shard.interleave)
             except StatusError as exc:
                 last = exc
                 if exc.code not in RETRYABLE:
@@ -235,7 +266,11 @@ class DecodeScheduler:
 
     async def finish_unstarted(self, job: Job) -> None:
         """A fetched job that needs no step (max_tokens == 1): its digest, then done."""
-        digest = await asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
+        digest = asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
+        if self.dcp is None:
+            digest = await digest
+        else:  # a collective: every rank takes part
+            digest, _ = await self._together(digest, self.dcp.finish(job.request_id))
         job.events.put_nowait(self._finished_event(job, digest))
 
     async def run(self) -> None:
@@ -250,15 +285,24 @@ class DecodeScheduler:
                 continue
             batch = list(self._running)
             try:
-                emitted, digests, seconds = await asyncio.to_thread(self._step, batch)
-            except Exception:
+                step = asyncio.to_thread(self._step, batch)
+                if self.dcp is None:
+                    emitted, digests, seconds = await step
+                else:  # every rank steps the same batch at once
+                    (emitted, digests, seconds), _ = await self._together(step, self.dcp.step(
+                        [j.request_id for j in batch]))
+            except Exception as exc:
                 logger.exception("decode step of %d requests failed", len(batch))
+                error = exc if isinstance(exc, StatusError) else StatusError(grpc.StatusCode.INTERNAL,
+                                                                             "decode step failed")
                 for job in batch:
                     self._running.remove(job)
-                    job.events.put_nowait(Failed(StatusError(grpc.StatusCode.INTERNAL, "decode step failed")))
+                    job.events.put_nowait(Failed(error))
                     self.finish(job, "error")
                 continue
             self.step_seconds.observe(seconds)
+            self.steps_run += 1
+            self.step_seconds_total += seconds
             self.step_batch.observe(len(batch))
             for job, tokens in zip(batch, emitted):
                 if tokens:
@@ -270,6 +314,18 @@ class DecodeScheduler:
                     self.drafts.labels("rejected").inc(job.seq.drafts_proposed - job.seq.drafts_accepted)
                     job.events.put_nowait(self._finished_event(job, digests[id(job)]))
                     self.finish(job, "ok")
+
+    async def _together(self, own, others):
+        """Rank 0's part of a collective (``own``) and the other ranks' (``others``), both to their
+        end; the first failure raised (a failed rank breaks the instance: ``DcpRanks.fail``)."""
+        results = await asyncio.gather(own, others, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            if not isinstance(failures[0], StatusError):
+                self.dcp.ranks.fail(f"rank 0 failed in a collective: {type(failures[0]).__name__}: {failures[0]}")
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"DCP rank 0: {failures[0]}")
+            raise failures[0]
+        return results
 
     # release ------------------------------------------------------------------------------
     def abandon(self, job: Job, outcome: str) -> None:
@@ -293,6 +349,8 @@ class DecodeScheduler:
             self._waiting.remove(job)
         if job.landed is not None:
             job.landed.release()
+        if self.dcp is not None and job.landed is not None:
+            self.dcp.drop(job.request_id)  # the other ranks free it too (those that finished it already hold nothing)
         if job.reserved:
             job.reserved = False
             self._reserved_blocks -= job.need_blocks

@@ -64,6 +64,11 @@ def _add_up(commands) -> None:
                     help="where the daemons and the colocated reference run (default cpu); cuda: the prefill "
                          "daemon on cuda:0, the decode daemon on cuda:1 when there are two GPUs (else cuda:0)")
     up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
+    up.add_argument("--dcp", type=int, default=1,
+                    help="decode-context-parallel ranks of the decode daemon (default 1): N rank processes, the "
+                         "kpool cache sharded over them, each with the whole ring; with --device cuda one GPU each")
+    up.add_argument("--dcp-interleave", type=int, default=0,
+                    help="tokens dealt to one DCP rank at a time, a multiple of kpool (default 0: the block size)")
     up.add_argument("--tls", action="store_true",
                     help="make a throwaway CA and certificates (openssl) and run every connection over mTLS")
     up.set_defaults(handler=_up)
