@@ -11,6 +11,8 @@ flight finish (for at most ``drain-s``), then everything is freed and the proces
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +31,8 @@ from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
                      model_config, parse_bool, positive_float, positive_int, pull_choice, run_daemon,
                      service_options)
+
+logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 3  # output tokens of the warm-up request
 
@@ -78,7 +82,7 @@ class DecodeNode:
         self._watch: asyncio.Task | None = None
         if dcp.size > 1:  # start ranks 1..N-1, then join their group (which waits for them)
             self.ranks = DcpRanks(context, dcp, OPTIONS, rendezvous_dir())
-            self.ranks.on_broken = lambda why: context.health.hold(f"the DCP decode instance is broken: {why}")
+            self.ranks.on_broken = self._broken
             group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
                                   timeout_s=settings["dcp_timeout_s"])
             self.engine: Engine = DcpEngine(self.config, self.pool, group)
@@ -103,9 +107,19 @@ class DecodeNode:
         self._loop: asyncio.Task | None = None
         self._health = context.health
 
+    def _broken(self, why: str) -> None:
+        """A DCP rank failed: the instance cannot step any more. Health turns NOT_SERVING for good and
+        the daemon stops as after SIGTERM (the requests it holds fail and free everything first), so
+        that the whole instance is restarted (a Deployment restarts the pod)."""
+        self._report_health()
+        logger.error("stopping: the DCP decode instance is broken (%s)", why)
+        asyncio.get_running_loop().call_soon(signal.raise_signal, signal.SIGTERM)
+
     def _report_health(self, _changed: bool | None = None) -> None:
         """Tell the runtime's health gate whether this node can serve a request now."""
-        if not self.router.usable:
+        if self.ranks is not None and self.ranks.broken:
+            self._health.set_able(False, f"the DCP decode instance is broken: {self.ranks.broken}")
+        elif not self.router.usable:
             self._health.set_able(False, f"no prefill node is usable: {self.router.reasons()}")
         elif not self.scheduler.has_room:
             self._health.set_able(False, "no room: every ring is taken and the queue is full")

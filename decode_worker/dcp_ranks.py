@@ -153,6 +153,7 @@ class DcpRanks:
         logger.error("DCP instance broken: %s", why)
         for rank in range(1, self.dcp.size):
             self.up.labels(str(rank)).set(0)
+        self.drop_soon()  # the ranks still alive free everything they hold
         if self.on_broken is not None:
             self.on_broken(why)
 
