@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from connector.plan import PoolKind, Region, RegionPair, RingRange, TransferPlan, plan_transfer
-from kvcache import BlockLayout, BlockOrder, DcpShard, FP8_ENTRY_BYTES, INDEX_HEAD_DIM
+from connector.plan import (
+    PoolKind,
+    Region,
+    RegionPair,
+    RingRange,
+    TransferPlan,
+    plan_transfer,
+)
+from kvcache import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockLayout, BlockOrder, DcpShard
 
 
 def _layer_pairs(layout: BlockLayout, src: int, dst: int, t: int, u: int, count: int, pools: tuple[int, int, int]):

@@ -19,8 +19,16 @@ from collections.abc import Sequence
 
 import grpc
 
-from connector import Credential, DecodeConnector, LandedRequest, PrefillGrant, PrefillPeer, StatusError, Transport
-from connector.plan import RingRange
+from connector import (
+    Credential,
+    DecodeConnector,
+    LandedRequest,
+    PrefillGrant,
+    PrefillPeer,
+    RingRange,
+    StatusError,
+    Transport,
+)
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from decode_worker.dcp_options import dcp_config

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Gauge
 
 from connector import PrefillGrant, StatusError, Transport, auth_metadata, open_channel
 from decode_worker import dcp_api as api

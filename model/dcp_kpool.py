@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kpool_compress, kpool_decode_update, kpool_indexer_topk, kpool_read_entries, kpool_write_entries
+from kernels import (
+    kpool_compress,
+    kpool_decode_update,
+    kpool_indexer_topk,
+    kpool_read_entries,
+    kpool_write_entries,
+)
 from kernels.kpool_cache import pool_slots
 from kvcache import FP8_ENTRY_BYTES, CachePool, DcpShard
 from model.batch import ForwardBatch

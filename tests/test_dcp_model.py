@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dcp_ranks import DcpCase, decode_on_ranks, run_processes, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_ranks import DcpCase, decode_on_ranks, run_processes, run_threads
-from kvcache import CacheFamily, DcpConfig, DcpShard, tail_ring_size
 from kernels import kpool_indexer_topk
+from kvcache import CacheFamily, DcpConfig, DcpShard, tail_ring_size
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from model.dcp_topk import merge_topk

@@ -26,10 +26,22 @@ from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import Daemon, start_decode, start_prefill
 from kvcache import BlockLayout
 from model import ModelConfig
-from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+from model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.polling import wait_for
-from tests.test_e2e import (DECODE_LIMITS, READY_S, SETTLE_S, TRANSPORTS, _assert_match, _flags, _free_blocks,
-                            _free_port, _logs_on_failure, _metric, _ready_and_serving, _stop)
+from tests.test_e2e import (
+    DECODE_LIMITS,
+    READY_S,
+    SETTLE_S,
+    TRANSPORTS,
+    _assert_match,
+    _flags,
+    _free_blocks,
+    _free_port,
+    _logs_on_failure,
+    _metric,
+    _ready_and_serving,
+    _stop,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_PROMPT = 512  # the decode daemons' --max-prompt-tokens (DECODE_LIMITS)
@@ -95,7 +107,8 @@ def test_dcp_equals_colocated(tmp_path, kpool, num_spec, interleave2, interleave
             for decode, (ranks, _, _) in zip(decodes, shapes):  # every rank's pool is free again, and each stepped
                 for rank in range(ranks):
                     labels = f'{{rank="{rank}"}}'
-                    assert wait_for(lambda: _metric(decode, f"kpoolpd_decode_dcp_rank_requests{labels}") == 0, SETTLE_S)
+                    held = f"kpoolpd_decode_dcp_rank_requests{labels}"
+                    assert wait_for(lambda d=decode, name=held: _metric(d, name) == 0, SETTLE_S)
                     assert _metric(decode, f"kpoolpd_decode_dcp_rank_up{labels}") == 1
                     assert _metric(decode, f"kpoolpd_decode_dcp_rank_steps{labels}") > 0
                     assert _metric(decode, f"kpoolpd_decode_dcp_rank_transfer_bytes{labels}") > 0
