@@ -37,8 +37,8 @@ class DcpCase:
 
 def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, str | None]]:
     """One rank's part of a DCP run of ``case`` (``group``: a ``DcpGroup`` or a ``ThreadGroup``)."""
-    config, requests = case.config, case.requests
-    full = Engine(config, pool_for(config, requests, len(requests)))
+    config, requests, device = case.config, case.requests, group.device
+    full = Engine(config, pool_for(config, requests, len(requests), device))
     global_blocks, start = [], 0
     for req in requests:
         need = config.blocks_for(len(req.prompt), req.max_tokens)
@@ -50,7 +50,7 @@ def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, st
     local_sizes = [shard.blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, config.resolved_block_size)
                    for r in requests]
     pool = CachePool(BlockLayout(config.cache_config()), num_blocks=max(1, sum(local_sizes)),
-                     num_rings=len(requests))
+                     num_rings=len(requests), device=device)
     pool.blocks.fill_(0xA5)  # unwritten bytes that a rank reads would show
     engine = DcpEngine(config, pool, group)
     sequences, start = [], 0
@@ -124,15 +124,16 @@ def run_threads(size: int, interleave: int, work: Callable, *args, timeout_s: fl
     return results
 
 
-def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], out: mp.Queue) -> None:
+def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], out: mp.Queue, device: str) -> None:
     torch.set_num_threads(1)
     try:
+        device = f"cuda:{rank}" if device == "cuda" else device
         world = DcpGroup.join(DcpShard(size=size, rank=rank, interleave=1), init_method=f"file://{store}",
-                              device="cpu", timeout_s=60)
+                              device=device, timeout_s=120)
         results = []
         for case in cases:
             interleave = DcpConfig.for_cache(case.config.cache_config(), size=size, interleave=case.interleave).interleave
-            group = DcpGroup(DcpShard(size=size, rank=rank, interleave=interleave), "cpu", world._group)
+            group = DcpGroup(DcpShard(size=size, rank=rank, interleave=interleave), device, world._group)
             results.append(decode_on_ranks(group, case))
         out.put((rank, results, None))
         world.leave()
@@ -140,13 +141,14 @@ def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], ou
         out.put((rank, None, traceback.format_exc()))
 
 
-def run_processes(size: int, cases: Sequence[DcpCase], *, timeout_s: float = 240.0) -> list[list]:
-    """Every case on ``size`` rank processes joined by gloo; rank 0's results per case."""
+def run_processes(size: int, cases: Sequence[DcpCase], *, timeout_s: float = 240.0, device: str = "cpu") -> list[list]:
+    """Every case on ``size`` rank processes; rank 0's results per case. ``device`` cpu: joined by gloo;
+    cuda: rank r on cuda:r, joined by NCCL."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_process_main, args=(r, size, store, list(cases), out), daemon=True)
+        procs = [ctx.Process(target=_process_main, args=(r, size, store, list(cases), out, device), daemon=True)
                  for r in range(size)]
         for p in procs:
             p.start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dcp_ranks import DcpCase, decode_on_ranks, run_processes, run_threads
+from tests.dcp_ranks import DcpCase, decode_on_ranks, run_processes, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +19,7 @@ from kernels import kpool_indexer_topk
 from kvcache import CacheFamily, DcpConfig, DcpShard, tail_ring_size
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
+from model.dcp_group import backend_for
 from model.dcp_topk import merge_topk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,23 +49,23 @@ def _reference(case: DcpCase) -> list[tuple[tuple[int, ...], str, str]]:
 
 
 def _matrix(ranks: int) -> list[DcpCase]:
-    """kpool 2/4/8 x drafts 0/3, each with an interleave of one pool, of one block, and one that
-    neither divides nor is a multiple of the block (three pools)."""
+    """kpool 2/4/8 x drafts 0/3, the interleave in turn one pool, one block, and three pools (which
+    neither divides nor is a multiple of the block): each interleave twice, once with drafts."""
     cases = []
     for i, (kpool, num_spec) in enumerate((k, s) for k in (2, 4, 8) for s in (0, 3)):
         config = ModelConfig(kpool=kpool, num_spec=num_spec, num_layers=2)
-        for interleave in (kpool, None, 3 * kpool)[i % 3:i % 3 + 2]:
-            resolved = interleave or config.resolved_block_size
-            cases.append(DcpCase(config=config, interleave=interleave,
-                                 requests=_requests(_boundary_lengths(config, resolved, ranks), seed=i)))
+        interleave = (kpool, None, 3 * kpool)[i % 3]
+        resolved = interleave or config.resolved_block_size
+        cases.append(DcpCase(config=config, interleave=interleave,
+                             requests=_requests(_boundary_lengths(config, resolved, ranks), seed=i)))
     return cases
 
 
 @pytest.mark.parametrize("ranks", [2, 4], ids=lambda n: f"dcp{n}")
 def test_rank_processes_equal_the_colocated_run(ranks):
     cases = _matrix(ranks)
-    if ranks > 2:  # every kpool and draft count, one interleave each: the two-rank run has them all
-        cases = cases[::2]
+    if ranks > 2:  # every kpool and interleave, with drafts: the two-rank run has every combination
+        cases = cases[1::2]
     got = run_processes(ranks, cases)
     for case, results in zip(cases, got):
         expected = _reference(case)
@@ -182,3 +183,8 @@ def test_an_interleave_off_the_pool_is_refused():
     with pytest.raises(ValueError, match=r"interleave \(6 tokens\) must be a multiple of kpool \(4\)"):
         DcpConfig.for_cache(config.cache_config(), size=2, interleave=6)
     assert DcpConfig.for_cache(config.cache_config(), size=2).interleave == config.resolved_block_size
+
+
+def test_ranks_join_over_nccl_on_gpus_and_gloo_on_the_cpu():
+    assert backend_for("cuda:1") == backend_for(torch.device("cuda", 0)) == "nccl"
+    assert backend_for("cpu") == "gloo"
