@@ -100,13 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
     bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL")):
+    for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
+                       ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ...")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
-BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer"}
+BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "dcp": "bench.dcp"}
 
 
 def main(argv: list[str] | None = None) -> int:

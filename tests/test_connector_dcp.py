@@ -153,3 +153,19 @@ def test_a_dcp_plan_refuses_the_wrong_number_of_rank_blocks():
     shard = DcpShard(size=2, rank=1, interleave=64)
     with pytest.raises(ValueError, match=r"rank 1 of 2 lands a 200-token prompt in 2 blocks, got 1"):
         plan_dcp_transfer(layout, [0, 1, 2, 3], [7], 0, 0, ring_live_range(CONFIG, 200), shard, 200)
+
+
+@pytest.mark.parametrize("ranks,tokens", [(2, 32768), (4, 32768), (2, 32769), (3, 1000)])
+def test_dcp_adds_no_byte_but_a_ring_per_rank(ranks, tokens):
+    """What ``kpool-pd bench dcp`` reports: at the default interleave (the block size) the ranks'
+    plans move the single-rank plan's bytes, plus the ring once more for each rank beyond the first."""
+    from bench.dcp import transfer_bytes
+    from model import ModelConfig
+
+    config = ModelConfig(kpool=4, num_spec=3, num_layers=4, block_size=256)
+    single = transfer_bytes(config, 1, tokens)[0]
+    layout = BlockLayout(config.cache_config())
+    ring = ring_live_range(config.cache_config(), tokens).num_slots * layout.ring_slot_bytes
+    per_rank = transfer_bytes(config, ranks, tokens)
+    assert sum(per_rank) == single + (ranks - 1) * ring
+    assert max(per_rank) - ring <= -(-(single - ring) // layout.block_bytes // ranks) * layout.block_bytes
