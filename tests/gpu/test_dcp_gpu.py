@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from tests.dcp_ranks import DcpCase, run_processes
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
+from tests.dcp_ranks import DcpCase, run_processes
 
 pytestmark = [
     pytest.mark.gpu,
