@@ -169,3 +169,44 @@ def test_dcp_adds_no_byte_but_a_ring_per_rank(ranks, tokens):
     per_rank = transfer_bytes(config, ranks, tokens)
     assert sum(per_rank) == single + (ranks - 1) * ring
     assert max(per_rank) - ring <= -(-(single - ring) // layout.block_bytes // ranks) * layout.block_bytes
+
+
+class _FailingRanks:
+    """Ranks 1..N-1 whose Land fails (a rank died while pulling); Drops are recorded."""
+
+    broken = ""
+
+    def __init__(self) -> None:
+        self.dropped: list[str] = []
+
+    async def land(self, request_id, *args, **kwargs):
+        await asyncio.sleep(0.05)
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, "DCP rank 1: Socket closed")
+
+    def drop_soon(self, request_id: str = "") -> None:
+        self.dropped.append(request_id)
+
+
+def test_a_rank_failing_its_pull_gives_back_rank_0s_blocks_the_other_ranks_and_the_whole_grant():
+    from decode_worker.dcp_fetch import DcpLeader
+    from kvcache import DcpConfig
+
+    async def main():
+        async with InProcessPair() as pair:
+            start = pair.free()
+            ranks = _FailingRanks()
+            leader = DcpLeader(DcpConfig(size=2, interleave=64), ranks, pair.decode.engine_id)
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("dcp", [5] * 150, dcp_engine_ids=leader.engine_ids, dcp_interleave=64)
+            assert pair.prefill.grants_held == 1
+            with pytest.raises(StatusError, match="DCP rank 1") as err:
+                await leader.pull("dcp", 10, 4, peer, grant, GRPC, False)
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE
+            assert ranks.dropped == ["dcp"], "the other ranks are told to free the request"
+            for _ in range(100):  # the all-ranks Release runs in the background
+                pair.prefill.reap()
+                if pair.prefill.grants_held == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert pair.prefill.grants_held == 0 and pair.free() == start, "every block back, on both nodes"
+    run(main())

@@ -15,6 +15,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -167,3 +169,12 @@ def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_t
         if decode is not None:
             decode.stop()
         _stop(prefill)
+
+
+@pytest.mark.parametrize("command", [["decode_worker"], ["kpool_pd", "up"]], ids=["decode", "up"])
+def test_qsa_with_dcp_is_refused_at_start_naming_dcp(command):
+    proc = subprocess.run([sys.executable, "-m", *command, "--family", "qsa", "--dcp", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "declares no decode-context parallel (DCP) support" in proc.stderr and "got 2" in proc.stderr
+    assert "starting" not in proc.stderr and "ready" not in proc.stderr
