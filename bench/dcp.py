@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from connector.dcp_plan import plan_dcp_transfer
-from connector.plan import plan_transfer, ring_live_range
+from connector import dcp_transfer_bytes
 from kvcache import BlockLayout, CachePool, DcpConfig
 from model import DecodeSequence, Engine, ModelConfig, PrefillJob
 from model.colocated import make_prompts, pool_for
@@ -93,15 +92,8 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
 
 def transfer_bytes(config: ModelConfig, size: int, tokens: int) -> list[int]:
     """What each of ``size`` ranks receives for one ``tokens``-token prompt (one rank: the whole plan)."""
-    layout = BlockLayout(config.cache_config())
     cache = config.cache_config()
-    src = list(range(cache.blocks_for_tokens(tokens)))
-    live = ring_live_range(cache, tokens)
-    if size == 1:
-        return [plan_transfer(layout, src, src, 0, 0, live).total_bytes]
-    dcp = DcpConfig.for_cache(cache, size=size)
-    return [plan_dcp_transfer(layout, src, list(range(s.blocks_for_tokens(tokens, cache.block_size))), 0, 0, live,
-                              s, tokens).total_bytes for s in dcp.shards()]
+    return dcp_transfer_bytes(BlockLayout(cache), tokens, DcpConfig.for_cache(cache, size=size))
 
 
 def run_one(size: int, args: dict) -> dict:

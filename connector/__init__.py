@@ -21,6 +21,7 @@ from connector import prefill_api
 from connector.auth import BearerTokenInterceptor, Credential, auth_metadata
 from connector.channels import open_channel
 from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
+from connector.dcp_plan import dcp_transfer_bytes
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
@@ -37,5 +38,6 @@ __all__ = [
     "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "Transport", "UCX_NO_SHARED_MEMORY",
-    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "open_channel", "prefill_api", "ucx_available",
+    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes", "open_channel", "prefill_api",
+    "ucx_available",
 ]

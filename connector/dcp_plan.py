@@ -19,15 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from connector.plan import (
-    PoolKind,
-    Region,
-    RegionPair,
-    RingRange,
-    TransferPlan,
-    plan_transfer,
-)
-from kvcache import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockLayout, BlockOrder, DcpShard
+from connector.plan import PoolKind, Region, RegionPair, RingRange, TransferPlan, plan_transfer, ring_live_range
+from kvcache import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockLayout, BlockOrder, DcpConfig, DcpShard
 
 
 def _layer_pairs(layout: BlockLayout, src: int, dst: int, t: int, u: int, count: int, pools: tuple[int, int, int]):
@@ -123,3 +116,15 @@ def plan_dcp_transfer(layout: BlockLayout, src_blocks: Sequence[int], dst_blocks
                 pairs.extend(_layer_pairs(layout, src, dst, t, u, count, pools))
             pos = stop
     return TransferPlan(pairs=tuple(_merged(pairs)) + ring_only.pairs, ring_empty=live.empty)
+
+
+def dcp_transfer_bytes(layout: BlockLayout, prompt_len: int, dcp: DcpConfig) -> list[int]:
+    """The bytes each rank of ``dcp`` receives for a ``prompt_len``-token prompt (one rank: the
+    whole request's plan), for any block ids."""
+    config = layout.config
+    src = list(range(config.blocks_for_tokens(prompt_len)))
+    live = ring_live_range(config, prompt_len)
+    if dcp.size == 1:
+        return [plan_transfer(layout, src, src, 0, 0, live).total_bytes]
+    return [plan_dcp_transfer(layout, src, list(range(dcp_landed_blocks(layout, shard, prompt_len))), 0, 0, live, shard,
+                              prompt_len).total_bytes for shard in dcp.shards()]
