@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -21,6 +22,7 @@ from decode_worker.dcp_ranks import DcpRanks
 from kvcache import DcpConfig, DcpShard
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,11 +80,25 @@ class DcpLeader:
         peer.release_soon(grant.grant_id, all_ranks=True)
         logger.info("request %s: a DCP rank's pull failed; every rank's blocks and the grant given back", request_id)
 
-    async def step(self, request_ids: Sequence[str]) -> None:
-        await self.ranks.step(request_ids)
+    async def step(self, own: Awaitable[T], request_ids: Sequence[str]) -> T:
+        """Rank 0's step of the batch (``own``) while every other rank steps it; ``own``'s result."""
+        return await self._together(own, self.ranks.step(request_ids))
 
-    async def finish(self, request_id: str) -> None:
-        await self.ranks.finish(request_id)
+    async def finish(self, own: Awaitable[T], request_id: str) -> T:
+        """Rank 0's state digest of a request (``own``) while every other rank takes part; the digest."""
+        return await self._together(own, self.ranks.finish(request_id))
+
+    async def _together(self, own: Awaitable[T], others: Awaitable[None]) -> T:
+        """Rank 0's part of a collective and the other ranks', both to their end; the first failure
+        raised as a StatusError (a failed rank breaks the instance: ``DcpRanks.fail``)."""
+        mine, theirs = await asyncio.gather(own, others, return_exceptions=True)
+        for failure in (mine, theirs):
+            if isinstance(failure, StatusError):
+                raise failure
+            if isinstance(failure, BaseException):
+                self.ranks.fail(f"rank 0 failed in a collective: {type(failure).__name__}: {failure}")
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"DCP rank 0: {failure}")
+        return mine
 
     def drop(self, request_id: str) -> None:
         self.ranks.drop_soon(request_id)

@@ -169,8 +169,15 @@ class DecodeScheduler:
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         job.state = JobState.PULLING
         if self.dcp is not None:
-            await self._fetch_dcp(job, peer, grant)
-            return
+            await self._pull_dcp(job, peer, grant)
+        else:
+            await self._pull(job, peer, grant)
+        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
+                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
+                                 output=[grant.first_token])
+        job.state = JobState.DECODING
+
+    async def _pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
         try:
             job.landed = await peer.pull(grant, reserve_blocks=job.need_blocks, transport=self.transport,
                                          integrity=self.integrity, release=False)
@@ -187,13 +194,9 @@ class DecodeScheduler:
         await self._release(peer, grant)
         landed = job.landed
         job.transfer_bytes, job.transfer_regions, job.transfer_ms = landed.nbytes, landed.regions, landed.seconds * 1000
-        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
-                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
-                                 output=[grant.first_token])
-        job.state = JobState.DECODING
 
-    async def _fetch_dcp(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
-        """``fetch``'s pull on every DCP rank at once (``DcpLeader.pull`` gives everything back on failure)."""
+    async def _pull_dcp(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
+        """Every DCP rank pulls its share at once (``DcpLeader.pull`` gives everything back on failure)."""
         try:
             job.landed, transfer = await self.dcp.pull(job.request_id, job.max_tokens, job.need_blocks, peer, grant,
                                                        self.transport, self.integrity)
@@ -203,12 +206,6 @@ class DecodeScheduler:
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         job.transfer_bytes, job.transfer_regions, job.transfer_ms = transfer.nbytes, transfer.regions, transfer.ms
         self.own_transfer_bytes += transfer.per_rank_bytes[0]
-        logger.debug("request %s landed on %d DCP ranks: %s B each", job.request_id, self.dcp.dcp.size,
-                     transfer.per_rank_bytes)
-        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
-                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
-                                 output=[grant.first_token])
-        job.state = JobState.DECODING
 
     async def _release(self, peer: PrefillPeer, grant: PrefillGrant) -> None:
         """Release ``grant`` and wait for the answer; a failure is logged (its lease frees it), and
@@ -270,7 +267,7 @@ class DecodeScheduler:
         if self.dcp is None:
             digest = await digest
         else:  # a collective: every rank takes part
-            digest, _ = await self._together(digest, self.dcp.finish(job.request_id))
+            digest = await self.dcp.finish(digest, job.request_id)
         job.events.put_nowait(self._finished_event(job, digest))
 
     async def run(self) -> None:
@@ -289,8 +286,7 @@ class DecodeScheduler:
                 if self.dcp is None:
                     emitted, digests, seconds = await step
                 else:  # every rank steps the same batch at once
-                    (emitted, digests, seconds), _ = await self._together(step, self.dcp.step(
-                        [j.request_id for j in batch]))
+                    emitted, digests, seconds = await self.dcp.step(step, [j.request_id for j in batch])
             except Exception as exc:
                 logger.exception("decode step of %d requests failed", len(batch))
                 error = exc if isinstance(exc, StatusError) else StatusError(grpc.StatusCode.INTERNAL,
@@ -314,18 +310,6 @@ class DecodeScheduler:
                     self.drafts.labels("rejected").inc(job.seq.drafts_proposed - job.seq.drafts_accepted)
                     job.events.put_nowait(self._finished_event(job, digests[id(job)]))
                     self.finish(job, "ok")
-
-    async def _together(self, own, others):
-        """Rank 0's part of a collective (``own``) and the other ranks' (``others``), both to their
-        end; the first failure raised (a failed rank breaks the instance: ``DcpRanks.fail``)."""
-        results = await asyncio.gather(own, others, return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            if not isinstance(failures[0], StatusError):
-                self.dcp.ranks.fail(f"rank 0 failed in a collective: {type(failures[0]).__name__}: {failures[0]}")
-                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"DCP rank 0: {failures[0]}")
-            raise failures[0]
-        return results
 
     # release ------------------------------------------------------------------------------
     def abandon(self, job: Job, outcome: str) -> None:
