@@ -186,7 +186,8 @@ class DecodeNode:
             await asyncio.gather(self._watch, return_exceptions=True)
         if self.ranks is not None:
             await self.ranks.close()
-            self.engine.group.leave()
+            if not self.ranks.broken:  # a failed group is not torn down: its peers are gone, and the process exits
+                self.engine.group.leave()
 
     def describe(self) -> dict[str, object]:
         return {"prefill": self.router.healthy(), "model": self.config.describe(),

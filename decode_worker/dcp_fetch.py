@@ -84,10 +84,6 @@ class DcpLeader:
         """Rank 0's step of the batch (``own``) while every other rank steps it; ``own``'s result."""
         return await self._together(own, self.ranks.step(request_ids))
 
-    async def finish(self, own: Awaitable[T], request_id: str) -> T:
-        """Rank 0's state digest of a request (``own``) while every other rank takes part; the digest."""
-        return await self._together(own, self.ranks.finish(request_id))
-
     async def _together(self, own: Awaitable[T], others: Awaitable[None]) -> T:
         """Rank 0's part of a collective and the other ranks', both to their end; the first failure
         raised as a StatusError (a failed rank breaks the instance: ``DcpRanks.fail``)."""

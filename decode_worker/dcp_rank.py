@@ -5,7 +5,7 @@ Rank 0 (the decode daemon with ``--dcp N``) starts ranks 1..N-1 as ``python -m d
 with its own settings, ``--dcp-rank`` and the group's rendezvous. A rank joins the group
 (``model.DcpGroup``), serves the service on loopback, and writes its ready file. It holds a
 request from Land (its pull of its share from the prefill node, which releases its share of the
-grant) until the Step that finishes it (after its state digest), Finish, or Drop. A collective
+grant) until the Step that finishes it (after its state digest) or Drop. A collective
 that fails (a rank died) breaks the rank for good: it frees every request it holds and answers
 every later Land or Step UNAVAILABLE; rank 0 then fails the requests and stops serving.
 """
@@ -114,7 +114,8 @@ class DcpRankNode(api.DcpRankServiceServicer):
     async def close(self) -> None:
         self._free_all()
         await self.connector.close()
-        self.group.leave()
+        if not self.broken:  # a failed group is not torn down: its peers are gone, and the process exits
+            self.group.leave()
 
     def describe(self) -> dict[str, object]:
         return {"dcp_rank": self.shard.rank, "dcp": self.shard.size, "dcp_interleave": self.shard.interleave,
@@ -223,17 +224,6 @@ class DcpRankNode(api.DcpRankServiceServicer):
         for seq in done:
             self._held.pop(seq.request_id).free()
         return api.StepResponse()
-
-    async def Finish(self, request: api.FinishRequest, context) -> api.FinishResponse:
-        await self._check(context)
-        try:
-            (seq,) = self._sequences([request.request_id])
-        except StatusError as exc:
-            self._break(exc.message)
-            await context.abort(exc.code, exc.message)
-        await self._collective(context, self.engine.state_digest, seq.block_ids, seq.ring_id, seq.cached)
-        self._held.pop(request.request_id).free()
-        return api.FinishResponse()
 
     async def Drop(self, request: api.DropRequest, context) -> api.DropResponse:
         if not request.request_id:

@@ -61,6 +61,7 @@ class DcpRanks:
         settings = context.settings
         self.dcp = dcp
         self.timeout_s = settings["transfer_timeout_s"] + settings["rpc_timeout_s"]
+        self.rpc_timeout_s = settings["rpc_timeout_s"]
         self.step_timeout_s = settings["dcp_timeout_s"]
         self.peer_token = settings["peer_token"] or None
         self.tls = context.tls
@@ -201,9 +202,6 @@ class DcpRanks:
         """Every other rank runs the step of this batch (rank 0 runs its own meanwhile)."""
         await self._all("Step", api.StepRequest(request_ids=list(request_ids)), self.step_timeout_s, collective=True)
 
-    async def finish(self, request_id: str) -> None:
-        await self._all("Finish", api.FinishRequest(request_id=request_id), self.step_timeout_s, collective=True)
-
     def drop_soon(self, request_id: str = "") -> None:
         """Every rank frees ``request_id`` (empty: everything), in the background; best effort (a rank
         that is gone holds nothing)."""
@@ -223,14 +221,16 @@ class DcpRanks:
 
     async def watch(self, interval_s: float, own: Callable[[], api.StatusResponse]) -> None:
         """Every ``interval_s``: each rank's Status into the per-rank metrics (rank 0's from ``own``);
-        a rank whose process exited, or that says it is broken, breaks the instance."""
+        a rank whose process exited, or that says it is broken, breaks the instance. A Status that
+        gets no answer within the RPC deadline marks its rank down until it answers again."""
         md = auth_metadata(self.peer_token)
         while True:
             statuses = [own()]
             for rank, stub in enumerate(self._stubs, start=1):
                 try:
-                    statuses.append(await stub.Status(api.StatusRequest(), timeout=interval_s, metadata=md))
-                except grpc.aio.AioRpcError:
+                    statuses.append(await stub.Status(api.StatusRequest(), timeout=self.rpc_timeout_s, metadata=md))
+                except grpc.aio.AioRpcError as exc:
+                    logger.warning("DCP rank %d did not answer its Status: %s", rank, exc.code().name)
                     self.up.labels(str(rank)).set(0)
             for status in statuses:
                 rank = str(status.rank)

@@ -262,12 +262,13 @@ class DecodeScheduler:
                         ttft_ms=job.ttft_ms, total_ms=job.elapsed_ms())
 
     async def finish_unstarted(self, job: Job) -> None:
-        """A fetched job that needs no step (max_tokens == 1): its digest, then done."""
-        digest = asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
-        if self.dcp is None:
-            digest = await digest
-        else:  # a collective: every rank takes part
-            digest = await self.dcp.finish(digest, job.request_id)
+        """A fetched job that needs no step (max_tokens == 1): its digest, then done. With DCP the
+        digest is a collective, and every collective of the ranks runs in one order: the decode loop's,
+        whose next step digests the job (a finished sequence takes no step)."""
+        if self.dcp is not None:
+            self.start_decoding(job)
+            return
+        digest = await asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
         job.events.put_nowait(self._finished_event(job, digest))
 
     async def run(self) -> None:

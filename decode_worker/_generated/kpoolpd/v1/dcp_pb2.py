@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-decode_worker/_generated/kpoolpd/v1/dcp.proto\x12\nkpoolpd.v1\"\x9e\x02\n\x0bLandRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x10\n\x08grant_id\x18\x03 \x01(\t\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x15\n\rsrc_block_ids\x18\x07 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x08 \x01(\r\x12\x17\n\x0fring_start_slot\x18\t \x01(\r\x12\x16\n\x0ering_num_slots\x18\n \x01(\r\x12\x10\n\x08lease_ms\x18\x0b \x01(\x04\x12\x11\n\ttransport\x18\x0c \x01(\r\x12\x11\n\tintegrity\x18\r \x01(\x08\"h\n\x0cLandResponse\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x18\n\x10transfer_regions\x18\x02 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\ttransport\x18\x04 \x01(\r\"\"\n\x0bStepRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0e\n\x0cStepResponse\"#\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x46inishResponse\"!\n\x0b\x44ropRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0c\x44ropResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xcd\x01\n\x0eStatusResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nfree_rings\x18\x04 \x01(\r\x12\x11\n\tnum_rings\x18\x05 \x01(\r\x12\x10\n\x08requests\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x04\x12\x0e\n\x06\x62roken\x18\n \x01(\t2\xc3\x02\n\x0e\x44\x63pRankService\x12\x39\n\x04Land\x12\x17.kpoolpd.v1.LandRequest\x1a\x18.kpoolpd.v1.LandResponse\x12\x39\n\x04Step\x12\x17.kpoolpd.v1.StepRequest\x1a\x18.kpoolpd.v1.StepResponse\x12?\n\x06\x46inish\x12\x19.kpoolpd.v1.FinishRequest\x1a\x1a.kpoolpd.v1.FinishResponse\x12\x39\n\x04\x44rop\x12\x17.kpoolpd.v1.DropRequest\x1a\x18.kpoolpd.v1.DropResponse\x12?\n\x06Status\x12\x19.kpoolpd.v1.StatusRequest\x1a\x1a.kpoolpd.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-decode_worker/_generated/kpoolpd/v1/dcp.proto\x12\nkpoolpd.v1\"\x9e\x02\n\x0bLandRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x10\n\x08grant_id\x18\x03 \x01(\t\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x15\n\rsrc_block_ids\x18\x07 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x08 \x01(\r\x12\x17\n\x0fring_start_slot\x18\t \x01(\r\x12\x16\n\x0ering_num_slots\x18\n \x01(\r\x12\x10\n\x08lease_ms\x18\x0b \x01(\x04\x12\x11\n\ttransport\x18\x0c \x01(\r\x12\x11\n\tintegrity\x18\r \x01(\x08\"h\n\x0cLandResponse\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x18\n\x10transfer_regions\x18\x02 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\ttransport\x18\x04 \x01(\r\"\"\n\x0bStepRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0e\n\x0cStepResponse\"!\n\x0b\x44ropRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0c\x44ropResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xcd\x01\n\x0eStatusResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nfree_rings\x18\x04 \x01(\r\x12\x11\n\tnum_rings\x18\x05 \x01(\r\x12\x10\n\x08requests\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\t \x01(\x04\x12\x0e\n\x06\x62roken\x18\n \x01(\t2\x82\x02\n\x0e\x44\x63pRankService\x12\x39\n\x04Land\x12\x17.kpoolpd.v1.LandRequest\x1a\x18.kpoolpd.v1.LandResponse\x12\x39\n\x04Step\x12\x17.kpoolpd.v1.StepRequest\x1a\x18.kpoolpd.v1.StepResponse\x12\x39\n\x04\x44rop\x12\x17.kpoolpd.v1.DropRequest\x1a\x18.kpoolpd.v1.DropResponse\x12?\n\x06Status\x12\x19.kpoolpd.v1.StatusRequest\x1a\x1a.kpoolpd.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,18 +39,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREQUEST']._serialized_end=490
   _globals['_STEPRESPONSE']._serialized_start=492
   _globals['_STEPRESPONSE']._serialized_end=506
-  _globals['_FINISHREQUEST']._serialized_start=508
-  _globals['_FINISHREQUEST']._serialized_end=543
-  _globals['_FINISHRESPONSE']._serialized_start=545
-  _globals['_FINISHRESPONSE']._serialized_end=561
-  _globals['_DROPREQUEST']._serialized_start=563
-  _globals['_DROPREQUEST']._serialized_end=596
-  _globals['_DROPRESPONSE']._serialized_start=598
-  _globals['_DROPRESPONSE']._serialized_end=629
-  _globals['_STATUSREQUEST']._serialized_start=631
-  _globals['_STATUSREQUEST']._serialized_end=646
-  _globals['_STATUSRESPONSE']._serialized_start=649
-  _globals['_STATUSRESPONSE']._serialized_end=854
-  _globals['_DCPRANKSERVICE']._serialized_start=857
-  _globals['_DCPRANKSERVICE']._serialized_end=1180
+  _globals['_DROPREQUEST']._serialized_start=508
+  _globals['_DROPREQUEST']._serialized_end=541
+  _globals['_DROPRESPONSE']._serialized_start=543
+  _globals['_DROPRESPONSE']._serialized_end=574
+  _globals['_STATUSREQUEST']._serialized_start=576
+  _globals['_STATUSREQUEST']._serialized_end=591
+  _globals['_STATUSRESPONSE']._serialized_start=594
+  _globals['_STATUSRESPONSE']._serialized_end=799
+  _globals['_DCPRANKSERVICE']._serialized_start=802
+  _globals['_DCPRANKSERVICE']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

@@ -58,16 +58,6 @@ class StepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class FinishRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class FinishResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class DropRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

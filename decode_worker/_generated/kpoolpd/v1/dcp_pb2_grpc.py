@@ -44,11 +44,6 @@ class DcpRankServiceStub:
                 request_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.StepRequest.SerializeToString,
                 response_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.StepResponse.FromString,
                 _registered_method=True)
-        self.Finish = channel.unary_unary(
-                '/kpoolpd.v1.DcpRankService/Finish',
-                request_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.FinishRequest.SerializeToString,
-                response_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.FinishResponse.FromString,
-                _registered_method=True)
         self.Drop = channel.unary_unary(
                 '/kpoolpd.v1.DcpRankService/Drop',
                 request_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.DropRequest.SerializeToString,
@@ -71,12 +66,6 @@ class DcpRankServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Finish(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,11 +95,6 @@ def add_DcpRankServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.StepRequest.FromString,
                     response_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.StepResponse.SerializeToString,
-            ),
-            'Finish': grpc.unary_unary_rpc_method_handler(
-                    servicer.Finish,
-                    request_deserializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.FinishRequest.FromString,
-                    response_serializer=decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.FinishResponse.SerializeToString,
             ),
             'Drop': grpc.unary_unary_rpc_method_handler(
                     servicer.Drop,
@@ -177,33 +161,6 @@ class DcpRankService:
             '/kpoolpd.v1.DcpRankService/Step',
             decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.StepRequest.SerializeToString,
             decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.StepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Finish(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kpoolpd.v1.DcpRankService/Finish',
-            decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.FinishRequest.SerializeToString,
-            decode__worker_dot___generated_dot_kpoolpd_dot_v1_dot_dcp__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,
