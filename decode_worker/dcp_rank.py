@@ -32,6 +32,7 @@ from connector import (
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from decode_worker.dcp_options import dcp_config
+from decode_worker.router import DNS_PREFIX, parse_targets
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import DecodeSequence
 from model.dcp_engine import DcpEngine, rank_blocks_for
@@ -86,7 +87,9 @@ class DcpRankNode(api.DcpRankServiceServicer):
                                          config=context.connector_config, registry=context.registry,
                                          transports=context.transports.offered, model_identity=self.config.identity())
         self.servicer = self
-        self._peers: dict[str, PrefillPeer] = {}
+        self._peers: dict[str, asyncio.Future] = {}  # address -> its Handshake, then the PrefillPeer
+        self._early = tuple(t for t in parse_targets(settings["prefill"]) if not t.startswith(DNS_PREFIX))
+        self._connecting: asyncio.Task | None = None
         self._held: dict[str, _Held] = {}
         self.broken = ""
         self.steps, self.step_seconds, self.transfer_bytes = 0, 0.0, 0
@@ -100,6 +103,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
 
     async def start(self) -> None:
         await self.connector.start()
+        self._connecting = asyncio.create_task(self._connect_early(self._early), name="dcp-rank-connect")
 
     def drain(self) -> None:
         pass
@@ -113,6 +117,9 @@ class DcpRankNode(api.DcpRankServiceServicer):
 
     async def close(self) -> None:
         self._free_all()
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
         await self.connector.close()
         if not self.broken:  # a failed group is not torn down: its peers are gone, and the process exits
             self.group.leave()
@@ -139,10 +146,21 @@ class DcpRankNode(api.DcpRankServiceServicer):
 
     # RPCs -----------------------------------------------------------------------------------
     async def _peer(self, address: str) -> PrefillPeer:
-        peer = self._peers.get(address)
-        if peer is None or peer.closed:
-            peer = self._peers[address] = await self.connector.connect(address)
-        return peer
+        """The handshaken prefill node at ``address``; one Handshake at a time per address (a Land and
+        the start-up's connect share it), again once the peer was closed."""
+        task = self._peers.get(address)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None or task.result().closed)):
+            task = self._peers[address] = asyncio.ensure_future(self.connector.connect(address))
+        return await asyncio.shield(task)
+
+    async def _connect_early(self, addresses: Sequence[str]) -> None:
+        """Handshake with the prefill nodes named by address before the first Land needs them (a
+        failure is left to the Land that needs the node)."""
+        for address in addresses:
+            try:
+                await self._peer(address)
+            except StatusError as exc:
+                logger.info("DCP rank %d: prefill node %s not reachable yet (%s)", self.shard.rank, address, exc)
 
     async def _land(self, request: api.LandRequest) -> LandedRequest:
         peer = await self._peer(request.prefill_address)
