@@ -8,7 +8,8 @@ are the connector's own.
   raising ``CacheExhaustedError`` or ``EngineUnavailable``).
 - Decode side: ``DecodeConnector`` handshakes with prefill nodes (``PrefillPeer``) and pulls a
   ``PrefillGrant`` into a ``LandedRequest``, which owns every block the pull reserved until released
-  (its ``PullTimeline`` says where the pull's time went).
+  (its ``PullTimeline`` says where the pull's time went); a grant's ring is a ``RingRange``. A rank of a
+  decode-context-parallel instance pulls its own share of a grant (``PrefillPeer.pull(dcp=...)``).
 - Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``) and
   ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a daemon's
   host), ``StatusError`` (a gRPC status and a message),
@@ -20,11 +21,13 @@ from connector import prefill_api
 from connector.auth import BearerTokenInterceptor, Credential, auth_metadata
 from connector.channels import open_channel
 from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
+from connector.dcp_plan import dcp_transfer_bytes
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
 from connector.landed import LandedRequest, PrefillGrant, TransferTimes
 from connector.peer import PrefillPeer
+from connector.plan import RingRange
 from connector.prefill import PrefillConnector
 from connector.pull import PullTimeline
 from connector.ucx import ucx_available, ucx_context_info
@@ -33,8 +36,8 @@ from connector.wire import Transport
 
 __all__ = [
     "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
-    "LandedRequest", "TransferTimes", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
-    "PrefillOutput", "PrefillPeer", "PullTimeline", "StatusError", "TlsConfig", "Transport", "UCX_NO_SHARED_MEMORY",
-    "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "open_channel", "prefill_api", "ucx_available",
-    "ucx_context_info",
+    "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
+    "PrefillOutput", "PrefillPeer", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
+    "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
+    "open_channel", "prefill_api", "ucx_available", "ucx_context_info",
 ]

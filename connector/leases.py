@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from connector.plan import RingRange
@@ -40,10 +40,26 @@ class Grant:
     prefill_ms: float = 0.0
     failure: str = ""
 
+    # A decode-context-parallel instance: its ranks' engine ids (rank 0's is ``engine_id``) and its
+    # interleave; each rank pulls and releases its own share, and the grant is released once all did.
+    dcp_engine_ids: tuple[str, ...] = ()
+    dcp_interleave: int = 0
+    ranks_released: set[int] = field(default_factory=set)
+
     @property
     def computing(self) -> bool:
         """The prompt is still being computed (a pipelined grant)."""
         return self.prefill is not None and not self.prefill.done()
+
+    def owned_by(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` may renew the grant: the engine that asked, or one of its DCP ranks."""
+        return engine_id == self.engine_id or engine_id in self.dcp_engine_ids
+
+    def release_rank(self, rank: int) -> None:
+        """Rank ``rank``'s share is released; the whole grant once every rank's is."""
+        self.ranks_released.add(rank)
+        if len(self.ranks_released) >= len(self.dcp_engine_ids):
+            self.release_requested = True
 
 
 class LeaseTable:

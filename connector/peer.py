@@ -13,12 +13,13 @@ import grpc
 
 from connector import prefill_api as pb
 from connector.auth import auth_metadata
+from connector.dcp_plan import dcp_landed_blocks
 from connector.errors import StatusError, rpc_failure
 from connector.landed import Allocation, LandedRequest, PrefillGrant
 from connector.pull import InboundPull, Landing
 from connector.pull_frames import pull_method
 from connector.wire import Transport, ring_from, transports_from
-from kvcache import BlockLayout
+from kvcache import BlockLayout, DcpShard
 
 if TYPE_CHECKING:
     from connector.decode import DecodeConnector
@@ -78,7 +79,8 @@ class PrefillPeer:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
 
     # control calls ---------------------------------------------------------------------------
-    async def prefill(self, request_id: str, prompt_token_ids, *, pipelined: bool = False) -> PrefillGrant:
+    async def prefill(self, request_id: str, prompt_token_ids, *, pipelined: bool = False,
+                      dcp_engine_ids: tuple[str, ...] = (), dcp_interleave: int = 0) -> PrefillGrant:
         """Run the prompt on the prefill node; the grant holds its blocks there under lease until
         pulled and released. StatusError with the node's status (within ``rpc_timeout_s``).
 
@@ -89,9 +91,13 @@ class PrefillPeer:
         Cancelling the caller cancels the call (the node stops the prefill and frees its blocks);
         if the answer had already come, the grant it names is released at once in the background,
         so that no grant nobody knows of holds the node's blocks until its lease runs out. (An
-        answer still on the wire when the cancel leaves is lost; its lease frees it.)"""
+        answer still on the wire when the cancel leaves is lost; its lease frees it.)
+
+        A DCP decode instance names its ranks' engine ids (``dcp_engine_ids``, this connector's
+        first) and its interleave: each rank then pulls and releases its own share."""
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                engine_id=self.connector.engine_id, pipelined=pipelined)
+                                engine_id=self.connector.engine_id, pipelined=pipelined,
+                                dcp_engine_ids=list(dcp_engine_ids), dcp_interleave=dcp_interleave)
         self._check_open(f"Prefill of {request_id}")
         call = asyncio.ensure_future(self._prefill_call(req))
         try:
@@ -140,7 +146,8 @@ class PrefillPeer:
                     call.result().request_id, grant_id)
         self.release_soon(grant_id)
 
-    def release_soon(self, grant_id: str, *, timeout_s: float = RELEASE_SOON_TIMEOUT_S) -> asyncio.Task:
+    def release_soon(self, grant_id: str, *, timeout_s: float = RELEASE_SOON_TIMEOUT_S, dcp_rank: int = 0,
+                     all_ranks: bool = False) -> asyncio.Task:
         """Release ``grant_id`` in a task the peer keeps, and return that task; never blocks nor
         raises. Best effort: a failure, or no answer within ``timeout_s`` (at most
         ``rpc_timeout_s``), is logged and the lease frees the grant. For callers that cannot wait
@@ -149,27 +156,29 @@ class PrefillPeer:
         stays ``busy`` until the task ends; ``close`` cancels it."""
         self._open_grants.pop(grant_id, None)
         timeout_s = min(timeout_s, self.connector.config.rpc_timeout_s)
-        task = asyncio.ensure_future(self._release_quietly(grant_id, timeout_s))
+        task = asyncio.ensure_future(self._release_quietly(grant_id, timeout_s, dcp_rank, all_ranks))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _release_quietly(self, grant_id: str, timeout_s: float) -> None:
+    async def _release_quietly(self, grant_id: str, timeout_s: float, dcp_rank: int, all_ranks: bool) -> None:
         with self._call():
             try:
-                await asyncio.wait_for(self.release(grant_id), timeout_s)
+                await asyncio.wait_for(self.release(grant_id, dcp_rank=dcp_rank, all_ranks=all_ranks), timeout_s)
             except StatusError as exc:
                 logger.warning("release of %s failed (%s); its lease will free it", grant_id, exc)
             except asyncio.TimeoutError:
                 logger.warning("release of %s got no answer within %.1f s; its lease will free it", grant_id,
                                timeout_s)
 
-    async def release(self, grant_id: str) -> bool:
-        """Idempotent: False when the grant was already released or expired."""
+    async def release(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False) -> bool:
+        """Idempotent: False when the grant was already released or expired. A DCP rank releases its
+        own share (``dcp_rank``); rank 0 may release every rank's at once (``all_ranks``)."""
         self._open_grants.pop(grant_id, None)
         self._check_open(f"Release of {grant_id}")
         try:
-            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.connector.engine_id),
+            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.connector.engine_id,
+                                                           dcp_rank=dcp_rank, all_ranks=all_ranks),
                                          timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
@@ -193,7 +202,7 @@ class PrefillPeer:
 
     # the pull --------------------------------------------------------------------------------
     async def pull(self, grant: PrefillGrant, *, reserve_blocks: int | None = None, transport: Transport | None = None,
-                   integrity: bool = False, release: bool = True) -> LandedRequest:
+                   integrity: bool = False, release: bool = True, dcp: DcpShard | None = None) -> LandedRequest:
         """Allocate ``max(grant.num_blocks, reserve_blocks)`` blocks and a ring, pull the request's
         prompt into the first ``grant.num_blocks`` of them, verify (``integrity``: crc32 per
         region, DATA_LOSS on a mismatch) and Release the grant (unless ``release`` is False). A
@@ -210,13 +219,18 @@ class PrefillPeer:
         unless ``release`` is False, gives the grant back at once: the Release is sent (or goes
         on) in the background, so the prefill node frees its blocks now rather than at lease
         expiry. ValueError (nothing taken) for a negative or non-integer ``reserve_blocks``.
-        Called from the connector's event loop, any number at once."""
+        Called from the connector's event loop, any number at once.
+
+        ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
+        it pulls its own share of the prompt (``connector.dcp_plan``) into the first blocks of its
+        allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
         if reserve_blocks is not None and (type(reserve_blocks) is not int or reserve_blocks < 0):
             raise ValueError(f"reserve_blocks must be None or an integer >= 0, got {reserve_blocks!r}")
         with self._call():
             try:
-                return await self._pull_and_release(grant, max(grant.num_blocks, reserve_blocks or 0), transport,
-                                                    integrity, release)
+                landed = dcp_landed_blocks(self.layout, dcp, grant.prompt_len) if dcp else grant.num_blocks
+                return await self._pull_and_release(grant, max(landed, reserve_blocks or 0), transport,
+                                                    integrity, release, dcp)
             finally:
                 self._open_grants.pop(grant.grant_id, None)
 
@@ -240,22 +254,25 @@ class PrefillPeer:
             raise
 
     async def _pull_and_release(self, grant: PrefillGrant, num_blocks: int, transport: Transport | None, integrity: bool,
-                                release: bool) -> LandedRequest:
+                                release: bool, dcp: DcpShard | None) -> LandedRequest:
         c = self.connector
         self._check_open(f"Pull of {grant.request_id}")
+        if dcp is not None and self.repacks:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"a DCP rank pulls only from a prefill node of its "
+                              f"own block layout; {self.address} stores blocks in {self.layout.config.order.value}")
         transport = self._transport_for(transport)
         allocation = self._allocate(grant, num_blocks)
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._renew(grant.grant_id))
         budget = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # + the compute
         try:
-            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity), budget)
+            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, dcp), budget)
         except BaseException as exc:
             allocation.free()
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
             c.metrics.failures.labels(cause).inc()
             if release and isinstance(exc, asyncio.CancelledError):
-                self.release_soon(grant.grant_id)
+                self.release_soon(grant.grant_id, dcp_rank=dcp.rank if dcp else 0)
             if isinstance(exc, asyncio.TimeoutError):
                 raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pull of {grant.request_id} from {self.address} "
                                   f"did not finish in {budget} s") from None
@@ -272,26 +289,28 @@ class PrefillPeer:
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
         if release:
             try:  # a failed Release is logged (the lease frees it): the data has landed
-                await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s))
+                await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s,
+                                                       dcp_rank=dcp.rank if dcp else 0))
             except BaseException:  # cancelled while releasing: no caller will own the landed request
                 landed.release()
                 raise
         return landed
 
     async def _land(self, grant: PrefillGrant, allocation: Allocation, transport: Transport,
-                    integrity: bool) -> InboundPull:
-        """Open the Pull stream and land the prompt into the first ``grant.num_blocks`` blocks; the
-        finished pull (its plan and timeline)."""
+                    integrity: bool, dcp: DcpShard | None) -> InboundPull:
+        """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
+        the allocation; the finished pull (its plan and timeline)."""
         c = self.connector
-        landing = Landing(c.pool, self.layout, allocation.block_ids[:grant.num_blocks])
+        landed = dcp_landed_blocks(self.layout, dcp, grant.prompt_len) if dcp else grant.num_blocks
+        landing = Landing(c.pool, self.layout, allocation.block_ids[:landed])
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
-                             ucx_tag_base=tag_base)
+                             ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
         pull = InboundPull(lambda: self._pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md),
                            address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
-                           keep=self._follow_on)
+                           keep=self._follow_on, dcp=dcp)
         await pull.run()
         return pull
 

@@ -41,6 +41,7 @@ from connector import pull_frames, regions
 from connector.auth import Credential
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.config import ConnectorConfig
+from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable
 from connector.leases import Grant, LeaseTable
@@ -50,13 +51,14 @@ from connector.plan import plan_transfer, ready_at, ring_live_range
 from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode
 from connector.ucx_address import WorkerAddressError
 from connector.wire import Transport, layout_message, ring_message, transports_from
-from kvcache import BlockAllocator, CachePool, RingAllocator
+from kvcache import BlockAllocator, CachePool, DcpConfig, DcpShard, RingAllocator
 
 logger = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
 FORGET_AFTER_LEASES = 10  # a decode engine silent this many leases is forgotten (a live one heartbeats every lease)
 FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
+MAX_DCP_RANKS = 64
 VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
 
 
@@ -285,6 +287,11 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.leases)} grants held (limit {self.config.max_grants})")
         if self.leases.active_request(request.request_id, request.engine_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} already holds a grant")
+        dcp_ids, dcp_interleave = tuple(request.dcp_engine_ids), request.dcp_interleave
+        if dcp_ids:
+            problem = self._dcp_problem(request.engine_id, dcp_ids, dcp_interleave)
+            if problem:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         grant_id = secrets.token_hex(16)
         cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
         job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids))
@@ -293,7 +300,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         try:  # every exit without a grant (errors, aborts, the caller cancelling) stops the engine and frees
             out = None
             try:
-                if request.pipelined:
+                if request.pipelined and not dcp_ids:  # a DCP instance's ranks pull once the prompt is computed
                     allocated = asyncio.ensure_future(cache.wait_allocated())
                     try:
                         await asyncio.wait({task, allocated}, return_when=asyncio.FIRST_COMPLETED)
@@ -326,7 +333,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
                           first_token=0 if pipelined else out.first_token, expires_at=self.leases.expiry(),
                           cache=cache, prefill=task if pipelined else None,
                           piece_blocks=self._piece_blocks() if pipelined else 0,
-                          prefill_ms=0.0 if pipelined else prefill_ms)
+                          prefill_ms=0.0 if pipelined else prefill_ms,
+                          dcp_engine_ids=dcp_ids, dcp_interleave=dcp_interleave)
             if pipelined:
                 task.add_done_callback(lambda t: self._prefilled(grant, t))
             self.leases.add(grant)
@@ -379,15 +387,41 @@ class PrefillConnector(pb.PrefillServiceServicer):
             return
         grant.first_token, grant.prefill_ms = out.first_token, prefill_ms
 
+    def _dcp_problem(self, engine_id: str, ranks: tuple[str, ...], interleave: int) -> str | None:
+        """What is wrong with a Prefill's DCP fields, or None."""
+        if not 2 <= len(ranks) <= MAX_DCP_RANKS or ranks[0] != engine_id or len(set(ranks)) != len(ranks) \
+                or not all(0 < len(r) <= MAX_ID_CHARS for r in ranks):
+            return (f"dcp_engine_ids must name 2 to {MAX_DCP_RANKS} distinct engines of 1 to {MAX_ID_CHARS} "
+                    f"characters, rank 0 being engine_id; got {len(ranks)}")
+        try:
+            DcpConfig.for_cache(self.layout.config, size=len(ranks), interleave=interleave or None)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @staticmethod
+    def _shard(grant: Grant, rank: int) -> DcpShard:
+        return DcpShard(size=len(grant.dcp_engine_ids), rank=rank, interleave=grant.dcp_interleave)
+
+    def _pulls_as(self, grant: Grant, request: pb.PullRequest | pb.ReleaseRequest) -> bool:
+        """Whether the request's engine may pull or release (its share of) ``grant``."""
+        if not grant.dcp_engine_ids:
+            return grant.engine_id == request.engine_id
+        rank = request.dcp_rank
+        return rank < len(grant.dcp_engine_ids) and grant.dcp_engine_ids[rank] == request.engine_id
+
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         grant = self.leases.live(request.grant_id)
         if grant is None:
             return pb.ReleaseResponse(released=False)
-        if grant.engine_id != request.engine_id:
+        if not self._pulls_as(grant, request) or (request.all_ranks and request.dcp_rank != 0):
             await self._refuse_foreign(context, "Release", request.engine_id)
-        grant.release_requested = True
-        if grant.computing:  # nobody wants the rest of the prompt: a pull still reading it fails at once
-            grant.failure = "its grant was released"
+        if grant.dcp_engine_ids and not request.all_ranks:
+            grant.release_rank(request.dcp_rank)
+        else:
+            grant.release_requested = True
+        if grant.release_requested and grant.computing:  # nobody wants the rest of the prompt: a pull still
+            grant.failure = "its grant was released"      # reading it fails at once
             grant.prefill.cancel()
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
@@ -396,7 +430,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if len(request.grant_ids) > self.config.max_grants:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
         foreign = [g for g in request.grant_ids
-                   if (grant := self.leases.live(g)) is not None and grant.engine_id != request.engine_id]
+                   if (grant := self.leases.live(g)) is not None and not grant.owned_by(request.engine_id)]
         if foreign:  # checked before renewing any: a refused call changes nothing
             await self._refuse_foreign(context, "Heartbeat", request.engine_id, len(foreign))
         unknown = [g for g in request.grant_ids if not self.leases.renew(g)]
@@ -419,7 +453,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
-        if grant.engine_id != request.engine_id:
+        if not self._pulls_as(grant, request):
             await self._refuse_foreign(context, "Pull", request.engine_id)
         if request.transport not in self._offered_values:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -433,12 +467,19 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
         if transport is Transport.UCX and request.ucx_tag_base == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")
-        if len(request.dst_block_ids) != len(grant.block_ids):
+        shard = self._shard(grant, request.dcp_rank) if grant.dcp_engine_ids else None
+        want = dcp_landed_blocks(self.layout, shard, grant.prompt_len) if shard else len(grant.block_ids)
+        if len(request.dst_block_ids) != want:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.dst_block_ids)} destination blocks for a grant of {len(grant.block_ids)} blocks")
+                                f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"
+                                + (f" (rank {shard.rank} of {shard.size})" if shard else ""))
         try:
-            plan = plan_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
-                                 request.dst_ring_id, grant.live, piece_blocks=grant.piece_blocks)
+            if shard is None:
+                plan = plan_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
+                                     request.dst_ring_id, grant.live, piece_blocks=grant.piece_blocks)
+            else:
+                plan = plan_dcp_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
+                                         request.dst_ring_id, grant.live, shard, grant.prompt_len)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if len(plan) > MAX_REGIONS:

@@ -29,6 +29,7 @@ import torch
 import kernels
 from connector import prefill_api as pb
 from connector import regions
+from connector.dcp_plan import plan_dcp_transfer
 from connector.errors import StatusError, rpc_failure
 from connector.landed import PrefillGrant, TransferTimes
 from connector.metrics import ConnectorMetrics
@@ -36,7 +37,7 @@ from connector.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
 from connector.pull_frames import ChunkFrame
 from connector.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
 from connector.wire import Transport, ring_from
-from kvcache import BlockLayout, CachePool
+from kvcache import BlockLayout, CachePool, DcpShard
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,12 @@ class InboundPull:
 
     def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
                  landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
-                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None]) -> None:
+                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], dcp: DcpShard | None = None) -> None:
         self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
         self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
         self.ucx, self.metrics, self.keep = ucx, metrics, keep
+        self.dcp = dcp  # this rank's share of the prompt (``connector.dcp_plan``), or None: all of it
         self.receives: ReceiveBatch | None = None  # posted and not all landed
         self.views: list[torch.Tensor] = []  # where the regions land, once planned
         self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
@@ -213,12 +215,17 @@ class InboundPull:
         """Our own plan from the grant's source side (ValueError for ids outside our pools); the
         views it lands in, with the UCX receives posted on them, before the Pull is sent."""
         pool, grant = self.landing.pool, self.grant
-        if len(grant.src_block_ids) != len(self.landing.ids):
-            raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
-                              f"{len(self.landing.ids)} destination blocks")
-        plan = plan_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
-                             self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
-                             dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
+        if self.dcp is not None:
+            plan = plan_dcp_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+                                     self.ring_id, grant.ring_live, self.dcp, grant.prompt_len,
+                                     dst_num_blocks=self.landing.num_blocks, dst_num_rings=pool.num_rings)
+        else:
+            if len(grant.src_block_ids) != len(self.landing.ids):
+                raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
+                                  f"{len(self.landing.ids)} destination blocks")
+            plan = plan_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+                                 self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
+                                 dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
         if len(plan) > MAX_REGIONS:
             raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
         views = self.views = [self.landing.view(pair) for pair in plan.pairs]

@@ -11,18 +11,28 @@ flight finish (for at most ``drain-s``), then everything is freed and the proces
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
 from collections.abc import Sequence
 from typing import Any
 
 from connector import DecodeConnector
+from decode_worker import dcp_api
+from decode_worker.dcp_fetch import DcpLeader
+from decode_worker.dcp_options import DCP_OPTIONS, check_dcp, dcp_config
+from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
 from decode_worker.router import PrefillRouter, parse_targets
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import DecodeSequence, Engine, PrefillJob
+from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
                      model_config, parse_bool, positive_float, positive_int, pull_choice, run_daemon,
                      service_options)
+
+logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 3  # output tokens of the warm-up request
 
@@ -51,6 +61,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max-new-tokens", positive_int, 512, "most output tokens a request may ask for"),
     Option("num-blocks", int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),
     Option("health-interval-s", positive_float, 2.0, "how often prefill nodes are health-checked and re-resolved"),
+    *DCP_OPTIONS,
 )
 
 
@@ -63,11 +74,24 @@ class DecodeNode:
         self.config = model_config(settings)
         self.layout = BlockLayout(self.config.cache_config())
         max_running = settings["max_running"]
-        num_blocks = settings["num_blocks"] or max_running * self.config.blocks_for(settings["max_prompt_tokens"],
-                                                                                    settings["max_new_tokens"])
-        self.pool = CachePool(self.layout, num_blocks=num_blocks, num_rings=max_running, device=context.device)
+        dcp = dcp_config(settings)
+        largest = rank_blocks_for(self.config, dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
+        self.pool = CachePool(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
+                              num_rings=max_running, device=context.device)
         self.blocks, self.rings = BlockAllocator(self.pool.num_blocks), RingAllocator(self.pool.num_rings)
-        self.engine = Engine(self.config, self.pool)
+        self.ranks: DcpRanks | None = None
+        self.leader: DcpLeader | None = None
+        self._watch: asyncio.Task | None = None
+        if dcp.size > 1:  # start ranks 1..N-1, then join their group (which waits for them)
+            self.ranks = DcpRanks(context, dcp, OPTIONS, rendezvous_dir())
+            self.ranks.on_broken = self._broken
+            group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
+                                  timeout_s=settings["dcp_timeout_s"])
+            self.engine: Engine = DcpEngine(self.config, self.pool, group)
+            self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
+        else:
+            self.engine = Engine(self.config, self.pool)
+        self._settings = settings
         self.connector = DecodeConnector(self.pool, self.blocks, self.rings, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
                                          transports=context.transports.offered, model_identity=self.config.identity())
@@ -78,16 +102,27 @@ class DecodeNode:
                                          max_running=max_running, max_queue=settings["max_queue"],
                                          transport=context.transports.pull, integrity=settings["integrity"],
                                          pipelined=settings["pipelined_transfer"],
-                                         queue_timeout_s=settings["queue_timeout_s"], registry=context.registry)
+                                         queue_timeout_s=settings["queue_timeout_s"], registry=context.registry,
+                                         dcp=self.leader)
         self.servicer = GenerateService(self.scheduler, max_prompt_tokens=settings["max_prompt_tokens"],
                                         max_new_tokens=settings["max_new_tokens"],
                                         step_timeout_s=settings["transfer_timeout_s"])
         self._loop: asyncio.Task | None = None
         self._health = context.health
 
+    def _broken(self, why: str) -> None:
+        """A DCP rank failed: the instance cannot step any more. Health turns NOT_SERVING for good and
+        the daemon stops as after SIGTERM (the requests it holds fail and free everything first), so
+        that the whole instance is restarted (a Deployment restarts the pod)."""
+        self._report_health()
+        logger.error("stopping: the DCP decode instance is broken (%s)", why)
+        asyncio.get_running_loop().call_soon(signal.raise_signal, signal.SIGTERM)
+
     def _report_health(self, _changed: bool | None = None) -> None:
         """Tell the runtime's health gate whether this node can serve a request now."""
-        if not self.router.usable:
+        if self.ranks is not None and self.ranks.broken:
+            self._health.set_able(False, f"the DCP decode instance is broken: {self.ranks.broken}")
+        elif not self.router.usable:
             self._health.set_able(False, f"no prefill node is usable: {self.router.reasons()}")
         elif not self.scheduler.has_room:
             self._health.set_able(False, "no room: every ring is taken and the queue is full")
@@ -95,7 +130,10 @@ class DecodeNode:
             self._health.set_able(True)
 
     def warm_up(self) -> None:
-        """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest."""
+        """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest.
+        None with DCP: rank 0 runs no prefill, and a step needs every rank."""
+        if self.leader is not None:
+            return
         config = self.config
         prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
         block_ids = self.blocks.allocate(config.blocks_for(len(prompt), WARM_UP_TOKENS))
@@ -111,8 +149,20 @@ class DecodeNode:
             self.blocks.free(block_ids)
             self.rings.free("warm-up")
 
+    def _rank_status(self) -> dcp_api.StatusResponse:
+        """Rank 0's own line of the per-rank metrics."""
+        return dcp_api.StatusResponse(rank=0, free_blocks=self.blocks.num_free, num_blocks=self.blocks.num_blocks,
+                                      free_rings=self.rings.num_free, num_rings=self.rings.num_rings,
+                                      requests=self.scheduler.active(), steps=int(self.scheduler.steps_run),
+                                      step_seconds=self.scheduler.step_seconds_total,
+                                      transfer_bytes=self.scheduler.own_transfer_bytes)
+
     async def start(self) -> None:
         await self.connector.start()
+        if self.ranks is not None:
+            await self.ranks.connect(self._settings["dcp_timeout_s"])
+            self._watch = asyncio.create_task(self.ranks.watch(self._settings["health_interval_s"], self._rank_status),
+                                              name="dcp-watch")
         self._loop = asyncio.create_task(self.scheduler.run(), name="decode-loop")
         self.router.on_change = self.scheduler.on_room_change = self._report_health
         await self.router.start()
@@ -134,13 +184,21 @@ class DecodeNode:
             self._loop = None
         await self.router.close()
         await self.connector.close()
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        if self.ranks is not None:
+            await self.ranks.close()
+            if not self.ranks.broken:  # a failed group is not torn down: its peers are gone, and the process exits
+                self.engine.group.leave()
 
     def describe(self) -> dict[str, object]:
         return {"prefill": self.router.healthy(), "model": self.config.describe(),
-                "layout_hash": self.layout.layout_hash}
+                "layout_hash": self.layout.layout_hash, "dcp": self.leader.dcp.size if self.leader else 1}
 
 
-SPEC = DaemonSpec(role=Role.DECODE, description=__doc__.splitlines()[0], options=OPTIONS, build=DecodeNode)
+SPEC = DaemonSpec(role=Role.DECODE, description=__doc__.splitlines()[0], options=OPTIONS, build=DecodeNode,
+                  check=check_dcp)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

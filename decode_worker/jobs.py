@@ -74,6 +74,9 @@ class Job:
     prefill_address: str = ""
     prefill_engine_id: str = ""
     ttft_ms: float = 0.0
+    transfer_bytes: int = 0  # the prompt's transfer, every DCP rank's summed
+    transfer_regions: int = 0
+    transfer_ms: float = 0.0  # the slowest rank's
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.arrived) * 1000

@@ -36,6 +36,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector import DecodeConnector, PrefillGrant, PrefillPeer, StatusError, Transport
+from decode_worker.dcp_fetch import DcpLeader
 from decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from decode_worker.router import PrefillRouter
 from kvcache import BlockAllocator, RingAllocator
@@ -56,7 +57,8 @@ class DecodeScheduler:
     def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
                  router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
                  integrity: bool, queue_timeout_s: float, registry: CollectorRegistry,
-                 on_room_change: Callable[[bool], None] | None = None, pipelined: bool = True) -> None:
+                 on_room_change: Callable[[bool], None] | None = None, pipelined: bool = True,
+                 dcp: DcpLeader | None = None) -> None:
         self.engine, self.blocks, self.rings = engine, blocks, rings
         self.connector, self.router = connector, router
         self.max_running = min(max_running, rings.num_rings)
@@ -66,12 +68,14 @@ class DecodeScheduler:
         self.pipelined = pipelined  # ask prefill nodes to answer before the prompt is computed (see PrefillPeer.prefill)
         self.queue_timeout_s = queue_timeout_s
         self.config = engine.config
+        self.dcp = dcp  # rank 0 of a DCP decode instance: every request and step involves every rank
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[str, Job] = {}
         self._running: list[Job] = []
         self._reserved_blocks = 0
         self._admitted = 0
         self._wake = asyncio.Event()
+        self.steps_run, self.step_seconds_total, self.own_transfer_bytes = 0, 0.0, 0  # this rank's, for DCP metrics
         self.on_room_change = on_room_change
         self._had_room = True
         self.requests = Counter("kpoolpd_decode_requests", "Generate requests by outcome", ["outcome"], registry=registry)
@@ -115,7 +119,9 @@ class DecodeScheduler:
     # admission ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Job:
         """Queue a validated request (raises StatusError when it cannot be queued)."""
-        need = self.config.blocks_for(len(prompt), max_tokens)
+        if self.dcp is not None and self.dcp.ranks.broken:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
+        need = self.engine.blocks_for(len(prompt), max_tokens)
         if need > self.blocks.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
@@ -164,6 +170,16 @@ class DecodeScheduler:
         peer, grant = await self._prefill(job)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         job.state = JobState.PULLING
+        if self.dcp is not None:
+            await self._pull_dcp(job, peer, grant)
+        else:
+            await self._pull(job, peer, grant)
+        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
+                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
+                                 output=[job.landed.first_token])
+        job.state = JobState.DECODING
+
+    async def _pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
         try:
             job.landed = await peer.pull(grant, reserve_blocks=job.need_blocks, transport=self.transport,
                                          integrity=self.integrity, release=False)
@@ -178,10 +194,20 @@ class DecodeScheduler:
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         job.state = JobState.RELEASING
         await self._release(peer, grant)
-        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
-                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
-                                 output=[job.landed.first_token])
-        job.state = JobState.DECODING
+        landed = job.landed
+        job.transfer_bytes, job.transfer_regions, job.transfer_ms = landed.nbytes, landed.regions, landed.times.transfer_ms
+
+    async def _pull_dcp(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
+        """Every DCP rank pulls its share at once (``DcpLeader.pull`` gives everything back on failure)."""
+        try:
+            job.landed, transfer = await self.dcp.pull(job.request_id, job.max_tokens, job.need_blocks, peer, grant,
+                                                       self.transport, self.integrity)
+        except StatusError as exc:
+            if exc.code is grpc.StatusCode.UNAVAILABLE and not self.dcp.ranks.broken:
+                self.router.mark_failed(peer, exc.message)
+            raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
+        job.transfer_bytes, job.transfer_regions, job.transfer_ms = transfer.nbytes, transfer.regions, transfer.ms
+        self.own_transfer_bytes += transfer.per_rank_bytes[0]
 
     async def _release(self, peer: PrefillPeer, grant: PrefillGrant) -> None:
         """Release ``grant`` and wait for the answer; a failure is logged (its lease frees it), and
@@ -197,7 +223,10 @@ class DecodeScheduler:
         for _ in range(attempts):
             peer = await self.router.pick()  # UNAVAILABLE, with each node's reason, when none is usable
             try:
-                return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined)
+                if self.dcp is None:
+                    return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined)
+                return peer, await peer.prefill(job.request_id, job.prompt, dcp_engine_ids=self.dcp.engine_ids,
+                                                dcp_interleave=self.dcp.shard.interleave)
             except StatusError as exc:
                 last = exc
                 if exc.code not in RETRYABLE:
@@ -235,7 +264,12 @@ class DecodeScheduler:
                         ttft_ms=job.ttft_ms, total_ms=job.elapsed_ms())
 
     async def finish_unstarted(self, job: Job) -> None:
-        """A fetched job that needs no step (max_tokens == 1): its digest, then done."""
+        """A fetched job that needs no step (max_tokens == 1): its digest, then done. With DCP the
+        digest is a collective, and every collective of the ranks runs in one order: the decode loop's,
+        whose next step digests the job (a finished sequence takes no step)."""
+        if self.dcp is not None:
+            self.start_decoding(job)
+            return
         digest = await asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
         job.events.put_nowait(self._finished_event(job, digest))
 
@@ -251,15 +285,23 @@ class DecodeScheduler:
                 continue
             batch = list(self._running)
             try:
-                emitted, digests, seconds = await asyncio.to_thread(self._step, batch)
-            except Exception:
+                step = asyncio.to_thread(self._step, batch)
+                if self.dcp is None:
+                    emitted, digests, seconds = await step
+                else:  # every rank steps the same batch at once
+                    emitted, digests, seconds = await self.dcp.step(step, [j.request_id for j in batch])
+            except Exception as exc:
                 logger.exception("decode step of %d requests failed", len(batch))
+                error = exc if isinstance(exc, StatusError) else StatusError(grpc.StatusCode.INTERNAL,
+                                                                             "decode step failed")
                 for job in batch:
                     self._running.remove(job)
-                    job.events.put_nowait(Failed(StatusError(grpc.StatusCode.INTERNAL, "decode step failed")))
+                    job.events.put_nowait(Failed(error))
                     self.finish(job, "error")
                 continue
             self.step_seconds.observe(seconds)
+            self.steps_run += 1
+            self.step_seconds_total += seconds
             self.step_batch.observe(len(batch))
             for job, tokens in zip(batch, emitted):
                 if tokens:
@@ -294,6 +336,8 @@ class DecodeScheduler:
             self._waiting.remove(job)
         if job.landed is not None:
             job.landed.release()
+        if self.dcp is not None and job.landed is not None:
+            self.dcp.drop(job.request_id)  # the other ranks free it too (those that finished it already hold nothing)
         if job.reserved:
             job.reserved = False
             self._reserved_blocks -= job.need_blocks

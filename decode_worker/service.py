@@ -74,8 +74,8 @@ class GenerateService(api.GenerateServiceServicer):
             landed = job.landed
             yield api.GenerateResponse(started=api.GenerateStarted(
                 request_id=request_id, prefill_address=job.prefill_address, prefill_engine_id=job.prefill_engine_id,
-                transport=landed.transport.label, transfer_bytes=landed.nbytes, transfer_regions=landed.regions,
-                transfer_ms=landed.times.transfer_ms, queue_ms=queue_ms, prefill_ms=landed.times.prefill_ms,
+                transport=landed.transport.label, transfer_bytes=job.transfer_bytes, transfer_regions=job.transfer_regions,
+                transfer_ms=job.transfer_ms, queue_ms=queue_ms, prefill_ms=landed.times.prefill_ms,
                 exposed_transfer_ms=landed.times.exposed_transfer_ms))
             yield api.GenerateResponse(tokens=api.GenerateTokens(token_ids=job.seq.output[:1]))
             scheduler.first_token_sent(job)

@@ -69,6 +69,11 @@ def _add_up(commands) -> None:
                          "are prefilled in chunks, their finished blocks moving to the decode daemon while later "
                          "chunks compute; shorter ones share a step")
     up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
+    up.add_argument("--dcp", type=int, default=1,
+                    help="decode-context-parallel ranks of the decode daemon (default 1): N rank processes, the "
+                         "kpool cache sharded over them, each with the whole ring; with --device cuda one GPU each")
+    up.add_argument("--dcp-interleave", type=int, default=0,
+                    help="tokens dealt to one DCP rank at a time, a multiple of kpool (default 0: the block size)")
     up.add_argument("--tls", action="store_true",
                     help="make a throwaway CA and certificates (openssl) and run every connection over mTLS")
     up.set_defaults(handler=_up)
@@ -101,13 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
     benches = bench.add_subparsers(dest="bench", required=True)
     for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
-                       ("pipeline", "time to first token with whole and chunked prefill; exposed transfer")):
+                       ("pipeline", "time to first token with whole and chunked prefill; exposed transfer"),
+                       ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ...")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
-BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline"}
+BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp"}
 
 
 def main(argv: list[str] | None = None) -> int:

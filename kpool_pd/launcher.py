@@ -12,7 +12,6 @@ from a thread that outlives them (the main thread).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -20,32 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from runtime.process import parent_death_signal
+
 logger = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child receive ``sig`` when the thread that forks it dies
-    (Linux ``prctl(PR_SET_PDEATHSIG)``; it survives the exec); None where there is no prctl.
-    If the parent is already gone when the child arms it, the child sends ``sig`` to itself."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def arm() -> None:  # in the child, between fork and exec: system calls only
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-    return arm
-
 
 class DaemonError(RuntimeError):
     pass

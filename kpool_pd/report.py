@@ -40,10 +40,11 @@ def table(results: list[RequestResult | RequestFailed]) -> str:
 
 def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: float, model: dict,
             transport: str, tls: bool = False, reference: list[RequestResult] | None = None,
-            data_plane_encrypted: bool | None = None, devices: tuple[str, str] | None = None) -> dict:
+            data_plane_encrypted: bool | None = None, devices: tuple[str, str] | None = None, dcp: int = 1) -> dict:
     """The run's summary. ``tls``: the connections were TLS; ``data_plane_encrypted``: the cache
     bytes between the daemons were too (only over the gRPC stream with TLS: UCX has no encryption;
-    None when there was no data plane or it is not known); ``devices``: (prefill, decode) devices."""
+    None when there was no data plane or it is not known); ``devices``: (prefill, decode) devices;
+    ``dcp``: the decode instance's DCP ranks."""
     ok = [r for r in results if isinstance(r, RequestResult)]
     tokens = sum(len(r.tokens) for r in ok)
     out = {
@@ -62,6 +63,8 @@ def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: 
     }
     if devices is not None:
         out["prefill_device"], out["decode_device"] = devices
+    if dcp > 1:
+        out["dcp"] = dcp
     if reference is not None:
         by_id = {r.request_id: r for r in reference}
         out["colocated_match"] = sum(
@@ -75,12 +78,14 @@ def summary_text(s: dict) -> str:
     group = f"kpool {m['kpool']}" if m["family"] == "kpool" else f"ratio {m['compress_ratio']}"
     drafts = (f"; drafts accepted {s['drafts_accepted']}/{s['drafts_proposed']} "
               f"({100 * s['drafts_accepted'] / s['drafts_proposed']:.0f}%)" if s["drafts_proposed"] else "")
+    dcp_text = f", {s['dcp']} DCP ranks" if s.get("dcp") else ""
     lines = [
         f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, transport {s['transport']}"
         f"{' over mTLS' if s.get('tls') else ''}"
         f"{' (cache bytes over UCX NOT encrypted)' if s.get('tls') and s.get('data_plane_encrypted') is False else ''}"
         f"; {m['family']} "
-        f"family, {group}, {m['num_spec']} drafts, {m['layers']} layers, block {m['block_size']})",
+        f"family, {group}, {m['num_spec']} drafts, {m['layers']} layers, block {m['block_size']}"
+        f"{dcp_text})",
         f"  {s['tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.0f} tokens/s); ttft p50 "
         f"{s['ttft_ms_p50']:.1f} ms, p90 {s['ttft_ms_p90']:.1f} ms{drafts}",
     ]

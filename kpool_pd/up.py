@@ -29,6 +29,7 @@ from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, summary, summary_text, table
+from kvcache import DcpConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import SettingsError, client_tls, model_config, model_flags
 
@@ -42,17 +43,22 @@ def default_transport() -> str:
     return "ucx" if ucx_available() else "grpc"
 
 
-def placement(device: str) -> tuple[str, str]:
+def placement(device: str, dcp: int = 1) -> tuple[str, str]:
     """(prefill device, decode device) for ``up --device``: cpu for both; with cuda the prefill on
-    cuda:0 and the decode on cuda:1 when there are two GPUs, else both on cuda:0. ValueError when
-    ``device`` is cuda and this machine has no CUDA device."""
+    cuda:0 and the decode on cuda:1 when there are two GPUs, else both on cuda:0. With ``dcp`` ranks
+    the decode device is the first of the ranks' GPUs, one each: from cuda:1 when the machine has
+    ``dcp + 1`` GPUs, else from cuda:0. ValueError when ``device`` is cuda and this machine has no
+    CUDA device, or fewer than ``dcp``."""
     if device == "cpu":
         return "cpu", "cpu"
     if device != "cuda":
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
     if not torch.cuda.is_available():
         raise ValueError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
-    return "cuda:0", ("cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
+    count = torch.cuda.device_count()
+    if dcp > count:
+        raise ValueError(f"--dcp {dcp} --device cuda: one GPU per decode rank, and this machine has {count}")
+    return "cuda:0", ("cuda:1" if count >= dcp + 1 else "cuda:0")
 
 
 def _progress(text: str) -> None:
@@ -116,7 +122,8 @@ def run_up(args) -> int:
         _progress(f"error: {exc}")
         return 2
     try:
-        prefill_device, decode_device = placement(args.device)
+        DcpConfig.for_cache(config.cache_config(), size=args.dcp, interleave=args.dcp_interleave or None)
+        prefill_device, decode_device = placement(args.device, args.dcp)
     except ValueError as exc:
         _progress(f"error: {exc}")
         return 2
@@ -175,12 +182,15 @@ def run_up(args) -> int:
                 _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
                           f"after {time.perf_counter() - t0:.1f} s")
                 t0 = time.perf_counter()
-                _progress(f"starting the decode daemon on {decode_device} ...")
+                _progress(f"starting the decode daemon on {decode_device}"
+                          f"{f' with {args.dcp} DCP ranks' if args.dcp > 1 else ''} ...")
                 with teardown.track(start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
                                                  transport=args.transport,
                                                  env={**peer_env, "KPOOLPD_TOKEN": client_token},
                                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),
-                                                        "--device", decode_device, *tls_flags])) as decode:
+                                                        "--device", decode_device, "--dcp", str(args.dcp),
+                                                        "--dcp-interleave", str(args.dcp_interleave),
+                                                        *tls_flags])) as decode:
                     decode.wait_ready(READY_TIMEOUT_S)
                     _progress(f"  decode ready on 127.0.0.1:{decode.port} (metrics :{decode.metrics_port}) "
                               f"after {time.perf_counter() - t0:.1f} s")
@@ -198,7 +208,7 @@ def run_up(args) -> int:
     reference = run_colocated(config, requests, device=reference_device)
     report = summary(results, mode="pd", wall_s=wall, model=config.describe(), devices=(prefill_device, decode_device),
                      transport=args.transport, tls=args.tls, reference=reference,
-                     data_plane_encrypted=bool(args.tls) and args.transport == "grpc")
+                     data_plane_encrypted=bool(args.tls) and args.transport == "grpc", dcp=args.dcp)
     _print(args, results, report)
     return 0 if report["failed"] == 0 and report["colocated_match"] == report["ok"] else 1
 

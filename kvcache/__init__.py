@@ -2,6 +2,7 @@
 
 from kvcache.allocator import BlockAllocator, RingAllocator
 from kvcache.config import LAYOUT_FORMAT_VERSION, CacheConfig
+from kvcache.dcp import DcpConfig, DcpShard, family_supports_dcp
 from kvcache.family import (
     FamilySpec,
     KpoolFamilySpec,
@@ -31,9 +32,9 @@ from kvcache.specs import (
 
 __all__ = [
     "BlockAllocator", "BlockLayout", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "FP8_ENTRY_BYTES", "FamilySpec", "INDEX_HEAD_DIM", "KpoolFamilySpec", "KpoolIndexerSpec",
+    "CachePool", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec", "INDEX_HEAD_DIM", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
     "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
-    "family_spec_type", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
+    "family_spec_type", "family_supports_dcp", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
     "tail_ring_size",
 ]

@@ -97,6 +97,7 @@ class KpoolFamilySpec(_EntryArithmetic):
     the tail ring holds R slots of raw K and gate."""
 
     family: ClassVar[CacheFamily] = CacheFamily.KPOOL
+    supports_dcp: ClassVar[bool] = True  # pools shard over decode-context-parallel ranks
     indexer: KpoolIndexerSpec
     ring: TailRingSpec
 
@@ -173,6 +174,7 @@ class QsaFamilySpec(_EntryArithmetic):
     the key state ring holds C rows of raw keys (and packed positions)."""
 
     family: ClassVar[CacheFamily] = CacheFamily.QSA
+    supports_dcp: ClassVar[bool] = False  # declares no decode-context-parallel support
     keys: QsaCompressedKeySpec
     ring: QsaKeyStateRingSpec
 

@@ -125,12 +125,23 @@ class Engine:
         self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
 
+    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks of this engine's pool a request holds at its largest (``ModelConfig.blocks_for``)."""
+        return self.config.blocks_for(prompt_len, max_tokens)
+
     # forwards ---------------------------------------------------------------------------
     def _targets(self, batch: ForwardBatch) -> list[int]:
         acc = self.rule.start(batch.rows.shape[0], self.device)
         for layer in range(self.config.num_layers):
             acc = self.rule.chain(acc, layer, self.family.features(layer, batch))
-        return self.rule.next_tokens(acc, batch.tokens[batch.rows])
+        return self.rule.next_tokens(self._combine(acc), batch.tokens[batch.rows])
+
+    def _combine(self, acc: torch.Tensor) -> torch.Tensor:
+        """The chained hash of every row from this engine's part of it (one engine holds all of it).
+
+        # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
+        """
+        return acc
 
     def _write(self, batch: ForwardBatch, update) -> None:
         request = torch.repeat_interleave(torch.arange(batch.num_requests, device=self.device),

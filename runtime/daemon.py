@@ -155,6 +155,11 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(spec.role, daemon_options(spec), argv, description=spec.description)
         check_credentials(spec.role, settings)
+        if spec.check is not None:
+            try:
+                spec.check(settings)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         tls = tls_config(settings)
         device = resolve_device(settings["device"])
         transports = transports_of(settings)

@@ -103,6 +103,9 @@ class DaemonSpec:
     description: str  # the first line of --help
     options: tuple[Option, ...]
     build: Callable[[NodeContext], Node]
+    # Checks of the settings together, before anything starts: raise SettingsError (or ValueError)
+    # saying what cannot work; the daemon then exits with status 2 naming it.
+    check: Callable[[Mapping[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):

@@ -5,6 +5,7 @@ and the one interpreter setting a daemon changes (``keep_event_loop_responsive``
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -53,3 +54,25 @@ def termination_event(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.
     for sig in TERMINATION:
         loop.add_signal_handler(sig, on_signal, sig.name)
     return event
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def parent_death_signal(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` that has the child receive ``sig`` when the thread that forks it dies
+    (Linux ``prctl(PR_SET_PDEATHSIG)``; it survives the exec); None where there is no prctl.
+    If the parent is already gone when the child arms it, the child sends ``sig`` to itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:  # in the child, between fork and exec: system calls only
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+    return arm

@@ -24,7 +24,7 @@ from tests import deploy_manifests as dm
 DAEMON_OPTIONS = {"prefill": daemon_options(PREFILL_SPEC), "decode": daemon_options(DECODE_SPEC)}
 TLS_SECRET = "kpool-pd-tls"
 TLS_MOUNT = "/etc/kpool-pd/tls"
-EXTENDED_RESOURCES = {"gpu": {"nvidia.com/gpu"}, "rdma": {"nvidia.com/gpu", "rdma/ib"}}
+EXTENDED_RESOURCES = {"gpu": {"nvidia.com/gpu"}, "rdma": {"nvidia.com/gpu", "rdma/ib"}, "dcp": {"nvidia.com/gpu"}}
 TOKEN_SECRET = "kpool-pd-auth"
 
 variants = pytest.mark.parametrize("variant", dm.VARIANTS, ids=lambda v: v.id)

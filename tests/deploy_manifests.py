@@ -43,7 +43,7 @@ class Variant:
 # The overlays whose pods run one daemon each, with and without the components; the same-node
 # overlay (two daemons in one pod) has its own tests.
 VARIANTS = (Variant("cpu"), Variant("cpu", ("tls",)), Variant("cpu", ("monitoring", "autoscaling")), Variant("gpu"),
-            Variant("rdma"), Variant("rdma", ("host-network",)))
+            Variant("rdma"), Variant("rdma", ("host-network",)), Variant("dcp"))
 SAME_NODE = Variant("same-node")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # Kinds that Kubernetes' own schemas do not hold (custom resources): tests/deploy_crds.py checks them.

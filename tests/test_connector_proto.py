@@ -58,13 +58,15 @@ def test_prefill_service_and_enums_match_the_connector():
     assert {t.value for t in Transport} == {pb.TRANSPORT_UCX, pb.TRANSPORT_GRPC_STREAM}
 
 
-def test_prefill_request_carries_the_prompt_the_asking_engine_and_whether_to_pipeline_only():
+def test_prefill_request_carries_the_prompt_the_asking_engine_pipelining_and_its_dcp_ranks_only():
     from connector import prefill_api as pb
 
     fields = pb.PrefillRequest.DESCRIPTOR.fields_by_name
-    assert sorted(fields) == ["engine_id", "pipelined", "prompt_token_ids", "request_id"]
+    assert sorted(fields) == ["dcp_engine_ids", "dcp_interleave", "engine_id", "pipelined", "prompt_token_ids",
+                              "request_id"]
     assert 3 not in pb.PrefillRequest.DESCRIPTOR.fields_by_number
     assert fields["pipelined"].number == 5  # new fields take new numbers; older peers ignore them
+    assert (fields["dcp_engine_ids"].number, fields["dcp_interleave"].number) == (6, 7)
     assert pb.PullResponse.DESCRIPTOR.fields_by_name["prefilled"].number == 4
 
 

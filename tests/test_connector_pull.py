@@ -173,7 +173,7 @@ def test_a_pull_cancelled_while_releasing_its_grant_frees_what_landed():
             peer = await pair.decode.connect(pair.address)
             real_release, releasing = peer.release, asyncio.Event()
 
-            async def stalled_release(grant_id):
+            async def stalled_release(grant_id, **_):
                 releasing.set()
                 await asyncio.Event().wait()
             peer.release = stalled_release

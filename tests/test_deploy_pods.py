@@ -62,8 +62,9 @@ def test_extended_resources_request_equals_limit(variant):
             assert {"cpu", "memory"} <= set(requests) and {"cpu", "memory"} <= set(limits), container["name"]
             extended = {k for k in {*requests, *limits} if "/" in k}
             assert extended == expected, container["name"]
-            for name in extended:
-                assert requests.get(name) == limits.get(name) == "1", f"{container['name']} {name}"
+            for name in extended:  # one GPU a pod; a DCP decode pod one per rank
+                want = "2" if variant.overlay == "dcp" and container["name"] == "decode" else "1"
+                assert requests.get(name) == limits.get(name) == want, f"{container['name']} {name}"
 
 
 @variants
@@ -171,7 +172,8 @@ def test_every_container_waits_in_pre_stop_before_its_drain(variant):
 
 
 # overlay -> the podAffinity topology key that keeps every kpool-pd pod in one domain
-PLACEMENT_DOMAIN = {"gpu": "topology.kubernetes.io/zone", "rdma": "kpool-pd.io/fabric-domain"}
+PLACEMENT_DOMAIN = {"gpu": "topology.kubernetes.io/zone", "rdma": "kpool-pd.io/fabric-domain",
+                    "dcp": "topology.kubernetes.io/zone"}
 
 
 @variants

@@ -85,7 +85,8 @@ def test_metrics_scraping_annotations_name_the_metrics_port(variant, tmp_path):
 
 @variants
 def test_transport_choice_per_overlay(variant, tmp_path):
-    expected = {"cpu": ("auto", "auto"), "gpu": ("ucx,grpc", "ucx"), "rdma": ("ucx,grpc", "ucx")}[variant.overlay]
+    expected = {"cpu": ("auto", "auto"), "gpu": ("ucx,grpc", "ucx"), "rdma": ("ucx,grpc", "ucx"),
+                "dcp": ("ucx,grpc", "ucx")}[variant.overlay]
     settings = all_settings(variant, tmp_path)
     assert settings["prefill"][2]["transports"] == expected[0]
     assert (settings["decode"][2]["transports"], settings["decode"][2]["transport"]) == expected
@@ -145,7 +146,7 @@ def test_tls_files_come_from_the_optional_secret(variant, tmp_path):
 
 
 # overlay -> what the daemons' start-up check requires of the data plane
-FABRIC = {"cpu": Fabric.ANY, "gpu": Fabric.GPU, "rdma": Fabric.RDMA}
+FABRIC = {"cpu": Fabric.ANY, "gpu": Fabric.GPU, "rdma": Fabric.RDMA, "dcp": Fabric.GPU}
 
 
 @variants
@@ -157,5 +158,15 @@ def test_the_fabric_check_and_the_ucx_environment_per_overlay(variant, tmp_path)
         assert settings["fabric"] is FABRIC[variant.overlay], role
         env = local_pod(objects, workload, tmp_path / role, extra_objects=[token_secret("t" * 32, "p" * 32)]).env
         assert env.get("UCX_NET_DEVICES") == ("all" if variant.overlay == "rdma" else None), role
-        want = "true" if variant.overlay in ("gpu", "rdma") else None
+        want = "true" if variant.overlay in ("gpu", "rdma", "dcp") else None
         assert env.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY") == want, role
+
+
+@variants
+def test_only_the_dcp_overlay_runs_decode_ranks_one_gpu_each(variant, tmp_path):
+    for role, (_, container, settings) in all_settings(variant, tmp_path).items():
+        ranks = 2 if variant.overlay == "dcp" and role == "decode" else 1
+        assert settings.get("dcp", 1) == ranks, role
+        gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+        if ranks > 1:
+            assert gpus == str(ranks), "a DCP decode pod holds one GPU per rank"

@@ -1,5 +1,6 @@
 """Reference paged indexer scoring: score_j = sum_h w_h * relu(q_h . dequant(k_j)) over the
-complete pools of each request whose block is held, then top-k (ties go to the lower pool index)."""
+complete pools of each request whose block is held, then top-k (ties go to the lower pool index).
+A pool's score is the same bits whichever other pools are scored with it."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def indexer_topk(
         if pool_ids.numel() == 0:
             continue
         keys = dequantize_entries(indexer_q, indexer_scale, slots)  # [complete, 128]
-        logits = torch.relu(q[b].to(torch.float32) @ keys.T)  # [H, complete]
+        # Each pool's logits are an elementwise product summed over the head dim, not a matmul, whose
+        # summation order can change with the number of pools: a pool's score must not depend on
+        # which other pools are scored (a decode-context-parallel rank scores only its own).
+        logits = torch.relu((q[b].to(torch.float32)[:, None, :] * keys[None]).sum(dim=2))  # [H, complete]
         scores = (weights[b].to(torch.float32)[:, None] * logits).sum(dim=0)
         order = torch.sort(-scores, stable=True).indices[:topk]
         pools_out[b, : order.numel()] = pool_ids[order]

@@ -10,7 +10,7 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SKIP_BENCH and SKIP_TRANSFER leave a step out; NO_NIXL leaves out the transfer bench's NIXL baseline.
+# SKIP_BENCH, SKIP_TRANSFER and SKIP_DCP leave a step out; NO_NIXL leaves out the transfer bench's NIXL baseline.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -44,10 +44,22 @@ if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
     --out "$OUT/transfer" >> "$OUT/bench.log" 2>&1
   transfer_rc=$?
 fi
+dcp_rc=0
+# The DCP bench (two GPUs): decode step time of 32k-token contexts at DCP 1 and 2, cache and transfer bytes per
+# rank; its table goes to bench.log, its JSON to bench/ (no PNG: the device tool returns 8 files at most).
+if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
+  timeout "${DCP_TIMEOUT:-300}" python3 -m bench.dcp --device cuda --ranks 1,2 --tokens "${DCP_TOKENS:-32768}" \
+    --layers "${DCP_LAYERS:-8}" --batch 4 --no-plot --machine h200x2 --out "$OUT/bench" > "$OUT/dcp.txt" 2>&1
+  dcp_rc=$?
+  cat "$OUT/dcp.txt" >> "$OUT/bench.log"; rm -f "$OUT/dcp.txt"
+fi
 echo "== device"; head -n 3 "$OUT/pytest_gpu.log"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
 echo "== kernel bench (rc $bench_rc)"; cat "$OUT/bench/kernels.txt" 2>/dev/null || tail -n 30 "$OUT/bench.log"
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
   echo "== transfer bench, $gpus GPU(s) (rc $transfer_rc)"; grep -v '^wrote' "$OUT/bench.log" | tail -n 25
 fi
-exit $(( tests_rc || bench_rc || transfer_rc ))
+if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
+  echo "== DCP bench (rc $dcp_rc)"; grep -A6 '^DCP decode step' "$OUT/bench.log" | tail -n 7
+fi
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc ))

@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-connector/_generated/kpoolpd/v1/prefill.proto\x12\nkpoolpd.v1\"a\n\x06Layout\x12\x13\n\x0blayout_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ring_block_bytes\x18\x04 \x01(\x04\"\xc0\x01\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x16\n\x0eucx_warmup_tag\x18\x06 \x01(\x04\"\xeb\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x08 \x01(\t\"t\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tpipelined\x18\x05 \x01(\x08J\x04\x08\x03\x10\x04R\x08sampling\"2\n\tRingRange\x12\x12\n\nstart_slot\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x99\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08grant_id\x18\x02 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\tring_live\x18\x05 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\t \x01(\r\x12\x11\n\tpipelined\x18\n \x01(\x08\x12\x14\n\x0cpiece_blocks\x18\x0b \x01(\r\x12\x12\n\nprefill_ms\x18\x0c \x01(\x01\"\xb1\x01\n\x0bPullRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_ring_id\x18\x04 \x01(\r\x12(\n\ttransport\x18\x05 \x01(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x11\n\tintegrity\x18\x06 \x01(\x08\x12\x14\n\x0cucx_tag_base\x18\x07 \x01(\x04\"L\n\x06Region\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kpoolpd.v1.PoolKind\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\tPullGrant\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x02 \x01(\r\x12(\n\tring_live\x18\x03 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0bnum_regions\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"5\n\x05\x43hunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"i\n\x08PullDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x03(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\x12\x1d\n\x15sent_after_prefill_ms\x18\x05 \x01(\x01\"6\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\"\xb9\x01\n\x0cPullResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kpoolpd.v1.PullGrantH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kpoolpd.v1.ChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.kpoolpd.v1.PullDoneH\x00\x12,\n\tprefilled\x18\x04 \x01(\x0b\x32\x17.kpoolpd.v1.PrefillDoneH\x00\x42\t\n\x07message\"5\n\x0eReleaseRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tgrant_ids\x18\x02 \x03(\t\"X\n\x11HeartbeatResponse\x12\x19\n\x11unknown_grant_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x04\x12\x16\n\x0e\x65ngine_unknown\x18\x03 \x01(\x08*T\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_UCX\x10\x01\x12\x19\n\x15TRANSPORT_GRPC_STREAM\x10\x02*P\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10POOL_KIND_BLOCKS\x10\x01\x12\x13\n\x0fPOOL_KIND_RINGS\x10\x02\x32\xe9\x02\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.kpoolpd.v1.HandshakeRequest\x1a\x1d.kpoolpd.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.kpoolpd.v1.PrefillRequest\x1a\x1b.kpoolpd.v1.PrefillResponse\x12;\n\x04Pull\x12\x17.kpoolpd.v1.PullRequest\x1a\x18.kpoolpd.v1.PullResponse0\x01\x12\x42\n\x07Release\x12\x1a.kpoolpd.v1.ReleaseRequest\x1a\x1b.kpoolpd.v1.ReleaseResponse\x12H\n\tHeartbeat\x12\x1c.kpoolpd.v1.HeartbeatRequest\x1a\x1d.kpoolpd.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-connector/_generated/kpoolpd/v1/prefill.proto\x12\nkpoolpd.v1\"a\n\x06Layout\x12\x13\n\x0blayout_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ring_block_bytes\x18\x04 \x01(\x04\"\xc0\x01\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x16\n\x0eucx_warmup_tag\x18\x06 \x01(\x04\"\xeb\x01\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x08 \x01(\t\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x63p_engine_ids\x18\x06 \x03(\t\x12\x16\n\x0e\x64\x63p_interleave\x18\x07 \x01(\rJ\x04\x08\x03\x10\x04R\x08sampling\"2\n\tRingRange\x12\x12\n\nstart_slot\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x99\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08grant_id\x18\x02 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\tring_live\x18\x05 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\t \x01(\r\x12\x11\n\tpipelined\x18\n \x01(\x08\x12\x14\n\x0cpiece_blocks\x18\x0b \x01(\r\x12\x12\n\nprefill_ms\x18\x0c \x01(\x01\"\xc3\x01\n\x0bPullRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_ring_id\x18\x04 \x01(\r\x12(\n\ttransport\x18\x05 \x01(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x11\n\tintegrity\x18\x06 \x01(\x08\x12\x14\n\x0cucx_tag_base\x18\x07 \x01(\x04\x12\x10\n\x08\x64\x63p_rank\x18\x08 \x01(\r\"L\n\x06Region\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kpoolpd.v1.PoolKind\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\tPullGrant\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x02 \x01(\r\x12(\n\tring_live\x18\x03 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0bnum_regions\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"5\n\x05\x43hunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"i\n\x08PullDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x03(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\x12\x1d\n\x15sent_after_prefill_ms\x18\x05 \x01(\x01\"6\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\"\xb9\x01\n\x0cPullResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kpoolpd.v1.PullGrantH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kpoolpd.v1.ChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.kpoolpd.v1.PullDoneH\x00\x12,\n\tprefilled\x18\x04 \x01(\x0b\x32\x17.kpoolpd.v1.PrefillDoneH\x00\x42\t\n\x07message\"Z\n\x0eReleaseRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x63p_rank\x18\x03 \x01(\r\x12\x11\n\tall_ranks\x18\x04 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tgrant_ids\x18\x02 \x03(\t\"X\n\x11HeartbeatResponse\x12\x19\n\x11unknown_grant_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x04\x12\x16\n\x0e\x65ngine_unknown\x18\x03 \x01(\x08*T\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_UCX\x10\x01\x12\x19\n\x15TRANSPORT_GRPC_STREAM\x10\x02*P\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10POOL_KIND_BLOCKS\x10\x01\x12\x13\n\x0fPOOL_KIND_RINGS\x10\x02\x32\xe9\x02\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.kpoolpd.v1.HandshakeRequest\x1a\x1d.kpoolpd.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.kpoolpd.v1.PrefillRequest\x1a\x1b.kpoolpd.v1.PrefillResponse\x12;\n\x04Pull\x12\x17.kpoolpd.v1.PullRequest\x1a\x18.kpoolpd.v1.PullResponse0\x01\x12\x42\n\x07Release\x12\x1a.kpoolpd.v1.ReleaseRequest\x1a\x1b.kpoolpd.v1.ReleaseResponse\x12H\n\tHeartbeat\x12\x1c.kpoolpd.v1.HeartbeatRequest\x1a\x1d.kpoolpd.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'connector._generated.kpoolpd.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=2093
-  _globals['_TRANSPORT']._serialized_end=2177
-  _globals['_POOLKIND']._serialized_start=2179
-  _globals['_POOLKIND']._serialized_end=2259
+  _globals['_TRANSPORT']._serialized_start=2197
+  _globals['_TRANSPORT']._serialized_end=2281
+  _globals['_POOLKIND']._serialized_start=2283
+  _globals['_POOLKIND']._serialized_end=2363
   _globals['_LAYOUT']._serialized_start=61
   _globals['_LAYOUT']._serialized_end=158
   _globals['_HANDSHAKEREQUEST']._serialized_start=161
   _globals['_HANDSHAKEREQUEST']._serialized_end=353
   _globals['_HANDSHAKERESPONSE']._serialized_start=356
   _globals['_HANDSHAKERESPONSE']._serialized_end=591
-  _globals['_PREFILLREQUEST']._serialized_start=593
-  _globals['_PREFILLREQUEST']._serialized_end=709
-  _globals['_RINGRANGE']._serialized_start=711
-  _globals['_RINGRANGE']._serialized_end=761
-  _globals['_PREFILLRESPONSE']._serialized_start=764
-  _globals['_PREFILLRESPONSE']._serialized_end=1045
-  _globals['_PULLREQUEST']._serialized_start=1048
-  _globals['_PULLREQUEST']._serialized_end=1225
-  _globals['_REGION']._serialized_start=1227
-  _globals['_REGION']._serialized_end=1303
-  _globals['_PULLGRANT']._serialized_start=1306
-  _globals['_PULLGRANT']._serialized_end=1445
-  _globals['_CHUNK']._serialized_start=1447
-  _globals['_CHUNK']._serialized_end=1500
-  _globals['_PULLDONE']._serialized_start=1502
-  _globals['_PULLDONE']._serialized_end=1607
-  _globals['_PREFILLDONE']._serialized_start=1609
-  _globals['_PREFILLDONE']._serialized_end=1663
-  _globals['_PULLRESPONSE']._serialized_start=1666
-  _globals['_PULLRESPONSE']._serialized_end=1851
-  _globals['_RELEASEREQUEST']._serialized_start=1853
-  _globals['_RELEASEREQUEST']._serialized_end=1906
-  _globals['_RELEASERESPONSE']._serialized_start=1908
-  _globals['_RELEASERESPONSE']._serialized_end=1943
-  _globals['_HEARTBEATREQUEST']._serialized_start=1945
-  _globals['_HEARTBEATREQUEST']._serialized_end=2001
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2003
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2091
-  _globals['_PREFILLSERVICE']._serialized_start=2262
-  _globals['_PREFILLSERVICE']._serialized_end=2623
+  _globals['_PREFILLREQUEST']._serialized_start=594
+  _globals['_PREFILLREQUEST']._serialized_end=758
+  _globals['_RINGRANGE']._serialized_start=760
+  _globals['_RINGRANGE']._serialized_end=810
+  _globals['_PREFILLRESPONSE']._serialized_start=813
+  _globals['_PREFILLRESPONSE']._serialized_end=1094
+  _globals['_PULLREQUEST']._serialized_start=1097
+  _globals['_PULLREQUEST']._serialized_end=1292
+  _globals['_REGION']._serialized_start=1294
+  _globals['_REGION']._serialized_end=1370
+  _globals['_PULLGRANT']._serialized_start=1373
+  _globals['_PULLGRANT']._serialized_end=1512
+  _globals['_CHUNK']._serialized_start=1514
+  _globals['_CHUNK']._serialized_end=1567
+  _globals['_PULLDONE']._serialized_start=1569
+  _globals['_PULLDONE']._serialized_end=1674
+  _globals['_PREFILLDONE']._serialized_start=1676
+  _globals['_PREFILLDONE']._serialized_end=1730
+  _globals['_PULLRESPONSE']._serialized_start=1733
+  _globals['_PULLRESPONSE']._serialized_end=1918
+  _globals['_RELEASEREQUEST']._serialized_start=1920
+  _globals['_RELEASEREQUEST']._serialized_end=2010
+  _globals['_RELEASERESPONSE']._serialized_start=2012
+  _globals['_RELEASERESPONSE']._serialized_end=2047
+  _globals['_HEARTBEATREQUEST']._serialized_start=2049
+  _globals['_HEARTBEATREQUEST']._serialized_end=2105
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2107
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2195
+  _globals['_PREFILLSERVICE']._serialized_start=2366
+  _globals['_PREFILLSERVICE']._serialized_end=2727
 # @@protoc_insertion_point(module_scope)

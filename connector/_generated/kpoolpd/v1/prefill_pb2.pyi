@@ -74,16 +74,20 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined")
+    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    DCP_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DCP_INTERLEAVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     engine_id: str
     pipelined: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    dcp_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    dcp_interleave: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ..., dcp_engine_ids: _Optional[_Iterable[str]] = ..., dcp_interleave: _Optional[int] = ...) -> None: ...
 
 class RingRange(_message.Message):
     __slots__ = ("start_slot", "num_slots")
@@ -122,7 +126,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., pipelined: _Optional[bool] = ..., piece_blocks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base")
+    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base", "dcp_rank")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +134,7 @@ class PullRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
+    DCP_RANK_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     engine_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -137,7 +142,8 @@ class PullRequest(_message.Message):
     transport: Transport
     integrity: bool
     ucx_tag_base: int
-    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ...) -> None: ...
+    dcp_rank: int
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("kind", "offset", "nbytes")
@@ -208,12 +214,16 @@ class PullResponse(_message.Message):
     def __init__(self, grant: _Optional[_Union[PullGrant, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("grant_id", "engine_id")
+    __slots__ = ("grant_id", "engine_id", "dcp_rank", "all_ranks")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DCP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     engine_id: str
-    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    dcp_rank: int
+    all_ranks: bool
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dcp_rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

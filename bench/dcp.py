@@ -1,0 +1,189 @@
+"""Decode-context-parallel benchmark: the decode step time of long contexts at DCP 1, 2, ...; each
+rank's cache memory; and the bytes each rank receives in the transfer (DCP adds none but the ring).
+
+    python -m bench.dcp [--device cpu|cuda] [--ranks 1,2] [--tokens 32768] [--batch 4] [--out DIR]
+
+For each rank count N, N processes (rank r on cuda:r with --device cuda, joined by NCCL; gloo on
+the CPU) each prefill the batch on a whole-request pool (what a prefill node would send), land
+their share into their own pool (``model.dcp_landing``), free the whole pool, and time
+``--steps`` decode steps of the batch together (the device synchronised around each; the median
+is reported). The transfer's bytes per rank are ``connector.dcp_plan``'s plan for each rank
+beside the single-rank plan. Prints a table; writes dcp-<date>-<machine>.json (and a PNG unless
+--no-plot) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from connector import dcp_transfer_bytes
+from kvcache import BlockLayout, CachePool, DcpConfig
+from model import DecodeSequence, Engine, ModelConfig, PrefillJob
+from model.colocated import make_prompts, pool_for
+from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_group import DcpGroup
+from model.dcp_landing import land_request
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        device = torch.device(f"cuda:{rank}" if args["device"] == "cuda" else "cpu")
+        config = ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
+                             block_size=args["block_size"])
+        dcp = DcpConfig.for_cache(config.cache_config(), size=size)
+        group = DcpGroup.join(dcp.shard(rank), init_method=f"file://{store}", device=device, timeout_s=600)
+        max_tokens = args["steps"] * (config.num_spec + 1) + args["warmup"] * (config.num_spec + 1) + 2
+        requests = make_prompts(args["batch"], args["tokens"], seed=1, vocab_size=config.vocab_size,
+                                max_tokens=max_tokens)
+        full = Engine(config, pool_for(config, requests, len(requests), device))
+        blocks = [list(range(i * config.blocks_for(args["tokens"], max_tokens),
+                             (i + 1) * config.blocks_for(args["tokens"], max_tokens))) for i in range(len(requests))]
+        firsts = full.prefill([PrefillJob(prompt=r.prompt, block_ids=b, ring_id=i)
+                               for i, (r, b) in enumerate(zip(requests, blocks))])
+        need = rank_blocks_for(config, dcp, args["tokens"], max_tokens)
+        pool = CachePool(BlockLayout(config.cache_config()), num_blocks=need * len(requests), num_rings=len(requests),
+                         device=device)
+        engine = DcpEngine(config, pool, group)
+        seqs = []
+        for i, (req, first) in enumerate(zip(requests, firsts)):
+            local = list(range(i * need, (i + 1) * need))
+            land_request(full.pool, blocks[i], i, pool, local, i, dcp.shard(rank), args["tokens"])
+            seqs.append(DecodeSequence(request_id=req.request_id, prompt_len=args["tokens"], max_tokens=max_tokens,
+                                       block_ids=local, ring_id=i, output=[first]))
+        del full
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        times = []
+        for step in range(args["warmup"] + args["steps"]):
+            group.barrier()
+            _sync(device)
+            started = time.perf_counter()
+            engine.decode_step(seqs)
+            _sync(device)
+            if step >= args["warmup"]:
+                times.append((time.perf_counter() - started) * 1000)
+        shard = dcp.shard(rank)
+        held = shard.blocks_for_tokens(args["tokens"], config.resolved_block_size)
+        layout = pool.layout
+        out.put((rank, {"step_ms": times, "cache_bytes": held * layout.block_bytes + layout.ring_block_bytes,
+                        "tokens": [s.output for s in seqs]}, None))
+        group.leave()
+    except BaseException:
+        out.put((rank, None, traceback.format_exc()))
+
+
+def transfer_bytes(config: ModelConfig, size: int, tokens: int) -> list[int]:
+    """What each of ``size`` ranks receives for one ``tokens``-token prompt (one rank: the whole plan)."""
+    cache = config.cache_config()
+    return dcp_transfer_bytes(BlockLayout(cache), tokens, DcpConfig.for_cache(cache, size=size))
+
+
+def run_one(size: int, args: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, size, args, os.path.join(tmp, "store"), out))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
+        reports = {}
+        try:
+            for _ in range(size):
+                rank, report, error = out.get(timeout=args["timeout_s"])
+                if error:
+                    raise RuntimeError(f"rank {rank} of {size} failed:\n{error}")
+                reports[rank] = report
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    config = ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
+                         block_size=args["block_size"])
+    steps = [statistics.median(reports[r]["step_ms"]) for r in range(size)]
+    return {"ranks": size, "step_ms_median": max(steps), "step_ms_by_rank": steps,
+            "cache_bytes_by_rank": [reports[r]["cache_bytes"] for r in range(size)],
+            "transfer_bytes_by_rank": transfer_bytes(config, size, args["tokens"]),
+            "tokens_equal_rank0": all(reports[r]["tokens"] == reports[0]["tokens"] for r in range(size)),
+            "output": reports[0]["tokens"]}
+
+
+def _table(rows: list[dict], args: dict) -> str:
+    lines = [f"DCP decode step, {args['batch']} requests of {args['tokens']} tokens, {args['layers']} layers, kpool "
+             f"{args['kpool']}, {args['num_spec']} drafts, block {args['block_size']}, {args['device']}",
+             f"{'ranks':>5} {'step ms':>9} {'cache MiB/rank':>15} {'transfer MiB/rank':>18} {'transfer MiB total':>19}"]
+    for row in rows:
+        lines.append(f"{row['ranks']:>5} {row['step_ms_median']:>9.2f} {max(row['cache_bytes_by_rank']) / 2**20:>15.2f} "
+                     f"{max(row['transfer_bytes_by_rank']) / 2**20:>18.2f} "
+                     f"{sum(row['transfer_bytes_by_rank']) / 2**20:>19.2f}")
+    same = len({json.dumps(r["output"]) for r in rows}) == 1
+    lines.append(f"outputs equal across rank counts: {same}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kpool-pd bench dcp", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--tokens", type=int, default=32768, help="context (prompt) length of each request")
+    parser.add_argument("--batch", type=int, default=4, help="requests decoded together")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kpool", type=int, default=4)
+    parser.add_argument("--num-spec", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--machine", default=platform.node() or "machine")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = vars(parser.parse_args(argv))
+    if args["device"] == "cuda" and torch.cuda.device_count() < max(args["ranks"]):
+        parser.error(f"--ranks {max(args['ranks'])} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+    rows = [run_one(size, args) for size in args["ranks"]]
+    text = _table(rows, args)
+    print(text)
+    args["out"].mkdir(parents=True, exist_ok=True)
+    stem = f"dcp-{dt.date.today().isoformat()}-{args['machine']}"
+    (args["out"] / f"{stem}.json").write_text(json.dumps(
+        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in args.items()},
+         "rows": [{k: v for k, v in r.items() if k != "output"} for r in rows]}, indent=1))
+    if not args["no_plot"]:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no PNG")
+        else:
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.bar([str(r["ranks"]) for r in rows], [r["step_ms_median"] for r in rows])
+            ax.set_xlabel("DCP ranks")
+            ax.set_ylabel("decode step, ms (median)")
+            ax.set_title(f"{args['batch']} x {args['tokens']} tokens, {args['device']}")
+            fig.tight_layout()
+            fig.savefig(args["out"] / f"{stem}.png")
+    print(f"wrote {args['out'] / stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The engine of one DCP decode rank: decode steps over the rank's own pools, in step with the others.
+
+Every rank of a DCP decode instance runs ``decode_step`` on the same sequences (same request
+order, same committed lengths, each with its own local block table and ring), at the same time:
+per layer one all-gather joins the ranks' top-k, and per step one all-reduce adds up the ranks'
+partial hashes. Every rank then derives the same tokens and the same draft verdicts, so the
+ranks' sequences stay equal without any other exchange. The outputs and the state digest are
+those of a single rank holding everything (``model.Engine``), whatever the rank count.
+
+A DCP rank runs no prefill: a request's prompt arrives by transfer (``land_request`` below, or
+the connector's per-rank plans) from a prefill node that is not DCP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from kvcache import FP8_ENTRY_BYTES, CachePool, DcpConfig, DcpShard
+from model.batch import ForwardBatch
+from model.cache_io import open_positions, read_ring_rows
+from model.config import ModelConfig
+from model.dcp_group import DcpGroup
+from model.dcp_kpool import DcpKpoolFamily
+from model.engine import Engine, PrefillJob, _on_pool_device
+from model.rule import HASH_PRIME
+from model.weights import SyntheticWeights
+
+
+def rank_blocks_for(config: ModelConfig, dcp: DcpConfig, prompt_len: int, max_tokens: int) -> int:
+    """Blocks each rank reserves for a request at its largest: the most any rank needs for its share
+    of positions [0, prompt_len + max_tokens - 1), so that ranks' pools of one size, admitted by
+    rank 0's count, never run short. ValueError as ``ModelConfig.blocks_for``."""
+    config.blocks_for(prompt_len, max_tokens)  # validates the counts
+    end = prompt_len + max_tokens - 1
+    return max(shard.blocks_for_tokens(end, config.resolved_block_size) for shard in dcp.shards())
+
+
+class DcpEngine(Engine):
+    """``Engine`` for rank ``group.rank`` of ``group.size``. ValueError for a cache family that
+    declares no DCP support (QSA) when the group has more than one rank."""
+
+    def __init__(self, config: ModelConfig, pool: CachePool, group: DcpGroup,
+                 weights: SyntheticWeights | None = None) -> None:
+        DcpConfig.for_cache(config.cache_config(), size=group.size, interleave=group.shard.interleave)
+        super().__init__(config, pool, weights)
+        self.group = group
+        self.shard: DcpShard = group.shard
+        self.family = DcpKpoolFamily(config, self.weights, pool, group)
+
+    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks every rank reserves for a request (``rank_blocks_for``)."""
+        return rank_blocks_for(self.config, DcpConfig(size=self.shard.size, interleave=self.shard.interleave),
+                               prompt_len, max_tokens)
+
+    def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
+        raise ValueError("a DCP decode rank takes a request's prompt by transfer from a prefill node, not by prefill")
+
+    def _write(self, batch: ForwardBatch, update) -> None:
+        for layer in range(self.config.num_layers):
+            update(layer, batch)
+            self.family.write_mla(layer, batch)
+
+    def _combine(self, acc: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce_sum(acc) % HASH_PRIME
+
+    # state ------------------------------------------------------------------------------
+    def _owned_sizes(self, shard: DcpShard, length: int) -> tuple[int, int]:
+        """(complete pools, tokens) of positions [0, length) that ``shard`` holds."""
+        kpool = self.config.kpool
+        pools = shard.owned_tokens(self.pool.config.complete_entries(length) * kpool) // kpool
+        return pools, shard.owned_tokens(length)
+
+    def _own_state(self, block_ids: Sequence[int], length: int) -> torch.Tensor:
+        """This rank's entries (layer by layer, local pool order), then its MLA bytes (layer by layer,
+        local position order), as one byte row. # -> [n] uint8"""
+        parts = [self.family.entry_rows(layer, list(block_ids), length).reshape(-1)
+                 for layer in range(self.config.num_layers)]
+        _, tokens = self._owned_sizes(self.shard, length)
+        local = torch.arange(tokens, device=self.device)
+        table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        block_size = self.config.resolved_block_size
+        for layer in range(self.config.num_layers):
+            mla = self.pool.mla(layer)[table[local // block_size], local % block_size] if tokens else None
+            parts.append(mla.reshape(-1).cpu() if mla is not None else torch.empty(0, dtype=torch.uint8))
+        return torch.cat(parts)
+
+    @_on_pool_device
+    def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str | None:
+        """The state digest of ``model.Engine.state_digest`` over the whole request, on rank 0 (None on
+        the others): a collective; rank 0 gathers every rank's entries and MLA bytes and puts them
+        in global order."""
+        layers, kpool, entry = self.config.num_layers, self.config.kpool, self.pool.layout.mla_page_bytes
+        entry //= self.config.resolved_block_size
+        shards = DcpConfig(size=self.shard.size, interleave=self.shard.interleave).shards()
+        sizes = [self._owned_sizes(s, length) for s in shards]
+        widths = [layers * (pools * FP8_ENTRY_BYTES + tokens * entry) for pools, tokens in sizes]
+        mine = self._own_state(block_ids, length)
+        assert mine.numel() == widths[self.shard.rank], (mine.numel(), widths)
+        padded = torch.zeros(max(widths), dtype=torch.uint8)
+        padded[:mine.numel()] = mine
+        gathered = self.group.gather_to_first(padded.to(self.device))
+        if gathered is None:
+            return None
+        complete = self.pool.config.complete_entries(length)
+        entries = torch.zeros(layers, complete, FP8_ENTRY_BYTES, dtype=torch.uint8)
+        mla = torch.zeros(layers, length, entry, dtype=torch.uint8)
+        for shard, (pools, tokens), part in zip(shards, sizes, gathered):
+            part = part.cpu()
+            split = layers * pools * FP8_ENTRY_BYTES
+            where = shard.global_position(torch.arange(pools) * kpool) // kpool
+            entries[:, where] = part[:split].view(layers, pools, FP8_ENTRY_BYTES)
+            mla[:, shard.global_position(torch.arange(tokens))] = part[split:split + layers * tokens * entry].view(
+                layers, tokens, entry)
+        sha = hashlib.sha256()
+        for layer in range(layers):
+            sha.update(entries[layer].numpy().tobytes())
+        cache = self.pool.config
+        open_pos = open_positions(cache, torch.tensor([length], device=self.device))
+        ring = torch.tensor([ring_id], device=self.device)
+        for layer in range(layers):
+            rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
+            sha.update(rows.cpu().numpy().tobytes())
+        for layer in range(layers):
+            sha.update(mla[layer].numpy().tobytes())
+        return sha.hexdigest()

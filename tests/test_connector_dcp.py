@@ -1,0 +1,212 @@
+"""A prefill node (no DCP) serves a DCP decode instance: one plan per rank, each rank pulling its own
+tokens and pools plus the whole ring, leases and releases per rank; over both transports.
+
+The prefill node's blocks hold seeded bytes (every byte differs), so each rank's landed bytes are
+compared with the share ``model.dcp_landing`` copies in one process; and the bytes each rank
+receives add up to the request's blocks (DCP adds no byte but each rank's copy of the ring)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from connector import ConnectorConfig, DecodeConnector, StatusError, Transport
+from connector.dcp_plan import plan_dcp_transfer
+from connector.plan import plan_transfer, ring_live_range
+from kvcache import BlockAllocator, BlockLayout, CachePool, DcpShard, RingAllocator
+from model.dcp_landing import land_request
+from tests import connector_procs as procs
+from tests.connector_harness import InProcessPair
+
+GRPC = Transport.GRPC_STREAM
+CONFIG = procs.CONFIG  # block 64, kpool 4, 3 layers
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 90))
+
+
+def _rank_connector(pair: InProcessPair, rank: int, transport: Transport) -> DecodeConnector:
+    config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+    pool = CachePool(BlockLayout(CONFIG), num_blocks=32, num_rings=4)
+    return DecodeConnector(pool, BlockAllocator(32), RingAllocator(4), engine_id=f"decode-t/dcp{rank}", config=config,
+                           registry=CollectorRegistry(), transports=(transport,))
+
+
+def _share_equal(expected: CachePool, got: CachePool, blocks: tuple[int, ...], ring: int, shard: DcpShard,
+                 prompt_len: int) -> None:
+    """The rank's tokens' MLA bytes, its complete pools' entries and the ring's live slots agree."""
+    table = torch.tensor(blocks, dtype=torch.int64)
+    local = torch.arange(shard.owned_tokens(prompt_len))
+    pools = torch.arange(shard.owned_tokens(prompt_len // 4 * 4) // 4)
+    for layer in range(CONFIG.num_layers):
+        at = (table[local // 64], local % 64)
+        assert torch.equal(got.mla(layer)[at], expected.mla(layer)[at]), f"MLA bytes, layer {layer}"
+        at = (table[pools // 16], pools % 16)
+        for view in ("indexer_q", "indexer_scale"):
+            mine, theirs = getattr(got, view)(layer)[at], getattr(expected, view)(layer)[at]
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"{view}, layer {layer}"
+    live = ring_live_range(CONFIG, prompt_len)
+    slots = [(live.start_slot + i) % CONFIG.tail_ring.ring_size for i in range(live.num_slots)]
+    rows = got.rings.view(got.num_rings, CONFIG.tail_ring.ring_size, -1)
+    want = expected.rings.view(expected.num_rings, CONFIG.tail_ring.ring_size, -1)
+    assert torch.equal(rows[ring, slots], want[ring, slots]), "ring live slots"
+
+
+@pytest.mark.parametrize("transport", [GRPC, Transport.UCX], ids=["grpc", "ucx"])
+@pytest.mark.parametrize("ranks,interleave,prompt_len", [(2, 64, 200), (4, 64, 257), (2, 128, 129), (3, 8, 150),
+                                                          (2, 12, 64), (4, 64, 3)],
+                         ids=["dcp2-block", "dcp4-block", "dcp2-two-blocks", "dcp3-two-pools", "dcp2-three-pools",
+                              "dcp4-short"])
+def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave, prompt_len):
+    async def main():
+        async with InProcessPair(transports=(transport,)) as pair:
+            start = pair.free()[:2]
+            connectors = [pair.decode] + [_rank_connector(pair, r, transport) for r in range(1, ranks)]
+            pair.decode.engine_id = "decode-t/dcp0"
+            for c in connectors[1:]:
+                await c.start()
+            try:
+                peers = [await c.connect(pair.address) for c in connectors]
+                grant = await peers[0].prefill("dcp", [5] * prompt_len, dcp_engine_ids=[c.engine_id for c in connectors],
+                                               dcp_interleave=interleave)
+                shards = [DcpShard(size=ranks, rank=r, interleave=interleave) for r in range(ranks)]
+                landed = await asyncio.gather(*(p.pull(grant, transport=transport, dcp=s, integrity=True)
+                                                for p, s in zip(peers, shards)))
+                assert pair.free()[:2] == start, "the grant is freed once every rank released its share"
+                source = CachePool(BlockLayout(CONFIG), num_blocks=len(grant.src_block_ids), num_rings=1)
+                for j in range(len(grant.src_block_ids)):
+                    source.blocks[j] = procs.expected_block(source.layout, "dcp", j)
+                source.rings[0] = procs.expected_ring(source.layout, "dcp")
+                for c, got, shard in zip(connectors, landed, shards):
+                    expected = CachePool(BlockLayout(CONFIG), num_blocks=c.pool.num_blocks, num_rings=c.pool.num_rings)
+                    land_request(source, list(range(len(grant.src_block_ids))), 0, expected, list(got.block_ids),
+                                 got.ring_id, shard, prompt_len)
+                    _share_equal(expected, c.pool, got.block_ids, got.ring_id, shard, prompt_len)
+                whole = plan_transfer(pair.prefill.pool.layout, list(grant.src_block_ids), list(grant.src_block_ids),
+                                      0, 0, grant.ring_live)
+                ring = sum(p.src.nbytes for p in whole.pairs[-2:] if p.src.kind.name == "RINGS")
+                if interleave % CONFIG.block_size == 0:  # whole blocks: exactly the request's blocks, plus N rings
+                    assert sum(g.nbytes for g in landed) == whole.total_bytes + (ranks - 1) * ring
+                else:  # runs inside blocks: only the prompt's own bytes, never more than its blocks
+                    assert sum(g.nbytes for g in landed) - (ranks - 1) * ring <= whole.total_bytes
+                for got in landed:
+                    got.release()
+            finally:
+                for c in connectors[1:]:
+                    await c.close()
+    run(main())
+
+
+def test_a_rank_pull_under_another_rank_or_out_of_the_group_is_denied():
+    async def main():
+        async with InProcessPair() as pair:
+            other = _rank_connector(pair, 1, GRPC)
+            stranger = _rank_connector(pair, 5, GRPC)
+            stranger.engine_id = "someone-else"
+            await other.start()
+            await stranger.start()
+            try:
+                peer0, peer1, peer_x = [await c.connect(pair.address) for c in (pair.decode, other, stranger)]
+                grant = await peer0.prefill("dcp", [5] * 100, dcp_engine_ids=[pair.decode.engine_id, other.engine_id],
+                                            dcp_interleave=64)
+                for peer, rank in ((peer1, 0), (peer_x, 1)):
+                    with pytest.raises(StatusError) as err:
+                        await peer.pull(grant, transport=GRPC, dcp=DcpShard(size=2, rank=rank, interleave=64))
+                    assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+                with pytest.raises(StatusError) as err:  # only rank 0 may release every rank's share
+                    await peer1.release(grant.grant_id, dcp_rank=1, all_ranks=True)
+                assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+                assert await peer1.release(grant.grant_id, dcp_rank=1)
+                assert pair.prefill.grants_held == 1, "rank 0's share is still held"
+                assert await peer0.release(grant.grant_id, all_ranks=True)
+                pair.prefill.reap()
+                assert pair.prefill.grants_held == 0 and pair.free()[:2] == (32, 4)
+            finally:
+                await other.close()
+                await stranger.close()
+    run(main())
+
+
+@pytest.mark.parametrize("ids,interleave,match", [
+    (["decode-t", "r1"], 6, "multiple of kpool"),
+    (["r0", "r1"], 64, "rank 0 being engine_id"),
+    (["decode-t", "decode-t"], 64, "distinct"),
+], ids=["interleave-off-the-pool", "rank0-not-the-asker", "twice"])
+def test_a_malformed_dcp_prefill_is_refused_and_holds_nothing(ids, interleave, match):
+    async def main():
+        async with InProcessPair() as pair:
+            peer = await pair.decode.connect(pair.address)
+            with pytest.raises(StatusError, match=match) as err:
+                await peer.prefill("dcp", [5] * 10, dcp_engine_ids=ids, dcp_interleave=interleave)
+            assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert pair.free()[:2] == (32, 4) and pair.prefill.grants_held == 0
+    run(main())
+
+
+def test_a_dcp_plan_refuses_the_wrong_number_of_rank_blocks():
+    layout = BlockLayout(CONFIG)
+    shard = DcpShard(size=2, rank=1, interleave=64)
+    with pytest.raises(ValueError, match=r"rank 1 of 2 lands a 200-token prompt in 2 blocks, got 1"):
+        plan_dcp_transfer(layout, [0, 1, 2, 3], [7], 0, 0, ring_live_range(CONFIG, 200), shard, 200)
+
+
+@pytest.mark.parametrize("ranks,tokens", [(2, 32768), (4, 32768), (2, 32769), (3, 1000)])
+def test_dcp_adds_no_byte_but_a_ring_per_rank(ranks, tokens):
+    """What ``kpool-pd bench dcp`` reports: at the default interleave (the block size) the ranks'
+    plans move the single-rank plan's bytes, plus the ring once more for each rank beyond the first."""
+    from bench.dcp import transfer_bytes
+    from model import ModelConfig
+
+    config = ModelConfig(kpool=4, num_spec=3, num_layers=4, block_size=256)
+    single = transfer_bytes(config, 1, tokens)[0]
+    layout = BlockLayout(config.cache_config())
+    ring = ring_live_range(config.cache_config(), tokens).num_slots * layout.ring_slot_bytes
+    per_rank = transfer_bytes(config, ranks, tokens)
+    assert sum(per_rank) == single + (ranks - 1) * ring
+    assert max(per_rank) - ring <= -(-(single - ring) // layout.block_bytes // ranks) * layout.block_bytes
+
+
+class _FailingRanks:
+    """Ranks 1..N-1 whose Land fails (a rank died while pulling); Drops are recorded."""
+
+    broken = ""
+
+    def __init__(self) -> None:
+        self.dropped: list[str] = []
+
+    async def land(self, request_id, *args, **kwargs):
+        await asyncio.sleep(0.05)
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, "DCP rank 1: Socket closed")
+
+    def drop_soon(self, request_id: str = "") -> None:
+        self.dropped.append(request_id)
+
+
+def test_a_rank_failing_its_pull_gives_back_rank_0s_blocks_the_other_ranks_and_the_whole_grant():
+    from decode_worker.dcp_fetch import DcpLeader
+    from kvcache import DcpConfig
+
+    async def main():
+        async with InProcessPair() as pair:
+            start = pair.free()
+            ranks = _FailingRanks()
+            leader = DcpLeader(DcpConfig(size=2, interleave=64), ranks, pair.decode.engine_id)
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("dcp", [5] * 150, dcp_engine_ids=leader.engine_ids, dcp_interleave=64)
+            assert pair.prefill.grants_held == 1
+            with pytest.raises(StatusError, match="DCP rank 1") as err:
+                await leader.pull("dcp", 10, 4, peer, grant, GRPC, False)
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE
+            assert ranks.dropped == ["dcp"], "the other ranks are told to free the request"
+            for _ in range(100):  # the all-ranks Release runs in the background
+                pair.prefill.reap()
+                if pair.prefill.grants_held == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert pair.prefill.grants_held == 0 and pair.free() == start, "every block back, on both nodes"
+    run(main())
