@@ -10,7 +10,7 @@ from kernels.kpool_cache.triton import write_entries_triton
 from kernels.kpool_compress.triton import compress_pools_triton
 from kernels.kpool_decode.triton import decode_update_triton
 from kernels.kpool_prefill.triton import prefill_compress_write_triton
-from kvcache import INDEX_HEAD_DIM, PoolMode, blocks_for_tokens, tail_ring_size
+from kvcache import DEFAULT_KERNEL_PAGE_STATES, INDEX_HEAD_DIM, PoolMode, blocks_for_tokens, tail_ring_size
 
 D = INDEX_HEAD_DIM
 DECODE_VARIANTS = ((1, 1, False), (1, 2, False), (1, 4, False), (2, 4, False), (1, 1, True), (1, 4, True))
@@ -24,10 +24,22 @@ def _keys(tokens: int, device: torch.device, gen: torch.Generator) -> tuple[torc
     return k, gate
 
 
-def _pages(num_blocks: int, states: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """# -> indexer_q: [num_blocks, S, 128] fp8, indexer_scale: [num_blocks, S] fp32"""
-    iq = torch.randn(num_blocks, states, D, device=device).to(torch.float8_e4m3fn)
-    return iq, torch.rand(num_blocks, states, device=device) + 0.01
+def _pages(num_blocks: int, states: int, device: torch.device,
+           page: int = DEFAULT_KERNEL_PAGE_STATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``states`` entries in kernel pages of min(states, page) entries, laid out as the pool's:
+    each page its fp8 entries, then their fp32 scales.
+
+    # -> indexer_q: [num_blocks, pages, states_per_page, 128] fp8, indexer_scale: [num_blocks, pages, states_per_page]
+    #    fp32 (strided views of one buffer)
+    """
+    per_page = min(states, page)
+    pages = states // per_page
+    raw = torch.empty(num_blocks, pages, per_page * (D + 4), dtype=torch.uint8, device=device)
+    iq = raw[..., : per_page * D].view(torch.float8_e4m3fn).view(num_blocks, pages, per_page, D)
+    iscale = raw[..., per_page * D:].view(torch.float32)
+    iq.copy_(torch.randn(iq.shape, device=device).to(torch.float8_e4m3fn))
+    iscale.copy_(torch.rand(iscale.shape, device=device) + 0.01)
+    return iq, iscale
 
 
 def _prefill_inputs(device: torch.device, requests: int, tokens_each: int, kpool: int, states: int):
