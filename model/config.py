@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, blocks_for_tokens, family_spec_type
 
-MIN_STATES_PER_BLOCK = 16
+DEFAULT_BLOCK_SIZE = 256  # tokens: the model-wide attention block
+BLOCK_SIZE_QUANTUM = 128  # the attention block is a multiple of 128 tokens
 
 
 def _positive(**values: int) -> None:
@@ -22,11 +23,15 @@ def _positive(**values: int) -> None:
 
 
 def default_block_size(family: CacheFamily, kpool: int, compress_ratio: int, num_spec: int) -> int:
-    """Smallest block with at least 16 pools (groups) that the ring size divides:
-    lcm(16 * group, ring slots). kpool 4, 3 drafts: lcm(64, 8) = 64."""
+    """256 tokens, or where the ring or the group (kpool, QSA ratio) does not divide 256, the smallest
+    multiple of 128 that they divide: lcm(128, group, ring slots). kpool 4, 3 drafts: 256; kpool 3,
+    no drafts (ring 3): 384; QSA ratio 4, 5 drafts (ring 12): 384."""
     spec = family_spec_type(family)
     group = spec.tokens_per_entry_for(kpool=kpool, compress_ratio=compress_ratio)
-    return math.lcm(MIN_STATES_PER_BLOCK * group, spec.ring_slots_for(group, num_spec))
+    ring = spec.ring_slots_for(group, num_spec)
+    if DEFAULT_BLOCK_SIZE % group == 0 and DEFAULT_BLOCK_SIZE % ring == 0:
+        return DEFAULT_BLOCK_SIZE
+    return math.lcm(BLOCK_SIZE_QUANTUM, group, ring)
 
 
 @dataclass(frozen=True, kw_only=True)
