@@ -14,7 +14,8 @@ Comparison rules:
 - prefill-batched against decode-incremental compression of the same pools, through the public ops on
   any backend (the reference's included): identical;
 - scoring: scores to 1e-4 relative (fp32 accumulation order), same pools except near-ties.
-Every output buffer is poisoned (random bytes) before the kernel runs.
+Every output buffer is poisoned (random bytes) before the kernel runs. The ops that address the indexer cache run
+over block geometries of one kernel page (S <= P) and of two and four pages of 32 and of 64 states (GEOMETRIES).
 """
 
 from __future__ import annotations
