@@ -157,6 +157,13 @@ KPOOL_CASES: list[BenchCase] = [
     BenchCase(name="paged write of entries", size="262,144 entries", make=make_write()),
     BenchCase(name="indexer scores + top-2048", size="64 requests x 16k tokens, 64 heads", make=make_score(),
               decode=True),
+    # kpool 2 in 256-token blocks: 128 states a block, two kernel pages of 64 (the same work as above, paged)
+    BenchCase(name="prefill, two kernel pages a block", size="1 layer, 256 x 4096 tokens = 524,288 pools of 2",
+              make=make_prefill(kpool=2, states=128)),
+    BenchCase(name="decode update, 3 drafts, two kernel pages a block", size="1 layer, 256 requests x 4 tokens",
+              make=make_decode(256, kpool=2, states=128), decode=True),
+    BenchCase(name="indexer scores + top-2048, two kernel pages a block", size="64 requests x 16k tokens, 64 heads",
+              make=make_score(kpool=2, states=128), decode=True),
 ]
 
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
