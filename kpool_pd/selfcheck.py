@@ -144,14 +144,15 @@ def run_case(case: SelfcheckCase, seed: int) -> SelfcheckRow:
 
 
 def format_table(rows: list[SelfcheckRow]) -> str:
-    header = (f"{'kpool':>5} {'spec':>4} {'block':>5} {'mode':>9} {'prompt':>6} {'tokens':>6} {'steps':>5} {'drafts':>11} "
-              f"{'pools':>5}  {'colocated digest':<16}  {'PD digest':<16}  invariant")
+    header = (f"{'kpool':>5} {'spec':>4} {'block':>5} {'mode':>9} {'prompt':>6} {'tokens':>6} {'steps':>5} "
+              f"{'drafts':>11} {'pools':>5}  {'colocated digest':<16}  {'PD digest':<16}  invariant")
     lines = [header, "-" * len(header)]
     for row in rows:
         c = row.case
         lines.append(
-            f"{c.kpool:>5} {c.num_spec:>4} {c.block:>5} {c.mode.value:>9} {c.prompt_len:>6} {c.total_len:>6} {row.steps:>5} "
-            f"{f'{row.drafts_accepted}/{row.drafts_proposed}':>11} {complete_entries(c.total_len, c.kpool):>5}  "
+            f"{c.kpool:>5} {c.num_spec:>4} {c.block:>5} {c.mode.value:>9} {c.prompt_len:>6} {c.total_len:>6} "
+            f"{row.steps:>5} {f'{row.drafts_accepted}/{row.drafts_proposed}':>11} "
+            f"{complete_entries(c.total_len, c.kpool):>5}  "
             f"{row.colocated_digest[:16]:<16}  {row.pd_digest[:16]:<16}  {'holds' if row.holds else 'BROKEN'}"
         )
     return "\n".join(lines)

@@ -33,7 +33,8 @@ from kvcache.specs import (
 
 __all__ = [
     "BlockAllocator", "BlockLayout", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "FP8_ENTRY_BYTES", "FamilySpec", "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
+    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "FP8_ENTRY_BYTES", "FamilySpec", "INDEX_HEAD_DIM",
+    "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
     "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
     "family_spec_type", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",

@@ -114,7 +114,8 @@ def _expected_hash_fields(c: CacheConfig) -> dict[str, object]:
     if c.family is CacheFamily.KPOOL:
         indexer, ring = _kpool_specs(c)
         fields |= {"kpool": indexer.kpool, "pool_mode": indexer.mode.value, "round_scale": indexer.round_scale,
-                   "states_per_block": indexer.states_per_block, "states_per_page": min(indexer.states_per_block, c.kernel_page_states),
+                   "states_per_block": indexer.states_per_block,
+                   "states_per_page": min(indexer.states_per_block, c.kernel_page_states),
                    "ring_size": ring.ring_size}
     else:
         keys, ring = _qsa_specs(c)

@@ -40,7 +40,8 @@ def page_strides(indexer_q: torch.Tensor, indexer_scale: torch.Tensor) -> tuple[
 @triton.jit
 def _write_kernel(iq_ptr, is_ptr, q_ptr, scale_ptr, slots_ptr, count, states, iq_block, iq_page, iq_entry, is_block,
                   is_page, is_entry, PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    # iq: [num_blocks, pages, PAGE, 128] uint8 view; is: [num_blocks, pages, PAGE] fp32; q: [P, 128] uint8; scale, slots: [P]
+    # iq: [num_blocks, pages, PAGE, 128] uint8 view; is: [num_blocks, pages, PAGE] fp32
+    # q: [P, 128] uint8; scale, slots: [P]
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, 128)
     slot = tl.load(slots_ptr + rows, mask=rows < count, other=-1).to(tl.int64)

@@ -13,10 +13,11 @@ short: every per-request scalar is loaded at once as a [BLOCK_R] vector; the ste
 before the pool's slots, so both sets of loads are in flight together, and stored to the ring after
 the entries (the pool-completing token's work is not behind the stash); the first pool is
 straight-line code, only further pools loop; positions are int32 and the ring size, kpool, states
-per block and states per kernel page are compile-time constants, so every division and modulo is a multiply and shift (no 64-bit
-division routine); offsets are widened to int64 only when they become addresses. The ring writes need
-a barrier after the ring reads only when a request's tokens can reach the slots its pools read (count
-> R - kpool + 1, which no step of at most num_spec drafts does); the program takes it only then.
+per block and states per kernel page are compile-time constants, so every division and modulo is a
+multiply and shift (no 64-bit division routine); offsets are widened to int64 only when they become
+addresses. The ring writes need a barrier after the ring reads only when a request's tokens can reach
+the slots its pools read (count > R - kpool + 1, which no step of at most num_spec drafts does); the
+program takes it only then.
 
 No host synchronisation and no per-token launches: grid = (cdiv(B, BLOCK_R),), loops run on device
 values, so the launch can be captured in a CUDA graph. ``ring_ids`` must be valid ring indices: a
@@ -85,7 +86,8 @@ def _decode_update_kernel(
     k_ptr, g_ptr, start_pos_ptr, qsl_ptr, ring_ids_ptr, table_ptr, ape_ptr, ring_ptr, iq_ptr, is_ptr,
     batch, table_stride, table_width, ring_stride, gate_half, slot_stride, iq_block, iq_page, iq_entry, is_block,
     is_page, is_entry, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, KPOOL: tl.constexpr, RING: tl.constexpr,
-    STATES: tl.constexpr, PAGE: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr, PDL: tl.constexpr,
+    STATES: tl.constexpr, PAGE: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr,
+    PRECISE_EXP: tl.constexpr, PDL: tl.constexpr,
 ):
     # k, gate: [T, 128] bf16; ring: [num_rings, 2, RING, 128] bf16 (strides ring_stride, gate_half, slot_stride, 1)
     # table: [B, M] int; indexer q: [num_blocks, STATES / PAGE, PAGE, 128] uint8, scale: [num_blocks, STATES / PAGE,

@@ -28,8 +28,8 @@ BLOCK_N = 64
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, seq_lens_ptr, table_ptr, iq_ptr, is_ptr, scores_ptr,
                   heads, table_stride, table_width, states, block_size, iq_block, iq_page, iq_entry, is_block, is_page,
-                  is_entry, max_pools, PAGE: tl.constexpr, KPOOL: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TENSOR_CORES: tl.constexpr):
+                  is_entry, max_pools, PAGE: tl.constexpr, KPOOL: tl.constexpr, HEADS_P2: tl.constexpr,
+                  BLOCK_N: tl.constexpr, TENSOR_CORES: tl.constexpr):
     # q: [B, H, 128] bf16; w: [B, H] fp32; scores: [B, max_pools] fp32
     # iq: [num_blocks, states / PAGE, PAGE, 128] uint8; is: [num_blocks, states / PAGE, PAGE] fp32 (kernel pages)
     request = tl.program_id(0).to(tl.int64)
@@ -40,7 +40,8 @@ def _score_kernel(q_ptr, w_ptr, seq_lens_ptr, table_ptr, iq_ptr, is_ptr, scores_
     block = tl.load(table_ptr + request * table_stride + column, mask=live & (column < table_width), other=-1)
     block = block.to(tl.int64)
     valid = live & (block >= 0)
-    q_at, scale_at = entry_offsets(block, pools % states, PAGE, iq_block, iq_page, iq_entry, is_block, is_page, is_entry)
+    q_at, scale_at = entry_offsets(block, pools % states, PAGE, iq_block, iq_page, iq_entry, is_block, is_page,
+                                   is_entry)
     dims = tl.arange(0, 128)
     codes = tl.load(iq_ptr + q_at[:, None] + dims[None, :], mask=valid[:, None], other=0)
     keys = decode_e4m3(codes)  # [BLOCK_N, 128] fp32, each value exact in bf16
@@ -73,7 +74,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, seq_lens: torc
     _score_kernel[(batch, triton.cdiv(max_pools, BLOCK_N))](
         q.contiguous(), weights.contiguous(), seq_lens, block_table, indexer_q.view(torch.uint8), indexer_scale, scores,
         heads, block_table.stride(0), block_table.shape[1], states, kpool * states,
-        *page_strides(indexer_q, indexer_scale), max_pools, PAGE=page, KPOOL=kpool, HEADS_P2=max(16, triton.next_power_of_2(heads)), BLOCK_N=BLOCK_N,
+        *page_strides(indexer_q, indexer_scale), max_pools, PAGE=page, KPOOL=kpool,
+        HEADS_P2=max(16, triton.next_power_of_2(heads)), BLOCK_N=BLOCK_N,
         TENSOR_CORES=not interpreting(), num_warps=4,
     )
     return scores

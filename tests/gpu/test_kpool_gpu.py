@@ -3,9 +3,9 @@
 The kernel-against-reference bodies are tests/test_kpool_triton.py's, run here on the ``cuda`` backend
 (tests/kernel_backends.py; that module states the comparison rules), over one-page blocks and blocks of two and
 four kernel pages, with tests/test_kpool_pages.py's check of the page bytes against DESIGN's formula. Here as
-well, what only a GPU shows:
-how far libdevice's exp is from torch's, that the decode update captures in a CUDA graph and never
-synchronises with the host (one-page and multi-page blocks), and that every op runs on its tensors' device (cuda:1 while cuda:0 is current).
+well, what only a GPU shows: how far libdevice's exp is from torch's, that the decode update captures in a CUDA
+graph and never synchronises with the host (one-page and multi-page blocks), and that every op runs on its
+tensors' device (cuda:1 while cuda:0 is current).
 """
 
 from __future__ import annotations
