@@ -10,7 +10,7 @@ from kernels.kpool_cache.triton import write_entries_triton
 from kernels.kpool_compress.triton import compress_pools_triton
 from kernels.kpool_decode.triton import decode_update_triton
 from kernels.kpool_prefill.triton import prefill_compress_write_triton
-from kvcache import INDEX_HEAD_DIM, PoolMode, blocks_for_tokens, tail_ring_size
+from kvcache import DEFAULT_KERNEL_PAGE_STATES, INDEX_HEAD_DIM, PoolMode, blocks_for_tokens, tail_ring_size
 
 D = INDEX_HEAD_DIM
 DECODE_VARIANTS = ((1, 1, False), (1, 2, False), (1, 4, False), (2, 4, False), (1, 1, True), (1, 4, True))
@@ -24,10 +24,22 @@ def _keys(tokens: int, device: torch.device, gen: torch.Generator) -> tuple[torc
     return k, gate
 
 
-def _pages(num_blocks: int, states: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """# -> indexer_q: [num_blocks, S, 128] fp8, indexer_scale: [num_blocks, S] fp32"""
-    iq = torch.randn(num_blocks, states, D, device=device).to(torch.float8_e4m3fn)
-    return iq, torch.rand(num_blocks, states, device=device) + 0.01
+def _pages(num_blocks: int, states: int, device: torch.device,
+           page: int = DEFAULT_KERNEL_PAGE_STATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``states`` entries in kernel pages of min(states, page) entries, laid out as the pool's:
+    each page its fp8 entries, then their fp32 scales.
+
+    # -> indexer_q: [num_blocks, pages, states_per_page, 128] fp8, indexer_scale: [num_blocks, pages, states_per_page]
+    #    fp32 (strided views of one buffer)
+    """
+    per_page = min(states, page)
+    pages = states // per_page
+    raw = torch.empty(num_blocks, pages, per_page * (D + 4), dtype=torch.uint8, device=device)
+    iq = raw[..., : per_page * D].view(torch.float8_e4m3fn).view(num_blocks, pages, per_page, D)
+    iscale = raw[..., per_page * D:].view(torch.float32)
+    iq.copy_(torch.randn(iq.shape, device=device).to(torch.float8_e4m3fn))
+    iscale.copy_(torch.rand(iscale.shape, device=device) + 0.01)
+    return iq, iscale
 
 
 def _prefill_inputs(device: torch.device, requests: int, tokens_each: int, kpool: int, states: int):
@@ -145,6 +157,13 @@ KPOOL_CASES: list[BenchCase] = [
     BenchCase(name="paged write of entries", size="262,144 entries", make=make_write()),
     BenchCase(name="indexer scores + top-2048", size="64 requests x 16k tokens, 64 heads", make=make_score(),
               decode=True),
+    # kpool 2 in 256-token blocks: 128 states a block, two kernel pages of 64 (the same work as above, paged)
+    BenchCase(name="prefill, two kernel pages a block", size="1 layer, 256 x 4096 tokens = 524,288 pools of 2",
+              make=make_prefill(kpool=2, states=128)),
+    BenchCase(name="decode update, 3 drafts, two kernel pages a block", size="1 layer, 256 requests x 4 tokens",
+              make=make_decode(256, kpool=2, states=128), decode=True),
+    BenchCase(name="indexer scores + top-2048, two kernel pages a block", size="64 requests x 16k tokens, 64 heads",
+              make=make_score(kpool=2, states=128), decode=True),
 ]
 
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).

@@ -29,7 +29,6 @@ def _layer_pairs(layout: BlockLayout, src: int, dst: int, t: int, u: int, count:
     config, bb = layout.config, layout.block_bytes
     mla = config.mla
     token_bytes = mla.num_heads * mla.entry_bytes
-    states = config.family_spec.entries_per_block
     s_state, d_state, entries = pools
     for pages in layout.layers:
         base_s, base_d = src * bb + pages.mla_offset, dst * bb + pages.mla_offset
@@ -40,14 +39,29 @@ def _layer_pairs(layout: BlockLayout, src: int, dst: int, t: int, u: int, count:
             spans = [(base_s + h * head + t * mla.entry_bytes, base_d + h * head + u * mla.entry_bytes,
                       count * mla.entry_bytes) for h in range(mla.num_heads)]
         if entries:
-            base_s, base_d = src * bb + pages.indexer_offset, dst * bb + pages.indexer_offset
-            scales = states * INDEX_HEAD_DIM
-            spans.append((base_s + s_state * INDEX_HEAD_DIM, base_d + d_state * INDEX_HEAD_DIM,
-                          entries * INDEX_HEAD_DIM))
-            spans.append((base_s + scales + s_state * 4, base_d + scales + d_state * 4,
-                          entries * (FP8_ENTRY_BYTES - INDEX_HEAD_DIM)))
+            spans += _entry_spans(src * bb + pages.indexer_offset, dst * bb + pages.indexer_offset, s_state, d_state,
+                                  entries, config.family_spec.states_per_page)
         for s, d, n in spans:
             yield RegionPair(Region(PoolKind.BLOCKS, s, n), Region(PoolKind.BLOCKS, d, n))
+
+
+def _entry_spans(base_s: int, base_d: int, s_state: int, d_state: int, entries: int, per_page: int):
+    """(source offset, destination offset, bytes) spans of ``entries`` consecutive indexer entries from
+    state ``s_state`` of a source block's pages to state ``d_state`` of a destination block's: in each
+    kernel page of ``per_page`` states, the entries' fp8 bytes, then their fp32 scales; split where a
+    run crosses a page boundary on either side."""
+    spans, done = [], 0
+    scale_bytes = FP8_ENTRY_BYTES - INDEX_HEAD_DIM
+    while done < entries:
+        s, d = s_state + done, d_state + done
+        n = min(entries - done, per_page - s % per_page, per_page - d % per_page)
+        page_s = base_s + s // per_page * per_page * FP8_ENTRY_BYTES
+        page_d = base_d + d // per_page * per_page * FP8_ENTRY_BYTES
+        spans.append((page_s + s % per_page * INDEX_HEAD_DIM, page_d + d % per_page * INDEX_HEAD_DIM, n * INDEX_HEAD_DIM))
+        scales_s, scales_d = page_s + per_page * INDEX_HEAD_DIM, page_d + per_page * INDEX_HEAD_DIM
+        spans.append((scales_s + s % per_page * scale_bytes, scales_d + d % per_page * scale_bytes, n * scale_bytes))
+        done += n
+    return spans
 
 
 def _merged(pairs: list[RegionPair]) -> list[RegionPair]:

@@ -18,9 +18,17 @@ def check_token_batch(k: torch.Tensor, gate: torch.Tensor, query_start_loc: torc
     return query_start_loc.shape[0] - 1
 
 
-def check_indexer_page(indexer_q: torch.Tensor, indexer_scale: torch.Tensor) -> None:
-    check_tensor("indexer_q", indexer_q, dtype=torch.float8_e4m3fn, shape=(None, None, INDEX_HEAD_DIM))
-    check_tensor("indexer_scale", indexer_scale, dtype=torch.float32, shape=tuple(indexer_q.shape[:2]))
+def check_indexer_page(indexer_q: torch.Tensor, indexer_scale: torch.Tensor) -> int:
+    """The indexer cache views in kernel pages (``CachePool.indexer_q`` / ``indexer_scale``); returns the
+    states per block S = pages * states_per_page.
+
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page] fp32
+    """
+    check_tensor("indexer_q", indexer_q, dtype=torch.float8_e4m3fn, shape=(None, None, None, INDEX_HEAD_DIM))
+    check_tensor("indexer_scale", indexer_scale, dtype=torch.float32, shape=tuple(indexer_q.shape[:3]))
+    if indexer_q.shape[1] < 1 or indexer_q.shape[2] < 1:
+        raise ValueError(f"indexer_q needs at least one page of one state a block, got shape {tuple(indexer_q.shape)}")
+    return indexer_q.shape[1] * indexer_q.shape[2]
 
 
 def check_kpool_cache(ape: torch.Tensor, indexer_q: torch.Tensor, indexer_scale: torch.Tensor) -> int:

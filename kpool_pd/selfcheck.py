@@ -30,6 +30,11 @@ class SelfcheckCase:
     total_len: int
     mode: PoolMode = PoolMode.SOFTMAX
     layers: int = 2
+    block_size: int | None = None  # None: 16 pools a block
+
+    @property
+    def block(self) -> int:
+        return self.block_size or 16 * self.kpool
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ DEFAULT_CASES = (
     SelfcheckCase(kpool=4, num_spec=3, prompt_len=1, total_len=129),
     SelfcheckCase(kpool=4, num_spec=3, prompt_len=66, total_len=257, mode=PoolMode.KEEP_LAST),
     SelfcheckCase(kpool=8, num_spec=7, prompt_len=127, total_len=300),
+    SelfcheckCase(kpool=2, num_spec=3, prompt_len=100, total_len=300, block_size=256),  # two kernel pages a block
 )
 
 
@@ -107,7 +113,7 @@ class _Request:
 
 def run_case(case: SelfcheckCase, seed: int) -> SelfcheckRow:
     config = CacheConfig(layer_names=tuple(f"layer.{i}" for i in range(case.layers)), kpool=case.kpool,
-                         num_spec=case.num_spec, block_size=16 * case.kpool,
+                         num_spec=case.num_spec, block_size=case.block,
                          pool_mode=case.mode)
     gen = torch.Generator().manual_seed(seed)
     shape = (case.layers, case.total_len, 128)
@@ -138,14 +144,15 @@ def run_case(case: SelfcheckCase, seed: int) -> SelfcheckRow:
 
 
 def format_table(rows: list[SelfcheckRow]) -> str:
-    header = (f"{'kpool':>5} {'spec':>4} {'mode':>9} {'prompt':>6} {'tokens':>6} {'steps':>5} {'drafts':>11} "
-              f"{'pools':>5}  {'colocated digest':<16}  {'PD digest':<16}  invariant")
+    header = (f"{'kpool':>5} {'spec':>4} {'block':>5} {'mode':>9} {'prompt':>6} {'tokens':>6} {'steps':>5} "
+              f"{'drafts':>11} {'pools':>5}  {'colocated digest':<16}  {'PD digest':<16}  invariant")
     lines = [header, "-" * len(header)]
     for row in rows:
         c = row.case
         lines.append(
-            f"{c.kpool:>5} {c.num_spec:>4} {c.mode.value:>9} {c.prompt_len:>6} {c.total_len:>6} {row.steps:>5} "
-            f"{f'{row.drafts_accepted}/{row.drafts_proposed}':>11} {complete_entries(c.total_len, c.kpool):>5}  "
+            f"{c.kpool:>5} {c.num_spec:>4} {c.block:>5} {c.mode.value:>9} {c.prompt_len:>6} {c.total_len:>6} "
+            f"{row.steps:>5} {f'{row.drafts_accepted}/{row.drafts_proposed}':>11} "
+            f"{complete_entries(c.total_len, c.kpool):>5}  "
             f"{row.colocated_digest[:16]:<16}  {row.pd_digest[:16]:<16}  {'holds' if row.holds else 'BROKEN'}"
         )
     return "\n".join(lines)

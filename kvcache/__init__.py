@@ -15,8 +15,10 @@ from kvcache.family import (
 from kvcache.layout import BlockLayout, layout_differences, layout_hash
 from kvcache.pool import CachePool
 from kvcache.specs import (
+    DEFAULT_KERNEL_PAGE_STATES,
     FP8_ENTRY_BYTES,
     INDEX_HEAD_DIM,
+    KERNEL_PAGE_STATES,
     BlockOrder,
     CacheDtype,
     CacheFamily,
@@ -32,7 +34,8 @@ from kvcache.specs import (
 
 __all__ = [
     "BlockAllocator", "BlockLayout", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec", "INDEX_HEAD_DIM", "KpoolFamilySpec", "KpoolIndexerSpec",
+    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
+    "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
     "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
     "family_spec_type", "family_supports_dcp", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",

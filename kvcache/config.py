@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvcache.family import Count, FamilySpec, blocks_for_tokens, family_spec_type
 from kvcache.specs import (
+    DEFAULT_KERNEL_PAGE_STATES,
     DEFAULT_MLA_ENTRY_BYTES,
     BlockOrder,
     CacheDtype,
@@ -29,7 +30,9 @@ class CacheConfig:
 
     ``family`` picks the indexer page (kpool fp8 entries, or QSA compressed keys) and the ring
     (kpool tail ring, or QSA key state ring), both answered by ``family_spec``. Fields of the
-    other family are ignored.
+    other family are ignored. ``kernel_page_states`` (kpool) is P, the states of one kernel page
+    (32 or 64): a block of S > P states holds S / P pages; the layout hash covers the resulting
+    states per page, min(S, P).
     """
 
     family: CacheFamily = CacheFamily.KPOOL
@@ -43,6 +46,7 @@ class CacheConfig:
     kpool: int = 4
     pool_mode: PoolMode = PoolMode.SOFTMAX
     round_scale: bool = True
+    kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES
     # QSA family
     compress_ratio: int = 4
     qsa_head_size: int = 128
@@ -84,6 +88,7 @@ class CacheConfig:
     def kpool_indexer(self) -> KpoolIndexerSpec:
         return KpoolIndexerSpec(
             kpool=self.kpool, block_size=self.block_size, mode=self.pool_mode, round_scale=self.round_scale,
+            kernel_page_states=self.kernel_page_states,
         )
 
     @property

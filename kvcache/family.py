@@ -93,8 +93,8 @@ class _EntryArithmetic(abc.ABC):
 
 @dataclass(frozen=True, kw_only=True)
 class KpoolFamilySpec(_EntryArithmetic):
-    """kpool family: the indexer page holds S fp8 entries of one pool of ``kpool`` tokens each;
-    the tail ring holds R slots of raw K and gate."""
+    """kpool family: a layer's indexer pages hold S fp8 entries of one pool of ``kpool`` tokens each,
+    in kernel pages of ``states_per_page`` entries; the tail ring holds R slots of raw K and gate."""
 
     family: ClassVar[CacheFamily] = CacheFamily.KPOOL
     supports_dcp: ClassVar[bool] = True  # pools shard over decode-context-parallel ranks
@@ -137,8 +137,18 @@ class KpoolFamilySpec(_EntryArithmetic):
         return self.indexer.states_per_block
 
     @property
+    def states_per_page(self) -> int:
+        """States of one kernel page: min(S, P)."""
+        return self.indexer.states_per_page
+
+    @property
+    def pages_per_block(self) -> int:
+        """Kernel pages of one layer in one block."""
+        return self.indexer.pages_per_block
+
+    @property
     def page_bytes(self) -> int:
-        """One layer's indexer page in one block: S * 132."""
+        """One layer's indexer pages in one block (every kernel page, back to back): S * 132."""
         return self.indexer.page_bytes
 
     @property
@@ -164,6 +174,7 @@ class KpoolFamilySpec(_EntryArithmetic):
             "pool_mode": self.indexer.mode.value,
             "round_scale": self.indexer.round_scale,
             "states_per_block": self.indexer.states_per_block,
+            "states_per_page": self.indexer.states_per_page,
             "ring_size": self.ring.ring_size,
         }
 

@@ -2,7 +2,10 @@
 
 A block holds ``block_size`` tokens of every layer, one contiguous byte range::
 
-    block b: | layer 0: MLA page | layer 0: indexer page | layer 1: MLA page | ... | pad |
+    block b: | layer 0: MLA page | layer 0: indexer pages | layer 1: MLA page | ... | pad |
+
+A layer's kpool indexer pages are S / P kernel pages of P states each (one page of S states when
+S <= P), back to back, each ``[P x 128 fp8 entries][P x 4 fp32 scales]`` (``KpoolIndexerSpec``).
 
 A ring block holds every layer's ring of one request, **slot-major**::
 

@@ -65,21 +65,30 @@ class CachePool:
 
     # kpool family --------------------------------------------------------------------
     def indexer_page(self, layer: int | str) -> torch.Tensor:
-        """uint8 [num_blocks, S * 132]: S fp8 entries state-major, then their S fp32 scales."""
+        """uint8 [num_blocks, S * 132]: one layer's kernel pages, back to back; each page holds its
+        entries' fp8 bytes state-major, then their fp32 scales."""
         self._family_spec(KpoolFamilySpec, "the kpool indexer page")
         return self._block_bytes(self.layout.layer(layer).indexer_offset, self.layout.indexer_page_bytes)
 
-    def indexer_q(self, layer: int | str) -> torch.Tensor:
-        """float8_e4m3fn [num_blocks, S, 128]."""
+    def _kernel_pages(self, layer: int | str) -> torch.Tensor:
+        """uint8 [num_blocks, pages, states_per_page * 132]: one row a kernel page."""
         page = self.indexer_page(layer)
-        s = self.family_spec.entries_per_block
-        return page[:, : s * INDEX_HEAD_DIM].view(torch.float8_e4m3fn).view(self.num_blocks, s, INDEX_HEAD_DIM)
+        spec = self.family_spec
+        return page.view(self.num_blocks, spec.pages_per_block, spec.states_per_page * FP8_ENTRY_BYTES)
+
+    def indexer_q(self, layer: int | str) -> torch.Tensor:
+        """float8_e4m3fn [num_blocks, pages, states_per_page, 128]: state s of a block is
+        ``[block, s // states_per_page, s % states_per_page]``."""
+        pages = self._kernel_pages(layer)
+        per_page = self.family_spec.states_per_page
+        q = pages[:, :, : per_page * INDEX_HEAD_DIM].view(torch.float8_e4m3fn)
+        return q.view(self.num_blocks, pages.shape[1], per_page, INDEX_HEAD_DIM)
 
     def indexer_scale(self, layer: int | str) -> torch.Tensor:
-        """float32 [num_blocks, S]."""
-        page = self.indexer_page(layer)
-        s = self.family_spec.entries_per_block
-        return page[:, s * INDEX_HEAD_DIM: s * FP8_ENTRY_BYTES].view(torch.float32)
+        """float32 [num_blocks, pages, states_per_page]."""
+        pages = self._kernel_pages(layer)
+        per_page = self.family_spec.states_per_page
+        return pages[:, :, per_page * INDEX_HEAD_DIM:].view(torch.float32)
 
     def tail_ring(self, layer: int | str) -> torch.Tensor:
         """bf16 [num_rings, 2, R, 128]: raw K half, then gate half (a strided view)."""

@@ -14,7 +14,8 @@ import torch
 
 INDEX_HEAD_DIM = 128  # fixed by the Hadamard-128 rotation
 FP8_ENTRY_BYTES = INDEX_HEAD_DIM + 4  # 128 fp8 bytes + one fp32 scale
-SUPPORTED_STATES_PER_BLOCK = (16, 32, 64)  # DeepGEMM paged MQA: 64 (Hopper), 32/64 (Blackwell); 16 for small tests
+KERNEL_PAGE_STATES = (32, 64)  # states per kernel page that DeepGEMM's paged MQA takes (only 64 on SM120)
+DEFAULT_KERNEL_PAGE_STATES = 64
 DEFAULT_MLA_ENTRY_BYTES = 656  # 512 fp8 + 4 fp32 scales + 64 bf16 rope
 QSA_ROTARY_DIM = 64
 QSA_POSITION_SLOTS = 12  # 3 int64 MRoPE positions packed into 12 bf16 slots
@@ -110,13 +111,21 @@ class MlaPageSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class KpoolIndexerSpec:
-    """kpool indexer cache page: S = block_size / kpool fp8 entries (DeepGEMM paged-MQA layout)."""
+    """kpool indexer cache of one layer in one block: S = block_size / kpool fp8 entries, held in
+    ``pages_per_block`` kernel pages of ``states_per_page`` states each, back to back.
+
+    ``kernel_page_states`` is P, the kernel's page (32 or 64 states). A block with S <= P is one
+    page of S states; a block with S > P holds S / P pages of P states (S must be a multiple of P).
+    Each page is DeepGEMM's paged-MQA layout: its entries' 128 fp8 bytes state-major, then their
+    fp32 scales. State s of a block is entry ``s % states_per_page`` of page ``s // states_per_page``.
+    """
 
     kpool: int
     block_size: int
     mode: PoolMode = PoolMode.SOFTMAX
     round_scale: bool = True
     head_dim: int = INDEX_HEAD_DIM
+    kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES
 
     def __post_init__(self) -> None:
         _require_positive(kpool=self.kpool, block_size=self.block_size, head_dim=self.head_dim)
@@ -126,20 +135,43 @@ class KpoolIndexerSpec:
             raise ValueError(f"head_dim must be {INDEX_HEAD_DIM} (Hadamard-128), got {self.head_dim}")
         if self.block_size % self.kpool:
             raise ValueError(f"block_size {self.block_size} is not a multiple of kpool {self.kpool}")
-        if self.states_per_block not in SUPPORTED_STATES_PER_BLOCK:
+        if self.kernel_page_states not in KERNEL_PAGE_STATES or isinstance(self.kernel_page_states, bool):
             raise ValueError(
-                f"S = block_size / kpool = {self.block_size} / {self.kpool} = {self.states_per_block} "
-                f"is not one of the supported states per block {SUPPORTED_STATES_PER_BLOCK}"
+                f"kernel_page_states must be one of {KERNEL_PAGE_STATES} (the kernel's page), "
+                f"got {self.kernel_page_states!r}"
+            )
+        states = self.states_per_block
+        if states > self.kernel_page_states and states % self.kernel_page_states:
+            raise ValueError(
+                f"S = block_size / kpool = {self.block_size} / {self.kpool} = {states} exceeds the kernel page "
+                f"of {self.kernel_page_states} states and is not a multiple of it"
             )
         if not isinstance(self.mode, PoolMode):
             raise ValueError(f"mode must be a PoolMode, got {self.mode!r}")
 
     @property
     def states_per_block(self) -> int:
+        """S = block_size / kpool."""
         return self.block_size // self.kpool
 
     @property
+    def states_per_page(self) -> int:
+        """States of one kernel page: min(S, P)."""
+        return min(self.states_per_block, self.kernel_page_states)
+
+    @property
+    def pages_per_block(self) -> int:
+        """Kernel pages of one layer in one block: S / states_per_page (1 when S <= P)."""
+        return self.states_per_block // self.states_per_page
+
+    @property
+    def kernel_page_bytes(self) -> int:
+        """One kernel page: states_per_page * 132 (its fp8 entries, then its fp32 scales)."""
+        return self.states_per_page * FP8_ENTRY_BYTES
+
+    @property
     def page_bytes(self) -> int:
+        """One layer's indexer pages in one block, back to back: S * 132."""
         return self.states_per_block * FP8_ENTRY_BYTES
 
 

@@ -10,9 +10,12 @@ import json
 import math
 from dataclasses import dataclass
 
-from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode, blocks_for_tokens, family_spec_type
+from kvcache import (
+    DEFAULT_KERNEL_PAGE_STATES, CacheConfig, CacheDtype, CacheFamily, PoolMode, blocks_for_tokens, family_spec_type,
+)
 
-MIN_STATES_PER_BLOCK = 16
+DEFAULT_BLOCK_SIZE = 256  # tokens: the model-wide attention block
+BLOCK_SIZE_QUANTUM = 128  # the attention block is a multiple of 128 tokens
 
 
 def _positive(**values: int) -> None:
@@ -22,11 +25,15 @@ def _positive(**values: int) -> None:
 
 
 def default_block_size(family: CacheFamily, kpool: int, compress_ratio: int, num_spec: int) -> int:
-    """Smallest block with at least 16 pools (groups) that the ring size divides:
-    lcm(16 * group, ring slots). kpool 4, 3 drafts: lcm(64, 8) = 64."""
+    """256 tokens, or where the ring or the group (kpool, QSA ratio) does not divide 256, the smallest
+    multiple of 128 that they divide: lcm(128, group, ring slots). kpool 4, 3 drafts: 256; kpool 3,
+    no drafts (ring 3): 384; QSA ratio 4, 5 drafts (ring 12): 384."""
     spec = family_spec_type(family)
     group = spec.tokens_per_entry_for(kpool=kpool, compress_ratio=compress_ratio)
-    return math.lcm(MIN_STATES_PER_BLOCK * group, spec.ring_slots_for(group, num_spec))
+    ring = spec.ring_slots_for(group, num_spec)
+    if DEFAULT_BLOCK_SIZE % group == 0 and DEFAULT_BLOCK_SIZE % ring == 0:
+        return DEFAULT_BLOCK_SIZE
+    return math.lcm(BLOCK_SIZE_QUANTUM, group, ring)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +41,8 @@ class ModelConfig:
     """Everything that decides the model's bytes and tokens.
 
     ``block_size = None`` picks ``default_block_size``. ``topk`` pools (QSA: groups) are
-    selected per query; ``index_heads`` is the indexer's query head count.
+    selected per query; ``index_heads`` is the indexer's query head count. ``kernel_page_states``
+    is the kpool indexer's kernel page (32 or 64 states, ``CacheConfig``).
     """
 
     family: CacheFamily = CacheFamily.KPOOL
@@ -50,6 +58,7 @@ class ModelConfig:
     mla_entry_bytes: int = 656
     pool_mode: PoolMode = PoolMode.SOFTMAX
     qsa_dtype: CacheDtype = CacheDtype.BFLOAT16
+    kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, CacheFamily):
@@ -85,6 +94,7 @@ class ModelConfig:
             family=self.family, layer_names=self.layer_names, block_size=self.resolved_block_size,
             num_spec=self.num_spec, mla_entry_bytes=self.mla_entry_bytes, kpool=self.kpool,
             pool_mode=self.pool_mode, compress_ratio=self.compress_ratio, qsa_dtype=self.qsa_dtype,
+            kernel_page_states=self.kernel_page_states,
         )
 
     def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
@@ -99,6 +109,7 @@ class ModelConfig:
             "compress_ratio": self.compress_ratio, "num_spec": self.num_spec,
             "block_size": self.resolved_block_size, "seed": self.seed, "vocab_size": self.vocab_size,
             "index_heads": self.index_heads, "topk": self.topk, "mla_entry_bytes": self.mla_entry_bytes,
+            "kernel_page_states": self.kernel_page_states,
         }
 
     def identity(self) -> str:

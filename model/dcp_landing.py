@@ -41,6 +41,15 @@ def land_request(source: CachePool, source_blocks: Sequence[int], source_ring: i
             source.mla(layer)[src[glob // block_size], glob % block_size].to(target.device)
         for view in ("indexer_q", "indexer_scale"):
             theirs, ours = getattr(source, view)(layer), getattr(target, view)(layer)
-            ours[dst[local_pool // states], local_pool % states] = \
-                theirs[src[global_pool // states], global_pool % states].to(target.device)
+            ours[_entry(dst, local_pool, states, ours)] = theirs[_entry(src, global_pool, states, theirs)].to(target.device)
     target.rings[target_ring] = source.rings[source_ring].to(target.device)
+
+
+def _entry(blocks: torch.Tensor, pools: torch.Tensor, states: int, view: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Index of each pool's entry in an indexer view: (block, kernel page, entry in the page).
+
+    # blocks: [M] int64 (the block table); pools: [P] int64; view: [num_blocks, pages, per_page, ...]
+    """
+    per_page = view.shape[2]
+    state = pools % states
+    return blocks[pools // states], state // per_page, state % per_page

@@ -24,7 +24,8 @@ MODEL_OPTIONS: tuple[Option, ...] = (
     Option("kpool", int, 4, "tokens per kpool pool (kpool family)"),
     Option("ratio", int, 4, "QSA compress ratio (qsa family)"),
     Option("num-spec", int, 0, "draft tokens per decode step"),
-    Option("block-size", int, 0, "tokens per block (0: the smallest with 16 pools that the ring divides)"),
+    Option("block-size", int, 0, "tokens per block (0: 256, or where the ring or the group does not divide 256, "
+                                 "the smallest multiple of 128 that they divide)"),
     Option("seed", int, 0, "seed of the synthetic model's weights"),
 )
 MODEL_KEYS = frozenset(option.key for option in MODEL_OPTIONS)

@@ -6,7 +6,7 @@
 - the engine, both families, drafts 0 to 7: a prompt prefilled in chunks (batched with another prompt's
   chunks) has the state digest and first token of the same prompt prefilled whole.
 
-Chunk edges are drawn on and around every boundary: pools (groups), rings, blocks.
+Chunk edges are drawn on and around every boundary: pools (groups), rings, kernel pages, blocks.
 """
 
 from __future__ import annotations
@@ -129,18 +129,23 @@ def test_op_chunks_anywhere_equal_one_whole_prefill(backend, case, seed):
         assert chunked == whole, f"request {b} of {lengths}, chunk edges {edges[b]}"
 
 
-KERNEL_CASES = [  # kpool, drafts, mode, lengths, chunk edges of each (block 16 * kpool)
-    pytest.param(4, 3, PoolMode.SOFTMAX, [130, 70], [[3, 4, 5, 7, 8, 9, 63, 64, 65, 127], [1, 2, 66]],
+KERNEL_CASES = [  # kpool, drafts, mode, lengths, chunk edges of each, block size (None: 16 * kpool), kernel page
+    pytest.param(4, 3, PoolMode.SOFTMAX, [130, 70], [[3, 4, 5, 7, 8, 9, 63, 64, 65, 127], [1, 2, 66]], None, 64,
                  id="kpool4-pool-ring-block-edges"),
-    pytest.param(8, 7, PoolMode.SOFTMAX, [137, 9], [[15, 16, 17, 127, 128, 129], [8]], id="kpool8-spec7"),
-    pytest.param(2, 0, PoolMode.KEEP_LAST, [35, 33], [[1, 3, 31, 32, 33], [2, 4, 5, 32]], id="kpool2-keep-last"),
+    pytest.param(8, 7, PoolMode.SOFTMAX, [137, 9], [[15, 16, 17, 127, 128, 129], [8]], None, 64, id="kpool8-spec7"),
+    pytest.param(2, 0, PoolMode.KEEP_LAST, [35, 33], [[1, 3, 31, 32, 33], [2, 4, 5, 32]], None, 64,
+                 id="kpool2-keep-last"),
+    pytest.param(2, 3, PoolMode.KEEP_LAST, [300, 140], [[1, 127, 128, 129, 255, 256, 257], [63, 64, 65, 130]], 256,
+                 32, id="kpool2-block256-four-pages-of-32-page-and-block-edges"),
 ]
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("kpool,num_spec,mode,lengths,edges", KERNEL_CASES)
-def test_kernel_chunks_equal_one_whole_prefill(backend, kpool, num_spec, mode, lengths, edges):
-    config = CacheConfig(layer_names=("l0",), kpool=kpool, num_spec=num_spec, block_size=16 * kpool, pool_mode=mode)
+@pytest.mark.parametrize("kpool,num_spec,mode,lengths,edges,block_size,page_states", KERNEL_CASES)
+def test_kernel_chunks_equal_one_whole_prefill(backend, kpool, num_spec, mode, lengths, edges, block_size,
+                                               page_states):
+    config = CacheConfig(layer_names=("l0",), kpool=kpool, num_spec=num_spec, block_size=block_size or 16 * kpool,
+                         pool_mode=mode, kernel_page_states=page_states)
     for b, (whole, chunked) in enumerate(run_op(config, lengths, edges, backend.device, kpool)):
         assert chunked == whole, f"request {b} of {lengths}, chunk edges {edges[b]}"
 

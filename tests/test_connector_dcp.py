@@ -18,6 +18,8 @@ from connector import ConnectorConfig, DecodeConnector, StatusError, Transport
 from connector.dcp_plan import plan_dcp_transfer
 from connector.plan import plan_transfer, ring_live_range
 from kvcache import BlockAllocator, BlockLayout, CachePool, DcpShard, RingAllocator
+from connector.regions import region_view
+from model import ModelConfig
 from model.dcp_landing import land_request
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
@@ -40,21 +42,50 @@ def _rank_connector(pair: InProcessPair, rank: int, transport: Transport) -> Dec
 def _share_equal(expected: CachePool, got: CachePool, blocks: tuple[int, ...], ring: int, shard: DcpShard,
                  prompt_len: int) -> None:
     """The rank's tokens' MLA bytes, its complete pools' entries and the ring's live slots agree."""
+    config = got.config
+    block, kpool, states = config.block_size, config.tokens_per_entry, config.family_spec.entries_per_block
     table = torch.tensor(blocks, dtype=torch.int64)
     local = torch.arange(shard.owned_tokens(prompt_len))
-    pools = torch.arange(shard.owned_tokens(prompt_len // 4 * 4) // 4)
-    for layer in range(CONFIG.num_layers):
-        at = (table[local // 64], local % 64)
+    pools = torch.arange(shard.owned_tokens(prompt_len // kpool * kpool) // kpool)
+    for layer in range(config.num_layers):
+        at = (table[local // block], local % block)
         assert torch.equal(got.mla(layer)[at], expected.mla(layer)[at]), f"MLA bytes, layer {layer}"
-        at = (table[pools // 16], pools % 16)
         for view in ("indexer_q", "indexer_scale"):
-            mine, theirs = getattr(got, view)(layer)[at], getattr(expected, view)(layer)[at]
-            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"{view}, layer {layer}"
-    live = ring_live_range(CONFIG, prompt_len)
-    slots = [(live.start_slot + i) % CONFIG.tail_ring.ring_size for i in range(live.num_slots)]
-    rows = got.rings.view(got.num_rings, CONFIG.tail_ring.ring_size, -1)
-    want = expected.rings.view(expected.num_rings, CONFIG.tail_ring.ring_size, -1)
+            mine, theirs = getattr(got, view)(layer), getattr(expected, view)(layer)
+            per_page = mine.shape[2]  # [blocks, pages, states per page, ...]
+            at = (table[pools // states], pools % states // per_page, pools % states % per_page)
+            assert torch.equal(mine[at].view(torch.uint8), theirs[at].view(torch.uint8)), f"{view}, layer {layer}"
+    live = ring_live_range(config, prompt_len)
+    ring_size = config.tail_ring.ring_size
+    slots = [(live.start_slot + i) % ring_size for i in range(live.num_slots)]
+    rows = got.rings.view(got.num_rings, ring_size, -1)
+    want = expected.rings.view(expected.num_rings, ring_size, -1)
     assert torch.equal(rows[ring, slots], want[ring, slots]), "ring live slots"
+
+
+@pytest.mark.parametrize("page_states", [64, 32], ids=["two-pages", "four-pages"])
+@pytest.mark.parametrize("ranks,interleave,prompt_len", [(2, 256, 700), (2, 40, 300), (3, 126, 555), (2, 2, 131)],
+                         ids=["blocks", "runs-across-pages", "runs-across-blocks", "pool-by-pool"])
+def test_a_rank_plan_moves_entries_across_kernel_pages(page_states, ranks, interleave, prompt_len):
+    """kpool 2 in 256-token blocks (128 states: pages of 64 or 32): every rank's plan, applied byte by
+    byte, lands what the in-process landing copies; runs of entries split where they cross a page."""
+    config = ModelConfig(kpool=2, num_spec=3, num_layers=2, block_size=256, kernel_page_states=page_states).cache_config()
+    layout = BlockLayout(config)
+    gen = torch.Generator().manual_seed(prompt_len)
+    source = CachePool(layout, num_blocks=8, num_rings=2)
+    source.blocks.copy_(torch.randint(0, 256, source.blocks.shape, dtype=torch.uint8, generator=gen))
+    source.rings.copy_(torch.randint(0, 256, source.rings.shape, dtype=torch.uint8, generator=gen))
+    src_blocks = [7, 2, 5][: config.blocks_for_tokens(prompt_len)]
+    live = ring_live_range(config, prompt_len)
+    for rank in range(ranks):
+        shard = DcpShard(size=ranks, rank=rank, interleave=interleave)
+        dst_blocks = list(range(shard.blocks_for_tokens(prompt_len, config.block_size)))
+        got, expected = CachePool(layout, num_blocks=8, num_rings=2), CachePool(layout, num_blocks=8, num_rings=2)
+        plan = plan_dcp_transfer(layout, src_blocks, dst_blocks, 0, 1, live, shard, prompt_len)
+        for pair in plan.pairs:
+            region_view(got, pair.dst).copy_(region_view(source, pair.src))
+        land_request(source, src_blocks, 0, expected, dst_blocks, 1, shard, prompt_len)
+        _share_equal(expected, got, tuple(dst_blocks), 1, shard, prompt_len)
 
 
 @pytest.mark.parametrize("transport", [GRPC, Transport.UCX], ids=["grpc", "ucx"])

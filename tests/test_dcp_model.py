@@ -146,8 +146,8 @@ def test_a_pool_score_does_not_depend_on_the_other_pools_scored():
     from kernels.kpool_cache import kpool_write_entries
     gen = torch.Generator().manual_seed(3)
     states, blocks = 16, 6
-    index_q = torch.zeros(blocks, states, 128, dtype=torch.float8_e4m3fn)
-    index_scale = torch.zeros(blocks, states)
+    index_q = torch.zeros(blocks, 1, states, 128, dtype=torch.float8_e4m3fn)  # one kernel page a block
+    index_scale = torch.zeros(blocks, 1, states)
     count = blocks * states
     kpool_write_entries(index_q, index_scale, torch.randn(count, 128, generator=gen).to(torch.float8_e4m3fn),
                         torch.rand(count, generator=gen) + 0.5, torch.arange(count))

@@ -22,7 +22,7 @@ from model.colocated import GenerateRequest, run_colocated
 from prefill_worker.batcher import BatchingPrefillEngine
 from tests.serving import serve_prefill, stop_prefill
 
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=5)
+CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=5, block_size=64)  # a request spans several blocks
 GRPC = Transport.GRPC_STREAM
 NUM_BLOCKS, NUM_RINGS = 16, 4
 

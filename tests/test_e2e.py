@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import Daemon, start_decode, start_prefill
-from kvcache import CacheFamily
+from kvcache import CacheFamily, family_spec_type
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
 from runtime import model_flags, model_settings
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 READY_S = 120
 SETTLE_S = 20.0  # how long freed blocks may take to show in the metrics
 TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
+# Tests not about the default block size run 128-token blocks: their prompts of up to 3 blocks stay short.
 DECODE_LIMITS = ["--max-prompt-tokens", "512", "--max-new-tokens", "256", "--max-running", "16",
                  "--log-format", "text"]
 
@@ -133,20 +135,27 @@ def _assert_match(results, reference: list[RequestResult]) -> None:
             want.tokens, want.output_digest, want.state_digest), f"{result.request_id} (prompt {result.prompt_len})"
 
 
-MATRIX = [pytest.param(family, group, spec, id=f"{family.value}-{group}-spec{spec}")
+# 128-token blocks where the ring divides 128 (prompts of at most 3 blocks stay short on 2 cores), and the default
+# block (256 tokens: kpool 2 holds 128 states a block, two kernel pages) once.
+MATRIX = [pytest.param(family, group, spec, 128, id=f"{family.value}-{group}-spec{spec}")
           for family in (CacheFamily.KPOOL, CacheFamily.QSA) for group in (2, 4, 8) for spec in (0, 3)]
+MATRIX.append(pytest.param(CacheFamily.KPOOL, 2, 3, None, id="kpool-2-spec3-default-block-two-pages"))
 
 
-@pytest.mark.parametrize("family,group,num_spec", MATRIX)
-def test_pd_equals_colocated(tmp_path, family, group, num_spec):
+@pytest.mark.parametrize("family,group,num_spec,block_size", MATRIX)
+def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
-    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, **{key: group})
+    if block_size is not None:  # the least multiple of 128 that the ring divides (QSA ratio 2, 3 drafts: 6 -> 384)
+        block_size = math.lcm(block_size, family_spec_type(family).ring_slots_for(group, num_spec))
+    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=block_size,
+                         **{key: group})
     flags = _flags(config)
     # All three daemons boot at once: the decode daemons retry the prefill port until it serves.
     port = _free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
+    longest = ["--max-prompt-tokens", str(max(512, 3 * config.resolved_block_size))]  # boundary_prompts' longest
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
-                            extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
+                            extra=[*DECODE_LIMITS, *longest, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
     try:
         max_tokens = max(10, group + 3)
         batches = {t: boundary_prompts(config, 16, max_tokens, seed=num_spec, prefix=t) for t in TRANSPORTS}
@@ -176,7 +185,7 @@ def _two_prefills(tmp_path, flags, extra=()):
 
 
 def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_path):
-    config = ModelConfig(num_layers=2, num_spec=3, seed=21)
+    config = ModelConfig(num_layers=2, num_spec=3, seed=21, block_size=128)
     flags = _flags(config)
     a, b = _two_prefills(tmp_path, flags)
     decode = start_decode(tmp_path, flags, [f"127.0.0.1:{a.port}", f"dns:///localhost:{b.port}"],
@@ -220,7 +229,7 @@ def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_
 
 
 def test_a_decode_worker_killed_mid_request_fails_only_its_requests(tmp_path):
-    config = ModelConfig(family=CacheFamily.QSA, num_layers=2, num_spec=3, seed=5)
+    config = ModelConfig(family=CacheFamily.QSA, num_layers=2, num_spec=3, seed=5, block_size=128)
     flags = _flags(config)
     prefill = start_prefill(tmp_path, flags, extra=["--lease-s", "2", "--num-blocks", "128", "--log-format", "text"])
     try:
@@ -299,7 +308,7 @@ def test_prefill_and_decode_in_two_network_namespaces(tmp_path, transport):
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
-    config = ModelConfig(num_layers=2, num_spec=3, seed=9)
+    config = ModelConfig(num_layers=2, num_spec=3, seed=9, block_size=128)
     flags = _flags(config)
     requests = boundary_prompts(config, 6, 12, seed=4, prefix="ns")
     with NetnsPair() as ns:

@@ -48,11 +48,22 @@ def test_up_over_tls_matches_colocated():
     assert "throwaway CA" in stderr
 
 
+def test_up_kpool2_with_256_token_blocks_matches_colocated():
+    """kpool 2 in 256-token blocks: 128 states a block, two kernel pages; prompts cross a page (128 tokens) and a
+    block (256 tokens), and up's own colocated run matches every request byte for byte."""
+    code, rows, stderr = _up("--kpool", "2", "--block-size", "256", "--requests", "2", "--prompt-len", "300",
+                             "--max-tokens", "6")
+    assert code == 0, stderr
+    summary = rows[-1]["summary"]
+    assert summary["ok"] == summary["colocated_match"] == 2, summary
+    assert (summary["model"]["kpool"], summary["model"]["block_size"]) == (2, 256)
+
+
 def test_up_refuses_a_bad_configuration_before_starting_anything():
-    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--kpool", "8", "--block-size", "96"],
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--kpool", "2", "--block-size", "192"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "96 / 8 = 12" in proc.stderr and "starting" not in proc.stderr
+    assert "192 / 2 = 96 exceeds the kernel page of 64" in proc.stderr and "starting" not in proc.stderr
 
 
 def test_up_places_the_daemons_by_device(monkeypatch):

@@ -46,6 +46,17 @@ LOSSLESS = [
 ]
 
 
+def test_kernel_pages_of_32_states_change_no_token_and_no_entry():
+    """kpool 4 in 256-token blocks: one page of 64 states, or two pages of 32. The layouts differ (another layout
+    hash), the tokens and every entry read back in pool order do not."""
+    requests = make_prompts(3, 300, seed=8, vocab_size=1024, max_tokens=12)
+    one_page, two_pages = (_config(CacheFamily.KPOOL, num_spec=3, block_size=256, kernel_page_states=p)
+                           for p in (64, 32))
+    assert one_page.cache_config().family_spec.pages_per_block == 1
+    assert two_pages.cache_config().family_spec.pages_per_block == 2
+    assert _digests(run_colocated(two_pages, requests)) == _digests(run_colocated(one_page, requests))
+
+
 @pytest.mark.parametrize("family,group,num_spec,prompt_lens", LOSSLESS)
 def test_drafts_change_nothing(family, group, num_spec, prompt_lens):
     """Tokens and final cache state with drafts equal those without (drafts only save steps)."""

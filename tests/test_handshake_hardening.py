@@ -213,7 +213,7 @@ def test_model_identity_covers_every_field():
     changed = {"family": CacheFamily.QSA, "num_layers": 3, "kpool": 2, "compress_ratio": 8, "num_spec": 1, "block_size": 128,
                "seed": 1, "vocab_size": 512, "index_heads": 2, "topk": 4, "mla_entry_bytes": 64,
                "pool_mode": next(m for m in PoolMode if m is not base.pool_mode),
-               "qsa_dtype": next(d for d in CacheDtype if d is not base.qsa_dtype)}
+               "qsa_dtype": next(d for d in CacheDtype if d is not base.qsa_dtype), "kernel_page_states": 32}
     assert set(changed) == {f.name for f in dataclasses.fields(ModelConfig)}
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})

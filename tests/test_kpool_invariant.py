@@ -12,16 +12,23 @@ from kpool_sim import RequestCache, decode_history, random_ape, random_keys
 from kvcache import CacheConfig, PoolMode, tail_ring_size
 
 STATES = 16
+# (S states a block, P states a kernel page): one page; two pages of 32; two of 64; four of 32
+LAYOUTS = [(STATES, 64), (64, 32), (128, 64), (128, 32)]
+MAX_BLOCK = 256  # tokens: longer blocks make the histories slow without a new boundary
 
 
-def _config(kpool: int, num_spec: int, mode: PoolMode = PoolMode.SOFTMAX, round_scale: bool = True) -> CacheConfig:
-    return CacheConfig(kpool=kpool, num_spec=num_spec, block_size=STATES * kpool, pool_mode=mode,
-                       round_scale=round_scale)
+def _config(kpool: int, num_spec: int, mode: PoolMode = PoolMode.SOFTMAX, round_scale: bool = True,
+            layout: tuple[int, int] = LAYOUTS[0]) -> CacheConfig:
+    states, page = layout
+    return CacheConfig(kpool=kpool, num_spec=num_spec, block_size=states * kpool, pool_mode=mode,
+                       round_scale=round_scale, kernel_page_states=page)
 
 
 def _boundary_lengths(config: CacheConfig) -> list[int]:
-    """Lengths on and around pool, ring and block boundaries."""
-    marks = {1, config.kpool, config.tail_ring.ring_size, config.block_size, 2 * config.block_size}
+    """Lengths on and around pool, ring, kernel page and block boundaries."""
+    page = config.family_spec.states_per_page * config.kpool
+    marks = {1, config.kpool, config.tail_ring.ring_size, page, config.block_size, config.block_size + page,
+             2 * config.block_size}
     return sorted({n + d for n in marks for d in (-1, 0, 1) if n + d >= 1})
 
 
@@ -31,7 +38,8 @@ def histories(draw):
     num_spec = draw(st.sampled_from([0, 1, 3, 7]))
     mode = draw(st.sampled_from(list(PoolMode)))
     round_scale = draw(st.booleans())
-    config = _config(kpool, num_spec, mode, round_scale)
+    layout = draw(st.sampled_from([(s, p) for s, p in LAYOUTS if s * kpool <= MAX_BLOCK]))
+    config = _config(kpool, num_spec, mode, round_scale, layout)
     lengths = _boundary_lengths(config)
     total = draw(st.sampled_from(lengths))
     prompt = draw(st.one_of(st.sampled_from([n for n in lengths if n <= total]), st.integers(1, total)))
@@ -63,10 +71,17 @@ def test_prefix_plus_drafted_decode_equals_full_prefill(case):
     assert plain.snapshot(total) == expected
 
 
-@pytest.mark.parametrize("kpool", [2, 4, 8], ids=lambda k: f"kpool{k}")
-@pytest.mark.parametrize("num_spec", [0, 1, 3, 7], ids=lambda s: f"spec{s}")
-def test_every_boundary_length_with_all_drafts_rejected(kpool, num_spec):
-    config = _config(kpool, num_spec)
+REJECTED_CASES = [pytest.param(kpool, spec, LAYOUTS[0], id=f"kpool{kpool}-spec{spec}")
+                  for kpool in (2, 4, 8) for spec in (0, 1, 3, 7)] + [
+    pytest.param(2, 3, (128, 64), id="kpool2-spec3-two-pages-of-64"),
+    pytest.param(2, 1, (128, 32), id="kpool2-spec1-four-pages-of-32"),
+    pytest.param(4, 1, (64, 32), id="kpool4-spec1-two-pages-of-32"),
+]
+
+
+@pytest.mark.parametrize("kpool,num_spec,layout", REJECTED_CASES)
+def test_every_boundary_length_with_all_drafts_rejected(kpool, num_spec, layout):
+    config = _config(kpool, num_spec, layout=layout)
     gen = torch.Generator().manual_seed(kpool * 10 + num_spec)
     for total in _boundary_lengths(config):
         k, gate = random_keys(total, gen)

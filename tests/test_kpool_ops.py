@@ -71,8 +71,8 @@ def test_batched_prefill_equals_each_request_alone(mode):
     # pool 16 of request 3 (positions 64..67) sits in block tables[3][1], state 0; it matches a direct compression
     pools = k[int(qsl[3]) + 64:int(qsl[3]) + 68][None], gate[int(qsl[3]) + 64:int(qsl[3]) + 68][None]
     q, scale = compress_pools(*pools, ape, mode=mode, round_scale=True)
-    assert torch.equal(batched.indexer_q(0)[tables[3, 1].item(), 0].view(torch.uint8), q[0].view(torch.uint8))
-    assert batched.indexer_scale(0)[tables[3, 1].item(), 0].item() == scale.item()
+    assert torch.equal(batched.indexer_q(0)[tables[3, 1].item(), 0, 0].view(torch.uint8), q[0].view(torch.uint8))
+    assert batched.indexer_scale(0)[tables[3, 1].item(), 0, 0].item() == scale.item()
     # request 3 (130 tokens) left positions 128, 129 in its ring at slots 0, 1 (R = 8)
     assert torch.equal(batched.tail_ring(0)[3, 0, :2], k[int(qsl[3]) + 128:int(qsl[3]) + 130])
 
@@ -109,8 +109,8 @@ def test_decode_refuses_mismatched_rows():
 def test_indexer_topk_matches_brute_force():
     gen = torch.Generator().manual_seed(5)
     pool = _pool(5)
-    pool.indexer_scale(0).copy_(torch.rand(12, 16, generator=gen) + 0.1)
-    pool.indexer_q(0).copy_(torch.randn(12, 16, 128, generator=gen).to(torch.float8_e4m3fn))
+    pool.indexer_scale(0).copy_((torch.rand(12, 16, generator=gen) + 0.1).view(12, 1, 16))
+    pool.indexer_q(0).copy_(torch.randn(12, 16, 128, generator=gen).to(torch.float8_e4m3fn).view(12, 1, 16, 128))
     seq_lens = torch.tensor([3, 4, 70, 191])
     tables = torch.randperm(12, generator=gen).view(4, 3).to(torch.int32)
     q = torch.randn(4, 6, 128, generator=gen).to(torch.bfloat16)
@@ -121,7 +121,7 @@ def test_indexer_topk_matches_brute_force():
         brute = []
         for p in range(length // 4):
             block, state = tables[b, p * 4 // 64].item(), p % 16
-            key = pool.indexer_q(0)[block, state].to(torch.float64) * pool.indexer_scale(0)[block, state].item()
+            key = pool.indexer_q(0)[block, 0, state].to(torch.float64) * pool.indexer_scale(0)[block, 0, state].item()
             s = sum(weights[b, h].item() * max(0.0, float(q[b, h].to(torch.float64) @ key)) for h in range(6))
             brute.append((s, p))
         want = sorted(brute, key=lambda sp: (-sp[0], sp[1]))[:5]
@@ -134,8 +134,8 @@ def test_indexer_topk_matches_brute_force():
 def test_indexer_topk_skips_pools_without_a_block():
     gen = torch.Generator().manual_seed(6)
     pool = _pool(6)
-    pool.indexer_scale(0).copy_(torch.rand(12, 16, generator=gen) + 0.1)
-    pool.indexer_q(0).copy_(torch.randn(12, 16, 128, generator=gen).to(torch.float8_e4m3fn))
+    pool.indexer_scale(0).copy_((torch.rand(12, 16, generator=gen) + 0.1).view(12, 1, 16))
+    pool.indexer_q(0).copy_(torch.randn(12, 16, 128, generator=gen).to(torch.float8_e4m3fn).view(12, 1, 16, 128))
     table = torch.tensor([[3, -1]], dtype=torch.int32)  # pools 16..31 have no block; 32.. lie past the table
     pools, scores = kpool_indexer_topk(torch.randn(1, 2, 128, generator=gen).to(torch.bfloat16), torch.ones(1, 2),
                                        torch.tensor([200]), table, pool.indexer_q(0), pool.indexer_scale(0),

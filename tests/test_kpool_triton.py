@@ -14,7 +14,8 @@ Comparison rules:
 - prefill-batched against decode-incremental compression of the same pools, through the public ops on
   any backend (the reference's included): identical;
 - scoring: scores to 1e-4 relative (fp32 accumulation order), same pools except near-ties.
-Every output buffer is poisoned (random bytes) before the kernel runs.
+Every output buffer is poisoned (random bytes) before the kernel runs. The ops that address the indexer cache run
+over block geometries of one kernel page (S <= P) and of two and four pages of 32 and of 64 states (GEOMETRIES).
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ from tests.kernel_backends import ALL_BACKENDS, INTERPRETER, KERNEL_BACKENDS, Ba
 
 D = 128
 CONFIG = CacheConfig(layer_names=("l0", "l1"), block_size=64, kpool=4, num_spec=3)
+# Block geometries (S states a block, P states a kernel page): one page (S <= P), and blocks of 2 and 4 kernel
+# pages of 32 and of 64 states.
+GEOMETRIES = {
+    "S16-one-page": CONFIG,
+    "S64-two-pages-of-32": CacheConfig(layer_names=("l0", "l1"), block_size=256, kpool=4, num_spec=3,
+                                       kernel_page_states=32),
+    "S128-two-pages-of-64": CacheConfig(layer_names=("l0", "l1"), block_size=256, kpool=2, num_spec=3),
+    "S128-four-pages-of-32": CacheConfig(layer_names=("l0", "l1"), block_size=256, kpool=2, num_spec=3,
+                                         kernel_page_states=32),
+    "S256-four-pages-of-64": CacheConfig(layer_names=("l0", "l1"), block_size=512, kpool=2, num_spec=3),
+}
+# The interpreter is slow: softmax (checked by a rule, not bytes) runs on the one-page and the 256-token two-page
+# geometry; keep_last (byte identity) on every geometry.
+GEOMETRY_CASES = [pytest.param(name, mode, id=f"{name}-{mode.value}") for name in GEOMETRIES for mode in PoolMode
+                  if mode is PoolMode.KEEP_LAST or name in ("S16-one-page", "S128-two-pages-of-64")]
 
 
 @pytest.fixture
@@ -124,43 +140,51 @@ def test_compress_encodes_rounding_edges_like_torch(backend):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("mode", list(PoolMode), ids=lambda m: m.value)
-def test_prefill(backend, entry_rule, mode):
-    device = backend.device
+@pytest.mark.parametrize("geometry,mode", GEOMETRY_CASES)
+def test_prefill(backend, entry_rule, geometry, mode):
+    config = GEOMETRIES[geometry]
+    device, bs, kpool = backend.device, config.block_size, config.kpool
     gen = torch.Generator().manual_seed(3)
-    lengths = [1, 4, 67, 130, 7, 0, 3]  # a single token, odd sizes, an empty request
+    lengths = [1, 4, bs + 3, 2 * bs + 2, 7, 0, 3]  # a single token, odd sizes, an empty request, 3 blocks
     k, gate = keys(sum(lengths), gen, torch.device("cpu"))
     qsl = _qsl(lengths, torch.device("cpu"))
-    ape = torch.randn(4, D, generator=gen)
+    ape = torch.randn(kpool, D, generator=gen)
     tables = torch.randperm(21, generator=gen).view(7, 3).to(torch.int32)
     tables[4] = -1  # no blocks: nothing written
-    tables[3, 2] = -1  # request 3's pools from position 128 have no block
+    tables[3, 2] = -1  # request 3's pools from position 2 * bs have no block
     ring_ids = torch.tensor([0, 1, 2, 3, -1, 4, 5])  # -1: no ring seeded
-    pool, ref_pool = make_pool(CONFIG, 21, 6, 1, device), make_pool(CONFIG, 21, 6, 1, torch.device("cpu"))
+    pool, ref_pool = make_pool(config, 21, 6, 1, device), make_pool(config, 21, 6, 1, torch.device("cpu"))
     kpool_prefill(k.to(device), gate.to(device), ape.to(device), qsl.to(device), tables.to(device), ring_ids.to(device),
                   pool.indexer_q(1), pool.indexer_scale(1), pool.tail_ring(1), mode=mode)
     zeros = torch.zeros(len(lengths), dtype=torch.int64)
     prefill_compress_write(k, gate, ape, qsl, zeros, tables, ring_ids, ref_pool.tail_ring(1), ref_pool.indexer_q(1),
                            ref_pool.indexer_scale(1), mode=mode, round_scale=True)
-    seed_tail_ring(k, gate, qsl, zeros, ring_ids, ref_pool.tail_ring(1), kpool=4)
+    seed_tail_ring(k, gate, qsl, zeros, ring_ids, ref_pool.tail_ring(1), kpool=kpool)
     assert_pools_match(pool, ref_pool, 1, mode, entry_rule)
 
 
+LAUNCHES = ((None, "default"), ((4, 2), "4-requests-a-program"), ((2, 1), "2-requests-1-warp"))
+DECODE_CASES = [pytest.param(*case.values, launch, id=f"{case.id}-{launch_id}") for case in GEOMETRY_CASES
+                for launch, launch_id in LAUNCHES if launch is None or case.values[0] == "S16-one-page"]
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("mode", list(PoolMode), ids=lambda m: m.value)
-@pytest.mark.parametrize("launch", [None, (4, 2), (2, 1)], ids=["default", "4-requests-a-program", "2-requests-1-warp"])
-def test_decode_step_with_drafts(backend, entry_rule, mode, launch):
-    device = backend.device
+@pytest.mark.parametrize("geometry,mode,launch", DECODE_CASES)
+def test_decode_step_with_drafts(backend, entry_rule, geometry, mode, launch):
+    config = GEOMETRIES[geometry]
+    device, bs, kpool = backend.device, config.block_size, config.kpool
+    page_tokens = config.family_spec.states_per_page * kpool
     gen = torch.Generator().manual_seed(4)
-    lengths = [4, 1, 3, 2, 4, 11, 0]  # drafts; a single token; 11 tokens overrun the ring of 8
-    starts = torch.tensor([13, 0, 62, 127, 6, 181, 40])  # 6..9 and 13..16 wrap around the ring
+    lengths = [4, 1, 3, 2, 4, 11, 0, 4]  # drafts; a single token; 11 tokens overrun the ring of 8
+    # 6..9 and 13..16 wrap around the ring; bs - 2.., 2 * bs - 1.. and page_tokens - 2.. cross a block or page edge
+    starts = torch.tensor([13, 0, bs - 2, 2 * bs - 1, 6, 3 * bs - 11, 40, page_tokens - 2])
     k, gate = keys(sum(lengths), gen, torch.device("cpu"))
     qsl = _qsl(lengths, torch.device("cpu"))
-    ape = torch.randn(4, D, generator=gen)
-    tables = torch.randperm(21, generator=gen).view(7, 3).to(torch.int32)
-    tables[5, 2] = -1  # request 5's pools from position 128 have no block: skipped
-    ring_ids = torch.tensor([2, 0, 3, 1, 5, 4, 6])
-    pool, ref_pool = make_pool(CONFIG, 21, 7, 2, device), make_pool(CONFIG, 21, 7, 2, torch.device("cpu"))
+    ape = torch.randn(kpool, D, generator=gen)
+    tables = torch.randperm(24, generator=gen).view(8, 3).to(torch.int32)
+    tables[5, 2] = -1  # request 5's pools from position 2 * bs have no block: skipped
+    ring_ids = torch.tensor([2, 0, 3, 1, 5, 4, 6, 7])
+    pool, ref_pool = make_pool(config, 24, 8, 2, device), make_pool(config, 24, 8, 2, torch.device("cpu"))
     earlier = torch.randn(ref_pool.tail_ring(0).shape, generator=gen).to(torch.bfloat16)
     pool.tail_ring(0).copy_(earlier)  # earlier steps' keys: finite (the reference's max propagates NaN; the kernel's
     # does not)
@@ -178,18 +202,21 @@ def test_decode_step_with_drafts(backend, entry_rule, mode, launch):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-def test_write_and_read_entries(backend):
-    device = backend.device
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_write_and_read_entries(backend, geometry):
+    config = GEOMETRIES[geometry]
+    device, states, page = backend.device, config.block_size // config.kpool, config.family_spec.states_per_page
     gen = torch.Generator().manual_seed(6)
-    pool, ref_pool = make_pool(CONFIG, 12, 2, 4, device), make_pool(CONFIG, 12, 2, 4, torch.device("cpu"))
+    pool, ref_pool = make_pool(config, 12, 2, 4, device), make_pool(config, 12, 2, 4, torch.device("cpu"))
     q = torch.randn(37, D, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(37, generator=gen)
-    slots = torch.randperm(12 * 16, generator=gen)[:37]
+    slots = torch.randperm(12 * states, generator=gen)[:37]
     slots[[3, 17]] = -1
     kpool_write_entries(pool.indexer_q(1), pool.indexer_scale(1), q.to(device), scale.to(device), slots.to(device))
     live = slots >= 0
-    ref_pool.indexer_q(1)[slots[live] // 16, slots[live] % 16] = q[live]
-    ref_pool.indexer_scale(1)[slots[live] // 16, slots[live] % 16] = scale[live]
+    block, state = slots[live] // states, slots[live] % states
+    ref_pool.indexer_q(1)[block, state // page, state % page] = q[live]
+    ref_pool.indexer_scale(1)[block, state // page, state % page] = scale[live]
     assert torch.equal(pool.blocks.cpu(), ref_pool.blocks)
     got_q, got_scale = kpool_read_entries(pool.indexer_q(1), pool.indexer_scale(1), slots[live].to(device),
                                           dequantize=False)
@@ -197,8 +224,10 @@ def test_write_and_read_entries(backend):
     assert torch.equal(got_scale.cpu(), scale[live])
     every_code = torch.arange(256, dtype=torch.uint8)
     every_code = every_code[(every_code & 0x7F) != 0x7F]  # every finite e4m3 value
-    pool.indexer_q(0)[:2] = every_code.repeat(17)[: 2 * 16 * D].view(2, 16, D).view(torch.float8_e4m3fn).to(device)
-    deq = kpool_read_entries(pool.indexer_q(0), pool.indexer_scale(0), torch.arange(32, device=device))
+    codes = every_code.repeat(-(-2 * states * D // every_code.numel()))[: 2 * states * D]
+    pool.indexer_q(0)[:2] = codes.view(pool.indexer_q(0)[:2].shape).view(torch.float8_e4m3fn).to(device)
+    pool.indexer_scale(0)[:2] = (torch.rand(pool.indexer_scale(0)[:2].shape, generator=gen) + 0.5).to(device)  # finite
+    deq = kpool_read_entries(pool.indexer_q(0), pool.indexer_scale(0), torch.arange(2 * states, device=device))
     want = pool.indexer_q(0)[:2].reshape(-1, D).float() * pool.indexer_scale(0)[:2].reshape(-1, 1)
     assert torch.equal(deq.cpu(), want.cpu())
 
@@ -214,23 +243,28 @@ def assert_topk_close(pools, scores, ref_pools, ref_scores, rtol: float = 1e-4) 
     assert bool(((scores - ref_scores).abs()[swapped] <= 2 * tol).all())  # only near-ties may swap
 
 
+TOPK_CASES = [pytest.param("S16-one-page", heads, id=f"S16-one-page-H{heads}") for heads in (1, 6, 17)] + [
+    pytest.param(name, 6, id=f"{name}-H6") for name in GEOMETRIES if name != "S16-one-page"]
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("heads", [1, 6, 17], ids=lambda h: f"H{h}")
-def test_indexer_topk(backend, heads):
-    device = backend.device
+@pytest.mark.parametrize("geometry,heads", TOPK_CASES)
+def test_indexer_topk(backend, geometry, heads):
+    config = GEOMETRIES[geometry]
+    device, bs, kpool = backend.device, config.block_size, config.kpool
     gen = torch.Generator().manual_seed(7)
-    pool = make_pool(CONFIG, 40, 2, 5, device)
-    pool.indexer_scale(0).copy_(torch.rand(40, 16, generator=gen) + 0.1)
-    pool.indexer_q(0).copy_(torch.randn(40, 16, 128, generator=gen).to(torch.float8_e4m3fn))
-    seq_lens = torch.tensor([3, 4, 70, 191, 640])
+    pool = make_pool(config, 40, 2, 5, device)
+    pool.indexer_scale(0).copy_(torch.rand(pool.indexer_scale(0).shape, generator=gen) + 0.1)
+    pool.indexer_q(0).copy_(torch.randn(pool.indexer_q(0).shape, generator=gen).to(torch.float8_e4m3fn))
+    seq_lens = torch.tensor([3, 4, bs + 6, 3 * bs - 1, 10 * bs])  # the last runs past its 8 blocks
     tables = torch.randperm(40, generator=gen).view(5, 8).to(torch.int32)
     q = torch.randn(5, heads, D, generator=gen).to(torch.bfloat16)
     weights = torch.randn(5, heads, generator=gen)
     for topk in (5, 200):
         pools, scores = kpool_indexer_topk(q.to(device), weights.to(device), seq_lens.to(device), tables.to(device),
-                                           pool.indexer_q(0), pool.indexer_scale(0), kpool=4, topk=topk)
+                                           pool.indexer_q(0), pool.indexer_scale(0), kpool=kpool, topk=topk)
         ref_pools, ref_scores = indexer_topk(q, weights, seq_lens, tables, pool.indexer_q(0).cpu(),
-                                             pool.indexer_scale(0).cpu(), kpool=4, topk=topk)
+                                             pool.indexer_scale(0).cpu(), kpool=kpool, topk=topk)
         assert_topk_close(pools.cpu(), scores.cpu(), ref_pools, ref_scores)
 
 

@@ -25,6 +25,8 @@ KPOOL_CONFIGS = {
     "kpool4-spec5-b256-keeplast": CacheConfig(block_size=256, kpool=4, num_spec=5, pool_mode=PoolMode.KEEP_LAST,
                                               round_scale=False, order=BlockOrder.BLHNC, mla_num_heads=2),
     "kpool8-spec7-b512": CacheConfig(block_size=512, kpool=8, num_spec=7, mla_entry_bytes=600),
+    "kpool2-spec3-b256-2pages": CacheConfig(block_size=256, kpool=2, num_spec=3),
+    "kpool4-spec3-b512-p32": CacheConfig(block_size=512, kpool=4, num_spec=3, kernel_page_states=32),
 }
 QSA_CONFIGS = {
     "qsa1-spec0-b16": CacheConfig(family=CacheFamily.QSA, block_size=16, compress_ratio=1, num_spec=0),
@@ -40,7 +42,8 @@ ALL_CONFIGS = KPOOL_CONFIGS | QSA_CONFIGS
 
 
 def _kpool_specs(c: CacheConfig) -> tuple[KpoolIndexerSpec, TailRingSpec]:
-    return (KpoolIndexerSpec(kpool=c.kpool, block_size=c.block_size, mode=c.pool_mode, round_scale=c.round_scale),
+    return (KpoolIndexerSpec(kpool=c.kpool, block_size=c.block_size, mode=c.pool_mode, round_scale=c.round_scale,
+                             kernel_page_states=c.kernel_page_states),
             TailRingSpec(kpool=c.kpool, num_spec=c.num_spec, block_size=c.block_size))
 
 
@@ -63,6 +66,10 @@ def test_kpool_family_answers_what_its_specs_say(name):
     assert spec.ring_row_bytes == ring.row_bytes == 2 * 128 * 2  # K and gate, bf16
     assert spec.tokens_per_entry == indexer.kpool == config.kpool
     assert spec.entries_per_block == indexer.states_per_block
+    states, page = config.block_size // config.kpool, config.kernel_page_states
+    pages = states // page if states > page else 1  # S <= P: one page of S states; else S / P pages of P
+    assert (spec.pages_per_block, spec.states_per_page) == (pages, states // pages)
+    assert indexer.kernel_page_bytes * pages == indexer.page_bytes
     rows, heads, row_bytes = spec.page_axes
     assert rows * heads * row_bytes == indexer.page_bytes
     assert (config.indexer_page_bytes, config.ring_slots, config.ring_row_bytes, config.tokens_per_entry) == (
@@ -107,7 +114,9 @@ def _expected_hash_fields(c: CacheConfig) -> dict[str, object]:
     if c.family is CacheFamily.KPOOL:
         indexer, ring = _kpool_specs(c)
         fields |= {"kpool": indexer.kpool, "pool_mode": indexer.mode.value, "round_scale": indexer.round_scale,
-                   "states_per_block": indexer.states_per_block, "ring_size": ring.ring_size}
+                   "states_per_block": indexer.states_per_block,
+                   "states_per_page": min(indexer.states_per_block, c.kernel_page_states),
+                   "ring_size": ring.ring_size}
     else:
         keys, ring = _qsa_specs(c)
         fields |= {"compress_ratio": keys.compress_ratio, "qsa_head_size": keys.head_size,

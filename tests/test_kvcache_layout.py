@@ -39,11 +39,11 @@ def test_views_alias_the_pool_bytes(order):
         for view in (pool.mla(layer), pool.indexer_q(layer), pool.indexer_scale(layer), pool.tail_ring(layer)):
             assert view.untyped_storage().data_ptr() == pool.blocks.untyped_storage().data_ptr() or \
                 view.untyped_storage().data_ptr() == pool.rings.untyped_storage().data_ptr()
-    pool.indexer_scale("l1")[3, 5] = 2.0
+    pool.indexer_scale("l1")[3, 0, 5] = 2.0
     layout = pool.layout
     offset = layout.layer("l1").indexer_offset + 16 * 128 + 5 * 4
     assert pool.blocks[3, offset:offset + 4].view(torch.float32).item() == 2.0
-    pool.indexer_q(2)[4, 15, 127] = 1.0
+    pool.indexer_q(2)[4, 0, 15, 127] = 1.0
     offset = layout.layer(2).indexer_offset + 15 * 128 + 127
     assert pool.blocks[4, offset].item() == 0x38  # 1.0 in e4m3
 
@@ -100,9 +100,9 @@ _CHANGES = {
     "layer_names": ("l0", "l1", "lx"), "block_size": 128, "num_spec": 1, "mla_entry_bytes": 600, "mla_num_heads": 2,
     "order": BlockOrder.BLHNC, "kpool": 2, "pool_mode": PoolMode.KEEP_LAST, "round_scale": False,
     "compress_ratio": 8, "qsa_head_size": 64, "qsa_num_heads": 1, "qsa_dtype": CacheDtype.FP8_E4M3,
-    "cache_rope_positions": False, "format_version": 2, "family": CacheFamily.QSA,
+    "cache_rope_positions": False, "format_version": 2, "family": CacheFamily.QSA, "kernel_page_states": 32,
 }
-_KPOOL_ONLY = {"kpool", "pool_mode", "round_scale"}
+_KPOOL_ONLY = {"kpool", "pool_mode", "round_scale", "kernel_page_states"}
 _QSA_ONLY = {"compress_ratio", "qsa_head_size", "qsa_num_heads", "qsa_dtype", "cache_rope_positions"}
 
 
@@ -116,6 +116,8 @@ def test_layout_hash_changes_with_every_field(field):
         value = _CHANGES[field]
         if field == "family":
             value = CacheFamily.KPOOL if base.family is CacheFamily.QSA else CacheFamily.QSA
+        if field == "kernel_page_states":
+            base = dataclasses.replace(base, block_size=256)  # S = 64: one page of 64, or two of 32
         changed = dataclasses.replace(base, **{field: value})
         if field in ignored:
             assert layout_hash(changed) == layout_hash(base), f"{field} does not change {base.family.value} bytes"
@@ -128,3 +130,13 @@ def test_differences_name_the_fields():
     ours = BlockLayout(KPOOL).describe()
     theirs = BlockLayout(dataclasses.replace(KPOOL, kpool=2, block_size=32)).describe()
     assert {"kpool", "block_size", "layout_hash"} <= set(layout_differences(ours, theirs))
+
+
+def test_kernel_page_states_change_the_hash_only_where_they_change_bytes():
+    one_page = dataclasses.replace(KPOOL, kernel_page_states=32)  # S = 16 <= 32: one page of 16 either way
+    assert layout_hash(one_page) == layout_hash(KPOOL)
+    two_pages = dataclasses.replace(KPOOL, block_size=256, kernel_page_states=32)
+    assert layout_hash(two_pages) != layout_hash(dataclasses.replace(KPOOL, block_size=256))
+    assert layout_differences(BlockLayout(two_pages).describe(),
+                              BlockLayout(dataclasses.replace(KPOOL, block_size=256)).describe()) == [
+        "layout_hash", "states_per_page"]

@@ -11,14 +11,27 @@ from model.cache_io import open_positions
 
 
 @pytest.mark.parametrize("family,kpool,ratio,num_spec,expected", [
-    pytest.param(CacheFamily.KPOOL, 4, 4, 3, 64, id="kpool4-spec3"),
-    pytest.param(CacheFamily.KPOOL, 8, 4, 3, 128, id="kpool8-spec3"),
-    pytest.param(CacheFamily.KPOOL, 2, 4, 7, 32, id="kpool2-spec7"),
-    pytest.param(CacheFamily.QSA, 4, 4, 3, 64, id="qsa4-spec3"),
-    pytest.param(CacheFamily.QSA, 4, 3, 2, 48, id="qsa3-spec2"),
+    pytest.param(CacheFamily.KPOOL, 4, 4, 3, 256, id="kpool4-spec3"),
+    pytest.param(CacheFamily.KPOOL, 8, 4, 3, 256, id="kpool8-spec3"),
+    pytest.param(CacheFamily.KPOOL, 2, 4, 7, 256, id="kpool2-spec7"),
+    pytest.param(CacheFamily.KPOOL, 2, 4, 3, 256, id="kpool2-spec3-two-pages"),
+    pytest.param(CacheFamily.KPOOL, 3, 4, 0, 384, id="kpool3-spec0-ring3"),
+    pytest.param(CacheFamily.KPOOL, 5, 4, 3, 640, id="kpool5-spec3-ring10"),
+    pytest.param(CacheFamily.KPOOL, 128, 4, 0, 256, id="kpool128-spec0"),
+    pytest.param(CacheFamily.KPOOL, 512, 4, 0, 512, id="kpool512-spec0-ring512"),
+    pytest.param(CacheFamily.QSA, 4, 4, 3, 256, id="qsa4-spec3"),
+    pytest.param(CacheFamily.QSA, 4, 3, 2, 384, id="qsa3-spec2"),
+    pytest.param(CacheFamily.QSA, 4, 4, 5, 384, id="qsa4-spec5-ring12"),
 ])
-def test_default_block_size_holds_16_pools_and_whole_rings(family, kpool, ratio, num_spec, expected):
+def test_default_block_size_is_256_or_the_least_multiple_of_128_the_ring_divides(family, kpool, ratio, num_spec,
+                                                                                 expected):
     assert default_block_size(family, kpool, ratio, num_spec) == expected
+    group = kpool if family is CacheFamily.KPOOL else ratio
+    ring = ModelConfig(family=family, kpool=kpool, compress_ratio=ratio, num_spec=num_spec).cache_config().ring_slots
+    assert expected % 128 == 0 and expected % group == 0 and expected % ring == 0
+    if expected != 256:  # 256 does not work, and no smaller multiple of 128 than the expected one does
+        assert 256 % ring or 256 % group
+        assert all(b % ring or b % group for b in range(128, expected, 128))
     config = ModelConfig(family=family, kpool=kpool, compress_ratio=ratio, num_spec=num_spec)
     assert config.cache_config().block_size == expected
 
@@ -26,8 +39,8 @@ def test_default_block_size_holds_16_pools_and_whole_rings(family, kpool, ratio,
 def test_invalid_configs_name_the_numbers():
     with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
         ModelConfig(num_layers=0)
-    with pytest.raises(ValueError, match="S = block_size / kpool = 96 / 8 = 12"):
-        ModelConfig(kpool=8, block_size=96)
+    with pytest.raises(ValueError, match="S = block_size / kpool = 192 / 2 = 96 exceeds the kernel page of 64"):
+        ModelConfig(kpool=2, block_size=192)
     with pytest.raises(ValueError, match="does not divide block_size 36"):
         ModelConfig(family=CacheFamily.QSA, compress_ratio=4, num_spec=3, block_size=36)
     with pytest.raises(ValueError, match="num_spec must be an integer >= 0"):

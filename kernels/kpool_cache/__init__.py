@@ -7,14 +7,14 @@ import torch
 from kernels.checks import check_int_tensor, check_same_device, check_tensor
 from kernels.dispatch import on_tensor_device, use_triton
 from kernels.kpool_checks import check_indexer_page
-from kernels.kpool_cache.ref import dequantize_entries, pool_slots, read_entries, write_entries
+from kernels.kpool_cache.ref import dequantize_entries, page_index, pool_slots, read_entries, write_entries
 
 
 def _check_slots(slots: torch.Tensor, count: int, indexer_q: torch.Tensor, *, allow_skip: bool) -> None:
     check_int_tensor("slots", slots, 1)
     if slots.shape[0] != count:
         raise ValueError(f"slots has {slots.shape[0]} entries, expected {count}")
-    limit = indexer_q.shape[0] * indexer_q.shape[1]
+    limit = indexer_q.shape[0] * indexer_q.shape[1] * indexer_q.shape[2]
     if slots.numel():
         low, high = int(slots.min()), int(slots.max())
         if high >= limit or low < (-1 if allow_skip else 0):
@@ -25,7 +25,8 @@ def _check_slots(slots: torch.Tensor, count: int, indexer_q: torch.Tensor, *, al
 def kpool_write_entries(indexer_q, indexer_scale, q, scale, slots) -> None:
     """Write P entries into the paged indexer cache in place (slot -1 skips).
 
-    # indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page]
+    #   fp32 (slot = block * S + state, S = pages * states_per_page)
     # q: [P, 128] fp8; scale: [P] fp32; slots: [P] int32/int64
     """
     check_indexer_page(indexer_q, indexer_scale)
@@ -59,4 +60,4 @@ def kpool_read_entries(indexer_q, indexer_scale, slots, *, dequantize: bool = Tr
     return read_entries(indexer_q, indexer_scale, slots)
 
 
-__all__ = ["kpool_read_entries", "kpool_write_entries", "pool_slots"]
+__all__ = ["kpool_read_entries", "kpool_write_entries", "page_index", "pool_slots"]

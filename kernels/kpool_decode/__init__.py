@@ -27,7 +27,8 @@ def kpool_decode_update(
     #   start_pos[b], start_pos[b]+1, ...); start_pos: [B] int; query_start_loc: [B+1] int
     # ring_ids: [B] int; block_table: [B, M] int (-1 = no block: that pool's write is skipped)
     # ape: [kpool, 128] fp32; tail_ring: [num_rings, 2, R, 128] bf16
-    # indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page]
+    #   fp32 (the kernel pages: CachePool.indexer_q / indexer_scale)
     """
     mode = as_pool_mode(mode)
     batch = check_token_batch(k, gate, query_start_loc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kpool_cache.ref import pool_slots, write_entries
+from kernels.kpool_cache.ref import block_states, pool_slots, write_entries
 from kernels.kpool_compress.ref import compress_pools
 from kvcache import PoolMode
 
@@ -23,9 +23,10 @@ def decode_update(
 ) -> None:
     """# k, gate: [T, 128] bf16; start_pos: [B] int; query_start_loc: [B+1] int; ring_ids: [B] int
     # block_table: [B, M] int; ape: [kpool, 128] fp32; tail_ring: [num_rings, 2, R, 128] bf16
-    # indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32 (all written in place)
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages,
+    #   states_per_page] fp32 (all written in place)
     """
-    kpool, ring_size, states = ape.shape[0], tail_ring.shape[2], indexer_q.shape[1]
+    kpool, ring_size, states = ape.shape[0], tail_ring.shape[2], block_states(indexer_q)
     starts = query_start_loc.tolist()
     for b, (ring_id, first) in enumerate(zip(ring_ids.tolist(), start_pos.tolist())):
         for i in range(starts[b + 1] - starts[b]):

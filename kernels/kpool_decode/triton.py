@@ -12,11 +12,12 @@ The kernel is latency-bound (every program runs in one wave), so the code keeps 
 short: every per-request scalar is loaded at once as a [BLOCK_R] vector; the step's tokens are loaded
 before the pool's slots, so both sets of loads are in flight together, and stored to the ring after
 the entries (the pool-completing token's work is not behind the stash); the first pool is
-straight-line code, only further pools loop; positions are int32 and the ring size, kpool and states
-per block are compile-time constants, so every division and modulo is a multiply and shift (no 64-bit
-division routine); offsets are widened to int64 only when they become addresses. The ring writes need
-a barrier after the ring reads only when a request's tokens can reach the slots its pools read (count
-> R - kpool + 1, which no step of at most num_spec drafts does); the program takes it only then.
+straight-line code, only further pools loop; positions are int32 and the ring size, kpool, states
+per block and states per kernel page are compile-time constants, so every division and modulo is a
+multiply and shift (no 64-bit division routine); offsets are widened to int64 only when they become
+addresses. The ring writes need a barrier after the ring reads only when a request's tokens can reach
+the slots its pools read (count > R - kpool + 1, which no step of at most num_spec drafts does); the
+program takes it only then.
 
 No host synchronisation and no per-token launches: grid = (cdiv(B, BLOCK_R),), loops run on device
 values, so the launch can be captured in a CUDA graph. ``ring_ids`` must be valid ring indices: a
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
+from kernels.kpool_cache.triton import entry_offsets, page_strides
 from kernels.kpool_compress.triton import DIM, compress_tile
 from kernels.triton_helpers import gdc_launch_dependents, gdc_wait, launch_options, pdl_available
 from kvcache import PoolMode
@@ -57,10 +59,10 @@ def _stash_chunks(k_ptr, g_ptr, ring_ptr, gate_half, slot_stride, ring_row0, fir
 
 @triton.jit
 def _compress_and_write(j, completed, first_pool, start, first_token, ring_row0, table_row, k_ptr, g_ptr, ape_ptr,
-                        ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block, iq_state,
-                        is_block, is_state, BLOCK_R: tl.constexpr, KPOOL: tl.constexpr, RING: tl.constexpr,
-                        STATES: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                        PRECISE_EXP: tl.constexpr):
+                        ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block, iq_page,
+                        iq_entry, is_block, is_page, is_entry, BLOCK_R: tl.constexpr, KPOOL: tl.constexpr,
+                        RING: tl.constexpr, STATES: tl.constexpr, PAGE: tl.constexpr, SOFTMAX: tl.constexpr,
+                        ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr):
     """Compress the j-th pool that each request's step completes and write its entry (skipped where the block
     table holds -1). # -> nothing; first_pool, start, completed: [BLOCK_R] int32"""
     live = j < completed
@@ -73,20 +75,23 @@ def _compress_and_write(j, completed, first_pool, start, first_token, ring_row0,
                                  RING, slot_stride, live, BLOCK_R, KPOOL, SOFTMAX, ROUND_SCALE, PRECISE_EXP, True)
     write = live & (block >= 0)
     state = (pool % STATES).to(tl.int64)
+    q_at, scale_at = entry_offsets(block, state, PAGE, iq_block, iq_page, iq_entry, is_block, is_page, is_entry)
     dims = tl.arange(0, 128)
-    tl.store(iq_ptr + (block * iq_block + state * iq_state)[:, None] + dims[None, :], codes, mask=write[:, None])
-    tl.store(is_ptr + block * is_block + state * is_state, scale, mask=write)
+    tl.store(iq_ptr + q_at[:, None] + dims[None, :], codes, mask=write[:, None])
+    tl.store(is_ptr + scale_at, scale, mask=write)
 
 
 @triton.jit
 def _decode_update_kernel(
     k_ptr, g_ptr, start_pos_ptr, qsl_ptr, ring_ids_ptr, table_ptr, ape_ptr, ring_ptr, iq_ptr, is_ptr,
-    batch, table_stride, table_width, ring_stride, gate_half, slot_stride, iq_block, iq_state, is_block, is_state,
-    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, KPOOL: tl.constexpr, RING: tl.constexpr, STATES: tl.constexpr,
-    SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr, PDL: tl.constexpr,
+    batch, table_stride, table_width, ring_stride, gate_half, slot_stride, iq_block, iq_page, iq_entry, is_block,
+    is_page, is_entry, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, KPOOL: tl.constexpr, RING: tl.constexpr,
+    STATES: tl.constexpr, PAGE: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr,
+    PRECISE_EXP: tl.constexpr, PDL: tl.constexpr,
 ):
     # k, gate: [T, 128] bf16; ring: [num_rings, 2, RING, 128] bf16 (strides ring_stride, gate_half, slot_stride, 1)
-    # table: [B, M] int; indexer q: [num_blocks, STATES, 128] uint8, scale: [num_blocks, STATES] fp32
+    # table: [B, M] int; indexer q: [num_blocks, STATES / PAGE, PAGE, 128] uint8, scale: [num_blocks, STATES / PAGE,
+    # PAGE] fp32 (kernel pages of PAGE states)
     if PDL:  # launched before the previous kernel ends: wait for its writes, let the next kernel launch early
         gdc_wait()
         gdc_launch_dependents()
@@ -118,13 +123,13 @@ def _decode_update_kernel(
     if most > 0:  # the first pool of each request: straight-line code, its loads issued with the stash's
         _compress_and_write(0, completed, first_pool, start, first_token, ring_row0, table_row, k_ptr, g_ptr, ape_ptr,
                             ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block,
-                            iq_state, is_block, is_state, BLOCK_R, KPOOL, RING, STATES, SOFTMAX, ROUND_SCALE,
-                            PRECISE_EXP)
+                            iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R, KPOOL, RING, STATES, PAGE, SOFTMAX,
+                            ROUND_SCALE, PRECISE_EXP)
     for j in range(1, most):  # steps that complete several pools (more tokens than kpool)
         _compress_and_write(j, completed, first_pool, start, first_token, ring_row0, table_row, k_ptr, g_ptr, ape_ptr,
                             ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block,
-                            iq_state, is_block, is_state, BLOCK_R, KPOOL, RING, STATES, SOFTMAX, ROUND_SCALE,
-                            PRECISE_EXP)
+                            iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R, KPOOL, RING, STATES, PAGE, SOFTMAX,
+                            ROUND_SCALE, PRECISE_EXP)
 
     # A request's pools read positions from first_pool * KPOOL >= start - KPOOL + 1 on; the ring slots of the older
     # ones are rewritten by this step only when a token lies RING or more positions after one of them, i.e. when
@@ -151,24 +156,26 @@ def decode_update_triton(
 ) -> None:
     """# k, gate: [T, 128] bf16; start_pos, ring_ids: [B] int; query_start_loc: [B+1] int; block_table: [B, M] int
     # ape: [kpool, 128] fp32; tail_ring: [num_rings, 2, R, 128] bf16
-    # indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32 (all written in place)
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page]
+    #   fp32 (all written in place)
     """
-    kpool, ring_size, states = ape.shape[0], tail_ring.shape[2], indexer_q.shape[1]
+    kpool, ring_size, page = ape.shape[0], tail_ring.shape[2], indexer_q.shape[2]
+    states = indexer_q.shape[1] * page
     batch = query_start_loc.shape[0] - 1
     if batch == 0:
         return
     assert k.stride() == (DIM, 1) and gate.stride() == (DIM, 1), "k and gate rows must be contiguous"
     assert tail_ring.stride(3) == 1, "ring rows must be contiguous"
-    assert indexer_q.stride(2) == 1 and block_table.stride(1) == 1, "page rows and table rows must be contiguous"
+    assert block_table.stride(1) == 1, "table rows must be contiguous"
     block_r = block_r or DEFAULT_BLOCK_R
     pdl = (DEFAULT_PDL if pdl is None else pdl) and k.is_cuda and pdl_available()
     extra = {"launch_pdl": True} if pdl else {}
     _decode_update_kernel[(triton.cdiv(batch, block_r),)](
         k, gate, start_pos, query_start_loc, ring_ids, block_table, ape.contiguous(), tail_ring,
         indexer_q.view(torch.uint8), indexer_scale, batch, block_table.stride(0), block_table.shape[1],
-        tail_ring.stride(0), tail_ring.stride(1), tail_ring.stride(2), indexer_q.stride(0), indexer_q.stride(1),
-        indexer_scale.stride(0), indexer_scale.stride(1),
+        tail_ring.stride(0), tail_ring.stride(1), tail_ring.stride(2), *page_strides(indexer_q, indexer_scale),
         BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(ring_size), KPOOL=kpool, RING=ring_size, STATES=states,
+        PAGE=page,
         SOFTMAX=mode is PoolMode.SOFTMAX, ROUND_SCALE=round_scale, PRECISE_EXP=not interpreting(), PDL=pdl,
         num_warps=num_warps or _default_warps(k.device, triton.cdiv(batch, block_r)), **launch_options(), **extra,
     )

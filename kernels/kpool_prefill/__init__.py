@@ -28,7 +28,8 @@ def kpool_prefill(
     ValueError on CPU tensors; on CUDA, ring 0 would be read.
 
     # k, gate: [T, 128] bf16; ape: [kpool, 128] fp32; query_start_loc: [B+1] int; block_table: [B, M] int
-    # ring_ids: [B] int (-1 = no ring); indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32
+    # ring_ids: [B] int (-1 = no ring); indexer_q: [num_blocks, pages, states_per_page, 128] fp8
+    # indexer_scale: [num_blocks, pages, states_per_page] fp32 (the kernel pages: CachePool.indexer_q / indexer_scale)
     # tail_ring: [num_rings, 2, R, 128] bf16; start_pos: [B] int or None
     """
     mode = as_pool_mode(mode)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kpool_cache.ref import pool_slots, write_entries
+from kernels.kpool_cache.ref import block_states, pool_slots, write_entries
 from kernels.kpool_compress.ref import compress_pools
 from kvcache import PoolMode, open_entry_start
 
@@ -24,9 +24,10 @@ def prefill_compress_write(
 ) -> None:
     """# k, gate: [T, 128] bf16; ape: [kpool, 128] fp32; query_start_loc: [B+1] int; start_pos: [B] int
     # block_table: [B, M] int; ring_ids: [B] int; tail_ring: [num_rings, 2, R, 128] bf16 (read only)
-    # indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32 (written in place)
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages,
+    #   states_per_page] fp32 (written in place)
     """
-    kpool, states, ring_size = ape.shape[0], indexer_q.shape[1], tail_ring.shape[2]
+    kpool, states, ring_size = ape.shape[0], block_states(indexer_q), tail_ring.shape[2]
     starts, firsts, rings = query_start_loc.tolist(), start_pos.tolist(), ring_ids.tolist()
     k_rows, g_rows, slot_rows = [], [], []
     for b in range(len(starts) - 1):

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
+from kernels.kpool_cache.triton import entry_offsets, page_strides
 from kernels.kpool_compress.triton import DIM, compress_tile
 from kernels.triton_helpers import launch_options
 from kvcache import PoolMode
@@ -24,12 +25,13 @@ from kvcache import PoolMode
 @triton.jit
 def _prefill_compress_kernel(
     k_ptr, g_ptr, ape_ptr, qsl_ptr, start_ptr, pool_offsets_ptr, table_ptr, ring_ids_ptr, ring_ptr, iq_ptr, is_ptr,
-    num_requests, search_steps, table_stride, table_width, states, block_size, iq_block, iq_state, is_block, is_state,
-    ring_stride, gate_half, slot_stride,
-    BLOCK_P: tl.constexpr, KPOOL: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr,
+    num_requests, search_steps, table_stride, table_width, states, block_size, iq_block, iq_page, iq_entry, is_block,
+    is_page, is_entry, ring_stride, gate_half, slot_stride,
+    BLOCK_P: tl.constexpr, PAGE: tl.constexpr, KPOOL: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr,
     PRECISE_EXP: tl.constexpr, CHUNKED: tl.constexpr, RING: tl.constexpr,
 ):
     # k, gate: [T, 128] bf16; pool_offsets: [B+1] int64 (pools completed before each request); table: [B, M] int
+    # iq: [num_blocks, states / PAGE, PAGE, 128] uint8; is: [num_blocks, states / PAGE, PAGE] fp32 (kernel pages)
     # start: [B] int (CHUNKED only); ring: [num_rings, 2, RING, 128] bf16 (strides ring_stride, gate_half, slot_stride)
     pools = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     live = pools < tl.load(pool_offsets_ptr + num_requests)
@@ -60,10 +62,10 @@ def _prefill_compress_kernel(
     block = tl.load(table_ptr + request * table_stride + column, mask=live & (column < table_width), other=-1)
     block = block.to(tl.int64)
     write = live & (block >= 0)
-    state = pool % states
+    q_at, scale_at = entry_offsets(block, pool % states, PAGE, iq_block, iq_page, iq_entry, is_block, is_page, is_entry)
     dims = tl.arange(0, 128)
-    tl.store(iq_ptr + (block * iq_block + state * iq_state)[:, None] + dims[None, :], codes, mask=write[:, None])
-    tl.store(is_ptr + block * is_block + state * is_state, scale, mask=write)
+    tl.store(iq_ptr + q_at[:, None] + dims[None, :], codes, mask=write[:, None])
+    tl.store(is_ptr + scale_at, scale, mask=write)
 
 
 @triton.jit
@@ -92,15 +94,17 @@ def prefill_compress_write_triton(
 ) -> None:
     """# k, gate: [T, 128] bf16; ape: [kpool, 128] fp32; query_start_loc: [B+1] int; start_pos: [B] int or None
     # (whole prompts); block_table: [B, M] int; ring_ids: [B] int; tail_ring: [num_rings, 2, R, 128] bf16 (read)
-    # indexer_q: [num_blocks, S, 128] fp8; indexer_scale: [num_blocks, S] fp32 (written in place)
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page]
+    #   fp32 (written in place)
     """
-    kpool, states, batch = ape.shape[0], indexer_q.shape[1], query_start_loc.shape[0] - 1
+    kpool, page, batch = ape.shape[0], indexer_q.shape[2], query_start_loc.shape[0] - 1
+    states = indexer_q.shape[1] * page
     chunked = start_pos is not None
     max_pools = (k.shape[0] + (kpool - 1) * batch if chunked else k.shape[0]) // kpool
     if max_pools == 0 or batch == 0:
         return
     assert k.stride() == (DIM, 1) and gate.stride() == (DIM, 1), "k and gate rows must be contiguous"
-    assert indexer_q.stride(2) == 1 and block_table.stride(1) == 1, "page rows and table rows must be contiguous"
+    assert block_table.stride(1) == 1, "table rows must be contiguous"
     assert tail_ring.stride(3) == 1, "ring rows must be contiguous"
     qsl = query_start_loc.to(torch.int64)
     pool_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=k.device)
@@ -114,9 +118,8 @@ def prefill_compress_write_triton(
         k, gate, ape.contiguous(), qsl, start_pos if chunked else qsl, pool_offsets, block_table, ring_ids, tail_ring,
         indexer_q.view(torch.uint8), indexer_scale,
         batch, max(batch - 1, 0).bit_length(), block_table.stride(0), block_table.shape[1], states, kpool * states,
-        indexer_q.stride(0), indexer_q.stride(1), indexer_scale.stride(0), indexer_scale.stride(1),
-        tail_ring.stride(0), tail_ring.stride(1), tail_ring.stride(2),
-        BLOCK_P=block_p, KPOOL=kpool, SOFTMAX=mode is PoolMode.SOFTMAX, ROUND_SCALE=round_scale,
+        *page_strides(indexer_q, indexer_scale), tail_ring.stride(0), tail_ring.stride(1), tail_ring.stride(2),
+        BLOCK_P=block_p, PAGE=page, KPOOL=kpool, SOFTMAX=mode is PoolMode.SOFTMAX, ROUND_SCALE=round_scale,
         PRECISE_EXP=not interpreting(), CHUNKED=chunked, RING=tail_ring.shape[2] if chunked else 1,
         num_warps=num_warps, **launch_options(),
     )

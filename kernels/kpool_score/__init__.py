@@ -22,6 +22,7 @@ def kpool_indexer_topk(
     reference on CPU (see kernels.dispatch).
 
     # q: [B, H, 128] bf16; weights: [B, H] fp32; seq_lens: [B] int; block_table: [B, M] int
+    # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page] fp32
     # -> pools: [B, topk] int64 (best first, ties to the lower index, -1 padded), scores: [B, topk] fp32
     """
     check_tensor("q", q, dtype=torch.bfloat16, shape=(None, None, INDEX_HEAD_DIM))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kpool_cache.ref import dequantize_entries, pool_slots
+from kernels.kpool_cache.ref import block_states, dequantize_entries, pool_slots
 
 
 def indexer_topk(
@@ -16,7 +16,7 @@ def indexer_topk(
     """# q: [B, H, 128] bf16; weights: [B, H] fp32; seq_lens: [B] int; block_table: [B, M] int
     # -> pools: [B, topk] int64 (pool indices, best first, -1 padded), scores: [B, topk] fp32 (-inf padded)
     """
-    batch, states = q.shape[0], indexer_q.shape[1]
+    batch, states = q.shape[0], block_states(indexer_q)
     pools_out = torch.full((batch, topk), -1, dtype=torch.int64, device=q.device)
     scores_out = torch.full((batch, topk), float("-inf"), dtype=torch.float32, device=q.device)
     for b, length in enumerate(seq_lens.tolist()):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting
+from kernels.kpool_cache.triton import entry_offsets, page_strides
 from kernels.triton_helpers import decode_e4m3
 
 BLOCK_N = 64
@@ -26,10 +27,11 @@ BLOCK_N = 64
 
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, seq_lens_ptr, table_ptr, iq_ptr, is_ptr, scores_ptr,
-                  heads, table_stride, table_width, states, block_size, iq_block, iq_state, is_block, is_state,
-                  max_pools, KPOOL: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TENSOR_CORES: tl.constexpr):
+                  heads, table_stride, table_width, states, block_size, iq_block, iq_page, iq_entry, is_block, is_page,
+                  is_entry, max_pools, PAGE: tl.constexpr, KPOOL: tl.constexpr, HEADS_P2: tl.constexpr,
+                  BLOCK_N: tl.constexpr, TENSOR_CORES: tl.constexpr):
     # q: [B, H, 128] bf16; w: [B, H] fp32; scores: [B, max_pools] fp32
+    # iq: [num_blocks, states / PAGE, PAGE, 128] uint8; is: [num_blocks, states / PAGE, PAGE] fp32 (kernel pages)
     request = tl.program_id(0).to(tl.int64)
     pools = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     complete = tl.load(seq_lens_ptr + request).to(tl.int64) // KPOOL
@@ -38,12 +40,12 @@ def _score_kernel(q_ptr, w_ptr, seq_lens_ptr, table_ptr, iq_ptr, is_ptr, scores_
     block = tl.load(table_ptr + request * table_stride + column, mask=live & (column < table_width), other=-1)
     block = block.to(tl.int64)
     valid = live & (block >= 0)
-    state = pools % states
+    q_at, scale_at = entry_offsets(block, pools % states, PAGE, iq_block, iq_page, iq_entry, is_block, is_page,
+                                   is_entry)
     dims = tl.arange(0, 128)
-    codes = tl.load(iq_ptr + (block * iq_block + state * iq_state)[:, None] + dims[None, :], mask=valid[:, None],
-                    other=0)
+    codes = tl.load(iq_ptr + q_at[:, None] + dims[None, :], mask=valid[:, None], other=0)
     keys = decode_e4m3(codes)  # [BLOCK_N, 128] fp32, each value exact in bf16
-    scale = tl.load(is_ptr + block * is_block + state * is_state, mask=valid, other=0.0)
+    scale = tl.load(is_ptr + scale_at, mask=valid, other=0.0)
     head = tl.arange(0, HEADS_P2)
     q = tl.load(q_ptr + (request * heads + head)[:, None] * 128 + dims[None, :], mask=(head < heads)[:, None],
                 other=0.0)
@@ -62,17 +64,18 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, seq_lens: torc
                           indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, kpool: int) -> torch.Tensor:
     """# -> scores: [B, M*S] fp32 (pool j of each request; -inf past its complete pools)"""
     batch, heads, _ = q.shape
-    states = indexer_q.shape[1]
+    page = indexer_q.shape[2]
+    states = indexer_q.shape[1] * page
     max_pools = block_table.shape[1] * states
     scores = torch.empty(batch, max_pools, dtype=torch.float32, device=q.device)
     if batch == 0 or max_pools == 0:
         return scores
-    assert indexer_q.stride(2) == 1 and block_table.stride(1) == 1, "page rows and table rows must be contiguous"
+    assert block_table.stride(1) == 1, "table rows must be contiguous"
     _score_kernel[(batch, triton.cdiv(max_pools, BLOCK_N))](
         q.contiguous(), weights.contiguous(), seq_lens, block_table, indexer_q.view(torch.uint8), indexer_scale, scores,
-        heads, block_table.stride(0), block_table.shape[1], states, kpool * states, indexer_q.stride(0),
-        indexer_q.stride(1), indexer_scale.stride(0), indexer_scale.stride(1), max_pools,
-        KPOOL=kpool, HEADS_P2=max(16, triton.next_power_of_2(heads)), BLOCK_N=BLOCK_N,
+        heads, block_table.stride(0), block_table.shape[1], states, kpool * states,
+        *page_strides(indexer_q, indexer_scale), max_pools, PAGE=page, KPOOL=kpool,
+        HEADS_P2=max(16, triton.next_power_of_2(heads)), BLOCK_N=BLOCK_N,
         TENSOR_CORES=not interpreting(), num_warps=4,
     )
     return scores

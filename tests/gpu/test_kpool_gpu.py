@@ -1,9 +1,11 @@
 """The kpool kernels compiled on a CUDA device.
 
 The kernel-against-reference bodies are tests/test_kpool_triton.py's, run here on the ``cuda`` backend
-(tests/kernel_backends.py; that module states the comparison rules). Here as well, what only a GPU shows:
-how far libdevice's exp is from torch's, that the decode update captures in a CUDA graph and never
-synchronises with the host, and that every op runs on its tensors' device (cuda:1 while cuda:0 is current).
+(tests/kernel_backends.py; that module states the comparison rules), over one-page blocks and blocks of two and
+four kernel pages, with tests/test_kpool_pages.py's check of the page bytes against DESIGN's formula. Here as
+well, what only a GPU shows: how far libdevice's exp is from torch's, that the decode update captures in a CUDA
+graph and never synchronises with the host (one-page and multi-page blocks), and that every op runs on its
+tensors' device (cuda:1 while cuda:0 is current).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from kvcache import PoolMode
 from tests.kernel_backends import Backend, make_backend
 from tests.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
 from tests.test_chunked_prefill import test_kernel_chunks_equal_one_whole_prefill  # noqa: F401
-from tests.test_kpool_triton import (CONFIG, D, assert_pools_match, keys, make_pool, test_compress,  # noqa: F401
+from tests.test_kpool_pages import test_prefill_writes_each_entry_where_design_says  # noqa: F401
+from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, keys, make_pool,  # noqa: F401
+                                     test_compress,
                                      test_compress_encodes_rounding_edges_like_torch, test_decode_step_with_drafts,
                                      test_indexer_topk, test_prefill,
                                      test_prefill_and_drafted_decode_give_the_same_bytes, test_write_and_read_entries)
@@ -57,17 +61,19 @@ def test_exp_ulp_difference():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_decode_is_graph_capturable_and_never_syncs(entry_rule):
+@pytest.mark.parametrize("geometry", ["S16-one-page", "S128-two-pages-of-64", "S128-four-pages-of-32"])
+def test_decode_is_graph_capturable_and_never_syncs(entry_rule, geometry):
+    config = GEOMETRIES[geometry]
     gen = torch.Generator().manual_seed(5)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     batch, tokens = 64, 4
-    pool, ref_pool = make_pool(CONFIG, 3 * batch, batch, 3, cuda), make_pool(CONFIG, 3 * batch, batch, 3, cpu)
+    pool, ref_pool = make_pool(config, 3 * batch, batch, 3, cuda), make_pool(config, 3 * batch, batch, 3, cpu)
     k, gate = keys(batch * tokens, gen, cuda)
     starts = torch.randint(0, 180, (batch,), generator=gen)
     qsl = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32)
     ring_ids = torch.randperm(batch, generator=gen)
     tables = torch.randperm(3 * batch, generator=gen).view(batch, 3).to(torch.int32)
-    ape = torch.randn(4, D, generator=gen)
+    ape = torch.randn(config.kpool, D, generator=gen)
     earlier = torch.randn(pool.tail_ring(0).shape, generator=gen).to(torch.bfloat16)
     pool.tail_ring(0).copy_(earlier)  # finite earlier keys (see test_decode_step_with_drafts)
     ref_pool.tail_ring(0).copy_(earlier)
