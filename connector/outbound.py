@@ -171,8 +171,10 @@ class OutboundPull:
         if (note := self._announcement()) is not None:
             yield note
         if self.sends:
+            all_sent = asyncio.gather(*self.sends)
+            all_sent.add_done_callback(_retrieved)  # its outcome is read here, or nowhere once the pull ended
             try:
-                await asyncio.wait_for(asyncio.shield(asyncio.gather(*self.sends)), max(self._left(), 0))
+                await asyncio.wait_for(asyncio.shield(all_sent), max(self._left(), 0))
             except asyncio.TimeoutError:
                 raise PullAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"UCX sends to {self.engine_id} did not complete "
                                   "before the Pull's deadline", "deadline") from None

@@ -67,7 +67,7 @@ class PrefillNode:
         block_ids, ring_id = self.blocks.allocate(1), self.rings.allocate("warm-up")
         try:
             self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id)])
-            cut = max(1, len(prompt) // 2)
+            cut = min(config.group + 1, len(prompt) - 1)  # inside the second pool (group)
             for start, end in ((0, cut), (cut, len(prompt))):
                 self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id, start=start,
                                                 end=end)])

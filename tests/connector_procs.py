@@ -338,7 +338,9 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             lengths = [700, 1, 257] if scenario == "pipelined" else [2000]
             for i, n in enumerate(lengths):
                 rid = f"pipe-{transport}-{i}"
-                grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)], pipelined=True)
+                prompt = [rng.randrange(50000) for _ in range(n)]
+                out.setdefault("expected_first_tokens", []).append(sum(prompt) % 50000)  # SeededFillEngine's rule
+                grant = await peer.prefill(rid, prompt, pipelined=True)
                 out["pipelined"].append(grant.pipelined)
                 if scenario == "pipelined_decode_dies":  # exit once the pull is under way, between two chunks
                     def die():

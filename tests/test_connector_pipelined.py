@@ -163,3 +163,14 @@ def test_a_prompt_written_before_its_computation_returns_still_brings_its_first_
                 assert not differences
             await soon(lambda: pair.free() == start, "everything freed")
     run(scenario())
+
+
+def test_send_clock_counts_overlapping_sends_once_and_the_time_after_a_moment():
+    from connector.outbound import SendClock
+
+    clock = SendClock()
+    for region, start, end in [(0, 1.0, 1.5), (1, 1.2, 1.7), (2, 2.0, 2.1), (3, 2.05, 2.08)]:
+        clock.add(region, start, end)
+    assert clock.busy_ms == pytest.approx(800.0)  # [1.0, 1.7] and [2.0, 2.1]
+    assert clock.after_ms(2.0) == pytest.approx(100.0) and clock.after_ms(3.0) == 0.0
+    assert SendClock().busy_ms == 0.0
