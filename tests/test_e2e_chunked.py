@@ -45,7 +45,7 @@ def _summed(daemon, name: str) -> float:
 @pytest.mark.parametrize("family,group,num_spec,budget", CASES)
 def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
-    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=budget, **{key: group})
+    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=64, **{key: group})
     assert (config.cache_config().ring_slots, config.resolved_block_size) == (8, 64)
     flags = _flags(config)
     port = _free_port()
@@ -91,8 +91,8 @@ def _up(*flags: str) -> tuple[int, list[dict], str]:
     return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
 
 
-UP_CASES = [pytest.param("kpool", TRANSPORTS[0], id=f"kpool-{TRANSPORTS[0]}"),
-            pytest.param("qsa", "grpc", id="qsa-grpc")]
+UP_CASES = [pytest.param(family, transport, id=f"{family}-{transport}")
+            for family in ("kpool", "qsa") for transport in TRANSPORTS]
 
 
 @pytest.mark.parametrize("family,transport", UP_CASES)

@@ -103,4 +103,5 @@ def test_host_127_0_0_1_keeps_ucx_on_loopback(daemons):
         others = [s for s in sockets if s[1] not in (daemon.port, daemon.metrics_port)]
         assert others, f"{daemon.name}: no UCX listener found among {sockets}"
         assert all(_loopback(ip) for ip, _ in sockets), f"{daemon.name} listens on {sockets}"
-        assert "network devices lo" in daemon.log_tail(400), daemon.log_tail()
+        fabric = [line for line in daemon.log_tail(400).splitlines() if "data plane: UCX" in line]
+        assert fabric and "tcp/lo" in fabric[0] and "tcp/" not in fabric[0].replace("tcp/lo", ""), daemon.log_tail()
