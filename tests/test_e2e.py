@@ -135,6 +135,21 @@ def _assert_match(results, reference: list[RequestResult]) -> None:
             want.tokens, want.output_digest, want.state_digest), f"{result.request_id} (prompt {result.prompt_len})"
 
 
+def generate_and_match(decodes, batches: dict, references: dict) -> list[list]:
+    """Send each transport's batch to its decode daemon (all at once); every request succeeds over that
+    transport and equals its colocated reference. Returns the results per decode daemon."""
+    async def everything():
+        return await asyncio.gather(*(generate_all(f"127.0.0.1:{d.port}", batches[t])
+                                      for d, t in zip(decodes, TRANSPORTS)))
+    outcomes = asyncio.run(everything())
+    for transport, results in zip(TRANSPORTS, outcomes):
+        failed = [r for r in results if isinstance(r, RequestFailed)]
+        assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}"
+        assert {r.transport for r in results} == {transport}
+        _assert_match(results, references[transport])
+    return outcomes
+
+
 # 128-token blocks where the ring divides 128 (prompts of at most 3 blocks stay short on 2 cores), and the default
 # block (256 tokens: kpool 2 holds 128 states a block, two kernel pages) once.
 MATRIX = [pytest.param(family, group, spec, 128, id=f"{family.value}-{group}-spec{spec}")
@@ -162,16 +177,7 @@ def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
         references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
         _ready_and_serving(prefill, *decodes)
         start_free = [_free_blocks(d) for d in (prefill, *decodes)]
-
-        async def everything():
-            return await asyncio.gather(*(generate_all(f"127.0.0.1:{d.port}", batches[t])
-                                          for d, t in zip(decodes, TRANSPORTS)))
-        outcomes = asyncio.run(everything())
-        for transport, results in zip(TRANSPORTS, outcomes):
-            failed = [r for r in results if isinstance(r, RequestFailed)]
-            assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}"
-            assert {r.transport for r in results} == {transport}
-            _assert_match(results, references[transport])
+        generate_and_match(decodes, batches, references)
         assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
     finally:
         _stop(*decodes, prefill)

@@ -9,7 +9,6 @@ a step at the leftovers). Then ``kpool-pd up --max-batch-tokens N`` against ``--
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -17,14 +16,14 @@ import urllib.request
 
 import pytest
 
-from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import run_colocated
 from tests.polling import wait_for
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _assert_match, _flags, _free_blocks, _free_port,
-                            _logs_on_failure, _ready_and_serving, _metric, _stop, boundary_prompts)
+from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _free_port,
+                            _logs_on_failure, _ready_and_serving, _metric, _stop, boundary_prompts,
+                            generate_and_match)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,16 +59,7 @@ def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
             _ready_and_serving(prefill, *decodes)
             start_free = [_free_blocks(d) for d in (prefill, *decodes)]
             chunks_before = _metric(prefill, "kpoolpd_prefill_chunks_total")
-
-            async def everything():
-                return await asyncio.gather(*(generate_all(f"127.0.0.1:{d.port}", batches[t])
-                                              for d, t in zip(decodes, TRANSPORTS)))
-            outcomes = asyncio.run(everything())
-            for transport, results in zip(TRANSPORTS, outcomes):
-                failed = [r for r in results if isinstance(r, RequestFailed)]
-                assert not failed, f"{len(failed)} failed over {transport}: {failed[0]}"
-                assert {r.transport for r in results} == {transport}
-                _assert_match(results, references[transport])
+            outcomes = generate_and_match(decodes, batches, references)
             prompts = sum(len(b) for b in batches.values())
             assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
             # pieces of the budget's worth of blocks (here one block): at least a region per block moved
