@@ -26,8 +26,6 @@ per column (measured slower on the H200 even for the model's sizes, where both a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -244,11 +242,20 @@ def _compress_kernel(k_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_ptr, table_rows,
 
 def inv_freq_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """inv_freq: [rotary_dim // 2] fp32 on the device, read-only for the kernels. Made once per (rotary_dim,
-    theta, device) and kept (a constant table: a decode step then spends no launches rebuilding it), except
-    while a CUDA graph is being captured, where it is made inside the graph (on the device, no host copy)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return rope_inv_freq(rotary_dim, theta, device)
-    return _kept_rope_table(rotary_dim, float(theta), device)
+    theta, device) and kept (a constant table: a call, and a CUDA graph that captures one, then spends no launches
+    rebuilding it). While a CUDA graph is being captured a kept table is read as it is; one not made yet is made
+    inside the graph (on the device, no host copy) and not kept (its memory belongs to the graph)."""
+    key = (rotary_dim, float(theta), device)
+    table = _KEPT_ROPE_TABLES.get(key)
+    if table is not None:
+        return table
+    table = rope_inv_freq(rotary_dim, theta, device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _KEPT_ROPE_TABLES[key] = table
+    return table
+
+
+_KEPT_ROPE_TABLES: dict[tuple[int, float, torch.device], torch.Tensor] = {}
 
 
 def rope_cache_args(rope_cache: RopeCache | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -257,11 +264,6 @@ def rope_cache_args(rope_cache: RopeCache | None, placeholder: torch.Tensor) -> 
     if rope_cache is None:
         return placeholder, 0
     return rope_cache.table, rope_cache.num_positions
-
-
-@functools.lru_cache(maxsize=64)
-def _kept_rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    return rope_inv_freq(rotary_dim, theta, device)
 
 
 def compress_group_keys_triton(
