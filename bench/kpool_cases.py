@@ -169,8 +169,7 @@ KPOOL_CASES: list[BenchCase] = [
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
 KPOOL_VARIANTS: list[BenchCase] = [
     *[BenchCase(name=f"prefill compress+write BLOCK_P={bp} warps={nw}", size="262,144 pools of 4",
-                make=make_prefill(block_p=bp, num_warps=nw, public=False))
-      for bp, nw in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4))],
+                make=make_prefill(block_p=bp, num_warps=nw, public=False)) for bp, nw in ((8, 4), (16, 4), (16, 8))],
     *[BenchCase(name=f"decode update BLOCK_R={br} warps={nw}{' PDL' if pdl else ''}", size=f"{b} requests x {t} tokens",
                 make=make_decode(b, tokens_each=t, block_r=br, num_warps=nw, pdl=pdl), decode=True)
       for b, t in ((256, 4), (1024, 4), (256, 1)) for br, nw, pdl in DECODE_VARIANTS],

@@ -91,38 +91,3 @@ def decode_e4m3(code):
     normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     subnormal = mantissa.to(tl.float32) * 0.001953125  # 2**-9
     return tl.where(exponent == 0, tl.where(sign != 0, -subnormal, subnormal), normal)
-
-
-# Compiled-only fast paths (``COMPILED`` constexpr branches of the kernels; the interpreter keeps the bit helpers
-# above). Each gives the same bits as its portable counterpart on every input it is used for.
-
-@triton.jit
-def round_to_bf16_hw(x):
-    """fp32 -> fp32 holding the nearest-even bf16 value, by the hardware conversion (cvt.rn.bf16.f32): the bits of
-    ``round_to_bf16`` for every non-NaN input (a NaN stays a NaN; its payload may differ). Compiled runs only."""
-    return x.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
-def encode_e4m3_hw(v):
-    """fp32 with |v| <= 448 -> float8_e4m3fn code as uint8, by the hardware conversion (cvt.rn.satfinite.e4m3x2.f32,
-    nearest even): the bits of ``encode_e4m3``. Compiled runs only."""
-    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def refined_reciprocal(b):
-    """The reciprocal that the GPU's correctly rounded fp32 division (div.rn.f32) starts from: the approximate
-    reciprocal (rcp.approx.ftz) refined by one Newton step, fma(r, fma(-b, r, 1), r). Compiled runs only."""
-    r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True, pack=1)
-    return tl.fma(r, tl.fma(-b, r, 1.0), r)
-
-
-@triton.jit
-def divide_rn(a, b, r):
-    """a / b correctly rounded, given r = refined_reciprocal(b): the fast path of div.rn.f32 (quotient a * r, then
-    one residual correction), step for step, so it gives div_rn's bits wherever that path is exact: a and b normal
-    and the quotient normal (the caller keeps to such inputs and takes div_rn elsewhere). Several divisions by one
-    b share r. Compiled runs only."""
-    q = a * r
-    return tl.fma(r, tl.fma(-b, q, a), q)

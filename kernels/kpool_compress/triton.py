@@ -22,8 +22,7 @@ from triton.language.extra import libdevice
 from kernels.dispatch import interpreting
 from kernels.fp8 import FP8_MAX
 from kernels.hadamard import INV_SQRT_DIM
-from kernels.triton_helpers import (divide_rn, encode_e4m3, encode_e4m3_hw, launch_options, refined_reciprocal,
-                                    round_to_bf16, round_to_bf16_hw)
+from kernels.triton_helpers import encode_e4m3, launch_options, round_to_bf16
 from kvcache import PoolMode
 
 DIM = 128
@@ -110,35 +109,14 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
         total = exps[0]
         for i in tl.static_range(1, KPOOL):
             total = total + exps[i]
-        if PRECISE_EXP:  # compiled: the divisions share one reciprocal (divide_rn), div_rn where that is not exact
-            reciprocal = refined_reciprocal(total)
-            x = divide_rn(exps[0], total, reciprocal) * keys[0]
-            lowest = exps[0]
-            for i in tl.static_range(1, KPOOL):
-                x = x + divide_rn(exps[i], total, reciprocal) * keys[i]
-                lowest = tl.minimum(lowest, exps[i])
-            # every exp lies in [0, 1] and total in [1, KPOOL] unless a logit is infinite or NaN: the fast path is
-            # div_rn's bits where each exp is at least 2**-100 (normal operands and quotients); elsewhere div_rn
-            exact = (lowest >= 7.888609052210118e-31) & (total <= KPOOL)
-            exact = exact | ~live[:, None]
-            if tl.min(exact.to(tl.int32)) == 0:
-                slow = tl.math.div_rn(exps[0], total) * keys[0]
-                for i in tl.static_range(1, KPOOL):
-                    slow = slow + tl.math.div_rn(exps[i], total) * keys[i]
-                x = tl.where(exact, x, slow)
-        else:
-            x = tl.math.div_rn(exps[0], total) * keys[0]
-            for i in tl.static_range(1, KPOOL):
-                x = x + tl.math.div_rn(exps[i], total) * keys[i]
+        x = tl.math.div_rn(exps[0], total) * keys[0]
+        for i in tl.static_range(1, KPOOL):
+            x = x + tl.math.div_rn(exps[i], total) * keys[i]
     else:
         x, _ = _load_slot(KPOOL - 1, k_ptr, g_ptr, ring_ptr, gate_half, fresh_offset, row_step, pos0, first_fresh,
                           ring_row0, ring_size, ring_step, mask, dims, FROM_RING)
-    if PRECISE_EXP:
-        x = round_to_bf16_hw(x)
-        y = round_to_bf16_hw(fwht128(x, ROWS) * _INV_SQRT_DIM)
-    else:
-        x = round_to_bf16(x)
-        y = round_to_bf16(fwht128(x, ROWS) * _INV_SQRT_DIM)
+    x = round_to_bf16(x)
+    y = round_to_bf16(fwht128(x, ROWS) * _INV_SQRT_DIM)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
     ratio = tl.math.div_rn(amax, _FP8_MAX)
     if ROUND_SCALE:
@@ -153,8 +131,6 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
         scale = ratio
         q = tl.math.div_rn(y, scale[:, None])
     q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-    if PRECISE_EXP:
-        return encode_e4m3_hw(q), scale
     return encode_e4m3(q), scale
 
 

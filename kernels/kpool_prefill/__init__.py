@@ -23,8 +23,7 @@ def kpool_prefill(
     (``start_pos`` None: every chunk is a whole prompt from position 0). Every pool a chunk completes is
     compressed and written; the first may straddle the chunk start, its older positions read from the ring
     (which holds the open pool after the request's previous chunk); then the ring is left holding the open
-    pool after the chunk. Triton on CUDA tensors (one launch for whole prompts, two for chunks; no host
-    synchronisation, no other device work), the torch
+    pool after the chunk. Triton on CUDA tensors (two launches, no host synchronisation), the torch
     reference on CPU (see kernels.dispatch). A chunk that starts inside a pool needs a ring (ring id >= 0):
     ValueError on CPU tensors; on CUDA, ring 0 would be read.
 
@@ -49,21 +48,19 @@ def kpool_prefill(
         check_int_tensor("start_pos", start_pos, 1)
         if start_pos.shape[0] != batch:
             raise ValueError(f"start_pos must have {batch} rows (one per request), got shape {tuple(start_pos.shape)}")
+    else:
+        start_pos = torch.zeros(batch, dtype=torch.int64, device=k.device)
     check_same_device(k=k, ape=ape, query_start_loc=query_start_loc, block_table=block_table, indexer_q=indexer_q,
-                      tail_ring=tail_ring, **({"start_pos": start_pos} if chunked else {}))
+                      tail_ring=tail_ring, start_pos=start_pos)
     if chunked and not k.is_cuda:
         _check_chunk_values(start_pos, ring_ids, tail_ring.shape[0], kpool)
     if use_triton(k):
         from kernels.kpool_prefill.triton import prefill_compress_write_triton, seed_tail_ring_triton
 
-        # whole prompts: one launch compresses and seeds; chunks: the ring is seeded after the pools read it
-        prefill_compress_write_triton(k, gate, ape, query_start_loc, start_pos, block_table, ring_ids, tail_ring,
-                                      indexer_q, indexer_scale, mode=mode, round_scale=round_scale, seed=not chunked)
-        if chunked:
-            seed_tail_ring_triton(k, gate, query_start_loc, start_pos, ring_ids, tail_ring, kpool=kpool)
+        prefill_compress_write_triton(k, gate, ape, query_start_loc, start_pos if chunked else None, block_table,
+                                      ring_ids, tail_ring, indexer_q, indexer_scale, mode=mode, round_scale=round_scale)
+        seed_tail_ring_triton(k, gate, query_start_loc, start_pos, ring_ids, tail_ring, kpool=kpool)
         return
-    if not chunked:
-        start_pos = torch.zeros(batch, dtype=torch.int64, device=k.device)
     prefill_compress_write(k, gate, ape, query_start_loc, start_pos, block_table, ring_ids, tail_ring, indexer_q,
                            indexer_scale, mode=mode, round_scale=round_scale)
     seed_tail_ring(k, gate, query_start_loc, start_pos, ring_ids, tail_ring, kpool=kpool)
