@@ -58,14 +58,20 @@ def ring_write_kernel(ring_ptr, keys_ptr, pos_ptr, slots_ptr, tokens, heads, tot
                       ring_stride, slot_stride, head_stride, key_tok_stride, key_head_stride,
                       CAP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ZEROS: tl.constexpr,
                       ZEROS_P2: tl.constexpr, OFF: tl.constexpr, P: tl.constexpr, P_P2: tl.constexpr,
-                      ROPE: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                      ROPE: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, EARLY_SLOTS: tl.constexpr):
     # in units of the chosen width: ring: [num_rings, CAP, H, W]; keys: [T, H, D]; positions: [T, P]; slots: [T] int64
+    # EARLY_SLOTS (with PDL, behind the update's compression, which writes no slot): the slots are read before the
+    # wait, so that read overlaps the compression (the compression itself starts its dependents only after its own
+    # wait, so the slots are complete by then)
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = tok < tokens
+    if EARLY_SLOTS:
+        slot = tl.load(slots_ptr + tok, mask=live, other=-1).to(tl.int64)
     if PDL:  # launched before the previous kernel ends (the update's compression, which reads the ring): wait for it
         gdc_wait()
         gdc_launch_dependents()
-    slot = tl.load(slots_ptr + tok, mask=live, other=-1).to(tl.int64)
+    if not EARLY_SLOTS:
+        slot = tl.load(slots_ptr + tok, mask=live, other=-1).to(tl.int64)
     write = live & (slot >= 0) & (slot < total_rows)
     if tl.max(write.to(tl.int32), axis=0) > 0:
         write_ring_rows(ring_ptr, keys_ptr, pos_ptr, tok, slot, write, heads, ring_stride, slot_stride, head_stride,
@@ -136,11 +142,13 @@ def ring_units(ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor |
 
 def write_qsa_ring_triton(ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor | None,
                           ring_slots: torch.Tensor, *, pdl: bool = False,
-                          query_start_loc: torch.Tensor | None = None) -> None:
+                          query_start_loc: torch.Tensor | None = None, after_update: bool = False) -> None:
     """``pdl``: launch with programmatic dependent launch (the kernel waits for the previous one before reading
     anything); only where ``kernels.triton_helpers.pdl_available()``. ``query_start_loc``: given when only each
     request's last C tokens can have a slot (the forward update's metadata): with more tokens than requests x C,
     the grid then covers those tokens alone (one program per BLOCK_E of them) instead of every token.
+    ``after_update`` (with ``pdl``): the launch directly follows the forward update's compression kernel (which
+    writes no slot and starts this kernel only after its own wait), so the slots are read before the wait.
 
     # ring: [num_rings, C, H, W] bf16 (in place); keys: [T, H, D] bf16; positions: [T, 3] int64 | None;
     # slots: [T] int64; query_start_loc: [B + 1] int | None
@@ -164,5 +172,6 @@ def write_qsa_ring_triton(ring: torch.Tensor, keys: torch.Tensor, positions: tor
     block_t = 32 if keys.is_cuda else 8
     ring_write_kernel[(triton.cdiv(tokens, block_t),)](
         units.ring, units.keys, pos_arg, ring_slots, tokens, heads, num_rings * capacity, *units.strides(),
-        CAP=capacity, BLOCK_T=block_t, PDL=pdl, num_warps=4, **units.constants(), **extra,
+        CAP=capacity, BLOCK_T=block_t, PDL=pdl, EARLY_SLOTS=pdl and after_update, num_warps=4, **units.constants(),
+        **extra,
     )

@@ -154,7 +154,7 @@ def qsa_forward_update_triton(
             num_warps=num_warps or default_warps, **launch_options(), **({"launch_pdl": True} if pdl else {}),
         )
     write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping,
-                          pdl=pdl, query_start_loc=metadata.query_start_loc)
+                          pdl=pdl, query_start_loc=metadata.query_start_loc, after_update=max_work > 0)
 
 
 def default_launch(max_work: int, device: torch.device) -> tuple[int, int]:
