@@ -22,7 +22,7 @@ from kvcache import BlockLayout
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 TILE_WORDS_CUDA = 2048  # words a program moves per piece chunk: 16 KiB at 8-byte words
-TILE_WORDS_INTERPRETER = 1 << 15  # the interpreter pays per program: few, large tiles
+TILE_WORDS_INTERPRETER = 8192  # the interpreter pays per program and per op: few tiles, not huge ones
 MAX_CHUNK_WORDS = 32  # a piece moves in chunks of at most this many words (little masked waste: 82 -> 96)
 
 
