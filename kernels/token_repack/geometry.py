@@ -25,6 +25,7 @@ side by side (``row_stride = piece``, ``head_stride = rows_per_block * piece``).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -72,6 +73,18 @@ class FieldGeometry:
         page, entry = divmod(row, self.rows_per_page)
         return (self.base + layer * self.layer_stride + page * self.page_stride + entry * self.row_stride
                 + head * self.head_stride)
+
+    @property
+    def rows_contiguous(self) -> bool:
+        """A page's rows (of one head) lie back to back: a run of them is one byte range."""
+        return self.row_stride == self.piece_bytes
+
+    def heads_folded(self) -> FieldGeometry:
+        """The same bytes with a row's heads as one piece, where they lie side by side (BLNHC, or one head);
+        otherwise the field itself."""
+        if self.heads == 1 or self.head_stride != self.piece_bytes or self.row_stride != self.heads * self.piece_bytes:
+            return self
+        return dataclasses.replace(self, heads=1, head_stride=0, piece_bytes=self.heads * self.piece_bytes)
 
     def strides(self) -> tuple[int, ...]:
         """Every byte distance the offset formula adds (a word size that divides these, the buffers' row
