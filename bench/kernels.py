@@ -6,7 +6,8 @@ PNG to --out.
 
     python bench/kernels.py --out bench-out        # or: kpool-pd bench kernels --out bench-out
 
-The cases live with their family (``bench.kpool_cases.KPOOL_CASES``, ``bench.qsa_cases.QSA_CASES``);
+The cases live with their family (``bench.kpool_cases.KPOOL_CASES``, ``bench.qsa_cases.QSA_CASES``) or their op
+(``bench.repack_cases.REPACK_CASES``);
 to add a kernel, append a ``BenchCase`` (``bench.timing``) to its family's list.
 """
 
@@ -29,9 +30,10 @@ from bench.copy_baseline import copy_bandwidths  # noqa: E402
 from bench.kernel_report import format_table, plot  # noqa: E402
 from bench.kpool_cases import KPOOL_CASES, KPOOL_VARIANTS  # noqa: E402
 from bench.qsa_cases import QSA_CASES, QSA_VARIANTS  # noqa: E402
+from bench.repack_cases import REPACK_CASES  # noqa: E402
 from bench.timing import BenchCase, run_cases  # noqa: E402
 
-CASES: list[BenchCase] = [*KPOOL_CASES, *QSA_CASES]
+CASES: list[BenchCase] = [*KPOOL_CASES, *QSA_CASES, *REPACK_CASES]
 VARIANTS: list[BenchCase] = [*KPOOL_VARIANTS, *QSA_VARIANTS]  # launch variants, with --variants
 
 

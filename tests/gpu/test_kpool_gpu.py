@@ -5,7 +5,8 @@ The kernel-against-reference bodies are tests/test_kpool_triton.py's, run here o
 four kernel pages, with tests/test_kpool_pages.py's check of the page bytes against DESIGN's formula. Here as
 well, what only a GPU shows: how far libdevice's exp is from torch's, that the decode update captures in a CUDA
 graph and never synchronises with the host (one-page and multi-page blocks), and that every op runs on its
-tensors' device (cuda:1 while cuda:0 is current).
+tensors' device (cuda:1 while cuda:0 is current). The token repack's bodies (tests/test_token_repack.py) run
+here too, with its check that device ids never make it synchronise.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, 
                                      test_compress_encodes_rounding_edges_like_torch, test_decode_step_with_drafts,
                                      test_indexer_topk, test_prefill,
                                      test_prefill_and_drafted_decode_give_the_same_bytes, test_write_and_read_entries)
+from tests.test_token_repack import (test_device_ids_never_sync, test_python_id_lists_and_longer_tables,  # noqa: F401
+                                     test_random_pairs_match_view_copy, test_rejects_bad_inputs,
+                                     test_repack_matches_view_copy,
+                                     test_valid_arguments_pass_and_unread_ids_are_not_checked,
+                                     test_whole_blocks_give_repack_blocks_bytes)
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: run tests/gpu/run_all.sh on the H200 through the device tool")
