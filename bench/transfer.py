@@ -200,10 +200,12 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     config = _config(args["layers"], args["block_size"], args["kpool"])
     layout = BlockLayout(config)
     num_blocks = config.blocks_for_tokens(max(args["tokens"])) + 2
+    prefill_block_size = args.get("prefill_block_size") or args["block_size"]  # another: the decode side repacks
+    prefill_blocks = _config(1, prefill_block_size, args["kpool"]).blocks_for_tokens(max(args["tokens"])) + 2
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_prefill_proc, args=(child, dict(
-        layers=args["layers"], block_size=args["block_size"], kpool=args["kpool"], num_blocks=num_blocks,
+        layers=args["layers"], block_size=prefill_block_size, kpool=args["kpool"], num_blocks=prefill_blocks,
         ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options)), daemon=True)
     proc.start()
     port = conn.recv()
@@ -289,6 +291,10 @@ def _run(args) -> tuple[list[dict], dict]:
             rows += connector_rows(shared, UCX_SAME_HOST_ZERO_COPY, (Transport.UCX,), " shm")
     else:
         rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.GRPC_STREAM,))
+    if args.prefill_block_size and args.prefill_block_size != args.block_size:  # heterogeneous P/D beside it
+        rows += connector_rows(shared | {"prefill_block_size": args.prefill_block_size}, UCX_NO_SHARED_MEMORY,
+                               (Transport.UCX if use_ucx else Transport.GRPC_STREAM,),
+                               f" from {args.prefill_block_size}")
     order = {t: i for i, t in enumerate(args.tokens)}
     rows.sort(key=lambda r: order[r["tokens"]])  # stable: paths keep their order within a size
     return rows, notes
@@ -308,6 +314,21 @@ def _table(rows: list[dict]) -> str:
         ratios = "".join(f" {r['gbps'] / b[r['tokens']]:8.2f}" if r["tokens"] in b else f" {'-':>8}" for _, b in baselines)
         phases = "  " + " / ".join(f"{r['phases_ms'][name]:.3f}" for name in PHASES) if "phases_ms" in r else ""
         lines.append(f"{r['tokens']:>7} {r['bytes'] / 2**20:8.1f} {r['path']:<20} {ms:9.3f} {r['gbps']:7.2f}{ratios}{phases}")
+    return "\n".join(lines)
+
+
+def _heterogeneous_lines(rows: list[dict], prefill_block_size: int, block_size: int) -> str:
+    """Per request size: the pull from prefill blocks of another size (staging and repack included)
+    over the same pull between equal layouts, measured in the same run."""
+    lines = [f"pull from {prefill_block_size}-token prefill blocks into {block_size}-token decode blocks, "
+             f"time over the same-layout pull:"]
+    for r in rows:
+        if r["path"].endswith(f" from {prefill_block_size}"):
+            same = next((s for s in rows if s["tokens"] == r["tokens"] and s["path"] == r["path"].rsplit(" from ", 1)[0]),
+                        None)
+            ratio = f"{r['ms'] / same['ms']:.2f}x" if same else "-"
+            lines.append(f"{r['tokens']:>7} tokens: {r['ms']:.3f} ms vs {same['ms'] if same else float('nan'):.3f} ms = "
+                         f"{ratio} (repack {r['phases_ms'].get('verify', 0):.3f} ms)")
     return "\n".join(lines)
 
 
@@ -337,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--prefill-block-size", type=int, default=0,
+                        help="also pull from a prefill node of this block size into --block-size decode blocks "
+                             "(staging and repack), beside the same-layout pull (default 0: not)")
     parser.add_argument("--kpool", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
@@ -353,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     for what, note in notes.items():
         sys.stdout.write(f"{what}: {note}\n")
     sys.stdout.write(_table(rows) + "\n")
+    if args.prefill_block_size and args.prefill_block_size != args.block_size:
+        sys.stdout.write(_heterogeneous_lines(rows, args.prefill_block_size, args.block_size) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"transfer-{dt.date.today().isoformat()}-{args.machine}-{args.device}{'-2gpu' if args.two_gpu else ''}"
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": args.machine, "device": args.device,
-            "two_gpu": args.two_gpu, "layers": args.layers, "block_size": args.block_size, "kpool": args.kpool,
+            "two_gpu": args.two_gpu, "layers": args.layers, "block_size": args.block_size,
+            "prefill_block_size": args.prefill_block_size or args.block_size, "kpool": args.kpool,
             "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "notes": notes}
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -1,6 +1,7 @@
-"""Which peers a node can exchange blocks with: the same model (``model_differences``), and its
-own layout or one that differs only in ``order`` (BLNHC / BLHNC), which the decode node converts
-with ``kernels.repack_blocks``."""
+"""Which peers a node can exchange blocks with: the same model (``model_differences``), and a block
+layout that stores the same cache, differing at most in the fields that only arrange bytes
+(``ARRANGING_FIELDS``: the block size, the block order, the kernel page), which the decode node
+converts with ``kernels.repack_tokens`` (DESIGN, "Heterogeneous P/D")."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import json
 from dataclasses import replace
 
 from connector import prefill_api as pb
-from kvcache import BlockLayout, BlockOrder, layout_differences
+from kvcache import KERNEL_PAGE_STATES, BlockLayout, BlockOrder, CacheFamily, layout_differences
 
 MAX_MODEL_IDENTITY_CHARS = 4096
+# The hashed layout fields that arrange the bytes without changing what they mean: block size and
+# order, and what follows from the block size and the kernel page (states per block and per page).
+ARRANGING_FIELDS = frozenset({"block_size", "order", "states_per_block", "states_per_page"})
 
 
 def peer_layout(ours: BlockLayout, theirs: pb.Layout) -> tuple[BlockLayout | None, list[str]]:
     """The peer's layout and the hashed fields that differ from ours.
 
-    ``(ours, [])`` when the hashes match; ``(their layout, ["order"])`` when only the order
-    differs and their hash and sizes are exactly what our config in their order gives;
-    ``(None, fields)`` otherwise (the fields name every difference, for FAILED_PRECONDITION).
+    ``(ours, [])`` when the hashes match; ``(their layout, fields)`` when only arranging fields
+    differ (``ARRANGING_FIELDS``) and their hash and sizes are exactly what our config with their
+    block size, order and a kernel page of 32 or 64 states gives; ``(None, fields)`` otherwise (the
+    fields name every difference, for FAILED_PRECONDITION).
     """
     if theirs.layout_hash == ours.layout_hash:
         return ours, []
@@ -29,17 +34,41 @@ def peer_layout(ours: BlockLayout, theirs: pb.Layout) -> tuple[BlockLayout | Non
     if not isinstance(fields, dict):
         return None, ["<unreadable>"]
     differing = layout_differences(ours.config.hash_fields(), fields)
-    if differing != ["order"]:
-        return None, differing or ["layout_hash"]
-    try:
-        order = BlockOrder(fields["order"])
-    except (ValueError, TypeError):
-        return None, ["order"]
-    layout = BlockLayout(replace(ours.config, order=order))
-    if (layout.layout_hash, layout.block_bytes, layout.ring_block_bytes) != \
-            (theirs.layout_hash, theirs.block_bytes, theirs.ring_block_bytes):
-        return None, ["order", "layout_hash"]
+    meaningful = [name for name in differing if name not in ARRANGING_FIELDS]
+    if meaningful or not differing:
+        return None, meaningful or ["layout_hash"]
+    layout = _arranged_like(ours, fields)
+    if layout is None or (layout.block_bytes, layout.ring_block_bytes) != (theirs.block_bytes, theirs.ring_block_bytes) \
+            or layout.layout_hash != theirs.layout_hash:
+        return None, [*differing, "layout_hash"]
     return layout, differing
+
+
+def _arranged_like(ours: BlockLayout, fields: dict) -> BlockLayout | None:
+    """Our config with the peer's block size, order and kernel page (the one of 32 or 64 states
+    whose hash matches theirs, ours first), or None when no such config exists."""
+    try:
+        order, block_size = BlockOrder(fields["order"]), fields["block_size"]
+    except (KeyError, ValueError, TypeError):
+        return None
+    if type(block_size) is not int:
+        return None
+    pages = (ours.config.kernel_page_states, *(p for p in KERNEL_PAGE_STATES if p != ours.config.kernel_page_states))
+    for page in pages:
+        try:
+            layout = BlockLayout(replace(ours.config, order=order, block_size=block_size, kernel_page_states=page))
+        except ValueError:
+            continue
+        if layout.config.hash_fields() == fields:
+            return layout
+    return None
+
+
+def arrangement(layout: BlockLayout) -> str:
+    """The arranging fields of a layout in words: ``"256-token BLNHC blocks (64-state kernel pages)"``."""
+    config = layout.config
+    pages = f" ({config.kpool_indexer.states_per_page}-state kernel pages)" if config.family is CacheFamily.KPOOL else ""
+    return f"{config.block_size}-token {config.order.value} blocks{pages}"
 
 
 def model_differences(ours: str, theirs: str) -> list[str]:

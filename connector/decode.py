@@ -71,7 +71,7 @@ class DecodeConnector:
 
     async def connect(self, address: str) -> PrefillPeer:
         """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION when the layouts
-        differ in more than ``order`` (naming the fields) or the model identities differ (naming
+        differ in more than their arrangement (block size, order, kernel page; naming the fields) or the model identities differ (naming
         what differs); UNAUTHENTICATED without the right token; INVALID_ARGUMENT or UNAVAILABLE
         when the prefill node refuses or cannot reach our UCX worker address. Each call opens a new
         channel: a caller that handshakes again with the same node calls ``disconnect`` first.

@@ -98,18 +98,22 @@ class Allocation:
 class LandedRequest:
     """A request's blocks and ring in the decode node's pool, filled by a pull.
 
-    ``block_ids`` are every block the pull reserved: the prompt's ``grant.num_blocks`` first
-    (landed, in block-table order), then the blocks reserved for the tokens still to come.
+    ``block_ids`` are every block the pull reserved: the prompt's blocks first (landed, in
+    block-table order; as many as the prompt needs in this node's block size, which may differ
+    from the prefill node's ``grant.num_blocks``), then the blocks reserved for the tokens still
+    to come.
     Owns them all until ``release()`` (idempotent) frees them; a context manager. ``__del__``
     only reports a leak."""
 
     __slots__ = ("grant", "transport", "nbytes", "regions", "seconds", "repacked", "timeline", "first_token", "times",
-                 "_allocation")
+                 "prompt_blocks", "_allocation")
 
     def __init__(self, grant: PrefillGrant, allocation: Allocation, *, transport: Transport, nbytes: int, regions: int,
                  seconds: float, repacked: bool = False, timeline: "PullTimeline | None" = None,
-                 first_token: int | None = None, times: TransferTimes | None = None) -> None:
+                 first_token: int | None = None, times: TransferTimes | None = None,
+                 prompt_blocks: int | None = None) -> None:
         self.grant = grant
+        self.prompt_blocks = grant.num_blocks if prompt_blocks is None else prompt_blocks  # landed, in our block size
         self.first_token = grant.first_token if first_token is None else first_token  # the prompt's next token
         self.times = times or TransferTimes(prefill_ms=grant.prefill_ms, transfer_ms=seconds * 1000,
                                             exposed_transfer_ms=seconds * 1000)
@@ -147,6 +151,6 @@ class LandedRequest:
 
     def __repr__(self) -> str:
         return (f"LandedRequest({self.grant.request_id!r}, blocks={len(self.block_ids)} "
-                f"({self.grant.num_blocks} landed), ring={self.ring_id}, "
+                f"({self.prompt_blocks} landed), ring={self.ring_id}, "
                 f"{self.nbytes} B in {self.regions} regions over {self.transport.label}, "
                 f"{'released' if self.released else 'held'})")

@@ -13,6 +13,7 @@ import grpc
 
 from connector import prefill_api as pb
 from connector.auth import auth_metadata
+from connector.compat import arrangement
 from connector.dcp_plan import dcp_landed_blocks
 from connector.errors import StatusError, rpc_failure
 from connector.landed import Allocation, LandedRequest, PrefillGrant
@@ -32,7 +33,7 @@ RELEASE_SOON_TIMEOUT_S = 2.0  # deadline of a background Release (``release_soon
 class PrefillPeer:
     """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``;
     closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the peer's block
-    layout: ours, or ours in the other ``order`` (then ``repacks`` is True).
+    layout: ours, or ours arranged otherwise (block size, order, kernel page; then ``repacks`` is True).
 
     A caller cancelled while it waits on this node leaves the node no grant to expire: a Prefill
     is cancelled (or, if it was granted already, its grant released); a pull frees what it
@@ -203,8 +204,9 @@ class PrefillPeer:
     # the pull --------------------------------------------------------------------------------
     async def pull(self, grant: PrefillGrant, *, reserve_blocks: int | None = None, transport: Transport | None = None,
                    integrity: bool = False, release: bool = True, dcp: DcpShard | None = None) -> LandedRequest:
-        """Allocate ``max(grant.num_blocks, reserve_blocks)`` blocks and a ring, pull the request's
-        prompt into the first ``grant.num_blocks`` of them, verify (``integrity``: crc32 per
+        """Allocate ``max(prompt blocks, reserve_blocks)`` blocks and a ring (the prompt's blocks in our
+        block size), pull the request's prompt into the first of them (through staging when the peer's
+        layout is arranged otherwise: block size, order, kernel page), verify (``integrity``: crc32 per
         region, DATA_LOSS on a mismatch) and Release the grant (unless ``release`` is False). A
         pipelined grant's pull starts before its prompt is computed: the receives are posted at once,
         the pieces land as the prefill node's chunks complete them, and the deadline adds
@@ -228,11 +230,17 @@ class PrefillPeer:
             raise ValueError(f"reserve_blocks must be None or an integer >= 0, got {reserve_blocks!r}")
         with self._call():
             try:
-                landed = dcp_landed_blocks(self.layout, dcp, grant.prompt_len) if dcp else grant.num_blocks
+                landed = self._landed_blocks(grant, dcp)
                 return await self._pull_and_release(grant, max(landed, reserve_blocks or 0), transport,
                                                     integrity, release, dcp)
             finally:
                 self._open_grants.pop(grant.grant_id, None)
+
+    def _landed_blocks(self, grant: PrefillGrant, dcp: DcpShard | None) -> int:
+        """Our blocks that the prompt (a DCP rank: its share) lands in, in our own block size."""
+        if dcp is not None:
+            return dcp_landed_blocks(self.layout, dcp, grant.prompt_len)
+        return self.connector.pool.layout.config.blocks_for_tokens(grant.prompt_len)
 
     def _transport_for(self, asked: Transport | None) -> Transport:
         """The transport asked for, else UCX when both sides have it; FAILED_PRECONDITION if unavailable."""
@@ -259,7 +267,8 @@ class PrefillPeer:
         self._check_open(f"Pull of {grant.request_id}")
         if dcp is not None and self.repacks:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"a DCP rank pulls only from a prefill node of its "
-                              f"own block layout; {self.address} stores blocks in {self.layout.config.order.value}")
+                              f"own block layout; {self.address} stores {arrangement(self.layout)}, "
+                              f"this rank {arrangement(c.pool.layout)}")
         transport = self._transport_for(transport)
         allocation = self._allocate(grant, num_blocks)
         started = time.perf_counter()
@@ -283,7 +292,8 @@ class PrefillPeer:
         c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
         landed = LandedRequest(grant, allocation, transport=transport, nbytes=pull.plan.total_bytes,
                                regions=len(pull.plan), seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
-                               first_token=pull.first_token, times=pull.times)
+                               first_token=pull.first_token, times=pull.times,
+                               prompt_blocks=len(pull.landing.block_ids))
         c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
@@ -301,8 +311,8 @@ class PrefillPeer:
         """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
         the allocation; the finished pull (its plan and timeline)."""
         c = self.connector
-        landed = dcp_landed_blocks(self.layout, dcp, grant.prompt_len) if dcp else grant.num_blocks
-        landing = Landing(c.pool, self.layout, allocation.block_ids[:landed])
+        landing = Landing(c.pool, self.layout, allocation.block_ids[:self._landed_blocks(grant, dcp)],
+                          source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len)
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
@@ -324,5 +334,5 @@ class PrefillPeer:
 
     def __repr__(self) -> str:
         return (f"PrefillPeer({self.address!r}, engine={self.engine_id!r}, "
-                f"{'repacks from ' + self.layout.config.order.value if self.repacks else 'same layout'}"
+                f"{'repacks from ' + arrangement(self.layout) if self.repacks else 'same layout'}"
                 f"{', closed' if self.closed else ''})")

@@ -7,8 +7,9 @@ lease reaper; after the server stopped, ``await stop()`` cancels the reaper, fre
 closes UCX (also an async context manager). All state lives on the event loop that called
 ``start``; the engine is awaited there.
 
-A node accepts a decode node whose layout differs from its own only in ``order``: it sends its
-blocks as they are and the decode node converts them (see ``connector.compat``). It refuses one
+A node accepts a decode node whose layout arranges the same cache otherwise (block size, order,
+kernel page): it sends its blocks as they are and the decode node converts them (see
+``connector.compat``). It refuses one
 whose model identity differs (``model_identity``, given by the daemon).
 
 A Handshake checks everything it is given before it changes anything: a refused one leaves the
@@ -39,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from connector import prefill_api as pb
 from connector import pull_frames, regions
 from connector.auth import Credential
-from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
+from connector.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
 from connector.config import ConnectorConfig
 from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
@@ -228,8 +229,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if Transport.UCX in offered and self._ucx is not None:
             await self._reach(context, engine_id, request.ucx_worker_address, request.ucx_warmup_tag)
         if differing:
-            logger.info("engine %s stores blocks in %s order, this node in %s; it converts what it pulls",
-                        engine_id, theirs.config.order.value, self.layout.config.order.value)
+            logger.info("engine %s stores %s, this node %s; it converts what it pulls", engine_id,
+                        arrangement(theirs), arrangement(self.layout))
         self._peers[engine_id] = offered
         self._heard_from(engine_id)
         return pb.HandshakeResponse(

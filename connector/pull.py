@@ -4,14 +4,15 @@ The steps, in order (``InboundPull.run``): plan the regions ourselves from the P
 (which names the source blocks and ring) and post the UCX receives; then open the stream (the
 prefill node starts its UCX sends as the Pull arrives, into receives already posted) and check
 its grant against the Prefill response; land the stream's chunks (gRPC stream) until PullDone;
-verify that every byte arrived (and its crc32 when asked); convert from the peer's block order. Whatever step fails, the stream is cancelled and the
+verify that every byte arrived (and its crc32 when asked); convert from the peer's layout. Whatever step fails, the stream is cancelled and the
 receives posted into our memory are retired before ``run`` returns, so that the caller may free
 the blocks at once.
 
-A prefill node whose layout differs from ours only in ``order`` sends its blocks as they are:
-they land in a staging buffer sized to the request and ``kernels.repack_blocks`` converts them
-into our blocks (the ring has no head axis and lands directly). With equal layouts the bytes
-land in our blocks with no staging copy.
+A prefill node whose layout arranges the same cache otherwise (its block size, order or kernel
+page differ from ours) sends its blocks as they are: they land in a staging buffer sized to the
+request in the peer's layout, and ``kernels.repack_tokens`` places the prompt's positions into
+our blocks (the ring's layout does not depend on those fields: it lands directly). With equal
+layouts the bytes land in our blocks with no staging copy.
 """
 
 from __future__ import annotations
@@ -64,19 +65,23 @@ class PullTimeline:
 
 
 class Landing:
-    """Where a pull's blocks land. Equal layouts: straight into ``block_ids`` of our pool. The
-    peer's layout in the other order: staging block i (the peer's byte order, i = 0..n-1), which
-    ``convert`` repacks into ``block_ids[i]``. ``ids`` are what the PullRequest names."""
+    """Where a pull's blocks land. Equal layouts: straight into ``block_ids`` of our pool. A peer
+    layout that arranges the same cache otherwise (block size, order, kernel page; see
+    ``connector.compat``): the peer's blocks land as they are in staging blocks 0..n-1 (n =
+    ``source_blocks``, each of the peer's block bytes), which ``convert`` places into ``block_ids``
+    (ours: the prompt's blocks in our block size) with ``kernels.repack_tokens``. ``ids`` are what
+    the PullRequest names."""
 
-    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids")
+    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens")
 
-    def __init__(self, pool: CachePool, peer_layout: BlockLayout, block_ids: tuple[int, ...]) -> None:
-        self.pool, self.peer_layout, self.block_ids = pool, peer_layout, block_ids
+    def __init__(self, pool: CachePool, peer_layout: BlockLayout, block_ids: tuple[int, ...], *,
+                 source_blocks: int, num_tokens: int) -> None:
+        self.pool, self.peer_layout, self.block_ids, self.num_tokens = pool, peer_layout, block_ids, num_tokens
         repacks = peer_layout.layout_hash != pool.layout.layout_hash
-        # staging: [len(block_ids), block_bytes] uint8 on the pool's device, or None
-        self.staging = (torch.empty(len(block_ids), pool.layout.block_bytes, dtype=torch.uint8, device=pool.device)
+        # staging: [source_blocks, the peer's block_bytes] uint8 on the pool's device, or None
+        self.staging = (torch.empty(source_blocks, peer_layout.block_bytes, dtype=torch.uint8, device=pool.device)
                         if repacks else None)
-        self.ids = tuple(range(len(block_ids))) if repacks else block_ids
+        self.ids = tuple(range(source_blocks)) if repacks else block_ids
 
     @property
     def num_blocks(self) -> int:
@@ -89,10 +94,10 @@ class Landing:
         return regions.region_view(self.pool, dst, blocks=self.staging if dst.kind is PoolKind.BLOCKS else None)
 
     def convert(self) -> None:
-        """Repack the staged blocks into ours (nothing to do without staging)."""
+        """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
         if self.staging is not None:
-            kernels.repack_blocks(self.staging, self.peer_layout, self.ids, self.pool.blocks, self.pool.layout,
-                                  self.block_ids)
+            kernels.repack_tokens(self.staging, self.peer_layout, self.ids, self.pool.blocks, self.pool.layout,
+                                  self.block_ids, self.num_tokens)
 
 
 class InboundPull:
@@ -223,7 +228,7 @@ class InboundPull:
             if len(grant.src_block_ids) != len(self.landing.ids):
                 raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
                                   f"{len(self.landing.ids)} destination blocks")
-            plan = plan_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+            plan = plan_transfer(self.landing.peer_layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
                                  self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
                                  dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
         if len(plan) > MAX_REGIONS:

@@ -68,7 +68,13 @@ def _add_up(commands) -> None:
                     help=f"the prefill daemon's token budget per step (default {DEFAULT_MAX_BATCH_TOKENS}): longer prompts "
                          "are prefilled in chunks, their finished blocks moving to the decode daemon while later "
                          "chunks compute; shorter ones share a step")
-    up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer")
+    for role in ("prefill", "decode"):
+        up.add_argument(f"--{role}-block-size", type=int, default=0, metavar="N",
+                        help=f"the {role} daemon's tokens per block (default 0: --block-size); prefill and decode "
+                             "may differ, the decode daemon converting what it pulls; the colocated reference uses "
+                             "the decode block size")
+    up.add_argument("--colocated", action="store_true", help="run the requests in this process with no transfer "
+                    "(with the decode block size)")
     up.add_argument("--dcp", type=int, default=1,
                     help="decode-context-parallel ranks of the decode daemon (default 1): N rank processes, the "
                          "kpool cache sharded over them, each with the whole ring; with --device cuda one GPU each")

@@ -111,17 +111,30 @@ class Teardown:
         os._exit(128 + signum)
 
 
+def block_sizes(args) -> tuple[int, int]:
+    """The prefill and decode daemons' block sizes: ``--prefill-block-size`` and
+    ``--decode-block-size``, each defaulting to ``--block-size`` (0: the model's default)."""
+    return (args.prefill_block_size or args.block_size, args.decode_block_size or args.block_size)
+
+
 def run_up(args) -> int:
     for name in ("requests", "prompt_len", "max_tokens", "max_batch_tokens"):
         if getattr(args, name) < 1:
             _progress(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
             return 2
-    try:
-        config = model_config(vars(args))  # a bad combination fails here, before any daemon starts
+    for name in ("prefill_block_size", "decode_block_size"):
+        if getattr(args, name) < 0:
+            _progress(f"error: --{name.replace('_', '-')} must be >= 0 (0: --block-size), got {getattr(args, name)}")
+            return 2
+    try:  # a bad combination fails here, before any daemon starts
+        prefill_config, config = (model_config({**vars(args), "block_size": size}) for size in block_sizes(args))
     except ValueError as exc:
         _progress(f"error: {exc}")
         return 2
     try:
+        if args.dcp > 1 and prefill_config.resolved_block_size != config.resolved_block_size:
+            raise ValueError(f"--dcp {args.dcp} needs one block size for prefill and decode, got "
+                             f"{prefill_config.resolved_block_size} and {config.resolved_block_size}")
         DcpConfig.for_cache(config.cache_config(), size=args.dcp, interleave=args.dcp_interleave or None)
         prefill_device, decode_device = placement(args.device, args.dcp)
     except ValueError as exc:
@@ -148,7 +161,8 @@ def run_up(args) -> int:
         _print(args, results, report)
         return 0
 
-    model = model_flags(vars(args))
+    prefill_model, model = (model_flags({**vars(args), "block_size": c.resolved_block_size})
+                            for c in (prefill_config, config))
     limits = ["--max-prompt-tokens", str(args.prompt_len), "--max-new-tokens", str(args.max_tokens)]
     with Teardown() as teardown, tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
         workdir = teardown.workdir = Path(tmp)
@@ -171,9 +185,10 @@ def run_up(args) -> int:
         # the daemons; through the environment, since any user can read a command line.
         client_token, peer_token = secrets.token_hex(16), secrets.token_hex(16)
         peer_env = {"KPOOLPD_PEER_TOKEN": peer_token}
-        _progress(f"starting the prefill daemon on {prefill_device} (transport {args.transport}; logs in {workdir}) ...")
+        _progress(f"starting the prefill daemon on {prefill_device} (transport {args.transport}, "
+                  f"{prefill_config.resolved_block_size}-token blocks; logs in {workdir}) ...")
         t0 = time.perf_counter()
-        with teardown.track(start_prefill(workdir, model, transports=args.transport, env=peer_env,
+        with teardown.track(start_prefill(workdir, prefill_model, transports=args.transport, env=peer_env,
                                           extra=["--max-prompt-tokens", str(args.prompt_len), "--device", prefill_device,
                                                  "--max-batch-tokens", str(args.max_batch_tokens),
                                                  *tls_flags])) as prefill:
@@ -182,8 +197,8 @@ def run_up(args) -> int:
                 _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
                           f"after {time.perf_counter() - t0:.1f} s")
                 t0 = time.perf_counter()
-                _progress(f"starting the decode daemon on {decode_device}"
-                          f"{f' with {args.dcp} DCP ranks' if args.dcp > 1 else ''} ...")
+                _progress(f"starting the decode daemon on {decode_device} ({config.resolved_block_size}-token blocks"
+                          f"{f', {args.dcp} DCP ranks' if args.dcp > 1 else ''}) ...")
                 with teardown.track(start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
                                                  transport=args.transport,
                                                  env={**peer_env, "KPOOLPD_TOKEN": client_token},
@@ -206,7 +221,8 @@ def run_up(args) -> int:
                 return 2
     _progress(f"running the colocated reference on {reference_device} ...")
     reference = run_colocated(config, requests, device=reference_device)
-    report = summary(results, mode="pd", wall_s=wall, model=config.describe(), devices=(prefill_device, decode_device),
+    described = config.describe() | {"prefill_block_size": prefill_config.resolved_block_size}
+    report = summary(results, mode="pd", wall_s=wall, model=described, devices=(prefill_device, decode_device),
                      transport=args.transport, tls=args.tls, reference=reference,
                      data_plane_encrypted=bool(args.tls) and args.transport == "grpc", dcp=args.dcp)
     _print(args, results, report)

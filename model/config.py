@@ -114,7 +114,11 @@ class ModelConfig:
 
     def identity(self) -> str:
         """The model's identity for a handshake: canonical JSON (sorted keys, no spaces) of every
-        field, each of which changes tokens or bytes (``describe()`` plus the pool mode and the QSA
-        dtype). Two nodes may exchange caches only when their identities are equal."""
+        field that changes tokens or what the cache's bytes mean (``describe()`` plus the pool mode
+        and the QSA dtype, less the block size and the kernel page, which only arrange the bytes:
+        prefill and decode may differ in them, see ``connector.compat``). Two nodes may exchange
+        caches only when their identities are equal."""
         fields = {**self.describe(), "pool_mode": self.pool_mode.value, "qsa_dtype": self.qsa_dtype.value}
+        for arranging in ("block_size", "kernel_page_states"):
+            del fields[arranging]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

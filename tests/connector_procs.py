@@ -27,6 +27,7 @@ TOKEN = "s3cret-token"
 CONFIGS = {
     "kpool": CONFIG,
     "kpool-2heads": replace(CONFIG, mla_num_heads=2),
+    "kpool2": replace(CONFIG, kpool=2, num_spec=0, block_size=128, mla_num_heads=2),
     "qsa-2heads": CacheConfig(family=CacheFamily.QSA, layer_names=("a", "b"), block_size=32, compress_ratio=4, num_spec=1,
                               mla_entry_bytes=32, mla_num_heads=2, qsa_num_heads=2, qsa_head_size=64),
 }
@@ -41,22 +42,44 @@ def _as_bytes(view: torch.Tensor) -> torch.Tensor:
     return view.contiguous().view(torch.uint8)
 
 
+def _rows(view: torch.Tensor, block_ids, count: int) -> torch.Tensor:
+    """uint8 [count, row bytes]: rows 0..count-1 of a request, row g in ``block_ids[g // rows]`` at
+    ``g % rows``, from a typed view [blocks, rows, ...] (any storage order: compared by bytes)."""
+    rows = view.shape[1]
+    g = torch.arange(count)
+    table = torch.tensor(list(block_ids), dtype=torch.int64)
+    picked = view[table[g // rows], g % rows] if count else view[:0, 0]
+    return picked.contiguous().view(torch.uint8).reshape(count, -1)
+
+
+def _page_rows(pool: CachePool, layer: int, num_tokens: int) -> list[tuple[str, torch.Tensor, int]]:
+    """A layer's per-position views of a pool: (name, typed view [blocks, rows, ...], rows of the
+    first ``num_tokens`` positions). MLA by token, kpool entries and scales by state, QSA keys by group."""
+    config = pool.config
+    mla = pool.mla(layer)
+    views = [("mla", mla, num_tokens)]
+    if config.family is CacheFamily.KPOOL:
+        states = -(-num_tokens // config.kpool)
+        q, scale = pool.indexer_q(layer), pool.indexer_scale(layer)
+        views += [("indexer entries", q.reshape(q.shape[0], -1, q.shape[-1]), states),
+                  ("indexer scales", scale.reshape(scale.shape[0], -1), states)]
+    else:
+        views += [("qsa keys", pool.qsa_keys(layer), -(-num_tokens // config.compress_ratio))]
+    return views
+
+
 def state_differences(dst: CachePool, dst_blocks, dst_ring: int, src: CachePool, src_blocks, src_ring: int,
-                      ring_slots) -> list[str]:
-    """Where a request's state in ``dst`` differs from ``src``, compared layer by layer through the
-    pools' logical views (MLA pages, indexer page or QSA keys, ring rows of the live slots)."""
+                      ring_slots, num_tokens: int) -> list[str]:
+    """Where a request's state in ``dst`` differs from ``src`` for positions [0, num_tokens), compared
+    layer by layer through the pools' logical views by position (MLA rows, kpool entries and scales
+    or QSA keys, ring rows of the live slots), so the two pools may differ in block size, order and
+    kernel page."""
     bad = []
     slots = torch.tensor(list(ring_slots), dtype=torch.int64)
     for layer in range(dst.config.num_layers):
-        views = [("mla", CachePool.mla)]
-        if dst.config.family is CacheFamily.KPOOL:
-            views += [("indexer", CachePool.indexer_page)]
-        else:
-            views += [("qsa_keys", CachePool.qsa_keys)]
-        for name, view in views:
-            for j, (d, s) in enumerate(zip(dst_blocks, src_blocks)):
-                if not torch.equal(_as_bytes(view(dst, layer)[d]), _as_bytes(view(src, layer)[s])):
-                    bad.append(f"layer {layer} {name} block {j}")
+        for (name, got, count), (_, want, _) in zip(_page_rows(dst, layer, num_tokens), _page_rows(src, layer, num_tokens)):
+            if not torch.equal(_rows(got, dst_blocks, count), _rows(want, src_blocks, count)):
+                bad.append(f"layer {layer} {name} of {num_tokens} positions")
         if dst.config.family is CacheFamily.KPOOL:
             got, want = dst.tail_ring(layer)[dst_ring][:, slots], src.tail_ring(layer)[src_ring][:, slots]
         else:
@@ -287,10 +310,10 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 rid = f"order-{transport}-{i}"
                 grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
                 with await peer.pull(grant, transport=t, integrity=i % 2 == 0) as landed:
-                    src = mirror_pool(peer_layout, rid, len(landed.block_ids))
+                    src = mirror_pool(peer_layout, rid, landed.grant.num_blocks)
                     out["differences"] += [f"{rid}: {d}" for d in state_differences(
-                        pool, landed.block_ids, landed.ring_id, src, range(len(landed.block_ids)), 0,
-                        live_slots(layout.config, n))]
+                        pool, landed.block_ids, landed.ring_id, src, range(landed.grant.num_blocks), 0,
+                        live_slots(layout.config, n), n)]
                     out["repacked"].append(landed.repacked)
             out["end_free"] = (blocks.num_free, rings.num_free)
         elif scenario == "failed_pulls_then_more":

@@ -215,9 +215,10 @@ def test_model_identity_covers_every_field():
                "pool_mode": next(m for m in PoolMode if m is not base.pool_mode),
                "qsa_dtype": next(d for d in CacheDtype if d is not base.qsa_dtype), "kernel_page_states": 32}
     assert set(changed) == {f.name for f in dataclasses.fields(ModelConfig)}
+    arranging = {"block_size", "kernel_page_states"}  # arrange the cache's bytes only: peers may differ in them
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})
-        assert other.identity() != base.identity(), name
+        assert (other.identity() == base.identity()) is (name in arranging), name
         assert json.loads(base.identity()) == json.loads(base.identity()) and " " not in base.identity()
     assert model_differences(base.identity(), dataclasses.replace(base, seed=2).identity()) == ["seed 0 vs 2"]
 

@@ -10,7 +10,8 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SKIP_BENCH, SKIP_TRANSFER and SKIP_DCP leave a step out; NO_NIXL leaves out the transfer bench's NIXL baseline.
+# SKIP_BENCH, SKIP_TRANSFER and SKIP_DCP leave a step out; NO_NIXL leaves out the transfer bench's NIXL baseline;
+# PREFILL_BLOCK_SIZE (default 128) is the block size of the heterogeneous pull measured beside the 256-token one.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -41,6 +42,7 @@ if [ "$gpus" -ge 2 ]; then placement=(--two-gpu --machine h200x2); else placemen
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
   timeout "${TRANSFER_TIMEOUT:-240}" python3 -m bench.transfer --device cuda "${placement[@]}" --layers 61 \
     --tokens "${TRANSFER_TOKENS:-256,1024,4096,16384,32768}" --reps "${TRANSFER_REPS:-5}" ${NO_NIXL:+--no-nixl} \
+    --block-size 256 --prefill-block-size "${PREFILL_BLOCK_SIZE:-128}" \
     --out "$OUT/transfer" >> "$OUT/bench.log" 2>&1
   transfer_rc=$?
 fi

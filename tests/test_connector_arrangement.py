@@ -1,11 +1,13 @@
-"""Two nodes whose layouts differ only in block order (BLNHC / BLHNC): the handshake accepts them,
-the decode node lands the blocks in a staging buffer and converts them with
-kernels.repack_blocks, and every layer's MLA page, indexer page or QSA keys, and ring rows read
-the same through both sides' views. Any other difference is still refused."""
+"""Two nodes whose layouts arrange the same cache otherwise (block size, block order BLNHC / BLHNC,
+kernel page): the handshake accepts them, the decode node lands the blocks in a staging buffer
+and places them with kernels.repack_tokens, and every layer's MLA rows, kpool entries and scales
+or QSA keys of the prompt's positions, and the ring's live rows, read the same through both
+sides' views. Any difference in what the bytes mean is still refused."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -16,6 +18,7 @@ import kernels
 from connector import StatusError, Transport, auth_metadata
 from connector import prefill_api as pb
 from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
+from connector.compat import ARRANGING_FIELDS
 from connector.wire import layout_message
 from kvcache import BlockLayout
 from tests import connector_procs as procs
@@ -44,40 +47,70 @@ def test_blhnc_prefill_process_to_blnhc_decode_process(prefill, transport):
     assert node.counts() == (node.free_blocks, node.free_rings, 0)
 
 
-# in one process: QSA keys with two heads, both directions, both transports -------------------
+# in one process: both families, block sizes, orders and kernel pages, both transports -------
 async def _pull_and_compare(pair: InProcessPair, transport: Transport, prompt_len: int, request_id: str) -> list[str]:
     peer = await pair.decode.connect(pair.address)
     grant = await peer.prefill(request_id, [7] * prompt_len)
     with await peer.pull(grant, transport=transport, integrity=True) as landed:
         src_layout = pair.prefill.pool.layout
-        src = procs.mirror_pool(src_layout, request_id, len(landed.block_ids))
+        src = procs.mirror_pool(src_layout, request_id, grant.num_blocks)
         dst = pair.decode.pool
         assert landed.repacked is peer.repacks
-        if peer.repacks:  # the conversion has teeth: the stored bytes differ, the logical views agree
+        assert len(landed.block_ids) == dst.config.blocks_for_tokens(prompt_len)
+        if peer.repacks and src_layout.block_bytes == dst.layout.block_bytes and prompt_len > 1:
+            # the conversion has teeth: the stored bytes differ, the views agree
             assert not torch.equal(dst.blocks[landed.block_ids[0]], src.blocks[0])
-        return procs.state_differences(dst, landed.block_ids, landed.ring_id, src, range(len(landed.block_ids)), 0,
-                                       procs.live_slots(dst.config, prompt_len))
+        return procs.state_differences(dst, landed.block_ids, landed.ring_id, src, range(grant.num_blocks), 0,
+                                       procs.live_slots(dst.config, prompt_len), prompt_len)
+
+
+def _arranged(name: str, order: str = "BLNHC", block_size: int | None = None, page: int | None = None):
+    config = procs.make_config(name, order)
+    return dataclasses.replace(config, block_size=block_size or config.block_size,
+                               kernel_page_states=page or config.kernel_page_states)
+
+
+# (cache, prefill (order, block size, kernel page), decode (...)): kpool 4 with 3 drafts (ring 8) and two
+# MLA heads, kpool 2 (states of a 128-token block fill a 64-state page; 256 tokens make two pages, or four
+# of 32), QSA ratio 4 with two heads.
+ARRANGEMENTS = {
+    "kpool-32-to-64": ("kpool-2heads", ("BLNHC", 32, None), ("BLNHC", 64, None)),
+    "kpool-128-to-32-blhnc": ("kpool-2heads", ("BLNHC", 128, None), ("BLHNC", 32, None)),
+    "kpool-64-to-128": ("kpool-2heads", ("BLHNC", 64, None), ("BLNHC", 128, None)),
+    "kpool-64-to-192": ("kpool-2heads", ("BLNHC", 64, None), ("BLNHC", 192, None)),
+    "kpool2-128-to-256-two-pages": ("kpool2", ("BLNHC", 128, None), ("BLNHC", 256, None)),
+    "kpool2-256-to-256-page32": ("kpool2", ("BLNHC", 256, 64), ("BLNHC", 256, 32)),
+    "qsa-16-to-32": ("qsa-2heads", ("BLNHC", 16, None), ("BLNHC", 32, None)),
+    "qsa-64-to-16-blhnc": ("qsa-2heads", ("BLHNC", 64, None), ("BLNHC", 16, None)),
+    "qsa-order-only": ("qsa-2heads", ("BLNHC", 32, None), ("BLHNC", 32, None)),
+    "qsa-same": ("qsa-2heads", ("BLHNC", 32, None), ("BLHNC", 32, None)),
+}
 
 
 @pytest.mark.parametrize("transport", [Transport.GRPC_STREAM, Transport.UCX], ids=["grpc", "ucx"])
-@pytest.mark.parametrize("prefill_order,decode_order", [("BLNHC", "BLHNC"), ("BLHNC", "BLNHC"), ("BLHNC", "BLHNC")],
-                         ids=["blnhc-to-blhnc", "blhnc-to-blnhc", "same-order"])
-def test_qsa_keys_convert_between_orders(prefill_order, decode_order, transport):
+@pytest.mark.parametrize("name", list(ARRANGEMENTS))
+def test_pull_between_arrangements(name, transport):
+    cache, prefill_side, decode_side = ARRANGEMENTS[name]
+
     async def main():
-        async with InProcessPair(prefill_config=procs.make_config("qsa-2heads", prefill_order),
-                                 decode_config=procs.make_config("qsa-2heads", decode_order),
-                                 transports=(transport,)) as pair:
+        async with InProcessPair(prefill_config=_arranged(cache, *prefill_side),
+                                 decode_config=_arranged(cache, *decode_side), transports=(transport,),
+                                 num_blocks=48) as pair:
             start = pair.free()
-            for i, n in enumerate([1, 33, 3 * 32 + 2]):  # one token, a block and a bit, an open QSA group
-                assert await _pull_and_compare(pair, transport, n, f"qsa-{i}") == []
+            peer = await pair.decode.connect(pair.address)
+            assert peer.repacks is (prefill_side != decode_side)
+            small, large = sorted((prefill_side[1], decode_side[1]))
+            lengths = [1, 3, small - 1, small + 1, large, large + 5, 2 * large + 3]
+            for i, n in enumerate(lengths):
+                assert await _pull_and_compare(pair, transport, n, f"{name}-{i}") == [], n
             assert pair.free() == start
     run(main())
 
 
-def test_equal_orders_land_without_staging(monkeypatch):
+def test_equal_layouts_land_without_staging(monkeypatch):
     def no_repack(*args, **kwargs):
-        raise AssertionError("repack_blocks called for equal layouts")
-    monkeypatch.setattr(kernels, "repack_blocks", no_repack)
+        raise AssertionError("repack_tokens called for equal layouts")
+    monkeypatch.setattr(kernels, "repack_tokens", no_repack)
 
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads")) as pair:
@@ -117,23 +150,27 @@ def test_failed_pull_with_staging_frees_everything(monkeypatch):
     run(main())
 
 
-# refusals: every difference other than the order ------------------------------------------
-@pytest.mark.parametrize("decode_name,decode_order,fields", [
-    ("kpool", "BLHNC", ["mla_num_heads", "order"]),
-    ("qsa-2heads", "BLNHC", None),
-], ids=["order-and-heads", "other-family"])
-def test_handshake_refuses_more_than_an_order_difference(decode_name, decode_order, fields):
+# refusals: every difference in what the bytes mean -----------------------------------------
+@pytest.mark.parametrize("decode_name,decode_order,block_size,fields", [
+    ("kpool", "BLHNC", None, ["mla_num_heads"]),
+    ("kpool", "BLNHC", 128, ["mla_num_heads"]),
+    ("qsa-2heads", "BLNHC", None, None),
+], ids=["order-and-heads", "block-size-and-heads", "other-family"])
+def test_handshake_refuses_a_difference_in_meaning(decode_name, decode_order, block_size, fields):
+    decode_config = _arranged(decode_name, decode_order, block_size)
+
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads", "BLNHC"),
-                                 decode_config=procs.make_config(decode_name, decode_order)) as pair:
+                                 decode_config=decode_config) as pair:
             with pytest.raises(StatusError) as err:
                 await pair.decode.connect(pair.address)
             return err.value
     err = run(main())
     assert err.code is grpc.StatusCode.FAILED_PRECONDITION
-    theirs = procs.make_config(decode_name, decode_order).hash_fields()
+    theirs = decode_config.hash_fields()
     ours = procs.make_config("kpool-2heads").hash_fields()
-    expected = fields or sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    expected = fields or sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)
+                                and k not in ARRANGING_FIELDS)
     assert f"fields {expected}" in err.message
 
 
