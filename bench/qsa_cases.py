@@ -1,17 +1,15 @@
-"""Kernel bench cases of the QSA family: metadata builder, forward update, block repack."""
+"""Kernel bench cases of the QSA family: metadata builder, forward update (the token repack: bench.repack_cases)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from bench.timing import BenchCase, Prepared
-from kernels import build_qsa_metadata, qsa_forward_update, repack_blocks
+from kernels import build_qsa_metadata, qsa_forward_update
 from kernels.qsa_rope import RopeCache
 from kernels.qsa_update.triton import qsa_forward_update_triton
 from kvcache import (
-    INDEX_HEAD_DIM, BlockLayout, BlockOrder, CacheConfig, CacheFamily, blocks_for_tokens, qsa_ring_capacity,
+    INDEX_HEAD_DIM, blocks_for_tokens, qsa_ring_capacity,
 )
 
 D = INDEX_HEAD_DIM
@@ -79,26 +77,6 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
     return make
 
 
-def make_repack(blocks: int = 512, layers: int = 16, block_size: int = 64, heads: int = 8, mla_heads: int = 1):
-    """Block repack BLNHC -> BLHNC of a QSA pool: per layer an MLA page (656 B a token and head) and a
-    compressed-key page of `heads` bf16 heads, transposed; bytes read + written against the device copy."""
-    def make(device: torch.device) -> Prepared:
-        config = CacheConfig(family=CacheFamily.QSA, layer_names=tuple(f"l{i}" for i in range(layers)),
-                             block_size=block_size, mla_num_heads=mla_heads, qsa_num_heads=heads,
-                             order=BlockOrder.BLNHC)
-        src_layout = BlockLayout(config)
-        dst_layout = BlockLayout(replace(config, order=BlockOrder.BLHNC))
-        src = torch.randint(0, 256, (blocks, src_layout.block_bytes), dtype=torch.uint8, device=device)
-        dst = torch.zeros(blocks, dst_layout.block_bytes, dtype=torch.uint8, device=device)
-        gen = torch.Generator(device="cpu").manual_seed(9)
-        src_ids = torch.randperm(blocks, generator=gen).to(device)
-        dst_ids = torch.randperm(blocks, generator=gen).to(device)
-        pages = layers * (src_layout.mla_page_bytes + src_layout.indexer_page_bytes)
-        return Prepared(lambda: repack_blocks(src, src_layout, src_ids, dst, dst_layout, dst_ids),
-                        2 * blocks * pages)
-    return make
-
-
 # (groups a program, warps, PDL, rotary partner by swapping halves)
 QSA_DECODE_VARIANTS = ((1, 1, True, True), (1, 2, True, True), (1, 1, False, True), (1, 1, True, False))
 QSA_PREFILL_VARIANTS = ((2, 1, True), (1, 1, True), (4, 1, True), (2, 2, True), (4, 2, True), (1, 2, True),
@@ -118,10 +96,6 @@ QSA_CASES: list[BenchCase] = [
               make=make_qsa_update(requests=256, q_len=4), decode=True, target_flush1_us=10.0),
     BenchCase(name="qsa forward update (decode), 3 drafts, computed cos/sin", size="1 layer, 256 requests x 4 tokens",
               make=make_qsa_update(requests=256, q_len=4, table=False), decode=True),
-    BenchCase(name="qsa block repack BLNHC->BLHNC", size="512 blocks x 16 layers (MLA 1 head, keys 8 heads)",
-              make=make_repack()),
-    BenchCase(name="qsa block repack BLNHC->BLHNC, MLA 16 heads", size="256 blocks x 16 layers",
-              make=make_repack(blocks=256, mla_heads=16)),
 ]
 
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).

@@ -1,6 +1,6 @@
 """Kernel bench cases of the token repack (kernels.repack_tokens): a whole 61-layer, 32k-token request placed
 from a staging buffer of the prefill node's layout into the decode node's blocks, bytes read + written
-against the device copy; and the same-size case beside the block repack it is to replace."""
+against the device copy; and the same-size case of an order conversion."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from bench.timing import BenchCase, Prepared
-from kernels import repack_blocks, repack_tokens
+from kernels import repack_tokens
 from kernels.token_repack.geometry import block_fields
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, blocks_for_tokens
 
@@ -44,16 +44,6 @@ def make_token_repack(config: CacheConfig, src_changes: dict, dst_changes: dict,
     return make
 
 
-def make_block_repack(config: CacheConfig, tokens: int = TOKENS):
-    """kernels.repack_blocks BLNHC -> BLHNC of the request's whole blocks (the op the token repack replaces)."""
-    def make(device: torch.device) -> Prepared:
-        src_layout, dst_layout = BlockLayout(config), BlockLayout(replace(config, order=BlockOrder.BLHNC))
-        src, src_ids, dst, dst_ids = _tables(src_layout, dst_layout, tokens, device)
-        return Prepared(lambda: repack_blocks(src, src_layout, src_ids, dst, dst_layout, dst_ids),
-                        moved_bytes(src_layout, tokens))
-    return make
-
-
 _SIZE = "61 layers x 32,768 tokens"
 REPACK_CASES: list[BenchCase] = [
     BenchCase(name="token repack 256->128, kpool 4", size=f"{_SIZE}, MLA 656 B (1.34 GB)",
@@ -65,8 +55,6 @@ REPACK_CASES: list[BenchCase] = [
               make=make_token_repack(KPOOL_CONFIG, dict(block_size=64), dict(block_size=192))),
     BenchCase(name="token repack 256->256 NHC->HNC, qsa 8 heads", size=f"{_SIZE}, r 4",
               make=make_token_repack(QSA_CONFIG, {}, dict(order=BlockOrder.BLHNC))),
-    BenchCase(name="block repack 256 NHC->HNC, qsa 8 heads (to be retired)", size=f"{_SIZE}, r 4",
-              make=make_block_repack(QSA_CONFIG)),
     BenchCase(name="token repack 512->128 HNC->NHC, qsa 8 heads", size=f"{_SIZE}, r 4",
               make=make_token_repack(QSA_CONFIG, dict(block_size=512, order=BlockOrder.BLHNC), dict(block_size=128))),
 ]

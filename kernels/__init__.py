@@ -11,7 +11,6 @@ runs, and on which device: an op launches on its tensors' device, never the proc
 Importing the package loads every op's entry point and reference, kpool and QSA alike; an op's
 ``triton`` module is imported on the op's first Triton call."""
 
-from kernels.block_repack import repack_blocks
 from kernels.hadamard import hadamard_matrix
 from kernels.kpool_cache import kpool_read_entries, kpool_write_entries
 from kernels.kpool_compress import kpool_compress
@@ -29,6 +28,6 @@ from kernels.token_repack import repack_tokens
 __all__ = [
     "hadamard_matrix", "kpool_compress", "kpool_decode_update", "kpool_indexer_topk", "kpool_prefill",
     "kpool_read_entries", "kpool_write_entries", "QsaMetadata", "build_qsa_metadata", "compress_group_keys",
-    "mrope_cos_sin", "qsa_forward_update", "qsa_topk", "read_qsa_ring_positions", "repack_blocks",
+    "mrope_cos_sin", "qsa_forward_update", "qsa_topk", "read_qsa_ring_positions",
     "repack_tokens", "text_positions", "write_qsa_ring",
 ]

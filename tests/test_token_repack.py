@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import repack_blocks, repack_tokens
+from kernels import repack_tokens
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool
 from tests.kernel_backends import ALL_BACKENDS, CUDA, INTERPRETER, REFERENCE, Backend, backends, make_backend, poison
 
@@ -174,24 +174,6 @@ ORDER_ONLY["kpool4-256-NHCtoHNC"] = Pair(dict(family=KPOOL, kpool=4, mla_entry_b
 ORDER_ONLY["qsa-fp8-3heads-64-HNCtoNHC"] = Pair(dict(family=QSA, compress_ratio=2, qsa_head_size=64, qsa_num_heads=3,
                                                      qsa_dtype=CacheDtype.FP8, mla_entry_bytes=7, mla_num_heads=3),
                                                 Side(64, order=BLHNC), Side(64, order=BLNHC))
-
-
-@pytest.mark.parametrize("backend", ALL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("blocks", [1, 3])
-@pytest.mark.parametrize("name", list(ORDER_ONLY))
-def test_whole_blocks_give_repack_blocks_bytes(backend, name, blocks):
-    """Equal block sizes and n whole blocks: the bytes of kernels.repack_blocks over the same ids."""
-    pair = ORDER_ONLY[name]
-    src = make_pool(pair.config(pair.src), 5, 40, backend.device)
-    by_tokens = make_pool(pair.config(pair.dst), 6, 41, backend.device)
-    by_blocks = make_pool(pair.config(pair.dst), 6, 41, backend.device)
-    src_ids, dst_ids = shuffled_ids(blocks, 5, 42), shuffled_ids(blocks, 6, 43)
-    ids = lambda values: torch.tensor(values, device=backend.device)  # noqa: E731
-    repack_tokens(src.blocks, src.layout, ids(src_ids), by_tokens.blocks, by_tokens.layout, ids(dst_ids),
-                  blocks * pair.src.block_size)
-    repack_blocks(src.blocks, src.layout, ids(src_ids), by_blocks.blocks, by_blocks.layout, ids(dst_ids))
-    assert torch.equal(by_tokens.blocks.cpu(), by_blocks.blocks.cpu())
-    assert not torch.equal(by_tokens.blocks.cpu(), make_pool(pair.config(pair.dst), 6, 41, torch.device("cpu")).blocks)
 
 
 @st.composite

@@ -33,8 +33,7 @@ from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, 
 from tests.test_token_repack import (test_device_ids_never_sync, test_python_id_lists_and_longer_tables,  # noqa: F401
                                      test_random_pairs_match_view_copy, test_rejects_bad_inputs,
                                      test_repack_matches_view_copy,
-                                     test_valid_arguments_pass_and_unread_ids_are_not_checked,
-                                     test_whole_blocks_give_repack_blocks_bytes)
+                                     test_valid_arguments_pass_and_unread_ids_are_not_checked)
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: run tests/gpu/run_all.sh on the H200 through the device tool")

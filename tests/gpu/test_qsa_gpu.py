@@ -1,25 +1,23 @@
-"""The QSA kernels and the block repack compiled on a CUDA device.
+"""The QSA kernels compiled on a CUDA device.
 
 The kernel-against-reference bodies are tests/test_qsa_triton.py's and tests/test_qsa_update.py's edge
 histories, run here on the ``cuda`` backend (tests/kernel_backends.py; tests/test_qsa_triton.py states
 the comparison rules: on CUDA, compressed rows identical to the reference run on the same CUDA tensors).
 Here as well, what only a GPU shows: the metadata builder and the forward update never synchronise with
 the host and replay from a CUDA graph with the reference's results; random drafted histories keep the PD
-invariant; the block repack equals its reference; and every op runs on its tensors' device (cuda:1 while
+invariant; and every op (the token repack too) runs on its tensors' device (cuda:1 while
 cuda:0 is current).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from kernels import (build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, repack_blocks,
+from kernels import (build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, repack_tokens,
                      write_qsa_ring)
-from kernels.block_repack import ref as repack_ref
 from kernels.qsa_metadata import ref as metadata_ref
 from kernels.qsa_rope import RopeCache
 from kernels.qsa_update import ref as update_ref
@@ -169,42 +167,13 @@ def test_pd_invariant_random_histories_on_cuda(r, num_spec):
     assert state_mismatches(stepped, histories, weight) == []
 
 
-# --- block repack ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("family", [CacheFamily.QSA, CacheFamily.KPOOL], ids=lambda f: f.value)
-@pytest.mark.parametrize("orders", [(BlockOrder.BLNHC, BlockOrder.BLHNC), (BlockOrder.BLHNC, BlockOrder.BLNHC),
-                                    (BlockOrder.BLNHC, BlockOrder.BLNHC)], ids=lambda o: f"{o[0].value}-{o[1].value}")
-def test_repack_matches_reference_and_views(family, orders):
-    base = CacheConfig(family=family, layer_names=tuple(f"l{i}" for i in range(5)), block_size=64,
-                       mla_num_heads=4, qsa_num_heads=4, mla_entry_bytes=656)
-    src = CachePool(BlockLayout(dataclasses.replace(base, order=orders[0])), num_blocks=40, num_rings=1, device="cuda")
-    got = CachePool(BlockLayout(dataclasses.replace(base, order=orders[1])), num_blocks=50, num_rings=1, device="cuda")
-    want = CachePool(got.layout, num_blocks=50, num_rings=1, device="cuda")
-    poison(src.blocks, 1)
-    poison(got.blocks, 2)
-    want.blocks.copy_(got.blocks)
-    gen = torch.Generator().manual_seed(3)
-    src_ids = torch.randperm(40, generator=gen)[:33].cuda()
-    dst_ids = torch.randperm(50, generator=gen)[:33].cuda()
-    repack_blocks(src.blocks, src.layout, src_ids, got.blocks, got.layout, dst_ids)
-    repack_ref.repack_blocks(src.blocks, src.layout, src_ids, want.blocks, want.layout, dst_ids)
-    assert torch.equal(got.blocks, want.blocks)
-    for layer in range(5):
-        assert torch.equal(got.mla(layer)[dst_ids], src.mla(layer)[src_ids])
-        if family is CacheFamily.QSA:
-            assert _same(got.qsa_keys(layer)[dst_ids], src.qsa_keys(layer)[src_ids])
-
-
 # --- every op on its tensors' device ----------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (runs on the H200 pair)")
 def test_every_op_runs_on_its_tensors_device():
-    """Every QSA op and the block repack on cuda:1 tensors while cuda:0 is current give the bytes they give on
+    """Every QSA op and the token repack on cuda:1 tensors while cuda:0 is current give the bytes they give on
     cuda:0."""
     gen = torch.Generator().manual_seed(12)
     r, num_spec, requests = 4, 3, 6
@@ -238,8 +207,8 @@ def test_every_op_runs_on_its_tensors_device():
         top_rows, top_tokens = qsa_topk(on(q), pool.qsa_keys(0), on(table[:5]), on(seq[:5]), compress_ratio=r,
                                         block_size=block_size, topk=3)
         moved = torch.zeros_like(pool.blocks)
-        repack_blocks(pool.blocks, pool.layout, on(torch.arange(requests * 2)), moved, pool.layout,
-                      on(torch.arange(requests * 2).flip(0)))
+        repack_tokens(pool.blocks, pool.layout, on(torch.arange(requests * 2)), moved, pool.layout,
+                      on(torch.arange(requests * 2).flip(0)), requests * 2 * block_size)
         assert torch.cuda.current_device() == 0
         torch.cuda.synchronize(device)
         results[index] = (rows, meta.ring_slot_mapping, meta.k_work, pool.blocks, pool.rings, top_rows, top_tokens,
