@@ -5,6 +5,7 @@ every request's tokens and state digest must equal the colocated run on the GPU,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import subprocess
@@ -35,12 +36,16 @@ def _colocated_on_gpu(config: ModelConfig, requests):
     return {r.request_id: r for r in run_colocated(config, requests, device="cuda:0")}
 
 
+@pytest.mark.parametrize("prefill_block", [None, 128], ids=["same-blocks", "prefill-128-blocks"])
 @pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
-def test_gpu_daemons_equal_colocated(tmp_path, family):
+def test_gpu_daemons_equal_colocated(tmp_path, family, prefill_block):
+    """``prefill-128-blocks``: the prefill daemon stores 128-token blocks, the decode daemon its default 256
+    (the Triton token repack places the staged prompt on the decode GPU)."""
     config = ModelConfig(family=family, num_layers=2, num_spec=3, seed=11)
     flags = model_flags(model_settings(config))
+    prefill_flags = model_flags(model_settings(dataclasses.replace(config, block_size=prefill_block)))
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    prefill = start_prefill(tmp_path, flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text"])
+    prefill = start_prefill(tmp_path, prefill_flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text"])
     decodes = []
     try:
         prefill.wait_ready(READY_S)
