@@ -10,8 +10,10 @@ freed the grants); the cancels landed in every state; every request that was not
 finished and equals the colocated run byte for byte.
 
 Rounds of 20 requests per decode daemon (``--max-running 3``): the three requests aimed at the
-prefill node's steps go first and take every slot; the rest queue behind them, the one aimed at
-the queue is cancelled there, and the others run once the three are cancelled.
+prefill node's steps go first and take every slot (the round waits until the decode node has
+reserved their blocks); the one aimed at the queue follows and is cancelled once the decode node
+counts it waiting (not after a fixed delay, which a loaded machine may outlast before the request
+reached the node); the others queue behind them and run once the three are cancelled.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ HELD = ("prefilling", "pulling", "releasing")  # held on the prefill node until 
 STATES = ("waiting", *HELD, "decoding")
 HOLD_S = 2.0  # the prefill node's hold (tests.soak_prefill)
 CANCEL_HELD_S = 0.5  # a held request is cancelled this long after it was sent
-CANCEL_WAITING_S = 0.15  # the one aimed at the queue: while the held ones still take every slot
+SEEN_S = 10.0  # how long a round waits for the decode node to count its held and queued requests
 MAX_RUNNING = len(HELD)
 SETTLE_S = HOLD_S + 10.0
 READY_S = 120.0
@@ -77,8 +79,15 @@ def plan(transport: str, rounds: int, seed: int) -> list[list[Planned]]:
     return out
 
 
-async def cancelled(stub: api.GenerateServiceStub, p: Planned) -> None:
-    """Send ``p`` and cancel it where it is aimed: after a delay, or after its second tokens."""
+async def until_counted(daemon: Daemon, gauge: str, at_least: float, at_most: float = float("inf")) -> None:
+    """Until the decode node's ``gauge`` reads ``at_least`` to ``at_most`` (AssertionError after ``SEEN_S``)."""
+    reached = await asyncio.to_thread(wait_for, lambda: at_least <= metrics(daemon)[gauge] <= at_most, SEEN_S)
+    assert reached, f"{daemon.name}: {gauge} stayed outside [{at_least}, {at_most}] for {SEEN_S} s"
+
+
+async def cancelled(stub: api.GenerateServiceStub, p: Planned, daemon: Daemon, queued: asyncio.Event) -> None:
+    """Send ``p`` and cancel it where it is aimed: once the node counts it waiting (then ``queued``
+    is set), after a delay (held on the prefill node), or after its second tokens."""
     r = p.request
     call = stub.Generate(api.GenerateRequest(request_id=r.request_id, prompt_token_ids=list(r.prompt),
                                              max_tokens=r.max_tokens), timeout=60)
@@ -88,35 +97,51 @@ async def cancelled(stub: api.GenerateServiceStub, p: Planned) -> None:
             seen += response.WhichOneof("event") == "tokens"
             if seen == 2:  # the first comes before the decode loop; the second from it
                 break
+    elif p.aim == "waiting":
+        await until_counted(daemon, "kpoolpd_decode_waiting", 1)  # the held ones take every slot: it queues
+        queued.set()
     else:
-        await asyncio.sleep(CANCEL_WAITING_S if p.aim == "waiting" else CANCEL_HELD_S)
+        await asyncio.sleep(CANCEL_HELD_S)
     call.cancel()
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
         async for _ in call:
             pass
 
 
-async def run_round(stub: api.GenerateServiceStub, planned: list[Planned]) -> list:
+async def run_round(stub: api.GenerateServiceStub, planned: list[Planned], daemon: Daemon) -> list:
     async def finished(p: Planned):
         try:
             return await generate_one(stub, p.request, token=None, timeout_s=60)
         except RequestFailed as exc:
             return exc
 
+    queued = asyncio.Event()
+
     def start(p: Planned):
-        return asyncio.ensure_future(finished(p) if p.aim is None else cancelled(stub, p))
+        return asyncio.ensure_future(finished(p) if p.aim is None else cancelled(stub, p, daemon, queued))
+    await until_counted(daemon, "kpoolpd_decode_reserved_blocks", 0, 0)  # the last round's cancels are freed
     tasks = [start(p) for p in planned if p.aim in HELD]
-    await asyncio.sleep(0.05)  # they hold every slot now: the rest queue
-    tasks += [start(p) for p in planned if p.aim not in HELD]
+    try:
+        held_blocks = sum(CONFIG.blocks_for(len(p.request.prompt), p.request.max_tokens)
+                          for p in planned if p.aim in HELD)
+        await until_counted(daemon, "kpoolpd_decode_reserved_blocks", held_blocks)  # they hold every slot now
+        tasks += [start(p) for p in planned if p.aim == "waiting"]
+        await asyncio.wait_for(queued.wait(), SEEN_S)  # it queued (and is cancelled): the rest queue behind it
+        tasks += [start(p) for p in planned if p.aim not in (*HELD, "waiting")]
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return [r for r in await asyncio.gather(*tasks) if r is not None]
 
 
-async def drive(port: int, rounds: list[list[Planned]]) -> list:
-    async with open_channel(f"127.0.0.1:{port}", None) as channel:
+async def drive(daemon: Daemon, rounds: list[list[Planned]]) -> list:
+    async with open_channel(f"127.0.0.1:{daemon.port}", None) as channel:
         stub = api.GenerateServiceStub(channel)
         results = []
         for planned in rounds:
-            results += await run_round(stub, planned)
+            results += await run_round(stub, planned, daemon)
         return results
 
 
@@ -155,7 +180,7 @@ def test_cancels_aimed_at_every_state_leave_nothing_held_and_the_rest_match_colo
         prefill_start = held_counts(prefill, "prefill")
 
         async def everything():
-            return await asyncio.gather(*(drive(d.port, rounds[t]) for d, t in zip(decodes, TRANSPORTS)))
+            return await asyncio.gather(*(drive(d, rounds[t]) for d, t in zip(decodes, TRANSPORTS)))
         outcomes = asyncio.run(everything())
 
         assert wait_for(lambda: held_counts(prefill, "prefill") == prefill_start, SETTLE_S), \
