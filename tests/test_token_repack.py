@@ -167,6 +167,30 @@ def test_python_id_lists_and_longer_tables(backend):
     check_repack(backend, pair, 64, seed=6)  # 1 of 6 source ids and 1 of 2 destination ids are read
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS, indirect=True)
+def test_buffers_at_other_alignments_after_an_aligned_call(backend):
+    """The Triton path works out each layout pair's launches once and keeps them; the words and 16-byte
+    hints depend on the buffers' addresses, so buffers that start 1, 2 or 8 bytes past an aligned address,
+    after a call on aligned ones, still get every byte right."""
+    pair = PAIRS["kpool8-256to512"]
+    src_config, dst_config = pair.config(pair.src), pair.config(pair.dst)
+    src, want = make_pool(src_config, 3, 11, torch.device("cpu")), make_pool(dst_config, 3, 12, torch.device("cpu"))
+    num_tokens = 300
+    expected_copy(src, [2, 0], want, [1], num_tokens)
+    for shift in (0, 1, 2, 8):
+        def shifted(blocks: torch.Tensor) -> torch.Tensor:  # the same bytes, ``shift`` bytes past an aligned start
+            raw = torch.empty(blocks.numel() + 16, dtype=torch.uint8, device=backend.device)
+            assert raw.data_ptr() % 16 == 0
+            view = raw[shift:shift + blocks.numel()].view(blocks.shape)
+            view.copy_(blocks)
+            return view
+        src_blocks = shifted(src.blocks.to(backend.device))
+        got = shifted(make_pool(dst_config, 3, 12, torch.device("cpu")).blocks.to(backend.device))
+        assert (src_blocks.data_ptr() % 16, got.data_ptr() % 16) == (shift, shift)
+        repack_tokens(src_blocks, src.layout, [2, 0], got, want.layout, [1], num_tokens)
+        assert torch.equal(got.cpu(), want.blocks), f"bytes differ with buffers {shift} bytes past alignment"
+
+
 ORDER_ONLY = {name: pair for name, pair in PAIRS.items() if pair.src.block_size == pair.dst.block_size
               and pair.src.page_states == pair.dst.page_states}
 ORDER_ONLY["kpool4-256-NHCtoHNC"] = Pair(dict(family=KPOOL, kpool=4, mla_entry_bytes=24, mla_num_heads=4),

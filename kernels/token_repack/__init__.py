@@ -55,7 +55,7 @@ def _ids(name: str, ids: torch.Tensor | Sequence[int], device: torch.device) -> 
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise TypeError(f"{name} must be a tensor or a sequence of ints, got {type(ids).__name__}")
     values = list(ids)
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+    if not all(type(v) is int for v in values):  # bool (an int subclass) is refused too
         raise TypeError(f"{name} must be a tensor or a sequence of ints, got {values!r}")
     return torch.tensor(values, dtype=torch.int64, device=device)
 

@@ -21,18 +21,21 @@ checks the ids on the host).
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.token_repack.geometry import FieldGeometry, block_fields
-from kvcache import BlockLayout
+from kvcache import BlockLayout, CacheConfig
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 RUN_WORDS_CUDA = 4096  # most words of one run tile (32 KiB at 8-byte words; 4096-8192 measured alike on an H200)
 RUN_CHUNK_CUDA = 1024  # words a run program moves per step: 8 a thread with 4 warps
+NUM_WARPS = 4
 ROW_TILE_WORDS_CUDA = 4096  # words a rows program moves per piece chunk
 INTERPRETER_TILE_WORDS = 8192  # the interpreter pays per program and per op: few tiles, not huge ones
 MAX_PIECE_CHUNK = 64  # a rows program moves a piece in chunks of at most this many words
@@ -118,6 +121,58 @@ def _run_rows(src: FieldGeometry, dst: FieldGeometry, piece_words: int, budget: 
     return max(d for d in range(1, common + 1) if common % d == 0 and (d == 1 or d * piece_words <= budget))
 
 
+@dataclass(frozen=True)
+class FieldLaunch:
+    """One field's launch, fixed by the layout pair and the buffers' row strides and alignments: the
+    kernel, its geometry in words (source then destination), and its tile constants."""
+
+    kernel: triton.JITFunction
+    word: int  # bytes of the word the field moves in
+    tokens_per_row: int
+    layers: int
+    heads: int
+    geometry: tuple[int, ...]
+    meta: tuple[tuple[str, int], ...]  # the kernel's remaining constexprs (PIECE, BLOCK_R, CHUNK or BLOCK_E, VEC)
+    num_warps: int
+
+    def grid(self, rows: int) -> tuple[int, int, int]:
+        return (triton.cdiv(rows, dict(self.meta)["BLOCK_R"]), self.layers, self.heads)
+
+
+def _field_launch(src_field: FieldGeometry, dst_field: FieldGeometry, src_stride: int, dst_stride: int,
+                  src_address: int, dst_address: int, layers: int, interpreter: bool) -> FieldLaunch:
+    assert (src_field.kind, src_field.heads, src_field.piece_bytes, src_field.tokens_per_row) == \
+        (dst_field.kind, dst_field.heads, dst_field.piece_bytes, dst_field.tokens_per_row), (src_field, dst_field)
+    folded = (src_field.heads_folded(), dst_field.heads_folded())
+    if folded[0].heads == folded[1].heads:  # fold only where both sides can
+        src_field, dst_field = folded
+    addresses = [*src_field.strides(), *dst_field.strides(), src_stride, dst_stride, src_address, dst_address]
+    word = word_bytes(addresses)
+    vec = word_bytes(addresses, widest=16) // word  # words of a 16-byte-aligned access where all allow it
+    piece = src_field.piece_bytes // word
+    geometry = (*_geometry_words(src_field, src_stride // word, word), *_geometry_words(dst_field, dst_stride // word, word))
+    if src_field.rows_contiguous and dst_field.rows_contiguous:
+        block_r = _run_rows(src_field, dst_field, piece, INTERPRETER_TILE_WORDS if interpreter else RUN_WORDS_CUDA)
+        chunk = min(INTERPRETER_TILE_WORDS if interpreter else RUN_CHUNK_CUDA, triton.next_power_of_2(block_r * piece))
+        kernel, meta = _runs_kernel, (("PIECE", piece), ("BLOCK_R", block_r), ("CHUNK", chunk), ("VEC", vec))
+    else:
+        block_e = min(triton.next_power_of_2(piece), MAX_PIECE_CHUNK)
+        block_r = max(1, (INTERPRETER_TILE_WORDS if interpreter else ROW_TILE_WORDS_CUDA) // block_e)
+        kernel, meta = _rows_kernel, (("PIECE", piece), ("BLOCK_R", block_r), ("BLOCK_E", block_e), ("VEC", vec))
+    return FieldLaunch(kernel=kernel, word=word, tokens_per_row=src_field.tokens_per_row, layers=layers, heads=src_field.heads,
+                       geometry=geometry, meta=meta, num_warps=NUM_WARPS)
+
+
+@functools.lru_cache(maxsize=256)
+def launch_plan(src_config: CacheConfig, dst_config: CacheConfig, src_stride: int, dst_stride: int, src_align: int,
+                dst_align: int, interpreter: bool) -> tuple[FieldLaunch, ...]:
+    """Every field's launch for a layout pair (the geometry is worked out once per pair, buffer row
+    strides in bytes, and buffer address alignments (address mod 16), not at every call)."""
+    src_layout, dst_layout = BlockLayout(src_config), BlockLayout(dst_config)
+    return tuple(_field_launch(s, d, src_stride, dst_stride, src_align, dst_align, len(src_layout.layers), interpreter)
+                 for s, d in zip(block_fields(src_layout), block_fields(dst_layout), strict=True))
+
+
 def repack_tokens_triton(src_blocks: torch.Tensor, src_layout: BlockLayout, src_ids: torch.Tensor,
                          dst_blocks: torch.Tensor, dst_layout: BlockLayout, dst_ids: torch.Tensor,
                          num_tokens: int) -> None:
@@ -125,31 +180,10 @@ def repack_tokens_triton(src_blocks: torch.Tensor, src_layout: BlockLayout, src_
     # src_ids: [>= ceil(n / src block_size)] int; dst_ids: [>= ceil(n / dst block_size)] int; n = num_tokens
     if num_tokens == 0:
         return
-    interpreter = not src_blocks.is_cuda
-    layers = len(src_layout.layers)
-    for src_field, dst_field in zip(block_fields(src_layout), block_fields(dst_layout), strict=True):
-        assert (src_field.kind, src_field.heads, src_field.piece_bytes, src_field.tokens_per_row) == \
-            (dst_field.kind, dst_field.heads, dst_field.piece_bytes, dst_field.tokens_per_row), (src_field, dst_field)
-        rows = src_field.rows_for_tokens(num_tokens)
-        folded = (src_field.heads_folded(), dst_field.heads_folded())
-        if folded[0].heads == folded[1].heads:  # fold only where both sides can
-            src_field, dst_field = folded
-        addresses = [*src_field.strides(), *dst_field.strides(), src_blocks.stride(0), dst_blocks.stride(0),
-                     src_blocks.data_ptr(), dst_blocks.data_ptr()]
-        word = word_bytes(addresses)
-        vec = word_bytes(addresses, widest=16) // word  # words of a 16-byte-aligned access where all allow it
-        src, dst = src_blocks.view(_WORDS[word]), dst_blocks.view(_WORDS[word])
-        piece = src_field.piece_bytes // word
-        args = (src, dst, src_ids, dst_ids, rows, src_blocks.shape[0], dst_blocks.shape[0],
-                *_geometry_words(src_field, src.stride(0), word), *_geometry_words(dst_field, dst.stride(0), word))
-        if src_field.rows_contiguous and dst_field.rows_contiguous:
-            block_r = _run_rows(src_field, dst_field, piece, INTERPRETER_TILE_WORDS if interpreter else RUN_WORDS_CUDA)
-            chunk = INTERPRETER_TILE_WORDS if interpreter else RUN_CHUNK_CUDA
-            chunk = min(chunk, triton.next_power_of_2(block_r * piece))
-            _runs_kernel[(triton.cdiv(rows, block_r), layers, src_field.heads)](
-                *args, PIECE=piece, BLOCK_R=block_r, CHUNK=chunk, VEC=vec, num_warps=4)
-        else:
-            block_e = min(triton.next_power_of_2(piece), MAX_PIECE_CHUNK)
-            block_r = max(1, (INTERPRETER_TILE_WORDS if interpreter else ROW_TILE_WORDS_CUDA) // block_e)
-            _rows_kernel[(triton.cdiv(rows, block_r), layers, src_field.heads)](
-                *args, PIECE=piece, BLOCK_R=block_r, BLOCK_E=block_e, VEC=vec, num_warps=4)
+    plan = launch_plan(src_layout.config, dst_layout.config, src_blocks.stride(0), dst_blocks.stride(0),
+                       src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16, not src_blocks.is_cuda)
+    for launch in plan:
+        rows = -(-num_tokens // launch.tokens_per_row)
+        src, dst = src_blocks.view(_WORDS[launch.word]), dst_blocks.view(_WORDS[launch.word])
+        launch.kernel[launch.grid(rows)](src, dst, src_ids, dst_ids, rows, src_blocks.shape[0], dst_blocks.shape[0],
+                                         *launch.geometry, **dict(launch.meta), num_warps=launch.num_warps)
