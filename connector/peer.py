@@ -317,7 +317,8 @@ class PrefillPeer:
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
-        pull = InboundPull(lambda: self._pull(req, timeout=c.config.transfer_timeout_s, metadata=self._md),
+        deadline_s = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # the pull's budget
+        pull = InboundPull(lambda: self._pull(req, timeout=deadline_s, metadata=self._md),
                            address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
                            keep=self._follow_on, dcp=dcp)

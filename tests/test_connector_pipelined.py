@@ -96,6 +96,32 @@ def test_a_chunks_blocks_land_before_the_next_chunk_is_computed(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_computation_longer_than_the_transfer_deadline_still_lands(transport):
+    """A pipelined pull may take the computation's time (rpc_timeout_s) on top of the transfer's: the Pull
+    call's own gRPC deadline is that whole budget, not transfer_timeout_s alone."""
+    config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=0.5, piece_tokens=BLOCK)
+
+    async def scenario():
+        steps = Steps()
+        engine = procs.ChunkedFillEngine(2 * BLOCK, steps)
+        async with InProcessPair(engine=engine, config=config, transports=(transport,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            n = 3 * BLOCK + 5  # two chunks
+            grant = await peer.prefill("slow", list(range(1, n + 1)), pipelined=True)
+            pull = asyncio.ensure_future(peer.pull(grant, transport=transport))
+            steps.go()
+            await asyncio.sleep(1.0)  # twice the transfer deadline before the last chunk
+            assert not pull.done()
+            steps.go()
+            with await pull as landed:
+                differences, compared = procs.landed_differences(pair.decode.pool, landed, "slow", n)
+                assert not differences and compared > 0
+            await soon(lambda: pair.free() == start, "everything freed")
+    run(scenario())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_computation_failing_mid_prompt_fails_the_pull_and_frees_both_nodes(transport):
     async def scenario():
         steps = Steps()
