@@ -21,7 +21,7 @@ from connector import prefill_api as pb
 from connector.auth import auth_metadata
 from connector.channels import open_channel
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, ucx_options_for
 from connector.errors import StatusError, rpc_failure
 from connector.metrics import ConnectorMetrics
 from connector.peer import PrefillPeer
@@ -59,7 +59,7 @@ class DecodeConnector:
     async def start(self) -> "DecodeConnector":
         """Make the UCX worker when UCX is among ``transports`` (idempotent); returns self."""
         if Transport.UCX in self.transports and self.ucx is None:
-            self.ucx = UcxNode(self.config.ucx_options)
+            self.ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type))
             if self.config.tls is not None:
                 logger.warning(NOT_ENCRYPTED)
         return self

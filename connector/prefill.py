@@ -41,7 +41,7 @@ from connector import prefill_api as pb
 from connector import pull_frames, regions
 from connector.auth import Credential
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, ucx_options_for
 from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable
@@ -106,7 +106,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         """Make the UCX worker (when UCX is offered) and start the lease reaper; call it on the
         event loop that will serve the RPCs, before the server starts. Idempotent."""
         if Transport.UCX in self.transports and self._ucx is None:
-            self._ucx = UcxNode(self.config.ucx_options)
+            self._ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type))
             self._ucx.start_vetting()
             if self.config.tls is not None:
                 logger.warning(NOT_ENCRYPTED)

@@ -58,17 +58,27 @@ class UcxSendError(ConnectionError):
     """A send failed in UCX (the peer reset the connection, went away, ...); its endpoint was dropped."""
 
 
+# The UCX options (keys without UCX_) that ucxx puts in the environment when it is imported, where the
+# operator had not set them: its defaults. Left there they would beat the options ucxx.init is given
+# (environment first) and pass to every process this one starts as if an operator had set them; they are
+# taken out of the environment and given to ucxx.init as options, under the node's own.
+_ucxx_defaults: dict[str, str] = {}
+
+
 def _import_ucxx():
     # ucxx sets UCX_MEMTYPE_CACHE=n when it is imported, after its libraries were loaded: UCX reads
     # that option as they load, so then it is ignored and UCX warns at every start. Set before the
     # import, it applies (an operator's value wins).
     os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+    before = {key for key in os.environ if key.startswith("UCX_")}
     try:
         import ucxx
     except Exception as exc:  # ImportError, or a missing libucx
         raise UcxUnavailableError(
             f"the UCX transport needs the ucxx package (pip install 'kpool-pd[ucx]'): {exc}; "
             "choose the gRPC stream transport on machines without UCX") from exc
+    for key in [k for k in os.environ if k.startswith("UCX_") and k not in before]:
+        _ucxx_defaults[key.removeprefix("UCX_")] = os.environ.pop(key)
     return ucxx
 
 
@@ -125,7 +135,7 @@ class UcxNode:
         self._ucxx = _import_ucxx()
         self.options: dict[str, str] = dict(options)
         try:  # an operator's UCX_<KEY> in the environment overrides our option <KEY>
-            self._ucxx.init(options=self.options, env_takes_precedence=True)
+            self._ucxx.init(options=_ucxx_defaults | self.options, env_takes_precedence=True)
         except RuntimeError:
             logger.info("ucxx already initialised in this process; keeping its options")
         self.address: bytes = bytes(self._ucxx.get_worker_address())

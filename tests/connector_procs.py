@@ -223,13 +223,15 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
         port = server.port
         if die == "ucx":  # fault injection: the process dies while its UCX sends are in flight
             ucx = node._ucx
-            real_send = ucx.send
+            real_send, started = ucx.send, []
 
             async def dying_send(peer, views, tag_base):
                 if not any(v.numel() for v in views):  # the Handshake's empty warm-up message
                     return await real_send(peer, views, tag_base)
-                sending = asyncio.ensure_future(real_send(peer, views, tag_base))  # noqa: F841 (kept alive)
-                await asyncio.sleep(0.002)  # the sends are in flight
+                if started:  # only the first region is sent: an eager send may land whole within the 2 ms
+                    await asyncio.sleep(3600)
+                started.append(asyncio.ensure_future(real_send(peer, views, tag_base)))  # kept alive
+                await asyncio.sleep(0.002)  # its send is in flight (or landed), the other regions not sent
                 os._exit(17)
             ucx.send = dying_send
         conn.send(("port", port, blocks.num_free, rings.num_free))
@@ -452,7 +454,9 @@ def ucx_env_report() -> None:
                 same = all(torch.equal(pair.decode.pool.blocks[b], expected_block(pair.decode.pool.layout, "env", j))
                            for j, b in enumerate(landed.block_ids))
             ucx = pair.decode.ucx
-            return {"tls": ucx.ucx_config().get("TLS"), "transports": sorted(ucx.active_transports()),
+            config = ucx.ucx_config()
+            return {"tls": config.get("TLS"), "rndv_thresh": config.get("RNDV_THRESH"),
+                    "zcopy_thresh": config.get("ZCOPY_THRESH"), "transports": sorted(ucx.active_transports()),
                     "bytes_equal": same, "freed": pair.free() == start}
     report = asyncio.run(asyncio.wait_for(main(), 30))
     print("UCX-REPORT " + json.dumps(report), flush=True)

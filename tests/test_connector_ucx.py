@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from connector.config import UCX_HOST_MEMORY, UCX_NO_SHARED_MEMORY, ucx_options_for
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _report(**env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TLS")}
+    clean = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "UCX_RNDV_THRESH", "UCX_ZCOPY_THRESH")}
     proc = subprocess.run([sys.executable, "-c", "from tests.connector_procs import ucx_env_report; ucx_env_report()"],
                           cwd=ROOT, env=clean | env, capture_output=True, text=True, timeout=90)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("UCX-REPORT ")]
@@ -24,12 +26,22 @@ def _report(**env: str) -> dict:
     return json.loads(lines[-1].removeprefix("UCX-REPORT "))
 
 
-@pytest.mark.parametrize("env,tls,allowed", [
-    ({}, "^posix,sysv,cma,xpmem,knem", {"tcp", "self"}),
-    ({"UCX_TLS": "tcp,self"}, "tcp,self", {"tcp", "self"}),
-], ids=["connector-default", "env-tcp-self"])
-def test_environment_takes_precedence_over_the_connector_options(env, tls, allowed):
+@pytest.mark.parametrize("env,tls,rndv,allowed", [
+    ({}, "^posix,sysv,cma,xpmem,knem", "intra:4M,inter:4M", {"tcp", "self"}),
+    ({"UCX_TLS": "tcp,self"}, "tcp,self", "intra:4M,inter:4M", {"tcp", "self"}),
+    ({"UCX_RNDV_THRESH": "64K"}, "^posix,sysv,cma,xpmem,knem", "intra:64K,inter:64K", {"tcp", "self"}),
+], ids=["connector-default", "env-tcp-self", "env-rndv-thresh"])
+def test_environment_takes_precedence_over_the_connector_options(env, tls, rndv, allowed):
+    """The pools are in host memory: the connector's UCX_HOST_MEMORY options apply over the default that
+    ucxx sets at its import (UCX_RNDV_THRESH=8192), and an operator's variable over both."""
     report = _report(**env)
     assert report["tls"] == tls
+    assert (report["rndv_thresh"], report["zcopy_thresh"]) == (rndv, "16K")
     assert report["bytes_equal"] is True and report["freed"] is True
     assert set(report["transports"]) <= allowed and "tcp" in report["transports"], report
+
+
+def test_host_memory_options_only_for_pools_on_the_cpu():
+    assert ucx_options_for(UCX_NO_SHARED_MEMORY, "cpu") == (*UCX_NO_SHARED_MEMORY, *UCX_HOST_MEMORY)
+    assert ucx_options_for(UCX_NO_SHARED_MEMORY, "cuda") == UCX_NO_SHARED_MEMORY
+    assert ucx_options_for((("RNDV_THRESH", "1M"),), "cpu") == (("RNDV_THRESH", "1M"), ("ZCOPY_THRESH", "16K"))

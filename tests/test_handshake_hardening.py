@@ -223,7 +223,11 @@ def test_model_identity_covers_every_field():
     assert model_differences(base.identity(), dataclasses.replace(base, seed=2).identity()) == ["seed 0 vs 2"]
 
 
-def test_a_connection_reset_during_a_pull_is_a_warning(tmp_path, nodes):
+def test_a_connection_reset_during_a_pull_is_a_warning(tmp_path, nodes, monkeypatch):
+    # Sends that wait on a receiver that posted nothing and died: the rendezvous (a large region's
+    # protocol). The connector sends host-memory regions up to 4 MiB eagerly (UCX_HOST_MEMORY), which
+    # complete without the receiver; the operator's variable (inherited by the processes) restores it.
+    monkeypatch.setenv("UCX_RNDV_THRESH", "8K")
     prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=LEASE_S)
     nodes.append(prefill)
     messages, code = run_child(procs.decode_main, address=prefill.address, transport="ucx", scenario="decode_dies",
