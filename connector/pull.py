@@ -72,7 +72,7 @@ class Landing:
     (ours: the prompt's blocks in our block size) with ``kernels.repack_tokens``. ``ids`` are what
     the PullRequest names."""
 
-    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens", "_repack_ids")
+    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens")
 
     def __init__(self, pool: CachePool, peer_layout: BlockLayout, block_ids: tuple[int, ...], *,
                  source_blocks: int, num_tokens: int) -> None:
@@ -82,9 +82,6 @@ class Landing:
         self.staging = (torch.empty(source_blocks, peer_layout.block_bytes, dtype=torch.uint8, device=pool.device)
                         if repacks else None)
         self.ids = tuple(range(source_blocks)) if repacks else block_ids
-        # the repack's block tables on the pool's device, made now rather than once the bytes have landed
-        self._repack_ids = tuple(torch.tensor(ids, dtype=torch.int64, device=pool.device)
-                                 for ids in (self.ids, block_ids)) if repacks else None
 
     @property
     def num_blocks(self) -> int:
@@ -99,9 +96,8 @@ class Landing:
     def convert(self) -> None:
         """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
         if self.staging is not None:
-            src_ids, dst_ids = self._repack_ids
-            kernels.repack_tokens(self.staging, self.peer_layout, src_ids, self.pool.blocks, self.pool.layout,
-                                  dst_ids, self.num_tokens)
+            kernels.repack_tokens(self.staging, self.peer_layout, self.ids, self.pool.blocks, self.pool.layout,
+                                  self.block_ids, self.num_tokens)
 
 
 class InboundPull:
