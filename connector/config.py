@@ -75,6 +75,9 @@ class ConnectorConfig:
       fatal when endpoint error handling is off. Use it only where a node's processes fail
       together.
 
+    A node whose pool is in host memory adds ``UCX_HOST_MEMORY`` (``ucx_options_for``) for the keys
+    these options leave unset: regions up to 4 MiB are sent eagerly rather than by the rendezvous.
+
     ``peer_token`` is the peer credential (DESIGN section 5): a prefill node's PrefillService
     requires it on every call (the daemon's server checks it), and a decode node sends it on every
     call to prefill nodes. It is never the client token of a decode node's Generate API, which is
