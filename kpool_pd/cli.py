@@ -113,13 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
                        ("pipeline", "time to first token with whole and chunked prefill; exposed transfer"),
-                       ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ...")):
+                       ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ..."),
+                       ("control", "a control message on gRPC: a new call beside a message on an open stream")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
-BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp"}
+BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp",
+           "control": "bench.control_latency"}
 
 
 def main(argv: list[str] | None = None) -> int:
