@@ -45,3 +45,18 @@ def test_host_memory_options_only_for_pools_on_the_cpu():
     assert ucx_options_for(UCX_NO_SHARED_MEMORY, "cpu") == (*UCX_NO_SHARED_MEMORY, *UCX_HOST_MEMORY)
     assert ucx_options_for(UCX_NO_SHARED_MEMORY, "cuda") == UCX_NO_SHARED_MEMORY
     assert ucx_options_for((("RNDV_THRESH", "1M"),), "cpu") == (("RNDV_THRESH", "1M"), ("ZCOPY_THRESH", "16K"))
+
+
+def test_ucxx_import_defaults_leave_the_environment_for_the_options():
+    """ucxx puts its own UCX_* defaults into the environment when it is imported; the connector takes them
+    out (child processes would read them as an operator's) and hands them to ucxx.init as options."""
+    code = ("import os\n"
+            "from connector.ucx import _import_ucxx, _ucxx_defaults\n"
+            "_import_ucxx()\n"
+            "print(sorted(k for k in os.environ if k.startswith('UCX_')), sorted(_ucxx_defaults))\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    left, defaults = proc.stdout.strip().splitlines()[-1].split("] [")
+    assert left == "['UCX_MEMTYPE_CACHE'", left  # ours, set before the import on purpose
+    assert "'RNDV_THRESH'" in defaults, defaults
