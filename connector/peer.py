@@ -19,6 +19,7 @@ from connector.errors import StatusError, rpc_failure
 from connector.landed import Allocation, LandedRequest, PrefillGrant
 from connector.pull import InboundPull, Landing
 from connector.pull_frames import pull_method
+from connector.pull_session import PullSession
 from connector.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout, DcpShard
 
@@ -51,6 +52,9 @@ class PrefillPeer:
         self._channel = channel
         self._stub = pb.PrefillServiceStub(channel)
         self._pull = pull_method(channel)  # reads chunks without protobuf's copies
+        # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
+        self._session = PullSession(lambda: self._stub.PullSession(metadata=self._md), address) \
+            if response.pull_session else None
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
         self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
@@ -318,7 +322,9 @@ class PrefillPeer:
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
         deadline_s = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # the pull's budget
-        pull = InboundPull(lambda: self._pull(req, timeout=deadline_s, metadata=self._md),
+        session = self._session if transport is Transport.UCX and self._session is not None else None
+        pull = InboundPull((lambda: session.open(req)) if session is not None else
+                           (lambda: self._pull(req, timeout=deadline_s, metadata=self._md)),
                            address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
                            keep=self._follow_on, dcp=dcp)
@@ -331,6 +337,8 @@ class PrefillPeer:
         self.closed = True
         for task in list(self._background):
             task.cancel()
+        if self._session is not None:
+            self._session.close()
         await self._channel.close()
 
     def __repr__(self) -> str:

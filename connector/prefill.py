@@ -29,6 +29,7 @@ no lease renewed or released).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -44,11 +45,12 @@ from connector.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differ
 from connector.config import ConnectorConfig, ucx_options_for
 from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
-from connector.errors import CacheExhaustedError, EngineUnavailable
+from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
 from connector.outbound import OutboundPull, PullAborted
 from connector.plan import plan_transfer, ready_at, ring_live_range
+from connector.pull_session_server import serve_pull_session
 from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode
 from connector.ucx_address import WorkerAddressError
 from connector.wire import Transport, layout_message, ring_message, transports_from
@@ -238,7 +240,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
             transports=[t.value for t in self.transports],
             ucx_worker_address=self._ucx.address if self._ucx is not None else b"",
             lease_ms=int(self.config.lease_s * 1000), max_prompt_tokens=self.config.max_prompt_tokens,
-            chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity,
+            chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity, pull_session=True,
         )
 
     async def _reach(self, context, engine_id: str, address: bytes, warmup_tag: int) -> None:
@@ -440,40 +442,60 @@ class PrefillConnector(pb.PrefillServiceServicer):
                                     engine_unknown=request.engine_id not in self._peers)
 
     async def _refuse_foreign(self, context, what: str, engine_id: str, count: int = 1) -> None:
-        """Abort with PERMISSION_DENIED: ``engine_id`` named ``count`` grants made for another engine
-        (which one is not said)."""
+        """Abort with ``_foreign``'s PERMISSION_DENIED."""
+        exc = self._foreign(what, engine_id, count)
+        await context.abort(exc.code, exc.message)
+
+    def _foreign(self, what: str, engine_id: str, count: int = 1) -> StatusError:
+        """PERMISSION_DENIED, counted and logged: ``engine_id`` named ``count`` grants made for another
+        engine (which one is not said)."""
         self.metrics.failures.labels("foreign_grant").inc()
         logger.warning("%s by engine %r refused: %d grant%s of another engine", what, engine_id[:MAX_ID_CHARS], count,
                        "" if count == 1 else "s")
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            f"{what}: {count} grant{'' if count == 1 else 's'} not made for engine "
-                            f"{engine_id[:MAX_ID_CHARS]!r}")
+        return StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"{what}: {count} grant{'' if count == 1 else 's'} not made for engine "
+                           f"{engine_id[:MAX_ID_CHARS]!r}")
 
     async def Pull(self, request: pb.PullRequest, context):
+        try:
+            async with contextlib.aclosing(self.pull_messages(request)) as messages:  # a cancelled call stops it now
+                async for message in messages:
+                    yield message
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def PullSession(self, requests, context):
+        """One decode node's UCX pulls on one stream (``connector.pull_session_server``)."""
+        async for message in serve_pull_session(requests, self.pull_messages):
+            yield message
+
+    async def pull_messages(self, request: pb.PullRequest):
+        """The messages of one pull of ``request``, as a Pull stream sends them; StatusError for a pull
+        refused or failed (the status its stream ends with). Closing the generator early stops its sends."""
         grant = self.leases.live(request.grant_id)
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
         if not self._pulls_as(grant, request):
-            await self._refuse_foreign(context, "Pull", request.engine_id)
+            raise self._foreign("Pull", request.engine_id)
         if request.transport not in self._offered_values:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
         transport = Transport(request.transport)
         if request.engine_id not in self._peers:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} has not handshaken")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} has not handshaken")
         self._heard_from(request.engine_id)
         if transport is Transport.UCX and (self._ucx is None or Transport.UCX not in self._peers[request.engine_id]
                                            or not self._ucx.knows(request.engine_id)):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
         if transport is Transport.UCX and request.ucx_tag_base == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")
         shard = self._shard(grant, request.dcp_rank) if grant.dcp_engine_ids else None
         want = dcp_landed_blocks(self.layout, shard, grant.prompt_len) if shard else len(grant.block_ids)
         if len(request.dst_block_ids) != want:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"
-                                + (f" (rank {shard.rank} of {shard.size})" if shard else ""))
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"
+                              + (f" (rank {shard.rank} of {shard.size})" if shard else ""))
         try:
             if shard is None:
                 plan = plan_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
@@ -482,9 +504,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
                 plan = plan_dcp_transfer(self.layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
                                          request.dst_ring_id, grant.live, shard, grant.prompt_len)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if len(plan) > MAX_REGIONS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(plan)} regions (limit {MAX_REGIONS})")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{len(plan)} regions (limit {MAX_REGIONS})")
 
         grant.pulls_in_flight += 1
         views = [regions.region_view(self.pool, p.src) for p in plan.pairs]
@@ -506,7 +528,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
                     yield message
             except PullAborted as exc:
                 self.metrics.failures.labels(exc.cause).inc()
-                await context.abort(exc.code, exc.message)
+                raise StatusError(exc.code, exc.message) from None
         finally:
             outbound.stop_sends()
             if finished and self.on_pull_done is not None:

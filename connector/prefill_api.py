@@ -28,6 +28,9 @@ PullDone = _pb.PullDone
 PullGrant = _pb.PullGrant
 PullRequest = _pb.PullRequest
 PullResponse = _pb.PullResponse
+PullFailure = _pb.PullFailure
+PullSessionRequest = _pb.PullSessionRequest
+PullSessionResponse = _pb.PullSessionResponse
 Region = _pb.Region
 ReleaseRequest = _pb.ReleaseRequest
 ReleaseResponse = _pb.ReleaseResponse
@@ -58,7 +61,8 @@ def add_to_server(servicer: PrefillServiceServicer, server: grpc.aio.Server, *,
         request_type = getattr(_pb, method.input_type.name)
         response_type = getattr(_pb, method.output_type.name)
         serializer = pull_response_serializer if method.name == "Pull" else response_type.SerializeToString
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=request_type.FromString,
                                      response_serializer=serializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

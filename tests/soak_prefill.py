@@ -5,7 +5,8 @@ it, so that a client's cancel lands in that step on the decode node:
 - ``@prefilling``: the prefill waits before it starts (before its blocks are allocated: a pipelined
   Prefill call is answered once they are, a whole one once the prompt is computed, so either way the
   call is still unanswered);
-- ``@pulling``: the Pull waits before it starts (before any byte, and before its grant message);
+- ``@pulling``: the pull waits before it starts (before any byte, and before its grant message), in a
+  Pull call or on a pull session;
 - ``@releasing``: the Release waits before it frees the grant.
 
 Nothing else changes: a held call that its caller cancels ends as the real one would.
@@ -30,18 +31,19 @@ def _asks(request_id: str, step: str) -> bool:
 
 def install_holds() -> None:
     """Patch the prefill node's steps (before the daemon registers its servicer)."""
-    real_prefill, real_pull, real_release = BatchingPrefillEngine.prefill, PrefillConnector.Pull, PrefillConnector.Release
+    real_prefill, real_pull, real_release = (BatchingPrefillEngine.prefill, PrefillConnector.pull_messages,
+                                             PrefillConnector.Release)
 
     async def prefill(self, request, cache):
         if _asks(request.request_id, "prefilling"):
             await asyncio.sleep(HOLD_S)
         return await real_prefill(self, request, cache)
 
-    async def pull(self, request, context):
+    async def pull(self, request):
         grant = self.leases.live(request.grant_id)
         if grant is not None and _asks(grant.request_id, "pulling"):
-            await asyncio.sleep(HOLD_S)  # before any byte: UCX sends start as the real Pull begins
-        stream = real_pull(self, request, context)
+            await asyncio.sleep(HOLD_S)  # before any byte: UCX sends start as the real pull begins
+        stream = real_pull(self, request)
         try:
             async for message in stream:
                 yield message
@@ -55,7 +57,7 @@ def install_holds() -> None:
         return await real_release(self, request, context)
 
     BatchingPrefillEngine.prefill = prefill
-    PrefillConnector.Pull = pull
+    PrefillConnector.pull_messages = pull
     PrefillConnector.Release = release
 
 

@@ -53,10 +53,10 @@ def hold_release(prefill: PrefillConnector) -> Hold:
 
 def hold_pull_stream(prefill: PrefillConnector) -> Hold:
     """The Pull stream sends its first message (the grant), then stalls until cancelled."""
-    hold, real = Hold(), prefill.Pull
+    hold, real = Hold(), prefill.pull_messages  # a Pull call's and a pull session's
 
-    async def held(request, context):
-        stream = real(request, context)
+    async def held(request):
+        stream = real(request)
         try:
             yield await stream.__anext__()
             await hold()
@@ -64,7 +64,7 @@ def hold_pull_stream(prefill: PrefillConnector) -> Hold:
                 yield message
         finally:
             await stream.aclose()
-    prefill.Pull = held
+    prefill.pull_messages = held
     return hold
 
 
@@ -157,10 +157,10 @@ def test_a_request_cancelled_while_fetching_frees_everything_and_is_counted_by_s
             return await real_prefill(self, request, context)
         monkeypatch.setattr(PrefillConnector, "Prefill", held)
     elif state is JobState.PULLING:
-        real_pull = PrefillConnector.Pull
+        real_pull = PrefillConnector.pull_messages
 
-        async def held(self, request, context):
-            stream = real_pull(self, request, context)
+        async def held(self, request):
+            stream = real_pull(self, request)
             try:
                 yield await stream.__anext__()
                 await hold()
@@ -168,7 +168,7 @@ def test_a_request_cancelled_while_fetching_frees_everything_and_is_counted_by_s
                     yield message
             finally:
                 await stream.aclose()
-        monkeypatch.setattr(PrefillConnector, "Pull", held)
+        monkeypatch.setattr(PrefillConnector, "pull_messages", held)
     else:
         real_release = PrefillConnector.Release
 

@@ -69,6 +69,9 @@ async def _raw(port: int, method: str, payload: bytes, metadata=()):
             if method == "Pull":
                 call = channel.unary_stream(path, request_serializer=None, response_deserializer=None)
                 return [r async for r in call(payload, timeout=10, metadata=metadata)]
+            if method == "PullSession":  # one message, then the client's side closes
+                call = channel.stream_stream(path, request_serializer=None, response_deserializer=None)
+                return [r async for r in call(iter([payload]), timeout=10, metadata=metadata)]
             call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
             return await call(payload, timeout=10, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
@@ -110,6 +113,8 @@ def test_the_client_token_never_opens_the_prefill_daemon(cluster):
         "Handshake": pb.HandshakeRequest(engine_id="client-posing-as-decode", layout=layout, transports=[pb.TRANSPORT_GRPC_STREAM]),
         "Prefill": pb.PrefillRequest(request_id="stolen", prompt_token_ids=[1] * 10, engine_id="client-posing-as-decode"),
         "Pull": pb.PullRequest(grant_id="0" * 32, engine_id="client-posing-as-decode", transport=pb.TRANSPORT_GRPC_STREAM),
+        "PullSession": pb.PullSessionRequest(pull=pb.PullRequest(grant_id="0" * 32, engine_id="client-posing-as-decode",
+                                                                 transport=pb.TRANSPORT_UCX, ucx_tag_base=1)),
         "Release": pb.ReleaseRequest(grant_id="0" * 32, engine_id="client-posing-as-decode"),
         "Heartbeat": pb.HeartbeatRequest(engine_id="client-posing-as-decode", grant_ids=["0" * 32]),
     }
@@ -130,7 +135,7 @@ def test_the_client_token_never_opens_the_prefill_daemon(cluster):
 
 def test_junk_bytes_to_the_prefill_daemon_answer_invalid_argument_without_a_traceback(cluster):
     _, prefill, _ = cluster
-    for method in ("Handshake", "Prefill", "Pull", "Release", "Heartbeat"):
+    for method in ("Handshake", "Prefill", "Pull", "PullSession", "Release", "Heartbeat"):
         got = asyncio.run(_raw(prefill.port, method, JUNK, auth_metadata(PEER_TOKEN)))
         assert isinstance(got, grpc.aio.AioRpcError) and got.code() is grpc.StatusCode.INVALID_ARGUMENT, (method, got)
     assert _health(prefill.port) == health_pb2.HealthCheckResponse.SERVING

@@ -49,6 +49,11 @@ class PrefillServiceStub:
                 request_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullRequest.SerializeToString,
                 response_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullSession = channel.stream_stream(
+                '/kpoolpd.v1.PrefillService/PullSession',
+                request_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionRequest.SerializeToString,
+                response_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kpoolpd.v1.PrefillService/Release',
                 request_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
@@ -77,6 +82,12 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullSession(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +122,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullRequest.FromString,
                     response_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.SerializeToString,
+            ),
+            'PullSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullSession,
+                    request_deserializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionRequest.FromString,
+                    response_serializer=connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -204,6 +220,33 @@ class PrefillService:
             '/kpoolpd.v1.PrefillService/Pull',
             connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullRequest.SerializeToString,
             connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kpoolpd.v1.PrefillService/PullSession',
+            connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionRequest.SerializeToString,
+            connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

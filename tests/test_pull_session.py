@@ -1,0 +1,190 @@
+"""The pull session (connector/pull_session.py, connector/pull_session_server.py): UCX pulls on one stream
+per prefill node, byte for byte as over Pull calls; what the session refuses, each pull on its own; a pull
+cancelled on it stops its sends and frees both nodes; a session that breaks fails its pulls with
+UNAVAILABLE and the next pull opens a new one; a prefill node that serves no session gets Pull calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from connector import ConnectorConfig, StatusError, Transport, auth_metadata, ucx_available
+from connector import prefill_api as pb
+from connector.prefill import PrefillConnector
+from tests import connector_procs as procs
+from tests.connector_harness import InProcessPair
+from tests.polling import until
+
+pytestmark = pytest.mark.skipif(not ucx_available(), reason="the pull session carries UCX pulls; ucxx is not installed")
+UCX = Transport.UCX
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def freed(pair: InProcessPair, start) -> None:
+    async def back() -> bool:
+        return pair.free() == start
+    await until(back, "every block and ring free again on both sides", 10)
+
+
+def pulls_started(pair: InProcessPair) -> float:
+    return pair.prefill_sample("transfer_bytes_total", transport="ucx")
+
+
+def test_pulls_share_one_session_and_land_byte_for_byte():
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            calls = []
+            real_pull = peer._pull
+            peer._pull = lambda *a, **k: calls.append(a) or real_pull(*a, **k)  # a Pull call would show here
+            grants = [await peer.prefill(f"s{i}", [i + 1] * n) for i, n in enumerate((1, 64, 65, 300))]  # 4 rings
+            landed = await asyncio.gather(*(peer.pull(g, transport=UCX) for g in grants))
+            for grant, request in zip(grants, landed):
+                with request:
+                    differences, compared = procs.landed_differences(pair.decode.pool, request, grant.request_id,
+                                                                     grant.prompt_len)
+                    assert not differences and compared > 0
+            assert calls == [] and peer._session is not None and peer._session._call is not None
+            await freed(pair, start)
+    run(main())
+
+
+REFUSED = {
+    "grpc-stream-transport": (lambda g: dict(transport=pb.TRANSPORT_GRPC_STREAM), grpc.StatusCode.INVALID_ARGUMENT,
+                              "UCX pulls only"),
+    "unknown-grant": (lambda g: dict(grant_id="no-such-grant"), grpc.StatusCode.NOT_FOUND, "unknown"),
+    "another-engine": (lambda g: dict(engine_id="decode-other"), grpc.StatusCode.PERMISSION_DENIED, "not made for"),
+    "zero-tag-base": (lambda g: dict(ucx_tag_base=0), grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base"),
+    "wrong-block-count": (lambda g: dict(dst_block_ids=[0]), grpc.StatusCode.INVALID_ARGUMENT, "destination blocks"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(case):
+    change, code, needle = REFUSED[case]
+
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("held", [3] * 130)
+            stub = pb.PrefillServiceStub(peer._channel)
+            session = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=10)
+            fields = dict(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=list(range(len(grant.src_block_ids))),
+                          dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7) | change(grant)
+            await session.write(pb.PullSessionRequest(pull=pb.PullRequest(**fields)))
+            answer = await session.read()
+            assert answer.grant_id == fields["grant_id"] and answer.WhichOneof("message") == "failure"
+            assert grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == answer.failure.code)) is code
+            assert needle in answer.failure.message, answer.failure.message
+            await session.done_writing()
+            assert await session.read() is grpc.aio.EOF  # nothing runs on it: it ends once the client's side did
+            with await peer.pull(grant, transport=UCX) as landed:  # the grant was left as it was
+                assert not procs.landed_differences(pair.decode.pool, landed, "held", 130)[0]
+            await freed(pair, start)
+    run(main())
+
+
+def test_a_duplicate_pull_on_one_session_is_refused():
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("dup", [3] * 10)
+            request = pb.PullRequest(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=[0], dst_ring_id=0,
+                                     transport=pb.TRANSPORT_UCX, ucx_tag_base=9)
+            peer._session.open(request)
+            with pytest.raises(StatusError) as err:
+                peer._session.open(request)
+            assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
+            peer._session.cancel(grant.grant_id)
+            await peer.release(grant.grant_id)
+    run(main())
+
+
+def test_a_pull_cancelled_on_the_session_is_stopped_on_the_prefill_node_and_both_nodes_are_freed():
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            stopped = asyncio.Event()
+            real = pair.prefill.pull_messages
+
+            async def stalled(request):  # nothing (no byte sent) until the pull is stopped
+                try:
+                    await asyncio.sleep(3600)
+                finally:
+                    stopped.set()
+                async for message in real(request):
+                    yield message
+            pair.prefill.pull_messages = stalled
+            grant = await peer.prefill("c", [5] * 200)
+            pull = asyncio.ensure_future(peer.pull(grant, transport=UCX))
+            await until(lambda: asyncio.sleep(0, bool(peer._session and peer._session._pulls)), "the pull started", 10)
+            await asyncio.sleep(0.2)
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            await asyncio.wait_for(stopped.wait(), 10)
+            await freed(pair, start)
+            assert pair.prefill.grants_held == 0
+    run(main())
+
+
+def test_a_session_that_breaks_fails_its_pulls_and_the_next_pull_opens_a_new_one():
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            real = pair.prefill.pull_messages
+            blocked = asyncio.Event()
+
+            async def stalled(request):  # nothing (no byte sent) until the pull is stopped
+                blocked.set()
+                await asyncio.sleep(3600)
+                async for message in real(request):
+                    yield message
+            pair.prefill.pull_messages = stalled
+            grant = await peer.prefill("b", [6] * 100)
+            pull = asyncio.ensure_future(peer.pull(grant, transport=UCX))
+            await asyncio.wait_for(blocked.wait(), 10)
+            first = peer._session._call
+            first.cancel()  # the stream breaks (as when the connection resets)
+            with pytest.raises(StatusError) as err:
+                await pull
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE and "pull session ended" in err.value.message
+            assert await peer.release(grant.grant_id) is True  # a failed pull leaves its grant to the caller
+            pair.prefill.pull_messages = real
+            again = await peer.prefill("b2", [6] * 100)
+            with await peer.pull(again, transport=UCX) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "b2", 100)[0]
+            assert peer._session._call is not first
+            await freed(pair, start)
+    run(main())
+
+
+def test_a_prefill_node_without_sessions_gets_pull_calls(monkeypatch):
+    real = PrefillConnector.Handshake
+
+    async def old_handshake(self, request, context):
+        response = await real(self, request, context)
+        response.pull_session = False  # as a node of an earlier version answers
+        return response
+    monkeypatch.setattr(PrefillConnector, "Handshake", old_handshake)
+
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            assert peer._session is None
+            grant = await peer.prefill("old", [8] * 90)
+            with await peer.pull(grant, transport=UCX) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "old", 90)[0]
+            await freed(pair, start)
+    run(main())
