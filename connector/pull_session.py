@@ -83,8 +83,8 @@ class PullSession:
         try:
             while True:
                 await call.write(await outgoing.get())
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):  # the stream ended: ``_read`` fails the pulls
-            pass
+        except Exception as exc:  # the stream ended (an RPC error, or writes after its end): ``_read`` fails the pulls
+            logger.debug("pull session to %s: write failed: %s: %s", self.address, type(exc).__name__, exc)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         why = "the prefill node ended it"
