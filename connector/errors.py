@@ -18,6 +18,11 @@ class StatusError(Exception):
         self.message = message
 
 
+def status_code(value: int) -> grpc.StatusCode:
+    """The StatusCode of its wire value (``code.value[0]``), UNKNOWN for a value gRPC does not define."""
+    return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
+
+
 def rpc_failure(exc: grpc.aio.AioRpcError, what: str) -> StatusError:
     """The StatusError of a failed call: its code, its details prefixed with ``what`` (the call and the peer)."""
     return StatusError(exc.code(), f"{what}: {exc.details()}")

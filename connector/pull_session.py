@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from connector import prefill_api as pb
-from connector.errors import StatusError
+from connector.errors import StatusError, status_code
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class PullSession:
                 if message.WhichOneof("message") == "failure":
                     del self._pulls[message.grant_id]
                     failure = message.failure
-                    pull.messages.put_nowait(StatusError(_code(failure.code), f"Pull from {self.address}: "
+                    pull.messages.put_nowait(StatusError(status_code(failure.code), f"Pull from {self.address}: "
                                                          f"{failure.message}"))
                     continue
                 if message.response.WhichOneof("message") == "done":
@@ -131,7 +131,3 @@ class PullSession:
         """End the session (idempotent); pulls on it fail with UNAVAILABLE."""
         if self._call is not None:
             self._end("the session was closed")
-
-
-def _code(value: int) -> grpc.StatusCode:
-    return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)

@@ -1,6 +1,6 @@
 """The pull session (connector/pull_session.py, connector/pull_session_server.py): UCX pulls on one stream
 per prefill node, byte for byte as over Pull calls; what the session refuses, each pull on its own; a pull
-cancelled on it stops its sends and frees both nodes; a session that breaks fails its pulls with
+cancelled on it is stopped on the prefill node and both nodes are freed; a session that breaks fails its pulls with
 UNAVAILABLE and the next pull opens a new one; a prefill node that serves no session gets Pull calls."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from connector import ConnectorConfig, StatusError, Transport, auth_metadata, ucx_available
 from connector import prefill_api as pb
+from connector.errors import status_code
 from connector.prefill import PrefillConnector
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
@@ -32,8 +33,20 @@ async def freed(pair: InProcessPair, start) -> None:
     await until(back, "every block and ring free again on both sides", 10)
 
 
-def pulls_started(pair: InProcessPair) -> float:
-    return pair.prefill_sample("transfer_bytes_total", transport="ucx")
+def stall_pulls(prefill: PrefillConnector) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make every pull on ``prefill`` wait, no byte sent, until it is stopped: (started, stopped) events."""
+    started, stopped, real = asyncio.Event(), asyncio.Event(), prefill.pull_messages
+
+    async def stalled(request):
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            stopped.set()
+        async for message in real(request):
+            yield message
+    prefill.pull_messages = stalled
+    return started, stopped
 
 
 def test_pulls_share_one_session_and_land_byte_for_byte():
@@ -82,7 +95,7 @@ def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(cas
             await session.write(pb.PullSessionRequest(pull=pb.PullRequest(**fields)))
             answer = await session.read()
             assert answer.grant_id == fields["grant_id"] and answer.WhichOneof("message") == "failure"
-            assert grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == answer.failure.code)) is code
+            assert status_code(answer.failure.code) is code
             assert needle in answer.failure.message, answer.failure.message
             await session.done_writing()
             assert await session.read() is grpc.aio.EOF  # nothing runs on it: it ends once the client's side did
@@ -113,21 +126,10 @@ def test_a_pull_cancelled_on_the_session_is_stopped_on_the_prefill_node_and_both
         async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
-            stopped = asyncio.Event()
-            real = pair.prefill.pull_messages
-
-            async def stalled(request):  # nothing (no byte sent) until the pull is stopped
-                try:
-                    await asyncio.sleep(3600)
-                finally:
-                    stopped.set()
-                async for message in real(request):
-                    yield message
-            pair.prefill.pull_messages = stalled
+            started, stopped = stall_pulls(pair.prefill)
             grant = await peer.prefill("c", [5] * 200)
             pull = asyncio.ensure_future(peer.pull(grant, transport=UCX))
-            await until(lambda: asyncio.sleep(0, bool(peer._session and peer._session._pulls)), "the pull started", 10)
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(started.wait(), 10)
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pull
@@ -143,14 +145,7 @@ def test_a_session_that_breaks_fails_its_pulls_and_the_next_pull_opens_a_new_one
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             real = pair.prefill.pull_messages
-            blocked = asyncio.Event()
-
-            async def stalled(request):  # nothing (no byte sent) until the pull is stopped
-                blocked.set()
-                await asyncio.sleep(3600)
-                async for message in real(request):
-                    yield message
-            pair.prefill.pull_messages = stalled
+            blocked, _ = stall_pulls(pair.prefill)
             grant = await peer.prefill("b", [6] * 100)
             pull = asyncio.ensure_future(peer.pull(grant, transport=UCX))
             await asyncio.wait_for(blocked.wait(), 10)
