@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.plotting import pyplot, wrote
 from connector import dcp_transfer_bytes
 from kvcache import BlockLayout, CachePool, DcpConfig
 from model import DecodeSequence, Engine, ModelConfig, PrefillJob
@@ -166,22 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     (args["out"] / f"{stem}.json").write_text(json.dumps(
         {"args": {k: str(v) if isinstance(v, Path) else v for k, v in args.items()},
          "rows": [{k: v for k, v in r.items() if k != "output"} for r in rows]}, indent=1))
-    if not args["no_plot"]:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no PNG")
-        else:
-            fig, ax = plt.subplots(figsize=(5, 3.5))
-            ax.bar([str(r["ranks"]) for r in rows], [r["step_ms_median"] for r in rows])
-            ax.set_xlabel("DCP ranks")
-            ax.set_ylabel("decode step, ms (median)")
-            ax.set_title(f"{args['batch']} x {args['tokens']} tokens, {args['device']}")
-            fig.tight_layout()
-            fig.savefig(args["out"] / f"{stem}.png")
-    print(f"wrote {args['out'] / stem}.json")
+    plt = None if args["no_plot"] else pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar([str(r["ranks"]) for r in rows], [r["step_ms_median"] for r in rows])
+        ax.set_xlabel("DCP ranks")
+        ax.set_ylabel("decode step, ms (median)")
+        ax.set_title(f"{args['batch']} x {args['tokens']} tokens, {args['device']}")
+        fig.tight_layout()
+        fig.savefig(args["out"] / f"{stem}.png")
+        plt.close(fig)
+    print(wrote(args["out"] / f"{stem}.json", plt is not None))
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.plotting import pyplot
+
 METHODS = {"throughput": "1 call", "graph32": "32 in a graph", "flush1": "1, L2 flushed"}
 
 
@@ -22,12 +24,11 @@ def format_table(rows: list[dict], copy_bps: float, device_name: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """Draw each case's time and its fraction of copy; False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.42 * len(rows) + 2))
     names = [f"{r['kernel']} [{METHODS.get(r['method'], r['method'])}]" for r in rows][::-1]
     colors = ["tab:green" if r["met"] else ("tab:red" if r["met"] is False else "tab:blue") for r in rows][::-1]
@@ -42,3 +43,4 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.plotting import pyplot, wrote
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, Transport, ucx_available)
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from model import Engine, ModelConfig
@@ -145,12 +146,9 @@ async def timeline(config: ModelConfig, prompt: tuple[int, ...], budget: int, de
 
 def plot(lines: list[dict], path: Path, title: str) -> bool:
     """Draw the timelines; False (nothing written) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(lines), 1, figsize=(9, 1.9 * len(lines) + 0.6), sharex=True, squeeze=False)
     for ax, line in zip(axes[:, 0], lines):
         for k, (a, b) in enumerate(line["steps_ms"]):
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     drawn = bool(lines) and plot(lines, args.out / f"{stem}.png",
                                  f"kpool-pd pipelined transfer, {args.prompt_len}-token prompt ({args.device}, "
                                  f"{args.transport})")
-    sys.stdout.write(f"wrote {args.out / stem}.json{' and .png' if drawn else ' (no PNG: matplotlib not installed)'}\n")
+    sys.stdout.write(wrote(args.out / f"{stem}.json", drawn) + "\n")
     return 0 if all(r["all_match"] for r in rows) else 1
 
 

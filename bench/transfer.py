@@ -9,7 +9,7 @@ package imports).
 Each UCX configuration runs with a fresh pair of processes (UCX reads its options once per
 process): the decode node in one spawned process, the prefill node in another. On the CPU
 machine both same-host UCX configurations are measured (see ConnectorConfig.ucx_options).
-Prints a table, writes transfer-<date>-<machine>.json and .png under --out.
+Prints a table, writes transfer-<date>-<machine>.json (and a .png when matplotlib imports) under --out.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from bench.grpc_baseline import grpc_stream_gbps
+from bench.plotting import pyplot, wrote
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillCache,
                        PrefillConnector, PrefillInput, PrefillOutput, PullTimeline, Transport, ucx_available)
 from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
@@ -332,10 +333,11 @@ def _heterogeneous_lines(rows: list[dict], prefill_block_size: int, block_size: 
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot(rows: list[dict], path: Path, title: str) -> bool:
+    """Draw GB/s against request size, one line a path; False (nothing written) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in dict.fromkeys(r["path"] for r in rows):
         pts = [(r["bytes"] / 2**20, r["gbps"]) for r in rows if r["path"] == name]
@@ -349,6 +351,7 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             "reps": args.reps, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "notes": notes}
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    _plot(rows, args.out / f"{stem}.png", f"kpool-pd transfer, {args.machine} ({args.device})")
-    sys.stdout.write(f"wrote {args.out / stem}.json and .png\n")
+    drawn = _plot(rows, args.out / f"{stem}.png", f"kpool-pd transfer, {args.machine} ({args.device})")
+    sys.stdout.write(wrote(args.out / f"{stem}.json", drawn) + "\n")
     return 0
 
 
