@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.arguments import count, counts
 from bench.plotting import pyplot, wrote
 from connector import dcp_transfer_bytes
 from kvcache import BlockLayout, CachePool, DcpConfig
@@ -143,20 +144,29 @@ def _table(rows: list[dict], args: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kpool-pd bench dcp", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
-    parser.add_argument("--tokens", type=int, default=32768, help="context (prompt) length of each request")
-    parser.add_argument("--batch", type=int, default=4, help="requests decoded together")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--kpool", type=int, default=4)
+    parser.add_argument("--ranks", type=counts, default=[1, 2])
+    parser.add_argument("--tokens", type=count, default=32768, help="context (prompt) length of each request")
+    parser.add_argument("--batch", type=count, default=4, help="requests decoded together")
+    parser.add_argument("--layers", type=count, default=4)
+    parser.add_argument("--kpool", type=count, default=4)
     parser.add_argument("--num-spec", type=int, default=3)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--block-size", type=count, default=256)
+    parser.add_argument("--steps", type=count, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--machine", default=platform.node() or "machine")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = vars(parser.parse_args(argv))
+    if args["warmup"] < 0:
+        parser.error(f"--warmup must be >= 0, got {args['warmup']}")
+    try:  # a model or rank count that does not fit fails here, before any rank process starts
+        config = ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
+                             block_size=args["block_size"])
+        for size in args["ranks"]:
+            DcpConfig.for_cache(config.cache_config(), size=size)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args["device"] == "cuda" and torch.cuda.device_count() < max(args["ranks"]):
         parser.error(f"--ranks {max(args['ranks'])} needs as many GPUs; this machine has {torch.cuda.device_count()}")
     rows = [run_one(size, args) for size in args["ranks"]]

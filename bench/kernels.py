@@ -26,6 +26,7 @@ import triton
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.arguments import count  # noqa: E402
 from bench.copy_baseline import copy_bandwidths  # noqa: E402
 from bench.kernel_report import format_table, plot  # noqa: E402
 from bench.kpool_cases import KPOOL_CASES, KPOOL_VARIANTS  # noqa: E402
@@ -40,10 +41,14 @@ VARIANTS: list[BenchCase] = [*KPOOL_VARIANTS, *QSA_VARIANTS]  # launch variants,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kpool-pd bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for kernels.json/.txt/.png")
-    parser.add_argument("--reps", type=int, default=200, help="timed graph replays per kernel (median reported)")
+    parser.add_argument("--reps", type=count, default=200, help="timed graph replays per kernel (median reported)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains one of these comma-separated texts")
     parser.add_argument("--variants", action="store_true", help="also time the kernels' launch variants (sweeps)")
     args = parser.parse_args(argv)
+    wanted = [part for part in args.only.split(",") if part] or [""]
+    cases = [c for c in CASES + (VARIANTS if args.variants else []) if any(part in c.name for part in wanted)]
+    if not cases:
+        parser.error(f"--only {args.only!r} names no case{'' if args.variants else ' (launch variants need --variants)'}")
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device (none found)", file=sys.stderr)
         return 2
@@ -52,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device)
     copies = copy_bandwidths(device)
     copy_name, copy_bps = max(copies.items(), key=lambda item: item[1])
-    wanted = [part for part in args.only.split(",") if part] or [""]
-    cases = [c for c in CASES + (VARIANTS if args.variants else []) if any(part in c.name for part in wanted)]
     rows = run_cases(cases, device, copy_bps, args.reps)
     table = format_table(rows, copy_bps, device_name)
     table += "\ncopy baselines (read + write): " + ", ".join(f"{name} {bps / 1e12:.2f} TB/s" for name, bps in copies.items())

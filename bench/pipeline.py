@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.arguments import count
 from bench.plotting import pyplot, wrote
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, Transport, ucx_available)
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
@@ -172,18 +173,16 @@ def plot(lines: list[dict], path: Path, title: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kpool-pd bench pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-len", type=int, default=4096)
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="the chunked run's token budget")
-    parser.add_argument("--runs", type=int, default=3, help="kpool-pd up runs of each prefill (medians shown)")
+    parser.add_argument("--prompt-len", type=count, default=4096)
+    parser.add_argument("--max-batch-tokens", type=count, default=256, help="the chunked run's token budget")
+    parser.add_argument("--runs", type=count, default=3, help="kpool-pd up runs of each prefill (medians shown)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--transport", choices=["ucx", "grpc"], default="ucx" if ucx_available() else "grpc")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=count, default=2)
     parser.add_argument("--no-timeline", action="store_true", help="skip the in-process timeline")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    if min(args.prompt_len, args.max_batch_tokens, args.runs, args.layers) < 1:
-        parser.error("--prompt-len, --max-batch-tokens, --runs and --layers must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     rows = measure(args)

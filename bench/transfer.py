@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.arguments import count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillCache,
@@ -358,14 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kpool-pd bench transfer", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--two-gpu", action="store_true", help="decode pool on cuda:1 (prefill on cuda:0); needs --device cuda")
-    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 4096, 16384, 32768, 65536, 131072])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--tokens", type=counts, default=[256, 1024, 4096, 16384, 32768, 65536, 131072])
+    parser.add_argument("--layers", type=count, default=4)
+    parser.add_argument("--block-size", type=count, default=256)
     parser.add_argument("--prefill-block-size", type=int, default=0,
                         help="also pull from a prefill node of this block size into --block-size decode blocks "
                              "(staging and repack), beside the same-layout pull (default 0: not)")
-    parser.add_argument("--kpool", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--kpool", type=count, default=4)
+    parser.add_argument("--reps", type=count, default=5)
     parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
     parser.add_argument("--no-nixl", action="store_true", help="leave the NIXL READ baseline out")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
@@ -373,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.two_gpu and args.device != "cuda":
         parser.error("--two-gpu needs --device cuda")
+    try:  # a block size that kpool or the ring does not allow fails here, before any process starts
+        _config(args.layers, args.block_size, args.kpool)
+        if args.prefill_block_size:
+            _config(args.layers, args.prefill_block_size, args.kpool)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.device == "cuda" and torch.cuda.device_count() < (2 if args.two_gpu else 1):
         parser.error(f"--device cuda{' --two-gpu' if args.two_gpu else ''} needs {(2 if args.two_gpu else 1)} GPUs; "
                      f"{torch.cuda.device_count()} visible")

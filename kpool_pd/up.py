@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 from connector import ucx_available
@@ -117,11 +118,18 @@ def block_sizes(args) -> tuple[int, int]:
     return (args.prefill_block_size or args.block_size, args.decode_block_size or args.block_size)
 
 
-def run_up(args) -> int:
-    for name in ("requests", "prompt_len", "max_tokens", "max_batch_tokens"):
+def _counts_refused(args, names: tuple[str, ...]) -> bool:
+    """Say so (and True) when one of these count flags is below 1."""
+    for name in names:
         if getattr(args, name) < 1:
             _progress(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-            return 2
+            return True
+    return False
+
+
+def run_up(args) -> int:
+    if _counts_refused(args, ("requests", "prompt_len", "max_tokens", "max_batch_tokens")):
+        return 2
     for name in ("prefill_block_size", "decode_block_size"):
         if getattr(args, name) < 0:
             _progress(f"error: --{name.replace('_', '-')} must be >= 0 (0: --block-size), got {getattr(args, name)}")
@@ -241,12 +249,24 @@ def _print(args, results, report) -> None:
 def run_generate(args) -> int:
     from kpool_pd.client import model_info
 
+    if _counts_refused(args, ("requests", "prompt_len", "max_tokens")):
+        return 2
     try:
         tls = client_tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
     except SettingsError as exc:
         _progress(f"error: {exc}")
         return 2
-    info = asyncio.run(model_info(args.decode, token=args.token or None, tls=tls))
+    try:
+        info = asyncio.run(model_info(args.decode, token=args.token or None, tls=tls))
+    except grpc.aio.AioRpcError as exc:  # unreachable, refused (token, TLS), or not a decode daemon
+        _progress(f"error: the decode daemon at {args.decode} did not answer ModelInfo: "
+                  f"{exc.code().name}: {exc.details()}")
+        return 1
+    for name, limit in (("prompt_len", info["max_prompt_tokens"]), ("max_tokens", info["max_new_tokens"])):
+        if limit and getattr(args, name) > limit:
+            _progress(f"error: --{name.replace('_', '-')} {getattr(args, name)} is above the decode daemon's "
+                      f"limit of {limit}")
+            return 2
     requests = make_prompts(args.requests, args.prompt_len, seed=args.seed, vocab_size=info["vocab_size"],
                             max_tokens=args.max_tokens)
     _progress(f"sending {len(requests)} requests to {args.decode} ({info['model']['family']} model, "

@@ -17,6 +17,7 @@ from kpool_pd.launcher import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from runtime import model_flags
+from tests.deploy_launch import free_port
 from tests.polling import wait_for
 
 TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)
@@ -166,3 +167,37 @@ def test_sigterm_drains_then_exits(cluster):
     assert decode.proc.wait(30) == 0
     assert f"free: {DECODE_BLOCKS} of {DECODE_BLOCKS} blocks, 4 of 4 rings" in decode.log_tail(3)
     assert wait_for(lambda: metric(prefill.metrics_port, "kpoolpd_prefill_free_blocks") == 64)
+
+
+# -- the command-line client against bad input -----------------------------------------------
+
+
+def _generate(capsys, *argv: str) -> tuple[int, str]:
+    from kpool_pd.cli import main
+
+    code = main(["generate", *argv])
+    return code, capsys.readouterr().err
+
+
+def test_the_client_says_when_the_decode_daemon_cannot_be_reached(capsys):
+    unused_port = free_port()  # bound and closed: nothing listens there
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{unused_port}", "--requests", "1")
+    assert code == 1
+    assert f"error: the decode daemon at 127.0.0.1:{unused_port} did not answer ModelInfo: UNAVAILABLE" in err
+
+
+def test_the_client_says_when_its_token_is_refused(cluster, capsys):
+    _, decode, _ = cluster
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", "wrong", "--requests", "1")
+    assert code == 1 and "did not answer ModelInfo: UNAUTHENTICATED" in err, err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--prompt-len", "301", "--prompt-len 301 is above the decode daemon's limit of 300"),
+    ("--max-tokens", "65", "--max-tokens 65 is above the decode daemon's limit of 64"),
+    ("--requests", "0", "--requests must be >= 1, got 0"),
+])
+def test_the_client_refuses_counts_the_daemon_would_refuse(cluster, capsys, flag, value, message):
+    _, decode, _ = cluster
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, flag, value)
+    assert code == 2 and f"error: {message}" in err, err

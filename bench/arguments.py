@@ -1,0 +1,25 @@
+"""Argument types that the benches share, so that a bad count is refused with its value before any
+measurement starts (argparse prints the message and exits 2)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def count(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def counts(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1, at least one."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, got {text!r}")
+    return [count(part) for part in parts]
