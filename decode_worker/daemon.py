@@ -29,8 +29,8 @@ from model import DecodeSequence, Engine, PrefillJob
 from model.dcp_engine import DcpEngine, rank_blocks_for
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
-                     model_config, parse_bool, positive_float, positive_int, pull_choice, run_daemon,
-                     service_options)
+                     model_config, nonnegative_int, parse_bool, positive_float, positive_int, pull_choice,
+                     run_daemon, service_options)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue-timeout-s", positive_float, 60.0, "how long a request may wait for room"),
     Option("max-prompt-tokens", positive_int, 4096, "longest prompt accepted"),
     Option("max-new-tokens", positive_int, 512, "most output tokens a request may ask for"),
-    Option("num-blocks", int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),
+    Option("num-blocks", nonnegative_int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),
     Option("health-interval-s", positive_float, 2.0, "how often prefill nodes are health-checked and re-resolved"),
     *DCP_OPTIONS,
 )

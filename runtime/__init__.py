@@ -13,8 +13,8 @@ from runtime.logs import JsonFormatter, LogFormat, configure_logging
 from runtime.metrics import MetricsEndpoint
 from runtime.model_options import MODEL_OPTIONS, add_model_arguments, model_config, model_flags, model_settings
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
-from runtime.options import (ENV_PREFIX, Option, Role, SettingsError, parse_bool, parse_port, positive_float,
-                             positive_int)
+from runtime.options import (ENV_PREFIX, Option, Role, SettingsError, nonnegative_int, parse_bool, parse_port,
+                             positive_float, positive_int)
 from runtime.process import termination_event, write_ready_file
 from runtime.service_options import service_options
 from runtime.settings import load_settings
@@ -25,7 +25,7 @@ __all__ = [
     "ENV_PREFIX", "LIVENESS_SERVICE", "MODEL_OPTIONS", "TLS_CLIENT_OPTIONS", "TLS_OPTIONS", "DaemonSpec", "GrpcServer", "JsonFormatter",
     "LogFormat", "MetricsEndpoint", "Node", "NodeContext", "Option", "Role", "Servicer", "SettingsError", "Transports",
     "add_model_arguments", "client_tls", "configure_logging", "default_engine_id", "device_name", "load_settings",
-    "model_config", "model_flags", "model_settings", "parse_bool", "parse_port", "parse_pull", "parse_transports",
+    "model_config", "model_flags", "model_settings", "nonnegative_int", "parse_bool", "parse_port", "parse_pull", "parse_transports",
     "positive_float", "positive_int", "pull_choice", "read_pem", "resolve_device", "run_daemon", "serve",
     "service_options", "termination_event", "tls_config", "transport_list", "transports_of", "write_ready_file",
 ]

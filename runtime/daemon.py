@@ -41,6 +41,7 @@ from runtime.grpc_server import GrpcServer
 from runtime.health_gate import HealthGate
 from runtime.logs import configure_logging
 from runtime.metrics import MetricsEndpoint
+from runtime.model_options import MODEL_KEYS, model_config
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
 from runtime.options import Option, SettingsError
 from runtime.ports import BindError, bind_error, ensure_bindable
@@ -144,7 +145,7 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     """Parse the settings (flags > env > YAML; ``argv`` None: ``sys.argv[1:]``), then serve until
     SIGTERM and drain.
 
-    A bad setting (a value, credentials that cannot work, a TLS file, a device or a transport that
+    A bad setting (a value, a model the options do not make, credentials that cannot work, a TLS file, a device or a transport that
     cannot be used here, a port another process holds) prints ``kpool-pd <role>: error: <option>
     ...`` to stderr and returns 2 before anything starts. A port taken between that check and the
     bind stops the daemon after its warm-up, with the same line logged and status 2. After
@@ -155,6 +156,11 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(spec.role, daemon_options(spec), argv, description=spec.description)
         check_credentials(spec.role, settings)
+        if MODEL_KEYS <= settings.keys():
+            try:  # a combination the model refuses (kpool and block size, layers, drafts)
+                model_config(settings)
+            except ValueError as exc:
+                raise SettingsError(f"model: {exc}") from None
         if spec.check is not None:
             try:
                 spec.check(settings)

@@ -74,6 +74,13 @@ def positive_int(text: Any) -> int:
     return value
 
 
+def nonnegative_int(text: Any) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def positive_float(text: Any) -> float:
     value = float(text)
     if not value > 0:

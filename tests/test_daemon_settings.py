@@ -50,3 +50,6 @@ def test_prefill_targets():
     for bad in ("", "host", "host:0", "dns:///name"):
         with pytest.raises(ValueError):
             parse_targets(bad)
+    with pytest.raises(SettingsError, match="num-blocks from flag --num-blocks: expected an integer >= 0, got '-1'"):
+        _load("decode", ["--num-blocks", "-1"])
+    assert _load("decode", ["--num-blocks", "0"])["num_blocks"] == 0  # 0: sized from max-running

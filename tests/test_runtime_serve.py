@@ -23,7 +23,7 @@ from prometheus_client import Gauge
 
 from connector import Credential, Transport, open_channel
 from kvcache import BlockAllocator, RingAllocator
-from runtime import (TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
+from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
                      service_options)
 from tests.polling import until
 
@@ -204,6 +204,22 @@ def test_a_failed_start_closes_the_node_and_writes_no_ready_file(tmp_path):
 def test_a_bad_setting_exits_2_naming_it_before_anything_is_built(argv, needle, capsys):
     nodes: list[FakeNode] = []
     assert run_daemon(_spec(nodes), argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kpool-pd prefill: error: ") and needle in err, err
+    assert not nodes
+
+
+@pytest.mark.parametrize("argv,needle", [
+    pytest.param(["--layers", "0"], "model: num_layers must be a positive integer, got 0", id="layers"),
+    pytest.param(["--kpool", "3", "--block-size", "100"], "model: block_size 100 is not a multiple of kpool 3",
+                 id="block-size"),
+    pytest.param(["--num-spec", "-1"], "model: num_spec must be an integer >= 0, got -1", id="num-spec"),
+])
+def test_a_model_the_options_do_not_make_exits_2_before_anything_is_built(argv, needle, capsys):
+    nodes: list[FakeNode] = []
+    build = _spec(nodes).build
+    spec = DaemonSpec(role=Role.PREFILL, description="test daemon", options=(*OPTIONS, *MODEL_OPTIONS), build=build)
+    assert run_daemon(spec, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kpool-pd prefill: error: ") and needle in err, err
     assert not nodes
