@@ -18,7 +18,7 @@ try:  # grid dependency control (programmatic dependent launch), in the Triton r
 except ImportError:  # pragma: no cover - older Triton: kernels launch without it
     gdc_launch_dependents = gdc_wait = None
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
+FP8_LIMIT = tl.constexpr(FP8_MAX)  # e4m3's largest finite value, as a constant of the kernels
 
 
 def launch_options() -> dict:
@@ -76,7 +76,7 @@ def encode_e4m3(v):
 @triton.jit
 def f32_to_e4m3_bits(x):
     """fp32 -> uint8 e4m3 code: clamp to [-448, 448], nearest even (NaN -> 0x7F with its sign, as torch)."""
-    clamped = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    clamped = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
     nan_code = 0x7F | ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.int32)
     return tl.where(x != x, nan_code, encode_e4m3(clamped).to(tl.int32)).to(tl.uint8)
 

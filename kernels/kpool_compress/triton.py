@@ -20,14 +20,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.dispatch import interpreting
-from kernels.fp8 import FP8_MAX
 from kernels.hadamard import INV_SQRT_DIM
-from kernels.triton_helpers import encode_e4m3, launch_options, round_to_bf16
+from kernels.triton_helpers import FP8_LIMIT, encode_e4m3, launch_options, round_to_bf16
 from kvcache import PoolMode
 
 DIM = 128
 _INV_SQRT_DIM = tl.constexpr(INV_SQRT_DIM)
-_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -118,7 +116,7 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
     x = round_to_bf16(x)
     y = round_to_bf16(fwht128(x, ROWS) * _INV_SQRT_DIM)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
-    ratio = tl.math.div_rn(amax, _FP8_MAX)
+    ratio = tl.math.div_rn(amax, FP8_LIMIT)
     if ROUND_SCALE:
         bits = ratio.to(tl.uint32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.uint32)
@@ -130,7 +128,7 @@ def compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, row_step, po
     else:
         scale = ratio
         q = tl.math.div_rn(y, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    q = tl.minimum(tl.maximum(q, -FP8_LIMIT), FP8_LIMIT)
     return encode_e4m3(q), scale
 
 
