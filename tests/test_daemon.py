@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import urllib.request
 
 import grpc
@@ -77,6 +79,40 @@ def test_ready_daemons_report_serving_and_metrics(cluster):
         assert asyncio.run(check(daemon.port)) == health_pb2.HealthCheckResponse.SERVING
     assert metric(decode.metrics_port, "kpoolpd_decode_free_blocks") == DECODE_BLOCKS
     assert metric(prefill.metrics_port, "kpoolpd_prefill_free_blocks") == 64
+
+
+# -- the command-line client against bad input -----------------------------------------------
+
+
+def _generate(*argv: str) -> tuple[int, str]:
+    """``kpool-pd generate`` as a user runs it: its exit status and stderr."""
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "generate", *argv], capture_output=True, text=True,
+                          timeout=120)
+    return proc.returncode, proc.stderr
+
+
+def test_the_client_says_when_the_decode_daemon_cannot_be_reached():
+    unused_port = free_port()  # bound and closed: nothing listens there
+    code, err = _generate("--decode", f"127.0.0.1:{unused_port}", "--requests", "1")
+    assert code == 1
+    assert f"error: the decode daemon at 127.0.0.1:{unused_port} did not answer ModelInfo: UNAVAILABLE" in err
+
+
+def test_the_client_says_when_its_token_is_refused(cluster):
+    _, decode, _ = cluster
+    code, err = _generate("--decode", f"127.0.0.1:{decode.port}", "--token", "wrong", "--requests", "1")
+    assert code == 1 and "Traceback" not in err and "did not answer ModelInfo: UNAUTHENTICATED" in err, err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--prompt-len", "301", "--prompt-len 301 is above the decode daemon's limit of 300"),
+    ("--max-tokens", "65", "--max-tokens 65 is above the decode daemon's limit of 64"),
+    ("--requests", "0", "--requests must be >= 1, got 0"),
+])
+def test_the_client_refuses_counts_the_daemon_would_refuse(cluster, flag, value, message):
+    _, decode, _ = cluster
+    code, err = _generate("--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, flag, value)
+    assert code == 2 and f"error: {message}" in err, err
 
 
 def test_requests_match_colocated(cluster):
@@ -168,36 +204,3 @@ def test_sigterm_drains_then_exits(cluster):
     assert f"free: {DECODE_BLOCKS} of {DECODE_BLOCKS} blocks, 4 of 4 rings" in decode.log_tail(3)
     assert wait_for(lambda: metric(prefill.metrics_port, "kpoolpd_prefill_free_blocks") == 64)
 
-
-# -- the command-line client against bad input -----------------------------------------------
-
-
-def _generate(capsys, *argv: str) -> tuple[int, str]:
-    from kpool_pd.cli import main
-
-    code = main(["generate", *argv])
-    return code, capsys.readouterr().err
-
-
-def test_the_client_says_when_the_decode_daemon_cannot_be_reached(capsys):
-    unused_port = free_port()  # bound and closed: nothing listens there
-    code, err = _generate(capsys, "--decode", f"127.0.0.1:{unused_port}", "--requests", "1")
-    assert code == 1
-    assert f"error: the decode daemon at 127.0.0.1:{unused_port} did not answer ModelInfo: UNAVAILABLE" in err
-
-
-def test_the_client_says_when_its_token_is_refused(cluster, capsys):
-    _, decode, _ = cluster
-    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", "wrong", "--requests", "1")
-    assert code == 1 and "did not answer ModelInfo: UNAUTHENTICATED" in err, err
-
-
-@pytest.mark.parametrize("flag, value, message", [
-    ("--prompt-len", "301", "--prompt-len 301 is above the decode daemon's limit of 300"),
-    ("--max-tokens", "65", "--max-tokens 65 is above the decode daemon's limit of 64"),
-    ("--requests", "0", "--requests must be >= 1, got 0"),
-])
-def test_the_client_refuses_counts_the_daemon_would_refuse(cluster, capsys, flag, value, message):
-    _, decode, _ = cluster
-    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, flag, value)
-    assert code == 2 and f"error: {message}" in err, err
