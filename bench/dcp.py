@@ -44,12 +44,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _model(args: dict) -> ModelConfig:
+    """The bench's model, from its flags (ValueError for a combination the model refuses)."""
+    return ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
+                       block_size=args["block_size"])
+
+
 def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> None:
     try:
         torch.set_num_threads(1)
         device = torch.device(f"cuda:{rank}" if args["device"] == "cuda" else "cpu")
-        config = ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
-                             block_size=args["block_size"])
+        config = _model(args)
         dcp = DcpConfig.for_cache(config.cache_config(), size=size)
         group = DcpGroup.join(dcp.shard(rank), init_method=f"file://{store}", device=device, timeout_s=600)
         max_tokens = args["steps"] * (config.num_spec + 1) + args["warmup"] * (config.num_spec + 1) + 2
@@ -118,8 +123,7 @@ def run_one(size: int, args: dict) -> dict:
                 p.join(30)
                 if p.is_alive():
                     p.kill()
-    config = ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
-                         block_size=args["block_size"])
+    config = _model(args)
     steps = [statistics.median(reports[r]["step_ms"]) for r in range(size)]
     return {"ranks": size, "step_ms_median": max(steps), "step_ms_by_rank": steps,
             "cache_bytes_by_rank": [reports[r]["cache_bytes"] for r in range(size)],
@@ -161,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args["warmup"] < 0:
         parser.error(f"--warmup must be >= 0, got {args['warmup']}")
     try:  # a model or rank count that does not fit fails here, before any rank process starts
-        config = ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
-                             block_size=args["block_size"])
+        config = _model(args)
         for size in args["ranks"]:
             DcpConfig.for_cache(config.cache_config(), size=size)
     except ValueError as exc:
