@@ -33,7 +33,7 @@ from decode_worker import dcp_api as api
 from decode_worker.dcp_options import rank_device
 from kvcache import DcpConfig
 from runtime import NodeContext, Option
-from runtime.process import parent_death_signal
+from runtime.process import parent_death_env
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,8 @@ class DcpRanks:
                    "KPOOLPD_DCP_RANK": str(rank), "KPOOLPD_DCP_RENDEZVOUS": self.rendezvous,
                    "KPOOLPD_PORT": "0", "KPOOLPD_METRICS_PORT": "-1", "KPOOLPD_HEALTH_PORT": "-1",
                    "KPOOLPD_READY_FILE": str(self._ready_file(rank)), "KPOOLPD_ENGINE_ID": f"{context.engine_id}/dcp{rank}",
-                   "KPOOLPD_DEVICE": rank_device(settings, rank)}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", RANK_MODULE], env=env,
-                                               preexec_fn=parent_death_signal()))
+                   "KPOOLPD_DEVICE": rank_device(settings, rank), **parent_death_env()}
+            self.procs.append(subprocess.Popen([sys.executable, "-m", RANK_MODULE], env=env))
         self.addresses: list[str] = []
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[api.DcpRankServiceStub] = []

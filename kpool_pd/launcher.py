@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.process import parent_death_signal
+from runtime.process import parent_death_env
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ class Daemon:
             command = ["ip", "netns", "exec", netns, *command]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True, preexec_fn=parent_death_signal())
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **parent_death_env(), **(env or {})},
+                                     start_new_session=True)
         self.info: dict = {}
 
     @property

@@ -45,7 +45,7 @@ from runtime.model_options import MODEL_KEYS, model_config
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
 from runtime.options import Option, SettingsError
 from runtime.ports import BindError, bind_error, ensure_bindable
-from runtime.process import keep_event_loop_responsive, termination_event, write_ready_file
+from runtime.process import arm_parent_death_signal, keep_event_loop_responsive, termination_event, write_ready_file
 from runtime.service_options import check_credentials
 from runtime.settings import load_settings
 from runtime.tls import tls_config
@@ -154,6 +154,10 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     """
     role = spec.role.value
     try:
+        try:  # before anything else: a launcher that dies now still takes this daemon with it
+            arm_parent_death_signal()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         settings = load_settings(spec.role, daemon_options(spec), argv, description=spec.description)
         check_credentials(spec.role, settings)
         if MODEL_KEYS <= settings.keys():

@@ -57,22 +57,40 @@ def termination_event(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Set by a launcher in a child's environment: "<launcher pid>:<signal number>" (parent_death_env).
+PARENT_DEATH_ENV = "KPOOLPD_PARENT_DEATH_SIGNAL"
 
 
-def parent_death_signal(sig: int = signal.SIGTERM):
-    """A ``preexec_fn`` that has the child receive ``sig`` when the thread that forks it dies
-    (Linux ``prctl(PR_SET_PDEATHSIG)``; it survives the exec); None where there is no prctl.
-    If the parent is already gone when the child arms it, the child sends ``sig`` to itself."""
-    if not sys.platform.startswith("linux"):
-        return None
+def parent_death_env(sig: int = signal.SIGTERM) -> dict[str, str]:
+    """The environment entry that has a daemon started from this thread receive ``sig`` when this
+    thread dies, however it dies (SIGKILL included): the daemon arms it as it starts
+    (``arm_parent_death_signal``). The child is started without a ``preexec_fn``, so Python spawns
+    it with vfork, which runs no fork handlers: gRPC's, run in a forked child while the parent's
+    gRPC threads are live, can crash that child (grpc/grpc#43055) or block the fork."""
+    return {PARENT_DEATH_ENV: f"{os.getpid()}:{int(sig)}"}
+
+
+def arm_parent_death_signal(environ: dict[str, str] | None = None) -> bool:
+    """In a child started with ``parent_death_env``: have the kernel send the signal it names when
+    the parent thread dies (Linux ``prctl(PR_SET_PDEATHSIG)``), or send it now if the parent is
+    already gone. Takes the entry out of ``environ`` (default ``os.environ``) so that this process's
+    own children do not inherit it. Returns whether a signal was armed (False: no entry, or no prctl)."""
+    environ = os.environ if environ is None else environ
+    value = environ.pop(PARENT_DEATH_ENV, "")
+    if not value:
+        return False
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+        parent, sig = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{PARENT_DEATH_ENV}={value!r}: expected <parent pid>:<signal number>") from None
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def arm() -> None:  # in the child, between fork and exec: system calls only
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-    return arm
+        return False
+    if prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl(PR_SET_PDEATHSIG, {sig}) failed")
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
+    return True
