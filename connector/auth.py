@@ -14,6 +14,7 @@ The scheme ``Bearer`` is matched case-insensitively (RFC 7235); the token exactl
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hmac
 from collections.abc import Mapping
@@ -85,6 +86,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _refusal(handler, reason)
 
 
+# How long the refusal of a client-streaming call waits for the caller's first message (below).
+FIRST_MESSAGE_WAIT_S = 1.0
+
+
 def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
     async def unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
@@ -93,11 +98,30 @@ def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandl
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         yield  # pragma: no cover - abort raises
 
+    async def after_first_message(context):
+        # A status sent before the caller's first message went out makes the caller's gRPC fail that
+        # write and report INTERNAL ("Internal error from Core") in place of this status; so the refusal
+        # waits for one message, or the caller's half-close, or FIRST_MESSAGE_WAIT_S, whichever is first.
+        # Its bytes are not parsed: this handler has no deserializer.
+        try:
+            await asyncio.wait_for(context.read(), FIRST_MESSAGE_WAIT_S)
+        except Exception:  # the wait ran out, or the read failed: refused the same way
+            pass
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def client_stream_unary(request_iterator, context):
+        await after_first_message(context)
+
+    async def client_stream_stream(request_iterator, context):
+        await after_first_message(context)
+        yield  # pragma: no cover - abort raises
+
+    unread = dict(request_deserializer=None, response_serializer=handler.response_serializer)
     kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(client_stream_unary, **unread)
+    return grpc.stream_stream_rpc_method_handler(client_stream_stream, **unread)

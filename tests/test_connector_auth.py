@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
 from connector import prefill_api as pb
-from connector.auth import presented_token
+from connector.auth import FIRST_MESSAGE_WAIT_S, presented_token
 from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
 from runtime import GrpcServer
 from runtime.ports import BindError, ensure_bindable
@@ -205,3 +205,33 @@ def test_ensure_bindable_passes_a_free_port_and_skips_any_and_off():
     ensure_bindable("port", "127.0.0.1", free)
     ensure_bindable("port", "127.0.0.1", 0)
     ensure_bindable("metrics-port", "127.0.0.1", -1)
+
+
+@pytest.mark.parametrize("presented", [CLIENT_TOKEN, None], ids=["client-token", "no-token"])
+def test_a_refused_stream_waits_for_its_first_message_then_answers_unauthenticated(presented):
+    # A status sent before the caller's first message went out makes the caller's gRPC fail that write
+    # and report INTERNAL in its place (seen in CI on a loaded machine): the refusal waits for the message.
+    path = SERVICE + "PullSession"
+    message = pb.PullSessionRequest(pull=pb.PullRequest(grant_id="g", engine_id="intruder")).SerializeToString()
+
+    async def main():
+        async with Served() as served:
+            session = served.channel.stream_stream(path, request_serializer=None, response_deserializer=None)
+            late = session(timeout=5, metadata=auth_metadata(presented))
+            await asyncio.sleep(0.3)  # a caller whose first message comes late
+            assert not late.done(), "the refusal did not wait for the first message"
+            await late.write(message)
+            await late.done_writing()
+            assert await late.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert "needs the peer-token" in await late.details()
+            silent = session(timeout=5, metadata=auth_metadata(presented))  # one that never writes
+            started = asyncio.get_running_loop().time()
+            assert await silent.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert asyncio.get_running_loop().time() - started < FIRST_MESSAGE_WAIT_S + 2
+            for _ in range(20):  # and the usual caller, one message then its half-close
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in session(iter([message]), timeout=5, metadata=auth_metadata(presented)):
+                        pass
+                assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED, err.value
+            assert served.node.grants_held == 0
+    run(main())
