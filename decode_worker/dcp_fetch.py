@@ -86,8 +86,27 @@ class DcpLeader:
 
     async def _together(self, own: Awaitable[T], others: Awaitable[None]) -> T:
         """Rank 0's part of a collective and the other ranks', both to their end; the first failure
-        raised as a StatusError (a failed rank breaks the instance: ``DcpRanks.fail``)."""
-        mine, theirs = await asyncio.gather(own, others, return_exceptions=True)
+        raised as a StatusError (a failed rank breaks the instance: ``DcpRanks.fail``).
+
+        An instance that breaks meanwhile (a rank's process exited: the watcher's ``fail``) ends the wait
+        at once with UNAVAILABLE: the surviving ranks' collectives, rank 0's own among them, may wait for
+        the dead rank until the group's timeout. The other ranks' calls are cancelled; rank 0's part, a
+        thread inside the collective, is left to end by itself (the broken instance stops its process)."""
+        mine_task, theirs_task = asyncio.ensure_future(own), asyncio.ensure_future(others)
+        both = asyncio.gather(mine_task, theirs_task, return_exceptions=True)
+        broken = asyncio.ensure_future(self.ranks.until_broken())
+        try:
+            await asyncio.wait({both, broken}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            both.cancel()  # as a cancelled gather does: both parts are cancelled
+            raise
+        finally:
+            broken.cancel()
+        if not both.done():  # ``both`` then ends with the two cancellations as its result
+            theirs_task.cancel()
+            mine_task.cancel()  # the thread goes on; its result is dropped
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.ranks.broken}")
+        mine, theirs = both.result()
         for failure in (mine, theirs):
             if isinstance(failure, StatusError):
                 raise failure

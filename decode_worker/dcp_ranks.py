@@ -80,6 +80,7 @@ class DcpRanks:
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[api.DcpRankServiceStub] = []
         self.broken = ""
+        self._broken_event = asyncio.Event()  # set with ``broken``
         self.on_broken: Callable[[str], None] | None = None
         self._background: set[asyncio.Task] = set()
         labels = ["rank"]
@@ -150,12 +151,18 @@ class DcpRanks:
         if self.broken:
             return
         self.broken = why
+        self._broken_event.set()
         logger.error("DCP instance broken: %s", why)
         for rank in range(1, self.dcp.size):
             self.up.labels(str(rank)).set(0)
         self.drop_soon()  # the ranks still alive free everything they hold
         if self.on_broken is not None:
             self.on_broken(why)
+
+    async def until_broken(self) -> str:
+        """Wait until the instance breaks (``fail``); why it did."""
+        await self._broken_event.wait()
+        return self.broken
 
     def _check(self) -> None:
         if self.broken:

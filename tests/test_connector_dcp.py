@@ -241,3 +241,61 @@ def test_a_rank_failing_its_pull_gives_back_rank_0s_blocks_the_other_ranks_and_t
                 await asyncio.sleep(0.02)
             assert pair.prefill.grants_held == 0 and pair.free() == start, "every block back, on both nodes"
     run(main())
+
+
+class _StuckRanks:
+    """Ranks 1..N-1 stuck in a step's collective (waiting for a rank that died) until the instance breaks."""
+
+    def __init__(self) -> None:
+        self.broken = ""
+        self._event = asyncio.Event()
+        self.step_cancelled = False
+
+    def fail(self, why: str) -> None:
+        self.broken = why
+        self._event.set()
+
+    async def until_broken(self) -> str:
+        await self._event.wait()
+        return self.broken
+
+    async def step(self, request_ids) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.step_cancelled = True
+            raise
+
+
+def test_a_step_waiting_on_a_dead_rank_fails_as_soon_as_the_instance_breaks():
+    import threading
+    import time
+
+    from decode_worker.dcp_fetch import DcpLeader
+    from kvcache import DcpConfig
+
+    async def main():
+        ranks = _StuckRanks()
+        leader = DcpLeader(DcpConfig(size=3, interleave=64), ranks, "decode")
+        released = threading.Event()  # rank 0's own part: a thread inside the collective
+        own = asyncio.to_thread(released.wait, 30)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, ranks.fail, "DCP rank 1 exited with status -9")
+        started = time.monotonic()
+        try:
+            with pytest.raises(StatusError, match="the DCP decode instance is broken: DCP rank 1 exited") as err:
+                await leader.step(own, ["a", "b"])
+        finally:
+            released.set()
+        assert err.value.code is grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 5, "the step waited for the collective instead of the break"
+        await asyncio.sleep(0)
+        assert ranks.step_cancelled, "the other ranks' calls are cancelled"
+        # a step that ends normally still returns rank 0's own result
+        healthy = _StuckRanks()
+
+        async def others(request_ids):
+            return None
+        healthy.step = others
+        assert await DcpLeader(DcpConfig(size=3, interleave=64), healthy, "decode").step(asyncio.sleep(0, "mine"), ["a"]) == "mine"
+    run(main())
