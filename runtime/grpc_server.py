@@ -35,6 +35,9 @@ from connector import BearerTokenInterceptor, Credential, TlsConfig
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.ports import bind_error, ensure_bindable
 
+ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+LISTENER_CLOSE_WAIT_S = 2.0  # refuse_new_calls: how long the main port may keep accepting after its shutdown
+
 logger = logging.getLogger(__name__)
 
 LIVENESS_SERVICE = "kpoolpd.liveness"  # the health name that says only: the process serves
@@ -78,6 +81,7 @@ class GrpcServer:
         self._probe_server: grpc.aio.Server | None = None
         self._refusing: asyncio.Future | None = None  # the main server's shutdown, once refuse_new_calls began it
         self.port = -1
+        self._host = ""
         self.health_port = -1
 
     @property
@@ -111,6 +115,7 @@ class GrpcServer:
         if self._started:
             raise RuntimeError("GrpcServer.start may be called once")
         self._started = True
+        self._host = host
         reflection.enable_server_reflection((*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
         address = f"{host}:{port}"
@@ -172,7 +177,23 @@ class GrpcServer:
             return
         self._refusing = asyncio.ensure_future(self._server.stop(grace))
         await asyncio.sleep(0)  # let the shutdown begin: the GOAWAYs go out now
+        await self._until_listener_closed(LISTENER_CLOSE_WAIT_S)
         logger.info("gRPC port %d takes no new calls (GOAWAY sent); calls in flight go on", self.port)
+
+    async def _until_listener_closed(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the main port refuses connections. gRPC closes its
+        listener a moment after the shutdown began; a connection accepted meanwhile would have its
+        calls cancelled (CANCELLED) instead of refused (UNAVAILABLE, which clients retry elsewhere)."""
+        host = "127.0.0.1" if self._host in ANY_HOST else self._host.strip("[]")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, self.port), timeout_s)
+            except (OSError, asyncio.TimeoutError):
+                return  # refused (or unreachable): no new connection gets in
+            writer.close()
+            await asyncio.sleep(0.01)
+        logger.warning("gRPC port %d still accepted connections %.1f s after its shutdown began", self.port, timeout_s)
 
     async def stop(self, grace: float | None = 1.0) -> None:
         """Report NOT_SERVING, then stop both servers (calls in flight get ``grace`` seconds, also
