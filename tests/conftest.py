@@ -9,6 +9,7 @@ test: the ops run their torch references on CPU tensors unless ``KPOOL_PD_FORCE_
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -18,6 +19,27 @@ from kernels.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
 
 if not torch.cuda.is_available():
     os.environ.setdefault(INTERPRET_ENV, "1")
+
+
+def _hold_grpc_aio() -> None:
+    """Keep gRPC's asyncio layer initialised for the whole test process.
+
+    grpc.aio counts its channels and servers; when the count falls to zero (the last one garbage
+    collected) it shuts its completion queue down and joins the queue's poller thread, which waits
+    for every operation still on the queue. A test's call left pending when its event loop closed
+    then blocks that join, in whatever later test the collection happens to run: CI saw the main
+    thread in ``Thread.join`` under a YAML parse for 4 minutes (faulthandler), and once for the rest of
+    its 90 minutes. One count taken here and never given back means no shutdown, so no join; the
+    poller is a daemon thread, which the interpreter leaves at exit. Each event loop still binds
+    itself as it creates its own channels and servers (grpc.aio serves several loops)."""
+    from grpc._cython import cygrpc
+
+    async def hold() -> None:
+        cygrpc.init_grpc_aio()
+    asyncio.run(hold())
+
+
+_hold_grpc_aio()
 
 
 @pytest.fixture(scope="module")
