@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,15 @@ def wait_for(predicate, timeout_s: float = 15.0, period_s: float = 0.1) -> bool:
             return True
         time.sleep(period_s)
     return predicate()
+
+
+def process_alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
 
 
 async def until(predicate, what: str, timeout_s: float, period_s: float = 0.05) -> None:

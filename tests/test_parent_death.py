@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from runtime.process import PARENT_DEATH_ENV, arm_parent_death_signal, parent_death_env
+from tests.polling import process_alive, wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
 GONE_WITHIN_S = 20.0
@@ -37,27 +37,6 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (not yet reaped by init) is gone for our purpose
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _gone_within(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _start_parent(child_delay_s: float) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(child_delay_s)], stdout=subprocess.PIPE,
@@ -74,10 +53,11 @@ def test_the_child_dies_with_its_parent_killed(child_delay_s):
             assert line == [str(child), "True", "False"], line
         parent.kill()
         parent.wait(10)
-        assert _gone_within(child, GONE_WITHIN_S + child_delay_s), "the child outlived its parent"
+        assert wait_for(lambda: not process_alive(child), GONE_WITHIN_S + child_delay_s, 0.05), \
+            "the child outlived its parent"
     finally:
         parent.kill()
-        if _alive(child):
+        if process_alive(child):
             os.kill(child, signal.SIGKILL)
 
 

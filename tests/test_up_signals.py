@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.polling import wait_for
+from tests.polling import process_alive, wait_for
 
 GONE_WITHIN_S = 10.0  # both daemons drain and exit, on 2 busy cores
 BOOT_S = 120.0
@@ -29,15 +29,6 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return found
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper counts as gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
 
 
 def _start_up(tmp_path: Path, *flags: str) -> subprocess.Popen:
@@ -81,7 +72,7 @@ def test_a_signal_stops_the_daemons_and_removes_the_folder(tmp_path, sig, flags,
             assert (folder / "ca.key").exists()
         up.send_signal(sig)
         assert up.wait(GONE_WITHIN_S) == 128 + sig, up.stderr.read()
-        assert not [p for p in pids if _alive(p)], "daemons left running"
+        assert not [p for p in pids if process_alive(p)], "daemons left running"
         assert not folder.exists(), sorted(p.name for p in folder.iterdir())
         assert f"{sig.name}: stopping the daemons" in up.stderr.read()
     finally:
@@ -97,8 +88,8 @@ def test_daemons_exit_by_themselves_when_up_is_killed(tmp_path):
         pids = _wait_for_daemons(up, _run_folder(tmp_path), "running")
         up.kill()
         up.wait(10)
-        assert wait_for(lambda: not [p for p in pids if _alive(p)], GONE_WITHIN_S), "daemons outlived `up`"
+        assert wait_for(lambda: not [p for p in pids if process_alive(p)], GONE_WITHIN_S), "daemons outlived `up`"
     finally:
         for pid in pids:  # never leave one behind, even when the test fails
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
