@@ -12,7 +12,7 @@ are the connector's own.
   decode-context-parallel instance pulls its own share of a grant (``PrefillPeer.pull(dcp=...)``).
 - Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``) and
   ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a daemon's
-  host), ``StatusError`` (a gRPC status and a message),
+  host; ``dial_host`` and ``dial_target``: the address a local client dials for a bound host), ``StatusError`` (a gRPC status and a message),
   ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token).
 - ``prefill_api``: the PrefillService wire format, for tests and tools that speak it directly.
 """
@@ -31,7 +31,7 @@ from connector.plan import RingRange
 from connector.prefill import PrefillConnector
 from connector.pull import PullTimeline
 from connector.ucx import ucx_available, ucx_context_info
-from connector.ucx_host import bind_ucx_options
+from connector.ucx_host import bind_ucx_options, dial_host, dial_target
 from connector.wire import Transport
 
 __all__ = [
@@ -39,5 +39,5 @@ __all__ = [
     "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
-    "open_channel", "prefill_api", "ucx_available", "ucx_context_info",
+    "dial_host", "dial_target", "open_channel", "prefill_api", "ucx_available", "ucx_context_info",
 ]

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from prometheus_client import Gauge
 
-from connector import PrefillGrant, StatusError, Transport, auth_metadata, open_channel
+from connector import PrefillGrant, StatusError, Transport, auth_metadata, dial_target, open_channel
 from decode_worker import dcp_api as api
 from decode_worker.dcp_options import rank_device
 from kvcache import DcpConfig
@@ -65,7 +65,7 @@ class DcpRanks:
         self.step_timeout_s = settings["dcp_timeout_s"]
         self.peer_token = settings["peer_token"] or None
         self.tls = context.tls
-        self.host = "127.0.0.1" if settings["host"] in ("0.0.0.0", "::", "") else settings["host"]
+        self.host = settings["host"]
         self.workdir = Path(rendezvous_dir)
         base = settings_env(options, settings)
         self.procs: list[subprocess.Popen] = []
@@ -120,7 +120,7 @@ class DcpRanks:
                     raise RuntimeError(f"DCP rank {rank} was not ready within {timeout_s:.0f} s")
                 await asyncio.sleep(0.05)
             port = json.loads(ready.read_text())["grpc_port"]
-            self.addresses.append(f"{self.host}:{port}")
+            self.addresses.append(dial_target(self.host, port))
             tls = self.tls
             channel = open_channel(self.addresses[-1], tls, ())
             self._channels.append(channel)

@@ -31,8 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from connector import BearerTokenInterceptor, Credential, TlsConfig
-from connector.ucx_host import WILDCARD_HOSTS
+from connector import BearerTokenInterceptor, Credential, TlsConfig, dial_host
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.ports import bind_error, ensure_bindable
 
@@ -184,7 +183,7 @@ class GrpcServer:
         """Wait (at most ``timeout_s``) until the main port refuses connections. gRPC closes its
         listener a moment after the shutdown began; a connection accepted meanwhile would have its
         calls cancelled (CANCELLED) instead of refused (UNAVAILABLE, which clients retry elsewhere)."""
-        host = "127.0.0.1" if self._host.strip() in WILDCARD_HOSTS else self._host.strip("[]")
+        host = dial_host(self._host)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             try:
