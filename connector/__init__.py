@@ -25,13 +25,14 @@ from connector.dcp_plan import dcp_transfer_bytes
 from connector.decode import DecodeConnector
 from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
+from connector.hosts import dial_host, dial_target
 from connector.landed import LandedRequest, PrefillGrant, TransferTimes
 from connector.peer import PrefillPeer
 from connector.plan import RingRange
 from connector.prefill import PrefillConnector
 from connector.pull import PullTimeline
 from connector.ucx import ucx_available, ucx_context_info
-from connector.ucx_host import bind_ucx_options, dial_host, dial_target
+from connector.ucx_host import bind_ucx_options
 from connector.wire import Transport
 
 __all__ = [

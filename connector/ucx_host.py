@@ -21,24 +21,11 @@ import os
 import socket
 from collections.abc import Sequence
 
+from connector.hosts import WILDCARD_HOSTS
+
 logger = logging.getLogger(__name__)
 
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 NET_DEVICES = "NET_DEVICES"
-LOOPBACK = "127.0.0.1"
-
-
-def dial_host(bind_host: str) -> str:
-    """The address a client on this machine dials to reach a server bound to ``bind_host``: the
-    loopback address for a wildcard host, the host itself (without IPv6 brackets) otherwise."""
-    host = bind_host.strip()
-    return LOOPBACK if host in WILDCARD_HOSTS else host.strip("[]")
-
-
-def dial_target(bind_host: str, port: int) -> str:
-    """``dial_host(bind_host)`` and ``port`` as a gRPC target (``host:port``, IPv6 in brackets)."""
-    host = dial_host(bind_host)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _SockAddr(ctypes.Structure):

@@ -183,11 +183,11 @@ class GrpcServer:
         """Wait (at most ``timeout_s``) until the main port refuses connections. gRPC closes its
         listener a moment after the shutdown began; a connection accepted meanwhile would have its
         calls cancelled (CANCELLED) instead of refused (UNAVAILABLE, which clients retry elsewhere)."""
-        host = dial_host(self._host)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
+        host, loop = dial_host(self._host), asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (left := deadline - loop.time()) > 0:
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, self.port), timeout_s)
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, self.port), left)
             except (OSError, asyncio.TimeoutError):
                 return  # refused (or unreachable): no new connection gets in
             writer.close()

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from connector.ucx_host import (NET_DEVICES, bind_ucx_options, dial_host, dial_target, interface_addresses,
-                                net_devices_for_host, target_hosts)
+from connector.ucx_host import (NET_DEVICES, bind_ucx_options, interface_addresses, net_devices_for_host,
+                                target_hosts)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="getifaddrs layout of Linux")
 LOOPBACK = next((name for name, addresses in interface_addresses().items()
@@ -47,13 +47,3 @@ def test_a_decode_node_adds_the_routes_to_its_prefill_nodes():
 
 def test_target_hosts():
     assert target_hosts("a:1, dns:///b.svc:2,[::1]:3,") == ["a", "b.svc", "::1"]
-
-
-@pytest.mark.parametrize(("bind_host", "host", "target"), [
-    ("0.0.0.0", "127.0.0.1", "127.0.0.1:7"), ("::", "127.0.0.1", "127.0.0.1:7"), ("", "127.0.0.1", "127.0.0.1:7"),
-    (" [::] ", "127.0.0.1", "127.0.0.1:7"), ("10.1.2.3", "10.1.2.3", "10.1.2.3:7"), ("[::1]", "::1", "[::1]:7"),
-    ("::1", "::1", "[::1]:7"), ("node-a.svc", "node-a.svc", "node-a.svc:7"),
-])
-def test_a_local_client_dials_loopback_for_a_wildcard_and_the_host_otherwise(bind_host, host, target):
-    assert dial_host(bind_host) == host
-    assert dial_target(bind_host, 7) == target
