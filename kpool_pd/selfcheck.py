@@ -17,7 +17,7 @@ import torch
 
 from kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
 from kernels.kpool_cache import pool_slots
-from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, PoolMode, complete_entries
+from kvcache import CacheConfig, NodeCache, PoolMode, complete_entries
 
 logger = logging.getLogger(__name__)
 
@@ -62,21 +62,34 @@ DEFAULT_CASES = (
 
 
 class _Request:
-    """One request's caches in its own pool (blocks allocated as the sequence grows)."""
+    """One request's caches in a node cache of its own (blocks allocated as the sequence grows)."""
 
     def __init__(self, config: CacheConfig, ape: torch.Tensor, capacity: int) -> None:
         self.config = config
-        self.pool = CachePool(BlockLayout(config), num_blocks=config.blocks_for_tokens(capacity) + 3,
-                              num_rings=1)
-        self.allocator = BlockAllocator(self.pool.num_blocks)
-        self.allocator.allocate(1)  # start the request's blocks at id 1 so its ids differ from the other run
-        self.block_ids: list[int] = []
+        self.cache = NodeCache(config, num_blocks=config.blocks_for_tokens(capacity) + 3, num_rings=1)
+        self.pool = self.cache.pool
+        self._offset = self.cache.allocate("offset", 0, ring=False)  # blocks the request's ids start after
+        self.skip_block()  # start the request's blocks at id 1 so its ids differ from the other run
+        self._request = self.cache.allocate("request", 0)
         self.ape = ape
 
+    def skip_block(self) -> None:
+        """Move the request's next block id one further."""
+        self._offset.extend(1)
+
+    def release(self) -> None:
+        self._request.release()
+        self._offset.release()
+
     def _table(self, tokens: int) -> torch.Tensor:
-        while len(self.block_ids) < self.config.blocks_for_tokens(tokens):
-            self.block_ids += self.allocator.allocate(1)
-        return torch.tensor([self.block_ids], dtype=torch.int32)
+        missing = self.config.blocks_for_tokens(tokens) - self._request.num_blocks
+        if missing > 0:
+            self._request.extend(missing)
+        return torch.tensor([self._request.block_ids], dtype=torch.int32)
+
+    @property
+    def ring(self) -> int:
+        return self._request.ring_id
 
     def prefill(self, k: torch.Tensor, gate: torch.Tensor) -> None:
         # k, gate: [layers, L, 128] bf16
@@ -107,7 +120,8 @@ class _Request:
                                           dequantize=False)
             sha.update(q.view(torch.uint8).numpy().tobytes())
             sha.update(scale.numpy().tobytes())
-            sha.update(self.pool.tail_ring(layer)[0][:, open_positions].contiguous().view(torch.uint8).numpy().tobytes())
+            ring = self.pool.tail_ring(layer)[self.ring][:, open_positions]
+            sha.update(ring.contiguous().view(torch.uint8).numpy().tobytes())
         return sha.hexdigest()
 
 
@@ -122,25 +136,28 @@ def run_case(case: SelfcheckCase, seed: int) -> SelfcheckRow:
     ape = torch.randn(case.layers, case.kpool, 128, generator=gen)
     capacity = case.total_len + case.num_spec
 
-    colocated = _Request(config, ape, capacity)
-    colocated.prefill(k, gate)
+    colocated, pd = _Request(config, ape, capacity), _Request(config, ape, capacity)
+    try:
+        colocated.prefill(k, gate)
+        pd.skip_block()
+        pd.prefill(k[:, :case.prompt_len], gate[:, :case.prompt_len])
+        length, steps, proposed, accepted_total = case.prompt_len, 0, 0, 0
+        while length < case.total_len:
+            drafts = case.num_spec
+            accepted = min(int(torch.randint(0, drafts + 1, (1,), generator=gen)), case.total_len - length - 1)
+            step_k = torch.randn(case.layers, 1 + drafts, 128, generator=gen).to(torch.bfloat16)
+            step_gate = torch.randn(case.layers, 1 + drafts, 128, generator=gen).to(torch.bfloat16)
+            step_k[:, :1 + accepted] = k[:, length:length + 1 + accepted]
+            step_gate[:, :1 + accepted] = gate[:, length:length + 1 + accepted]
+            pd.step(step_k, step_gate, length)
+            length += 1 + accepted
+            steps, proposed, accepted_total = steps + 1, proposed + drafts, accepted_total + accepted
+        logger.debug("case %s: %d steps", case, steps)
+        return SelfcheckRow(case, steps, proposed, accepted_total, colocated.digest(length), pd.digest(length))
+    finally:
+        colocated.release()
+        pd.release()
 
-    pd = _Request(config, ape, capacity)
-    pd.allocator.allocate(1)
-    pd.prefill(k[:, :case.prompt_len], gate[:, :case.prompt_len])
-    length, steps, proposed, accepted_total = case.prompt_len, 0, 0, 0
-    while length < case.total_len:
-        drafts = case.num_spec
-        accepted = min(int(torch.randint(0, drafts + 1, (1,), generator=gen)), case.total_len - length - 1)
-        step_k = torch.randn(case.layers, 1 + drafts, 128, generator=gen).to(torch.bfloat16)
-        step_gate = torch.randn(case.layers, 1 + drafts, 128, generator=gen).to(torch.bfloat16)
-        step_k[:, :1 + accepted] = k[:, length:length + 1 + accepted]
-        step_gate[:, :1 + accepted] = gate[:, length:length + 1 + accepted]
-        pd.step(step_k, step_gate, length)
-        length += 1 + accepted
-        steps, proposed, accepted_total = steps + 1, proposed + drafts, accepted_total + accepted
-    logger.debug("case %s: %d steps", case, steps)
-    return SelfcheckRow(case, steps, proposed, accepted_total, colocated.digest(length), pd.digest(length))
 
 
 def format_table(rows: list[SelfcheckRow]) -> str:

@@ -1,4 +1,5 @@
-"""Cache specs, the unified block layout, allocators and the layout hash (imports no project package)."""
+"""Cache specs, the unified block layout, the layout hash, and a node's cache with its only owner
+(``NodeCache``: the pool, the allocators, the allocations it hands out); imports no project package."""
 
 from kvcache.allocator import BlockAllocator, RingAllocator
 from kvcache.config import LAYOUT_FORMAT_VERSION, CacheConfig
@@ -13,6 +14,7 @@ from kvcache.family import (
     open_entry_start,
 )
 from kvcache.layout import BlockLayout, layout_differences, layout_hash
+from kvcache.node_cache import CacheAllocation, CacheExhaustedError, NodeCache
 from kvcache.pool import CachePool
 from kvcache.specs import (
     DEFAULT_KERNEL_PAGE_STATES,
@@ -33,10 +35,10 @@ from kvcache.specs import (
 )
 
 __all__ = [
-    "BlockAllocator", "BlockLayout", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
+    "BlockAllocator", "BlockLayout", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
     "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
     "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
-    "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
+    "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
     "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
     "family_spec_type", "family_supports_dcp", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
     "tail_ring_size",

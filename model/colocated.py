@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import CacheAllocation, NodeCache
 from model.config import ModelConfig
 from model.engine import DecodeSequence, Engine, PrefillJob, output_digest
 
@@ -71,24 +71,36 @@ def make_prompts(count: int, prompt_len: int, *, seed: int, vocab_size: int, max
             for i in range(count)]
 
 
-def pool_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batch: int,
-             device: torch.device | str = "cpu") -> CachePool:
-    """A pool on ``device`` that holds the ``max_batch`` largest requests at once."""
+def cache_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batch: int,
+              device: torch.device | str = "cpu") -> NodeCache:
+    """A node cache on ``device`` that holds the ``max_batch`` largest requests at once."""
     sizes = sorted((config.blocks_for(len(r.prompt), r.max_tokens) for r in requests), reverse=True)
-    return CachePool(BlockLayout(config.cache_config()), num_blocks=max(1, sum(sizes[:max_batch])),
+    return NodeCache(config.cache_config(), num_blocks=max(1, sum(sizes[:max_batch])),
                      num_rings=max(1, min(max_batch, len(requests))), device=device)
 
 
 def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, max_batch: int = 16,
-                  engine: Engine | None = None, on_result: Callable[[RequestResult], None] | None = None,
+                  on_result: Callable[[RequestResult], None] | None = None,
                   device: torch.device | str = "cpu") -> list[RequestResult]:
-    """Run every request to completion with continuous batching of up to ``max_batch``; results in
-    request order. ``engine`` (with its pool) may be passed in to reuse or inspect it, else one is
-    made on ``device``; every block and ring is freed at the end."""
+    """Run every request to completion with continuous batching of up to ``max_batch`` on a cache of
+    its own (``cache_for``) on ``device``; results in request order. Each request holds its blocks and
+    ring as one allocation from admission to its result; every one is released at the end, also when
+    a request fails."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    engine = engine or Engine(config, pool_for(config, requests, max_batch, device))
-    blocks, rings = BlockAllocator(engine.pool.num_blocks), RingAllocator(engine.pool.num_rings)
+    cache = cache_for(config, requests, max_batch, device)
+    engine = Engine(config, cache.pool)
+    held: dict[str, CacheAllocation] = {}
+    try:
+        return _run(engine, cache, requests, max_batch, held, on_result)
+    finally:
+        for allocation in held.values():
+            allocation.release()
+
+
+def _run(engine: Engine, cache: NodeCache, requests: Sequence[GenerateRequest], max_batch: int,
+         held: dict[str, CacheAllocation], on_result: Callable[[RequestResult], None] | None) -> list[RequestResult]:
+    config = engine.config
     waiting = list(requests)
     running: list[DecodeSequence] = []
     results: dict[str, RequestResult] = {}
@@ -99,13 +111,14 @@ def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, m
         while waiting and len(running) + len(admitted) < max_batch:
             req = waiting[0]
             need = config.blocks_for(len(req.prompt), req.max_tokens)
-            if need > blocks.num_free or rings.num_free == 0:
+            if not cache.fits(need):
                 if not running and not admitted:
-                    raise ValueError(f"request {req.request_id} needs {need} blocks; the pool has {blocks.num_free} free")
+                    raise ValueError(f"request {req.request_id} needs {need} blocks; the pool has {cache.free_blocks} free")
                 break
             waiting.pop(0)
+            allocation = held[req.request_id] = cache.allocate(req.request_id, need)
             seq = DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt), max_tokens=req.max_tokens,
-                                 block_ids=blocks.allocate(need), ring_id=rings.allocate(req.request_id), output=[])
+                                 block_ids=list(allocation.block_ids), ring_id=allocation.ring_id, output=[])
             admitted.append((seq, req.prompt))
         if admitted:
             firsts = engine.prefill([PrefillJob(prompt=prompt, block_ids=seq.block_ids, ring_id=seq.ring_id)
@@ -125,8 +138,7 @@ def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, m
                 ttft_ms=ttft_ms.pop(seq.request_id), total_ms=(time.perf_counter() - started) * 1000, steps=seq.steps,
                 drafts_proposed=seq.drafts_proposed, drafts_accepted=seq.drafts_accepted,
             )
-            blocks.free(seq.block_ids)
-            rings.free(seq.request_id)
+            held.pop(seq.request_id).release()
             results[seq.request_id] = result
             if on_result is not None:
                 on_result(result)
