@@ -31,9 +31,9 @@ import torch
 from bench.arguments import count, counts
 from bench.plotting import pyplot, wrote
 from connector import dcp_transfer_bytes
-from kvcache import BlockLayout, CachePool, DcpConfig
-from model import DecodeSequence, Engine, ModelConfig, PrefillJob
-from model.colocated import make_prompts, pool_for
+from kvcache import BlockLayout, DcpConfig, NodeCache
+from model import DecodeSequence, ModelConfig
+from model.colocated import make_prompts, prefill_batch
 from model.dcp_engine import DcpEngine, rank_blocks_for
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
@@ -60,21 +60,19 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
         max_tokens = args["steps"] * (config.num_spec + 1) + args["warmup"] * (config.num_spec + 1) + 2
         requests = make_prompts(args["batch"], args["tokens"], seed=1, vocab_size=config.vocab_size,
                                 max_tokens=max_tokens)
-        full = Engine(config, pool_for(config, requests, len(requests), device))
-        blocks = [list(range(i * config.blocks_for(args["tokens"], max_tokens),
-                             (i + 1) * config.blocks_for(args["tokens"], max_tokens))) for i in range(len(requests))]
-        firsts = full.prefill([PrefillJob(prompt=r.prompt, block_ids=b, ring_id=i)
-                               for i, (r, b) in enumerate(zip(requests, blocks))])
+        full = prefill_batch(config, requests, device)
         need = rank_blocks_for(config, dcp, args["tokens"], max_tokens)
-        pool = CachePool(BlockLayout(config.cache_config()), num_blocks=need * len(requests), num_rings=len(requests),
-                         device=device)
+        cache = NodeCache(config.cache_config(), num_blocks=need * len(requests), num_rings=len(requests),
+                          device=device)
+        pool = cache.pool
         engine = DcpEngine(config, pool, group)
-        seqs = []
-        for i, (req, first) in enumerate(zip(requests, firsts)):
-            local = list(range(i * need, (i + 1) * need))
-            land_request(full.pool, blocks[i], i, pool, local, i, dcp.shard(rank), args["tokens"])
+        seqs, allocations = [], [cache.allocate(r.request_id, need) for r in requests]
+        for req, whole, mine, first in zip(requests, full.allocations, allocations, full.first_tokens):
+            land_request(full.cache.pool, list(whole.block_ids), whole.ring_id, pool, list(mine.block_ids),
+                         mine.ring_id, dcp.shard(rank), args["tokens"])
             seqs.append(DecodeSequence(request_id=req.request_id, prompt_len=args["tokens"], max_tokens=max_tokens,
-                                       block_ids=local, ring_id=i, output=[first]))
+                                       block_ids=list(mine.block_ids), ring_id=mine.ring_id, output=[first]))
+        full.release()
         del full
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -92,6 +90,8 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
         layout = pool.layout
         out.put((rank, {"step_ms": times, "cache_bytes": held * layout.block_bytes + layout.ring_block_bytes,
                         "tokens": [s.output for s in seqs]}, None))
+        for allocation in allocations:
+            allocation.release()
         group.leave()
     except BaseException:
         out.put((rank, None, traceback.format_exc()))

@@ -79,6 +79,37 @@ def cache_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batc
                      num_rings=max(1, min(max_batch, len(requests))), device=device)
 
 
+@dataclass(frozen=True)
+class PrefilledBatch:
+    """Every request of a batch prefilled at once on a cache of its own (what prefill nodes would
+    send): ``allocations[i]`` holds request i's blocks and ring; ``release()`` gives them all back."""
+
+    engine: Engine
+    cache: NodeCache
+    allocations: tuple[CacheAllocation, ...]
+    first_tokens: tuple[int, ...]
+
+    def release(self) -> None:
+        for allocation in self.allocations:
+            allocation.release()
+
+
+def prefill_batch(config: ModelConfig, requests: Sequence[GenerateRequest],
+                  device: torch.device | str = "cpu") -> PrefilledBatch:
+    """Prefill every request of ``requests`` in one step on a cache that holds them all."""
+    cache = cache_for(config, requests, len(requests), device)
+    engine = Engine(config, cache.pool)
+    allocations = tuple(cache.allocate(r.request_id, config.blocks_for(len(r.prompt), r.max_tokens)) for r in requests)
+    try:
+        firsts = engine.prefill([PrefillJob(prompt=r.prompt, block_ids=a.block_ids, ring_id=a.ring_id)
+                                 for r, a in zip(requests, allocations)])
+    except BaseException:
+        for allocation in allocations:
+            allocation.release()
+        raise
+    return PrefilledBatch(engine, cache, allocations, tuple(firsts))
+
+
 def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, max_batch: int = 16,
                   on_result: Callable[[RequestResult], None] | None = None,
                   device: torch.device | str = "cpu") -> list[RequestResult]:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from kvcache import BlockLayout, CachePool, DcpConfig, DcpShard
-from model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
-from model.colocated import GenerateRequest, pool_for
+from kvcache import DcpConfig, DcpShard, NodeCache
+from model import DecodeSequence, ModelConfig, output_digest
+from model.colocated import GenerateRequest, prefill_batch
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
@@ -38,32 +38,32 @@ class DcpCase:
 def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, str | None]]:
     """One rank's part of a DCP run of ``case`` (``group``: a ``DcpGroup`` or a ``ThreadGroup``)."""
     config, requests, device = case.config, case.requests, group.device
-    full = Engine(config, pool_for(config, requests, len(requests), device))
-    global_blocks, start = [], 0
-    for req in requests:
-        need = config.blocks_for(len(req.prompt), req.max_tokens)
-        global_blocks.append(list(range(start, start + need)))
-        start += need
-    firsts = full.prefill([PrefillJob(prompt=r.prompt, block_ids=b, ring_id=i)
-                           for i, (r, b) in enumerate(zip(requests, global_blocks))])
+    full = prefill_batch(config, requests, device)
     shard = group.shard
     local_sizes = [shard.blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, config.resolved_block_size)
                    for r in requests]
-    pool = CachePool(BlockLayout(config.cache_config()), num_blocks=max(1, sum(local_sizes)),
-                     num_rings=len(requests), device=device)
-    pool.blocks.fill_(0xA5)  # unwritten bytes that a rank reads would show
-    engine = DcpEngine(config, pool, group)
-    sequences, start = [], 0
-    for i, (req, size, first) in enumerate(zip(requests, local_sizes, firsts)):
-        blocks = list(range(start, start + size))
-        start += size
-        land_request(full.pool, global_blocks[i], i, pool, blocks, i, shard, len(req.prompt))
-        sequences.append(DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt),
-                                        max_tokens=req.max_tokens, block_ids=blocks, ring_id=i, output=[first]))
-    while not all(s.finished for s in sequences):
-        engine.decode_step(sequences)
-    return [(tuple(s.output), output_digest(s.output), engine.state_digest(s.block_ids, s.ring_id, s.cached))
-            for s in sequences]
+    cache = NodeCache(config.cache_config(), num_blocks=max(1, sum(local_sizes)), num_rings=len(requests),
+                      device=device)
+    cache.pool.blocks.fill_(0xA5)  # unwritten bytes that a rank reads would show
+    engine = DcpEngine(config, cache.pool, group)
+    local = [cache.allocate(r.request_id, size) for r, size in zip(requests, local_sizes)]
+    try:
+        sequences = []
+        for req, whole, mine, first in zip(requests, full.allocations, local, full.first_tokens):
+            land_request(full.cache.pool, list(whole.block_ids), whole.ring_id, cache.pool, list(mine.block_ids),
+                         mine.ring_id, shard, len(req.prompt))
+            sequences.append(DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt),
+                                            max_tokens=req.max_tokens, block_ids=list(mine.block_ids),
+                                            ring_id=mine.ring_id, output=[first]))
+        full.release()
+        while not all(s.finished for s in sequences):
+            engine.decode_step(sequences)
+        return [(tuple(s.output), output_digest(s.output), engine.state_digest(s.block_ids, s.ring_id, s.cached))
+                for s in sequences]
+    finally:
+        full.release()
+        for allocation in local:
+            allocation.release()
 
 
 class ThreadGroup:
