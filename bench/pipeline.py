@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from bench.arguments import count
 from bench.plotting import pyplot, wrote
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, Transport, ucx_available)
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, NodeCache
 from model import Engine, ModelConfig
 from model.colocated import make_prompts
 from prefill_worker.batcher import BatchingPrefillEngine
@@ -106,9 +106,11 @@ async def timeline(config: ModelConfig, prompt: tuple[int, ...], budget: int, de
     blocks = config.cache_config().blocks_for_tokens(len(prompt)) + 2
     transports = (transport,)
     cfg = ConnectorConfig(piece_tokens=budget, rpc_timeout_s=120, transfer_timeout_s=120)
-    engine = TimedEngine(config, CachePool(layout, num_blocks=blocks, num_rings=2, device=device))
-    batcher = BatchingPrefillEngine(engine, max_batch_tokens=budget, max_queue=4, registry=CollectorRegistry())
-    node = PrefillConnector(engine.pool, BlockAllocator(blocks), RingAllocator(2), batcher, engine_id="bench-p",
+    prefill_cache = NodeCache(layout, num_blocks=blocks, num_rings=2, device=device)
+    engine = TimedEngine(config, prefill_cache.pool)
+    batcher = BatchingPrefillEngine(engine, prefill_cache, max_batch_tokens=budget, max_queue=4,
+                                    registry=CollectorRegistry())
+    node = PrefillConnector(prefill_cache.pool, batcher, engine_id="bench-p",
                             config=cfg, registry=CollectorRegistry(), transports=transports)
     pulls = []
     node.on_pull_done = pulls.append
@@ -118,8 +120,8 @@ async def timeline(config: ModelConfig, prompt: tuple[int, ...], budget: int, de
     await server.set_serving(True)
     port = await server.start("127.0.0.1", 0)
     steps = asyncio.create_task(batcher.run())
-    decode = await DecodeConnector(CachePool(layout, num_blocks=blocks, num_rings=2, device=device),
-                                   BlockAllocator(blocks), RingAllocator(2), engine_id="bench-d", config=cfg,
+    decode_cache = NodeCache(layout, num_blocks=blocks, num_rings=2, device=device)
+    decode = await DecodeConnector(decode_cache.pool, engine_id="bench-d", config=cfg,
                                    registry=CollectorRegistry(), transports=transports).start()
     try:
         peer = await decode.connect(f"127.0.0.1:{port}")
@@ -127,7 +129,8 @@ async def timeline(config: ModelConfig, prompt: tuple[int, ...], budget: int, de
             engine.steps.clear()
             t0 = time.perf_counter()
             grant = await peer.prefill(name, tokens, pipelined=True)
-            with await peer.pull(grant, transport=transport, release=False) as landed:
+            with decode_cache.allocate(name, decode_cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
+                landed = await peer.pull(grant, into=allocation, transport=transport, release=False)
                 held = time.perf_counter()
                 times = landed.times
             await peer.release(grant.grant_id)

@@ -34,9 +34,9 @@ from prometheus_client import CollectorRegistry
 from bench.arguments import count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
-from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillCache,
-                       PrefillConnector, PrefillInput, PrefillOutput, PullTimeline, Transport, ucx_available)
-from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
+                       PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
+from kvcache import BlockLayout, CacheConfig, NodeCache
 from runtime import GrpcServer
 
 
@@ -48,18 +48,20 @@ def _config(layers: int, block_size: int, kpool: int) -> CacheConfig:
 
 
 class _TemplateEngine:
-    """Fills a request's blocks from a random template (the fill is not timed)."""
+    """Fills a request's blocks, allocated from its node cache, from a random template (the fill is not timed)."""
 
-    def __init__(self, template: torch.Tensor) -> None:
-        self.template = template
+    def __init__(self, cache: NodeCache, template: torch.Tensor) -> None:
+        self.cache, self.template = cache, template
 
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
-        ids, ring = cache.allocate(cache.pool.config.blocks_for_tokens(n))
-        cache.pool.blocks[list(ids)] = self.template[: len(ids)]
-        if cache.pool.device.type == "cuda":  # the bytes must be written before UCX reads them
-            torch.cuda.synchronize(cache.pool.device)
-        return PrefillOutput(block_ids=ids, ring_id=ring, prompt_len=n, first_token=0)
+        allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(n))
+        progress.serve_from(allocation)
+        pool = self.cache.pool
+        pool.blocks[list(allocation.block_ids)] = self.template[: allocation.num_blocks]
+        if pool.device.type == "cuda":  # the bytes must be written before UCX reads them
+            torch.cuda.synchronize(pool.device)
+        return PrefillOutput(prompt_len=n, first_token=0)
 
 
 def _prefill_proc(conn, args: dict) -> None:
@@ -67,11 +69,11 @@ def _prefill_proc(conn, args: dict) -> None:
         config = _config(args["layers"], args["block_size"], args["kpool"])
         layout = BlockLayout(config)
         device = args["prefill_device"]
-        pool = CachePool(layout, num_blocks=args["num_blocks"], num_rings=4, device=device)
+        cache = NodeCache(layout, num_blocks=args["num_blocks"], num_rings=4, device=device)
         template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8, device=device)
         transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
         config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]))
-        node = PrefillConnector(pool, BlockAllocator(args["num_blocks"]), RingAllocator(4), _TemplateEngine(template),
+        node = PrefillConnector(cache.pool, _TemplateEngine(cache, template),
                                 engine_id="bench-prefill", config=config,
                                 registry=CollectorRegistry(), transports=transports)
         await node.start()  # UCX first, then the server's threads (see runtime.daemon.serve)
@@ -211,8 +213,9 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
         ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options)), daemon=True)
     proc.start()
     port = conn.recv()
-    pool = CachePool(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
-    node = await DecodeConnector(pool, BlockAllocator(num_blocks), RingAllocator(4), engine_id="bench-decode",
+    cache = NodeCache(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
+    pool = cache.pool
+    node = await DecodeConnector(pool, engine_id="bench-decode",
                                  config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=ucx_options),
                                  registry=CollectorRegistry(), transports=transports).start()
     peer = await node.connect(f"127.0.0.1:{port}")
@@ -222,14 +225,14 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
             times, timelines = [], []
             for rep in range(args["reps"] + 1):
                 grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
-                t0 = time.perf_counter()
-                landed = await peer.pull(grant, transport=transport, release=False)
-                if pool.device.type == "cuda":
-                    torch.cuda.synchronize(pool.device)
-                times.append(time.perf_counter() - t0)
-                timelines.append(landed.timeline)
-                await peer.release(grant.grant_id)
-                landed.release()
+                with cache.allocate(grant.request_id, cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
+                    t0 = time.perf_counter()
+                    landed = await peer.pull(grant, into=allocation, transport=transport, release=False)
+                    if pool.device.type == "cuda":
+                        torch.cuda.synchronize(pool.device)
+                    times.append(time.perf_counter() - t0)
+                    timelines.append(landed.timeline)
+                    await peer.release(grant.grant_id)
             seconds = statistics.median(times[1:])
             rows.append({"tokens": tokens, "layers": args["layers"], "bytes": landed.nbytes,
                          "path": f"connector {transport.label}{suffix}", "gbps": landed.nbytes / seconds / 1e9,

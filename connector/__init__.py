@@ -3,13 +3,20 @@
 Everything outside the connector imports these names from ``connector``; the modules behind them
 are the connector's own.
 
+One owner per node: the engine that computes a request owns the node's cache (``kvcache.NodeCache``)
+and allocates from it; the connector never allocates, it moves bytes between allocations it is
+handed (``kvcache.CacheAllocation``).
+
 - Prefill side: ``PrefillConnector`` serves a prefill node's cache to decode nodes; the model side
-  plugs in as a ``PrefillEngine`` (``PrefillInput`` -> ``PrefillOutput`` through a ``PrefillCache``,
-  raising ``CacheExhaustedError`` or ``EngineUnavailable``).
+  plugs in as a ``PrefillEngine``: for each Prefill call it allocates, hands the allocation to the
+  call's ``PrefillProgress`` (``serve_from``; the grant's lease then holds that handle and releases
+  it), says how far the prompt is written (``advance``) and returns a ``PrefillOutput``, or raises
+  ``CacheExhaustedError`` (RESOURCE_EXHAUSTED) or ``EngineUnavailable`` (UNAVAILABLE).
 - Decode side: ``DecodeConnector`` handshakes with prefill nodes (``PrefillPeer``) and pulls a
-  ``PrefillGrant`` into a ``LandedRequest``, which owns every block the pull reserved until released
-  (its ``PullTimeline`` says where the pull's time went); a grant's ring is a ``RingRange``. A rank of a
-  decode-context-parallel instance pulls its own share of a grant (``PrefillPeer.pull(dcp=...)``).
+  ``PrefillGrant`` into an allocation the caller made (``PrefillPeer.pull(grant, into=...)``), and
+  says how it went (``LandedRequest``; its ``PullTimeline`` says where the pull's time went); a grant's
+  ring is a ``RingRange``. A rank of a decode-context-parallel instance pulls its own share of a grant
+  (``PrefillPeer.pull(dcp=...)``).
 - Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``) and
   ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a daemon's
   host; ``dial_host`` and ``dial_target``: the address a local client dials for a bound host), ``StatusError`` (a gRPC status and a message),
@@ -23,7 +30,7 @@ from connector.channels import open_channel
 from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
 from connector.dcp_plan import dcp_transfer_bytes
 from connector.decode import DecodeConnector
-from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
+from connector.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
 from connector.hosts import dial_host, dial_target
 from connector.landed import LandedRequest, PrefillGrant, TransferTimes
@@ -37,8 +44,8 @@ from connector.wire import Transport
 
 __all__ = [
     "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
-    "LandedRequest", "PrefillCache", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
-    "PrefillOutput", "PrefillPeer", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
+    "LandedRequest", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
+    "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
     "dial_host", "dial_target", "open_channel", "prefill_api", "ucx_available", "ucx_context_info",
 ]

@@ -1,9 +1,10 @@
-"""DecodeConnector: the decode node's side of the connector. It owns the node's pool and
-allocators, its UCX worker, and its handshaken prefill nodes (``PrefillPeer``), through which it
-asks for prefills and pulls them into its own blocks (``connector.peer``, ``connector.pull``).
+"""DecodeConnector: the decode node's side of the connector. It owns its UCX worker and its
+handshaken prefill nodes (``PrefillPeer``), through which it asks for prefills and pulls them into
+allocations its caller made in the node's cache (``connector.peer``, ``connector.pull``): the node's
+cache and its allocations are the engine's (its scheduler's), never the connector's.
 
 Every call that waits on a peer has a deadline (``rpc_timeout_s``, ``transfer_timeout_s``);
-every failure is a ``StatusError`` carrying a gRPC status code, and leaves nothing allocated.
+every failure is a ``StatusError`` carrying a gRPC status code.
 """
 
 from __future__ import annotations
@@ -27,31 +28,30 @@ from connector.metrics import ConnectorMetrics
 from connector.peer import PrefillPeer
 from connector.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
 from connector.wire import Transport, layout_message, transports_from
-from kvcache import BlockAllocator, CachePool, RingAllocator
+from kvcache import CachePool
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeConnector:
-    """The decode node's pool and allocators, its UCX worker, and its peers.
+    """The decode node's pool (the bytes it pulls into), its UCX worker, and its peers.
 
     ``await start()`` (inside the event loop that will run the pulls) makes the UCX worker when
     UCX is among ``transports``; ``connect(address)`` handshakes with one prefill node (each
     call a new channel) and ``disconnect(peer_or_address)`` closes it."""
 
-    def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, *, engine_id: str,
+    def __init__(self, pool: CachePool, *, engine_id: str,
                  config: ConnectorConfig, registry: CollectorRegistry,
                  transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM),
                  model_identity: str = "") -> None:
         if not isinstance(model_identity, str) or len(model_identity) > MAX_MODEL_IDENTITY_CHARS:
             raise ValueError(f"model_identity must be a string of at most {MAX_MODEL_IDENTITY_CHARS} characters")
-        self.pool, self.blocks, self.rings = pool, blocks, rings
+        self.pool = pool
         self.engine_id = engine_id
         self.model_identity = model_identity
         self.config = config
         self.transports = tuple(transports)
         self.metrics = ConnectorMetrics(registry, "decode")
-        self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
         self.ucx: UcxNode | None = None
         self._peers: list[PrefillPeer] = []
         self._keepalives: dict[PrefillPeer, asyncio.Task] = {}  # one per connected peer

@@ -1,15 +1,23 @@
 """What the prefill connector asks of the model side: the PrefillEngine protocol.
 
-The connector owns the allocators and the leases; the engine computes. For each Prefill RPC
-the connector calls ``engine.prefill(request, cache)`` once; the engine allocates through
-``cache.allocate`` (at most once), fills the blocks and the ring, and returns a
-``PrefillOutput``. If it raises, the connector frees whatever it allocated and answers the RPC
-with an error (``CacheExhaustedError`` -> RESOURCE_EXHAUSTED, ``EngineUnavailable`` ->
-UNAVAILABLE, ``ValueError`` -> INVALID_ARGUMENT, anything else -> INTERNAL). If the caller
-gives up (its deadline passes, it cancels), the connector cancels the awaited ``prefill`` and
-frees the allocation as soon as the cancellation reaches it; an engine that still writes to
-those blocks afterwards must finish before any later request's writes can reach them (a
-batch loop that runs one batch at a time does).
+One owner per node: the engine owns the node's cache (a ``kvcache.NodeCache``) and allocates from
+it; the connector never allocates, it serves the bytes of the allocation the engine hands it and
+holds that handle under lease. For each Prefill RPC the connector calls
+``engine.prefill(request, progress)`` once (who calls: the connector, on its event loop; never
+twice for one call). The engine allocates the prompt's blocks and a ring, hands the allocation to
+``progress.serve_from`` at once (a pipelined Prefill call is answered then), fills the blocks
+(``progress.advance`` after each chunk) and returns a ``PrefillOutput``.
+
+Failure: an engine that raises before ``serve_from`` releases what it took itself; from
+``serve_from`` on the allocation is the grant's, and the connector releases it when the grant ends
+(pulled and released, its lease expired, the call failed or was cancelled). The connector answers
+a raised ``CacheExhaustedError`` with RESOURCE_EXHAUSTED, ``EngineUnavailable`` with UNAVAILABLE,
+``ValueError`` with INVALID_ARGUMENT and anything else with INTERNAL. If the caller gives up (its
+deadline passes, it cancels), the connector cancels the awaited ``prefill`` and releases the
+allocation as soon as the cancellation reaches it; an engine that still writes to those blocks
+afterwards must finish before any later request's writes can reach them (a batch loop that runs one
+batch at a time does). Releasing is idempotent, so the engine may release an allocation it
+abandons too.
 """
 
 from __future__ import annotations
@@ -18,8 +26,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from connector.errors import CacheExhaustedError
-from kvcache import BlockAllocator, CachePool, RingAllocator
+from kvcache import CacheAllocation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,46 +39,48 @@ class PrefillInput:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillOutput:
-    """What the engine returns: the blocks and ring it took through ``cache.allocate``, the
-    prompt length, and the first token."""
+    """What the engine returns once the prompt is computed: its length and the first output token."""
 
-    block_ids: tuple[int, ...]
-    ring_id: int
     prompt_len: int
     first_token: int
 
 
-class PrefillCache:
-    """One Prefill call's access to the prefill node's cache: the pool, and allocation that the
-    connector can roll back. Not thread-safe; used from the event loop only."""
+class PrefillProgress:
+    """One Prefill call's hand-off between the engine and the connector: the allocation the engine
+    serves the request from (``serve_from``), and how far the prompt is written (``advance``). Not
+    thread-safe; used from the event loop only."""
 
-    __slots__ = ("pool", "_blocks", "_rings", "_key", "block_ids", "ring_id", "prefilled", "_moved", "_allocated")
+    __slots__ = ("request_id", "allocation", "prefilled", "_moved", "_allocated")
 
-    def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, key: str) -> None:
-        self.pool = pool
-        self._blocks = blocks
-        self._rings = rings
-        self._key = key
-        self.block_ids: tuple[int, ...] | None = None
-        self.ring_id: int | None = None
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.allocation: CacheAllocation | None = None
         self.prefilled = 0  # prompt tokens written in every layer (``advance``)
         self._moved = asyncio.Event()  # set (and replaced) by each ``advance``
         self._allocated = asyncio.Event()
 
-    def allocate(self, num_blocks: int) -> tuple[tuple[int, ...], int]:
-        """``num_blocks`` blocks and one ring. CacheExhaustedError (nothing taken) when short."""
-        if self.block_ids is not None:
-            raise RuntimeError("PrefillCache.allocate may be called once per request")
-        if num_blocks > self._blocks.num_free or self._rings.num_free == 0:
-            raise CacheExhaustedError(
-                f"need {num_blocks} blocks and a ring; free: {self._blocks.num_free} blocks, {self._rings.num_free} rings")
-        self.block_ids = tuple(self._blocks.allocate(num_blocks))
-        self.ring_id = self._rings.allocate(self._key)
+    def serve_from(self, allocation: CacheAllocation) -> None:
+        """The engine's allocation for this request (its blocks in block-table order and its ring),
+        handed over once; from now on the grant holds it and releases it. ValueError for a released
+        allocation or one without a ring; RuntimeError when called twice."""
+        if self.allocation is not None:
+            raise RuntimeError(f"PrefillProgress.serve_from may be called once per request ({self.request_id})")
+        if allocation.released or allocation.ring_id is None:
+            raise ValueError(f"request {self.request_id} must be served from a held allocation with a ring, "
+                             f"got {allocation!r}")
+        self.allocation = allocation
         self._allocated.set()
-        return self.block_ids, self.ring_id
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.allocation.block_ids if self.allocation is not None else ()
+
+    @property
+    def ring_id(self) -> int | None:
+        return self.allocation.ring_id if self.allocation is not None else None
 
     async def wait_allocated(self) -> None:
-        """Until ``allocate`` succeeded (never returns if the engine fails first: wait on it too)."""
+        """Until ``serve_from`` was called (never returns if the engine fails first: wait on it too)."""
         await self._allocated.wait()
 
     def advance(self, tokens: int) -> None:
@@ -88,19 +97,17 @@ class PrefillCache:
         while self.prefilled < tokens:
             await self._moved.wait()
 
-    def rollback(self) -> None:
-        """Free what ``allocate`` took (idempotent)."""
-        if self.block_ids is not None:
-            self._blocks.free(list(self.block_ids))
-            self._rings.free(self._key)
-            self.block_ids, self.ring_id = None, None
+    def release(self) -> None:
+        """Release the allocation served from, if any (idempotent)."""
+        if self.allocation is not None:
+            self.allocation.release()
 
 
 class PrefillEngine(Protocol):
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
-        """Run the prompt: allocate ``config.blocks_for_tokens(len(prompt))`` blocks and a ring through
-        ``cache.allocate`` as soon as it can (a pipelined Prefill call is answered once it has), fill them (in chunks or whole, calling
-        ``cache.advance(tokens)`` as prompt tokens are written in every layer, at the latest with the
-        prompt's length), and return their ids, the prompt length and the first output token. Called once
-        per request, from the connector's event loop."""
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
+        """Run the prompt: allocate ``config.blocks_for_tokens(len(prompt))`` blocks and a ring from the
+        node's cache and hand them to ``progress.serve_from`` as soon as it can, fill them (in chunks or
+        whole, calling ``progress.advance(tokens)`` as prompt tokens are written in every layer, at the
+        latest with the prompt's length), and return the prompt length and the first output token.
+        Called once per request, from the connector's event loop."""
         ...

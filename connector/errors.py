@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import grpc
 
+from kvcache import CacheExhaustedError  # the node cache's: the connector answers it RESOURCE_EXHAUSTED
+
+__all__ = ["CacheExhaustedError", "EngineUnavailable", "StatusError", "rpc_failure", "status_code"]
+
 
 class StatusError(Exception):
     """A failed call or request: a gRPC status code and a message for whoever answers it.
@@ -26,11 +30,6 @@ def status_code(value: int) -> grpc.StatusCode:
 def rpc_failure(exc: grpc.aio.AioRpcError, what: str) -> StatusError:
     """The StatusError of a failed call: its code, its details prefixed with ``what`` (the call and the peer)."""
     return StatusError(exc.code(), f"{what}: {exc.details()}")
-
-
-class CacheExhaustedError(Exception):
-    """Raised by ``PrefillCache.allocate`` when the pool has too few free blocks or rings;
-    the connector answers RESOURCE_EXHAUSTED."""
 
 
 class EngineUnavailable(Exception):

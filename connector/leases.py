@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from connector.plan import RingRange
 
 if TYPE_CHECKING:
-    from connector.engine import PrefillCache
+    from connector.engine import PrefillProgress
 
 
 @dataclass(kw_only=True, eq=False)
@@ -20,7 +20,7 @@ class Grant:
     only it may pull, release or renew them.
 
     A pipelined grant is made before its prompt is computed: ``prefill`` is the engine's task until it
-    ends (``cache.prefilled`` says how far it got), ``first_token`` and ``prefill_ms`` are set then, and
+    ends (``progress.prefilled`` says how far it got), ``first_token`` and ``prefill_ms`` are set then, and
     ``failure`` says why it failed, if it did. ``piece_blocks`` splits the transfer plan (0: not split)."""
 
     grant_id: str
@@ -32,9 +32,9 @@ class Grant:
     live: RingRange
     first_token: int
     expires_at: float
+    progress: "PrefillProgress"  # the engine's allocation (released when the grant is freed) and how far it is written
     pulls_in_flight: int = 0
     release_requested: bool = False
-    cache: "PrefillCache | None" = None  # the allocation (rolled back when the grant is freed)
     prefill: asyncio.Task | None = None  # a pipelined grant's computation (its result: the output and its ms)
     piece_blocks: int = 0
     prefill_ms: float = 0.0

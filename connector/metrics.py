@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class ConnectorMetrics:
     """``kpoolpd_<role>_*``: bytes and regions moved and transfer seconds by transport, failures
-    by cause, expired leases, and free blocks and rings (read from the allocators when scraped)."""
+    by cause and expired leases (the node cache's free blocks and rings are its owner's: ``runtime.metrics``)."""
 
     def __init__(self, registry: CollectorRegistry, role: str) -> None:
         if role not in ("prefill", "decode"):
@@ -23,8 +21,6 @@ class ConnectorMetrics:
                                  ["transport"], buckets=TRANSFER_BUCKETS, registry=registry)
         self.failures = Counter(f"{p}_transfer_failures", "Failed transfers and refused calls by cause", ["cause"], registry=registry)
         self.leases_expired = Counter(f"{p}_leases_expired", "Grants freed because their lease ran out", registry=registry)
-        self.free_blocks = Gauge(f"{p}_free_blocks", "Free cache blocks", registry=registry)
-        self.free_rings = Gauge(f"{p}_free_rings", "Free ring blocks", registry=registry)
         if role == "decode":  # where a request's time to first token went before it reached this node
             self.prefill_seconds = Histogram(f"{p}_request_prefill_seconds", "A request's prompt on the prefill node, "
                                              "Prefill call to its last chunk computed", buckets=TRANSFER_BUCKETS,
@@ -35,10 +31,6 @@ class ConnectorMetrics:
             self.exposed_transfer_seconds = Histogram(f"{p}_request_exposed_transfer_seconds", "End of a request's "
                                                       "last prefill chunk to every byte landed here",
                                                       buckets=TRANSFER_BUCKETS, registry=registry)
-
-    def watch_free(self, blocks: Callable[[], int], rings: Callable[[], int]) -> None:
-        self.free_blocks.set_function(blocks)
-        self.free_rings.set_function(rings)
 
     def transferred(self, transport: str, nbytes: int, regions: int, seconds: float) -> None:
         self.bytes.labels(transport).inc(nbytes)

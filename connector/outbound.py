@@ -96,16 +96,16 @@ class OutboundPull:
 
     async def _until_written(self, tokens: int) -> None:
         """Until ``tokens`` prompt tokens are written (or the computation ended: the prompt is then whole)."""
-        cache, task = self.grant.cache, self.grant.prefill
-        if task is None or cache is None or cache.prefilled >= tokens:
+        progress, task = self.grant.progress, self.grant.prefill
+        if task is None or progress.prefilled >= tokens:
             return
-        waiter = asyncio.ensure_future(cache.wait_prefilled(tokens))
+        waiter = asyncio.ensure_future(progress.wait_prefilled(tokens))
         try:
             await asyncio.wait({waiter, task}, timeout=max(self._left(), 0), return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
         self._prefill_outcome()
-        if cache.prefilled < tokens and not task.done():
+        if progress.prefilled < tokens and not task.done():
             raise PullAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {self.grant.request_id} did not reach "
                               f"token {tokens} before the Pull's deadline", "deadline")
 
@@ -136,8 +136,8 @@ class OutboundPull:
     def _start_ready_sends(self, index: int) -> int:
         """UCX: start the sends of regions ``index``, ``index + 1``, ... that may move now; the next one not started."""
         self._prefill_outcome()
-        cache = self.grant.cache
-        while index < len(self.views) and (not self.grant.computing or cache.prefilled >= self.ready[index]):
+        progress = self.grant.progress
+        while index < len(self.views) and (not self.grant.computing or progress.prefilled >= self.ready[index]):
             self.sends.append(asyncio.ensure_future(self._send(index)))
             index += 1
         return index

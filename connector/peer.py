@@ -16,12 +16,12 @@ from connector.auth import auth_metadata
 from connector.compat import arrangement
 from connector.dcp_plan import dcp_landed_blocks
 from connector.errors import StatusError, rpc_failure
-from connector.landed import Allocation, LandedRequest, PrefillGrant
+from connector.landed import LandedRequest, PrefillGrant, TransferTimes
 from connector.pull import InboundPull, Landing
 from connector.pull_frames import pull_method
 from connector.pull_session import PullSession
 from connector.wire import Transport, ring_from, transports_from
-from kvcache import BlockLayout, DcpShard
+from kvcache import BlockLayout, CacheAllocation, DcpShard
 
 if TYPE_CHECKING:
     from connector.decode import DecodeConnector
@@ -37,8 +37,8 @@ class PrefillPeer:
     layout: ours, or ours arranged otherwise (block size, order, kernel page; then ``repacks`` is True).
 
     A caller cancelled while it waits on this node leaves the node no grant to expire: a Prefill
-    is cancelled (or, if it was granted already, its grant released); a pull frees what it
-    allocated and releases its grant in the background (``release_soon``)."""
+    is cancelled (or, if it was granted already, its grant released); a pull retires its receives
+    and releases its grant in the background (``release_soon``)."""
 
     def __init__(self, connector: "DecodeConnector", address: str, channel: grpc.aio.Channel,
                  response: pb.HandshakeResponse, layout: BlockLayout) -> None:
@@ -206,37 +206,37 @@ class PrefillPeer:
                 await self.heartbeat([grant_id])
 
     # the pull --------------------------------------------------------------------------------
-    async def pull(self, grant: PrefillGrant, *, reserve_blocks: int | None = None, transport: Transport | None = None,
+    async def pull(self, grant: PrefillGrant, *, into: CacheAllocation, transport: Transport | None = None,
                    integrity: bool = False, release: bool = True, dcp: DcpShard | None = None) -> LandedRequest:
-        """Allocate ``max(prompt blocks, reserve_blocks)`` blocks and a ring (the prompt's blocks in our
-        block size), pull the request's prompt into the first of them (through staging when the peer's
-        layout is arranged otherwise: block size, order, kernel page), verify (``integrity``: crc32 per
-        region, DATA_LOSS on a mismatch) and Release the grant (unless ``release`` is False). A
-        pipelined grant's pull starts before its prompt is computed: the receives are posted at once,
-        the pieces land as the prefill node's chunks complete them, and the deadline adds
-        ``rpc_timeout_s`` (the compute's) to ``transfer_timeout_s``; a prefill node that fails or dies
-        meanwhile fails the pull (INTERNAL, UNAVAILABLE) with everything freed here.
+        """Land the request's prompt into the first blocks of ``into`` (an allocation of this node's cache
+        that the caller made and keeps: the connector never allocates) and its ring into ``into``'s ring,
+        through staging when the peer's layout is arranged otherwise (block size, order, kernel page),
+        verify (``integrity``: crc32 per region, DATA_LOSS on a mismatch) and Release the grant (unless
+        ``release`` is False). A pipelined grant's pull starts before its prompt is computed: the receives
+        are posted at once, the pieces land as the prefill node's chunks complete them, and the deadline
+        adds ``rpc_timeout_s`` (the compute's) to ``transfer_timeout_s``; a prefill node that fails or
+        dies meanwhile fails the pull (INTERNAL, UNAVAILABLE).
 
-        The returned LandedRequest owns every block it allocated, the ones reserved for later
-        tokens included, until its ``release()``. On any failure the whole allocation is freed and
-        StatusError raised, within ``transfer_timeout_s`` (plus ``rpc_timeout_s`` for the
-        allocation-free Release); the grant is then the caller's to release. Cancelling the call
-        frees the allocation too (the landed request, when cancelled during the Release) and,
-        unless ``release`` is False, gives the grant back at once: the Release is sent (or goes
-        on) in the background, so the prefill node frees its blocks now rather than at lease
-        expiry. ValueError (nothing taken) for a negative or non-integer ``reserve_blocks``.
-        Called from the connector's event loop, any number at once.
+        Who calls: the decode node's scheduler (or a DCP rank), from the connector's event loop, any
+        number at once, each into its own allocation. Failure: StatusError within ``transfer_timeout_s``
+        (plus ``rpc_timeout_s`` for a pipelined grant); the grant is then the caller's to release.
+        Cancelling the call gives the grant back at once unless ``release`` is False (the Release is
+        sent in the background). Whichever way it ends, no receive into ``into`` is posted any more when
+        it returns or raises, so the caller may release the allocation at once; the bytes of a failed
+        pull are garbage. ValueError (before anything is sent) for an allocation that is released,
+        has no ring, is of another cache, or has fewer blocks than the prompt lands in.
 
         ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
         it pulls its own share of the prompt (``connector.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
-        if reserve_blocks is not None and (type(reserve_blocks) is not int or reserve_blocks < 0):
-            raise ValueError(f"reserve_blocks must be None or an integer >= 0, got {reserve_blocks!r}")
+        landed = self._landed_blocks(grant, dcp)
+        if into.released or into.ring_id is None or into.pool is not self.connector.pool \
+                or into.num_blocks < landed:
+            raise ValueError(f"pull of {grant.request_id} needs a held allocation of this node's cache with a ring "
+                             f"and at least {landed} blocks, got {into!r}")
         with self._call():
             try:
-                landed = self._landed_blocks(grant, dcp)
-                return await self._pull_and_release(grant, max(landed, reserve_blocks or 0), transport,
-                                                    integrity, release, dcp)
+                return await self._pull_and_release(grant, into, transport, integrity, release, dcp)
             finally:
                 self._open_grants.pop(grant.grant_id, None)
 
@@ -256,17 +256,8 @@ class PrefillPeer:
                               f"transport {transport.label} not available with {self.address}")
         return transport
 
-    def _allocate(self, grant: PrefillGrant, num_blocks: int) -> Allocation:
-        c = self.connector
-        try:
-            return Allocation.take(c.blocks, c.rings, grant.request_id, num_blocks)
-        except StatusError as exc:
-            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                c.metrics.failures.labels("cache_exhausted").inc()
-            raise
-
-    async def _pull_and_release(self, grant: PrefillGrant, num_blocks: int, transport: Transport | None, integrity: bool,
-                                release: bool, dcp: DcpShard | None) -> LandedRequest:
+    async def _pull_and_release(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport | None,
+                                integrity: bool, release: bool, dcp: DcpShard | None) -> LandedRequest:
         c = self.connector
         self._check_open(f"Pull of {grant.request_id}")
         if dcp is not None and self.repacks:
@@ -274,14 +265,12 @@ class PrefillPeer:
                               f"own block layout; {self.address} stores {arrangement(self.layout)}, "
                               f"this rank {arrangement(c.pool.layout)}")
         transport = self._transport_for(transport)
-        allocation = self._allocate(grant, num_blocks)
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._renew(grant.grant_id))
         budget = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # + the compute
         try:
             pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, dcp), budget)
         except BaseException as exc:
-            allocation.free()
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
             c.metrics.failures.labels(cause).inc()
             if release and isinstance(exc, asyncio.CancelledError):
@@ -294,23 +283,21 @@ class PrefillPeer:
             heartbeat.cancel()
         seconds = time.perf_counter() - started
         c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
-        landed = LandedRequest(grant, allocation, transport=transport, nbytes=pull.plan.total_bytes,
-                               regions=len(pull.plan), seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
-                               first_token=pull.first_token, times=pull.times,
-                               prompt_blocks=len(pull.landing.block_ids))
+        times = pull.times or TransferTimes(prefill_ms=grant.prefill_ms, transfer_ms=seconds * 1000,
+                                            exposed_transfer_ms=seconds * 1000)
+        landed = LandedRequest(grant=grant, transport=transport, nbytes=pull.plan.total_bytes, regions=len(pull.plan),
+                               seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
+                               first_token=grant.first_token if pull.first_token is None else pull.first_token,
+                               times=times, prompt_blocks=len(pull.landing.block_ids))
         c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
-        if release:
-            try:  # a failed Release is logged (the lease frees it): the data has landed
-                await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s,
-                                                       dcp_rank=dcp.rank if dcp else 0))
-            except BaseException:  # cancelled while releasing: no caller will own the landed request
-                landed.release()
-                raise
+        if release:  # a failed Release is logged (the lease frees it): the data has landed
+            await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s,
+                                                   dcp_rank=dcp.rank if dcp else 0))
         return landed
 
-    async def _land(self, grant: PrefillGrant, allocation: Allocation, transport: Transport,
+    async def _land(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport,
                     integrity: bool, dcp: DcpShard | None) -> InboundPull:
         """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
         the allocation; the finished pull (its plan and timeline)."""

@@ -44,7 +44,7 @@ from connector.auth import Credential
 from connector.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
 from connector.config import ConnectorConfig, ucx_options_for
 from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
-from connector.engine import PrefillCache, PrefillEngine, PrefillInput, PrefillOutput
+from connector.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
 from connector.leases import Grant, LeaseTable
 from connector.metrics import ConnectorMetrics
@@ -54,7 +54,7 @@ from connector.pull_session_server import serve_pull_session
 from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode
 from connector.ucx_address import WorkerAddressError
 from connector.wire import Transport, layout_message, ring_message, transports_from
-from kvcache import BlockAllocator, CachePool, DcpConfig, DcpShard, RingAllocator
+from kvcache import CachePool, DcpConfig, DcpShard
 
 logger = logging.getLogger(__name__)
 
@@ -68,25 +68,21 @@ VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may 
 class PrefillConnector(pb.PrefillServiceServicer):
     """Serves one prefill node's cache. Not thread-safe: one event loop."""
 
-    def __init__(self, pool: CachePool, blocks: BlockAllocator, rings: RingAllocator, engine: PrefillEngine, *,
+    def __init__(self, pool: CachePool, engine: PrefillEngine, *,
                  engine_id: str, config: ConnectorConfig, registry: CollectorRegistry,
                  transports: tuple[Transport, ...] = (Transport.UCX, Transport.GRPC_STREAM),
                  model_identity: str = "") -> None:
         if not isinstance(model_identity, str) or len(model_identity) > MAX_MODEL_IDENTITY_CHARS:
             raise ValueError(f"model_identity must be a string of at most {MAX_MODEL_IDENTITY_CHARS} characters")
-        if blocks.num_blocks != pool.num_blocks or rings.num_rings != pool.num_rings:
-            raise ValueError(f"allocators ({blocks.num_blocks} blocks, {rings.num_rings} rings) do not match the pool "
-                             f"({pool.num_blocks} blocks, {pool.num_rings} rings)")
         if not transports:
             raise ValueError("a prefill node must offer at least one transport")
-        self.pool, self.blocks, self.rings, self.engine = pool, blocks, rings, engine
+        self.pool, self.engine = pool, engine
         self.engine_id = engine_id
         self.config = config
         self.layout = pool.layout
         self.transports = tuple(transports)
         self._offered_values = frozenset(t.value for t in self.transports)
         self.metrics = ConnectorMetrics(registry, "prefill")
-        self.metrics.watch_free(lambda: blocks.num_free, lambda: rings.num_free)
         self.leases = LeaseTable(config.lease_s)
         self.model_identity = model_identity
         self._peers: dict[str, tuple[Transport, ...]] = {}
@@ -142,19 +138,13 @@ class PrefillConnector(pb.PrefillServiceServicer):
         await self.stop()
 
     # leases ------------------------------------------------------------------------------
-    def _free(self, grant: Grant | None) -> None:
-        """Free a grant's blocks and ring; a computation still running is stopped first (the engine writes
-        nothing into them afterwards that a later request could read: see ``connector.engine``)."""
-        if grant is None:
-            return
+    def _free(self, grant: Grant) -> None:
+        """Release a grant's allocation (the engine's handle); a computation still running is stopped first
+        (the engine writes nothing into it afterwards that a later request could read: see ``connector.engine``)."""
         if grant.computing:
             grant.failure = grant.failure or "its grant was freed"
             grant.prefill.cancel()
-        if grant.cache is not None:
-            grant.cache.rollback()
-            return
-        self.blocks.free(list(grant.block_ids))
-        self.rings.free(grant.grant_id)
+        grant.progress.release()
 
     def reap(self) -> int:
         """Free expired and released grants that no pull reads; returns how many expired."""
@@ -296,15 +286,15 @@ class PrefillConnector(pb.PrefillServiceServicer):
             if problem:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         grant_id = secrets.token_hex(16)
-        cache = PrefillCache(self.pool, self.blocks, self.rings, grant_id)
+        progress = PrefillProgress(request.request_id)
         job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids))
-        task = asyncio.ensure_future(self._compute(job, cache, n))
+        task = asyncio.ensure_future(self._compute(job, progress, n))
         granted = False
         try:  # every exit without a grant (errors, aborts, the caller cancelling) stops the engine and frees
             out = None
             try:
                 if request.pipelined and not dcp_ids:  # a DCP instance's ranks pull once the prompt is computed
-                    allocated = asyncio.ensure_future(cache.wait_allocated())
+                    allocated = asyncio.ensure_future(progress.wait_allocated())
                     try:
                         await asyncio.wait({task, allocated}, return_when=asyncio.FIRST_COMPLETED)
                     finally:
@@ -332,9 +322,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
             live = ring_live_range(self.layout.config, n)
             pipelined = out is None
             grant = Grant(grant_id=grant_id, request_id=request.request_id, engine_id=request.engine_id,
-                          block_ids=tuple(cache.block_ids), ring_id=cache.ring_id, prompt_len=n, live=live,
+                          block_ids=progress.block_ids, ring_id=progress.ring_id, prompt_len=n, live=live,
                           first_token=0 if pipelined else out.first_token, expires_at=self.leases.expiry(),
-                          cache=cache, prefill=task if pipelined else None,
+                          progress=progress, prefill=task if pipelined else None,
                           piece_blocks=self._piece_blocks() if pipelined else 0,
                           prefill_ms=0.0 if pipelined else prefill_ms,
                           dcp_engine_ids=dcp_ids, dcp_interleave=dcp_interleave)
@@ -345,28 +335,28 @@ class PrefillConnector(pb.PrefillServiceServicer):
         finally:
             if not granted:
                 task.cancel()
-                cache.rollback()
+                progress.release()
         return pb.PrefillResponse(request_id=request.request_id, grant_id=grant_id, prompt_len=n,
                                   num_blocks=len(grant.block_ids), ring_live=ring_message(live),
                                   first_token=grant.first_token, lease_ms=int(self.config.lease_s * 1000),
                                   src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, pipelined=pipelined,
                                   piece_blocks=grant.piece_blocks, prefill_ms=grant.prefill_ms)
 
-    async def _compute(self, job: PrefillInput, cache: PrefillCache, n: int) -> tuple[PrefillOutput, float, float]:
+    async def _compute(self, job: PrefillInput, progress: PrefillProgress, n: int) -> tuple[PrefillOutput, float, float]:
         """The engine's prefill, checked (``_checked``), how long it took (ms) and when it ended (perf_counter)."""
         started = time.perf_counter()
-        out = self._checked(await self.engine.prefill(job, cache), cache, n)
+        out = self._checked(await self.engine.prefill(job, progress), progress, n)
         ended = time.perf_counter()
         return out, (ended - started) * 1000, ended
 
-    def _checked(self, out: PrefillOutput, cache: PrefillCache, n: int) -> PrefillOutput:
-        """The engine's output, if it names its own allocation for an n-token prompt (RuntimeError otherwise)."""
+    def _checked(self, out: PrefillOutput, progress: PrefillProgress, n: int) -> PrefillOutput:
+        """The engine's output, if it served an n-token prompt from an allocation of the blocks it needs
+        (RuntimeError otherwise)."""
         want = self.layout.config.blocks_for_tokens(n)
-        if out.prompt_len != n or tuple(out.block_ids) != cache.block_ids or out.ring_id != cache.ring_id \
-                or len(out.block_ids) != want:
-            raise RuntimeError(f"engine returned {len(out.block_ids)} blocks / ring {out.ring_id} / length "
-                               f"{out.prompt_len} for a {n}-token prompt that needs {want} blocks from its own allocation")
-        cache.advance(n)
+        if out.prompt_len != n or progress.allocation is None or len(progress.block_ids) != want:
+            raise RuntimeError(f"engine returned length {out.prompt_len} and served from {progress.allocation!r} for "
+                               f"a {n}-token prompt that needs {want} blocks and a ring")
+        progress.advance(n)
         return out
 
     def _piece_blocks(self) -> int:

@@ -24,7 +24,7 @@ from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
 from decode_worker.router import PrefillRouter, parse_targets
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, NodeCache
 from model import DecodeSequence, Engine, PrefillJob
 from model.dcp_engine import DcpEngine, rank_blocks_for
 from model.dcp_group import DcpGroup
@@ -76,9 +76,8 @@ class DecodeNode:
         max_running = settings["max_running"]
         dcp = dcp_config(settings)
         largest = rank_blocks_for(self.config, dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
-        self.pool = CachePool(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
-                              num_rings=max_running, device=context.device)
-        self.blocks, self.rings = BlockAllocator(self.pool.num_blocks), RingAllocator(self.pool.num_rings)
+        self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
+                               num_rings=max_running, device=context.device)
         self.ranks: DcpRanks | None = None
         self.leader: DcpLeader | None = None
         self._watch: asyncio.Task | None = None
@@ -87,18 +86,18 @@ class DecodeNode:
             self.ranks.on_broken = self._broken
             group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
                                   timeout_s=settings["dcp_timeout_s"])
-            self.engine: Engine = DcpEngine(self.config, self.pool, group)
+            self.engine: Engine = DcpEngine(self.config, self.cache.pool, group)
             self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
         else:
-            self.engine = Engine(self.config, self.pool)
+            self.engine = Engine(self.config, self.cache.pool)
         self._settings = settings
-        self.connector = DecodeConnector(self.pool, self.blocks, self.rings, engine_id=context.engine_id,
+        self.connector = DecodeConnector(self.cache.pool, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
                                          transports=context.transports.offered, model_identity=self.config.identity())
         self.router = PrefillRouter(self.connector, parse_targets(settings["prefill"]),
                                     health_interval_s=settings["health_interval_s"],
                                     rpc_timeout_s=settings["rpc_timeout_s"], tls=context.tls)
-        self.scheduler = DecodeScheduler(self.engine, self.blocks, self.rings, self.connector, self.router,
+        self.scheduler = DecodeScheduler(self.engine, self.cache, self.connector, self.router,
                                          max_running=max_running, max_queue=settings["max_queue"],
                                          transport=context.transports.pull, integrity=settings["integrity"],
                                          pipelined=settings["pipelined_transfer"],
@@ -136,23 +135,18 @@ class DecodeNode:
             return
         config = self.config
         prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
-        block_ids = self.blocks.allocate(config.blocks_for(len(prompt), WARM_UP_TOKENS))
-        ring_id = self.rings.allocate("warm-up")
-        try:
-            first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id)])[0]
+        with self.cache.allocate("warm-up", config.blocks_for(len(prompt), WARM_UP_TOKENS)) as held:
+            first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])[0]
             seq = DecodeSequence(request_id="warm-up", prompt_len=len(prompt), max_tokens=WARM_UP_TOKENS,
-                                 block_ids=block_ids, ring_id=ring_id, output=[first])
+                                 block_ids=list(held.block_ids), ring_id=held.ring_id, output=[first])
             while not seq.finished:
                 self.engine.decode_step([seq])
             self.engine.state_digest(seq.block_ids, seq.ring_id, seq.cached)
-        finally:
-            self.blocks.free(block_ids)
-            self.rings.free("warm-up")
 
     def _rank_status(self) -> dcp_api.StatusResponse:
         """Rank 0's own line of the per-rank metrics."""
-        return dcp_api.StatusResponse(rank=0, free_blocks=self.blocks.num_free, num_blocks=self.blocks.num_blocks,
-                                      free_rings=self.rings.num_free, num_rings=self.rings.num_rings,
+        return dcp_api.StatusResponse(rank=0, free_blocks=self.cache.free_blocks, num_blocks=self.cache.num_blocks,
+                                      free_rings=self.cache.free_rings, num_rings=self.cache.num_rings,
                                       requests=self.scheduler.active(), steps=int(self.scheduler.steps_run),
                                       step_seconds=self.scheduler.step_seconds_total,
                                       transfer_bytes=self.scheduler.own_transfer_bytes)

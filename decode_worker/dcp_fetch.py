@@ -2,9 +2,10 @@
 
 ``DcpLeader`` holds rank 0's shard, the other ranks (``DcpRanks``) and the engine ids the prefill
 node binds a grant to. ``pull`` lands every rank's share of a grant at once: rank 0 pulls its own
-(keeping its share of the grant until all landed) while the others Land theirs; if any rank
-fails, or the caller is cancelled, everything is given back: rank 0's blocks, the other ranks'
-(Drop), and the whole grant on the prefill node (rank 0 releases all ranks' shares).
+into the allocation its scheduler made (keeping its share of the grant until all landed) while the
+others Land theirs; if any rank fails, or the caller is cancelled, the other ranks' blocks (Drop)
+and the whole grant on the prefill node (rank 0 releases all ranks' shares) are given back, and
+rank 0's allocation stays its scheduler's to release.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import grpc
 
 from connector import LandedRequest, PrefillGrant, PrefillPeer, StatusError, Transport
 from decode_worker.dcp_ranks import DcpRanks
-from kvcache import DcpConfig, DcpShard
+from kvcache import CacheAllocation, DcpConfig, DcpShard
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,11 +44,12 @@ class DcpLeader:
         self.shard: DcpShard = dcp.shard(0)
         self.engine_ids = (engine_id, *(f"{engine_id}/dcp{rank}" for rank in range(1, dcp.size)))
 
-    async def pull(self, request_id: str, max_tokens: int, reserve_blocks: int, peer: PrefillPeer, grant: PrefillGrant,
-                   transport: Transport | None, integrity: bool) -> tuple[LandedRequest, RankTransfer]:
-        """Every rank's share landed (rank 0's as the returned LandedRequest), and every share of the
-        grant released. StatusError (after giving everything back) when a rank's pull failed."""
-        own = asyncio.ensure_future(peer.pull(grant, reserve_blocks=reserve_blocks, transport=transport,
+    async def pull(self, request_id: str, max_tokens: int, allocation: CacheAllocation, peer: PrefillPeer,
+                   grant: PrefillGrant, transport: Transport | None, integrity: bool) -> tuple[LandedRequest, RankTransfer]:
+        """Every rank's share landed (rank 0's into ``allocation``, as the returned LandedRequest), and
+        every share of the grant released. StatusError (after giving the other ranks' blocks and the
+        grant back) when a rank's pull failed."""
+        own = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=transport,
                                               integrity=integrity, release=False, dcp=self.shard))
         others = asyncio.ensure_future(self.ranks.land(request_id, max_tokens, peer.address, grant, transport,
                                                        integrity))
@@ -55,11 +57,11 @@ class DcpLeader:
             done = await asyncio.gather(own, others, return_exceptions=True)
         except asyncio.CancelledError:
             await asyncio.gather(own, others, return_exceptions=True)
-            self._give_back(request_id, peer, grant, own)
+            self._give_back(request_id, peer, grant)
             raise
         failures = [r for r in done if isinstance(r, BaseException)]
         if failures:
-            self._give_back(request_id, peer, grant, own)
+            self._give_back(request_id, peer, grant)
             first = failures[0]
             if isinstance(first, StatusError):
                 raise first
@@ -73,12 +75,10 @@ class DcpLeader:
                                 per_rank_bytes=per_rank)
         return landed, transfer
 
-    def _give_back(self, request_id: str, peer: PrefillPeer, grant: PrefillGrant, own: asyncio.Future) -> None:
-        if own.done() and not own.cancelled() and own.exception() is None:
-            own.result().release()
+    def _give_back(self, request_id: str, peer: PrefillPeer, grant: PrefillGrant) -> None:
         self.ranks.drop_soon(request_id)
         peer.release_soon(grant.grant_id, all_ranks=True)
-        logger.info("request %s: a DCP rank's pull failed; every rank's blocks and the grant given back", request_id)
+        logger.info("request %s: a DCP rank's pull failed; the other ranks' blocks and the grant given back", request_id)
 
     async def step(self, own: Awaitable[T], request_ids: Sequence[str]) -> T:
         """Rank 0's step of the batch (``own``) while every other rank steps it; ``own``'s result."""

@@ -33,7 +33,7 @@ from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from decode_worker.dcp_options import dcp_config
 from decode_worker.router import DNS_PREFIX, parse_targets
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, CacheAllocation, CacheExhaustedError, NodeCache
 from model import DecodeSequence
 from model.dcp_engine import DcpEngine, rank_blocks_for
 from model.dcp_group import DcpGroup
@@ -48,20 +48,25 @@ RANK_OPTIONS: tuple[Option, ...] = (
 
 
 class _Held:
-    """One request on this rank: its landing (a task until landed) and its sequence."""
+    """One request on this rank: its allocation (taken when its Land arrived), its landing (a task
+    until landed) and its sequence."""
 
-    __slots__ = ("landing", "landed", "seq")
+    __slots__ = ("allocation", "landing", "landed", "seq")
 
-    def __init__(self, landing: asyncio.Task) -> None:
-        self.landing: asyncio.Task | None = landing
+    def __init__(self, allocation: CacheAllocation) -> None:
+        self.allocation = allocation
+        self.landing: asyncio.Task | None = None
         self.landed: LandedRequest | None = None
         self.seq: DecodeSequence | None = None
 
     def free(self) -> None:
+        """Release the allocation; a landing still running is cancelled first, and the allocation released
+        once it ended (its receives into the blocks retired)."""
         if self.landing is not None and not self.landing.done():
-            self.landing.cancel()  # the pull frees what it allocated and gives its share back
-        if self.landed is not None:
-            self.landed.release()
+            self.landing.cancel()
+            self.landing.add_done_callback(lambda _: self.allocation.release())
+            return
+        self.allocation.release()
 
 
 class DcpRankNode(api.DcpRankServiceServicer):
@@ -78,12 +83,11 @@ class DcpRankNode(api.DcpRankServiceServicer):
         layout = BlockLayout(self.config.cache_config())
         num_blocks = settings["num_blocks"] or settings["max_running"] * rank_blocks_for(
             self.config, self.dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
-        self.pool = CachePool(layout, num_blocks=num_blocks, num_rings=settings["max_running"], device=context.device)
-        self.blocks, self.rings = BlockAllocator(self.pool.num_blocks), RingAllocator(self.pool.num_rings)
+        self.cache = NodeCache(layout, num_blocks=num_blocks, num_rings=settings["max_running"], device=context.device)
         self.group = DcpGroup.join(self.shard, init_method=settings["dcp_rendezvous"], device=context.device,
                                    timeout_s=settings["dcp_timeout_s"])
-        self.engine = DcpEngine(self.config, self.pool, self.group)
-        self.connector = DecodeConnector(self.pool, self.blocks, self.rings, engine_id=context.engine_id,
+        self.engine = DcpEngine(self.config, self.cache.pool, self.group)
+        self.connector = DecodeConnector(self.cache.pool, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
                                          transports=context.transports.offered, model_identity=self.config.identity())
         self.servicer = self
@@ -162,16 +166,15 @@ class DcpRankNode(api.DcpRankServiceServicer):
             except StatusError as exc:
                 logger.info("DCP rank %d: prefill node %s not reachable yet (%s)", self.shard.rank, address, exc)
 
-    async def _land(self, request: api.LandRequest) -> LandedRequest:
+    async def _land(self, request: api.LandRequest, allocation: CacheAllocation) -> LandedRequest:
         peer = await self._peer(request.prefill_address)
         grant = PrefillGrant(grant_id=request.grant_id, request_id=request.request_id, prompt_len=request.prompt_len,
                              num_blocks=len(request.src_block_ids), first_token=request.first_token,
                              ring_live=RingRange(request.ring_start_slot, request.ring_num_slots),
                              lease_s=request.lease_ms / 1000, src_block_ids=tuple(request.src_block_ids),
                              src_ring_id=request.src_ring_id)
-        need = rank_blocks_for(self.config, self.dcp, request.prompt_len, request.max_tokens)
         try:
-            return await peer.pull(grant, reserve_blocks=need, integrity=request.integrity, dcp=self.shard,
+            return await peer.pull(grant, into=allocation, integrity=request.integrity, dcp=self.shard,
                                    transport=Transport(request.transport) if request.transport else None)
         except StatusError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE:
@@ -182,25 +185,32 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self._check(context)
         if request.request_id in self._held:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is held already")
-        held = self._held[request.request_id] = _Held(asyncio.ensure_future(self._land(request)))
+        need = rank_blocks_for(self.config, self.dcp, request.prompt_len, request.max_tokens)
+        try:
+            allocation = self.cache.allocate(request.request_id, need)
+        except CacheExhaustedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"DCP rank {self.shard.rank}: {exc}")
+        held = self._held[request.request_id] = _Held(allocation)
+        held.landing = asyncio.ensure_future(self._land(request, allocation))
         try:
             landed = await held.landing  # cancelling this call cancels the pull too
         except asyncio.CancelledError:
             if self._held.get(request.request_id) is held:
-                self._held.pop(request.request_id)
+                self._held.pop(request.request_id).free()
             if asyncio.current_task().cancelling():
                 raise
             await context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was dropped")
         except StatusError as exc:
-            self._held.pop(request.request_id, None)
+            if self._held.get(request.request_id) is held:
+                self._held.pop(request.request_id).free()
             await context.abort(exc.code, f"DCP rank {self.shard.rank}: {exc.message}")
         held.landing, held.landed = None, landed
         if self._held.get(request.request_id) is not held:  # dropped while its pull finished
-            landed.release()
+            held.free()
             await context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was dropped")
         held.seq = DecodeSequence(request_id=request.request_id, prompt_len=request.prompt_len,
-                                  max_tokens=request.max_tokens, block_ids=list(landed.block_ids),
-                                  ring_id=landed.ring_id, output=[request.first_token])
+                                  max_tokens=request.max_tokens, block_ids=list(allocation.block_ids),
+                                  ring_id=allocation.ring_id, output=[request.first_token])
         self.transfer_bytes += landed.nbytes
         return api.LandResponse(transfer_bytes=landed.nbytes, transfer_regions=landed.regions,
                                 transfer_ms=landed.seconds * 1000, transport=landed.transport.value)
@@ -254,9 +264,9 @@ class DcpRankNode(api.DcpRankServiceServicer):
         return api.DropResponse(dropped=held is not None)
 
     async def Status(self, request: api.StatusRequest, context) -> api.StatusResponse:
-        return api.StatusResponse(rank=self.shard.rank, free_blocks=self.blocks.num_free,
-                                  num_blocks=self.blocks.num_blocks, free_rings=self.rings.num_free,
-                                  num_rings=self.rings.num_rings, requests=len(self._held), steps=self.steps,
+        return api.StatusResponse(rank=self.shard.rank, free_blocks=self.cache.free_blocks,
+                                  num_blocks=self.cache.num_blocks, free_rings=self.cache.free_rings,
+                                  num_rings=self.cache.num_rings, requests=len(self._held), steps=self.steps,
                                   step_seconds=self.step_seconds, transfer_bytes=self.transfer_bytes,
                                   broken=self.broken)
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from connector import LandedRequest, StatusError
+from kvcache import CacheAllocation
 from model import DecodeSequence
 
 
@@ -15,9 +16,9 @@ class JobState(enum.Enum):
     """Where a request is; the value labels ``kpoolpd_decode_cancelled_total``."""
 
     WAITING = "waiting"          # queued for room in the batch
-    PREFILLING = "prefilling"    # admitted; a Prefill call on a prefill node
-    PULLING = "pulling"          # the pull of its grant into the reservation
-    RELEASING = "releasing"      # landed (``landed`` owns the blocks); the grant's Release
+    PREFILLING = "prefilling"    # admitted (``allocation`` holds its blocks and ring); a Prefill call on a prefill node
+    PULLING = "pulling"          # the pull of its grant into its allocation
+    RELEASING = "releasing"      # landed; the grant's Release
     DECODING = "decoding"        # streaming its first token, then in the running batch (the loop owns its blocks)
     DONE = "done"
 
@@ -55,9 +56,10 @@ JobEvent = Tokens | Failed | Finished
 
 @dataclass(kw_only=True, eq=False)
 class Job:
-    """A request from submission to ``DecodeScheduler.finish``. ``need_blocks`` is what admission
-    reserves; ``landed`` owns that many blocks (the prompt's and the output's) and the ring once
-    the pull succeeded; ``events`` carry ``JobEvent``s from the decode loop to the handler."""
+    """A request from submission to ``DecodeScheduler.finish``. Admission allocates ``need_blocks``
+    blocks (the prompt's and the output's) and a ring as ``allocation``, which the pull lands the
+    prompt into and ``finish`` releases; ``landed`` says how the pull went; ``events`` carry
+    ``JobEvent``s from the decode loop to the handler."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -66,8 +68,8 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     state: JobState = JobState.WAITING
     admitted: asyncio.Future | None = None
+    allocation: CacheAllocation | None = None
     landed: LandedRequest | None = None
-    reserved: bool = False
     seq: DecodeSequence | None = None
     cancelled: bool = False
     events: asyncio.Queue[JobEvent] = field(default_factory=asyncio.Queue)

@@ -1,14 +1,13 @@
 """Admission, fetching and continuous batching of the decode node.
 
-* Admission: a request reserves the blocks it will ever hold (prompt + output) and a ring
-  before anything is allocated, in arrival order; at most ``max_queue`` wait (more get
-  RESOURCE_EXHAUSTED) and a request larger than the whole pool is refused (INVALID_ARGUMENT).
-  Reservation is what makes the pull's allocation succeed.
+* Admission: in arrival order, a request is allocated every block it will ever hold (prompt +
+  output) and a ring from the node's cache, which the scheduler owns; at most ``max_queue`` wait
+  for room (more get RESOURCE_EXHAUSTED) and a request larger than the whole pool is refused
+  (INVALID_ARGUMENT).
 * Fetching: Prefill on a prefill node picked by the router (another one is tried when a node
   is unavailable, busy or draining; with none usable the request fails at once, UNAVAILABLE with
-  each node's reason), then one Pull that allocates the whole reservation and lands the prompt
-  in it, then the grant's Release. The connector's ``LandedRequest`` owns every block of the
-  request from the landing on (the pull freed them all itself if it failed).
+  each node's reason), then one Pull that lands the prompt into the first blocks of the request's
+  allocation (the connector never allocates), then the grant's Release.
 * Decoding: one loop runs a step for every running request at once in a worker thread; the
   event loop keeps serving transfers meanwhile. A running request's blocks are freed by the
   loop only, between steps, so no step ever writes blocks that were handed to someone else.
@@ -39,7 +38,7 @@ from connector import DecodeConnector, PrefillGrant, PrefillPeer, StatusError, T
 from decode_worker.dcp_fetch import DcpLeader
 from decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from decode_worker.router import PrefillRouter
-from kvcache import BlockAllocator, RingAllocator
+from kvcache import NodeCache
 from model import DecodeSequence, Engine, output_digest
 
 logger = logging.getLogger(__name__)
@@ -54,14 +53,16 @@ class DecodeScheduler:
     ``first_token_sent``, then ``start_decoding`` (or ``finish_unstarted``), and ``abandon``
     whatever the exit. The daemon runs ``run()`` as a task and drains until ``idle``."""
 
-    def __init__(self, engine: Engine, blocks: BlockAllocator, rings: RingAllocator, connector: DecodeConnector,
+    def __init__(self, engine: Engine, cache: NodeCache, connector: DecodeConnector,
                  router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
                  integrity: bool, queue_timeout_s: float, registry: CollectorRegistry,
                  on_room_change: Callable[[bool], None] | None = None, pipelined: bool = True,
                  dcp: DcpLeader | None = None) -> None:
-        self.engine, self.blocks, self.rings = engine, blocks, rings
+        if cache.pool is not engine.pool:
+            raise ValueError("the engine must compute on the pool of the cache the scheduler allocates from")
+        self.engine, self.cache = engine, cache
         self.connector, self.router = connector, router
-        self.max_running = min(max_running, rings.num_rings)
+        self.max_running = min(max_running, cache.num_rings)
         self.max_queue = max_queue
         self.transport = transport
         self.integrity = integrity
@@ -72,7 +73,6 @@ class DecodeScheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[str, Job] = {}
         self._running: list[Job] = []
-        self._reserved_blocks = 0
         self._admitted = 0
         self._wake = asyncio.Event()
         self.steps_run, self.step_seconds_total, self.own_transfer_bytes = 0, 0.0, 0  # this rank's, for DCP metrics
@@ -92,8 +92,8 @@ class DecodeScheduler:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
         Gauge("kpoolpd_decode_waiting", "Requests waiting for room", registry=registry).set_function(lambda: len(self._waiting))
         Gauge("kpoolpd_decode_running", "Requests in the decode batch", registry=registry).set_function(lambda: len(self._running))
-        Gauge("kpoolpd_decode_reserved_blocks", "Blocks reserved by admitted requests",
-              registry=registry).set_function(lambda: self._reserved_blocks)
+        Gauge("kpoolpd_decode_reserved_blocks", "Blocks allocated to admitted requests",
+              registry=registry).set_function(lambda: cache.num_blocks - cache.free_blocks)
 
     @property
     def idle(self) -> bool:
@@ -122,10 +122,10 @@ class DecodeScheduler:
         if self.dcp is not None and self.dcp.ranks.broken:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
         need = self.engine.blocks_for(len(prompt), max_tokens)
-        if need > self.blocks.num_blocks:
+        if need > self.cache.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
-                              f"this node has {self.blocks.num_blocks}")
+                              f"this node has {self.cache.num_blocks}")
         if request_id in self._active:
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
         if len(self._waiting) >= self.max_queue:
@@ -143,13 +143,11 @@ class DecodeScheduler:
     def _admit_ready(self) -> None:
         while self._waiting:
             job = self._waiting[0]
-            if (self._admitted >= self.max_running
-                    or self._reserved_blocks + job.need_blocks > self.blocks.num_blocks):
+            if self._admitted >= self.max_running or not self.cache.fits(job.need_blocks):
                 return
             self._waiting.popleft()
-            self._reserved_blocks += job.need_blocks
+            job.allocation = self.cache.allocate(job.request_id, job.need_blocks)
             self._admitted += 1
-            job.reserved = True
             job.state = JobState.PREFILLING
             job.admitted.set_result(None)
 
@@ -162,11 +160,10 @@ class DecodeScheduler:
 
     # fetching -----------------------------------------------------------------------------
     async def fetch(self, job: Job) -> None:
-        """Prefill remotely, pull into the job's whole reservation, release the grant, and set up
-        the sequence (``job.state``: PREFILLING, PULLING, RELEASING). StatusError on failure, with
-        nothing allocated (the pull frees its own); the caller then calls ``abandon``, which
-        returns the reservation (and frees ``job.landed`` when the handler leaves during the
-        Release). Cancellation at any point leaves the prefill node no grant to expire."""
+        """Prefill remotely, pull into the job's allocation, release the grant, and set up the sequence
+        (``job.state``: PREFILLING, PULLING, RELEASING). StatusError on failure; the caller then calls
+        ``abandon``, which releases the allocation (the pull has retired every receive into it by then).
+        Cancellation at any point leaves the prefill node no grant to expire."""
         peer, grant = await self._prefill(job)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         job.state = JobState.PULLING
@@ -175,13 +172,13 @@ class DecodeScheduler:
         else:
             await self._pull(job, peer, grant)
         job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
-                                 block_ids=list(job.landed.block_ids), ring_id=job.landed.ring_id,
+                                 block_ids=list(job.allocation.block_ids), ring_id=job.allocation.ring_id,
                                  output=[job.landed.first_token])
         job.state = JobState.DECODING
 
     async def _pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
         try:
-            job.landed = await peer.pull(grant, reserve_blocks=job.need_blocks, transport=self.transport,
+            job.landed = await peer.pull(grant, into=job.allocation, transport=self.transport,
                                          integrity=self.integrity, release=False)
         except asyncio.CancelledError:
             peer.release_soon(grant.grant_id)  # the client left: the prefill node frees its blocks now
@@ -200,7 +197,7 @@ class DecodeScheduler:
     async def _pull_dcp(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
         """Every DCP rank pulls its share at once (``DcpLeader.pull`` gives everything back on failure)."""
         try:
-            job.landed, transfer = await self.dcp.pull(job.request_id, job.max_tokens, job.need_blocks, peer, grant,
+            job.landed, transfer = await self.dcp.pull(job.request_id, job.max_tokens, job.allocation, peer, grant,
                                                        self.transport, self.integrity)
         except StatusError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE and not self.dcp.ranks.broken:
@@ -325,8 +322,8 @@ class DecodeScheduler:
         self.finish(job, outcome)
 
     def finish(self, job: Job, outcome: str) -> None:
-        """Release the job's blocks and ring (its LandedRequest) and its reservation, count its
-        outcome, and admit who waits (idempotent)."""
+        """Release the job's allocation (its blocks and ring), count its outcome, and admit who waits
+        (idempotent)."""
         if job.state is JobState.DONE:
             return
         if outcome == "cancelled":
@@ -334,13 +331,10 @@ class DecodeScheduler:
         job.state = JobState.DONE
         if job in self._waiting:
             self._waiting.remove(job)
-        if job.landed is not None:
-            job.landed.release()
         if self.dcp is not None and job.landed is not None:
             self.dcp.drop(job.request_id)  # the other ranks free it too (those that finished it already hold nothing)
-        if job.reserved:
-            job.reserved = False
-            self._reserved_blocks -= job.need_blocks
+        if job.allocation is not None:
+            job.allocation.release()
             self._admitted -= 1
         if not job.admitted.done():
             job.admitted.cancel()

@@ -52,6 +52,11 @@ class CacheAllocation:
         return len(self._block_ids)
 
     @property
+    def pool(self) -> CachePool:
+        """The pool whose blocks and ring these are."""
+        return self._cache.pool
+
+    @property
     def released(self) -> bool:
         return self._released
 

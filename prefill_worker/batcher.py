@@ -1,12 +1,12 @@
-"""The prefill node's engine for the connector: validates, allocates, and schedules prefills by a
-token budget.
+"""The prefill node's engine for the connector: validates, allocates from the node's cache (which it
+owns: the connector only serves the allocations it is handed), and schedules prefills by a token budget.
 
 Each step runs one forward of at most ``max_batch_tokens`` prompt tokens (one launch per layer for
 the whole step), in one worker thread so the event loop keeps serving pulls, releases and
 heartbeats. Requests are served in arrival order: the oldest unfinished prompt gets its next chunk
 first, then the next ones fill what is left of the budget, so a long prompt is split across steps
 and many short prompts share one. Chunks start and end anywhere (the engine carries the open pool
-or group in the ring). After each step a request's ``PrefillCache.advance`` says how many of its
+or group in the ring). After each step a request's ``PrefillProgress.advance`` says how many of its
 tokens are written in every layer, so that the connector can move the blocks those complete while
 later chunks compute.
 """
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector import CacheExhaustedError, EngineUnavailable, PrefillCache, PrefillInput, PrefillOutput
+from connector import CacheExhaustedError, EngineUnavailable, PrefillInput, PrefillOutput, PrefillProgress
+from kvcache import CacheAllocation, NodeCache
 from model import Engine, PrefillJob
 
 logger = logging.getLogger(__name__)
@@ -31,9 +32,8 @@ class _Queued:
     """A request in the schedule: its prompt, where its blocks are, how far it got."""
 
     prompt: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    ring_id: int
-    cache: PrefillCache
+    allocation: CacheAllocation
+    progress: PrefillProgress
     request_id: str
     future: asyncio.Future
     done: int = 0  # prompt tokens prefilled so far
@@ -42,7 +42,8 @@ class _Queued:
 
     def chunk(self, budget: int) -> PrefillJob:
         end = min(len(self.prompt), self.done + budget)
-        return PrefillJob(prompt=self.prompt, block_ids=self.block_ids, ring_id=self.ring_id, start=self.done, end=end)
+        return PrefillJob(prompt=self.prompt, block_ids=self.allocation.block_ids, ring_id=self.allocation.ring_id,
+                          start=self.done, end=end)
 
 
 class BatchingPrefillEngine:
@@ -50,10 +51,14 @@ class BatchingPrefillEngine:
     daemon owns); ``draining = True`` refuses new prefills with UNAVAILABLE (``EngineUnavailable``),
     so that decode nodes try another prefill node."""
 
-    def __init__(self, engine: Engine, *, max_batch_tokens: int, max_queue: int, registry: CollectorRegistry) -> None:
+    def __init__(self, engine: Engine, cache: NodeCache, *, max_batch_tokens: int, max_queue: int,
+                 registry: CollectorRegistry) -> None:
         if max_batch_tokens <= 0 or max_queue <= 0:
             raise ValueError(f"max_batch_tokens and max_queue must be > 0, got {max_batch_tokens}, {max_queue}")
+        if cache.pool is not engine.pool:
+            raise ValueError("the engine must compute on the pool of the cache the batcher allocates from")
         self.engine = engine
+        self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.draining = False
@@ -73,7 +78,7 @@ class BatchingPrefillEngine:
     def idle(self) -> bool:
         return not self._pending and not self._busy
 
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         config = self.engine.config
         prompt = request.prompt_token_ids
         if self.draining:
@@ -86,8 +91,9 @@ class BatchingPrefillEngine:
         if len(self._pending) >= self.max_queue:
             self.requests.labels("queue_full").inc()
             raise CacheExhaustedError(f"prefill queue is full ({len(self._pending)} waiting)")
-        block_ids, ring_id = cache.allocate(self.engine.pool.config.blocks_for_tokens(len(prompt)))
-        queued = _Queued(tuple(prompt), tuple(block_ids), ring_id, cache, request.request_id,
+        allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(len(prompt)))
+        progress.serve_from(allocation)  # the grant's from now on: the connector releases it when the grant ends
+        queued = _Queued(tuple(prompt), allocation, progress, request.request_id,
                          asyncio.get_running_loop().create_future())
         self._pending.append(queued)
         self._wake.set()
@@ -101,11 +107,11 @@ class BatchingPrefillEngine:
             else:
                 if queued in self._pending:
                     self._pending.remove(queued)
-                cache.rollback()
+                allocation.release()
             self.requests.labels("cancelled").inc()
             raise
         self.requests.labels("ok").inc()
-        return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=len(prompt), first_token=first)
+        return PrefillOutput(prompt_len=len(prompt), first_token=first)
 
     def _take_step(self) -> list[tuple[_Queued, PrefillJob]]:
         """The next step's chunks: the oldest unfinished prompts first, up to ``max_batch_tokens``."""
@@ -138,7 +144,7 @@ class BatchingPrefillEngine:
             for queued, _ in step:
                 self._pending.remove(queued)
                 if queued.abandoned:
-                    queued.cache.rollback()
+                    queued.allocation.release()
                 elif not queued.future.done():
                     queued.future.set_exception(exc)
             return
@@ -156,10 +162,10 @@ class BatchingPrefillEngine:
             if queued.abandoned:
                 if queued in self._pending:
                     self._pending.remove(queued)
-                queued.cache.rollback()
+                queued.allocation.release()
                 continue
             queued.done = job.stop
-            queued.cache.advance(job.stop)
+            queued.progress.advance(job.stop)
             if job.last:
                 self._pending.remove(queued)
                 if not queued.future.done():

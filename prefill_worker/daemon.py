@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from connector import PrefillConnector
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, NodeCache
 from model import Engine, PrefillJob
 from prefill_worker.batcher import BatchingPrefillEngine
 from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, model_config, positive_int,
@@ -44,16 +44,15 @@ class PrefillNode:
         settings = context.settings
         self.config = model_config(settings)
         self.layout = BlockLayout(self.config.cache_config())
-        self.pool = CachePool(self.layout, num_blocks=settings["num_blocks"], num_rings=settings["num_rings"],
-                              device=context.device)
-        self.blocks, self.rings = BlockAllocator(self.pool.num_blocks), RingAllocator(self.pool.num_rings)
-        self.engine = Engine(self.config, self.pool)
-        self.batcher = BatchingPrefillEngine(self.engine, max_batch_tokens=settings["max_batch_tokens"],
+        self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"], num_rings=settings["num_rings"],
+                               device=context.device)
+        self.engine = Engine(self.config, self.cache.pool)
+        self.batcher = BatchingPrefillEngine(self.engine, self.cache, max_batch_tokens=settings["max_batch_tokens"],
                                              max_queue=settings["max_queue"], registry=context.registry)
         # a pipelined transfer moves blocks in pieces of a step's worth of tokens
         config = dataclasses.replace(context.connector_config, max_prompt_tokens=settings["max_prompt_tokens"],
                                      piece_tokens=settings["max_batch_tokens"])
-        self.connector = PrefillConnector(self.pool, self.blocks, self.rings, self.batcher,
+        self.connector = PrefillConnector(self.cache.pool, self.batcher,
                                           engine_id=context.engine_id, config=config, registry=context.registry,
                                           transports=context.transports.offered, model_identity=self.config.identity())
         self.servicer = self.connector
@@ -64,16 +63,12 @@ class PrefillNode:
         chunks (the second starting inside a pool), so that both kernel variants are built before serving."""
         config = self.config
         prompt = [t % config.vocab_size for t in range(min(config.resolved_block_size, 2 * config.group + 1))]
-        block_ids, ring_id = self.blocks.allocate(1), self.rings.allocate("warm-up")
-        try:
-            self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id)])
+        with self.cache.allocate("warm-up", 1) as held:
+            self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])
             cut = min(config.group + 1, len(prompt) - 1)  # inside the second pool (group)
             for start, end in ((0, cut), (cut, len(prompt))):
-                self.engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=ring_id, start=start,
-                                                end=end)])
-        finally:
-            self.blocks.free(block_ids)
-            self.rings.free("warm-up")
+                self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id,
+                                                start=start, end=end)])
 
     async def start(self) -> None:
         await self.connector.start()

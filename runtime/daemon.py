@@ -40,7 +40,7 @@ from runtime.fabric_check import FABRIC_OPTIONS, Fabric, fabric_report, log_repo
 from runtime.grpc_server import GrpcServer
 from runtime.health_gate import HealthGate
 from runtime.logs import configure_logging
-from runtime.metrics import MetricsEndpoint
+from runtime.metrics import MetricsEndpoint, watch_cache
 from runtime.model_options import MODEL_KEYS, model_config
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
 from runtime.options import Option, SettingsError
@@ -95,6 +95,7 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
     context = NodeContext(role=role, settings=settings, device=device, tls=tls, transports=transports,
                           registry=registry, engine_id=settings["engine_id"] or default_engine_id(role))
     node = spec.build(context)
+    watch_cache(registry, role.value, node.cache)
     server: GrpcServer | None = None
     metrics = MetricsEndpoint(registry)
     switch_interval = keep_event_loop_responsive()
@@ -136,9 +137,9 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
         await node.close()
         metrics.close()
         sys.setswitchinterval(switch_interval)
-    blocks, rings = node.blocks, node.rings
-    logger.info("%s node stopped; free: %d of %d blocks, %d of %d rings", role.value, blocks.num_free,
-                blocks.num_blocks, rings.num_free, rings.num_rings)
+    cache = node.cache
+    logger.info("%s node stopped; free: %d of %d blocks, %d of %d rings", role.value, cache.free_blocks,
+                cache.num_blocks, cache.free_rings, cache.num_rings)
 
 
 def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:

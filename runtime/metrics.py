@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from kvcache import NodeCache
 
 logger = logging.getLogger(__name__)
 
@@ -35,3 +37,9 @@ class MetricsEndpoint:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def watch_cache(registry: CollectorRegistry, role: str, cache: NodeCache) -> None:
+    """``kpoolpd_<role>_free_blocks`` and ``_free_rings``: the node cache's free counts, read when scraped."""
+    Gauge(f"kpoolpd_{role}_free_blocks", "Free cache blocks", registry=registry).set_function(lambda: cache.free_blocks)
+    Gauge(f"kpoolpd_{role}_free_rings", "Free ring blocks", registry=registry).set_function(lambda: cache.free_rings)

@@ -20,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import UCX_NO_SHARED_MEMORY, ConnectorConfig, TlsConfig, bind_ucx_options
-from kvcache import BlockAllocator, RingAllocator
+from kvcache import NodeCache
 from runtime.grpc_server import Servicer
 from runtime.health_gate import HealthGate
 from runtime.options import Option, Role
@@ -68,12 +68,11 @@ class Node(Protocol):
     failed, so it must cope with a node that never started)."""
 
     servicer: Servicer  # registered on the daemon's gRPC server before it starts
-    blocks: BlockAllocator  # the cache's allocators, reported when the node stops
-    rings: RingAllocator
+    cache: NodeCache  # the node's cache, its one owner (its free counts are served at /metrics and logged at stop)
 
     def warm_up(self) -> None:
         """Run the model once through the cache so that the first request is not slow; blocking.
-        Leaves the allocators as it found them."""
+        Releases every allocation it made."""
 
     async def start(self) -> None:
         """Start background tasks and peers, on the serving event loop, before the server binds."""

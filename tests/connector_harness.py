@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, DecodeConnector, PrefillConnector, Transport
-from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool, RingAllocator
+from kvcache import CacheConfig, NodeCache
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
 
@@ -82,22 +82,23 @@ def prefill_nodes():
 
 
 class InProcessPair:
-    """A prefill node and a decode node in the test's own event loop, each with its own pool,
-    layout, allocators and registry (``async with``; the prefill node stops without grace)."""
+    """A prefill node and a decode node in the test's own event loop, each with its own node cache
+    (``p_cache``, ``d_cache``) and registry (``async with``; the prefill node stops without grace).
+    The prefill engine allocates from ``p_cache`` (a test engine without a cache is given it)."""
 
     def __init__(self, *, prefill_config: CacheConfig = procs.CONFIG, decode_config: CacheConfig | None = None,
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
                  num_blocks: int = 32, num_rings: int = 4) -> None:
         config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
         self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
-        self.p_blocks, self.p_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
-        self.d_blocks, self.d_rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
-        self.prefill = PrefillConnector(CachePool(BlockLayout(prefill_config), num_blocks=num_blocks, num_rings=num_rings),
-                                        self.p_blocks, self.p_rings, engine or procs.SeededFillEngine(),
-                                        engine_id="prefill-t", config=config, registry=self.registry, transports=transports)
-        self.decode = DecodeConnector(CachePool(BlockLayout(decode_config or prefill_config), num_blocks=num_blocks,
-                                                num_rings=num_rings),
-                                      self.d_blocks, self.d_rings, engine_id="decode-t", config=config,
+        self.p_cache = NodeCache(prefill_config, num_blocks=num_blocks, num_rings=num_rings)
+        self.d_cache = NodeCache(decode_config or prefill_config, num_blocks=num_blocks, num_rings=num_rings)
+        self.engine = engine or procs.SeededFillEngine()
+        if getattr(self.engine, "cache", False) is None:
+            self.engine.cache = self.p_cache
+        self.prefill = PrefillConnector(self.p_cache.pool, self.engine, engine_id="prefill-t", config=config,
+                                        registry=self.registry, transports=transports)
+        self.decode = DecodeConnector(self.d_cache.pool, engine_id="decode-t", config=config,
                                       registry=self.decode_registry, transports=transports)
         self.address = ""
 
@@ -113,7 +114,7 @@ class InProcessPair:
 
     def free(self) -> tuple[int, int, int, int]:
         """Free blocks and rings: prefill side, then decode side."""
-        return self.p_blocks.num_free, self.p_rings.num_free, self.d_blocks.num_free, self.d_rings.num_free
+        return self.p_cache.free_blocks, self.p_cache.free_rings, self.d_cache.free_blocks, self.d_cache.free_rings
 
     def prefill_sample(self, name: str, **labels) -> float:
         return self.registry.get_sample_value(f"kpoolpd_prefill_{name}", labels) or 0.0

@@ -14,11 +14,12 @@ from dataclasses import replace
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import (ConnectorConfig, DecodeConnector, PrefillCache, PrefillConnector, PrefillInput, PrefillOutput,
+from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, PrefillInput, PrefillOutput, PrefillProgress,
                        StatusError, Transport)
 from connector import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
 from connector.plan import ring_live_range
-from kvcache import BlockAllocator, BlockLayout, BlockOrder, CacheConfig, CacheFamily, CachePool, RingAllocator
+from kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
+from tests.pulls import pull_into
 from tests.serving import serve_prefill, stop_prefill
 
 CONFIG = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3, mla_entry_bytes=64)
@@ -133,35 +134,46 @@ def expected_ring(layout: BlockLayout, request_id: str) -> torch.Tensor:
 
 
 class SeededFillEngine:
-    """A PrefillEngine that fills each block j of a request, and its ring, with bytes drawn from
-    a generator seeded by (request id, j), so the decode side can regenerate what to expect."""
+    """A PrefillEngine that allocates from its node cache (``cache``: given, or set by whoever serves
+    it, as ``InProcessPair`` does) and fills each block j of a request, and its ring, with bytes drawn
+    from a generator seeded by (request id, j), so the decode side can regenerate what to expect."""
 
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+    def __init__(self, cache: NodeCache | None = None) -> None:
+        self.cache = cache
+
+    def _allocate(self, request: PrefillInput, progress: PrefillProgress) -> CacheAllocation:
+        allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(
+            len(request.prompt_token_ids)))
+        progress.serve_from(allocation)
+        return allocation
+
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
-        block_ids, ring_id = cache.allocate(cache.pool.config.blocks_for_tokens(n))
-        for j, b in enumerate(block_ids):
-            cache.pool.blocks[b] = expected_block(cache.pool.layout, request.request_id, j)
-        cache.pool.rings[ring_id] = expected_ring(cache.pool.layout, request.request_id)
-        return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
+        allocation, pool = self._allocate(request, progress), self.cache.pool
+        for j, b in enumerate(allocation.block_ids):
+            pool.blocks[b] = expected_block(pool.layout, request.request_id, j)
+        pool.rings[allocation.ring_id] = expected_ring(pool.layout, request.request_id)
+        return PrefillOutput(prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
 
 
 class ChunkedFillEngine(SeededFillEngine):
     """SeededFillEngine in chunks of ``chunk_tokens``: before each chunk it awaits ``gate()`` (a pause, or the
-    test's go-ahead); after it, the blocks the chunk completed hold their bytes and ``cache.advance`` says so;
+    test's go-ahead); after it, the blocks the chunk completed hold their bytes and ``progress.advance`` says so;
     the ring is written with the last chunk. ``fail_after`` chunks: it raises instead of the next one;
     ``on_chunk(i)`` is called after chunk i (fault injection); ``linger_s``: the time it takes to return
     once every token is written (as a batch loop's step that still has other requests to finish)."""
 
     def __init__(self, chunk_tokens: int, gate, *, fail_after: int | None = None, on_chunk=None,
-                 linger_s: float = 0.0) -> None:
+                 linger_s: float = 0.0, cache: NodeCache | None = None) -> None:
+        super().__init__(cache)
         self.chunk_tokens, self.gate, self.fail_after, self.on_chunk = chunk_tokens, gate, fail_after, on_chunk
         self.linger_s = linger_s
         self.chunks_done = 0
 
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
-        layout = cache.pool.layout
-        block_ids, ring_id = cache.allocate(cache.pool.config.blocks_for_tokens(n))
+        allocation, pool = self._allocate(request, progress), self.cache.pool
+        layout, block_ids, ring_id = pool.layout, allocation.block_ids, allocation.ring_id
         size, written = layout.config.block_size, 0
         for index, start in enumerate(range(0, n, self.chunk_tokens)):
             await self.gate()
@@ -169,25 +181,27 @@ class ChunkedFillEngine(SeededFillEngine):
                 raise RuntimeError(f"injected failure before chunk {index}")
             end = min(n, start + self.chunk_tokens)
             while written < len(block_ids) and (end >= (written + 1) * size or end == n):
-                cache.pool.blocks[block_ids[written]] = expected_block(layout, request.request_id, written)
+                pool.blocks[block_ids[written]] = expected_block(layout, request.request_id, written)
                 written += 1
             if end == n:
-                cache.pool.rings[ring_id] = expected_ring(layout, request.request_id)
-            cache.advance(end)
+                pool.rings[ring_id] = expected_ring(layout, request.request_id)
+            progress.advance(end)
             self.chunks_done += 1
             if self.on_chunk is not None:
                 self.on_chunk(index)
         await asyncio.sleep(self.linger_s)
-        return PrefillOutput(block_ids=block_ids, ring_id=ring_id, prompt_len=n,
-                             first_token=sum(request.prompt_token_ids) % 50000)
+        return PrefillOutput(prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
 
 
-def _fragment(blocks: BlockAllocator, rng: random.Random) -> list[int]:
-    """Hold a random half of the blocks so that what is allocated next is not contiguous."""
-    held = blocks.allocate(blocks.num_blocks)
-    keep = sorted(rng.sample(held, len(held) // 2))
-    blocks.free([b for b in held if b not in set(keep)])
-    return keep
+def _fragment(cache: NodeCache, rng: random.Random) -> list[CacheAllocation]:
+    """Hold a random half of the blocks (one ringless allocation each) so that what is allocated next is
+    not contiguous; returns what is held."""
+    held = [cache.allocate("fragment", 1, ring=False) for _ in range(cache.num_blocks)]
+    keep = set(rng.sample(range(len(held)), len(held) // 2))
+    for index, allocation in enumerate(held):
+        if index not in keep:
+            allocation.release()
+    return [held[index] for index in sorted(keep)]
 
 
 def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: int = 96, num_rings: int = 8, seed: int = 1,
@@ -197,18 +211,18 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
     (``ChunkedFillEngine``); with ``die="between_chunks"`` the process exits after the second chunk."""
     async def main():
         layout = BlockLayout(make_config(cache, order))
-        pool = CachePool(layout, num_blocks=num_blocks, num_rings=num_rings)
-        blocks, rings = BlockAllocator(num_blocks), RingAllocator(num_rings)
-        held = _fragment(blocks, random.Random(seed))
+        cache = NodeCache(layout, num_blocks=num_blocks, num_rings=num_rings)
+        held = _fragment(cache, random.Random(seed))
         config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=lease_s * 2)
-        engine = SeededFillEngine()
+        engine = SeededFillEngine(cache)
         if chunk_tokens:
             def exit_after_two(index: int) -> None:
                 if die == "between_chunks" and index == 1:
                     os._exit(17)
-            engine = ChunkedFillEngine(chunk_tokens, lambda: asyncio.sleep(chunk_pause_s), on_chunk=exit_after_two)
+            engine = ChunkedFillEngine(chunk_tokens, lambda: asyncio.sleep(chunk_pause_s), on_chunk=exit_after_two,
+                                       cache=cache)
         config = replace(config, piece_tokens=max(chunk_tokens, 1))
-        node = PrefillConnector(pool, blocks, rings, engine, engine_id="prefill-0", config=config,
+        node = PrefillConnector(cache.pool, engine, engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry())
         if die == "grpc":  # fault injection: the process dies after its first chunk
             real, calls = regions.host_bytes, [0]
@@ -234,16 +248,17 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                 await asyncio.sleep(0.002)  # its send is in flight (or landed), the other regions not sent
                 os._exit(17)
             ucx.send = dying_send
-        conn.send(("port", port, blocks.num_free, rings.num_free))
+        conn.send(("port", port, cache.free_blocks, cache.free_rings))
         loop = asyncio.get_running_loop()
         while True:
             cmd = await loop.run_in_executor(None, conn.recv)
             if cmd[0] == "counts":
-                conn.send((blocks.num_free, rings.num_free, len(node.leases)))
+                conn.send((cache.free_blocks, cache.free_rings, len(node.leases)))
             elif cmd[0] == "stop":
                 await stop_prefill(server, node)
-                blocks.free(held)
-                conn.send(("stopped", blocks.num_free, rings.num_free))
+                for allocation in held:
+                    allocation.release()
+                conn.send(("stopped", cache.free_blocks, cache.free_rings))
                 return
     asyncio.run(main())
     os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
@@ -270,14 +285,14 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
     async def main():
         layout = BlockLayout(make_config(cache, order))
         num_blocks = 128
-        pool = CachePool(layout, num_blocks=num_blocks, num_rings=8)
-        blocks, rings = BlockAllocator(num_blocks), RingAllocator(8)
+        cache = NodeCache(layout, num_blocks=num_blocks, num_rings=8)
+        pool = cache.pool
         rng = random.Random(seed)
-        _fragment(blocks, rng)  # the rest of the pool stays held: landed blocks are not contiguous
-        start_free = (blocks.num_free, rings.num_free)
+        fragments = _fragment(cache, rng)  # the rest of the pool stays held: landed blocks are not contiguous
+        start_free = (cache.free_blocks, cache.free_rings)
         t = Transport.parse(transport)
         config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
-        node = await DecodeConnector(pool, blocks, rings, engine_id=f"decode-{scenario}", config=config,
+        node = await DecodeConnector(pool, engine_id=f"decode-{scenario}", config=config,
                                      registry=CollectorRegistry(), transports=(t,)).start()
         out: dict = {"start_free": start_free}
         peer = await node.connect(address)
@@ -287,7 +302,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             for i, n in enumerate(lengths):
                 rid = f"req-{transport}-{i}"
                 grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
-                with await peer.pull(grant, transport=t, integrity=i % 2 == 0) as landed:
+                with await pull_into(cache, peer, grant, transport=t, integrity=i % 2 == 0) as landed:
                     assert len(landed.block_ids) == CONFIG.blocks_for_tokens(n)
                     differences, compared = landed_differences(pool, landed, rid, n)
                     assert not differences, differences
@@ -299,11 +314,11 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             grant = await peer.prefill("late", [1] * 100)
             await asyncio.sleep(lease_s * 1.6)
             try:
-                await peer.pull(grant, transport=t)
+                await pull_into(cache, peer, grant, transport=t)
                 out["late"] = "OK"
             except StatusError as exc:
                 out["late"] = exc.code.name
-            out["end_free"] = (blocks.num_free, rings.num_free)
+            out["end_free"] = (cache.free_blocks, cache.free_rings)
         elif scenario == "order":  # the prefill node stores peer_order; compare through both sides' views
             peer_layout = BlockLayout(make_config(cache, peer_order))
             out["repacks"] = peer.repacks
@@ -311,13 +326,13 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             for i, n in enumerate([1, 5, layout.config.block_size + 3, 5 * layout.config.block_size - 1]):
                 rid = f"order-{transport}-{i}"
                 grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
-                with await peer.pull(grant, transport=t, integrity=i % 2 == 0) as landed:
+                with await pull_into(cache, peer, grant, transport=t, integrity=i % 2 == 0) as landed:
                     src = mirror_pool(peer_layout, rid, landed.grant.num_blocks)
                     out["differences"] += [f"{rid}: {d}" for d in state_differences(
                         pool, landed.block_ids, landed.ring_id, src, range(landed.grant.num_blocks), 0,
                         live_slots(layout.config, n), n)]
                     out["repacked"].append(landed.repacked)
-            out["end_free"] = (blocks.num_free, rings.num_free)
+            out["end_free"] = (cache.free_blocks, cache.free_rings)
         elif scenario == "failed_pulls_then_more":
             # Pulls that fail on our side after the receives were posted (or mid-stream), a
             # disconnect and new handshake, and more pulls from the same live prefill node in
@@ -338,7 +353,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                         raise RuntimeError("injected failure on a chunk")
                     regions.write_bytes = fail_on_chunk
                 try:
-                    await peer.pull(grant, transport=t)
+                    await pull_into(cache, peer, grant, transport=t)
                     out["failed"].append("OK")
                 except StatusError as exc:
                     out["failed"].append(exc.code.name)
@@ -353,10 +368,10 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 for j, n in enumerate([1, 300, 1200]):
                     rid = f"after-{i}-{j}"
                     grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
-                    with await peer.pull(grant, transport=t, integrity=True) as landed:
+                    with await pull_into(cache, peer, grant, transport=t, integrity=True) as landed:
                         out["differences"] += [f"{rid} block {k}" for k, b in enumerate(landed.block_ids)
                                                if not torch.equal(pool.blocks[b], expected_block(layout, rid, k))]
-            out["end_free"] = (blocks.num_free, rings.num_free)
+            out["end_free"] = (cache.free_blocks, cache.free_rings)
         elif scenario in ("pipelined", "pipelined_decode_dies", "pipelined_prefill_dies"):
             # The prefill node computes in chunks: the pull starts before the prompt is computed.
             out["differences"], out["pipelined"] = [], []
@@ -374,7 +389,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                     asyncio.get_running_loop().call_later(0.3, die)
                 began = time.monotonic()
                 try:
-                    with await peer.pull(grant, transport=t, integrity=i % 2 == 1) as landed:
+                    with await pull_into(cache, peer, grant, transport=t, integrity=i % 2 == 1) as landed:
                         differences, _ = landed_differences(pool, landed, rid, n)
                         out["differences"] += [f"{rid}: {d}" for d in differences]
                         out.setdefault("first_tokens", []).append(landed.first_token)
@@ -383,7 +398,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 except StatusError as exc:
                     out["error"], out["message"] = exc.code.name, exc.message
                 out["seconds"] = time.monotonic() - began
-            out["end_free"] = (blocks.num_free, rings.num_free)
+            out["end_free"] = (cache.free_blocks, cache.free_rings)
         elif scenario in ("decode_dies", "prefill_dies"):
             grant = await peer.prefill("victim", [7] * 2000)
             if scenario == "decode_dies":  # fault injection: exit while the prefill node sends
@@ -404,14 +419,16 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                     regions.write_bytes = die_on_chunk
             began = time.monotonic()
             try:
-                await peer.pull(grant, transport=t)
+                await pull_into(cache, peer, grant, transport=t)
                 out["error"] = None
             except StatusError as exc:
                 out["error"] = exc.code.name
                 out["message"] = exc.message
             out["seconds"] = time.monotonic() - began
-            out["end_free"] = (blocks.num_free, rings.num_free)
+            out["end_free"] = (cache.free_blocks, cache.free_rings)
         await node.close()
+        for allocation in fragments:
+            allocation.release()
         conn.send(out)
     asyncio.run(main())
     os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
@@ -425,7 +442,7 @@ def refusal_main(conn, *, address: str, what: str) -> None:
         layout = BlockLayout(config)
         pool = CachePool(layout, num_blocks=4, num_rings=2)
         token = None if what == "no_token" else TOKEN
-        node = DecodeConnector(pool, BlockAllocator(4), RingAllocator(2), engine_id="decode-x",
+        node = DecodeConnector(pool, engine_id="decode-x",
                                config=ConnectorConfig(peer_token=token, rpc_timeout_s=3.0), registry=CollectorRegistry(),
                                transports=(Transport.GRPC_STREAM,))
         try:
@@ -450,7 +467,7 @@ def ucx_env_report() -> None:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("env", [9] * 150)
-            with await peer.pull(grant, transport=Transport.UCX) as landed:
+            with await pull_into(cache, peer, grant, transport=Transport.UCX) as landed:
                 same = all(torch.equal(pair.decode.pool.blocks[b], expected_block(pair.decode.pool.layout, "env", j))
                            for j, b in enumerate(landed.block_ids))
             ucx = pair.decode.ucx

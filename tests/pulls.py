@@ -1,0 +1,59 @@
+"""Pulls as the connector tests make them: the decode side's allocation made by the test (the
+connector never allocates), the pull into it, and both kept together until the test releases them."""
+
+from __future__ import annotations
+
+from connector import LandedRequest, PrefillGrant, PrefillPeer
+from kvcache import CacheAllocation, DcpShard, NodeCache
+
+
+class Pulled:
+    """A pull's ``LandedRequest`` (its attributes read through) and the allocation it landed in,
+    which this object holds until ``release()`` (idempotent; also on leaving a ``with``)."""
+
+    def __init__(self, landed: LandedRequest, allocation: CacheAllocation) -> None:
+        self.landed, self.allocation = landed, allocation
+
+    def __getattr__(self, name: str):
+        return getattr(self.landed, name)
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.allocation.block_ids
+
+    @property
+    def ring_id(self) -> int:
+        return self.allocation.ring_id
+
+    @property
+    def released(self) -> bool:
+        return self.allocation.released
+
+    def release(self) -> None:
+        self.allocation.release()
+
+    def __enter__(self) -> "Pulled":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def blocks_to_land(cache: NodeCache, grant: PrefillGrant, dcp: DcpShard | None = None) -> int:
+    """The blocks of ``cache`` that the grant's prompt (a DCP rank: its share) lands in."""
+    if dcp is not None:
+        return dcp.blocks_for_tokens(grant.prompt_len, cache.config.block_size)
+    return cache.config.blocks_for_tokens(grant.prompt_len)
+
+
+async def pull_into(cache: NodeCache, peer: PrefillPeer, grant: PrefillGrant, *, reserve_blocks: int = 0,
+                    dcp: DcpShard | None = None, **pull_options) -> Pulled:
+    """Allocate the prompt's blocks (at least ``reserve_blocks``) and a ring in ``cache``, pull ``grant``
+    into them, and return both; a failed or cancelled pull releases the allocation before it raises."""
+    allocation = cache.allocate(grant.request_id, max(blocks_to_land(cache, grant, dcp), reserve_blocks))
+    try:
+        landed = await peer.pull(grant, into=allocation, dcp=dcp, **pull_options)
+    except BaseException:
+        allocation.release()
+        raise
+    return Pulled(landed, allocation)
