@@ -211,18 +211,18 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
     (``ChunkedFillEngine``); with ``die="between_chunks"`` the process exits after the second chunk."""
     async def main():
         layout = BlockLayout(make_config(cache, order))
-        cache = NodeCache(layout, num_blocks=num_blocks, num_rings=num_rings)
-        held = _fragment(cache, random.Random(seed))
+        node_cache = NodeCache(layout, num_blocks=num_blocks, num_rings=num_rings)
+        held = _fragment(node_cache, random.Random(seed))
         config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=lease_s * 2)
-        engine = SeededFillEngine(cache)
+        engine = SeededFillEngine(node_cache)
         if chunk_tokens:
             def exit_after_two(index: int) -> None:
                 if die == "between_chunks" and index == 1:
                     os._exit(17)
             engine = ChunkedFillEngine(chunk_tokens, lambda: asyncio.sleep(chunk_pause_s), on_chunk=exit_after_two,
-                                       cache=cache)
+                                       cache=node_cache)
         config = replace(config, piece_tokens=max(chunk_tokens, 1))
-        node = PrefillConnector(cache.pool, engine, engine_id="prefill-0", config=config,
+        node = PrefillConnector(node_cache.pool, engine, engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry())
         if die == "grpc":  # fault injection: the process dies after its first chunk
             real, calls = regions.host_bytes, [0]
@@ -248,17 +248,17 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                 await asyncio.sleep(0.002)  # its send is in flight (or landed), the other regions not sent
                 os._exit(17)
             ucx.send = dying_send
-        conn.send(("port", port, cache.free_blocks, cache.free_rings))
+        conn.send(("port", port, node_cache.free_blocks, node_cache.free_rings))
         loop = asyncio.get_running_loop()
         while True:
             cmd = await loop.run_in_executor(None, conn.recv)
             if cmd[0] == "counts":
-                conn.send((cache.free_blocks, cache.free_rings, len(node.leases)))
+                conn.send((node_cache.free_blocks, node_cache.free_rings, len(node.leases)))
             elif cmd[0] == "stop":
                 await stop_prefill(server, node)
                 for allocation in held:
                     allocation.release()
-                conn.send(("stopped", cache.free_blocks, cache.free_rings))
+                conn.send(("stopped", node_cache.free_blocks, node_cache.free_rings))
                 return
     asyncio.run(main())
     os._exit(0)  # skip interpreter teardown of the UCX worker (peers may be gone)
@@ -285,11 +285,11 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
     async def main():
         layout = BlockLayout(make_config(cache, order))
         num_blocks = 128
-        cache = NodeCache(layout, num_blocks=num_blocks, num_rings=8)
-        pool = cache.pool
+        node_cache = NodeCache(layout, num_blocks=num_blocks, num_rings=8)
+        pool = node_cache.pool
         rng = random.Random(seed)
-        fragments = _fragment(cache, rng)  # the rest of the pool stays held: landed blocks are not contiguous
-        start_free = (cache.free_blocks, cache.free_rings)
+        fragments = _fragment(node_cache, rng)  # the rest of the pool stays held: landed blocks are not contiguous
+        start_free = (node_cache.free_blocks, node_cache.free_rings)
         t = Transport.parse(transport)
         config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
         node = await DecodeConnector(pool, engine_id=f"decode-{scenario}", config=config,
@@ -302,7 +302,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             for i, n in enumerate(lengths):
                 rid = f"req-{transport}-{i}"
                 grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
-                with await pull_into(cache, peer, grant, transport=t, integrity=i % 2 == 0) as landed:
+                with await pull_into(node_cache, peer, grant, transport=t, integrity=i % 2 == 0) as landed:
                     assert len(landed.block_ids) == CONFIG.blocks_for_tokens(n)
                     differences, compared = landed_differences(pool, landed, rid, n)
                     assert not differences, differences
@@ -314,11 +314,11 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             grant = await peer.prefill("late", [1] * 100)
             await asyncio.sleep(lease_s * 1.6)
             try:
-                await pull_into(cache, peer, grant, transport=t)
+                await pull_into(node_cache, peer, grant, transport=t)
                 out["late"] = "OK"
             except StatusError as exc:
                 out["late"] = exc.code.name
-            out["end_free"] = (cache.free_blocks, cache.free_rings)
+            out["end_free"] = (node_cache.free_blocks, node_cache.free_rings)
         elif scenario == "order":  # the prefill node stores peer_order; compare through both sides' views
             peer_layout = BlockLayout(make_config(cache, peer_order))
             out["repacks"] = peer.repacks
@@ -326,13 +326,13 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
             for i, n in enumerate([1, 5, layout.config.block_size + 3, 5 * layout.config.block_size - 1]):
                 rid = f"order-{transport}-{i}"
                 grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
-                with await pull_into(cache, peer, grant, transport=t, integrity=i % 2 == 0) as landed:
+                with await pull_into(node_cache, peer, grant, transport=t, integrity=i % 2 == 0) as landed:
                     src = mirror_pool(peer_layout, rid, landed.grant.num_blocks)
                     out["differences"] += [f"{rid}: {d}" for d in state_differences(
                         pool, landed.block_ids, landed.ring_id, src, range(landed.grant.num_blocks), 0,
                         live_slots(layout.config, n), n)]
                     out["repacked"].append(landed.repacked)
-            out["end_free"] = (cache.free_blocks, cache.free_rings)
+            out["end_free"] = (node_cache.free_blocks, node_cache.free_rings)
         elif scenario == "failed_pulls_then_more":
             # Pulls that fail on our side after the receives were posted (or mid-stream), a
             # disconnect and new handshake, and more pulls from the same live prefill node in
@@ -353,7 +353,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                         raise RuntimeError("injected failure on a chunk")
                     regions.write_bytes = fail_on_chunk
                 try:
-                    await pull_into(cache, peer, grant, transport=t)
+                    await pull_into(node_cache, peer, grant, transport=t)
                     out["failed"].append("OK")
                 except StatusError as exc:
                     out["failed"].append(exc.code.name)
@@ -368,10 +368,10 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 for j, n in enumerate([1, 300, 1200]):
                     rid = f"after-{i}-{j}"
                     grant = await peer.prefill(rid, [rng.randrange(50000) for _ in range(n)])
-                    with await pull_into(cache, peer, grant, transport=t, integrity=True) as landed:
+                    with await pull_into(node_cache, peer, grant, transport=t, integrity=True) as landed:
                         out["differences"] += [f"{rid} block {k}" for k, b in enumerate(landed.block_ids)
                                                if not torch.equal(pool.blocks[b], expected_block(layout, rid, k))]
-            out["end_free"] = (cache.free_blocks, cache.free_rings)
+            out["end_free"] = (node_cache.free_blocks, node_cache.free_rings)
         elif scenario in ("pipelined", "pipelined_decode_dies", "pipelined_prefill_dies"):
             # The prefill node computes in chunks: the pull starts before the prompt is computed.
             out["differences"], out["pipelined"] = [], []
@@ -389,7 +389,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                     asyncio.get_running_loop().call_later(0.3, die)
                 began = time.monotonic()
                 try:
-                    with await pull_into(cache, peer, grant, transport=t, integrity=i % 2 == 1) as landed:
+                    with await pull_into(node_cache, peer, grant, transport=t, integrity=i % 2 == 1) as landed:
                         differences, _ = landed_differences(pool, landed, rid, n)
                         out["differences"] += [f"{rid}: {d}" for d in differences]
                         out.setdefault("first_tokens", []).append(landed.first_token)
@@ -398,7 +398,7 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                 except StatusError as exc:
                     out["error"], out["message"] = exc.code.name, exc.message
                 out["seconds"] = time.monotonic() - began
-            out["end_free"] = (cache.free_blocks, cache.free_rings)
+            out["end_free"] = (node_cache.free_blocks, node_cache.free_rings)
         elif scenario in ("decode_dies", "prefill_dies"):
             grant = await peer.prefill("victim", [7] * 2000)
             if scenario == "decode_dies":  # fault injection: exit while the prefill node sends
@@ -419,13 +419,13 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
                     regions.write_bytes = die_on_chunk
             began = time.monotonic()
             try:
-                await pull_into(cache, peer, grant, transport=t)
+                await pull_into(node_cache, peer, grant, transport=t)
                 out["error"] = None
             except StatusError as exc:
                 out["error"] = exc.code.name
                 out["message"] = exc.message
             out["seconds"] = time.monotonic() - began
-            out["end_free"] = (cache.free_blocks, cache.free_rings)
+            out["end_free"] = (node_cache.free_blocks, node_cache.free_rings)
         await node.close()
         for allocation in fragments:
             allocation.release()
@@ -467,7 +467,7 @@ def ucx_env_report() -> None:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("env", [9] * 150)
-            with await pull_into(cache, peer, grant, transport=Transport.UCX) as landed:
+            with await pull_into(pair.d_cache, peer, grant, transport=Transport.UCX) as landed:
                 same = all(torch.equal(pair.decode.pool.blocks[b], expected_block(pair.decode.pool.layout, "env", j))
                            for j, b in enumerate(landed.block_ids))
             ucx = pair.decode.ucx

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
 from connector import prefill_api as pb
 from connector.wire import layout_message
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, NodeCache
+from tests.pulls import pull_into
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
 
@@ -33,18 +34,17 @@ def prefill_logged_main(conn, *, log_path: str, lease_s: float, model_identity: 
 
     async def main():
         layout = BlockLayout(procs.CONFIG)
-        pool = CachePool(layout, num_blocks=96, num_rings=8)
-        blocks, rings = BlockAllocator(96), RingAllocator(8)
+        cache = NodeCache(layout, num_blocks=96, num_rings=8)
         config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=max(lease_s * 2, 3.0))
-        node = PrefillConnector(pool, blocks, rings, procs.SeededFillEngine(), engine_id="prefill-0", config=config,
+        node = PrefillConnector(cache.pool, procs.SeededFillEngine(cache), engine_id="prefill-0", config=config,
                                 registry=CollectorRegistry(), model_identity=model_identity)
         server = await serve_prefill(node)
-        conn.send(("port", server.port, blocks.num_free, rings.num_free))
+        conn.send(("port", server.port, cache.free_blocks, cache.free_rings))
         loop = asyncio.get_running_loop()
         while True:
             cmd = await loop.run_in_executor(None, conn.recv)
             if cmd[0] == "counts":
-                conn.send((blocks.num_free, rings.num_free, len(node.leases)))
+                conn.send((cache.free_blocks, cache.free_rings, len(node.leases)))
             elif cmd[0] == "peers":
                 conn.send((sorted(node._peers), sorted(node._ucx.peers())))
             elif cmd[0] == "stop":
@@ -89,10 +89,10 @@ def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "de
     live slots byte for byte; send {"ok": [...], "errors": [...], "differences": [...]}."""
     async def main():
         layout = BlockLayout(procs.CONFIG)
-        pool = CachePool(layout, num_blocks=64, num_rings=4)
-        blocks, rings = BlockAllocator(64), RingAllocator(4)
+        cache = NodeCache(layout, num_blocks=64, num_rings=4)
+        pool = cache.pool
         config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=5.0, rpc_timeout_s=5.0)
-        node = await DecodeConnector(pool, blocks, rings, engine_id=engine_id, config=config,
+        node = await DecodeConnector(pool, engine_id=engine_id, config=config,
                                      registry=CollectorRegistry(), transports=(Transport.UCX,)).start()
         peer = await node.connect(address)
         conn.send(("ready", engine_id, node.ucx.address))
@@ -103,7 +103,7 @@ def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "de
             rid = f"after-{n}"
             try:
                 grant = await peer.prefill(rid, [(7 * i) % 50000 for i in range(n)])
-                with await peer.pull(grant, transport=Transport.UCX, integrity=True) as landed:
+                with await pull_into(cache, peer, grant, transport=Transport.UCX, integrity=True) as landed:
                     out["differences"] += procs.landed_differences(pool, landed, rid, n)[0]
                 out["ok"].append(n)
             except StatusError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
-from kvcache import BlockAllocator, BlockLayout, CacheConfig, CachePool
+from kvcache import BlockLayout, CacheConfig, CachePool
 
 D = 128
 
@@ -35,9 +35,7 @@ class RequestCache:
         self.pool = CachePool(self.layout, num_blocks=3 * blocks + 1, num_rings=3)
         self.pool.blocks.random_(0, 256, generator=generator)  # poison: unwritten bytes never match
         self.pool.rings.random_(0, 256, generator=generator)
-        allocator = BlockAllocator(self.pool.num_blocks)
-        shuffled = torch.randperm(self.pool.num_blocks, generator=generator)[:blocks]
-        allocator.allocate(self.pool.num_blocks)
+        shuffled = torch.randperm(self.pool.num_blocks, generator=generator)[:blocks]  # ids no allocator hands out
         self.block_ids = [int(b) for b in shuffled]
         self.block_table = torch.tensor([self.block_ids], dtype=torch.int32)
         self.ring_id = int(torch.randint(0, 3, (1,), generator=generator))

@@ -23,7 +23,7 @@ from connector import ConnectorConfig, DecodeConnector, StatusError, Transport, 
 from decode_worker import api
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import start_decode, start_prefill
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import NodeCache
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import LIVENESS_SERVICE, GrpcServer, model_flags
@@ -48,8 +48,8 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
         address = f"127.0.0.1:{prefill.port}"
 
         async def go():
-            pool = CachePool(BlockLayout(CONFIG.cache_config()), num_blocks=32, num_rings=4)
-            connector = await DecodeConnector(pool, BlockAllocator(32), RingAllocator(4), engine_id="drain-test",
+            cache = NodeCache(CONFIG.cache_config(), num_blocks=32, num_rings=4)
+            connector = await DecodeConnector(cache.pool, engine_id="drain-test",
                                               config=ConnectorConfig(), registry=CollectorRegistry(),
                                               transports=(Transport.GRPC_STREAM,),
                                               model_identity=CONFIG.identity()).start()
@@ -66,8 +66,8 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
                 with pytest.raises(StatusError) as refused:
                     await peer.prefill("late", [1, 2, 3])
                 assert refused.value.code is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.message
-                landed = await peer.pull(grant)  # a grant handed out before the drain is still served
-                landed.release()
+                with cache.allocate("held", cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
+                    await peer.pull(grant, into=allocation)  # a grant handed out before the drain is still served
                 assert prefill.proc.poll() is None or prefill.proc.returncode == 0
             finally:
                 await connector.close()

@@ -13,6 +13,7 @@ from connector import ConnectorConfig, StatusError
 from decode_worker.router import PrefillRouter, resolve_host
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests.pulls import pull_into
 
 
 class FakeDns:
@@ -50,7 +51,7 @@ def test_a_node_gone_from_dns_is_disconnected_once_its_grant_is_pulled():
                     await router.pick()
                 assert err.value.code is grpc.StatusCode.UNAVAILABLE
 
-                with await peer.pull(grant) as landed:
+                with await pull_into(pair.d_cache, peer, grant) as landed:
                     assert landed.nbytes > 0
                 assert not peer.busy
                 await router.refresh()
@@ -118,7 +119,7 @@ def test_a_node_that_failed_a_call_gets_a_new_peer_and_the_old_one_finishes_its_
                 await router.refresh()  # healthy again: a new handshake on a new channel
                 new = await router.pick()
                 assert new is not old and not old.closed and pair.decode.peers == (old, new)
-                with await old.pull(grant) as landed:  # the old channel still serves its grant
+                with await pull_into(pair.d_cache, old, grant) as landed:  # the old channel still serves its grant
                     assert landed.nbytes > 0
                 await router.refresh()
                 assert old.closed and not new.closed and pair.decode.peers == (new,)

@@ -1,6 +1,6 @@
 """The decode scheduler against a real prefill connector on loopback, both with the synthetic model:
-a request's whole reservation is pulled into one LandedRequest (no block of the scheduler's own),
-its events are typed (Tokens, then Finished) and match the colocated run byte for byte, and every
+admission allocates a request's every block and its ring as one allocation of the scheduler's, the
+pull lands the prompt into it (the connector allocates nothing), its events are typed (Tokens, then Finished) and match the colocated run byte for byte, and every
 exit (done, failed pull, cancelled while decoding, failed step) frees what it holds exactly once."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from connector import regions  # fault injection: how the gRPC stream reads a re
 from decode_worker.jobs import Failed, Finished, JobState, Tokens
 from decode_worker.router import PrefillRouter
 from decode_worker.scheduler import DecodeScheduler
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import NodeCache
 from model import Engine, ModelConfig
 from model.colocated import GenerateRequest, run_colocated
 from prefill_worker.batcher import BatchingPrefillEngine
@@ -38,26 +38,23 @@ class Nodes:
     scheduler and its loop) in this event loop, each with its own pool."""
 
     async def __aenter__(self) -> "Nodes":
-        layout = BlockLayout(CONFIG.cache_config())
         config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=10.0)
-        p_pool = CachePool(layout, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
-        self.p_blocks, self.p_rings = BlockAllocator(NUM_BLOCKS), RingAllocator(NUM_RINGS)
-        self.batcher = BatchingPrefillEngine(Engine(CONFIG, p_pool), max_batch_tokens=4096, max_queue=8,
-                                             registry=CollectorRegistry())
-        self.prefill = PrefillConnector(p_pool, self.p_blocks, self.p_rings, self.batcher, engine_id="prefill-s",
+        self.p_cache = NodeCache(CONFIG.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.batcher = BatchingPrefillEngine(Engine(CONFIG, self.p_cache.pool), self.p_cache, max_batch_tokens=4096,
+                                             max_queue=8, registry=CollectorRegistry())
+        self.prefill = PrefillConnector(self.p_cache.pool, self.batcher, engine_id="prefill-s",
                                         config=config, registry=CollectorRegistry(), transports=(GRPC,))
         self.batch_loop = asyncio.create_task(self.batcher.run())
         self.server = await serve_prefill(self.prefill)
-        d_pool = CachePool(layout, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
-        self.d_blocks, self.d_rings = BlockAllocator(NUM_BLOCKS), RingAllocator(NUM_RINGS)
-        self.decode = await DecodeConnector(d_pool, self.d_blocks, self.d_rings, engine_id="decode-s", config=config,
+        self.d_cache = NodeCache(CONFIG.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.decode = await DecodeConnector(self.d_cache.pool, engine_id="decode-s", config=config,
                                             registry=CollectorRegistry(), transports=(GRPC,)).start()
         self.router = PrefillRouter(self.decode, (f"127.0.0.1:{self.server.port}",), health_interval_s=60,
                                     rpc_timeout_s=10)
         await self.router.start()
         self.registry = CollectorRegistry()
-        self.engine = Engine(CONFIG, d_pool)
-        self.scheduler = DecodeScheduler(self.engine, self.d_blocks, self.d_rings, self.decode, self.router,
+        self.engine = Engine(CONFIG, self.d_cache.pool)
+        self.scheduler = DecodeScheduler(self.engine, self.d_cache, self.decode, self.router,
                                          max_running=4, max_queue=8, transport=GRPC, integrity=True,
                                          queue_timeout_s=10, registry=self.registry)
         self.decode_loop = asyncio.create_task(self.scheduler.run())
@@ -72,7 +69,7 @@ class Nodes:
         await stop_prefill(self.server, self.prefill)
 
     def free(self) -> tuple[int, int, int, int]:
-        return self.p_blocks.num_free, self.p_rings.num_free, self.d_blocks.num_free, self.d_rings.num_free
+        return self.p_cache.free_blocks, self.p_cache.free_rings, self.d_cache.free_blocks, self.d_cache.free_rings
 
     def sample(self, name: str, **labels) -> float:
         return self.registry.get_sample_value(f"kpoolpd_decode_{name}", labels) or 0.0
@@ -94,14 +91,14 @@ class Nodes:
 PROMPT = tuple((7 * i + 3) % CONFIG.vocab_size for i in range(90))
 
 
-def test_a_request_is_one_reservation_owned_by_its_landed_request_and_matches_colocated():
+def test_a_request_is_one_allocation_of_the_scheduler_landed_in_by_the_pull_and_matches_colocated():
     async def main():
         async with Nodes() as nodes:
             start = nodes.free()
             job = await nodes.fetched("one", PROMPT, 60)
-            landed = job.landed
-            assert job.need_blocks == CONFIG.blocks_for(len(PROMPT), 60) > landed.grant.num_blocks
-            assert len(landed.block_ids) == job.need_blocks and job.seq.block_ids == list(landed.block_ids)
+            landed, allocation = job.landed, job.allocation
+            assert job.need_blocks == CONFIG.blocks_for(len(PROMPT), 60) > landed.grant.num_blocks == landed.prompt_blocks
+            assert allocation.num_blocks == job.need_blocks and job.seq.block_ids == list(allocation.block_ids)
             assert nodes.free() == (start[0], start[1], start[2] - job.need_blocks, start[3] - 1)
             assert nodes.sample("reserved_blocks") == job.need_blocks
             nodes.scheduler.first_token_sent(job)
@@ -114,7 +111,7 @@ def test_a_request_is_one_reservation_owned_by_its_landed_request_and_matches_co
             assert all(isinstance(e, Tokens) and e.token_ids for e in events[:-1])
             nodes.scheduler.abandon(job, "ok")  # what the handler does on its way out: nothing more to free
             assert await nodes.until_free(start), nodes.free()
-            assert job.state is JobState.DONE and landed.released
+            assert job.state is JobState.DONE and allocation.released
             reference, = run_colocated(CONFIG, [GenerateRequest(request_id="one", prompt=PROMPT, max_tokens=60)])
             finished = events[-1]
             assert tuple(tokens) == reference.tokens and finished.num_tokens == len(reference.tokens)
@@ -123,7 +120,7 @@ def test_a_request_is_one_reservation_owned_by_its_landed_request_and_matches_co
     run(main())
 
 
-def test_a_failed_pull_leaves_nothing_allocated_and_the_reservation_returns(monkeypatch):
+def test_a_failed_pull_leaves_the_allocation_to_the_scheduler_which_releases_it_once(monkeypatch):
     real = regions.host_bytes
 
     def flip_one_byte(view):
@@ -140,8 +137,11 @@ def test_a_failed_pull_leaves_nothing_allocated_and_the_reservation_returns(monk
             with pytest.raises(StatusError) as err:
                 await nodes.scheduler.fetch(job)
             assert err.value.code is grpc.StatusCode.DATA_LOSS and "transfer from" in err.value.message
-            assert job.landed is None and nodes.free() == start  # the pull freed its reservation, the grant is released
-            assert nodes.sample("reserved_blocks") == job.need_blocks  # admission's count, until the handler leaves
+            # the pull released nothing of ours (the allocation is the scheduler's until the handler leaves);
+            # the prefill node's grant is released
+            assert job.landed is None and not job.allocation.released
+            assert nodes.free() == (start[0], start[1], start[2] - job.need_blocks, start[3] - 1)
+            assert nodes.sample("reserved_blocks") == job.need_blocks
             nodes.scheduler.abandon(job, "failed")
             nodes.scheduler.abandon(job, "failed")  # idempotent
             assert nodes.sample("reserved_blocks") == 0 and nodes.sample("requests_total", outcome="failed") == 1
@@ -160,7 +160,7 @@ def test_a_request_cancelled_while_decoding_is_freed_once_by_the_loop():
             assert job.cancelled and job.state is JobState.DECODING  # the loop frees it, between steps
             assert await nodes.until_free(start), nodes.free()
             nodes.scheduler.finish(job, "cancelled")  # a second exit frees nothing twice
-            assert nodes.free() == start and job.landed.released
+            assert nodes.free() == start and job.allocation.released
             assert nodes.sample("requests_total", outcome="cancelled") == 1 and nodes.sample("reserved_blocks") == 0
     run(main())
 

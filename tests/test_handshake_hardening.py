@@ -25,11 +25,12 @@ from connector.compat import model_differences
 from connector.prefill import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
 from connector.ucx import ucx_available
 from connector.wire import layout_message
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, NodeCache
 from tests import connector_procs as procs
 from tests import handshake_procs as hp
 from tests.connector_harness import InProcessPair, run_child
 from tests.polling import wait_for
+from tests.pulls import pull_into
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +143,7 @@ def test_a_forgotten_engine_handshakes_again_and_pulls():
                 assert time.monotonic() < deadline, "the decode engine did not handshake again"
                 await asyncio.sleep(0.05)
             grant = await peer.prefill("again", [3] * 150)
-            with await peer.pull(grant, transport=Transport.UCX) as landed:
+            with await pull_into(pair.d_cache, peer, grant, transport=Transport.UCX) as landed:
                 layout = pair.decode.pool.layout
                 assert all(torch.equal(pair.decode.pool.blocks[b], procs.expected_block(layout, "again", j))
                            for j, b in enumerate(landed.block_ids))
@@ -256,8 +257,8 @@ def test_ucx_starts_without_a_warning_about_its_options():
 
 def test_tls_with_ucx_warns_that_the_cache_bytes_are_not_encrypted(caplog):
     async def main():
-        pool = CachePool(BlockLayout(procs.CONFIG), num_blocks=4, num_rings=2)
-        node = PrefillConnector(pool, BlockAllocator(4), RingAllocator(2), procs.SeededFillEngine(), engine_id="tls-ucx",
+        cache = NodeCache(procs.CONFIG, num_blocks=4, num_rings=2)
+        node = PrefillConnector(cache.pool, procs.SeededFillEngine(cache), engine_id="tls-ucx",
                                 config=ConnectorConfig(tls=TlsConfig(cert_chain=b"pem", private_key=b"pem")),
                                 registry=CollectorRegistry(), transports=(Transport.UCX,))
         await node.start()

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import PrefillCache, PrefillInput
-from kvcache import BlockAllocator, BlockLayout, CacheFamily, CachePool, RingAllocator
+from connector import PrefillInput, PrefillProgress
+from kvcache import CacheFamily, NodeCache
 from model import Engine, ModelConfig, PrefillJob
 from prefill_worker.batcher import BatchingPrefillEngine
 
@@ -31,14 +31,13 @@ class Recording(Engine):
 
 class Node:
     def __init__(self, config: ModelConfig, budget: int) -> None:
-        self.pool = CachePool(BlockLayout(config.cache_config()), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
-        self.blocks, self.rings = BlockAllocator(NUM_BLOCKS), RingAllocator(NUM_RINGS)
-        self.engine = Recording(config, self.pool)
-        self.batcher = BatchingPrefillEngine(self.engine, max_batch_tokens=budget, max_queue=8,
+        self.cache = NodeCache(config.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.engine = Recording(config, self.cache.pool)
+        self.batcher = BatchingPrefillEngine(self.engine, self.cache, max_batch_tokens=budget, max_queue=8,
                                              registry=CollectorRegistry())
 
-    def cache(self, key: str) -> PrefillCache:
-        return PrefillCache(self.pool, self.blocks, self.rings, key)
+    def progress(self, request_id: str) -> PrefillProgress:
+        return PrefillProgress(request_id)
 
 
 def prompts(config: ModelConfig, lengths: list[int]) -> list[tuple[int, ...]]:
@@ -47,7 +46,7 @@ def prompts(config: ModelConfig, lengths: list[int]) -> list[tuple[int, ...]]:
 
 async def prefill_all(node: Node, batch: list[tuple[int, ...]]):
     loop = asyncio.create_task(node.batcher.run())
-    caches = [node.cache(f"r{i}") for i in range(len(batch))]
+    caches = [node.progress(f"r{i}") for i in range(len(batch))]
     try:
         outs = await asyncio.gather(*(node.batcher.prefill(PrefillInput(request_id=f"r{i}", prompt_token_ids=p), c)
                                       for i, (p, c) in enumerate(zip(batch, caches))))
@@ -69,13 +68,20 @@ def test_steps_keep_the_budget_and_give_the_bytes_of_whole_prefills(family):
     assert steps[2] == [(150, 128, 150), (5, 0, 5), (3, 0, 3), (70, 0, 34)]  # short prompts share the step
     assert steps[3] == [(70, 34, 70)]
     assert all(c.prefilled == len(p) for c, p in zip(caches, batch))
-    whole = Engine(config, CachePool(BlockLayout(config.cache_config()), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS))
-    for i, (out, prompt) in enumerate(zip(outs, batch)):
-        blocks = list(range(i * 5, i * 5 + len(out.block_ids)))
-        first, = whole.prefill([PrefillJob(prompt=prompt, block_ids=blocks, ring_id=i)])
-        assert out.first_token == first
-        assert (node.engine.state_digest(out.block_ids, out.ring_id, len(prompt))
-                == whole.state_digest(blocks, i, len(prompt)))
+    whole_cache = NodeCache(config.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+    whole = Engine(config, whole_cache.pool)
+    skip = whole_cache.allocate("skip", 1, ring=False)  # so the block ids differ between the two runs
+    for out, prompt, progress in zip(outs, batch, caches):
+        served = progress.allocation
+        assert out.prompt_len == len(prompt) and served.num_blocks == config.cache_config().blocks_for_tokens(len(prompt))
+        with whole_cache.allocate("whole", served.num_blocks) as mine:
+            first, = whole.prefill([PrefillJob(prompt=prompt, block_ids=mine.block_ids, ring_id=mine.ring_id)])
+            assert out.first_token == first
+            assert (node.engine.state_digest(served.block_ids, served.ring_id, len(prompt))
+                    == whole.state_digest(mine.block_ids, mine.ring_id, len(prompt)))
+        progress.release()  # what the grant does once pulled
+    skip.release()
+    assert node.cache.free_blocks == NUM_BLOCKS and node.cache.free_rings == NUM_RINGS
 
 
 def test_progress_is_reported_after_each_chunk():
@@ -85,7 +91,7 @@ def test_progress_is_reported_after_each_chunk():
 
     async def scenario():
         loop = asyncio.create_task(node.batcher.run())
-        cache = node.cache("r")
+        cache = node.progress("r")
         seen: list[int] = []
 
         async def watch():
@@ -95,6 +101,7 @@ def test_progress_is_reported_after_each_chunk():
         watcher = asyncio.create_task(watch())
         await node.batcher.prefill(PrefillInput(request_id="r", prompt_token_ids=prompt), cache)
         await asyncio.wait_for(watcher, 5)
+        cache.release()
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
         return seen
@@ -108,7 +115,7 @@ def test_a_caller_leaving_between_chunks_frees_everything_and_stops_its_chunks()
 
     async def scenario():
         loop = asyncio.create_task(node.batcher.run())
-        cache = node.cache("r")
+        cache = node.progress("r")
         call = asyncio.create_task(node.batcher.prefill(PrefillInput(request_id="r", prompt_token_ids=prompt), cache))
         await asyncio.wait_for(cache.wait_prefilled(32), 5)
         call.cancel()
@@ -118,5 +125,5 @@ def test_a_caller_leaving_between_chunks_frees_everything_and_stops_its_chunks()
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
     asyncio.run(scenario())
-    assert node.blocks.num_free == NUM_BLOCKS and node.rings.num_free == NUM_RINGS
+    assert node.cache.free_blocks == NUM_BLOCKS and node.cache.free_rings == NUM_RINGS
     assert node.engine.steps[-1][0][2] < 200, "the prompt's later chunks must not run"

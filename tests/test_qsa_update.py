@@ -21,7 +21,7 @@ from kernels.qsa_ring import read_qsa_ring_positions, write_qsa_ring
 from kernels.qsa_rope import text_positions
 from kernels.qsa_update import qsa_forward_update
 from kvcache import (
-    BlockAllocator, BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, RingAllocator,
+    BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool,
     qsa_ring_capacity,
 )
 from tests.kernel_backends import ALL_BACKENDS, INTERPRETER, Backend, make_backend
@@ -92,7 +92,9 @@ def make_history(chunks: list[int], steps: list[tuple[int, int]], storage: Stora
 
 
 class Caches:
-    """One worker's QSA caches for the test: a poisoned CachePool, its allocators, the requests' tables."""
+    """One worker's QSA caches for the test: a poisoned CachePool and the requests' tables (block ids handed
+    out in order from ``next_block``, a ring per request in order of arrival: the kernels' addressing is
+    under test here, not allocation)."""
 
     def __init__(
         self, storage: Storage, num_blocks: int, num_rings: int, *, seed: int, ring_capacity: int | None = None,
@@ -114,8 +116,8 @@ class Caches:
             shape = (num_rings, ring_capacity, storage.heads, self.ring.shape[-1])
             self.ring = torch.randint(-(2 ** 15), 2 ** 15, shape, generator=gen, dtype=torch.int16).view(torch.bfloat16)
             self.ring = self.ring.to(device)
-        self.block_alloc = BlockAllocator(num_blocks)
-        self.ring_alloc = RingAllocator(num_rings)
+        self.next_block = 0
+        self.rings: dict[int, int] = {}
         self.tables: dict[int, list[int]] = {}
 
     def forward(self, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]], weight: torch.Tensor) -> None:
@@ -126,12 +128,14 @@ class Caches:
             seq_len = first + keys.shape[0]
             if req not in self.tables:
                 self.tables[req] = []
-                self.ring_alloc.allocate(str(req))
-            need = -(-seq_len // block_size) - len(self.tables[req])
-            self.tables[req] += self.block_alloc.allocate(max(need, 0))
+                self.rings[req] = len(self.rings)
+            need = max(-(-seq_len // block_size) - len(self.tables[req]), 0)
+            assert self.next_block + need <= self.pool.num_blocks, "the test's pool is too small"
+            self.tables[req] += range(self.next_block, self.next_block + need)
+            self.next_block += need
             starts.append(starts[-1] + keys.shape[0])
             seq_lens.append(seq_len)
-            rings.append(self.ring_alloc.ring_of(str(req)))
+            rings.append(self.rings[req])
         width = max(len(self.tables[req]) for req, *_ in pieces)
         table = [self.tables[req] + [-1] * (width - len(self.tables[req])) for req, *_ in pieces]
         i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
@@ -155,11 +159,11 @@ class Caches:
         return self.compressed.view(bits)[block, group % rows]
 
     def ring_row(self, req: int, pos: int) -> torch.Tensor:
-        return self.ring[self.ring_alloc.ring_of(str(req)), pos % self.capacity]
+        return self.ring[self.rings[req], pos % self.capacity]
 
     def ring_positions(self, req: int, pos: int) -> torch.Tensor:
         slot = torch.tensor([pos % self.capacity])
-        return read_qsa_ring_positions(self.ring, self.ring_alloc.ring_of(str(req)), slot, head_size=HEAD_SIZE)[0].cpu()
+        return read_qsa_ring_positions(self.ring, self.rings[req], slot, head_size=HEAD_SIZE)[0].cpu()
 
 
 def expected_rows(history: History, caches: Caches, weight: torch.Tensor) -> torch.Tensor:
@@ -203,7 +207,7 @@ def run_both(
     longest = max(start + keys.shape[0] for h in histories for start, keys, _ in h.pieces)
     num_blocks = len(histories) * (-(-longest // storage.config().block_size)) + 2
     whole = Caches(storage, num_blocks, len(histories) + 1, seed=1, device=device)
-    whole.block_alloc.allocate(1)  # so block ids differ between the runs
+    whole.next_block = 1  # so block ids differ between the runs
     whole.forward([(req, 0, h.keys, h.positions) for req, h in reversed(list(enumerate(histories)))], weight)
     stepped = Caches(storage, num_blocks, len(histories) + 1, seed=2, ring_capacity=ring_capacity, device=device)
     for step in range(max(len(h.pieces) for h in histories)):

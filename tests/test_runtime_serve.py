@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
 from connector import Credential, Transport, open_channel
-from kvcache import BlockAllocator, RingAllocator
+from kvcache import CacheConfig, NodeCache
 from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
                      service_options)
 from tests.polling import until
@@ -47,7 +47,7 @@ class FakeNode:
         self.context = context
         self.events = ["build"]
         self.servicer = FakeServicer()
-        self.blocks, self.rings = BlockAllocator(4), RingAllocator(2)
+        self.cache = NodeCache(CacheConfig(), num_blocks=4, num_rings=2)
         self.in_flight = 1
         self.fail_start = fail_start
         self.grpc_port = -1
