@@ -15,6 +15,8 @@ class Pulled:
         self.landed, self.allocation = landed, allocation
 
     def __getattr__(self, name: str):
+        if name in ("landed", "allocation") or name.startswith("__"):  # not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self.landed, name)
 
     @property
@@ -46,11 +48,18 @@ def blocks_to_land(cache: NodeCache, grant: PrefillGrant, dcp: DcpShard | None =
     return cache.config.blocks_for_tokens(grant.prompt_len)
 
 
+def allocation_for(cache: NodeCache, grant: PrefillGrant, *, reserve_blocks: int = 0,
+                   dcp: DcpShard | None = None) -> CacheAllocation:
+    """The prompt's blocks (at least ``reserve_blocks``) and a ring in ``cache``, as a decode node's
+    scheduler takes them before it pulls ``grant``; the caller releases them."""
+    return cache.allocate(grant.request_id, max(blocks_to_land(cache, grant, dcp), reserve_blocks))
+
+
 async def pull_into(cache: NodeCache, peer: PrefillPeer, grant: PrefillGrant, *, reserve_blocks: int = 0,
                     dcp: DcpShard | None = None, **pull_options) -> Pulled:
     """Allocate the prompt's blocks (at least ``reserve_blocks``) and a ring in ``cache``, pull ``grant``
     into them, and return both; a failed or cancelled pull releases the allocation before it raises."""
-    allocation = cache.allocate(grant.request_id, max(blocks_to_land(cache, grant, dcp), reserve_blocks))
+    allocation = allocation_for(cache, grant, reserve_blocks=reserve_blocks, dcp=dcp)
     try:
         landed = await peer.pull(grant, into=allocation, dcp=dcp, **pull_options)
     except BaseException:

@@ -1,11 +1,12 @@
 """A cancelled request leaves nothing behind on either side, at once: cancels aimed at each step
 of a request (the Prefill call, the pull's stream, the grant's Release), with the prefill node
 holding that step until the cancel has happened (real gRPC over loopback, both nodes in this
-event loop). The decode node frees what it took, and the prefill node frees the grant now (a
+event loop). The cancelled pull leaves the decode node's allocation to its caller, who may release
+it at once (no receive into it is posted any more), and the prefill node frees the grant now (a
 Release sent in the background), not when its lease runs out: no lease expires.
 
 Then the same through the decode scheduler: a request cancelled while prefilling, pulling or
-releasing frees its reservation and landed blocks, and is counted by the state it was in."""
+releasing frees the allocation it was admitted with, and is counted by the state it was in."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from decode_worker.jobs import JobState
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until
+from tests.pulls import allocation_for
 from tests.test_decode_scheduler import PROMPT, Nodes
 
 GRPC = Transport.GRPC_STREAM
@@ -88,12 +90,15 @@ def test_a_pull_cancelled_during_its_release_frees_both_sides_at_once():
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("leaves-while-releasing", [3] * 150)
-            pull = asyncio.ensure_future(peer.pull(grant, reserve_blocks=grant.num_blocks + 2, transport=GRPC))
+            allocation = allocation_for(pair.d_cache, grant, reserve_blocks=grant.num_blocks + 2)
+            pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=GRPC))
             await asyncio.wait_for(hold.entered.wait(), 10)  # landed; the Release is at the prefill node
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pull
-            assert pair.free()[2:] == start[2:]  # the landed request is freed with the cancel
+            assert not allocation.released  # the cancel leaves the landed blocks to their caller,
+            allocation.release()  # who frees them at once
+            assert pair.free()[2:] == start[2:]
             hold.go.set()  # the prefill node answers the Release only now: it must not have been cancelled
             await freed(pair, start)
     run(main())
@@ -107,12 +112,15 @@ def test_a_pull_cancelled_while_its_stream_runs_releases_the_grant():
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("leaves-while-pulling", [4] * 200)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=GRPC))
+            allocation = allocation_for(pair.d_cache, grant)
+            pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=GRPC))
             await asyncio.wait_for(hold.entered.wait(), 10)
             assert pair.free()[2] < start[2]  # the decode node holds the pull's blocks
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pull
+            assert not allocation.released
+            allocation.release()
             assert pair.free()[2:] == start[2:]
             await freed(pair, start)
     run(main())

@@ -23,6 +23,7 @@ from connector.wire import layout_message
 from kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
+from tests.pulls import allocation_for, pull_into
 
 LEASE_S = 1.5
 
@@ -51,7 +52,7 @@ def test_blhnc_prefill_process_to_blnhc_decode_process(prefill, transport):
 async def _pull_and_compare(pair: InProcessPair, transport: Transport, prompt_len: int, request_id: str) -> list[str]:
     peer = await pair.decode.connect(pair.address)
     grant = await peer.prefill(request_id, [7] * prompt_len)
-    with await peer.pull(grant, transport=transport, integrity=True) as landed:
+    with await pull_into(pair.d_cache, peer, grant, transport=transport, integrity=True) as landed:
         src_layout = pair.prefill.pool.layout
         src = procs.mirror_pool(src_layout, request_id, grant.num_blocks)
         dst = pair.decode.pool
@@ -117,14 +118,14 @@ def test_equal_layouts_land_without_staging(monkeypatch):
             peer = await pair.decode.connect(pair.address)
             assert peer.repacks is False
             grant = await peer.prefill("same", [3] * 100)
-            with await peer.pull(grant, transport=Transport.GRPC_STREAM) as landed:
+            with await pull_into(pair.d_cache, peer, grant, transport=Transport.GRPC_STREAM) as landed:
                 assert landed.repacked is False
                 assert torch.equal(pair.decode.pool.blocks[landed.block_ids[1]],
                                    procs.expected_block(pair.decode.pool.layout, "same", 1))
     run(main())
 
 
-def test_failed_pull_with_staging_frees_everything(monkeypatch):
+def test_failed_pull_with_staging_converts_nothing_and_leaves_the_allocation_to_the_caller(monkeypatch):
     real = regions.host_bytes
 
     def flip_one_byte(view):
@@ -140,10 +141,13 @@ def test_failed_pull_with_staging_frees_everything(monkeypatch):
             before = pair.decode.pool.blocks.clone()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("corrupt", [1] * 200)
+            allocation = allocation_for(pair.d_cache, grant)
             with pytest.raises(StatusError) as err:
-                await peer.pull(grant, transport=Transport.GRPC_STREAM, integrity=True)
+                await peer.pull(grant, into=allocation, transport=Transport.GRPC_STREAM, integrity=True)
             assert err.value.code is grpc.StatusCode.DATA_LOSS
             assert torch.equal(pair.decode.pool.blocks, before)  # nothing converted into our blocks
+            assert not allocation.released and pair.free()[2:] == (start[2] - allocation.num_blocks, start[3] - 1)
+            allocation.release()
             assert pair.free()[2:] == start[2:]
             assert await peer.release(grant.grant_id) is True
             assert pair.free() == start

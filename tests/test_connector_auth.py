@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
 from connector import prefill_api as pb
 from connector.auth import FIRST_MESSAGE_WAIT_S, presented_token
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import NodeCache
 from runtime import GrpcServer
 from runtime.ports import BindError, ensure_bindable
 from tests.connector_procs import CONFIG, SeededFillEngine
@@ -35,9 +35,8 @@ class Served:
     not: the worst case, where the client token is at hand on the same server)."""
 
     def __init__(self, *, client_token: str | None = CLIENT_TOKEN, peer_token: str | None = PEER_TOKEN) -> None:
-        layout = BlockLayout(CONFIG)
-        self.node = PrefillConnector(CachePool(layout, num_blocks=8, num_rings=2), BlockAllocator(8), RingAllocator(2),
-                                     SeededFillEngine(), engine_id="prefill-auth",
+        self.cache = NodeCache(CONFIG, num_blocks=8, num_rings=2)
+        self.node = PrefillConnector(self.cache.pool, SeededFillEngine(self.cache), engine_id="prefill-auth",
                                      config=ConnectorConfig(peer_token=peer_token), registry=CollectorRegistry(),
                                      transports=(Transport.GRPC_STREAM,))
         self.server = GrpcServer(client_token=client_token, peer_token=peer_token)
@@ -90,7 +89,7 @@ def test_only_the_peer_token_opens_the_prefill_service(method, presented):
             assert isinstance(refused, grpc.aio.AioRpcError), refused
             assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
             assert "needs the peer-token" in refused.details()
-            assert served.node.grants_held == 0 and served.node.blocks.num_free == 8
+            assert served.node.grants_held == 0 and served.cache.free_blocks == 8
             assert "intruder" not in served.node._peers
             # the same call with the peer token gets past auth (to the service's own answer)
             answered = await served.raw(method, request, auth_metadata(PEER_TOKEN))

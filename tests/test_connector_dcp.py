@@ -17,12 +17,13 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, DecodeConnector, StatusError, Transport
 from connector.dcp_plan import plan_dcp_transfer
 from connector.plan import plan_transfer, ring_live_range
-from kvcache import BlockAllocator, BlockLayout, CachePool, DcpShard, RingAllocator
+from kvcache import BlockLayout, CachePool, DcpShard, NodeCache
 from connector.regions import region_view
 from model import ModelConfig
 from model.dcp_landing import land_request
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests.pulls import blocks_to_land, pull_into
 
 GRPC = Transport.GRPC_STREAM
 CONFIG = procs.CONFIG  # block 64, kpool 4, 3 layers
@@ -32,11 +33,12 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 90))
 
 
-def _rank_connector(pair: InProcessPair, rank: int, transport: Transport) -> DecodeConnector:
+def _rank_node(rank: int, transport: Transport) -> tuple[NodeCache, DecodeConnector]:
+    """Another rank of the pair's decode instance: its node cache and its connector."""
     config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
-    pool = CachePool(BlockLayout(CONFIG), num_blocks=32, num_rings=4)
-    return DecodeConnector(pool, BlockAllocator(32), RingAllocator(4), engine_id=f"decode-t/dcp{rank}", config=config,
-                           registry=CollectorRegistry(), transports=(transport,))
+    cache = NodeCache(CONFIG, num_blocks=32, num_rings=4)
+    return cache, DecodeConnector(cache.pool, engine_id=f"decode-t/dcp{rank}", config=config,
+                                  registry=CollectorRegistry(), transports=(transport,))
 
 
 def _share_equal(expected: CachePool, got: CachePool, blocks: tuple[int, ...], ring: int, shard: DcpShard,
@@ -97,7 +99,8 @@ def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave
     async def main():
         async with InProcessPair(transports=(transport,)) as pair:
             start = pair.free()[:2]
-            connectors = [pair.decode] + [_rank_connector(pair, r, transport) for r in range(1, ranks)]
+            nodes = [(pair.d_cache, pair.decode)] + [_rank_node(r, transport) for r in range(1, ranks)]
+            caches, connectors = [cache for cache, _ in nodes], [connector for _, connector in nodes]
             pair.decode.engine_id = "decode-t/dcp0"
             for c in connectors[1:]:
                 await c.start()
@@ -106,8 +109,8 @@ def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave
                 grant = await peers[0].prefill("dcp", [5] * prompt_len, dcp_engine_ids=[c.engine_id for c in connectors],
                                                dcp_interleave=interleave)
                 shards = [DcpShard(size=ranks, rank=r, interleave=interleave) for r in range(ranks)]
-                landed = await asyncio.gather(*(p.pull(grant, transport=transport, dcp=s, integrity=True)
-                                                for p, s in zip(peers, shards)))
+                landed = await asyncio.gather(*(pull_into(cache, p, grant, transport=transport, dcp=s, integrity=True)
+                                                for cache, p, s in zip(caches, peers, shards)))
                 assert pair.free()[:2] == start, "the grant is freed once every rank released its share"
                 source = CachePool(BlockLayout(CONFIG), num_blocks=len(grant.src_block_ids), num_rings=1)
                 for j in range(len(grant.src_block_ids)):
@@ -127,6 +130,7 @@ def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave
                     assert sum(g.nbytes for g in landed) - (ranks - 1) * ring <= whole.total_bytes
                 for got in landed:
                     got.release()
+                assert [(c.free_blocks, c.free_rings) for c in caches] == [(32, 4)] * ranks
             finally:
                 for c in connectors[1:]:
                     await c.close()
@@ -136,8 +140,8 @@ def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave
 def test_a_rank_pull_under_another_rank_or_out_of_the_group_is_denied():
     async def main():
         async with InProcessPair() as pair:
-            other = _rank_connector(pair, 1, GRPC)
-            stranger = _rank_connector(pair, 5, GRPC)
+            other_cache, other = _rank_node(1, GRPC)
+            stranger_cache, stranger = _rank_node(5, GRPC)
             stranger.engine_id = "someone-else"
             await other.start()
             await stranger.start()
@@ -145,10 +149,12 @@ def test_a_rank_pull_under_another_rank_or_out_of_the_group_is_denied():
                 peer0, peer1, peer_x = [await c.connect(pair.address) for c in (pair.decode, other, stranger)]
                 grant = await peer0.prefill("dcp", [5] * 100, dcp_engine_ids=[pair.decode.engine_id, other.engine_id],
                                             dcp_interleave=64)
-                for peer, rank in ((peer1, 0), (peer_x, 1)):
+                for cache, peer, rank in ((other_cache, peer1, 0), (stranger_cache, peer_x, 1)):
                     with pytest.raises(StatusError) as err:
-                        await peer.pull(grant, transport=GRPC, dcp=DcpShard(size=2, rank=rank, interleave=64))
+                        await pull_into(cache, peer, grant, transport=GRPC,
+                                        dcp=DcpShard(size=2, rank=rank, interleave=64))
                     assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+                    assert (cache.free_blocks, cache.free_rings) == (32, 4)
                 with pytest.raises(StatusError) as err:  # only rank 0 may release every rank's share
                     await peer1.release(grant.grant_id, dcp_rank=1, all_ranks=True)
                 assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
@@ -160,6 +166,34 @@ def test_a_rank_pull_under_another_rank_or_out_of_the_group_is_denied():
             finally:
                 await other.close()
                 await stranger.close()
+    run(main())
+
+
+def test_a_rank_allocation_short_of_its_share_is_refused_before_anything_is_sent():
+    async def main():
+        async with InProcessPair() as pair:
+            other_cache, other = _rank_node(1, GRPC)
+            await other.start()
+            try:
+                peer0, peer1 = [await c.connect(pair.address) for c in (pair.decode, other)]
+                grant = await peer0.prefill("dcp", [5] * 300, dcp_engine_ids=[pair.decode.engine_id, other.engine_id],
+                                            dcp_interleave=64)
+                shard = DcpShard(size=2, rank=1, interleave=64)
+                share = blocks_to_land(other_cache, grant, shard)  # 2 of the prompt's 5 blocks
+                assert share == 2 < grant.num_blocks
+                with other_cache.allocate("dcp", share - 1) as short:
+                    with pytest.raises(ValueError, match=f"at least {share} blocks, got CacheAllocation"):
+                        await peer1.pull(grant, into=short, transport=GRPC, dcp=shard)
+                    assert not short.released
+                assert pair.prefill.grants_held == 1  # rank 1's share is still to pull
+                with await pull_into(other_cache, peer1, grant, transport=GRPC, dcp=shard, integrity=True) as landed:
+                    assert landed.prompt_blocks == share and landed.nbytes > 0
+                assert (other_cache.free_blocks, other_cache.free_rings) == (32, 4)
+                assert await peer0.release(grant.grant_id, all_ranks=True)
+                pair.prefill.reap()
+                assert pair.prefill.grants_held == 0 and pair.free() == (32, 4, 32, 4)
+            finally:
+                await other.close()
     run(main())
 
 
@@ -218,7 +252,7 @@ class _FailingRanks:
         self.dropped.append(request_id)
 
 
-def test_a_rank_failing_its_pull_gives_back_rank_0s_blocks_the_other_ranks_and_the_whole_grant():
+def test_a_rank_failing_its_pull_gives_back_the_other_ranks_and_the_whole_grant_and_leaves_rank_0s_allocation():
     from decode_worker.dcp_fetch import DcpLeader
     from kvcache import DcpConfig
 
@@ -230,10 +264,14 @@ def test_a_rank_failing_its_pull_gives_back_rank_0s_blocks_the_other_ranks_and_t
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("dcp", [5] * 150, dcp_engine_ids=leader.engine_ids, dcp_interleave=64)
             assert pair.prefill.grants_held == 1
+            allocation = pair.d_cache.allocate("dcp", 4)  # rank 0's, as its scheduler admitted the request
             with pytest.raises(StatusError, match="DCP rank 1") as err:
-                await leader.pull("dcp", 10, 4, peer, grant, GRPC, False)
+                await leader.pull("dcp", 10, allocation, peer, grant, GRPC, False)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE
             assert ranks.dropped == ["dcp"], "the other ranks are told to free the request"
+            assert not allocation.released, "rank 0's allocation stays its scheduler's to release"
+            assert pair.free()[2:] == (start[2] - 4, start[3] - 1)
+            allocation.release()
             for _ in range(100):  # the all-ranks Release runs in the background
                 pair.prefill.reap()
                 if pair.prefill.grants_held == 0:

@@ -13,11 +13,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector import (ConnectorConfig, EngineUnavailable, PrefillCache, PrefillConnector, PrefillInput, PrefillOutput,
-                       StatusError, Transport)
+from connector import (ConnectorConfig, EngineUnavailable, PrefillConnector, PrefillInput, PrefillOutput,
+                       PrefillProgress, StatusError, Transport)
+from kvcache import NodeCache
 from runtime import LIVENESS_SERVICE
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests.pulls import allocation_for, pull_into
 from tests.serving import serve_prefill, stop_prefill
 
 GRPC = Transport.GRPC_STREAM
@@ -37,16 +39,24 @@ async def until(condition, timeout_s: float = 5.0) -> bool:
     return condition()
 
 
+def serve_the_prompt(cache: NodeCache, request: PrefillInput, progress: PrefillProgress) -> None:
+    """Allocate the prompt's blocks and a ring in ``cache`` and hand them to the call (the grant's from now on)."""
+    blocks = cache.config.blocks_for_tokens(len(request.prompt_token_ids))
+    progress.serve_from(cache.allocate(request.request_id, blocks))
+
+
 class StalledEngine:
-    """Allocates, then waits (at most ``stall_s``) for a release that never comes; records being cancelled."""
+    """Allocates (from ``cache``, the prefill node's: ``InProcessPair`` sets it), then waits (at most
+    ``stall_s``) for a release that never comes; records being cancelled."""
 
     def __init__(self, stall_s: float = 30.0) -> None:
         self.stall_s = stall_s
+        self.cache: NodeCache | None = None
         self.allocated = asyncio.Event()
         self.cancelled = asyncio.Event()
 
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
-        cache.allocate(cache.pool.config.blocks_for_tokens(len(request.prompt_token_ids)))
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
+        serve_the_prompt(self.cache, request, progress)
         self.allocated.set()
         try:
             await asyncio.wait_for(asyncio.Event().wait(), self.stall_s)
@@ -57,10 +67,13 @@ class StalledEngine:
 
 
 class UnavailableEngine:
-    """Allocates, then finds that it cannot run (as a draining or broken engine would)."""
+    """Allocates and serves from it, then finds that it cannot run (as a draining or broken engine would)."""
 
-    async def prefill(self, request: PrefillInput, cache: PrefillCache) -> PrefillOutput:
-        cache.allocate(cache.pool.config.blocks_for_tokens(len(request.prompt_token_ids)))
+    def __init__(self) -> None:
+        self.cache: NodeCache | None = None  # the prefill node's (``InProcessPair`` sets it)
+
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
+        serve_the_prompt(self.cache, request, progress)
         raise EngineUnavailable("draining for shutdown")
 
 
@@ -190,7 +203,7 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
             assert await pair.decode.disconnect(first) == 1
             assert pair.decode.peers == (second,) and first.closed and not second.closed
             grant = await second.prefill("on-the-other-peer", [3] * 70)  # the other peer still pulls
-            with await second.pull(grant, transport=transport, integrity=True) as landed:
+            with await pull_into(pair.d_cache, second, grant, transport=transport, integrity=True) as landed:
                 assert landed.nbytes > 0
             assert await pair.decode.disconnect(pair.address) == 1
             assert pair.decode.peers == () and second.closed
@@ -202,7 +215,7 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
             # the node restarts on the same port as a new process would: new engine, new UCX worker
             port = int(pair.address.rsplit(":", 1)[1])
             await stop_prefill(pair.server, pair.prefill)
-            pair.prefill = PrefillConnector(pair.prefill.pool, pair.p_blocks, pair.p_rings, procs.SeededFillEngine(),
+            pair.prefill = PrefillConnector(pair.p_cache.pool, procs.SeededFillEngine(pair.p_cache),
                                             engine_id="prefill-restarted", config=pair.prefill.config,
                                             registry=CollectorRegistry(), transports=(transport,))
             pair.server = await serve_prefill(pair.prefill, port=port)
@@ -210,13 +223,13 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
             peer = await pair.decode.connect(pair.address)
             assert peer.engine_id == "prefill-restarted" and pair.decode.peers == (peer,)
             grant = await peer.prefill("after-restart", [4] * 130)
-            with await peer.pull(grant, transport=transport, integrity=True) as landed:
+            with await pull_into(pair.d_cache, peer, grant, transport=transport, integrity=True) as landed:
                 assert landed.nbytes > 0
             assert pair.free() == start
     run(main())
 
 
-def test_pull_on_a_disconnected_peer_fails_and_frees():
+def test_pull_on_a_disconnected_peer_fails_and_leaves_the_allocation_to_the_caller():
     async def main():
         async with InProcessPair(config=dataclasses.replace(
                 ConnectorConfig(peer_token=procs.TOKEN), rpc_timeout_s=3.0, transfer_timeout_s=3.0)) as pair:
@@ -224,8 +237,11 @@ def test_pull_on_a_disconnected_peer_fails_and_frees():
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("orphan", [2] * 100)
             await pair.decode.disconnect(peer)
+            allocation = allocation_for(pair.d_cache, grant)
             with pytest.raises(StatusError) as err:
-                await peer.pull(grant, transport=GRPC)
+                await peer.pull(grant, into=allocation, transport=GRPC)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE and "was disconnected" in err.value.message
+            assert not allocation.released and pair.free()[2:] == (start[2] - grant.num_blocks, start[3] - 1)
+            allocation.release()
             assert pair.free()[2:] == start[2:]
     run(main())

@@ -1,7 +1,8 @@
 """Pipelined pulls in one event loop, with a prefill engine the test steps chunk by chunk: the pieces a
 chunk completes land on the decode node before the next chunk is computed; the ring and the first token
 come after the last one; a computation that fails mid-prompt, a pull cancelled mid-prompt and a grant
-released mid-prompt each free everything on both nodes."""
+released mid-prompt each free everything on the prefill node, and leave the decode node's allocation to
+its caller (who releases it: then both nodes are free)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until
+from tests.pulls import allocation_for, pull_into
 
 TRANSPORTS = [pytest.param(Transport.GRPC_STREAM, id="grpc"), pytest.param(Transport.UCX, id="ucx")]
 BLOCK = procs.CONFIG.block_size  # 64
@@ -77,7 +79,7 @@ def test_a_chunks_blocks_land_before_the_next_chunk_is_computed(transport):
             prompt = list(range(1, n + 1))
             grant = await peer.prefill("r", prompt, pipelined=True)
             assert grant.pipelined and grant.first_token == 0 and grant.piece_blocks == 1
-            pull = asyncio.ensure_future(peer.pull(grant, transport=transport, integrity=True))
+            pull = asyncio.ensure_future(pull_into(pair.d_cache, peer, grant, transport=transport, integrity=True))
             for chunk in range(3):
                 steps.go()
                 for block in (2 * chunk, 2 * chunk + 1):
@@ -109,7 +111,7 @@ def test_a_computation_longer_than_the_transfer_deadline_still_lands(transport):
             peer = await pair.decode.connect(pair.address)
             n = 3 * BLOCK + 5  # two chunks
             grant = await peer.prefill("slow", list(range(1, n + 1)), pipelined=True)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=transport))
+            pull = asyncio.ensure_future(pull_into(pair.d_cache, peer, grant, transport=transport))
             steps.go()
             await asyncio.sleep(1.0)  # twice the transfer deadline before the last chunk
             assert not pull.done()
@@ -130,7 +132,8 @@ def test_a_computation_failing_mid_prompt_fails_the_pull_and_frees_both_nodes(tr
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("r", [3] * (4 * BLOCK), pipelined=True)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=transport))
+            allocation = allocation_for(pair.d_cache, grant)
+            pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=transport))
             steps.go()
             await soon(lambda: holding(pair, "r", 0), "block 0 landing")  # the pull is under way
             steps.go(2)
@@ -138,7 +141,11 @@ def test_a_computation_failing_mid_prompt_fails_the_pull_and_frees_both_nodes(tr
                 await pull
             assert failed.value.code is grpc.StatusCode.INTERNAL
             assert "injected failure before chunk 2" in failed.value.message
-            await soon(lambda: pair.free() == start, "everything freed")
+            assert not allocation.released  # the caller's, failed or not
+            await soon(lambda: pair.free()[:2] == start[:2], "the prefill node's blocks freed")
+            assert pair.free()[2:] == (start[2] - grant.num_blocks, start[3] - 1)
+            allocation.release()
+            assert pair.free() == start
             assert len(pair.prefill.leases) == 0
     run(scenario())
 
@@ -152,7 +159,8 @@ def test_a_pull_cancelled_or_a_grant_released_mid_prompt_stops_the_computation_a
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("r", [3] * (6 * BLOCK), pipelined=True)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=Transport.GRPC_STREAM))
+            allocation = allocation_for(pair.d_cache, grant)
+            pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=Transport.GRPC_STREAM))
             steps.go(2)
             await soon(lambda: holding(pair, "r", 1), "block 1 landing")
             if how == "cancelled":
@@ -163,7 +171,10 @@ def test_a_pull_cancelled_or_a_grant_released_mid_prompt_stops_the_computation_a
                 await peer.release(grant.grant_id)
                 with pytest.raises(StatusError, match="its grant was released"):
                     await asyncio.wait_for(pull, 5)
-            await soon(lambda: pair.free() == start, "everything freed")
+            assert not allocation.released  # the caller's, whichever way the pull ended
+            await soon(lambda: pair.free()[:2] == start[:2], "the prefill node's blocks freed")
+            allocation.release()
+            assert pair.free() == start
             steps.go(10)
             await asyncio.sleep(0.1)
             assert engine.chunks_done == 2, "the prompt's later chunks must not run"
@@ -181,7 +192,7 @@ def test_a_prompt_written_before_its_computation_returns_still_brings_its_first_
             peer = await pair.decode.connect(pair.address)
             prompt = [5] * (2 * BLOCK + 3)
             grant = await peer.prefill("r", prompt, pipelined=True)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=transport))
+            pull = asyncio.ensure_future(pull_into(pair.d_cache, peer, grant, transport=transport))
             steps.go(3)
             with await pull as landed:
                 assert landed.first_token == sum(prompt) % 50000

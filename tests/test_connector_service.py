@@ -21,8 +21,9 @@ from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, Statu
 from connector import prefill_api as pb
 from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
 from connector.wire import layout_message
-from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+from kvcache import BlockLayout, CacheExhaustedError, NodeCache
 from tests.connector_procs import CONFIG, TOKEN, SeededFillEngine
+from tests.pulls import allocation_for, pull_into
 from tests.serving import serve_prefill, stop_prefill
 
 GRPC = Transport.GRPC_STREAM
@@ -30,19 +31,17 @@ BASE = ConnectorConfig(peer_token=TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5
 
 
 class Pair:
-    """A prefill node and a decode node in this process, each with its own registry."""
+    """A prefill node and a decode node in this process, each with its own node cache (``p_cache``,
+    ``d_cache``) and registry."""
 
     def __init__(self, config: ConnectorConfig = BASE, decode_config: ConnectorConfig | None = None,
                  prefill_blocks: int = 64, decode_blocks: int = 64) -> None:
-        layout = BlockLayout(CONFIG)
         self.prefill_registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
-        self.p_blocks, self.p_rings = BlockAllocator(prefill_blocks), RingAllocator(4)
-        self.d_blocks, self.d_rings = BlockAllocator(decode_blocks), RingAllocator(4)
-        self.prefill = PrefillConnector(CachePool(layout, num_blocks=prefill_blocks, num_rings=4), self.p_blocks,
-                                        self.p_rings, SeededFillEngine(), engine_id="prefill-t", config=config,
-                                        registry=self.prefill_registry, transports=(GRPC,))
-        self.decode = DecodeConnector(CachePool(layout, num_blocks=decode_blocks, num_rings=4), self.d_blocks, self.d_rings,
-                                      engine_id="decode-t", config=decode_config or config,
+        self.p_cache = NodeCache(CONFIG, num_blocks=prefill_blocks, num_rings=4)
+        self.d_cache = NodeCache(CONFIG, num_blocks=decode_blocks, num_rings=4)
+        self.prefill = PrefillConnector(self.p_cache.pool, SeededFillEngine(self.p_cache), engine_id="prefill-t",
+                                        config=config, registry=self.prefill_registry, transports=(GRPC,))
+        self.decode = DecodeConnector(self.d_cache.pool, engine_id="decode-t", config=decode_config or config,
                                       registry=self.decode_registry, transports=(GRPC,))
         self.address = ""
 
@@ -57,7 +56,8 @@ class Pair:
         await stop_prefill(self.server, self.prefill)
 
     def free(self) -> tuple[int, int, int, int]:
-        return self.p_blocks.num_free, self.p_rings.num_free, self.d_blocks.num_free, self.d_rings.num_free
+        """Free blocks and rings: prefill side, then decode side."""
+        return self.p_cache.free_blocks, self.p_cache.free_rings, self.d_cache.free_blocks, self.d_cache.free_rings
 
     def sample(self, side: str, name: str, **labels) -> float:
         registry = self.prefill_registry if side == "prefill" else self.decode_registry
@@ -113,7 +113,7 @@ def _client_tls(pki, who: str | None, ca: str = "ca.pem") -> TlsConfig:
 async def _handshake_and_pull(pair: Pair) -> bytes:
     peer = await pair.decode.connect(pair.address)
     grant = await peer.prefill("tls-req", [5] * 300)
-    with await peer.pull(grant, transport=GRPC, integrity=True) as landed:
+    with await pull_into(pair.d_cache, peer, grant, transport=GRPC, integrity=True) as landed:
         return bytes(pair.decode.pool.blocks[landed.block_ids[0]].numpy())
 
 
@@ -154,7 +154,7 @@ def test_tls_refuses(pki, mutual, client_tls):
 
 
 # integrity ---------------------------------------------------------------------------------
-def test_corrupted_region_is_data_loss_and_frees_the_allocation(monkeypatch):
+def test_corrupted_region_is_data_loss_and_leaves_the_allocation_to_the_caller(monkeypatch):
     real = regions.host_bytes
 
     def flip_one_byte(view):  # the wire copy differs from what the checksum covered
@@ -168,10 +168,14 @@ def test_corrupted_region_is_data_loss_and_frees_the_allocation(monkeypatch):
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("corrupt", [3] * 500)
+            allocation = allocation_for(pair.d_cache, grant)
             with pytest.raises(StatusError) as err:
-                await peer.pull(grant, transport=GRPC, integrity=True)
+                await peer.pull(grant, into=allocation, transport=GRPC, integrity=True)
             assert err.value.code is grpc.StatusCode.DATA_LOSS and "crc32 mismatch" in err.value.message
-            assert pair.free()[2:] == start[2:]  # the decode side freed its blocks and ring
+            assert not allocation.released  # the pull released nothing: the blocks and the ring are the caller's
+            assert pair.free()[2:] == (start[2] - grant.num_blocks, start[3] - 1)
+            allocation.release()
+            assert pair.free()[2:] == start[2:]
             assert pair.sample("decode", "transfer_failures_total", cause="data_loss") == 1
             assert await peer.release(grant.grant_id) is True
             assert pair.free() == start
@@ -200,7 +204,7 @@ def test_prompt_larger_than_the_prefill_pool():
             with pytest.raises(StatusError) as err:
                 await peer.prefill("big", [1] * (64 * 9))
             assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "need 9 blocks and a ring; free: 8 blocks" in err.value.message
+            assert "needs 9 blocks and a ring; free: 8 of 8 blocks" in err.value.message
             assert pair.free()[:2] == (8, 4)  # nothing kept by the failed prefill
             assert pair.sample("prefill", "transfer_failures_total", cause="cache_exhausted") == 1
     run(main())
@@ -211,11 +215,10 @@ def test_grant_larger_than_the_decode_pool():
         async with Pair(decode_blocks=4) as pair:
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("big", [1] * (64 * 5))
-            with pytest.raises(StatusError) as err:
-                await peer.pull(grant, transport=GRPC)
-            assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "needs 5 blocks and a ring; free: 4 blocks" in err.value.message
+            with pytest.raises(CacheExhaustedError, match="big needs 5 blocks and a ring; free: 4 of 4 blocks"):
+                allocation_for(pair.d_cache, grant)  # the decode node cannot take the grant's blocks
             assert pair.free()[2:] == (4, 4)
+            assert await peer.release(grant.grant_id) is True
     run(main())
 
 
@@ -276,25 +279,26 @@ def test_metrics_after_a_transfer_and_after_failures():
     async def main():
         async with Pair(dataclasses.replace(BASE, lease_s=0.3)) as pair:
             peer = await pair.decode.connect(pair.address)
-            assert pair.sample("prefill", "free_blocks") == 64 and pair.sample("decode", "free_rings") == 4
+            # the free counts are the node caches' (a daemon's runtime exports them: runtime.metrics.watch_cache)
+            assert pair.p_cache.free_blocks == 64 and pair.d_cache.free_rings == 4
             grant = await peer.prefill("m", [2] * 300)  # 5 blocks
-            assert pair.sample("prefill", "free_blocks") == 59
-            with await peer.pull(grant, transport=GRPC) as landed:
-                assert pair.sample("decode", "free_blocks") == 59 and pair.sample("decode", "free_rings") == 3
+            assert pair.p_cache.free_blocks == 59
+            with await pull_into(pair.d_cache, peer, grant, transport=GRPC) as landed:
+                assert pair.d_cache.free_blocks == 59 and pair.d_cache.free_rings == 3
                 for side in ("prefill", "decode"):
                     assert pair.sample(side, "transfer_bytes_total", transport="grpc") == landed.nbytes > 0
                     assert pair.sample(side, "transfer_regions_total", transport="grpc") == landed.regions
                     assert pair.sample(side, "transfer_seconds_count", transport="grpc") == 1
                     assert pair.sample(side, "transfer_seconds_sum", transport="grpc") > 0
                     assert pair.sample(side, "transfer_seconds_bucket", transport="grpc", le="+Inf") == 1
-            assert pair.sample("decode", "free_blocks") == 64
+            assert pair.d_cache.free_blocks == 64
             # failures: a pull of a grant that expired (NOT_FOUND on both sides), counted by cause
             late = await peer.prefill("late", [2] * 100)
             await asyncio.sleep(0.8)
             assert pair.sample("prefill", "leases_expired_total") == 1
-            assert pair.sample("prefill", "free_blocks") == 64
+            assert pair.p_cache.free_blocks == 64
             with pytest.raises(StatusError):
-                await peer.pull(late, transport=GRPC)
+                await pull_into(pair.d_cache, peer, late, transport=GRPC)
             assert pair.sample("prefill", "transfer_failures_total", cause="unknown_grant") == 1
             assert pair.sample("decode", "transfer_failures_total", cause="not_found") == 1
             assert pair.sample("decode", "transfer_bytes_total", transport="grpc") == landed.nbytes  # unchanged

@@ -17,6 +17,7 @@ from connector.prefill import PrefillConnector
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until
+from tests.pulls import allocation_for, pull_into
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="the pull session carries UCX pulls; ucxx is not installed")
 UCX = Transport.UCX
@@ -58,7 +59,7 @@ def test_pulls_share_one_session_and_land_byte_for_byte():
             real_pull = peer._pull
             peer._pull = lambda *a, **k: calls.append(a) or real_pull(*a, **k)  # a Pull call would show here
             grants = [await peer.prefill(f"s{i}", [i + 1] * n) for i, n in enumerate((1, 64, 65, 300))]  # 4 rings
-            landed = await asyncio.gather(*(peer.pull(g, transport=UCX) for g in grants))
+            landed = await asyncio.gather(*(pull_into(pair.d_cache, peer, g, transport=UCX) for g in grants))
             for grant, request in zip(grants, landed):
                 with request:
                     differences, compared = procs.landed_differences(pair.decode.pool, request, grant.request_id,
@@ -99,7 +100,7 @@ def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(cas
             assert needle in answer.failure.message, answer.failure.message
             await session.done_writing()
             assert await session.read() is grpc.aio.EOF  # nothing runs on it: it ends once the client's side did
-            with await peer.pull(grant, transport=UCX) as landed:  # the grant was left as it was
+            with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:  # the grant was left as it was
                 assert not procs.landed_differences(pair.decode.pool, landed, "held", 130)[0]
             await freed(pair, start)
     run(main())
@@ -128,11 +129,14 @@ def test_a_pull_cancelled_on_the_session_is_stopped_on_the_prefill_node_and_both
             peer = await pair.decode.connect(pair.address)
             started, stopped = stall_pulls(pair.prefill)
             grant = await peer.prefill("c", [5] * 200)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=UCX))
+            allocation = allocation_for(pair.d_cache, grant)
+            pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=UCX))
             await asyncio.wait_for(started.wait(), 10)
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pull
+            assert not allocation.released  # the caller's to release, cancelled or not
+            allocation.release()
             await asyncio.wait_for(stopped.wait(), 10)
             await freed(pair, start)
             assert pair.prefill.grants_held == 0
@@ -147,17 +151,20 @@ def test_a_session_that_breaks_fails_its_pulls_and_the_next_pull_opens_a_new_one
             real = pair.prefill.pull_messages
             blocked, _ = stall_pulls(pair.prefill)
             grant = await peer.prefill("b", [6] * 100)
-            pull = asyncio.ensure_future(peer.pull(grant, transport=UCX))
+            allocation = allocation_for(pair.d_cache, grant)
+            pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=UCX))
             await asyncio.wait_for(blocked.wait(), 10)
             first = peer._session._call
             first.cancel()  # the stream breaks (as when the connection resets)
             with pytest.raises(StatusError) as err:
                 await pull
             assert err.value.code is grpc.StatusCode.UNAVAILABLE and "pull session ended" in err.value.message
-            assert await peer.release(grant.grant_id) is True  # a failed pull leaves its grant to the caller
+            assert await peer.release(grant.grant_id) is True  # a failed pull leaves its grant to the caller,
+            assert not allocation.released  # and its allocation
+            allocation.release()
             pair.prefill.pull_messages = real
             again = await peer.prefill("b2", [6] * 100)
-            with await peer.pull(again, transport=UCX) as landed:
+            with await pull_into(pair.d_cache, peer, again, transport=UCX) as landed:
                 assert not procs.landed_differences(pair.decode.pool, landed, "b2", 100)[0]
             assert peer._session._call is not first
             await freed(pair, start)
@@ -179,7 +186,7 @@ def test_a_prefill_node_without_sessions_gets_pull_calls(monkeypatch):
             peer = await pair.decode.connect(pair.address)
             assert peer._session is None
             grant = await peer.prefill("old", [8] * 90)
-            with await peer.pull(grant, transport=UCX) as landed:
+            with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:
                 assert not procs.landed_differences(pair.decode.pool, landed, "old", 90)[0]
             await freed(pair, start)
     run(main())

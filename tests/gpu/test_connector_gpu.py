@@ -30,22 +30,24 @@ def _prefill_proc(conn) -> None:
 
     from connector import ConnectorConfig, PrefillConnector, Transport
     from connector_procs import CONFIG, SeededFillEngine
-    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+    from kvcache import NodeCache
     from serving import serve_prefill, stop_prefill
 
     async def main():
-        pool = CachePool(BlockLayout(CONFIG), num_blocks=256, num_rings=8, device="cuda:0")
-        blocks, rings = BlockAllocator(256), RingAllocator(8)
-        held = blocks.allocate(256)
-        blocks.free(held[1::2])  # every other block stays held: grants are non-contiguous
-        node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="gpu-prefill",
+        cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:0")
+        one_each = [cache.allocate("spacer", 1, ring=False) for _ in range(256)]  # block i in one_each[i]
+        for spacer in one_each[1::2]:
+            spacer.release()  # every other block stays held: grants are non-contiguous
+        node = PrefillConnector(cache.pool, SeededFillEngine(cache), engine_id="gpu-prefill",
                                 config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
                                 registry=CollectorRegistry(), transports=(Transport.UCX, Transport.GRPC_STREAM))
         server = await serve_prefill(node)
         conn.send(server.port)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await stop_prefill(server, node)
-        conn.send((blocks.num_free, rings.num_free))
+        conn.send((cache.free_blocks, cache.free_rings))
+        for spacer in one_each[::2]:
+            spacer.release()
 
     asyncio.run(main())
     os._exit(0)
@@ -56,16 +58,16 @@ def _decode_proc(conn, address: str, transport: str) -> None:
 
     from connector import ConnectorConfig, DecodeConnector, Transport
     from connector_procs import CONFIG, landed_differences
-    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+    from kvcache import NodeCache
+    from pulls import pull_into
 
     async def main():
-        layout = BlockLayout(CONFIG)
-        pool = CachePool(layout, num_blocks=256, num_rings=8, device="cuda:1")
+        cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:1")
+        pool = cache.pool
         pool.blocks.fill_(0xA5)
-        blocks, rings = BlockAllocator(256), RingAllocator(8)
-        blocks.allocate(7)
+        occupied = cache.allocate("occupied", 7, ring=False)  # the pulls land after the first 7 blocks
         t = Transport.parse(transport)
-        node = await DecodeConnector(pool, blocks, rings, engine_id=f"gpu-decode-{transport}",
+        node = await DecodeConnector(pool, engine_id=f"gpu-decode-{transport}",
                                      config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
                                      registry=CollectorRegistry(), transports=(t,)).start()
         peer = await node.connect(address)
@@ -75,13 +77,14 @@ def _decode_proc(conn, address: str, transport: str) -> None:
             rid = f"gpu-{transport}-{i}"
             grant = await peer.prefill(rid, [rng.randrange(1000) for _ in range(n)])
             extra = 2 if i % 2 else 0  # every other pull also reserves blocks for output tokens
-            with await peer.pull(grant, reserve_blocks=grant.num_blocks + extra, transport=t,
+            with await pull_into(cache, peer, grant, reserve_blocks=grant.num_blocks + extra, transport=t,
                                  integrity=i % 2 == 1) as landed:
                 assert len(landed.block_ids) == grant.num_blocks + extra
                 differences, compared = landed_differences(pool, landed, rid, n)
                 assert not differences, differences
                 checked += compared
-        conn.send(("ok", checked, blocks.num_free, rings.num_free))
+        conn.send(("ok", checked, cache.free_blocks, cache.free_rings))
+        occupied.release()
 
     try:
         asyncio.run(main())

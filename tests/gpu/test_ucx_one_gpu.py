@@ -31,20 +31,19 @@ def _prefill_proc(conn) -> None:
 
     from connector import ConnectorConfig, PrefillConnector, Transport
     from connector_procs import CONFIG, SeededFillEngine
-    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+    from kvcache import NodeCache
     from serving import serve_prefill, stop_prefill
 
     async def main():
-        pool = CachePool(BlockLayout(CONFIG), num_blocks=256, num_rings=8, device="cuda:0")
-        blocks, rings = BlockAllocator(256), RingAllocator(8)
-        node = PrefillConnector(pool, blocks, rings, SeededFillEngine(), engine_id="gpu-prefill",
+        cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:0")
+        node = PrefillConnector(cache.pool, SeededFillEngine(cache), engine_id="gpu-prefill",
                                 config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
                                 registry=CollectorRegistry(), transports=(Transport.UCX,))
         server = await serve_prefill(node)
         conn.send((server.port, sorted(node._ucx.active_transports()), node._ucx.ucx_config().get("NET_DEVICES")))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await stop_prefill(server, node)
-        conn.send((blocks.num_free, rings.num_free))
+        conn.send((cache.free_blocks, cache.free_rings))
 
     asyncio.run(main())
     os._exit(0)
@@ -56,15 +55,15 @@ def _decode_proc(conn, address: str) -> None:
     from connector import ConnectorConfig, DecodeConnector, Transport
     from connector.ucx_address import check_worker_address
     from connector_procs import CONFIG, landed_differences
-    from kvcache import BlockAllocator, BlockLayout, CachePool, RingAllocator
+    from kvcache import NodeCache
+    from pulls import pull_into
 
     async def main():
-        layout = BlockLayout(CONFIG)
-        pool = CachePool(layout, num_blocks=256, num_rings=8, device="cuda:0")
+        cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:0")
+        pool = cache.pool
         pool.blocks.fill_(0xA5)
-        blocks, rings = BlockAllocator(256), RingAllocator(8)
-        blocks.allocate(7)
-        node = await DecodeConnector(pool, blocks, rings, engine_id="gpu-decode",
+        occupied = cache.allocate("occupied", 7, ring=False)  # the pulls land after the first 7 blocks
+        node = await DecodeConnector(pool, engine_id="gpu-decode",
                                      config=ConnectorConfig(transfer_timeout_s=60, rpc_timeout_s=60),
                                      registry=CollectorRegistry(), transports=(Transport.UCX,)).start()
         info = check_worker_address(node.ucx.address)
@@ -74,12 +73,14 @@ def _decode_proc(conn, address: str) -> None:
         for i, n in enumerate(LENGTHS):
             rid = f"one-gpu-{i}"
             grant = await peer.prefill(rid, [rng.randrange(1000) for _ in range(n)])
-            with await peer.pull(grant, transport=Transport.UCX, integrity=i % 2 == 1) as landed:
+            with await pull_into(cache, peer, grant, transport=Transport.UCX, integrity=i % 2 == 1) as landed:
                 differences, compared = landed_differences(pool, landed, rid, n)
                 assert not differences, differences
                 checked += compared
+        free = (cache.free_blocks, cache.free_rings)
+        occupied.release()
         conn.send(("ok", checked, len(node.ucx.address), info.interfaces, sorted(node.ucx.active_transports()),
-                   os.environ.get("UCX_MEMTYPE_CACHE")))
+                   os.environ.get("UCX_MEMTYPE_CACHE"), free))
 
     try:
         asyncio.run(main())
@@ -103,13 +104,14 @@ def test_gpu_memory_moves_over_ucx_on_one_gpu(capfd):
         result = d_conn.recv()
         decode.join(30)
         assert result[0] == "ok", result
-        _, checked, nbytes, interfaces, transports, memtype = result
+        _, checked, nbytes, interfaces, transports, memtype, free = result
         print(f"moved and checked {checked} bytes; decode worker address {nbytes} bytes, {interfaces} interfaces; "
               f"transports decode {transports}, prefill {prefill_transports}; UCX_MEMTYPE_CACHE={memtype}")
         assert checked > 0 and memtype == "n"
+        assert free == (256 - 7, 8)  # every pull's allocation came back
         p_conn.send("stop")
         assert p_conn.poll(60)
-        p_conn.recv()
+        assert p_conn.recv() == (256, 8)  # the prefill node freed every grant
     finally:
         if prefill.is_alive():
             prefill.kill()
