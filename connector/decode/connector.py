@@ -1,6 +1,6 @@
 """DecodeConnector: the decode node's side of the connector. It owns the node's pool and
 allocators, its UCX worker, and its handshaken prefill nodes (``PrefillPeer``), through which it
-asks for prefills and pulls them into its own blocks (``connector.peer``, ``connector.pull``).
+asks for prefills and pulls them into its own blocks (``connector.decode.peer``, ``connector.decode.inbound``).
 
 Every call that waits on a peer has a deadline (``rpc_timeout_s``, ``transfer_timeout_s``);
 every failure is a ``StatusError`` carrying a gRPC status code, and leaves nothing allocated.
@@ -18,15 +18,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
-from connector.auth import auth_metadata
-from connector.channels import open_channel
-from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
-from connector.config import ConnectorConfig, ucx_options_for
-from connector.errors import StatusError, rpc_failure
-from connector.metrics import ConnectorMetrics
-from connector.peer import PrefillPeer
-from connector.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
-from connector.wire import Transport, layout_message, transports_from
+from connector.decode.peer import PrefillPeer
+from connector.shared.auth import auth_metadata
+from connector.shared.channels import open_channel
+from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
+from connector.shared.config import ConnectorConfig, ucx_options_for
+from connector.shared.errors import StatusError, rpc_failure
+from connector.shared.metrics import ConnectorMetrics
+from connector.shared.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
+from connector.shared.wire import Transport, layout_message, transports_from
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
 logger = logging.getLogger(__name__)

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from connector.errors import StatusError
-from connector.plan import RingRange
-from connector.wire import Transport
+from connector.shared.errors import StatusError
+from connector.shared.plan import RingRange
+from connector.shared.wire import Transport
 from kvcache import BlockAllocator, RingAllocator
 
 if TYPE_CHECKING:
-    from connector.pull import PullTimeline
+    from connector.decode.inbound import PullTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class PrefillGrant:
     src_block_ids: tuple[int, ...]
     src_ring_id: int
     pipelined: bool = False  # the prompt was still computing: ``first_token`` (0 here) comes with the pull
-    piece_blocks: int = 0  # the transfer plan's piece size (``connector.plan.plan_transfer``)
+    piece_blocks: int = 0  # the transfer plan's piece size (``connector.shared.plan.plan_transfer``)
     prefill_ms: float = 0.0  # the prompt's compute (not pipelined; a pipelined pull reports it)
 
 
@@ -119,7 +119,7 @@ class LandedRequest:
                                             exposed_transfer_ms=seconds * 1000)
         self.transport, self.nbytes, self.regions, self.seconds = transport, nbytes, regions, seconds
         self.repacked = repacked  # landed in a staging buffer and converted from the peer's block order
-        self.timeline = timeline  # where the pull's time went (connector.pull.PullTimeline)
+        self.timeline = timeline  # where the pull's time went (connector.decode.inbound.PullTimeline)
         self._allocation = allocation
 
     @property

@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING
 import grpc
 
 from connector import prefill_api as pb
-from connector.auth import auth_metadata
-from connector.compat import arrangement
-from connector.dcp_plan import dcp_landed_blocks
-from connector.errors import StatusError, rpc_failure
-from connector.landed import Allocation, LandedRequest, PrefillGrant
-from connector.pull import InboundPull, Landing
-from connector.pull_frames import pull_method
-from connector.pull_session import PullSession
-from connector.wire import Transport, ring_from, transports_from
+from connector.decode.inbound import InboundPull, Landing
+from connector.decode.landed import Allocation, LandedRequest, PrefillGrant
+from connector.decode.pull_session import PullSession
+from connector.shared.auth import auth_metadata
+from connector.shared.compat import arrangement
+from connector.shared.dcp_plan import dcp_landed_blocks
+from connector.shared.errors import StatusError, rpc_failure
+from connector.shared.pull_frames import pull_method
+from connector.shared.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout, DcpShard
 
 if TYPE_CHECKING:
-    from connector.decode import DecodeConnector
+    from connector.decode.connector import DecodeConnector
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class PrefillPeer:
         Called from the connector's event loop, any number at once.
 
         ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
-        it pulls its own share of the prompt (``connector.dcp_plan``) into the first blocks of its
+        it pulls its own share of the prompt (``connector.shared.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
         if reserve_blocks is not None and (type(reserve_blocks) is not int or reserve_blocks < 0):
             raise ValueError(f"reserve_blocks must be None or an integer >= 0, got {reserve_blocks!r}")

@@ -18,7 +18,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from connector.errors import CacheExhaustedError
+from connector.shared.errors import CacheExhaustedError
 from kvcache import BlockAllocator, CachePool, RingAllocator
 
 
