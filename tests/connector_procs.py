@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, PrefillInput, PrefillOutput, PrefillProgress,
                        StatusError, Transport)
-from connector import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
-from connector.plan import ring_live_range
+from connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
+from connector.shared.plan import ring_live_range
 from kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
 from tests.pulls import pull_into
 from tests.serving import serve_prefill, stop_prefill

@@ -2,7 +2,7 @@
 as the prompt's chunks have written it (a pipelined grant), then PullDone.
 
 ``OutboundPull.messages()`` is the stream the Pull RPC yields. Region i may move once ``ready[i]``
-prompt tokens are written in every layer (``connector.plan.ready_at``): a grant made after its prompt
+prompt tokens are written in every layer (``connector.shared.plan.ready_at``): a grant made after its prompt
 was computed sends everything at once, as before; a pipelined grant sends each piece of blocks while
 later chunks compute, announces the prompt's end (PrefillDone, with the first token) as soon as the
 last chunk is computed, then moves the remaining pieces and the ring. Every wait has the Pull's
@@ -21,11 +21,11 @@ import grpc
 import torch
 
 from connector import prefill_api as pb
-from connector import pull_frames, regions
-from connector.leases import Grant
-from connector.plan import TransferPlan
-from connector.ucx import UcxNode, UcxSendError, region_tag
-from connector.wire import Transport, ring_message
+from connector.prefill.leases import Grant
+from connector.shared import pull_frames, regions
+from connector.shared.plan import TransferPlan
+from connector.shared.ucx import UcxNode, UcxSendError, region_tag
+from connector.shared.wire import Transport, ring_message
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ each pull.
 
 A worker address comes from the wire, and UCX trusts it: a malformed one aborts the process. So a
 peer's address reaches ``connect`` only after ``vet``: a structural check of its bytes
-(``connector.ucx_address``), then a first endpoint made in a child process (``connector.ucx_probe``),
+(``connector.prefill.ucx_address``), then a first endpoint made in a child process (``connector.prefill.ucx_probe``),
 which UCX may take down instead of the daemon.
 """
 
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from connector.regions import ucx_buffer
-from connector.ucx_address import WorkerAddressError, check_worker_address
-from connector.ucx_probe import ProbeOutcome, UcxProbe
+from connector.prefill.ucx_address import WorkerAddressError, check_worker_address
+from connector.prefill.ucx_probe import ProbeOutcome, UcxProbe
+from connector.shared.regions import ucx_buffer
 
 logger = logging.getLogger(__name__)
 
