@@ -248,7 +248,7 @@ class PrefillPeer:
 
     def _transport_for(self, asked: Transport | None) -> Transport:
         """The transport asked for, else UCX when both sides have it; FAILED_PRECONDITION if unavailable."""
-        ucx = self.connector.shared.ucx
+        ucx = self.connector.ucx
         both_ucx = Transport.UCX in self.transports and ucx is not None
         transport = asked or (Transport.UCX if both_ucx else Transport.GRPC_STREAM)
         if transport not in self.transports or (transport is Transport.UCX and ucx is None):
