@@ -157,3 +157,19 @@ def test_a_pull_cancelled_mid_send_leaves_the_other_pulls_to_its_engine_alone():
             assert pair.prefill_sample("transfer_failures_total", cause="ucx_send") == 0
     run(main())
 
+
+def test_a_pull_that_completes_gives_its_endpoint_back_for_the_next():
+    """No endpoint is made per pull (UCX would wire each one up on its first message): pulls one after the
+    other all send on the endpoint that the Handshake made and warmed up."""
+    async def main():
+        async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            made = list(pair.prefill._ucx._endpoints[pair.decode.engine_id])
+            for i in range(3):
+                grant = await peer.prefill(f"seq{i}", [i + 1] * 200)
+                with await peer.pull(grant, transport=UCX) as landed:
+                    assert not procs.landed_differences(pair.decode.pool, landed, f"seq{i}", 200)[0]
+                await soon(lambda: pair.free() == start, "the pull ended on both nodes")
+            assert len(made) == 1 and pair.prefill._ucx._endpoints[pair.decode.engine_id] == made
+    run(main())
