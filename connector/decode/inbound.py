@@ -163,7 +163,7 @@ class InboundPull:
                               f"failed: {type(exc).__name__}: {exc}") from None
         finally:
             if self.call is not None and self.follower is None:
-                self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
+                self.call.cancel()  # a prefill node still sending aborts this pull's endpoint, cancelling its sends
             await self._retire_receives()
             regions.settle(self.views)  # chunks written into GPU memory have landed before the memory is used or freed
 
