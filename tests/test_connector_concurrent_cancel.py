@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from connector import ConnectorConfig, Transport, ucx_available
-from connector.ucx import ReceiveBatch, region_tag
+from connector.shared.ucx import ReceiveBatch, region_tag
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until
+from tests.pulls import pull_into
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")
 UCX = Transport.UCX
@@ -128,7 +129,7 @@ def test_a_pull_cancelled_mid_send_leaves_the_other_pulls_to_its_engine_alone():
             grants = [await peer.prefill(f"p{i}", [i + 1] * tokens) for i in (1, 2)]
             pulls = []
             for grant in grants:  # one after the other: held[k] is pull k's
-                pulls.append(asyncio.ensure_future(peer.pull(grant, transport=UCX)))
+                pulls.append(asyncio.ensure_future(pull_into(pair.d_cache, peer, grant, transport=UCX)))
                 await soon(lambda: len(held) == len(pulls), "the pull's receives (held) to be posted")
             await soon(lambda: all(waiting_at_the_worker(h) for h in held),
                        "both pulls' sends to be in flight, unmatched at the decode worker")
@@ -148,7 +149,7 @@ def test_a_pull_cancelled_mid_send_leaves_the_other_pulls_to_its_engine_alone():
 
             pair.decode.ucx.post_receives = real_post
             third = await peer.prefill("p3", [3] * tokens)
-            with await asyncio.wait_for(peer.pull(third, transport=UCX), 20) as landed:
+            with await asyncio.wait_for(pull_into(pair.d_cache, peer, third, transport=UCX), 20) as landed:
                 assert same_bytes_as_the_prefill_node(pair, landed, third)
                 assert not procs.landed_differences(pair.decode.pool, landed, "p3", tokens)[0]
 
@@ -168,7 +169,7 @@ def test_a_pull_that_completes_gives_its_endpoint_back_for_the_next():
             made = list(pair.prefill._ucx._endpoints[pair.decode.engine_id])
             for i in range(3):
                 grant = await peer.prefill(f"seq{i}", [i + 1] * 200)
-                with await peer.pull(grant, transport=UCX) as landed:
+                with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:
                     assert not procs.landed_differences(pair.decode.pool, landed, f"seq{i}", 200)[0]
                 await soon(lambda: pair.free() == start, "the pull ended on both nodes")
             assert len(made) == 1 and pair.prefill._ucx._endpoints[pair.decode.engine_id] == made
