@@ -7,7 +7,7 @@ For each rank count N, N processes (rank r on cuda:r with --device cuda, joined 
 the CPU) each prefill the batch on a whole-request pool (what a prefill node would send), land
 their share into their own pool (``model.dcp_landing``), free the whole pool, and time
 ``--steps`` decode steps of the batch together (the device synchronised around each; the median
-is reported). The transfer's bytes per rank are ``connector.dcp_plan``'s plan for each rank
+is reported). The transfer's bytes per rank are ``connector.shared.dcp_plan``'s plan for each rank
 beside the single-rank plan. Prints a table; writes dcp-<date>-<machine>.json (and a PNG unless
 --no-plot) under --out.
 """

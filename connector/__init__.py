@@ -25,22 +25,22 @@ handed (``kvcache.CacheAllocation``).
 """
 
 from connector import prefill_api
-from connector.auth import BearerTokenInterceptor, Credential, auth_metadata
-from connector.channels import open_channel
-from connector.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
-from connector.dcp_plan import dcp_transfer_bytes
-from connector.decode import DecodeConnector
-from connector.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
-from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
-from connector.hosts import dial_host, dial_target
-from connector.landed import LandedRequest, PrefillGrant, TransferTimes
-from connector.peer import PrefillPeer
-from connector.plan import RingRange
-from connector.prefill import PrefillConnector
-from connector.pull import PullTimeline
-from connector.ucx import ucx_available, ucx_context_info
-from connector.ucx_host import bind_ucx_options
-from connector.wire import Transport
+from connector.shared.auth import BearerTokenInterceptor, Credential, auth_metadata
+from connector.shared.channels import open_channel
+from connector.shared.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
+from connector.shared.dcp_plan import dcp_transfer_bytes
+from connector.decode.connector import DecodeConnector
+from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
+from connector.shared.errors import CacheExhaustedError, EngineUnavailable, StatusError
+from connector.shared.hosts import dial_host, dial_target
+from connector.decode.landed import LandedRequest, PrefillGrant, TransferTimes
+from connector.decode.peer import PrefillPeer
+from connector.shared.plan import RingRange
+from connector.prefill.connector import PrefillConnector
+from connector.decode.inbound import PullTimeline
+from connector.shared.ucx import ucx_available, ucx_context_info
+from connector.shared.ucx_host import bind_ucx_options
+from connector.shared.wire import Transport
 
 __all__ = [
     "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",

@@ -36,7 +36,7 @@ ReleaseRequest = _pb.ReleaseRequest
 ReleaseResponse = _pb.ReleaseResponse
 RingRange = _pb.RingRange
 
-# enum values (connector.Transport and connector.plan.PoolKind map to them one to one)
+# enum values (connector.Transport and connector.shared.plan.PoolKind map to them one to one)
 TRANSPORT_UNSPECIFIED = _pb.TRANSPORT_UNSPECIFIED
 TRANSPORT_UCX = _pb.TRANSPORT_UCX
 TRANSPORT_GRPC_STREAM = _pb.TRANSPORT_GRPC_STREAM

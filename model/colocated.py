@@ -37,7 +37,7 @@ class RequestResult:
     output_digest: str
     state_digest: str
     transfer_bytes: int = 0
-    transfer_ms: float = 0.0  # moving all of its bytes (connector.landed.TransferTimes)
+    transfer_ms: float = 0.0  # moving all of its bytes (connector.decode.landed.TransferTimes)
     prefill_ms: float = 0.0  # the prompt on the prefill node
     exposed_transfer_ms: float = 0.0  # end of the prompt's compute to every byte on the decode node
     ttft_ms: float = 0.0

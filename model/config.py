@@ -116,7 +116,7 @@ class ModelConfig:
         """The model's identity for a handshake: canonical JSON (sorted keys, no spaces) of every
         field that changes tokens or what the cache's bytes mean (``describe()`` plus the pool mode
         and the QSA dtype, less the block size and the kernel page, which only arrange the bytes:
-        prefill and decode may differ in them, see ``connector.compat``). Two nodes may exchange
+        prefill and decode may differ in them, see ``connector.shared.compat``). Two nodes may exchange
         caches only when their identities are equal."""
         fields = {**self.describe(), "pool_mode": self.pool_mode.value, "qsa_dtype": self.qsa_dtype.value}
         for arranging in ("block_size", "kernel_page_states"):

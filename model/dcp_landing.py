@@ -1,7 +1,7 @@
 """A request's prefilled state moved onto one DCP rank inside one process: the rank's own tokens'
 MLA bytes and its own complete pools' entries at their local positions, and the whole ring.
 
-This is what the connector's per-rank plan moves over the wire (``connector.plan``); this copy is
+This is what the connector's per-rank plan moves over the wire (``connector.shared.plan``); this copy is
 for runs without a transfer (the in-process DCP reference, the model's tests).
 """
 

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, PrefillInput, PrefillOutput, PrefillProgress,
                        StatusError, Transport)
-from connector import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
-from connector.plan import ring_live_range
+from connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
+from connector.shared.plan import ring_live_range
 from kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
 from tests.pulls import pull_into
 from tests.serving import serve_prefill, stop_prefill
@@ -239,12 +239,12 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
             ucx = node._ucx
             real_send, started = ucx.send, []
 
-            async def dying_send(peer, views, tag_base):
+            async def dying_send(peer, views, tag_base, **on):
                 if not any(v.numel() for v in views):  # the Handshake's empty warm-up message
-                    return await real_send(peer, views, tag_base)
+                    return await real_send(peer, views, tag_base, **on)
                 if started:  # only the first region is sent: an eager send may land whole within the 2 ms
                     await asyncio.sleep(3600)
-                started.append(asyncio.ensure_future(real_send(peer, views, tag_base)))  # kept alive
+                started.append(asyncio.ensure_future(real_send(peer, views, tag_base, **on)))  # kept alive
                 await asyncio.sleep(0.002)  # its send is in flight (or landed), the other regions not sent
                 os._exit(17)
             ucx.send = dying_send

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
 from connector import prefill_api as pb
-from connector.wire import layout_message
+from connector.shared.wire import layout_message
 from kvcache import BlockLayout, NodeCache
 from tests.pulls import pull_into
 from tests import connector_procs as procs

@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kernels
-from connector.plan import PoolKind, plan_transfer, ring_live_range
+from connector.shared.plan import PoolKind, plan_transfer, ring_live_range
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, family_spec_type
 from tests.connector_procs import live_slots, state_differences
 

@@ -17,9 +17,9 @@ import torch
 import kernels
 from connector import StatusError, Transport, auth_metadata
 from connector import prefill_api as pb
-from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
-from connector.compat import ARRANGING_FIELDS
-from connector.wire import layout_message
+from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from connector.shared.compat import ARRANGING_FIELDS
+from connector.shared.wire import layout_message
 from kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)

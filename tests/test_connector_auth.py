@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
 from connector import prefill_api as pb
-from connector.auth import FIRST_MESSAGE_WAIT_S, presented_token
+from connector.shared.auth import FIRST_MESSAGE_WAIT_S, presented_token
 from kvcache import NodeCache
 from runtime import GrpcServer
 from runtime.ports import BindError, ensure_bindable

@@ -15,10 +15,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, DecodeConnector, StatusError, Transport
-from connector.dcp_plan import plan_dcp_transfer
-from connector.plan import plan_transfer, ring_live_range
+from connector.shared.dcp_plan import plan_dcp_transfer
+from connector.shared.plan import plan_transfer, ring_live_range
 from kvcache import BlockLayout, CachePool, DcpShard, NodeCache
-from connector.regions import region_view
+from connector.shared.regions import region_view
 from model import ModelConfig
 from model.dcp_landing import land_request
 from tests import connector_procs as procs

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.plan import PoolKind, RingRange, plan_transfer, ring_live_range
+from connector.shared.plan import PoolKind, RingRange, plan_transfer, ring_live_range
 from kvcache import BlockLayout, CacheConfig, CacheFamily
 
 import pytest

@@ -50,7 +50,7 @@ def test_a_proto_file_without_a_package_is_refused(tmp_path, monkeypatch):
 def test_prefill_service_and_enums_match_the_connector():
     from connector import PrefillConnector, Transport
     from connector import prefill_api as pb
-    from connector.plan import PoolKind
+    from connector.shared.plan import PoolKind
 
     assert [m.name for m in pb.SERVICE_DESCRIPTOR.methods] == ["Handshake", "Prefill", "Pull", "PullSession", "Release",
                                                       "Heartbeat"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from connector import StatusError, Transport
-from connector import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
+from connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
 from kvcache import CacheExhaustedError, NodeCache
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport,
                        auth_metadata)
 from connector import prefill_api as pb
-from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
-from connector.wire import layout_message
+from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from connector.shared.wire import layout_message
 from kvcache import BlockLayout, CacheExhaustedError, NodeCache
 from tests.connector_procs import CONFIG, TOKEN, SeededFillEngine
 from tests.pulls import allocation_for, pull_into

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector import auth_metadata
 from connector import prefill_api as pb
-from connector.wire import layout_message
+from connector.shared.wire import layout_message
 from decode_worker import api as gpb
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all

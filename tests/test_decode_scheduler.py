@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
-from connector import regions  # fault injection: how the gRPC stream reads a region's bytes
+from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
 from decode_worker.jobs import Failed, Finished, JobState, Tokens
 from decode_worker.router import PrefillRouter
 from decode_worker.scheduler import DecodeScheduler

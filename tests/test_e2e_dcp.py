@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from connector.plan import ring_live_range
+from connector.shared.plan import ring_live_range
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import Daemon, start_decode, start_prefill
 from kvcache import BlockLayout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.plan import PoolKind, plan_transfer, ring_live_range
+from connector.shared.plan import PoolKind, plan_transfer, ring_live_range
 from kvcache import BlockLayout, CacheFamily, CachePool
 from model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
 from model.colocated import GenerateRequest, make_prompts, run_colocated

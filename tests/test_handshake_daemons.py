@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.ucx import ucx_available
+from connector.shared.ucx import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.launcher import start_decode, start_prefill
 from model.colocated import make_prompts

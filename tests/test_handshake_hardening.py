@@ -21,10 +21,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, PrefillConnector, StatusError, TlsConfig, Transport
-from connector.compat import model_differences
-from connector.prefill import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
-from connector.ucx import ucx_available
-from connector.wire import layout_message
+from connector.shared.compat import model_differences
+from connector.prefill.connector import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
+from connector.shared.ucx import ucx_available
+from connector.shared.wire import layout_message
 from kvcache import BlockLayout, NodeCache
 from tests import connector_procs as procs
 from tests import handshake_procs as hp
@@ -166,9 +166,9 @@ def test_refusals_are_logged_naming_the_engine_and_why(caplog):
             with pytest.raises(StatusError) as err:
                 await pair.decode.connect(pair.address)
             assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "seed 1 vs 2" in err.value.message
-    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
+    with caplog.at_level(logging.WARNING, logger="connector.prefill.connector"):
         asyncio.run(main())
-    refusals = [r.getMessage() for r in caplog.records if r.name == "connector.prefill"]
+    refusals = [r.getMessage() for r in caplog.records if r.name.startswith("connector.prefill.")]
     assert any(m.startswith("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): cache layout differs")
                and "mla_num_heads" in m for m in refusals), refusals
     assert any("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): model differs" in m
@@ -176,9 +176,9 @@ def test_refusals_are_logged_naming_the_engine_and_why(caplog):
 
 
 def test_the_decode_side_refuses_a_prefill_node_of_another_model(monkeypatch):
-    import connector.prefill
+    import connector.prefill.connector
 
-    monkeypatch.setattr(connector.prefill, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
+    monkeypatch.setattr(connector.prefill.connector, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
 
     async def main():
         async with InProcessPair() as pair:
@@ -243,7 +243,7 @@ def test_a_connection_reset_during_a_pull_is_a_warning(tmp_path, nodes, monkeypa
 
 def test_ucx_starts_without_a_warning_about_its_options():
     code = ("import asyncio, os\n"
-            "from connector.ucx import UcxNode\n"
+            "from connector.shared.ucx import UcxNode\n"
             "async def main():\n"
             "    node = UcxNode((('TLS', '^posix,sysv,cma,xpmem,knem'),))\n"
             "    print('TRANSPORTS', sorted(node.active_transports()), os.environ['UCX_MEMTYPE_CACHE'], flush=True)\n"
@@ -263,7 +263,7 @@ def test_tls_with_ucx_warns_that_the_cache_bytes_are_not_encrypted(caplog):
                                 registry=CollectorRegistry(), transports=(Transport.UCX,))
         await node.start()
         await node.stop()
-    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
+    with caplog.at_level(logging.WARNING, logger="connector.prefill.connector"):
         asyncio.run(main())
     assert any("NOT encrypted" in r.getMessage() and "UCX" in r.getMessage() for r in caplog.records)
 
@@ -281,7 +281,7 @@ def test_the_summary_says_whether_the_cache_bytes_were_encrypted(tls, transport,
 
 
 def test_the_probe_child_takes_the_crash_and_is_replaced():
-    from connector.ucx_probe import ProbeOutcome, UcxProbe
+    from connector.prefill.ucx_probe import ProbeOutcome, UcxProbe
 
     async def main():
         probe = UcxProbe({"TLS": "^posix,sysv,cma,xpmem,knem"})

@@ -32,7 +32,7 @@ FACADE = "connector"
 class Import:
     path: str     # the importing file, relative to the repository root
     line: int
-    module: str   # the imported module, absolute ("connector.plan")
+    module: str   # the imported module, absolute ("connector.shared.plan")
     names: tuple[str, ...] = ()  # for ``from module import names``
 
     @property
@@ -128,8 +128,8 @@ def test_the_facade_exports_what_it_names():
 
 
 @pytest.mark.parametrize("source,expected", [
-    ("from connector.plan import plan_transfer", "connector.plan"),
-    ("import connector.decode as d", "connector.decode"),
+    ("from connector.shared.plan import plan_transfer", "connector.shared.plan"),
+    ("import connector.decode.connector as d", "connector.decode.connector"),
     ("from connector import StatusError", "connector"),
     ("def f():\n    from connector._generated.kpoolpd.v1 import prefill_pb2", "connector._generated.kpoolpd.v1"),
     ("from .scheduler import DecodeScheduler", "decode_worker.scheduler"),

@@ -1,4 +1,4 @@
-"""The sanity check of UCP worker addresses (connector.ucx_address): real addresses of several UCX
+"""The sanity check of UCP worker addresses (connector.prefill.ucx_address): real addresses of several UCX
 configurations pass, and every truncation, random bytes, a bad version nibble, trailing bytes and
 sizes out of bounds are refused with a reason, without calling UCX. One case asks this machine's
 UCX for a fresh address, so that a change of UCX's format shows here first."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.ucx import ucx_available
-from connector.ucx_address import (MAX_ADDRESS_BYTES, AddressVersion, WorkerAddressError, WorkerAddressInfo,
+from connector.shared.ucx import ucx_available
+from connector.prefill.ucx_address import (MAX_ADDRESS_BYTES, AddressVersion, WorkerAddressError, WorkerAddressInfo,
                                    check_worker_address)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""UCX on the configured host (connector.ucx_host): which interfaces a daemon's ``--host`` and its
+"""UCX on the configured host (connector.shared.ucx_host): which interfaces a daemon's ``--host`` and its
 prefill targets give UCX's NET_DEVICES, and when UCX is left every interface."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from connector.ucx_host import (NET_DEVICES, bind_ucx_options, interface_addresses, net_devices_for_host,
+from connector.shared.ucx_host import (NET_DEVICES, bind_ucx_options, interface_addresses, net_devices_for_host,
                                 target_hosts)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="getifaddrs layout of Linux")

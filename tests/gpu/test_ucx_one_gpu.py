@@ -53,7 +53,7 @@ def _decode_proc(conn, address: str) -> None:
     from prometheus_client import CollectorRegistry
 
     from connector import ConnectorConfig, DecodeConnector, Transport
-    from connector.ucx_address import check_worker_address
+    from connector.prefill.ucx_address import check_worker_address
     from connector_procs import CONFIG, landed_differences
     from kvcache import NodeCache
     from pulls import pull_into

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from connector.config import TlsConfig
+from connector.shared.config import TlsConfig
 
 
 def open_channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:

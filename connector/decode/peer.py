@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING
 import grpc
 
 from connector import prefill_api as pb
-from connector.auth import auth_metadata
-from connector.compat import arrangement
-from connector.dcp_plan import dcp_landed_blocks
-from connector.errors import StatusError, rpc_failure
-from connector.landed import LandedRequest, PrefillGrant, TransferTimes
-from connector.pull import InboundPull, Landing
-from connector.pull_frames import pull_method
-from connector.pull_session import PullSession
-from connector.wire import Transport, ring_from, transports_from
+from connector.shared.auth import auth_metadata
+from connector.shared.compat import arrangement
+from connector.shared.dcp_plan import dcp_landed_blocks
+from connector.shared.errors import StatusError, rpc_failure
+from connector.decode.landed import LandedRequest, PrefillGrant, TransferTimes
+from connector.decode.inbound import InboundPull, Landing
+from connector.shared.pull_frames import pull_method
+from connector.decode.pull_session import PullSession
+from connector.shared.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout, CacheAllocation, DcpShard
 
 if TYPE_CHECKING:
-    from connector.decode import DecodeConnector
+    from connector.decode.connector import DecodeConnector
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class PrefillPeer:
         has no ring, is of another cache, or has fewer blocks than the prompt lands in.
 
         ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
-        it pulls its own share of the prompt (``connector.dcp_plan``) into the first blocks of its
+        it pulls its own share of the prompt (``connector.shared.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
         landed = self._landed_blocks(grant, dcp)
         if into.released or into.ring_id is None or into.pool is not self.connector.pool \

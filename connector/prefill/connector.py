@@ -9,7 +9,7 @@ closes UCX (also an async context manager). All state lives on the event loop th
 
 A node accepts a decode node whose layout arranges the same cache otherwise (block size, order,
 kernel page): it sends its blocks as they are and the decode node converts them (see
-``connector.compat``). It refuses one
+``connector.shared.compat``). It refuses one
 whose model identity differs (``model_identity``, given by the daemon).
 
 A Handshake checks everything it is given before it changes anything: a refused one leaves the
@@ -39,21 +39,21 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
-from connector import pull_frames, regions
-from connector.auth import Credential
-from connector.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
-from connector.config import ConnectorConfig, ucx_options_for
-from connector.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
-from connector.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
-from connector.errors import CacheExhaustedError, EngineUnavailable, StatusError
-from connector.leases import Grant, LeaseTable
-from connector.metrics import ConnectorMetrics
-from connector.outbound import OutboundPull, PullAborted
-from connector.plan import plan_transfer, ready_at, ring_live_range
-from connector.pull_session_server import serve_pull_session
-from connector.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode
-from connector.ucx_address import WorkerAddressError
-from connector.wire import Transport, layout_message, ring_message, transports_from
+from connector.shared import pull_frames, regions
+from connector.shared.auth import Credential
+from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
+from connector.shared.config import ConnectorConfig, ucx_options_for
+from connector.shared.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
+from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
+from connector.shared.errors import CacheExhaustedError, EngineUnavailable, StatusError
+from connector.prefill.leases import Grant, LeaseTable
+from connector.shared.metrics import ConnectorMetrics
+from connector.prefill.outbound import OutboundPull, PullAborted
+from connector.shared.plan import plan_transfer, ready_at, ring_live_range
+from connector.prefill.pull_session_server import serve_pull_session
+from connector.shared.ucx import MAX_REGIONS, NOT_ENCRYPTED, UcxNode
+from connector.prefill.ucx_address import WorkerAddressError
+from connector.shared.wire import Transport, layout_message, ring_message, transports_from
 from kvcache import CachePool, DcpConfig, DcpShard
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
     # leases ------------------------------------------------------------------------------
     def _free(self, grant: Grant) -> None:
         """Release a grant's allocation (the engine's handle); a computation still running is stopped first
-        (the engine writes nothing into it afterwards that a later request could read: see ``connector.engine``)."""
+        (the engine writes nothing into it afterwards that a later request could read: see ``connector.prefill.engine``)."""
         if grant.computing:
             grant.failure = grant.failure or "its grant was freed"
             grant.prefill.cancel()
@@ -455,7 +455,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(exc.code, exc.message)
 
     async def PullSession(self, requests, context):
-        """One decode node's UCX pulls on one stream (``connector.pull_session_server``)."""
+        """One decode node's UCX pulls on one stream (``connector.prefill.pull_session_server``)."""
         async for message in serve_pull_session(requests, self.pull_messages):
             yield message
 

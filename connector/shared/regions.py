@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import torch
 
-from connector.plan import PoolKind, Region
+from connector.shared.plan import PoolKind, Region
 from kvcache import CachePool
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from connector.plan import PoolKind, Region, RegionPair, RingRange, TransferPlan, plan_transfer, ring_live_range
+from connector.shared.plan import PoolKind, Region, RegionPair, RingRange, TransferPlan, plan_transfer, ring_live_range
 from kvcache import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockLayout, BlockOrder, DcpConfig, DcpShard
 
 

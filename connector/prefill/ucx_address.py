@@ -22,7 +22,7 @@ The layout (``ucp/wireup/address.c``), each field bounds-checked here:
   any endpoint addresses (a length byte, the address, a lane byte whose bit 7 marks the last).
 
 What this cannot see (a structurally sound address whose contents UCX later rejects, or crashes
-on) is the job of ``connector.ucx_probe``, which makes the first endpoint in a child process.
+on) is the job of ``connector.prefill.ucx_probe``, which makes the first endpoint in a child process.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import enum
 import json
 
 from connector import prefill_api as pb
-from connector.plan import RingRange
+from connector.shared.plan import RingRange
 from kvcache import BlockLayout
 
 

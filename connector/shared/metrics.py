@@ -38,7 +38,7 @@ class ConnectorMetrics:
         self.seconds.labels(transport).observe(seconds)
 
     def request_times(self, times) -> None:
-        """A landed request's ``connector.landed.TransferTimes`` (decode role)."""
+        """A landed request's ``connector.decode.landed.TransferTimes`` (decode role)."""
         self.prefill_seconds.observe(times.prefill_ms / 1000)
         self.request_transfer_seconds.observe(times.transfer_ms / 1000)
         self.exposed_transfer_seconds.observe(times.exposed_transfer_ms / 1000)

@@ -1,4 +1,4 @@
-"""The decode node's side of a PullSession (``connector.pull_session_server`` is the prefill node's): one
+"""The decode node's side of a PullSession (``connector.prefill.pull_session_server`` is the prefill node's): one
 stream to a prefill node, opened at the first UCX pull and kept, on which each UCX pull is one message
 instead of a new Pull call.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from connector import prefill_api as pb
-from connector.errors import StatusError, status_code
+from connector.shared.errors import StatusError, status_code
 
 logger = logging.getLogger(__name__)
 

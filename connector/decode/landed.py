@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connector.plan import RingRange
-from connector.wire import Transport
+from connector.shared.plan import RingRange
+from connector.shared.wire import Transport
 
 if TYPE_CHECKING:
-    from connector.pull import PullTimeline
+    from connector.decode.inbound import PullTimeline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +29,7 @@ class PrefillGrant:
     src_block_ids: tuple[int, ...]
     src_ring_id: int
     pipelined: bool = False  # the prompt was still computing: ``first_token`` (0 here) comes with the pull
-    piece_blocks: int = 0  # the transfer plan's piece size (``connector.plan.plan_transfer``)
+    piece_blocks: int = 0  # the transfer plan's piece size (``connector.shared.plan.plan_transfer``)
     prefill_ms: float = 0.0  # the prompt's compute (not pipelined; a pipelined pull reports it)
 
 

@@ -21,7 +21,7 @@ import os
 import socket
 from collections.abc import Sequence
 
-from connector.hosts import WILDCARD_HOSTS
+from connector.shared.hosts import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """DecodeConnector: the decode node's side of the connector. It owns its UCX worker and its
 handshaken prefill nodes (``PrefillPeer``), through which it asks for prefills and pulls them into
-allocations its caller made in the node's cache (``connector.peer``, ``connector.pull``): the node's
+allocations its caller made in the node's cache (``connector.decode.peer``, ``connector.decode.inbound``): the node's
 cache and its allocations are the engine's (its scheduler's), never the connector's.
 
 Every call that waits on a peer has a deadline (``rpc_timeout_s``, ``transfer_timeout_s``);
@@ -19,15 +19,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
-from connector.auth import auth_metadata
-from connector.channels import open_channel
-from connector.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
-from connector.config import ConnectorConfig, ucx_options_for
-from connector.errors import StatusError, rpc_failure
-from connector.metrics import ConnectorMetrics
-from connector.peer import PrefillPeer
-from connector.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
-from connector.wire import Transport, layout_message, transports_from
+from connector.shared.auth import auth_metadata
+from connector.shared.channels import open_channel
+from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
+from connector.shared.config import ConnectorConfig, ucx_options_for
+from connector.shared.errors import StatusError, rpc_failure
+from connector.shared.metrics import ConnectorMetrics
+from connector.decode.peer import PrefillPeer
+from connector.shared.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
+from connector.shared.wire import Transport, layout_message, transports_from
 from kvcache import CachePool
 
 logger = logging.getLogger(__name__)

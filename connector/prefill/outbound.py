@@ -2,12 +2,13 @@
 as the prompt's chunks have written it (a pipelined grant), then PullDone.
 
 ``OutboundPull.messages()`` is the stream the Pull RPC yields. Region i may move once ``ready[i]``
-prompt tokens are written in every layer (``connector.plan.ready_at``): a grant made after its prompt
+prompt tokens are written in every layer (``connector.shared.plan.ready_at``): a grant made after its prompt
 was computed sends everything at once, as before; a pipelined grant sends each piece of blocks while
 later chunks compute, announces the prompt's end (PrefillDone, with the first token) as soon as the
 last chunk is computed, then moves the remaining pieces and the ring. Every wait has the Pull's
 deadline; a prefill that fails, a deadline passed, or a failed UCX send aborts the stream with a
-status (``PullAborted``), and the caller's cleanup stops the sends still in flight.
+status (``PullAborted``), and the caller's cleanup stops the sends still in flight. The UCX sends go
+on an endpoint lent to this pull alone, so that stopping them stops no other pull's to the same engine.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import grpc
 import torch
 
 from connector import prefill_api as pb
-from connector import pull_frames, regions
-from connector.leases import Grant
-from connector.plan import TransferPlan
-from connector.ucx import UcxNode, UcxSendError, region_tag
-from connector.wire import Transport, ring_message
+from connector.prefill.leases import Grant
+from connector.shared import pull_frames, regions
+from connector.shared.plan import TransferPlan
+from connector.shared.ucx import LentEndpoint, UcxNode, UcxSendError, region_tag
+from connector.shared.wire import Transport, ring_message
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ class SendClock:
 
 
 class OutboundPull:
-    """One Pull of ``grant``, used once. ``sends`` are the UCX sends started (the caller stops those not
-    done when the stream ends early); ``finished`` turns True once PullDone is due."""
+    """One Pull of ``grant``, used once. ``sends`` are the UCX sends started, on ``endpoint`` (lent to
+    this pull); the caller's ``stop_sends`` ends them and the loan when the stream ends."""
 
     def __init__(self, grant: Grant, plan: TransferPlan, views: Sequence[torch.Tensor], ready: Sequence[int], *,
                  transport: Transport, engine_id: str, ucx: UcxNode | None, tag_base: int, chunk_bytes: int,
@@ -79,6 +80,7 @@ class OutboundPull:
         self.transport, self.engine_id, self.ucx, self.tag_base = transport, engine_id, ucx, tag_base
         self.chunk_bytes, self.integrity, self.deadline = chunk_bytes, integrity, deadline
         self.sends: list[asyncio.Future] = []
+        self.endpoint: LentEndpoint | None = None
         self.clock = SendClock()
         self._announced = grant.prefill is None  # a grant made after its prompt has nothing to announce
 
@@ -130,7 +132,8 @@ class OutboundPull:
 
     async def _send(self, index: int) -> None:
         started = time.perf_counter()
-        await self.ucx.send(self.engine_id, [self.views[index]], region_tag(self.tag_base, index))
+        await self.ucx.send(self.engine_id, [self.views[index]], region_tag(self.tag_base, index),
+                            endpoint=self.endpoint)
         self.clock.add(index, started, time.perf_counter())
 
     def _start_ready_sends(self, index: int) -> int:
@@ -147,6 +150,7 @@ class OutboundPull:
         self._prefill_outcome()
         index = 0
         if self.transport is Transport.UCX:  # the decode node posted its receives before calling Pull
+            self.endpoint = await self.ucx.lend(self.engine_id)
             index = self._start_ready_sends(0)
         yield pb.PullResponse(grant=pb.PullGrant(
             src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),
@@ -187,11 +191,14 @@ class OutboundPull:
                                                send_ms=self.clock.busy_ms, sent_after_prefill_ms=after))
 
     def stop_sends(self) -> bool:
-        """The stream ended early: stop every send not done (at once, no await: abort the endpoint they use,
-        which cancels them, so that no send reads the grant's blocks any more). True if some were running."""
+        """The stream ended: stop every send not done (at once, no await: abort the endpoint lent to this
+        pull, which cancels them and no other pull's, so that no send reads the grant's blocks any more),
+        else give the endpoint back for a later pull. True if some were running. Idempotent."""
         running = [s for s in self.sends if not s.done()]
-        if running:
-            self.ucx.drop(self.engine_id, reason="its pull ended before the sends completed")
+        if self.endpoint is not None:
+            if running:
+                self.endpoint.abort(reason="its pull ended before the sends completed")
+            self.endpoint.give_back()  # after an abort: nothing to give back
         for send in self.sends:
             send.cancel()
             send.add_done_callback(_retrieved)

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from connector import prefill_api as pb
-from connector.errors import StatusError
-from connector.wire import Transport
+from connector.shared.errors import StatusError
+from connector.shared.wire import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -29,15 +29,15 @@ import torch
 
 import kernels
 from connector import prefill_api as pb
-from connector import regions
-from connector.dcp_plan import plan_dcp_transfer
-from connector.errors import StatusError, rpc_failure
-from connector.landed import PrefillGrant, TransferTimes
-from connector.metrics import ConnectorMetrics
-from connector.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
-from connector.pull_frames import ChunkFrame
-from connector.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
-from connector.wire import Transport, ring_from
+from connector.decode.landed import PrefillGrant, TransferTimes
+from connector.shared import regions
+from connector.shared.dcp_plan import plan_dcp_transfer
+from connector.shared.errors import StatusError, rpc_failure
+from connector.shared.metrics import ConnectorMetrics
+from connector.shared.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
+from connector.shared.pull_frames import ChunkFrame
+from connector.shared.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
+from connector.shared.wire import Transport, ring_from
 from kvcache import BlockLayout, CachePool, DcpShard
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class PullTimeline:
 class Landing:
     """Where a pull's blocks land. Equal layouts: straight into ``block_ids`` of our pool. A peer
     layout that arranges the same cache otherwise (block size, order, kernel page; see
-    ``connector.compat``): the peer's blocks land as they are in staging blocks 0..n-1 (n =
+    ``connector.shared.compat``): the peer's blocks land as they are in staging blocks 0..n-1 (n =
     ``source_blocks``, each of the peer's block bytes), which ``convert`` places into ``block_ids``
     (ours: the prompt's blocks in our block size) with ``kernels.repack_tokens``. ``ids`` are what
     the PullRequest names."""
@@ -113,7 +113,7 @@ class InboundPull:
         self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
         self.ucx, self.metrics, self.keep = ucx, metrics, keep
-        self.dcp = dcp  # this rank's share of the prompt (``connector.dcp_plan``), or None: all of it
+        self.dcp = dcp  # this rank's share of the prompt (``connector.shared.dcp_plan``), or None: all of it
         self.receives: ReceiveBatch | None = None  # posted and not all landed
         self.views: list[torch.Tensor] = []  # where the regions land, once planned
         self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
@@ -163,7 +163,7 @@ class InboundPull:
                               f"failed: {type(exc).__name__}: {exc}") from None
         finally:
             if self.call is not None and self.follower is None:
-                self.call.cancel()  # a prefill node still sending drops its endpoint, which cancels its sends
+                self.call.cancel()  # a prefill node still sending aborts this pull's endpoint, cancelling its sends
             await self._retire_receives()
             regions.settle(self.views)  # chunks written into GPU memory have landed before the memory is used or freed
 

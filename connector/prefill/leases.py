@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from connector.plan import RingRange
+from connector.shared.plan import RingRange
 
 if TYPE_CHECKING:
-    from connector.engine import PrefillProgress
+    from connector.prefill.engine import PrefillProgress
 
 
 @dataclass(kw_only=True, eq=False)
