@@ -230,8 +230,8 @@ class PrefillPeer:
         it pulls its own share of the prompt (``connector.shared.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
         landed = self._landed_blocks(grant, dcp)
-        if into.released or into.ring_id is None or into.pool is not self.connector.pool \
-                or into.num_blocks < landed:
+        if not isinstance(into, CacheAllocation) or into.released or into.ring_id is None \
+                or into.pool is not self.connector.pool or into.num_blocks < landed:
             raise ValueError(f"pull of {grant.request_id} needs a held allocation of this node's cache with a ring "
                              f"and at least {landed} blocks, got {into!r}")
         with self._call():
