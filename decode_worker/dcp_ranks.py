@@ -60,7 +60,7 @@ class DcpRanks:
     def __init__(self, context: NodeContext, dcp: DcpConfig, options: Sequence[Option], rendezvous_dir: str) -> None:
         settings = context.settings
         self.dcp = dcp
-        self.timeout_s = settings["transfer_timeout_s"] + settings["rpc_timeout_s"]
+        self.timeout_s = context.connector_config().pull_budget_s(computing=True)  # a rank's Land: one pull
         self.rpc_timeout_s = settings["rpc_timeout_s"]
         self.step_timeout_s = settings["dcp_timeout_s"]
         self.peer_token = settings["peer_token"] or None

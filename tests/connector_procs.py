@@ -237,17 +237,17 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
         port = server.port
         if die == "ucx":  # fault injection: the process dies while its UCX sends are in flight
             ucx = node._ucx
-            real_send, started = ucx.send, []
+            real_send, started = ucx.send_on, []
 
-            async def dying_send(peer, views, tag_base, **on):
+            async def dying_send(ep, views, tag_base, **on):
                 if not any(v.numel() for v in views):  # the Handshake's empty warm-up message
-                    return await real_send(peer, views, tag_base, **on)
+                    return await real_send(ep, views, tag_base, **on)
                 if started:  # only the first region is sent: an eager send may land whole within the 2 ms
                     await asyncio.sleep(3600)
-                started.append(asyncio.ensure_future(real_send(peer, views, tag_base, **on)))  # kept alive
+                started.append(asyncio.ensure_future(real_send(ep, views, tag_base, **on)))  # kept alive
                 await asyncio.sleep(0.002)  # its send is in flight (or landed), the other regions not sent
                 os._exit(17)
-            ucx.send = dying_send
+            ucx.send_on = dying_send
         conn.send(("port", port, node_cache.free_blocks, node_cache.free_rings))
         loop = asyncio.get_running_loop()
         while True:

@@ -46,7 +46,7 @@ def prefill_logged_main(conn, *, log_path: str, lease_s: float, model_identity: 
             if cmd[0] == "counts":
                 conn.send((cache.free_blocks, cache.free_rings, len(node.leases)))
             elif cmd[0] == "peers":
-                conn.send((sorted(node._peers), sorted(node._ucx.peers())))
+                conn.send((sorted(node.engines.ids()), sorted(e for e in node.engines.ids() if node.engines.get(e).link)))
             elif cmd[0] == "stop":
                 await stop_prefill(server, node)
                 conn.send(("stopped",))

@@ -90,7 +90,7 @@ def test_only_the_peer_token_opens_the_prefill_service(method, presented):
             assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
             assert "needs the peer-token" in refused.details()
             assert served.node.grants_held == 0 and served.cache.free_blocks == 8
-            assert "intruder" not in served.node._peers
+            assert "intruder" not in served.node.engines
             # the same call with the peer token gets past auth (to the service's own answer)
             answered = await served.raw(method, request, auth_metadata(PEER_TOKEN))
             assert not isinstance(answered, grpc.aio.AioRpcError) or \

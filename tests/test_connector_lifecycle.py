@@ -113,7 +113,7 @@ def test_engine_unavailable_is_answered_unavailable_and_frees():
             with pytest.raises(StatusError) as err:
                 await peer.prefill("refused", [1] * 100)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE
-            assert "prefill node prefill-t unavailable: draining for shutdown" in err.value.message
+            assert "prefill node prefill-t: draining for shutdown" in err.value.message
             # the status reaches the caller as the handler aborts; its cleanup follows at once
             assert await until(lambda: pair.free() == start and pair.prefill_sample(
                 "transfer_failures_total", cause="engine_unavailable") == 1)
@@ -199,7 +199,7 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
             second = await pair.decode.connect(pair.address)  # e.g. a router that handshook twice
             assert pair.decode.peers == (first, second)
             if transport is Transport.UCX:  # the prefill node reached our worker during the Handshake
-                assert pair.prefill._ucx.knows(pair.decode.engine_id)
+                assert pair.prefill.engines.get(pair.decode.engine_id).reaches_over(Transport.UCX)
             assert await pair.decode.disconnect(first) == 1
             assert pair.decode.peers == (second,) and first.closed and not second.closed
             grant = await second.prefill("on-the-other-peer", [3] * 70)  # the other peer still pulls
