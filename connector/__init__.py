@@ -33,11 +33,11 @@ from connector.decode.connector import DecodeConnector
 from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.shared.errors import CacheExhaustedError, EngineUnavailable, StatusError
 from connector.shared.hosts import dial_host, dial_target
-from connector.decode.landed import LandedRequest, PrefillGrant, TransferTimes
+from connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
+from connector.decode.landed import LandedRequest
 from connector.decode.peer import PrefillPeer
 from connector.shared.plan import RingRange
 from connector.prefill.connector import PrefillConnector
-from connector.decode.inbound import PullTimeline
 from connector.shared.ucx import ucx_available, ucx_context_info
 from connector.shared.ucx_host import bind_ucx_options
 from connector.shared.wire import Transport

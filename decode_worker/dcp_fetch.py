@@ -67,7 +67,7 @@ class DcpLeader:
                 raise first
             raise StatusError(grpc.StatusCode.INTERNAL, f"DCP pull failed: {type(first).__name__}: {first}")
         landed, responses = done
-        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=peer.connector.config.rpc_timeout_s,
+        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=peer.context.config.rpc_timeout_s,
                                                dcp_rank=0))
         per_rank = (landed.nbytes, *(r.transfer_bytes for r in responses))
         transfer = RankTransfer(nbytes=sum(per_rank), regions=landed.regions + sum(r.transfer_regions for r in responses),
