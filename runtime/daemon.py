@@ -115,7 +115,7 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
         # other threads may be calling them.
         connector_config = context.connector_config
         server = GrpcServer(client_token=settings["token"] or None, peer_token=connector_config.peer_token, tls=tls,
-                            options=connector_config.grpc_options())
+                            options=connector_config.grpc_options(), gate=context.health)
         server.add(node.servicer)
         grpc_port = await server.start(settings["host"], settings["port"], health_port=settings["health_port"])
         try:

@@ -19,6 +19,7 @@ from kvcache import NodeCache
 from runtime import LIVENESS_SERVICE
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests import polling
 from tests.pulls import allocation_for, pull_into
 from tests.serving import serve_prefill, stop_prefill
 
@@ -145,10 +146,32 @@ def test_set_serving_flips_the_health_of_the_service_and_the_server():
     run(main())
 
 
-def test_set_serving_before_start_is_what_start_reports():
+def test_the_health_gate_is_the_one_serving_state_the_server_reports():
+    """The server keeps no serving flag: what its gate decides (able, draining) is what health reports."""
+    async def main():
+        async with InProcessPair() as pair:
+            server, gate = pair.server, pair.server.health
+            assert server.serving and gate.serving and await _health(pair.address) == [SERVING, SERVING]
+            gate.set_able(False, "no room for a request")
+            assert not server.serving
+            await polling.until(lambda: _health_is(pair.address, NOT_SERVING), "NOT_SERVING once the node cannot serve", 10)
+            gate.set_able(True)
+            await polling.until(lambda: _health_is(pair.address, SERVING), "SERVING again once it can", 10)
+            await gate.drain()
+            gate.set_able(True)  # able, but draining
+            assert not server.serving and await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
+    run(main())
+
+
+async def _health_is(address: str, status: int) -> bool:
+    return await _health(address) == [status, status]
+
+
+def test_a_server_starts_reporting_what_its_health_gate_says():
     async def main():
         pair = InProcessPair()
-        server = await serve_prefill(pair.prefill, serving=False)  # set before the server starts
+        server = await serve_prefill(pair.prefill, serving=False)  # the gate stays closed
+        assert not server.serving and not server.health.serving
         try:
             address = f"127.0.0.1:{server.port}"
             assert await _health(address) == [NOT_SERVING, NOT_SERVING]
