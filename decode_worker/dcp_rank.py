@@ -28,6 +28,7 @@ from connector import (
     RingRange,
     StatusError,
     Transport,
+    status_of,
 )
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
@@ -189,7 +190,8 @@ class DcpRankNode(api.DcpRankServiceServicer):
         try:
             allocation = self.cache.allocate(request.request_id, need)
         except CacheExhaustedError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"DCP rank {self.shard.rank}: {exc}")
+            status = status_of(exc, f"DCP rank {self.shard.rank}")
+            await context.abort(status.code, status.message)
         held = self._held[request.request_id] = _Held(allocation)
         held.landing = asyncio.ensure_future(self._land(request, allocation))
         try:
