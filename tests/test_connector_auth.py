@@ -44,8 +44,8 @@ class Served:
 
     async def __aenter__(self) -> "Served":
         await self.node.start()
-        await self.server.set_serving(True)
         await self.server.start("127.0.0.1", 0)
+        await self.server.health.open(self.server)  # SERVING, as a daemon's gate opens once it is up
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}")
         return self
 
