@@ -21,6 +21,8 @@ handed (``kvcache.CacheAllocation``).
   ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a daemon's
   host; ``dial_host`` and ``dial_target``: the address a local client dials for a bound host), ``StatusError`` (a gRPC status and a message),
   ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token).
+- ``MAX_ID_CHARS`` and ``MAX_DCP_RANKS``: the longest engine id and the most DCP ranks a prefill node accepts
+  (a daemon refuses settings beyond them at start).
 - ``prefill_api``: the PrefillService wire format, for tests and tools that speak it directly.
 """
 
@@ -36,14 +38,14 @@ from connector.shared.hosts import dial_host, dial_target
 from connector.decode.landed import LandedRequest, PrefillGrant, TransferTimes
 from connector.decode.peer import PrefillPeer
 from connector.shared.plan import RingRange
-from connector.prefill.connector import PrefillConnector
+from connector.prefill.connector import MAX_DCP_RANKS, MAX_ID_CHARS, PrefillConnector
 from connector.decode.inbound import PullTimeline
 from connector.shared.ucx import ucx_available, ucx_context_info
 from connector.shared.ucx_host import bind_ucx_options
 from connector.shared.wire import Transport
 
 __all__ = [
-    "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
+    "MAX_DCP_RANKS", "MAX_ID_CHARS", "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",

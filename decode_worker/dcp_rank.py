@@ -31,19 +31,20 @@ from connector import (
 )
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from decode_worker.daemon import rank_cache_blocks
 from decode_worker.dcp_options import dcp_config
 from decode_worker.router import DNS_PREFIX, parse_targets
 from kvcache import BlockLayout, CacheAllocation, CacheExhaustedError, NodeCache
 from model import DecodeSequence
 from model.dcp_engine import DcpEngine, rank_blocks_for
 from model.dcp_group import DcpGroup
-from runtime import DaemonSpec, NodeContext, Option, Role, model_config, run_daemon
+from runtime import DaemonSpec, NodeContext, Option, Role, model_config, nonnegative_int, run_daemon, text_value
 
 logger = logging.getLogger(__name__)
 
 RANK_OPTIONS: tuple[Option, ...] = (
-    Option("dcp-rank", int, 0, "this process's DCP rank (set by rank 0, which starts it)"),
-    Option("dcp-rendezvous", str, "", "the DCP group's torch.distributed rendezvous (set by rank 0)"),
+    Option("dcp-rank", nonnegative_int, 0, "this process's DCP rank (set by rank 0, which starts it)"),
+    Option("dcp-rendezvous", text_value, "", "the DCP group's torch.distributed rendezvous (set by rank 0)"),
 )
 
 
@@ -81,9 +82,8 @@ class DcpRankNode(api.DcpRankServiceServicer):
         self.dcp = dcp_config(settings)
         self.shard = self.dcp.shard(settings["dcp_rank"])
         layout = BlockLayout(self.config.cache_config())
-        num_blocks = settings["num_blocks"] or settings["max_running"] * rank_blocks_for(
-            self.config, self.dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
-        self.cache = NodeCache(layout, num_blocks=num_blocks, num_rings=settings["max_running"], device=context.device)
+        self.cache = NodeCache(layout, num_blocks=rank_cache_blocks(settings), num_rings=settings["max_running"],
+                               device=context.device)
         self.group = DcpGroup.join(self.shard, init_method=settings["dcp_rendezvous"], device=context.device,
                                    timeout_s=settings["dcp_timeout_s"])
         self.engine = DcpEngine(self.config, self.cache.pool, self.group)

@@ -47,7 +47,8 @@ from runtime.options import Option, SettingsError
 from runtime.ports import BindError, bind_error, ensure_bindable
 from runtime.process import arm_parent_death_signal, keep_event_loop_responsive, termination_event, write_ready_file
 from runtime.service_options import check_credentials
-from runtime.settings import load_settings
+from runtime.preflight import check_ready_file
+from runtime.settings import load_settings, one_line
 from runtime.tls import tls_config
 from runtime.transports import Transports, transports_of
 
@@ -147,7 +148,8 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     SIGTERM and drain.
 
     A bad setting (a value, a model the options do not make, credentials that cannot work, a TLS file, a device or a transport that
-    cannot be used here, a port another process holds) prints ``kpool-pd <role>: error: <option>
+    cannot be used here, a port another process holds, a ready file's folder that is missing, a cache larger than the
+    memory free; ``runtime.preflight``) prints one line ``kpool-pd <role>: error: <option>
     ...`` to stderr and returns 2 before anything starts. A port taken between that check and the
     bind stops the daemon after its warm-up, with the same line logged and status 2. After
     serving, the process exits at once (status 0), skipping interpreter teardown of the UCX
@@ -171,13 +173,14 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
                 spec.check(settings)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+        check_ready_file(settings)
         tls = tls_config(settings)
         device = resolve_device(settings["device"])
         transports = transports_of(settings)
         for option, host in (("port", "host"), ("health-port", "host"), ("metrics-port", "metrics_host")):
             ensure_bindable(option, settings[host], settings[option.replace("-", "_")])
     except (SettingsError, BindError) as exc:
-        print(f"kpool-pd {role}: error: {exc}", file=sys.stderr)
+        print(f"kpool-pd {role}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     configure_logging(role, level=settings["log_level"], fmt=settings["log_format"])
     torch.set_num_threads(settings["torch_threads"])
