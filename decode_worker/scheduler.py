@@ -128,8 +128,7 @@ class DecodeScheduler:
                               f"this node has {self.cache.num_blocks}")
         if request_id in self._active:
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
-        if len(self._waiting) >= self.max_queue:
-            self.requests.labels("queue_full").inc()
+        if len(self._waiting) >= self.max_queue:  # the caller counts the refusal (kpoolpd_decode_requests_total)
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
         job = Job(request_id=request_id, prompt=prompt, max_tokens=max_tokens, need_blocks=need,
