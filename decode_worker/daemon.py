@@ -103,8 +103,12 @@ class DecodeNode:
         if dcp.size > 1:  # start ranks 1..N-1, then join their group (which waits for them)
             self.ranks = DcpRanks(context, dcp, OPTIONS, rendezvous_dir())
             self.ranks.on_broken = self._broken
-            group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
-                                  timeout_s=settings["dcp_timeout_s"])
+            try:
+                group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
+                                      timeout_s=settings["dcp_timeout_s"])
+            except BaseException:  # no node to close: stop the ranks and remove their folder here
+                self.ranks.kill()
+                raise
             self.engine: Engine = DcpEngine(self.config, self.cache.pool, group)
             self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
         else:
@@ -135,6 +139,12 @@ class DecodeNode:
         self._report_health()
         logger.error("stopping: the DCP decode instance is broken (%s)", why)
         asyncio.get_running_loop().call_soon(signal.raise_signal, signal.SIGTERM)
+
+    @property
+    def failure(self) -> str:
+        """Why the node stopped by itself (a DCP rank broke the instance), or empty: the runtime then
+        exits with status 1."""
+        return self.ranks.broken if self.ranks is not None else ""
 
     def _report_health(self, _changed: bool | None = None) -> None:
         """Tell the runtime's health gate whether this node can serve a request now."""

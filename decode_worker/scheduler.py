@@ -225,6 +225,9 @@ class DecodeScheduler:
                                                 dcp_interleave=self.dcp.shard.interleave)
             except StatusError as exc:
                 last = exc
+                if self.dcp is not None and self.dcp.ranks.broken:  # the instance broke, not the prefill node
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                      f"the DCP decode instance is broken: {self.dcp.ranks.broken}") from None
                 if exc.code not in RETRYABLE:
                     raise StatusError(exc.code, exc.message) from None
                 if exc.code is grpc.StatusCode.UNAVAILABLE:
