@@ -19,7 +19,7 @@ from kpool_pd.launcher import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from runtime import model_flags
-from tests.deploy_launch import free_port
+from tests.ports import free_port
 from tests.polling import wait_for
 
 TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)
