@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
 from decode_worker import api
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import NodeCache
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated

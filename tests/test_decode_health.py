@@ -26,7 +26,7 @@ from connector import open_channel
 from decode_worker.diagnosis import closed_at_once, failure_reason
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import client_tls, model_flags

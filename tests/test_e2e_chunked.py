@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import run_colocated

@@ -34,7 +34,7 @@ import pytest
 from connector import open_channel, ucx_available
 from decode_worker import api
 from kpool_pd.client import RequestFailed, generate_one
-from kpool_pd.launcher import Daemon, start_decode
+from runtime.launch import Daemon, start_decode
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
 from runtime import model_flags, model_settings
