@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_worker import api as gpb
 from kpool_pd.client import RequestFailed, generate_all, generate_one
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from runtime import model_flags
-from tests.deploy_launch import free_port
+from tests.ports import free_port
 from tests.polling import wait_for
 
 TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)

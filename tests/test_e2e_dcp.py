@@ -25,11 +25,12 @@ import pytest
 
 from connector.shared.plan import ring_live_range
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, start_decode, start_prefill
+from runtime.launch import Daemon, start_decode, start_prefill
 from kvcache import BlockLayout
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.polling import wait_for
+from tests.ports import free_port
 from tests.test_e2e import (
     DECODE_LIMITS,
     READY_S,
@@ -38,7 +39,6 @@ from tests.test_e2e import (
     _assert_match,
     _flags,
     _free_blocks,
-    _free_port,
     _logs_on_failure,
     _metric,
     _ready_and_serving,
@@ -82,7 +82,7 @@ def test_dcp_equals_colocated(tmp_path, kpool, num_spec, interleave2, interleave
     config = ModelConfig(num_layers=2, kpool=kpool, num_spec=num_spec, seed=kpool + num_spec)
     flags = _flags(config)
     block = config.resolved_block_size
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
     shapes = [(2, interleave2, TRANSPORTS[0]), (4, interleave4, TRANSPORTS[-1])]
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-dcp{n}", transport=t,

@@ -220,7 +220,11 @@ def test_model_identity_covers_every_field():
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})
         assert (other.identity() == base.identity()) is (name in arranging), name
-        assert json.loads(base.identity()) == json.loads(base.identity()) and " " not in base.identity()
+        ours, theirs = json.loads(base.identity()), json.loads(other.identity())
+        assert other.identity() == json.dumps(theirs, sort_keys=True, separators=(",", ":")), name  # canonical
+        assert ours.keys() == theirs.keys(), name
+        assert [k for k in ours if ours[k] != theirs[k]] == ([] if name in arranging else [k for k in ours if k in (
+            name, name.removeprefix("num_"))]), name  # the one field changed, under its name in the identity
     assert model_differences(base.identity(), dataclasses.replace(base, seed=2).identity()) == ["seed 0 vs 2"]
 
 
