@@ -19,7 +19,7 @@ import pytest
 
 from decode_worker import dcp_api as api
 from kpool_pd.client import generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from tests.test_e2e import DECODE_LIMITS, READY_S, _assert_match, _flags, _logs_on_failure, _ready_and_serving, _stop
