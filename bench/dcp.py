@@ -34,7 +34,7 @@ from connector import dcp_transfer_bytes
 from kvcache import BlockLayout, DcpConfig, NodeCache
 from model import DecodeSequence, ModelConfig
 from model.colocated import make_prompts, prefill_batch
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
 
@@ -61,7 +61,7 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
         requests = make_prompts(args["batch"], args["tokens"], seed=1, vocab_size=config.vocab_size,
                                 max_tokens=max_tokens)
         full = prefill_batch(config, requests, device)
-        need = rank_blocks_for(config, dcp, args["tokens"], max_tokens)
+        need = dcp.rank_blocks_for_request(config.cache_config(), args["tokens"], max_tokens)
         cache = NodeCache(config.cache_config(), num_blocks=need * len(requests), num_rings=len(requests),
                           device=device)
         pool = cache.pool
@@ -86,7 +86,7 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
             if step >= args["warmup"]:
                 times.append((time.perf_counter() - started) * 1000)
         shard = dcp.shard(rank)
-        held = shard.blocks_for_tokens(args["tokens"], config.resolved_block_size)
+        held = shard.blocks_for_tokens(config.cache_config(), args["tokens"])
         layout = pool.layout
         out.put((rank, {"step_ms": times, "cache_bytes": held * layout.block_bytes + layout.ring_block_bytes,
                         "tokens": [s.output for s in seqs]}, None))

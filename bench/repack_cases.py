@@ -11,7 +11,7 @@ import torch
 from bench.timing import BenchCase, Prepared
 from kernels import repack_tokens
 from kernels.token_repack.geometry import block_fields
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, blocks_for_tokens
+from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily
 
 LAYERS = tuple(f"layer.{i}" for i in range(61))
 TOKENS = 32_768
@@ -28,8 +28,8 @@ def moved_bytes(layout: BlockLayout, tokens: int) -> int:
 def _tables(src_layout: BlockLayout, dst_layout: BlockLayout, tokens: int, device: torch.device):
     """Pools of exactly the request's blocks, block tables shuffled."""
     gen = torch.Generator().manual_seed(7)
-    src_n = blocks_for_tokens(tokens, src_layout.config.block_size)
-    dst_n = blocks_for_tokens(tokens, dst_layout.config.block_size)
+    src_n = src_layout.config.blocks_for_tokens(tokens)
+    dst_n = dst_layout.config.blocks_for_tokens(tokens)
     src = torch.randint(0, 256, (src_n, src_layout.block_bytes), dtype=torch.uint8, device=device)
     dst = torch.zeros(dst_n, dst_layout.block_bytes, dtype=torch.uint8, device=device)
     return src, torch.randperm(src_n, generator=gen).to(device), dst, torch.randperm(dst_n, generator=gen).to(device)

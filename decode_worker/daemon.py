@@ -26,7 +26,7 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
 from kvcache import BlockLayout, NodeCache
 from model import DecodeSequence, Engine, PrefillJob
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
                      model_config, nonnegative_int, parse_bool, positive_float, positive_int, pull_choice,
@@ -75,7 +75,8 @@ class DecodeNode:
         self.layout = BlockLayout(self.config.cache_config())
         max_running = settings["max_running"]
         dcp = dcp_config(settings)
-        largest = rank_blocks_for(self.config, dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
+        largest = dcp.rank_blocks_for_request(self.config.cache_config(), settings["max_prompt_tokens"],
+                                              settings["max_new_tokens"])
         self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
                                num_rings=max_running, device=context.device)
         self.ranks: DcpRanks | None = None
@@ -135,7 +136,7 @@ class DecodeNode:
             return
         config = self.config
         prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
-        with self.cache.allocate("warm-up", config.blocks_for(len(prompt), WARM_UP_TOKENS)) as held:
+        with self.cache.allocate("warm-up", config.cache_config().blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:
             first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])[0]
             seq = DecodeSequence(request_id="warm-up", prompt_len=len(prompt), max_tokens=WARM_UP_TOKENS,
                                  block_ids=list(held.block_ids), ring_id=held.ring_id, output=[first])

@@ -8,7 +8,6 @@ from kvcache.family import (
     FamilySpec,
     KpoolFamilySpec,
     QsaFamilySpec,
-    blocks_for_tokens,
     complete_entries,
     family_spec_type,
     open_entry_start,
@@ -39,7 +38,7 @@ __all__ = [
     "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
     "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
-    "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
+    "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "complete_entries",
     "family_spec_type", "family_supports_dcp", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
     "tail_ring_size",
 ]

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvcache import (
-    DEFAULT_KERNEL_PAGE_STATES, CacheConfig, CacheDtype, CacheFamily, PoolMode, blocks_for_tokens, family_spec_type,
+    DEFAULT_KERNEL_PAGE_STATES, CacheConfig, CacheDtype, CacheFamily, PoolMode, family_spec_type,
 )
 
 DEFAULT_BLOCK_SIZE = 256  # tokens: the model-wide attention block
@@ -96,12 +96,6 @@ class ModelConfig:
             pool_mode=self.pool_mode, compress_ratio=self.compress_ratio, qsa_dtype=self.qsa_dtype,
             kernel_page_states=self.kernel_page_states,
         )
-
-    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks a request holds at its largest: positions [0, prompt_len + max_tokens - 1)
-        (the last output token is never written; drafts never pass it). ValueError when that
-        count is negative."""
-        return blocks_for_tokens(prompt_len + max_tokens - 1, self.resolved_block_size)
 
     def describe(self) -> dict[str, object]:
         return {

@@ -29,15 +29,6 @@ from model.rule import HASH_PRIME
 from model.weights import SyntheticWeights
 
 
-def rank_blocks_for(config: ModelConfig, dcp: DcpConfig, prompt_len: int, max_tokens: int) -> int:
-    """Blocks each rank reserves for a request at its largest: the most any rank needs for its share
-    of positions [0, prompt_len + max_tokens - 1), so that ranks' pools of one size, admitted by
-    rank 0's count, never run short. ValueError as ``ModelConfig.blocks_for``."""
-    config.blocks_for(prompt_len, max_tokens)  # validates the counts
-    end = prompt_len + max_tokens - 1
-    return max(shard.blocks_for_tokens(end, config.resolved_block_size) for shard in dcp.shards())
-
-
 class DcpEngine(Engine):
     """``Engine`` for rank ``group.rank`` of ``group.size``. ValueError for a cache family that
     declares no DCP support (QSA) when the group has more than one rank."""
@@ -49,11 +40,6 @@ class DcpEngine(Engine):
         self.group = group
         self.shard: DcpShard = group.shard
         self.family = DcpKpoolFamily(config, self.weights, pool, group)
-
-    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks every rank reserves for a request (``rank_blocks_for``)."""
-        return rank_blocks_for(self.config, DcpConfig(size=self.shard.size, interleave=self.shard.interleave),
-                               prompt_len, max_tokens)
 
     def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
         raise ValueError("a DCP decode rank takes a request's prompt by transfer from a prefill node, not by prefill")

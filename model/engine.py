@@ -125,10 +125,6 @@ class Engine:
         self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
 
-    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks of this engine's pool a request holds at its largest (``ModelConfig.blocks_for``)."""
-        return self.config.blocks_for(prompt_len, max_tokens)
-
     # forwards ---------------------------------------------------------------------------
     def _targets(self, batch: ForwardBatch) -> list[int]:
         acc = self.rule.start(batch.rows.shape[0], self.device)

@@ -40,8 +40,8 @@ def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, st
     config, requests, device = case.config, case.requests, group.device
     full = prefill_batch(config, requests, device)
     shard = group.shard
-    local_sizes = [shard.blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, config.resolved_block_size)
-                   for r in requests]
+    local_sizes = [shard.blocks_for_tokens(config.cache_config(), config.cache_config().positions_written(
+        len(r.prompt), r.max_tokens)) for r in requests]
     cache = NodeCache(config.cache_config(), num_blocks=max(1, sum(local_sizes)), num_rings=len(requests),
                       device=device)
     cache.pool.blocks.fill_(0xA5)  # unwritten bytes that a rank reads would show

@@ -23,7 +23,7 @@ from model import ModelConfig
 from model.dcp_landing import land_request
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
-from tests.pulls import blocks_to_land, pull_into
+from tests.pulls import pull_into
 
 GRPC = Transport.GRPC_STREAM
 CONFIG = procs.CONFIG  # block 64, kpool 4, 3 layers
@@ -81,7 +81,7 @@ def test_a_rank_plan_moves_entries_across_kernel_pages(page_states, ranks, inter
     live = ring_live_range(config, prompt_len)
     for rank in range(ranks):
         shard = DcpShard(size=ranks, rank=rank, interleave=interleave)
-        dst_blocks = list(range(shard.blocks_for_tokens(prompt_len, config.block_size)))
+        dst_blocks = list(range(shard.blocks_for_tokens(config, prompt_len)))
         got, expected = CachePool(layout, num_blocks=8, num_rings=2), CachePool(layout, num_blocks=8, num_rings=2)
         plan = plan_dcp_transfer(layout, src_blocks, dst_blocks, 0, 1, live, shard, prompt_len)
         for pair in plan.pairs:
@@ -179,7 +179,7 @@ def test_a_rank_allocation_short_of_its_share_is_refused_before_anything_is_sent
                 grant = await peer0.prefill("dcp", [5] * 300, dcp_engine_ids=[pair.decode.engine_id, other.engine_id],
                                             dcp_interleave=64)
                 shard = DcpShard(size=2, rank=1, interleave=64)
-                share = blocks_to_land(other_cache, grant, shard)  # 2 of the prompt's 5 blocks
+                share = shard.blocks_for_tokens(other_cache.config, grant.prompt_len)  # 2 of the prompt's 5 blocks
                 assert share == 2 < grant.num_blocks
                 with other_cache.allocate("dcp", share - 1) as short:
                     with pytest.raises(ValueError, match=f"at least {share} blocks, got CacheAllocation"):

@@ -28,7 +28,7 @@ MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=
 CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=3)
 LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--peer-token", PEER_TOKEN,
           "--log-format", "text"]
-DECODE_BLOCKS = 4 * CONFIG.blocks_for(300, 64)
+DECODE_BLOCKS = 4 * CONFIG.cache_config().blocks_for_request(300, 64)
 
 
 def metric(port: int, name: str) -> float:

@@ -94,9 +94,24 @@ def test_a_rank_holds_only_its_share_of_the_blocks():
     block = config.resolved_block_size
     length = 10 * block + 5
     shards = DcpConfig.for_cache(config.cache_config(), size=4).shards()
-    held = [s.blocks_for_tokens(length, block) for s in shards]
+    held = [s.blocks_for_tokens(config.cache_config(), length) for s in shards]
     assert held == [3, 3, 3, 2]  # 11 blocks dealt over 4 ranks, whole blocks each
     assert sum(held) == config.cache_config().blocks_for_tokens(length)
+
+
+def test_every_rank_reserves_the_most_any_rank_needs_and_one_rank_reserves_the_whole_request():
+    cache = ModelConfig(kpool=4, num_spec=3).cache_config()
+    block = cache.block_size
+    four = DcpConfig.for_cache(cache, size=4)
+    # 10 blocks and 5 tokens, plus 8 outputs less the unwritten last: 11 blocks, dealt 3, 3, 3, 2
+    assert four.rank_blocks_for_request(cache, 10 * block + 5, 8) == 3
+    assert four.rank_blocks_for_request(cache, 4 * block, 1) == 1  # one whole block each
+    assert four.rank_blocks_for_request(cache, 4 * block, 2) == 2  # rank 0 takes the fifth block's first token
+    one = DcpConfig.for_cache(cache, size=1)
+    for prompt_len, max_tokens in [(1, 1), (block, 1), (block, 2), (10 * block + 5, 8)]:
+        assert one.rank_blocks_for_request(cache, prompt_len, max_tokens) == cache.blocks_for_request(prompt_len, max_tokens)
+    with pytest.raises(ValueError, match="writes -1 positions"):
+        four.rank_blocks_for_request(cache, 0, 0)
 
 
 @settings(max_examples=200, deadline=None)

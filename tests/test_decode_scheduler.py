@@ -97,7 +97,7 @@ def test_a_request_is_one_allocation_of_the_scheduler_landed_in_by_the_pull_and_
             start = nodes.free()
             job = await nodes.fetched("one", PROMPT, 60)
             landed, allocation = job.landed, job.allocation
-            assert job.need_blocks == CONFIG.blocks_for(len(PROMPT), 60) > landed.grant.num_blocks == landed.prompt_blocks
+            assert job.need_blocks == CONFIG.cache_config().blocks_for_request(len(PROMPT), 60) > landed.grant.num_blocks == landed.prompt_blocks
             assert allocation.num_blocks == job.need_blocks and job.seq.block_ids == list(allocation.block_ids)
             assert nodes.free() == (start[0], start[1], start[2] - job.need_blocks, start[3] - 1)
             assert nodes.sample("reserved_blocks") == job.need_blocks

@@ -105,7 +105,7 @@ class _TwoPools:
     def __init__(self, config: ModelConfig, prompt: list[int], max_tokens: int) -> None:
         self.config = config
         layout = BlockLayout(config.cache_config())
-        need = config.blocks_for(len(prompt), max_tokens)
+        need = config.cache_config().blocks_for_request(len(prompt), max_tokens)
         self.src = Engine(config, CachePool(layout, num_blocks=need + 3, num_rings=2))
         self.dst = Engine(config, CachePool(layout, num_blocks=need + 5, num_rings=3), weights=self.src.weights)
         generator = torch.Generator().manual_seed(11)

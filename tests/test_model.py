@@ -62,17 +62,6 @@ def test_weights_come_from_the_seed_only():
     assert k.dtype == gate.dtype == torch.bfloat16 and k.shape == (3, 128)
 
 
-@pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
-def test_blocks_for_counts_prompt_plus_outputs_minus_one_positions(family):
-    config = ModelConfig(family=family, kpool=4, compress_ratio=3, num_spec=2)
-    block = config.resolved_block_size
-    for prompt_len, max_tokens in [(1, 1), (1, 2), (block - 1, 1), (block, 1), (block, 2), (block + 1, 1),
-                                   (block - 1, 3), (2 * block, block + 1)]:
-        positions = prompt_len + max_tokens - 1  # the last output token is never written
-        expected = next(b for b in range(positions + 2) if b * block >= positions)
-        assert config.blocks_for(prompt_len, max_tokens) == expected, (prompt_len, max_tokens)
-
-
 @pytest.mark.parametrize("family, group", [(CacheFamily.KPOOL, 4), (CacheFamily.QSA, 3)], ids=["kpool", "qsa"])
 def test_group_and_open_positions(family, group):
     config = ModelConfig(family=family, kpool=4, compress_ratio=3, num_spec=1)

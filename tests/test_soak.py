@@ -122,7 +122,7 @@ async def run_round(stub: api.GenerateServiceStub, planned: list[Planned], daemo
     await until_counted(daemon, "kpoolpd_decode_reserved_blocks", 0, 0)  # the last round's cancels are freed
     tasks = [start(p) for p in planned if p.aim in HELD]
     try:
-        held_blocks = sum(CONFIG.blocks_for(len(p.request.prompt), p.request.max_tokens)
+        held_blocks = sum(CONFIG.cache_config().blocks_for_request(len(p.request.prompt), p.request.max_tokens)
                           for p in planned if p.aim in HELD)
         await until_counted(daemon, "kpoolpd_decode_reserved_blocks", held_blocks)  # they hold every slot now
         tasks += [start(p) for p in planned if p.aim == "waiting"]

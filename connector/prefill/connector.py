@@ -43,7 +43,7 @@ from connector.shared import pull_frames, regions
 from connector.shared.auth import Credential
 from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
 from connector.shared.config import ConnectorConfig, ucx_options_for
-from connector.shared.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
+from connector.shared.dcp_plan import plan_dcp_transfer
 from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.shared.errors import CacheExhaustedError, EngineUnavailable, StatusError
 from connector.prefill.leases import Grant, LeaseTable
@@ -481,7 +481,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if transport is Transport.UCX and request.ucx_tag_base == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")
         shard = self._shard(grant, request.dcp_rank) if grant.dcp_engine_ids else None
-        want = dcp_landed_blocks(self.layout, shard, grant.prompt_len) if shard else len(grant.block_ids)
+        want = shard.blocks_for_tokens(self.layout.config, grant.prompt_len) if shard else len(grant.block_ids)
         if len(request.dst_block_ids) != want:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"

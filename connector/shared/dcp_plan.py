@@ -79,17 +79,13 @@ def _merged(pairs: list[RegionPair]) -> list[RegionPair]:
     return out
 
 
-def dcp_landed_blocks(layout: BlockLayout, shard: DcpShard, prompt_len: int) -> int:
-    """Blocks rank ``shard`` lands a ``prompt_len``-token prompt into (the first of its reservation)."""
-    return shard.blocks_for_tokens(prompt_len, layout.config.block_size)
-
-
 def plan_dcp_transfer(layout: BlockLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], src_ring: int,
                       dst_ring: int, live: RingRange, shard: DcpShard, prompt_len: int, *,
                       src_num_blocks: int | None = None, dst_num_blocks: int | None = None,
                       src_num_rings: int | None = None, dst_num_rings: int | None = None) -> TransferPlan:
     """Rank ``shard``'s share of a ``prompt_len``-token prompt held in ``src_blocks`` (the request's
-    blocks in order) into ``dst_blocks`` (the rank's, ``dcp_landed_blocks`` of them), then the ring.
+    blocks in order) into ``dst_blocks`` (the rank's, ``shard.blocks_for_tokens(layout.config, prompt_len)`` of
+    them), then the ring.
     ValueError naming the numbers for block lists of the wrong length or ids out of range."""
     config = layout.config
     block, kpool = config.block_size, config.tokens_per_entry
@@ -98,7 +94,7 @@ def plan_dcp_transfer(layout: BlockLayout, src_blocks: Sequence[int], dst_blocks
     if len(src_blocks) != config.blocks_for_tokens(prompt_len):
         raise ValueError(f"a {prompt_len}-token prompt lies in {config.blocks_for_tokens(prompt_len)} blocks, "
                          f"got {len(src_blocks)} source blocks")
-    need = dcp_landed_blocks(layout, shard, prompt_len)
+    need = shard.blocks_for_tokens(config, prompt_len)
     if len(dst_blocks) != need:
         raise ValueError(f"rank {shard.rank} of {shard.size} lands a {prompt_len}-token prompt in {need} blocks, "
                          f"got {len(dst_blocks)}")
@@ -140,5 +136,5 @@ def dcp_transfer_bytes(layout: BlockLayout, prompt_len: int, dcp: DcpConfig) -> 
     live = ring_live_range(config, prompt_len)
     if dcp.size == 1:
         return [plan_transfer(layout, src, src, 0, 0, live).total_bytes]
-    return [plan_dcp_transfer(layout, src, list(range(dcp_landed_blocks(layout, shard, prompt_len))), 0, 0, live, shard,
+    return [plan_dcp_transfer(layout, src, list(range(shard.blocks_for_tokens(config, prompt_len))), 0, 0, live, shard,
                               prompt_len).total_bytes for shard in dcp.shards()]
