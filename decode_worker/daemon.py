@@ -72,10 +72,10 @@ class DecodeNode:
     def __init__(self, context: NodeContext) -> None:
         settings = context.settings
         self.config = model_config(settings)
-        self.layout = BlockLayout(self.config.cache_config())
+        self.layout = BlockLayout(self.config.cache)
         max_running = settings["max_running"]
         dcp = dcp_config(settings)
-        largest = dcp.rank_blocks_for_request(self.config.cache_config(), settings["max_prompt_tokens"],
+        largest = dcp.rank_blocks_for_request(self.config.cache, settings["max_prompt_tokens"],
                                               settings["max_new_tokens"])
         self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
                                num_rings=max_running, device=context.device)
@@ -135,8 +135,8 @@ class DecodeNode:
         if self.leader is not None:
             return
         config = self.config
-        prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
-        with self.cache.allocate("warm-up", config.cache_config().blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:
+        prompt = [t % config.vocab_size for t in range(2 * config.cache.tokens_per_entry + 1)]
+        with self.cache.allocate("warm-up", config.cache.blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:
             first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])[0]
             seq = DecodeSequence(request_id="warm-up", prompt_len=len(prompt), max_tokens=WARM_UP_TOKENS,
                                  block_ids=list(held.block_ids), ring_id=held.ring_id, output=[first])

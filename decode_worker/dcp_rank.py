@@ -80,9 +80,9 @@ class DcpRankNode(api.DcpRankServiceServicer):
         self.config = model_config(settings)
         self.dcp = dcp_config(settings)
         self.shard = self.dcp.shard(settings["dcp_rank"])
-        layout = BlockLayout(self.config.cache_config())
+        layout = BlockLayout(self.config.cache)
         num_blocks = settings["num_blocks"] or settings["max_running"] * self.dcp.rank_blocks_for_request(
-            self.config.cache_config(), settings["max_prompt_tokens"], settings["max_new_tokens"])
+            self.config.cache, settings["max_prompt_tokens"], settings["max_new_tokens"])
         self.cache = NodeCache(layout, num_blocks=num_blocks, num_rings=settings["max_running"], device=context.device)
         self.group = DcpGroup.join(self.shard, init_method=settings["dcp_rendezvous"], device=context.device,
                                    timeout_s=settings["dcp_timeout_s"])
@@ -185,7 +185,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self._check(context)
         if request.request_id in self._held:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is held already")
-        need = self.dcp.rank_blocks_for_request(self.config.cache_config(), request.prompt_len, request.max_tokens)
+        need = self.dcp.rank_blocks_for_request(self.config.cache, request.prompt_len, request.max_tokens)
         try:
             allocation = self.cache.allocate(request.request_id, need)
         except CacheExhaustedError as exc:

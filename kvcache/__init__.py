@@ -17,6 +17,7 @@ from kvcache.node_cache import CacheAllocation, CacheExhaustedError, NodeCache
 from kvcache.pool import CachePool
 from kvcache.specs import (
     DEFAULT_KERNEL_PAGE_STATES,
+    DEFAULT_MLA_ENTRY_BYTES,
     FP8_ENTRY_BYTES,
     INDEX_HEAD_DIM,
     KERNEL_PAGE_STATES,
@@ -35,7 +36,7 @@ from kvcache.specs import (
 
 __all__ = [
     "BlockAllocator", "BlockLayout", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
+    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DEFAULT_MLA_ENTRY_BYTES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
     "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
     "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "complete_entries",

@@ -115,13 +115,13 @@ def _on_pool_device(method):
 
 class Engine:
     def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None) -> None:
-        if pool.config != config.cache_config():
-            raise ValueError("the pool's cache config is not the model's: build the pool from config.cache_config()")
+        if pool.config != config.cache:
+            raise ValueError("the pool's cache config is not the model's: build the pool from config.cache")
         self.config = config
         self.pool = pool
         self.device = pool.device
         self.weights = weights if weights is not None else SyntheticWeights(config, self.device)
-        family_type = KpoolFamily if config.family is CacheFamily.KPOOL else QsaFamily
+        family_type = KpoolFamily if config.cache.family is CacheFamily.KPOOL else QsaFamily
         self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
 
@@ -181,7 +181,7 @@ class Engine:
             return [[] for _ in sequences]
         chunks, drafts = [], []
         for seq in live:
-            proposed = self.rule.drafts(seq.pending, min(self.config.num_spec, seq.remaining - 1))
+            proposed = self.rule.drafts(seq.pending, min(self.config.cache.num_spec, seq.remaining - 1))
             drafts.append(proposed)
             chunks.append(([seq.pending, *proposed], seq.cached, seq.block_ids, seq.ring_id))
         batch = build_batch(chunks, last_only=False, device=self.device)
@@ -225,7 +225,7 @@ class Engine:
         for layer in range(self.config.num_layers):
             rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
             sha.update(rows.cpu().numpy().tobytes())
-        block_size = self.config.resolved_block_size
+        block_size = self.config.cache.block_size
         positions = torch.arange(length, device=self.device)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         for layer in range(self.config.num_layers):

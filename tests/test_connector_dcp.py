@@ -71,7 +71,7 @@ def _share_equal(expected: CachePool, got: CachePool, blocks: tuple[int, ...], r
 def test_a_rank_plan_moves_entries_across_kernel_pages(page_states, ranks, interleave, prompt_len):
     """kpool 2 in 256-token blocks (128 states: pages of 64 or 32): every rank's plan, applied byte by
     byte, lands what the in-process landing copies; runs of entries split where they cross a page."""
-    config = ModelConfig(kpool=2, num_spec=3, num_layers=2, block_size=256, kernel_page_states=page_states).cache_config()
+    config = ModelConfig.build(kpool=2, num_spec=3, num_layers=2, block_size=256, kernel_page_states=page_states).cache
     layout = BlockLayout(config)
     gen = torch.Generator().manual_seed(prompt_len)
     source = CachePool(layout, num_blocks=8, num_rings=2)
@@ -227,10 +227,10 @@ def test_dcp_adds_no_byte_but_a_ring_per_rank(ranks, tokens):
     from bench.dcp import transfer_bytes
     from model import ModelConfig
 
-    config = ModelConfig(kpool=4, num_spec=3, num_layers=4, block_size=256)
+    config = ModelConfig.build(kpool=4, num_spec=3, num_layers=4, block_size=256)
     single = transfer_bytes(config, 1, tokens)[0]
-    layout = BlockLayout(config.cache_config())
-    ring = ring_live_range(config.cache_config(), tokens).num_slots * layout.ring_slot_bytes
+    layout = BlockLayout(config.cache)
+    ring = ring_live_range(config.cache, tokens).num_slots * layout.ring_slot_bytes
     per_rank = transfer_bytes(config, ranks, tokens)
     assert sum(per_rank) == single + (ranks - 1) * ring
     assert max(per_rank) - ring <= -(-(single - ring) // layout.block_bytes // ranks) * layout.block_bytes

@@ -25,10 +25,10 @@ from tests.polling import wait_for
 TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)
 PEER_TOKEN = "daemon-test-peer-token"  # the peer credential (the prefill node's service)
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=3)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=3)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=3)
 LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--peer-token", PEER_TOKEN,
           "--log-format", "text"]
-DECODE_BLOCKS = 4 * CONFIG.cache_config().blocks_for_request(300, 64)
+DECODE_BLOCKS = 4 * CONFIG.cache.blocks_for_request(300, 64)
 
 
 def metric(port: int, name: str) -> float:
