@@ -29,6 +29,7 @@ from model.batch import ForwardBatch, build_batch
 from model.cache_io import open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
 from model.kpool_family import KpoolFamily
+from model.prompt import check_prompt
 from model.qsa_family import QsaFamily
 from model.rule import TokenRule
 from model.weights import SyntheticWeights
@@ -154,7 +155,7 @@ class Engine:
         for the others. Chunked and whole prefill write the same bytes (DESIGN section 2). ValueError for
         a token outside the vocabulary, a chunk outside its prompt, or too few blocks."""
         for job in jobs:
-            self._check_prompt(job.prompt)
+            check_prompt(job.prompt, vocab_size=self.config.vocab_size)
             if not 0 <= job.start < job.stop <= len(job.prompt):
                 raise ValueError(f"chunk [{job.start}, {job.stop}) is empty or outside its {len(job.prompt)}-token "
                                  "prompt")
@@ -202,13 +203,6 @@ class Engine:
             seq.drafts_accepted += accepted
             emitted_by_id[id(seq)] = emitted
         return [emitted_by_id.get(id(s), []) for s in sequences]
-
-    def _check_prompt(self, prompt: Sequence[int]) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
 
     # state ------------------------------------------------------------------------------
     @_on_pool_device

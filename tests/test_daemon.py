@@ -128,7 +128,7 @@ def test_requests_match_colocated(cluster):
 @pytest.mark.parametrize("request_kwargs,needle", [
     pytest.param(dict(prompt_token_ids=[], max_tokens=4), "prompt has 0 tokens", id="empty-prompt"),
     pytest.param(dict(prompt_token_ids=[1] * 301, max_tokens=4), "prompt has 301 tokens", id="prompt-too-long"),
-    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "< vocab_size 1024", id="token-outside-vocab"),
+    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "must be in [0, 1024)", id="token-outside-vocab"),
     pytest.param(dict(prompt_token_ids=[1], max_tokens=0), "max_tokens is 0", id="no-output"),
     pytest.param(dict(prompt_token_ids=[1], max_tokens=65), "max_tokens is 65", id="too-many-outputs"),
     pytest.param(dict(request_id="x" * 257, prompt_token_ids=[1], max_tokens=1), "request_id", id="long-id"),
