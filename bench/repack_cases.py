@@ -10,7 +10,6 @@ import torch
 
 from bench.timing import BenchCase, Prepared
 from kernels import repack_tokens
-from kernels.token_repack.geometry import block_fields
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily
 
 LAYERS = tuple(f"layer.{i}" for i in range(61))
@@ -22,7 +21,7 @@ QSA_CONFIG = CacheConfig(family=CacheFamily.QSA, layer_names=LAYERS, compress_ra
 
 def moved_bytes(layout: BlockLayout, tokens: int) -> int:
     """Bytes one repack of ``tokens`` reads plus writes: every field's rows, heads and pieces, every layer."""
-    return 2 * len(layout.layers) * sum(f.rows_for_tokens(tokens) * f.heads * f.piece_bytes for f in block_fields(layout))
+    return 2 * len(layout.layers) * sum(f.rows_for_tokens(tokens) * f.heads * f.piece_bytes for f in layout.fields)
 
 
 def _tables(src_layout: BlockLayout, dst_layout: BlockLayout, tokens: int, device: torch.device):

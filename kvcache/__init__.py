@@ -12,7 +12,7 @@ from kvcache.family import (
     family_spec_type,
     open_entry_start,
 )
-from kvcache.layout import BlockLayout, layout_differences, layout_hash
+from kvcache.layout import BlockLayout, FieldGeometry, FieldKind, layout_differences, layout_hash
 from kvcache.node_cache import CacheAllocation, CacheExhaustedError, NodeCache
 from kvcache.pool import CachePool
 from kvcache.specs import (
@@ -35,7 +35,7 @@ from kvcache.specs import (
 )
 
 __all__ = [
-    "BlockAllocator", "BlockLayout", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
+    "BlockAllocator", "BlockLayout", "FieldGeometry", "FieldKind", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
     "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DEFAULT_MLA_ENTRY_BYTES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
     "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
