@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import tempfile
 import time
 import traceback
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from model.colocated import make_prompts, prefill_batch
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
+from runtime.launch import child_context, start_child
 
 
 def _sync(device: torch.device) -> None:
@@ -50,7 +51,7 @@ def _model(args: dict) -> ModelConfig:
                        block_size=args["block_size"])
 
 
-def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> None:
+def _rank_main(rank: int, size: int, args: dict, store: str, out: Queue) -> None:
     try:
         torch.set_num_threads(1)
         device = torch.device(f"cuda:{rank}" if args["device"] == "cuda" else "cpu")
@@ -104,13 +105,10 @@ def transfer_bytes(config: ModelConfig, size: int, tokens: int) -> list[int]:
 
 
 def run_one(size: int, args: dict) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = child_context().Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, size, args, os.path.join(tmp, "store"), out))
+        procs = [start_child(_rank_main, r, size, args, os.path.join(tmp, "store"), out, daemon=False)
                  for r in range(size)]
-        for p in procs:
-            p.start()
         reports = {}
         try:
             for _ in range(size):

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import grpc
 
-from connector import LandedRequest, PrefillGrant, PrefillPeer, StatusError, Transport
+from connector import LandedRequest, PrefillGrant, PrefillPeer, StatusError, Transport, status_of
 from decode_worker.dcp_ranks import DcpRanks
 from kvcache import CacheAllocation, DcpConfig, DcpShard
 
@@ -62,12 +62,9 @@ class DcpLeader:
         failures = [r for r in done if isinstance(r, BaseException)]
         if failures:
             self._give_back(request_id, peer, grant)
-            first = failures[0]
-            if isinstance(first, StatusError):
-                raise first
-            raise StatusError(grpc.StatusCode.INTERNAL, f"DCP pull failed: {type(first).__name__}: {first}")
+            raise status_of(failures[0], "DCP pull")
         landed, responses = done
-        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=peer.connector.config.rpc_timeout_s,
+        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=peer.context.config.rpc_timeout_s,
                                                dcp_rank=0))
         per_rank = (landed.nbytes, *(r.transfer_bytes for r in responses))
         transfer = RankTransfer(nbytes=sum(per_rank), regions=landed.regions + sum(r.transfer_regions for r in responses),

@@ -96,8 +96,9 @@ class GenerateService(api.GenerateServiceServicer):
                         return
         except StatusError as exc:
             outcome = "rejected" if job is None else "failed"
-            if job is None:
-                scheduler.requests.labels("rejected").inc()
+            if job is None:  # refused before it was queued: counted here, once (a full queue as queue_full)
+                full = exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+                scheduler.requests.labels("queue_full" if full else "rejected").inc()
             shown = (request.request_id or "(unnamed)")[:64]
             logger.warning("request %s: %s", shown, exc, extra={"request_id": shown, "code": exc.code.name})
             await context.abort(exc.code, exc.message)

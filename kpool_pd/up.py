@@ -6,7 +6,7 @@ A PD run also runs the colocated reference afterwards and says how many requests
 However a PD run ends it leaves nothing behind: SIGTERM, SIGINT or SIGHUP stops both daemons (they
 drain, at most ``INTERRUPT_GRACE_S``) and removes the run's temporary folder (logs, ready files,
 the throwaway CA and its key) before ``up`` exits with status 128 + the signal's number; and the
-daemons drain by themselves if ``up`` is killed outright (``kpool_pd.launcher``).
+daemons drain by themselves if ``up`` is killed outright (``runtime.launch``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, DaemonError, start_decode, start_prefill
+from runtime.launch import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, summary, summary_text, table
 from kvcache import DcpConfig
 from model.colocated import make_prompts, run_colocated

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from connector import PrefillConnector
 from kvcache import BlockLayout, NodeCache
@@ -19,6 +20,7 @@ from model import Engine, PrefillJob
 from prefill_worker.batcher import BatchingPrefillEngine
 from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, model_config, positive_int,
                      run_daemon, service_options)
+from runtime.preflight import check_cache_memory
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
 
@@ -96,7 +98,15 @@ class PrefillNode:
         return {"model": self.config.describe(), "layout_hash": self.layout.layout_hash}
 
 
-SPEC = DaemonSpec(role=Role.PREFILL, description=__doc__.splitlines()[0], options=OPTIONS, build=PrefillNode)
+def check_resources(settings: Mapping[str, Any]) -> None:
+    """The cache the settings ask for fits the memory free on the device (SettingsError naming num-blocks)."""
+    layout = BlockLayout(model_config(settings).cache)
+    check_cache_memory(settings, "num_blocks", layout, num_blocks=settings["num_blocks"],
+                       num_rings=settings["num_rings"], device=settings["device"])
+
+
+SPEC = DaemonSpec(role=Role.PREFILL, description=__doc__.splitlines()[0], options=OPTIONS, build=PrefillNode,
+                  check=check_resources)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

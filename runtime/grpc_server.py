@@ -9,10 +9,11 @@ otherwise, a token of the other kind included); reflection takes any token the s
 health none. A request whose bytes do not parse is answered INVALID_ARGUMENT
 (``runtime.malformed``). Ports are never shared: SO_REUSEPORT is off, so binding a port that
 another process serves fails with ``BindError`` naming it. Health is reported for
-every added service and for the server as a whole (service ``""``); it starts as NOT_SERVING
-until ``set_serving(True)`` (a daemon calls it once warmed up), and ``stop`` leaves it
-NOT_SERVING. ``LIVENESS_SERVICE`` is the exception, for liveness and startup probes: SERVING from
-``start`` until ``stop``, whatever ``set_serving`` says, so that a node which cannot serve for a while
+every added service and for the server as a whole (service ``""``). Whether the daemon serves is
+one state, its ``HealthGate`` (``health``: the ``gate`` it is given, the daemon's ``NodeContext.health``): the server keeps no
+flag of its own; ``start`` reports what the gate says (NOT_SERVING until the daemon opens it once
+warmed up) and the gate reports each change through ``set_serving``; ``stop`` leaves it NOT_SERVING.
+``LIVENESS_SERVICE`` is the exception, for liveness and startup probes: SERVING from ``start`` until ``stop``, whatever ``set_serving`` says, so that a node which cannot serve for a while
 (a decode node without a usable prefill node, a drain) leaves the rotation without being restarted.
 The health port serves the same health servicer alone, in plaintext, for probes that cannot speak
 TLS (the kubelet's gRPC probes). ``refuse_new_calls`` starts a drain on the main port: gRPC sends
@@ -32,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from connector import BearerTokenInterceptor, Credential, TlsConfig, dial_host
+from runtime.health_gate import HealthGate
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.ports import bind_error, ensure_bindable
 
@@ -60,7 +62,8 @@ class GrpcServer:
     credential is PEER; None leaves them open (to whoever TLS lets in). The two must differ."""
 
     def __init__(self, *, client_token: str | None = None, peer_token: str | None = None,
-                 tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
+                 tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = (),
+                 gate: HealthGate | None = None) -> None:
         for name, token in (("client_token", client_token), ("peer_token", peer_token)):
             if token is not None and (not isinstance(token, str) or not token.strip()):
                 raise ValueError(f"{name} must be None (no auth) or a non-empty string")
@@ -74,7 +77,7 @@ class GrpcServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._services: list[str] = []
-        self._serving = False
+        self.health = gate if gate is not None else HealthGate()  # the one serving state
         self._started = False
         self._stopped = False
         self._probe_server: grpc.aio.Server | None = None
@@ -136,25 +139,25 @@ class GrpcServer:
                 raise bind_error("health-port", host, health_port, exc) from None
             await self._probe_server.start()
         await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        await self._report_health()
+        await self._report_health(self.health.serving)
         return self.port
 
     @property
     def serving(self) -> bool:
-        return self._serving
+        """What the daemon's health gate says (the server holds no state of its own)."""
+        return self.health.serving
 
     async def set_serving(self, serving: bool) -> None:
-        """Report SERVING (True) or NOT_SERVING (False) for every service and the server; any
-        number of times, before or after ``start`` (``start`` reports the last value set). Changes
-        no RPC's behaviour."""
+        """Report SERVING (True) or NOT_SERVING (False) for every service and the server, as the health
+        gate decided (``HealthReporter``); a report before ``start`` or after ``stop`` is not written
+        (``start`` reports the gate's state). Changes no RPC's behaviour."""
         if not isinstance(serving, bool):
             raise TypeError(f"serving must be a bool, got {serving!r}")
-        self._serving = serving
         if self._started and not self._stopped:
-            await self._report_health()
+            await self._report_health(serving)
 
-    async def _report_health(self) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if self._serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    async def _report_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self._services):
             await self._health.set(name, status)
 

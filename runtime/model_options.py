@@ -11,7 +11,7 @@ from typing import Any
 
 from kvcache import CacheFamily
 from model import ModelConfig
-from runtime.options import Option, one_of
+from runtime.options import Option, integer, nonnegative_int, one_of, positive_int
 
 
 def _family(text: Any) -> str:
@@ -20,13 +20,13 @@ def _family(text: Any) -> str:
 
 MODEL_OPTIONS: tuple[Option, ...] = (
     Option("family", _family, CacheFamily.KPOOL.value, "cache family", choices=tuple(f.value for f in CacheFamily)),
-    Option("layers", int, 2, "model layers"),
-    Option("kpool", int, 4, "tokens per kpool pool (kpool family)"),
-    Option("ratio", int, 4, "QSA compress ratio (qsa family)"),
-    Option("num-spec", int, 0, "draft tokens per decode step"),
-    Option("block-size", int, 0, "tokens per block (0: 256, or where the ring or the group does not divide 256, "
+    Option("layers", positive_int, 2, "model layers"),
+    Option("kpool", positive_int, 4, "tokens per kpool pool (kpool family)"),
+    Option("ratio", positive_int, 4, "QSA compress ratio (qsa family)"),
+    Option("num-spec", nonnegative_int, 0, "draft tokens per decode step"),
+    Option("block-size", nonnegative_int, 0, "tokens per block (0: 256, or where the ring or the group does not divide 256, "
                                  "the smallest multiple of 128 that they divide)"),
-    Option("seed", int, 0, "seed of the synthetic model's weights"),
+    Option("seed", integer, 0, "seed of the synthetic model's weights"),
 )
 MODEL_KEYS = frozenset(option.key for option in MODEL_OPTIONS)
 

@@ -16,9 +16,9 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
 
 import torch
-import torch.multiprocessing as mp
 
 from kvcache import DcpConfig, DcpShard, NodeCache
 from model import DecodeSequence, ModelConfig, output_digest
@@ -26,6 +26,7 @@ from model.colocated import GenerateRequest, prefill_batch
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
+from runtime.launch import child_context, start_child
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,7 @@ def run_threads(size: int, interleave: int, work: Callable, *args, timeout_s: fl
     return results
 
 
-def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], out: mp.Queue, device: str) -> None:
+def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], out: Queue, device: str) -> None:
     torch.set_num_threads(1)
     try:
         device = f"cuda:{rank}" if device == "cuda" else device
@@ -144,14 +145,10 @@ def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], ou
 def run_processes(size: int, cases: Sequence[DcpCase], *, timeout_s: float = 240.0, device: str = "cpu") -> list[list]:
     """Every case on ``size`` rank processes; rank 0's results per case. ``device`` cpu: joined by gloo;
     cuda: rank r on cuda:r, joined by NCCL."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = child_context().Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_process_main, args=(r, size, store, list(cases), out, device), daemon=True)
-                 for r in range(size)]
-        for p in procs:
-            p.start()
+        procs = [start_child(_process_main, r, size, store, list(cases), out, device) for r in range(size)]
         try:
             reports = {}
             for _ in range(size):

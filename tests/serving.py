@@ -9,13 +9,15 @@ from runtime import GrpcServer
 async def serve_prefill(node: PrefillConnector, *, host: str = "127.0.0.1", port: int = 0,
                         serving: bool = True) -> GrpcServer:
     """Start ``node`` and a server for it (the connector's peer token, TLS and message limits); the
-    bound port is ``server.port``."""
+    bound port is ``server.port``. ``serving``: the server's health gate opens once it started (as a
+    daemon's does after its warm-up), else it stays closed (NOT_SERVING)."""
     await node.start()  # before the server's threads exist: it may initialise UCX (see runtime.daemon.serve)
     config = node.config
     server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options())
     server.add(node)
-    await server.set_serving(serving)
     await server.start(host, port)
+    if serving:
+        await server.health.open(server)
     return server
 
 

@@ -44,8 +44,8 @@ class Served:
 
     async def __aenter__(self) -> "Served":
         await self.node.start()
-        await self.server.set_serving(True)
         await self.server.start("127.0.0.1", 0)
+        await self.server.health.open(self.server)  # SERVING, as a daemon's gate opens once it is up
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}")
         return self
 
@@ -90,7 +90,7 @@ def test_only_the_peer_token_opens_the_prefill_service(method, presented):
             assert refused.code() is grpc.StatusCode.UNAUTHENTICATED
             assert "needs the peer-token" in refused.details()
             assert served.node.grants_held == 0 and served.cache.free_blocks == 8
-            assert "intruder" not in served.node._peers
+            assert "intruder" not in served.node.engines
             # the same call with the peer token gets past auth (to the service's own answer)
             answered = await served.raw(method, request, auth_metadata(PEER_TOKEN))
             assert not isinstance(answered, grpc.aio.AioRpcError) or \

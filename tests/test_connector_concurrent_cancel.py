@@ -166,11 +166,11 @@ def test_a_pull_that_completes_gives_its_endpoint_back_for_the_next():
         async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
-            made = list(pair.prefill._ucx._endpoints[pair.decode.engine_id])
+            made = pair.prefill.engines.get(pair.decode.engine_id).link.endpoints
             for i in range(3):
                 grant = await peer.prefill(f"seq{i}", [i + 1] * 200)
                 with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:
                     assert not procs.landed_differences(pair.decode.pool, landed, f"seq{i}", 200)[0]
                 await soon(lambda: pair.free() == start, "the pull ended on both nodes")
-            assert len(made) == 1 and pair.prefill._ucx._endpoints[pair.decode.engine_id] == made
+            assert len(made) == 1 and pair.prefill.engines.get(pair.decode.engine_id).link.endpoints == made
     run(main())

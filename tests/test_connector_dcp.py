@@ -22,6 +22,7 @@ from connector.shared.regions import region_view
 from model import ModelConfig
 from model.dcp_landing import land_request
 from tests import connector_procs as procs
+from tests.connector_bytes import expected_ring
 from tests.connector_harness import InProcessPair
 from tests.pulls import pull_into
 
@@ -115,7 +116,7 @@ def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave
                 source = CachePool(BlockLayout(CONFIG), num_blocks=len(grant.src_block_ids), num_rings=1)
                 for j in range(len(grant.src_block_ids)):
                     source.blocks[j] = procs.expected_block(source.layout, "dcp", j)
-                source.rings[0] = procs.expected_ring(source.layout, "dcp")
+                source.rings[0] = expected_ring(source.layout, "dcp")
                 for c, got, shard in zip(connectors, landed, shards):
                     expected = CachePool(BlockLayout(CONFIG), num_blocks=c.pool.num_blocks, num_rings=c.pool.num_rings)
                     land_request(source, list(range(len(grant.src_block_ids))), 0, expected, list(got.block_ids),

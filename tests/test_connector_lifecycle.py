@@ -19,6 +19,7 @@ from kvcache import NodeCache
 from runtime import LIVENESS_SERVICE
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
+from tests import polling
 from tests.pulls import allocation_for, pull_into
 from tests.serving import serve_prefill, stop_prefill
 
@@ -113,7 +114,7 @@ def test_engine_unavailable_is_answered_unavailable_and_frees():
             with pytest.raises(StatusError) as err:
                 await peer.prefill("refused", [1] * 100)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE
-            assert "prefill node prefill-t unavailable: draining for shutdown" in err.value.message
+            assert "prefill node prefill-t: draining for shutdown" in err.value.message
             # the status reaches the caller as the handler aborts; its cleanup follows at once
             assert await until(lambda: pair.free() == start and pair.prefill_sample(
                 "transfer_failures_total", cause="engine_unavailable") == 1)
@@ -145,10 +146,32 @@ def test_set_serving_flips_the_health_of_the_service_and_the_server():
     run(main())
 
 
-def test_set_serving_before_start_is_what_start_reports():
+def test_the_health_gate_is_the_one_serving_state_the_server_reports():
+    """The server keeps no serving flag: what its gate decides (able, draining) is what health reports."""
+    async def main():
+        async with InProcessPair() as pair:
+            server, gate = pair.server, pair.server.health
+            assert server.serving and gate.serving and await _health(pair.address) == [SERVING, SERVING]
+            gate.set_able(False, "no room for a request")
+            assert not server.serving
+            await polling.until(lambda: _health_is(pair.address, NOT_SERVING), "NOT_SERVING once the node cannot serve", 10)
+            gate.set_able(True)
+            await polling.until(lambda: _health_is(pair.address, SERVING), "SERVING again once it can", 10)
+            await gate.drain()
+            gate.set_able(True)  # able, but draining
+            assert not server.serving and await _health(pair.address) == [NOT_SERVING, NOT_SERVING]
+    run(main())
+
+
+async def _health_is(address: str, status: int) -> bool:
+    return await _health(address) == [status, status]
+
+
+def test_a_server_starts_reporting_what_its_health_gate_says():
     async def main():
         pair = InProcessPair()
-        server = await serve_prefill(pair.prefill, serving=False)  # set before the server starts
+        server = await serve_prefill(pair.prefill, serving=False)  # the gate stays closed
+        assert not server.serving and not server.health.serving
         try:
             address = f"127.0.0.1:{server.port}"
             assert await _health(address) == [NOT_SERVING, NOT_SERVING]
@@ -199,7 +222,7 @@ def test_disconnect_then_handshake_with_a_restarted_node(transport):
             second = await pair.decode.connect(pair.address)  # e.g. a router that handshook twice
             assert pair.decode.peers == (first, second)
             if transport is Transport.UCX:  # the prefill node reached our worker during the Handshake
-                assert pair.prefill._ucx.knows(pair.decode.engine_id)
+                assert pair.prefill.engines.get(pair.decode.engine_id).reaches_over(Transport.UCX)
             assert await pair.decode.disconnect(first) == 1
             assert pair.decode.peers == (second,) and first.closed and not second.closed
             grant = await second.prefill("on-the-other-peer", [3] * 70)  # the other peer still pulls

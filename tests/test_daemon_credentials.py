@@ -21,7 +21,7 @@ from connector.shared.wire import layout_message
 from decode_worker import api as gpb
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import BlockLayout
 from model.colocated import make_prompts
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS

@@ -22,12 +22,12 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
 from decode_worker import api
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import NodeCache
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import LIVENESS_SERVICE, GrpcServer, model_flags
-from tests.deploy_launch import free_port
+from tests.ports import free_port
 from tests.polling import until
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)

@@ -18,7 +18,7 @@ from connector import open_channel
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all, model_info
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS

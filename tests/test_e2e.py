@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -30,12 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, start_decode, start_prefill
+from runtime.launch import Daemon, start_decode, start_prefill
 from kvcache import CacheFamily, family_spec_type
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
 from runtime import model_flags, model_settings
 from tests.polling import wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 READY_S = 120
@@ -92,12 +92,6 @@ def _stop(*daemons: Daemon) -> None:
         daemon.signal(signal.SIGTERM)
     for daemon in daemons:
         daemon.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def boundary_prompts(config: ModelConfig, count: int, max_tokens: int, *, seed: int, prefix: str
@@ -166,7 +160,7 @@ def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
                          **{key: group})
     flags = _flags(config)
     # All three daemons boot at once: the decode daemons retry the prefill port until it serves.
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
     longest = ["--max-prompt-tokens", str(max(512, 3 * config.cache.block_size))]  # boundary_prompts' longest
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,

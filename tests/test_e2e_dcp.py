@@ -25,11 +25,12 @@ import pytest
 
 from connector.shared.plan import ring_live_range
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, start_decode, start_prefill
+from runtime.launch import Daemon, start_decode, start_prefill
 from kvcache import BlockLayout
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.polling import wait_for
+from tests.ports import free_port
 from tests.test_e2e import (
     DECODE_LIMITS,
     READY_S,
@@ -38,7 +39,6 @@ from tests.test_e2e import (
     _assert_match,
     _flags,
     _free_blocks,
-    _free_port,
     _logs_on_failure,
     _metric,
     _ready_and_serving,
@@ -82,7 +82,7 @@ def test_dcp_equals_colocated(tmp_path, kpool, num_spec, interleave2, interleave
     config = ModelConfig.build(num_layers=2, kpool=kpool, num_spec=num_spec, seed=kpool + num_spec)
     flags = _flags(config)
     block = config.cache.block_size
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
     shapes = [(2, interleave2, TRANSPORTS[0]), (4, interleave4, TRANSPORTS[-1])]
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-dcp{n}", transport=t,
@@ -138,8 +138,10 @@ def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_t
     try:
         with _logs_on_failure(prefill):
             prefill.wait_ready(READY_S)
+        scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: where its rendezvous folder lives
+        scratch.mkdir()
         decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp3",
-                              transport=TRANSPORTS[0],
+                              transport=TRANSPORTS[0], env={"TMPDIR": str(scratch)},
                               extra=[*DECODE_LIMITS, "--dcp", "3", "--transfer-timeout-s", "20", "--drain-s", "10"])
         with _logs_on_failure(prefill, decode):
             _ready_and_serving(decode)
@@ -163,10 +165,18 @@ def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_t
             assert wait_for(lambda: _free_blocks(prefill) == prefill_free, SETTLE_S), "the prefill still holds blocks"
             # rank 0 stops by itself (the instance is broken), after freeing everything; so does rank 2
             assert wait_for(lambda: decode.proc.poll() is not None, 90), "rank 0 did not stop by itself"
-            stopped = STOPPED.findall(decode.log_path.read_text())
+            log = decode.log_path.read_text()
+            stopped = STOPPED.findall(log)
             assert len(stopped) == 2, f"rank 0 and the surviving rank each report their pool: {stopped}"
             for free, total, free_rings, rings in stopped:
                 assert (free, free_rings) == (total, rings), f"blocks or rings left in use: {stopped}"
+            # a broken instance exits non-zero (a supervisor restarts it), blaming the rank, not the prefill node
+            assert decode.proc.returncode not in (0, None), f"rank 0 exited with status {decode.proc.returncode}"
+            assert re.search(r"stopped because it broke: DCP rank 1 (exited|failed)", log), log[-3000:]
+            blamed = [line for line in log.splitlines() if "prefill" in line.lower() and
+                      re.search(r"unusable|not usable|failed|unreachable", line, re.IGNORECASE)]
+            assert not blamed, f"the log blames the prefill node for the broken rank: {blamed[:3]}"
+            assert not list(scratch.iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
     finally:
         if decode is not None:
             decode.stop()

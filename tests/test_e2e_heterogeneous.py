@@ -17,13 +17,14 @@ import sys
 
 import pytest
 
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.polling import wait_for
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _free_port,
-                            _logs_on_failure, _ready_and_serving, _stop, generate_and_match)
+from tests.ports import free_port
+from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
+                            _ready_and_serving, _stop, generate_and_match)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
@@ -60,7 +61,7 @@ def test_pd_with_different_block_sizes_equals_colocated(tmp_path, family, group,
     configs = [ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
                            **{key: group}) for size in (prefill_block, decode_block)]
     prefill_config, decode_config = configs
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, _flags(prefill_config), extra=["--port", str(port), "--num-blocks", "128",
                                                                      "--log-format", "text"])
     longest = ["--max-prompt-tokens", str(2 * max(prefill_block, decode_block) + group)]

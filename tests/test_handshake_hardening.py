@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, PrefillConnector, StatusError, TlsConfig, Transport
 from connector.shared.compat import model_differences
-from connector.prefill.connector import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
+from connector.prefill.decode_engines import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
 from connector.shared.ucx import ucx_available
 from connector.shared.wire import layout_message
 from kvcache import BlockLayout, NodeCache
@@ -135,11 +135,11 @@ def test_a_forgotten_engine_handshakes_again_and_pulls():
             peer = await pair.decode.connect(pair.address)
             engine, node = pair.decode.engine_id, pair.prefill
             now = time.monotonic()
-            assert node.forget_silent(now + (FORGET_AFTER_LEASES - 1) * lease_s) == []
-            assert node.forget_silent(now + FORGET_AFTER_LEASES * lease_s + 0.1) == [engine]
-            assert not node._ucx.knows(engine) and engine not in node._peers
+            assert node.engines.forget_silent(now + (FORGET_AFTER_LEASES - 1) * lease_s) == []
+            assert node.engines.forget_silent(now + FORGET_AFTER_LEASES * lease_s + 0.1) == [engine]
+            assert engine not in node.engines
             deadline = time.monotonic() + 5 * lease_s
-            while not node._ucx.knows(engine):  # the keep-alive finds out and handshakes again
+            while engine not in node.engines:  # the keep-alive finds out and handshakes again
                 assert time.monotonic() < deadline, "the decode engine did not handshake again"
                 await asyncio.sleep(0.05)
             grant = await peer.prefill("again", [3] * 150)
@@ -148,10 +148,10 @@ def test_a_forgotten_engine_handshakes_again_and_pulls():
                 assert all(torch.equal(pair.decode.pool.blocks[b], procs.expected_block(layout, "again", j))
                            for j, b in enumerate(landed.block_ids))
             # after a failed send, a shorter silence is enough
-            node._ucx._send_failed[engine] = time.monotonic()
+            node.engines.get(engine).link.send_failed_at = time.monotonic()
             now = time.monotonic()
-            assert node.forget_silent(now + (FORGET_AFTER_FAILED_SEND_LEASES - 1) * lease_s) == []
-            assert node.forget_silent(now + FORGET_AFTER_FAILED_SEND_LEASES * lease_s + 0.1) == [engine]
+            assert node.engines.forget_silent(now + (FORGET_AFTER_FAILED_SEND_LEASES - 1) * lease_s) == []
+            assert node.engines.forget_silent(now + FORGET_AFTER_FAILED_SEND_LEASES * lease_s + 0.1) == [engine]
     asyncio.run(main())
 
 
@@ -166,7 +166,7 @@ def test_refusals_are_logged_naming_the_engine_and_why(caplog):
             with pytest.raises(StatusError) as err:
                 await pair.decode.connect(pair.address)
             assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "seed 1 vs 2" in err.value.message
-    with caplog.at_level(logging.WARNING, logger="connector.prefill.connector"):
+    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
         asyncio.run(main())
     refusals = [r.getMessage() for r in caplog.records if r.name.startswith("connector.prefill.")]
     assert any(m.startswith("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): cache layout differs")
@@ -176,9 +176,9 @@ def test_refusals_are_logged_naming_the_engine_and_why(caplog):
 
 
 def test_the_decode_side_refuses_a_prefill_node_of_another_model(monkeypatch):
-    import connector.prefill.connector
+    import connector.prefill.handshake
 
-    monkeypatch.setattr(connector.prefill.connector, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
+    monkeypatch.setattr(connector.prefill.handshake, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
 
     async def main():
         async with InProcessPair() as pair:
@@ -223,7 +223,11 @@ def test_model_identity_covers_every_field():
     for name, value in changed.items():
         other = ModelConfig.build(**{"num_spec": 3, name: value})
         assert (other.identity() == base.identity()) is (name in arranging), name
-        assert json.loads(base.identity()) == json.loads(base.identity()) and " " not in base.identity()
+        ours, theirs = json.loads(base.identity()), json.loads(other.identity())
+        assert other.identity() == json.dumps(theirs, sort_keys=True, separators=(",", ":")), name  # canonical
+        assert ours.keys() == theirs.keys(), name
+        assert [k for k in ours if ours[k] != theirs[k]] == ([] if name in arranging else [k for k in ours if k in (
+            name, name.removeprefix("num_"))]), name  # the one field changed, under its name in the identity
     assert model_differences(base.identity(), dataclasses.replace(base, seed=2).identity()) == ["seed 0 vs 2"]
 
 
@@ -266,7 +270,7 @@ def test_tls_with_ucx_warns_that_the_cache_bytes_are_not_encrypted(caplog):
                                 registry=CollectorRegistry(), transports=(Transport.UCX,))
         await node.start()
         await node.stop()
-    with caplog.at_level(logging.WARNING, logger="connector.prefill.connector"):
+    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
         asyncio.run(main())
     assert any("NOT encrypted" in r.getMessage() and "UCX" in r.getMessage() for r in caplog.records)
 

@@ -10,7 +10,6 @@ every failure is a ``StatusError`` carrying a gRPC status code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 
@@ -26,6 +25,7 @@ from connector.shared.config import ConnectorConfig, ucx_options_for
 from connector.shared.errors import StatusError, rpc_failure
 from connector.shared.metrics import ConnectorMetrics
 from connector.decode.peer import PrefillPeer
+from connector.decode.peer_context import PeerContext
 from connector.shared.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
 from connector.shared.wire import Transport, layout_message, transports_from
 from kvcache import CachePool
@@ -54,7 +54,6 @@ class DecodeConnector:
         self.metrics = ConnectorMetrics(registry, "decode")
         self.ucx: UcxNode | None = None
         self._peers: list[PrefillPeer] = []
-        self._keepalives: dict[PrefillPeer, asyncio.Task] = {}  # one per connected peer
 
     async def start(self) -> "DecodeConnector":
         """Make the UCX worker when UCX is among ``transports`` (idempotent); returns self."""
@@ -76,9 +75,9 @@ class DecodeConnector:
         when the prefill node refuses or cannot reach our UCX worker address. Each call opens a new
         channel: a caller that handshakes again with the same node calls ``disconnect`` first.
 
-        The peer is kept alive: a Heartbeat without grants every lease of the prefill node, and a
-        new Handshake on the same channel when the prefill node says it forgot this engine (after a
-        long silence); this ends when the peer is closed."""
+        The peer keeps itself alive (``PrefillPeer.keep_alive``): Heartbeats that renew the grants it is
+        pulling, and a new Handshake on the same channel when the prefill node says it forgot this engine
+        (after a long silence); this ends when the peer is closed."""
         channel = open_channel(address, self.config.tls, self.config.grpc_options())
         req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
                                   transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
@@ -110,12 +109,14 @@ class DecodeConnector:
             what = (f"cache layout of prefill node {r.engine_id} differs: fields {differing}" if layout is None else
                     f"model differs (this engine vs prefill node {r.engine_id}): {'; '.join(model)}")
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"Handshake with {address}: {what}")
-        peer = PrefillPeer(self, address, channel, r, layout)
+        peer = PrefillPeer(self.peer_context(), address, channel, r, layout, handshake=req)
         self._peers.append(peer)
-        task = asyncio.create_task(self._keep_alive(peer, stub, req, r.lease_ms / 1000 or self.config.lease_s),
-                                   name=f"keepalive-{address}")
-        self._keepalives[peer] = task
         return peer
+
+    def peer_context(self) -> PeerContext:
+        """What this node's peers need of it (its UCX worker as ``start`` made it)."""
+        return PeerContext(pool=self.pool, engine_id=self.engine_id, config=self.config, metrics=self.metrics,
+                           ucx=self.ucx)
 
     def _post_warmup(self, req: pb.HandshakeRequest) -> ReceiveBatch | None:
         """With UCX: draw the Handshake's warm-up tag and post its (empty) receive."""
@@ -141,30 +142,6 @@ class DecodeConnector:
         if warmup is not None and warmup.pending():
             await self.ucx.abandon(warmup)
 
-    async def _keep_alive(self, peer: PrefillPeer, stub: pb.PrefillServiceStub, handshake: pb.HandshakeRequest,
-                          period_s: float) -> None:
-        """Until ``peer`` is closed: every ``period_s`` a Heartbeat without grants (the prefill node
-        forgets engines it does not hear from), and a new Handshake when it answers that it does not
-        know this engine. Failures are left to the router's health checks and the calls' own errors."""
-        md = auth_metadata(self.config.peer_token)
-        while not peer.closed:
-            await asyncio.sleep(period_s)
-            if peer.closed:
-                return
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                try:
-                    r = await stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.engine_id),
-                                             timeout=self.config.rpc_timeout_s, metadata=md)
-                    unknown = r.engine_unknown
-                except grpc.aio.AioRpcError as exc:  # a node that refuses unknown engines outright
-                    if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
-                        raise
-                    unknown = True
-                if unknown and not peer.closed:
-                    logger.info("prefill node %s does not know engine %s (any more); handshaking again",
-                                peer.address, self.engine_id)
-                    await stub.Handshake(handshake, timeout=self.config.rpc_timeout_s, metadata=md)
-
     async def disconnect(self, peer_or_address: PrefillPeer | str) -> int:
         """Forget a peer, or every peer connected to an address: close its channel (pulls in
         flight on it fail and free their blocks). A router calls it for a node gone from DNS or
@@ -178,9 +155,6 @@ class DecodeConnector:
             raise TypeError(f"disconnect takes a PrefillPeer or a 'host:port' string, got {type(peer_or_address).__name__}")
         self._peers = [p for p in self._peers if all(p is not g for g in gone)]
         for peer in gone:
-            keepalive = self._keepalives.pop(peer, None)
-            if keepalive is not None:
-                keepalive.cancel()
             await peer.close()
         if gone:
             logger.info("disconnected from %s (%d channel%s)", peer_or_address if isinstance(peer_or_address, str)
@@ -190,11 +164,6 @@ class DecodeConnector:
     async def close(self) -> None:
         """At shutdown: close every peer's channel (calls in flight on them fail) and the UCX
         worker. Requests already landed keep their blocks until released."""
-        keepalives = list(self._keepalives.values())
-        self._keepalives.clear()
-        for task in keepalives:
-            task.cancel()
-        await asyncio.gather(*keepalives, return_exceptions=True)
         for peer in self._peers:
             await peer.close()
         self._peers.clear()

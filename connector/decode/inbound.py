@@ -22,14 +22,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 import kernels
 from connector import prefill_api as pb
-from connector.decode.landed import PrefillGrant, TransferTimes
+from connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from connector.shared import regions
 from connector.shared.dcp_plan import plan_dcp_transfer
 from connector.shared.errors import StatusError, rpc_failure
@@ -41,27 +40,6 @@ from connector.shared.wire import Transport, ring_from
 from kvcache import BlockLayout, CachePool, DcpShard
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PullTimeline:
-    """Where one pull's time went, in milliseconds, from planning to the bytes in place: ``post``
-    planning and posting the receives, ``control`` from the Pull call until the prefill node's
-    grant message arrived, ``wire`` until the sender's PullDone (the gRPC stream: landing its
-    chunks too), ``completion`` until every UCX receive completed after that, ``verify`` the
-    integrity check and the conversion from the peer's block order. A UCX pull without integrity
-    waits on its receives alone: ``control`` and ``completion`` are 0, ``wire`` runs from the Pull
-    call to the last receive landed."""
-
-    control_ms: float
-    post_ms: float
-    wire_ms: float
-    completion_ms: float
-    verify_ms: float
-
-    @property
-    def total_ms(self) -> float:
-        return self.control_ms + self.post_ms + self.wire_ms + self.completion_ms + self.verify_ms
 
 
 class Landing:

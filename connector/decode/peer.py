@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections import Counter
 
 import grpc
 
@@ -15,15 +15,15 @@ from connector import prefill_api as pb
 from connector.shared.auth import auth_metadata
 from connector.shared.compat import arrangement
 from connector.shared.errors import StatusError, rpc_failure
-from connector.decode.landed import LandedRequest, PrefillGrant, TransferTimes
+from connector.decode.grant import PrefillGrant, TransferTimes
+from connector.decode.landed import LandedRequest
 from connector.decode.inbound import InboundPull, Landing
+from connector.decode.keep_alive import KeepAlive
+from connector.decode.peer_context import PeerContext
 from connector.shared.pull_frames import pull_method
 from connector.decode.pull_session import PullSession
 from connector.shared.wire import Transport, ring_from, transports_from
 from kvcache import BlockLayout, CacheAllocation, DcpShard
-
-if TYPE_CHECKING:
-    from connector.decode.connector import DecodeConnector
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +31,26 @@ RELEASE_SOON_TIMEOUT_S = 2.0  # deadline of a background Release (``release_soon
 
 
 class PrefillPeer:
-    """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect``;
-    closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the peer's block
-    layout: ours, or ours arranged otherwise (block size, order, kernel page; then ``repacks`` is True).
+    """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect`` with the
+    node's ``PeerContext``; closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the
+    peer's block layout: ours, or ours arranged otherwise (block size, order, kernel page; then
+    ``repacks`` is True).
+
+    The peer runs one liveness loop (``keep_alive``, ``connector.decode.keep_alive``): a Heartbeat every
+    ``heartbeat_interval_s`` (at most a third of the prefill node's lease) renewing the grants it is
+    pulling, and a new Handshake when the prefill node says it forgot this engine; it ends with the peer.
 
     A caller cancelled while it waits on this node leaves the node no grant to expire: a Prefill
     is cancelled (or, if it was granted already, its grant released); a pull retires its receives
     and releases its grant in the background (``release_soon``)."""
 
-    def __init__(self, connector: "DecodeConnector", address: str, channel: grpc.aio.Channel,
-                 response: pb.HandshakeResponse, layout: BlockLayout) -> None:
-        self.connector = connector
+    def __init__(self, context: PeerContext, address: str, channel: grpc.aio.Channel,
+                 response: pb.HandshakeResponse, layout: BlockLayout, *, handshake: pb.HandshakeRequest) -> None:
+        self.context = context
         self.address = address
         self.engine_id = response.engine_id
         self.layout = layout
-        self.repacks = layout.layout_hash != connector.pool.layout.layout_hash
+        self.repacks = layout.layout_hash != context.pool.layout.layout_hash
         self.closed = False
         self.transports = transports_from(response.transports)
         self._channel = channel
@@ -57,6 +62,12 @@ class PrefillPeer:
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
         self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
+        self._pulling: Counter[str] = Counter()  # grants being pulled (the keep-alive renews them)
+        lease_s = response.lease_ms / 1000 or context.config.lease_s
+        self.keep_alive = KeepAlive(self._stub, handshake, context.config, address=address,
+                                    period_s=min(context.config.heartbeat_interval_s, lease_s / 3),
+                                    grants=lambda: list(self._pulling))
+        self.keep_alive.start()
 
     @property
     def busy(self) -> bool:
@@ -76,7 +87,7 @@ class PrefillPeer:
 
     @property
     def _md(self):
-        return auth_metadata(self.connector.config.peer_token)
+        return auth_metadata(self.context.config.peer_token)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -100,7 +111,7 @@ class PrefillPeer:
         A DCP decode instance names its ranks' engine ids (``dcp_engine_ids``, this connector's
         first) and its interleave: each rank then pulls and releases its own share."""
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                engine_id=self.connector.engine_id, pipelined=pipelined,
+                                engine_id=self.context.engine_id, pipelined=pipelined,
                                 dcp_engine_ids=list(dcp_engine_ids), dcp_interleave=dcp_interleave)
         self._check_open(f"Prefill of {request_id}")
         call = asyncio.ensure_future(self._prefill_call(req))
@@ -124,7 +135,7 @@ class PrefillPeer:
     async def _prefill_call(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         try:
             with self._call():
-                return await self._stub.Prefill(req, timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+                return await self._stub.Prefill(req, timeout=self.context.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Prefill of {req.request_id} on {self.address}") from None
 
@@ -159,7 +170,7 @@ class PrefillPeer:
         waits for the answer without cancelling the Release if the waiter is cancelled. The peer
         stays ``busy`` until the task ends; ``close`` cancels it."""
         self._open_grants.pop(grant_id, None)
-        timeout_s = min(timeout_s, self.connector.config.rpc_timeout_s)
+        timeout_s = min(timeout_s, self.context.config.rpc_timeout_s)
         task = asyncio.ensure_future(self._release_quietly(grant_id, timeout_s, dcp_rank, all_ranks))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -181,9 +192,9 @@ class PrefillPeer:
         self._open_grants.pop(grant_id, None)
         self._check_open(f"Release of {grant_id}")
         try:
-            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.connector.engine_id,
+            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.context.engine_id,
                                                            dcp_rank=dcp_rank, all_ranks=all_ranks),
-                                         timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+                                         timeout=self.context.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
         return r.released
@@ -192,17 +203,11 @@ class PrefillPeer:
         """Renew leases; returns the ids the prefill node no longer holds."""
         self._check_open("Heartbeat")
         try:
-            r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.connector.engine_id, grant_ids=list(grant_ids)),
-                                           timeout=self.connector.config.rpc_timeout_s, metadata=self._md)
+            r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.context.engine_id, grant_ids=list(grant_ids)),
+                                           timeout=self.context.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Heartbeat to {self.address}") from None
         return list(r.unknown_grant_ids)
-
-    async def _renew(self, grant_id: str) -> None:
-        while True:
-            await asyncio.sleep(self.connector.config.heartbeat_interval_s)
-            with contextlib.suppress(StatusError):
-                await self.heartbeat([grant_id])
 
     # the pull --------------------------------------------------------------------------------
     async def pull(self, grant: PrefillGrant, *, into: CacheAllocation, transport: Transport | None = None,
@@ -229,9 +234,9 @@ class PrefillPeer:
         it pulls its own share of the prompt (``connector.shared.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
         landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
-                  else self.connector.pool.config.blocks_for_tokens(grant.prompt_len))  # the prompt's (a rank's share)
+                  else self.context.pool.config.blocks_for_tokens(grant.prompt_len))  # the prompt's (a rank's share)
         if not isinstance(into, CacheAllocation) or into.released or into.ring_id is None \
-                or into.pool is not self.connector.pool or into.num_blocks < landed:
+                or into.pool is not self.context.pool or into.num_blocks < landed:
             raise ValueError(f"pull of {grant.request_id} needs a held allocation of this node's cache with a ring "
                              f"and at least {landed} blocks, got {into!r}")
         with self._call():
@@ -242,7 +247,7 @@ class PrefillPeer:
 
     def _transport_for(self, asked: Transport | None) -> Transport:
         """The transport asked for, else UCX when both sides have it; FAILED_PRECONDITION if unavailable."""
-        ucx = self.connector.ucx
+        ucx = self.context.ucx
         both_ucx = Transport.UCX in self.transports and ucx is not None
         transport = asked or (Transport.UCX if both_ucx else Transport.GRPC_STREAM)
         if transport not in self.transports or (transport is Transport.UCX and ucx is None):
@@ -252,7 +257,7 @@ class PrefillPeer:
 
     async def _pull_and_release(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport | None,
                                 integrity: bool, release: bool, dcp: DcpShard | None) -> LandedRequest:
-        c = self.connector
+        c = self.context
         self._check_open(f"Pull of {grant.request_id}")
         if dcp is not None and self.repacks:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"a DCP rank pulls only from a prefill node of its "
@@ -260,8 +265,8 @@ class PrefillPeer:
                               f"this rank {arrangement(c.pool.layout)}")
         transport = self._transport_for(transport)
         started = time.perf_counter()
-        heartbeat = asyncio.create_task(self._renew(grant.grant_id))
-        budget = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # + the compute
+        self._pulling[grant.grant_id] += 1  # the keep-alive renews its lease while it is pulled
+        budget = c.config.pull_budget_s(computing=grant.pipelined)
         try:
             pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, dcp), budget)
         except BaseException as exc:
@@ -274,7 +279,9 @@ class PrefillPeer:
                                   f"did not finish in {budget} s") from None
             raise
         finally:
-            heartbeat.cancel()
+            self._pulling[grant.grant_id] -= 1
+            if self._pulling[grant.grant_id] <= 0:
+                del self._pulling[grant.grant_id]
         seconds = time.perf_counter() - started
         c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
         times = pull.times or TransferTimes(prefill_ms=grant.prefill_ms, transfer_ms=seconds * 1000,
@@ -295,7 +302,7 @@ class PrefillPeer:
                     integrity: bool, dcp: DcpShard | None) -> InboundPull:
         """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
         the allocation; the finished pull (its plan and timeline)."""
-        c = self.connector
+        c = self.context
         landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
                   else c.pool.config.blocks_for_tokens(grant.prompt_len))
         landing = Landing(c.pool, self.layout, allocation.block_ids[:landed],
@@ -304,7 +311,7 @@ class PrefillPeer:
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
-        deadline_s = c.config.transfer_timeout_s + (c.config.rpc_timeout_s if grant.pipelined else 0.0)  # the pull's budget
+        deadline_s = c.config.pull_budget_s(computing=grant.pipelined)
         session = self._session if transport is Transport.UCX and self._session is not None else None
         pull = InboundPull((lambda: session.open(req)) if session is not None else
                            (lambda: self._pull(req, timeout=deadline_s, metadata=self._md)),
@@ -318,6 +325,7 @@ class PrefillPeer:
         """Close the channel (idempotent); calls in flight on it fail with CANCELLED, background
         ones (``release_soon``, abandoned Prefills) are cancelled."""
         self.closed = True
+        await self.keep_alive.stop()
         for task in list(self._background):
             task.cancel()
         if self._session is not None:

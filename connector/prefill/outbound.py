@@ -25,7 +25,8 @@ from connector import prefill_api as pb
 from connector.prefill.leases import Grant
 from connector.shared import pull_frames, regions
 from connector.shared.plan import TransferPlan
-from connector.shared.ucx import LentEndpoint, UcxNode, UcxSendError, region_tag
+from connector.prefill.ucx_link import LentEndpoint, UcxLink
+from connector.shared.ucx import UcxSendError, region_tag
 from connector.shared.wire import Transport, ring_message
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,14 @@ class SendClock:
 
 class OutboundPull:
     """One Pull of ``grant``, used once. ``sends`` are the UCX sends started, on ``endpoint`` (lent to
-    this pull); the caller's ``stop_sends`` ends them and the loan when the stream ends."""
+    this pull by ``link``, the engine's); the caller's ``stop_sends`` ends them and the loan when the
+    stream ends."""
 
     def __init__(self, grant: Grant, plan: TransferPlan, views: Sequence[torch.Tensor], ready: Sequence[int], *,
-                 transport: Transport, engine_id: str, ucx: UcxNode | None, tag_base: int, chunk_bytes: int,
+                 transport: Transport, engine_id: str, link: UcxLink | None, tag_base: int, chunk_bytes: int,
                  integrity: bool, deadline: float) -> None:
         self.grant, self.plan, self.views, self.ready = grant, plan, list(views), list(ready)
-        self.transport, self.engine_id, self.ucx, self.tag_base = transport, engine_id, ucx, tag_base
+        self.transport, self.engine_id, self.link, self.tag_base = transport, engine_id, link, tag_base
         self.chunk_bytes, self.integrity, self.deadline = chunk_bytes, integrity, deadline
         self.sends: list[asyncio.Future] = []
         self.endpoint: LentEndpoint | None = None
@@ -132,8 +134,7 @@ class OutboundPull:
 
     async def _send(self, index: int) -> None:
         started = time.perf_counter()
-        await self.ucx.send(self.engine_id, [self.views[index]], region_tag(self.tag_base, index),
-                            endpoint=self.endpoint)
+        await self.endpoint.send([self.views[index]], region_tag(self.tag_base, index))
         self.clock.add(index, started, time.perf_counter())
 
     def _start_ready_sends(self, index: int) -> int:
@@ -150,7 +151,10 @@ class OutboundPull:
         self._prefill_outcome()
         index = 0
         if self.transport is Transport.UCX:  # the decode node posted its receives before calling Pull
-            self.endpoint = await self.ucx.lend(self.engine_id)
+            try:
+                self.endpoint = await self.link.lend()
+            except UcxSendError as exc:  # the engine was forgotten, or handshook anew, since the pull began
+                raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
             index = self._start_ready_sends(0)
         yield pb.PullResponse(grant=pb.PullGrant(
             src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),

@@ -126,6 +126,12 @@ class ConnectorConfig:
     def heartbeat_interval_s(self) -> float:
         return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
 
+    def pull_budget_s(self, *, computing: bool) -> float:
+        """How long one pull may take, from its Pull call to its last byte: ``transfer_timeout_s``, plus
+        ``rpc_timeout_s`` (the compute's own deadline) while its prompt is still being computed (a
+        pipelined grant). Both nodes bound a pull by it: the prefill node its sends, the decode node its wait."""
+        return self.transfer_timeout_s + (self.rpc_timeout_s if computing else 0.0)
+
     def grpc_options(self) -> list[tuple[str, int]]:
         return [
             ("grpc.max_receive_message_length", self.max_message_bytes),

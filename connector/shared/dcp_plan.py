@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from connector.shared.plan import PoolKind, Region, RegionPair, RingRange, TransferPlan, plan_transfer, ring_live_range
+from connector.shared.plan import (PoolKind, Region, RegionPair, RingRange, TransferPlan, check_ids, plan_transfer,
+                                   ring_live_range)
 from kvcache import BlockLayout, DcpConfig, DcpShard, FieldGeometry, FieldKind
 
 
@@ -87,13 +88,11 @@ def plan_dcp_transfer(layout: BlockLayout, src_blocks: Sequence[int], dst_blocks
     if len(dst_blocks) != need:
         raise ValueError(f"rank {shard.rank} of {shard.size} lands a {prompt_len}-token prompt in {need} blocks, "
                          f"got {len(dst_blocks)}")
-    # the id and ring checks, and the ring's pieces, are plan_transfer's
-    ring_only = plan_transfer(layout, [], [], src_ring, dst_ring, live, src_num_blocks=src_num_blocks,
-                              dst_num_blocks=dst_num_blocks, src_num_rings=src_num_rings, dst_num_rings=dst_num_rings)
-    plan_transfer(layout, list(src_blocks), list(src_blocks), src_ring, src_ring, RingRange(0, 0),
-                  src_num_blocks=src_num_blocks, dst_num_blocks=src_num_blocks)
-    plan_transfer(layout, list(dst_blocks), list(dst_blocks), dst_ring, dst_ring, RingRange(0, 0),
-                  src_num_blocks=dst_num_blocks, dst_num_blocks=dst_num_blocks)
+    check_ids("source blocks", src_blocks, src_num_blocks)
+    check_ids("destination blocks", dst_blocks, dst_num_blocks)
+    # the ring checks and the ring's pieces are plan_transfer's (no blocks: nothing else is planned)
+    ring_only = plan_transfer(layout, [], [], src_ring, dst_ring, live, src_num_rings=src_num_rings,
+                              dst_num_rings=dst_num_rings)
     own_prompt = shard.owned_tokens(prompt_len)
     complete_end = prompt_len // kpool * kpool
     states = config.family_spec.entries_per_block

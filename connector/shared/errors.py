@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kvcache import CacheExhaustedError  # the node cache's: the connector answers it RESOURCE_EXHAUSTED
 
-__all__ = ["CacheExhaustedError", "EngineUnavailable", "StatusError", "rpc_failure", "status_code"]
+__all__ = ["CacheExhaustedError", "EngineUnavailable", "StatusError", "rpc_failure", "status_code", "status_of"]
 
 
 class StatusError(Exception):
@@ -36,3 +38,27 @@ class EngineUnavailable(Exception):
     """Raised by ``PrefillEngine.prefill`` when the engine cannot take requests now (draining,
     warming up, its device lost); the connector frees what was allocated and answers
     UNAVAILABLE with the message, so that a decode node tries another prefill node."""
+
+
+def status_of(exc: BaseException, what: str) -> StatusError:
+    """The one mapping from an exception to the status its caller is answered with, the message prefixed
+    with ``what`` (who failed at what): a StatusError as it is; a failed gRPC call its own code and details;
+    ``CacheExhaustedError`` RESOURCE_EXHAUSTED; ``EngineUnavailable`` UNAVAILABLE; ``ValueError`` and
+    ``TypeError`` (bad input) INVALID_ARGUMENT; a time-out DEADLINE_EXCEEDED; anything else INTERNAL,
+    naming the exception's type. Cancellation is not a status: callers let ``CancelledError`` through."""
+    if isinstance(exc, StatusError):
+        return exc
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return rpc_failure(exc, what)
+    for kinds, code in _CODES:
+        if isinstance(exc, kinds):
+            return StatusError(code, f"{what}: {exc}")
+    return StatusError(grpc.StatusCode.INTERNAL, f"{what}: {type(exc).__name__}: {exc}")
+
+
+_CODES: tuple[tuple[type | tuple[type, ...], grpc.StatusCode], ...] = (
+    (CacheExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    ((ValueError, TypeError), grpc.StatusCode.INVALID_ARGUMENT),
+    ((asyncio.TimeoutError, TimeoutError), grpc.StatusCode.DEADLINE_EXCEEDED),
+)

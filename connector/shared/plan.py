@@ -77,7 +77,9 @@ def ring_live_range(config: CacheConfig, prompt_len: int) -> RingRange:
     return RingRange(start_slot=start % config.ring_slots if count else 0, num_slots=count)
 
 
-def _check_ids(name: str, ids: Sequence[int], limit: int) -> None:
+def check_ids(name: str, ids: Sequence[int], limit: int | None) -> None:
+    """ValueError naming the id for an id outside [0, limit) (no bound when ``limit`` is None) or one given twice."""
+    limit = limit or 1 << 62
     seen: set[int] = set()
     for i in ids:
         if not isinstance(i, int) or not 0 <= i < limit:
@@ -112,11 +114,10 @@ def plan_transfer(
         raise ValueError(f"piece_blocks must be an integer >= 0, got {piece_blocks!r}")
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
-    big = 1 << 62
-    _check_ids("source blocks", src_blocks, src_num_blocks or big)
-    _check_ids("destination blocks", dst_blocks, dst_num_blocks or big)
-    _check_ids("source ring", [src_ring], src_num_rings or big)
-    _check_ids("destination ring", [dst_ring], dst_num_rings or big)
+    check_ids("source blocks", src_blocks, src_num_blocks)
+    check_ids("destination blocks", dst_blocks, dst_num_blocks)
+    check_ids("source ring", [src_ring], src_num_rings)
+    check_ids("destination ring", [dst_ring], dst_num_rings)
     if not 0 <= live.num_slots <= layout.ring_slots or not 0 <= live.start_slot < layout.ring_slots:
         raise ValueError(f"ring range {live} does not fit a ring of {layout.ring_slots} slots")
 

@@ -8,8 +8,8 @@ a pair while the sender keeps the other, the sender's later rendezvous messages 
 to answer them and large transfers fail or hang. With endpoints on one side only, either side
 may fail, drop or restart without the other noticing: a sender that drops its endpoint makes a
 fresh one (UCX wires it up anew), and the receiver has nothing to drop. A sender may hold several
-endpoints to one peer: each pull sends on one lent to it alone (``UcxNode.lend``), so that aborting
-it, which is how a pull's sends in flight are stopped, stops no other pull's.
+endpoints to one peer: each pull sends on one lent to it alone (``connector.prefill.ucx_link``), so
+that aborting it, which is how a pull's sends in flight are stopped, stops no other pull's.
 
 Endpoint error handling is off, so that UCX may use shared memory; peer failure is the control
 plane's job (deadlines, leases, heartbeats). Messages are tag-matched with ``force_tag``: region
@@ -17,7 +17,7 @@ i of a pull travels under ``tag_base + i``, where the decode node draws ``tag_ba
 each pull.
 
 A worker address comes from the wire, and UCX trusts it: a malformed one aborts the process. So a
-peer's address reaches ``connect`` only after ``vet``: a structural check of its bytes
+peer's address reaches ``endpoint_to`` only after ``vet``: a structural check of its bytes
 (``connector.prefill.ucx_address``), then a first endpoint made in a child process (``connector.prefill.ucx_probe``),
 which UCX may take down instead of the daemon.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -122,40 +121,13 @@ class ReceiveBatch:
         await asyncio.gather(*(asyncio.shield(f) for f in self.futures))
 
 
-class LentEndpoint:
-    """An endpoint to ``peer`` lent to one pull (``UcxNode.lend``): no other pull sends on it while it is
-    lent, so ``abort`` stops this pull's sends in flight and no other's. The pull ends the loan once,
-    with ``abort`` (a send may still run) or ``give_back`` (none runs: a later pull may use it); later
-    calls of either do nothing, and ``endpoint`` is None from then on."""
-
-    __slots__ = ("node", "peer", "endpoint")
-
-    def __init__(self, node: "UcxNode", peer: str, endpoint) -> None:
-        self.node, self.peer, self.endpoint = node, peer, endpoint
-
-    def abort(self, reason: str = "") -> bool:
-        """Abort the endpoint now, cancelling its requests in flight: once this returns no send on it
-        reads its buffers. False if the loan had ended, or ``UcxNode.drop`` aborted it already."""
-        ep, self.endpoint = self.endpoint, None
-        return ep is not None and self.node._abort(self.peer, ep, reason)
-
-    def give_back(self) -> None:
-        ep, self.endpoint = self.endpoint, None
-        if ep is not None and ep in self.node._endpoints.get(self.peer, ()):  # not dropped meanwhile
-            self.node._idle.setdefault(self.peer, []).append(ep)
-
-    def __repr__(self) -> str:
-        return f"LentEndpoint(peer={self.peer!r}, lent={self.endpoint is not None})"
-
-
 class UcxNode:
     """The process's ucxx worker (ucxx keeps one per process) and our endpoints to the peers we
     send to. Create it inside the running event loop that will await its transfers.
 
-    Sender side: ``vet`` a peer's worker address from the wire, ``connect`` to it (the endpoint
-    becomes the peer's only once made), ``lend`` an endpoint to a pull and ``send`` on it; a failed or
-    cancelled send aborts the endpoint it used (cancelling its requests) and a later ``lend`` makes a
-    fresh one from the same address.
+    Sender side: ``vet`` a peer's worker address from the wire, make endpoints to it (``endpoint_to``)
+    and ``send_on`` them; which endpoints a peer has, and which pull holds each, is its link's
+    (``connector.prefill.ucx_link.UcxLink``).
     Receiver side: ``post_receives`` on the worker, and ``abandon`` the receives of a pull that
     failed, so that nothing lands in its memory once it is reused.
     """
@@ -168,10 +140,6 @@ class UcxNode:
         except RuntimeError:
             logger.info("ucxx already initialised in this process; keeping its options")
         self.address: bytes = bytes(self._ucxx.get_worker_address())
-        self._addresses: dict[str, bytes] = {}
-        self._endpoints: dict[str, list] = {}  # peer -> its endpoints, lent or idle
-        self._idle: dict[str, list] = {}  # peer -> its endpoints that no pull holds
-        self._send_failed: dict[str, float] = {}  # peer -> when its last send failed (monotonic)
         self._lock = asyncio.Lock()
         self._self_endpoint = None
         self._probe: UcxProbe | None = None
@@ -199,7 +167,7 @@ class UcxNode:
         self._probe.start()
 
     async def vet(self, address: bytes, timeout_s: float) -> None:
-        """Check a worker address from the wire before ``connect`` may hand it to UCX here.
+        """Check a worker address from the wire before ``endpoint_to`` may hand it to UCX here.
 
         First its bytes (``check_worker_address``), then, for an address not vetted before, a first
         endpoint made by the probe child. Returns when UCX reached it there. Raises
@@ -235,104 +203,24 @@ class UcxNode:
         if self._probe is not None:
             await self._probe.close()
 
-    def knows(self, peer: str) -> bool:
-        return peer in self._addresses
-
-    async def connect(self, peer: str, address: bytes) -> bool:
-        """Make the endpoint to ``peer`` at a vetted ``address``, then make it the peer's (dropping
-        an endpoint to an older address). Nothing about ``peer`` changes unless this succeeds: on any
-        failure (or cancellation) the peer keeps its old address and endpoint, and the error
-        propagates. Returns False when ``address`` already was the peer's, with an endpoint (kept)."""
-        address = bytes(address)
+    async def endpoint_to(self, address: bytes):
+        """A new ucxx endpoint to a vetted worker ``address`` (endpoint error handling off). Endpoints are
+        made one at a time; the caller owns it (``connector.prefill.ucx_link`` keeps a decode engine's)."""
         async with self._lock:
-            if self._addresses.get(peer) == address and self._endpoints.get(peer):
-                return False
-            ep = await self._ucxx.create_endpoint_from_worker_address(
-                self._ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False)
-            if self._addresses.get(peer, address) != address:
-                self.drop(peer, reason="the peer's worker address changed")
-            else:
-                self.drop(peer)
-            self._addresses[peer], self._endpoints[peer], self._idle[peer] = address, [ep], [ep]
-            self._send_failed.pop(peer, None)
-            return True
+            return await self._ucxx.create_endpoint_from_worker_address(
+                self._ucxx.get_ucx_address_from_buffer(bytes(address)), endpoint_error_handling=False)
 
-    def forget(self, peer: str) -> None:
-        """Drop the endpoints to ``peer`` and its recorded worker address (idempotent)."""
-        self.drop(peer)
-        self._addresses.pop(peer, None)
-        self._send_failed.pop(peer, None)
-
-    def send_failed_at(self, peer: str) -> float | None:
-        """When (``time.monotonic()``) the last send to ``peer`` failed, if no send or connect succeeded since."""
-        return self._send_failed.get(peer)
-
-    def peers(self) -> tuple[str, ...]:
-        """The peers whose worker address is recorded."""
-        return tuple(self._addresses)
-
-    async def lend(self, peer: str) -> LentEndpoint:
-        """An endpoint to ``peer`` for one pull's sends alone: one that no pull holds, else a new one (UCX
-        wires it up on its first message). KeyError for a peer without a recorded worker address."""
-        async with self._lock:
-            if self._idle.get(peer):
-                return LentEndpoint(self, peer, self._idle[peer].pop())
-            if peer not in self._addresses:
-                raise KeyError(f"no UCX worker address for peer {peer!r}; it must handshake first")
-            address = self._ucxx.get_ucx_address_from_buffer(self._addresses[peer])
-            ep = await self._ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
-            self._endpoints.setdefault(peer, []).append(ep)
-            return LentEndpoint(self, peer, ep)
-
-    def drop(self, peer: str, *, reason: str = "") -> bool:
-        """Abort every endpoint to ``peer``, lent or not (idempotent), cancelling their requests in
-        flight. A ``reason`` is logged as a warning."""
-        endpoints = self._endpoints.pop(peer, [])
-        self._idle.pop(peer, None)
-        if endpoints and reason:
-            logger.warning("aborting UCX endpoints to %s (%s); their sends in flight are cancelled", peer, reason)
-        for ep in endpoints:
-            ep.abort(period=10**9)
-        return bool(endpoints)
-
-    def _abort(self, peer: str, ep, reason: str) -> bool:
-        """``LentEndpoint.abort``: abort this one endpoint of ``peer`` (if ``drop`` did not already)."""
-        if ep not in self._endpoints.get(peer, ()):
-            return False
-        self._endpoints[peer].remove(ep)
-        if reason:
-            logger.warning("aborting a UCX endpoint to %s (%s); its sends in flight are cancelled", peer, reason)
-        ep.abort(period=10**9)
-        return True
-
-    async def send(self, peer: str, views: Sequence[torch.Tensor], tag_base: int, *,
-                   endpoint: LentEndpoint | None = None) -> None:
-        """Send ``views[i]`` under ``tag_base + i``, all at once, on ``endpoint`` (lent to the caller's
-        pull), else on one lent for this call; returns when all completed. On any failure or
-        cancellation the endpoint used is aborted, so that no send keeps reading ``views`` afterwards
-        (a lent one: the sends of its pull alone); a failure in UCX is raised as ``UcxSendError``."""
-        lent = endpoint or await self.lend(peer)
-        ep = lent.endpoint
+    async def send_on(self, ep, views: Sequence[torch.Tensor], tag_base: int, *, peer: str = "") -> None:
+        """Send ``views[i]`` on endpoint ``ep`` under ``tag_base + i``, all at once; returns when all completed.
+        A failure in UCX is raised as ``UcxSendError`` (naming ``peer``); the caller aborts ``ep`` on any
+        failure or cancellation, so that no send keeps reading ``views`` afterwards."""
+        if ep is None or ep.closed:
+            raise UcxSendError(f"UCX send to {peer}: its endpoint was aborted")
         try:
-            if ep is None or ep.closed:
-                raise UcxSendError(f"UCX send to {peer}: its endpoint was aborted")
             await asyncio.gather(*(ep.send(ucx_buffer(v), tag=region_tag(tag_base, i), force_tag=True)
                                    for i, v in enumerate(views)))
-        except BaseException as exc:
-            self._send_failed[peer] = time.monotonic()
-            lent.abort(reason=f"a send failed: {type(exc).__name__}")
-            if isinstance(exc, self._ucxx.exceptions.UCXError):
-                raise UcxSendError(f"UCX send to {peer} failed: {type(exc).__name__}: {exc}") from exc
-            raise
-        finally:
-            if endpoint is None:
-                lent.give_back()
-        self._send_failed.pop(peer, None)
-
-    async def warm_up(self, peer: str, tag: int) -> None:
-        """Send an empty message to ``peer`` under ``tag``: UCX wires a new endpoint up on its first
-        message, so the first pull does not pay for it. Fails as ``send`` does."""
-        await self.send(peer, [torch.empty(0, dtype=torch.uint8)], tag)
+        except self._ucxx.exceptions.UCXError as exc:
+            raise UcxSendError(f"UCX send to {peer} failed: {type(exc).__name__}: {exc}") from exc
 
     # receiver side -----------------------------------------------------------------------
     def post_receives(self, views: Sequence[torch.Tensor], tag_base: int) -> ReceiveBatch:
@@ -372,11 +260,10 @@ class UcxNode:
             return self._self_endpoint
 
     def close(self) -> None:
-        """Abort every endpoint and end the probe child (idempotent)."""
+        """Abort the loopback endpoint and end the probe child (idempotent); the endpoints to peers are
+        their links' (``connector.prefill.ucx_link``), closed with them."""
         if self._probe is not None:
             self._probe.kill()
-        for peer in list(self._endpoints):
-            self.drop(peer)
         if self._self_endpoint is not None:
             self._self_endpoint.abort(period=10**9)
             self._self_endpoint = None

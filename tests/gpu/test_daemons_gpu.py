@@ -16,7 +16,7 @@ import torch
 
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated

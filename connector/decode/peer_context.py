@@ -1,0 +1,25 @@
+"""What a decode node's ``PrefillPeer`` needs of its node: the pool it lands into, its engine id, its
+connector settings, metrics and UCX worker. The ``DecodeConnector`` makes one for its peers; a peer never
+reaches back into the connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from connector.shared.config import ConnectorConfig
+from connector.shared.metrics import ConnectorMetrics
+from connector.shared.ucx import UcxNode
+from kvcache import CachePool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerContext:
+    """The decode node as its peers see it: ``pool`` (the cache the pulls land into: allocations of it are
+    the caller's), ``engine_id`` (the name every call to a prefill node carries), ``config``, ``metrics``
+    and ``ucx`` (the node's UCX worker, None without UCX)."""
+
+    pool: CachePool
+    engine_id: str
+    config: ConnectorConfig
+    metrics: ConnectorMetrics
+    ucx: UcxNode | None = None

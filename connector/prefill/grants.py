@@ -1,0 +1,136 @@
+"""The grants a prefill node holds: who may pull, release or renew each, their reaping and freeing, and the
+Release and Heartbeat RPCs.
+
+A grant belongs to the handshaken decode engine whose Prefill made it (``PrefillRequest.engine_id``), or to
+the ranks of the DCP instance it named: Pull, Release and Heartbeat naming another engine's grant are
+refused PERMISSION_DENIED and touch nothing (no byte sent, no lease renewed or released). A grant is freed
+(the engine's allocation released, a computation still running stopped first) once it was released or its
+lease ran out and no pull reads it; the reaper (``run_reaper``) looks every tenth of a lease, and also
+forgets the decode engines gone silent (``DecodeEngineTable.forget_silent``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from connector import prefill_api as pb
+from connector.prefill.decode_engines import DecodeEngineTable
+from connector.prefill.handshake import MAX_ID_CHARS
+from connector.prefill.leases import Grant, LeaseTable
+from connector.shared.config import ConnectorConfig
+from connector.shared.errors import StatusError
+from connector.shared.metrics import ConnectorMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class GrantKeeper:
+    """The node's grants under lease (``leases``). Not thread-safe: the node's event loop only."""
+
+    def __init__(self, config: ConnectorConfig, metrics: ConnectorMetrics, engines: DecodeEngineTable) -> None:
+        self.config, self.metrics, self.engines = config, metrics, engines
+        self.leases = LeaseTable(config.lease_s)
+        self._reaper: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    # freeing -----------------------------------------------------------------------------
+    def free(self, grant: Grant) -> None:
+        """Release a grant's allocation (the engine's handle); a computation still running is stopped first
+        (the engine writes nothing into it afterwards that a later request could read: see
+        ``connector.prefill.engine``)."""
+        if grant.computing:
+            grant.failure = grant.failure or "its grant was freed"
+            grant.prefill.cancel()
+        grant.progress.release()
+
+    def reap(self) -> int:
+        """Free expired and released grants that no pull reads; returns how many expired."""
+        expired = 0
+        for grant in self.leases.take_expired():
+            if not grant.release_requested:
+                expired += 1
+                self.metrics.leases_expired.inc()
+                logger.warning("lease of grant %s (request %s) expired; freeing %d blocks",
+                               grant.grant_id, grant.request_id, len(grant.block_ids))
+            self.free(grant)
+        return expired
+
+    def start_reaper(self) -> None:
+        """Start the reaper task on the running loop (idempotent)."""
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
+
+    async def stop(self) -> None:
+        """Stop the reaper and free every grant (idempotent). The caller stopped the server first, so that
+        no RPC reads the blocks being freed."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
+        for grant in self.leases.pop_all():
+            self.free(grant)
+
+    async def _reap_forever(self) -> None:
+        period = min(max(self.config.lease_s / 10, 0.02), 1.0)
+        while True:
+            await asyncio.sleep(period)
+            self.reap()
+            self.engines.forget_silent()
+
+    # who may touch a grant ---------------------------------------------------------------
+    @staticmethod
+    def pulls_as(grant: Grant, engine_id: str, dcp_rank: int) -> bool:
+        """Whether ``engine_id`` (as DCP rank ``dcp_rank``) may pull or release (its share of) ``grant``."""
+        if not grant.dcp_engine_ids:
+            return grant.engine_id == engine_id
+        return dcp_rank < len(grant.dcp_engine_ids) and grant.dcp_engine_ids[dcp_rank] == engine_id
+
+    def foreign(self, what: str, engine_id: str, count: int = 1) -> StatusError:
+        """PERMISSION_DENIED, counted and logged: ``engine_id`` named ``count`` grants made for another
+        engine (which one is not said)."""
+        self.metrics.failures.labels("foreign_grant").inc()
+        logger.warning("%s by engine %r refused: %d grant%s of another engine", what, engine_id[:MAX_ID_CHARS], count,
+                       "" if count == 1 else "s")
+        return StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"{what}: {count} grant{'' if count == 1 else 's'} not made for engine "
+                           f"{engine_id[:MAX_ID_CHARS]!r}")
+
+    # RPCs --------------------------------------------------------------------------------
+    def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        """The Release RPC: the grant (a DCP rank's share, or every rank's) is released and freed once no
+        pull reads it; a computation still running is stopped. False for an unknown grant; StatusError
+        PERMISSION_DENIED for another engine's."""
+        grant = self.leases.live(request.grant_id)
+        if grant is None:
+            return pb.ReleaseResponse(released=False)
+        if not self.pulls_as(grant, request.engine_id, request.dcp_rank) or (request.all_ranks and request.dcp_rank != 0):
+            raise self.foreign("Release", request.engine_id)
+        if grant.dcp_engine_ids and not request.all_ranks:
+            grant.release_rank(request.dcp_rank)
+        else:
+            grant.release_requested = True
+        if grant.release_requested and grant.computing:  # nobody wants the rest of the prompt: a pull still
+            grant.failure = "its grant was released"      # reading it fails at once
+            grant.prefill.cancel()
+        self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
+        return pb.ReleaseResponse(released=True)
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """The Heartbeat RPC: renew the grants named (checked first: a refused call renews none), note the
+        engine heard from, and say which grants are gone and whether the engine is known."""
+        if len(request.grant_ids) > self.config.max_grants:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
+        foreign = [g for g in request.grant_ids
+                   if (grant := self.leases.live(g)) is not None and not grant.owned_by(request.engine_id)]
+        if foreign:
+            raise self.foreign("Heartbeat", request.engine_id, len(foreign))
+        unknown = [g for g in request.grant_ids if not self.leases.renew(g)]
+        self.engines.heard_from(request.engine_id)
+        return pb.HeartbeatResponse(unknown_grant_ids=unknown, lease_ms=int(self.config.lease_s * 1000),
+                                    engine_unknown=request.engine_id not in self.engines)

@@ -1,0 +1,81 @@
+"""The prefill node's one record per decode engine (connector.prefill.decode_engines): a Handshake's
+record replaces the earlier one whole, forgetting an engine closes its UCX link (its endpoints), and
+silence is measured per record."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.prefill.decode_engines import (FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES, DecodeEngine,
+                                              DecodeEngineTable)
+from connector.prefill.ucx_link import UcxLink
+from connector.shared.wire import Transport
+
+UCX, GRPC = Transport.UCX, Transport.GRPC_STREAM
+
+
+class Endpoint:
+    """Stands in for a ucxx endpoint: records its abort."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self, period: int = 0) -> None:
+        self.aborted = True
+
+
+def link_to(engine_id: str, address: bytes, endpoints: int = 1) -> tuple[UcxLink, list[Endpoint]]:
+    link = UcxLink(node=None, engine_id=engine_id, address=address)
+    made = [Endpoint() for _ in range(endpoints)]
+    link._endpoints, link._idle = list(made), list(made)
+    return link, made
+
+
+def test_a_handshake_replaces_the_record_whole_and_closes_the_old_link():
+    table = DecodeEngineTable(lease_s=1.0)
+    old, old_eps = link_to("d", b"addr-1", endpoints=2)
+    table.admit(DecodeEngine("d", frozenset({UCX, GRPC}), old, heard_at=5.0))
+    new, new_eps = link_to("d", b"addr-2")
+    table.admit(DecodeEngine("d", frozenset({UCX}), new, heard_at=7.0))
+    record = table.get("d")
+    assert record.transports == {UCX} and record.ucx_address == b"addr-2" and record.heard_at == 7.0
+    assert old.closed and all(ep.aborted for ep in old_eps) and old.endpoints == ()
+    assert not new.closed and not any(ep.aborted for ep in new_eps)
+    assert table.ids() == ("d",) and len(table) == 1
+
+
+def test_a_rehandshake_that_keeps_the_link_keeps_its_endpoints():
+    table = DecodeEngineTable(lease_s=1.0)
+    link, eps = link_to("d", b"addr")
+    table.admit(DecodeEngine("d", frozenset({UCX}), link))
+    table.admit(DecodeEngine("d", frozenset({UCX, GRPC}), link))
+    assert table.get("d").transports == {UCX, GRPC} and not link.closed and not eps[0].aborted
+
+
+def test_forgetting_an_engine_drops_its_record_and_its_endpoints():
+    table = DecodeEngineTable(lease_s=1.0)
+    link, eps = link_to("d", b"addr", endpoints=3)
+    table.admit(DecodeEngine("d", frozenset({UCX}), link))
+    assert table.forget("d", "test") is True
+    assert "d" not in table and table.get("d") is None and link.closed and all(ep.aborted for ep in eps)
+    assert table.forget("d", "again") is False  # idempotent
+    assert not DecodeEngine("e", frozenset({UCX}), link).reaches_over(UCX)  # a closed link reaches nobody
+
+
+def test_silence_is_measured_per_engine_and_a_failed_send_shortens_it():
+    table = DecodeEngineTable(lease_s=2.0)
+    quiet, _ = link_to("quiet", b"q")
+    failed, _ = link_to("failed", b"f")
+    table.admit(DecodeEngine("quiet", frozenset({UCX}), quiet, heard_at=0.0))
+    table.admit(DecodeEngine("failed", frozenset({UCX}), failed, heard_at=0.0))
+    table.admit(DecodeEngine("grpc", frozenset({GRPC}), None, heard_at=0.0))
+    failed.send_failed_at = 0.5
+    assert table.forget_silent(now=FORGET_AFTER_FAILED_SEND_LEASES * 2.0 - 0.1) == []
+    assert table.forget_silent(now=FORGET_AFTER_FAILED_SEND_LEASES * 2.0) == ["failed"] and failed.closed
+    table.heard_from("grpc", now=FORGET_AFTER_LEASES * 2.0 - 1.0)
+    assert table.forget_silent(now=FORGET_AFTER_LEASES * 2.0) == ["quiet"] and "grpc" in table
+
+
+def test_a_ucx_record_needs_its_link():
+    with pytest.raises(ValueError, match="offered UCX"):
+        DecodeEngine("d", frozenset({UCX}), None)
