@@ -28,7 +28,7 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
 from kvcache import BlockLayout, NodeCache
 from model import DecodeSequence, Engine, PrefillJob
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
                      model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
@@ -71,7 +71,7 @@ OPTIONS: tuple[Option, ...] = (
 def rank_cache_blocks(settings: Mapping[str, Any]) -> int:
     """Blocks of each rank's cache: ``num-blocks``, or (0) enough for ``max-running`` of the largest requests."""
     config, dcp = model_config(settings), dcp_config(settings)
-    largest = rank_blocks_for(config, dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
+    largest = dcp.rank_blocks_for_request(config.cache, settings["max_prompt_tokens"], settings["max_new_tokens"])
     return settings["num_blocks"] or settings["max_running"] * largest
 
 
@@ -79,7 +79,7 @@ def check_settings(settings: Mapping[str, Any]) -> None:
     """The DCP options, then the memory of the cache the settings ask for (one per rank on the CPU)."""
     check_dcp(settings)
     option = "num_blocks" if settings["num_blocks"] else "max_running"
-    layout = BlockLayout(model_config(settings).cache_config())
+    layout = BlockLayout(model_config(settings).cache)
     copies = settings["dcp"] if torch.device(settings["device"]).type == "cpu" else 1
     check_cache_memory(settings, option, layout, num_blocks=rank_cache_blocks(settings),
                        num_rings=settings["max_running"], device=settings["device"], copies=copies)
@@ -92,7 +92,7 @@ class DecodeNode:
     def __init__(self, context: NodeContext) -> None:
         settings = context.settings
         self.config = model_config(settings)
-        self.layout = BlockLayout(self.config.cache_config())
+        self.layout = BlockLayout(self.config.cache)
         max_running = settings["max_running"]
         dcp = dcp_config(settings)
         self.cache = NodeCache(self.layout, num_blocks=rank_cache_blocks(settings), num_rings=max_running,
@@ -163,8 +163,8 @@ class DecodeNode:
         if self.leader is not None:
             return
         config = self.config
-        prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
-        with self.cache.allocate("warm-up", config.blocks_for(len(prompt), WARM_UP_TOKENS)) as held:
+        prompt = [t % config.vocab_size for t in range(2 * config.cache.tokens_per_entry + 1)]
+        with self.cache.allocate("warm-up", config.cache.blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:
             first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])[0]
             seq = DecodeSequence(request_id="warm-up", prompt_len=len(prompt), max_tokens=WARM_UP_TOKENS,
                                  block_ids=list(held.block_ids), ring_id=held.ring_id, output=[first])

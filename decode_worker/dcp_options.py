@@ -38,7 +38,7 @@ DCP_OPTIONS: tuple[Option, ...] = (
 def dcp_config(settings: Mapping[str, Any]) -> DcpConfig:
     """The instance's DCP shape from the settings; ValueError naming DCP when it cannot be used
     (the QSA family, an interleave off the pool)."""
-    cache = model_config(settings).cache_config()
+    cache = model_config(settings).cache
     return DcpConfig.for_cache(cache, size=settings["dcp"], interleave=settings["dcp_interleave"] or None)
 
 

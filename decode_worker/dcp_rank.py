@@ -41,7 +41,7 @@ from decode_worker.dcp_options import dcp_config
 from decode_worker.router import DNS_PREFIX, parse_targets
 from kvcache import BlockLayout, CacheAllocation, CacheExhaustedError, NodeCache
 from model import DecodeSequence
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import DaemonSpec, NodeContext, Option, Role, model_config, nonnegative_int, run_daemon, text_value
 
@@ -92,7 +92,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
         self.config = model_config(settings)
         self.dcp = dcp_config(settings)
         self.shard = self.dcp.shard(settings["dcp_rank"])
-        layout = BlockLayout(self.config.cache_config())
+        layout = BlockLayout(self.config.cache)
         self.cache = NodeCache(layout, num_blocks=rank_cache_blocks(settings), num_rings=settings["max_running"],
                                device=context.device)
         self.group = DcpGroup.join(self.shard, init_method=settings["dcp_rendezvous"], device=context.device,
@@ -205,7 +205,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self._check(context)
         if request.request_id in self._held:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is held already")
-        need = rank_blocks_for(self.config, self.dcp, request.prompt_len, request.max_tokens)
+        need = self.dcp.rank_blocks_for_request(self.config.cache, request.prompt_len, request.max_tokens)
         try:
             allocation = self.cache.allocate(request.request_id, need)
         except CacheExhaustedError as exc:

@@ -121,7 +121,8 @@ class DecodeScheduler:
         """Queue a validated request (raises StatusError when it cannot be queued)."""
         if self.dcp is not None and self.dcp.ranks.broken:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
-        need = self.engine.blocks_for(len(prompt), max_tokens)
+        need = (self.dcp.dcp.rank_blocks_for_request(self.cache.config, len(prompt), max_tokens) if self.dcp is not None
+                else self.cache.config.blocks_for_request(len(prompt), max_tokens))
         if need > self.cache.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "

@@ -14,6 +14,7 @@ from connector import Credential, StatusError
 from decode_worker import api
 from decode_worker.jobs import Failed, Finished, JobEvent, Tokens
 from decode_worker.scheduler import DecodeScheduler
+from model import check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,10 @@ class GenerateService(api.GenerateServiceServicer):
         if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
-        n = len(request.prompt_token_ids)
-        if not 1 <= n <= self.max_prompt_tokens:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt has {n} tokens; must have 1 to {self.max_prompt_tokens}")
-        prompt = tuple(request.prompt_token_ids)
-        bad = [t for t in prompt if t >= config.vocab_size]
-        if bad:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
+        try:
+            prompt = check_prompt(request.prompt_token_ids, vocab_size=config.vocab_size, max_len=self.max_prompt_tokens)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if not 1 <= request.max_tokens <= self.max_new_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")

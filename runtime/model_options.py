@@ -34,7 +34,7 @@ MODEL_KEYS = frozenset(option.key for option in MODEL_OPTIONS)
 def model_config(settings: Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig of the model options in ``settings`` (keys as in the table: ``num_spec``;
     other keys are ignored). ``ValueError`` for a combination the model refuses."""
-    return ModelConfig(
+    return ModelConfig.build(
         family=CacheFamily(settings["family"]), num_layers=settings["layers"], kpool=settings["kpool"],
         compress_ratio=settings["ratio"], num_spec=settings["num_spec"],
         block_size=settings["block_size"] or None, seed=settings["seed"],
@@ -44,8 +44,9 @@ def model_config(settings: Mapping[str, Any]) -> ModelConfig:
 def model_settings(config: ModelConfig) -> dict[str, Any]:
     """The model options' settings that give ``config`` (``model_config`` of them equals it for
     every field the options cover)."""
-    return {"family": config.family.value, "layers": config.num_layers, "kpool": config.kpool,
-            "ratio": config.compress_ratio, "num_spec": config.num_spec, "block_size": config.block_size or 0,
+    cache = config.cache
+    return {"family": cache.family.value, "layers": cache.num_layers, "kpool": cache.kpool,
+            "ratio": cache.compress_ratio, "num_spec": cache.num_spec, "block_size": cache.block_size,
             "seed": config.seed}
 
 

@@ -41,9 +41,9 @@ def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, st
     config, requests, device = case.config, case.requests, group.device
     full = prefill_batch(config, requests, device)
     shard = group.shard
-    local_sizes = [shard.blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, config.resolved_block_size)
-                   for r in requests]
-    cache = NodeCache(config.cache_config(), num_blocks=max(1, sum(local_sizes)), num_rings=len(requests),
+    local_sizes = [shard.blocks_for_tokens(config.cache, config.cache.positions_written(
+        len(r.prompt), r.max_tokens)) for r in requests]
+    cache = NodeCache(config.cache, num_blocks=max(1, sum(local_sizes)), num_rings=len(requests),
                       device=device)
     cache.pool.blocks.fill_(0xA5)  # unwritten bytes that a rank reads would show
     engine = DcpEngine(config, cache.pool, group)
@@ -133,7 +133,7 @@ def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], ou
                               device=device, timeout_s=120)
         results = []
         for case in cases:
-            interleave = DcpConfig.for_cache(case.config.cache_config(), size=size, interleave=case.interleave).interleave
+            interleave = DcpConfig.for_cache(case.config.cache, size=size, interleave=case.interleave).interleave
             group = DcpGroup(DcpShard(size=size, rank=rank, interleave=interleave), device, world._group)
             results.append(decode_on_ranks(group, case))
         out.put((rank, results, None))

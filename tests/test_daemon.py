@@ -25,10 +25,10 @@ from tests.polling import wait_for
 TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)
 PEER_TOKEN = "daemon-test-peer-token"  # the peer credential (the prefill node's service)
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=3)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=3)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=3)
 LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--peer-token", PEER_TOKEN,
           "--log-format", "text"]
-DECODE_BLOCKS = 4 * CONFIG.blocks_for(300, 64)
+DECODE_BLOCKS = 4 * CONFIG.cache.blocks_for_request(300, 64)
 
 
 def metric(port: int, name: str) -> float:
@@ -128,7 +128,7 @@ def test_requests_match_colocated(cluster):
 @pytest.mark.parametrize("request_kwargs,needle", [
     pytest.param(dict(prompt_token_ids=[], max_tokens=4), "prompt has 0 tokens", id="empty-prompt"),
     pytest.param(dict(prompt_token_ids=[1] * 301, max_tokens=4), "prompt has 301 tokens", id="prompt-too-long"),
-    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "< vocab_size 1024", id="token-outside-vocab"),
+    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "must be in [0, 1024)", id="token-outside-vocab"),
     pytest.param(dict(prompt_token_ids=[1], max_tokens=0), "max_tokens is 0", id="no-output"),
     pytest.param(dict(prompt_token_ids=[1], max_tokens=65), "max_tokens is 65", id="too-many-outputs"),
     pytest.param(dict(request_id="x" * 257, prompt_token_ids=[1], max_tokens=1), "request_id", id="long-id"),

@@ -25,7 +25,7 @@ from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from runtime import SettingsError, client_tls, load_settings, model_flags, resolve_device, tls_config
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=11)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=11)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=11)
 
 
 @pytest.fixture(scope="module")

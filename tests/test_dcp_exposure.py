@@ -63,7 +63,7 @@ def _other_interface() -> str:
 
 
 def test_dcp_ranks_listen_on_loopback_only_and_refuse_the_peer_token(tmp_path):
-    config = ModelConfig(num_layers=2, num_spec=0, seed=21)
+    config = ModelConfig.build(num_layers=2, num_spec=0, seed=21)
     flags = _flags(config)
     prefill = start_prefill(tmp_path, flags, transports="grpc",
                             extra=["--num-blocks", "64", "--log-format", "text", "--peer-token", PEER_TOKEN])

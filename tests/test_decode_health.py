@@ -36,7 +36,7 @@ from tests.ports import free_port
 from tests.test_decode_scheduler import PROMPT, Nodes
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=13)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=13)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=13)
 INTERVAL_S = 0.3
 FLIP_WITHIN_S = 10 * INTERVAL_S + 3.0  # a few health intervals, with room for a loaded 2-core machine
 FAIL_WITHIN_S = 3.0

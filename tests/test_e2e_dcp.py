@@ -51,7 +51,7 @@ MAX_PROMPT = 512  # the decode daemons' --max-prompt-tokens (DECODE_LIMITS)
 
 def _prompts(config: ModelConfig, interleaves: list[int], ranks: int, max_tokens: int, *, seed: int,
              prefix: str) -> list[GenerateRequest]:
-    g, ring, block = config.group, config.cache_config().ring_slots, config.resolved_block_size
+    g, ring, block = config.cache.tokens_per_entry, config.cache.ring_slots, config.cache.block_size
     edges = {g, ring, block, *interleaves, *(i * ranks for i in interleaves)}
     lengths = sorted({n for e in edges for n in (e - 1, e, e + 1) if 1 <= n <= MAX_PROMPT} | {1})
     base = make_prompts(len(lengths), max(lengths), seed=seed, vocab_size=config.vocab_size, max_tokens=max_tokens,
@@ -65,9 +65,9 @@ def _prompts(config: ModelConfig, interleaves: list[int], ranks: int, max_tokens
 def _whole_request_bytes(config: ModelConfig, prompt_len: int, ranks: int) -> int:
     """What a decode instance of ``ranks`` ranks receives for a prompt when whole blocks move: the
     prompt's blocks once, and the ring's live slots on every rank."""
-    layout = BlockLayout(config.cache_config())
-    ring = ring_live_range(config.cache_config(), prompt_len).num_slots * layout.ring_slot_bytes
-    return config.cache_config().blocks_for_tokens(prompt_len) * layout.block_bytes + ranks * ring
+    layout = BlockLayout(config.cache)
+    ring = ring_live_range(config.cache, prompt_len).num_slots * layout.ring_slot_bytes
+    return config.cache.blocks_for_tokens(prompt_len) * layout.block_bytes + ranks * ring
 
 
 CASES = [  # (kpool, drafts, interleave of the 2-rank decode, of the 4-rank one; 0: the block size)
@@ -79,9 +79,9 @@ CASES = [  # (kpool, drafts, interleave of the 2-rank decode, of the 4-rank one;
 
 @pytest.mark.parametrize("kpool,num_spec,interleave2,interleave4", CASES)
 def test_dcp_equals_colocated(tmp_path, kpool, num_spec, interleave2, interleave4):
-    config = ModelConfig(num_layers=2, kpool=kpool, num_spec=num_spec, seed=kpool + num_spec)
+    config = ModelConfig.build(num_layers=2, kpool=kpool, num_spec=num_spec, seed=kpool + num_spec)
     flags = _flags(config)
-    block = config.resolved_block_size
+    block = config.cache.block_size
     port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
     shapes = [(2, interleave2, TRANSPORTS[0]), (4, interleave4, TRANSPORTS[-1])]
@@ -131,7 +131,7 @@ STOPPED = re.compile(r"decode node stopped; free: (\d+) of (\d+) blocks, (\d+) o
 
 
 def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_the_prefill(tmp_path):
-    config = ModelConfig(num_layers=2, num_spec=3, seed=11)
+    config = ModelConfig.build(num_layers=2, num_spec=3, seed=11)
     flags = _flags(config)
     prefill = start_prefill(tmp_path, flags, extra=["--num-blocks", "128", "--log-format", "text"])
     decode: Daemon | None = None

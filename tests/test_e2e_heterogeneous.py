@@ -43,7 +43,7 @@ def _prompts(config: ModelConfig, blocks: tuple[int, int], count: int, max_token
              prefix: str) -> list[GenerateRequest]:
     """Lengths on and around the pool (group), the ring and both block sizes (1 included), then
     seeded random ones up to ``count`` requests, none over two of the larger blocks and a bit."""
-    g, ring, longest = config.group, config.cache_config().ring_slots, 2 * max(blocks) + config.group
+    g, ring, longest = config.cache.tokens_per_entry, config.cache.ring_slots, 2 * max(blocks) + config.cache.tokens_per_entry
     bases = (g, ring, *blocks, longest - 1)
     lengths = sorted({n for base in bases for n in (base - 1, base, base + 1) if 1 <= n <= longest} | {1})
     rng = random.Random(seed)
@@ -58,7 +58,7 @@ def _prompts(config: ModelConfig, blocks: tuple[int, int], count: int, max_token
 @pytest.mark.parametrize("family,group,num_spec,prefill_block,decode_block", CASES)
 def test_pd_with_different_block_sizes_equals_colocated(tmp_path, family, group, num_spec, prefill_block, decode_block):
     key = "kpool" if family is KPOOL else "compress_ratio"
-    configs = [ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
+    configs = [ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
                            **{key: group}) for size in (prefill_block, decode_block)]
     prefill_config, decode_config = configs
     port = free_port()

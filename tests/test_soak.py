@@ -42,7 +42,7 @@ from tests.polling import wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=17)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=17)
 TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
 REQUESTS, ROUND = 300, 20
 HELD = ("prefilling", "pulling", "releasing")  # held on the prefill node until cancelled
@@ -124,7 +124,7 @@ async def run_round(stub: api.GenerateServiceStub, planned: list[Planned], daemo
     await until_counted(daemon, "kpoolpd_decode_reserved_blocks", 0, 0)  # the last round's cancels are freed
     tasks = [start(p) for p in planned if p.aim in HELD]
     try:
-        held_blocks = sum(CONFIG.blocks_for(len(p.request.prompt), p.request.max_tokens)
+        held_blocks = sum(CONFIG.cache.blocks_for_request(len(p.request.prompt), p.request.max_tokens)
                           for p in planned if p.aim in HELD)
         await until_counted(daemon, "kpoolpd_decode_reserved_blocks", held_blocks)  # they hold every slot now
         tasks += [start(p) for p in planned if p.aim == "waiting"]
