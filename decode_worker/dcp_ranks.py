@@ -68,7 +68,7 @@ class DcpRanks:
     def __init__(self, context: NodeContext, dcp: DcpConfig, options: Sequence[Option], rendezvous_dir: str) -> None:
         settings = context.settings
         self.dcp = dcp
-        self.timeout_s = context.connector_config().pull_budget_s(computing=True)  # a rank's Land: one pull
+        self.timeout_s = context.connector_config.pull_budget_s(computing=True)  # a rank's Land: one pull
         self.rpc_timeout_s = settings["rpc_timeout_s"]
         self.step_timeout_s = settings["dcp_timeout_s"]
         self.secret = secrets.token_urlsafe(SECRET_BYTES)  # this instance's alone: the ranks' API takes only it

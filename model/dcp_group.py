@@ -9,7 +9,11 @@ backend sees the connection close: every wait has a deadline.
 
 The ranks of a group are processes of one host, so their traffic (gloo's listeners, NCCL's
 bootstrap) stays on the loopback interface, whatever the hostname resolves to and whatever
-``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` said: nothing off the host reaches a rank.
+``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` said: nothing off the host reaches a rank. gloo
+connects every pair of ranks while they join (never lazily: ``TORCH_GLOO_LAZY_INIT`` is turned off),
+so each rank then seals the listeners the join opened (``model.sealed_listeners``): a local process
+can no longer open a connection to a rank, which gloo would keep until the rank ran out of fds and
+aborted. NCCL may connect ranks at their first collective, so its listeners stay open.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from kvcache import DcpShard
+from model.sealed_listeners import listening_sockets, seal_new_listeners
 
 logger = logging.getLogger(__name__)
 
 
 SOCKET_INTERFACE_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+GLOO_LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"  # "1": pairs connect at their first collective, through the listener
 
 
 def loopback_interface() -> str:
@@ -77,10 +83,13 @@ class DcpGroup:
             torch.cuda.set_device(device)
         backend = backend_for(device)
         keep_on_loopback()
+        os.environ[GLOO_LAZY_INIT_ENV] = "0"
+        listening = listening_sockets()
         dist.init_process_group(backend, init_method=init_method, world_size=shard.size, rank=shard.rank,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
-        logger.info("DCP rank %d of %d joined over %s", shard.rank, shard.size, backend)
+        sealed = seal_new_listeners(listening) if backend == "gloo" else 0
+        logger.info("DCP rank %d of %d joined over %s (%d listeners sealed)", shard.rank, shard.size, backend, sealed)
         return cls(shard, device, dist.group.WORLD)
 
     @property

@@ -28,6 +28,7 @@ class MetricsEndpoint:
         if port < 0:
             return -1
         self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server.handle_error = _quiet_error  # a client that resets its connection is not worth a traceback
         self.port = self._server.server_port
         return self.port
 
@@ -37,6 +38,13 @@ class MetricsEndpoint:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _quiet_error(request, client_address) -> None:
+    """A request that failed (most often: the client reset the connection) logs one debug line, not the
+    traceback ``socketserver`` prints to stderr for each one, which a stream of resets would turn into
+    megabytes of log."""
+    logger.debug("metrics request from %s failed", client_address, exc_info=True)
 
 
 def watch_cache(registry: CollectorRegistry, role: str, cache: NodeCache) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import re
 import subprocess
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -125,3 +126,28 @@ def test_autoscaling_scales_each_role_slowly_down_and_owns_the_replicas():
     for workload in dm.workloads(objects):
         assert dm.selects(monitor["spec"]["selector"]["matchLabels"], workload["spec"]["template"]["metadata"]["labels"])
         assert any(p["name"] in ports for c in dm.containers(workload) for p in c["ports"]), workload["metadata"]["name"]
+
+
+def _patch_documents(kustomization: Path) -> dict[str, list[dict]]:
+    """Each patch a kustomization names (a file, or inline): its YAML documents."""
+    spec = yaml.safe_load(kustomization.read_text()) or {}
+    found = {}
+    for index, patch in enumerate(spec.get("patches", [])):
+        if "path" in patch:
+            name, text = patch["path"], (kustomization.parent / patch["path"]).read_text()
+        else:
+            name, text = f"patches[{index}]", patch.get("patch", "")
+        found[f"{kustomization.parent.relative_to(dm.DEPLOY)}: {name}"] = [d for d in yaml.safe_load_all(text) if d]
+    return found
+
+
+def test_every_delete_patch_stands_alone_so_kustomize_5_5_renders_it():
+    """kustomize up to v5.5 (kubectl 1.32) panics on a patch holding several ``$patch: delete``
+    documents (kubernetes-sigs/kustomize#5552); one per patch renders on every version."""
+    patches = {name: docs for k in sorted(dm.DEPLOY.rglob("kustomization.yaml")) for name, docs in
+               _patch_documents(k).items()}
+    deleting = {name: docs for name, docs in patches.items()
+                if any(isinstance(d, dict) and d.get("$patch") == "delete" for d in docs)}
+    assert deleting, "the same-node overlay deletes the prefill objects: no delete patch found?"
+    crowded = {name: len(docs) for name, docs in deleting.items() if len(docs) > 1}
+    assert not crowded, f"patches with a $patch: delete among several documents: {crowded}"

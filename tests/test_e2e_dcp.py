@@ -1,7 +1,8 @@
 """End to end with decode-context parallelism: a decode daemon with ``--dcp N`` (N rank processes)
 served by a prefill daemon that is not DCP equals the colocated run byte for byte, over both
 transports; each rank receives only its own blocks plus the ring; and a rank killed in the middle of
-its requests fails them within their deadline and leaves no block or ring in use anywhere.
+its requests fails them within their deadline and leaves no block or ring in use anywhere; when
+rank 0 itself is killed, the other ranks stop and remove the instance's rendezvous folder.
 
 Prompt lengths sit on and around the pool, ring, block and interleave boundaries (1 token
 included). Each case starts one prefill daemon and two DCP decode daemons (2 and 4 ranks, one per
@@ -29,7 +30,7 @@ from runtime.launch import Daemon, start_decode, start_prefill
 from kvcache import BlockLayout
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
-from tests.polling import wait_for
+from tests.polling import process_alive, wait_for
 from tests.ports import free_port
 from tests.test_e2e import (
     DECODE_LIMITS,
@@ -47,6 +48,7 @@ from tests.test_e2e import (
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_PROMPT = 512  # the decode daemons' --max-prompt-tokens (DECODE_LIMITS)
+ORPHAN_STOP_S = 60.0  # ranks whose rank 0 died: SIGTERM from the kernel, a drain of nothing, their teardown
 
 
 def _prompts(config: ModelConfig, interleaves: list[int], ranks: int, max_tokens: int, *, seed: int,
@@ -190,3 +192,32 @@ def test_qsa_with_dcp_is_refused_at_start_naming_dcp(command):
     assert proc.returncode == 2, proc.stderr
     assert "declares no decode-context parallel (DCP) support" in proc.stderr and "got 2" in proc.stderr
     assert "starting" not in proc.stderr and "ready" not in proc.stderr
+
+
+def test_the_surviving_ranks_remove_the_rendezvous_folder_when_rank_0_is_killed(tmp_path):
+    config = ModelConfig.build(num_layers=2, num_spec=0, seed=13)
+    flags = _flags(config)
+    prefill = start_prefill(tmp_path, flags, extra=["--num-blocks", "64", "--log-format", "text"])
+    decode: Daemon | None = None
+    try:
+        with _logs_on_failure(prefill):
+            prefill.wait_ready(READY_S)
+        scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: where its rendezvous folder lives
+        scratch.mkdir()
+        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp3",
+                              transport=TRANSPORTS[0], env={"TMPDIR": str(scratch)},
+                              extra=[*DECODE_LIMITS, "--dcp", "3"])
+        with _logs_on_failure(prefill, decode):
+            _ready_and_serving(decode)
+            ranks = _children(decode.proc.pid)
+            assert len(ranks) == 2, f"rank 0 should have started 2 rank processes, found {ranks}"
+            assert [p.name for p in scratch.iterdir()], "no rendezvous folder while the instance serves?"
+            decode.kill()  # SIGKILL: rank 0 gets no chance to stop its ranks or remove the folder
+            assert wait_for(lambda: not any(process_alive(pid) for pid in ranks), ORPHAN_STOP_S), \
+                f"ranks {[pid for pid in ranks if process_alive(pid)]} outlived rank 0"
+            assert wait_for(lambda: not list(scratch.iterdir()), ORPHAN_STOP_S), \
+                f"rendezvous folder left behind: {list(scratch.rglob('*'))}"
+    finally:
+        if decode is not None:
+            decode.stop()
+        _stop(prefill)
