@@ -138,6 +138,9 @@ class DcpRankNode(api.DcpRankServiceServicer):
         return f"{len(self._held)} requests held; freeing them" if self._held else None
 
     async def close(self) -> None:
+        if os.getppid() != self._rank0 and self._rendezvous_dir is not None:  # rank 0 died: nobody else removes it
+            # first, before anything below can block on the group whose rank 0 is gone
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
         self._free_all()
         if self._connecting is not None:
             self._connecting.cancel()
@@ -145,8 +148,6 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self.connector.close()
         if not self.broken:  # a failed group is not torn down: its peers are gone, and the process exits
             self.group.leave()
-        if os.getppid() != self._rank0 and self._rendezvous_dir is not None:  # rank 0 died: nobody else removes it
-            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def describe(self) -> dict[str, object]:
         return {"dcp_rank": self.shard.rank, "dcp": self.shard.size, "dcp_interleave": self.shard.interleave,
