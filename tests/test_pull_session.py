@@ -74,7 +74,10 @@ REFUSED = {
     "grpc-stream-transport": (lambda g: dict(transport=pb.TRANSPORT_GRPC_STREAM), grpc.StatusCode.INVALID_ARGUMENT,
                               "UCX pulls only"),
     "unknown-grant": (lambda g: dict(grant_id="no-such-grant"), grpc.StatusCode.NOT_FOUND, "unknown"),
-    "another-engine": (lambda g: dict(engine_id="decode-other"), grpc.StatusCode.PERMISSION_DENIED, "not made for"),
+    "an-engine-not-handshaken": (lambda g: dict(engine_id="decode-other"), grpc.StatusCode.FAILED_PRECONDITION,
+                                 "has not handshaken"),
+    "no-engine-secret": (lambda g: dict(engine_secret=b""), grpc.StatusCode.PERMISSION_DENIED, "engine secret"),
+    "wrong-engine-secret": (lambda g: dict(engine_secret=b"x" * 32), grpc.StatusCode.PERMISSION_DENIED, "engine secret"),
     "zero-tag-base": (lambda g: dict(ucx_tag_base=0), grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base"),
     "wrong-block-count": (lambda g: dict(dst_block_ids=[0]), grpc.StatusCode.INVALID_ARGUMENT, "destination blocks"),
 }
@@ -92,7 +95,8 @@ def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(cas
             stub = pb.PrefillServiceStub(peer._channel)
             session = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=10)
             fields = dict(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=list(range(len(grant.src_block_ids))),
-                          dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7) | change(grant)
+                          dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7, engine_secret=peer._secret) \
+                | change(grant)
             await session.write(pb.PullSessionRequest(pull=pb.PullRequest(**fields)))
             answer = await session.read()
             assert answer.grant_id == fields["grant_id"] and answer.WhichOneof("message") == "failure"
@@ -112,7 +116,7 @@ def test_a_duplicate_pull_on_one_session_is_refused():
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("dup", [3] * 10)
             request = pb.PullRequest(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=[0], dst_ring_id=0,
-                                     transport=pb.TRANSPORT_UCX, ucx_tag_base=9)
+                                     transport=pb.TRANSPORT_UCX, ucx_tag_base=9, engine_secret=peer._secret)
             peer._session.open(request)
             with pytest.raises(StatusError) as err:
                 peer._session.open(request)

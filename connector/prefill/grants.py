@@ -17,7 +17,7 @@ import logging
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngineTable
+from connector.prefill.decode_engines import DecodeEngine, DecodeEngineTable
 from connector.prefill.handshake import MAX_ID_CHARS
 from connector.prefill.leases import Grant, LeaseTable
 from connector.shared.config import ConnectorConfig
@@ -100,11 +100,22 @@ class GrantKeeper:
                            f"{what}: {count} grant{'' if count == 1 else 's'} not made for engine "
                            f"{engine_id[:MAX_ID_CHARS]!r}")
 
+    def authenticate(self, engine_id: str, secret: bytes, what: str) -> DecodeEngine:
+        """``DecodeEngineTable.authenticate``, a refusal counted (``engine_secret``)."""
+        try:
+            return self.engines.authenticate(engine_id, secret, what)
+        except StatusError as exc:
+            if exc.code is grpc.StatusCode.PERMISSION_DENIED:
+                self.metrics.failures.labels("engine_secret").inc()
+            raise
+
     # RPCs --------------------------------------------------------------------------------
     def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         """The Release RPC: the grant (a DCP rank's share, or every rank's) is released and freed once no
         pull reads it; a computation still running is stopped. False for an unknown grant; StatusError
-        PERMISSION_DENIED for another engine's."""
+        PERMISSION_DENIED for another engine's or without the engine's secret, FAILED_PRECONDITION from an
+        engine not handshaken."""
+        self.authenticate(request.engine_id, request.engine_secret, "Release")
         grant = self.leases.live(request.grant_id)
         if grant is None:
             return pb.ReleaseResponse(released=False)
@@ -122,10 +133,13 @@ class GrantKeeper:
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """The Heartbeat RPC: renew the grants named (checked first: a refused call renews none), note the
-        engine heard from, and say which grants are gone and whether the engine is known."""
+        engine heard from, and say which grants are gone and whether the engine is known. PERMISSION_DENIED
+        for a known engine without its secret (an unknown one is told so, and handshakes again)."""
         if len(request.grant_ids) > self.config.max_grants:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
+        if request.engine_id in self.engines:
+            self.authenticate(request.engine_id, request.engine_secret, "Heartbeat")
         foreign = [g for g in request.grant_ids
                    if (grant := self.leases.live(g)) is not None and not grant.owned_by(request.engine_id)]
         if foreign:

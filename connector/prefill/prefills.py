@@ -55,9 +55,7 @@ class PrefillDesk:
         if not 1 <= n <= self.config.max_prompt_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"prompt has {n} tokens; must have 1 to {self.config.max_prompt_tokens}")
-        if request.engine_id not in self.engines:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"engine {request.engine_id[:MAX_ID_CHARS]!r} has not handshaken")
+        self.grants.authenticate(request.engine_id, request.engine_secret, "Prefill")
         self.engines.heard_from(request.engine_id)
         if len(self.grants) >= self.config.max_grants:
             self.metrics.failures.labels("too_many_grants").inc()

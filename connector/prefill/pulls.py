@@ -72,7 +72,9 @@ class PullDesk:
         self.on_pull_done: Callable[[OutboundPull], None] | None = None
 
     def _checked(self, request: pb.PullRequest) -> tuple[Grant, Transport, UcxLink | None]:
-        """The grant and transport of a pull that may go on; StatusError otherwise."""
+        """The grant and transport of a pull that may go on; StatusError otherwise (PERMISSION_DENIED first of
+        all for a pull naming an engine without its secret)."""
+        engine = self.grants.authenticate(request.engine_id, request.engine_secret, "Pull")
         grant = self.grants.leases.live(request.grant_id)
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
@@ -83,9 +85,6 @@ class PullDesk:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
         transport = Transport(request.transport)
-        engine = self.engines.get(request.engine_id)
-        if engine is None:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} has not handshaken")
         self.engines.heard_from(request.engine_id)
         if transport is Transport.UCX and not engine.reaches_over(Transport.UCX):
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
