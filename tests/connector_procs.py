@@ -169,6 +169,7 @@ class ChunkedFillEngine(SeededFillEngine):
         self.chunk_tokens, self.gate, self.fail_after, self.on_chunk = chunk_tokens, gate, fail_after, on_chunk
         self.linger_s = linger_s
         self.chunks_done = 0
+        self.stopped = 0  # computations stopped (cancelled) before their last chunk
 
     async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
@@ -176,7 +177,11 @@ class ChunkedFillEngine(SeededFillEngine):
         layout, block_ids, ring_id = pool.layout, allocation.block_ids, allocation.ring_id
         size, written = layout.config.block_size, 0
         for index, start in enumerate(range(0, n, self.chunk_tokens)):
-            await self.gate()
+            try:
+                await self.gate()
+            except asyncio.CancelledError:
+                self.stopped += 1
+                raise
             if self.fail_after is not None and index >= self.fail_after:
                 raise RuntimeError(f"injected failure before chunk {index}")
             end = min(n, start + self.chunk_tokens)
@@ -208,7 +213,8 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                  cache: str = "kpool", order: str = "BLNHC", chunk_tokens: int = 0, chunk_pause_s: float = 0.05) -> None:
     """Serve until told to stop; answer ("counts",) with (free blocks, free rings, grants held).
     ``chunk_tokens``: compute prompts in chunks of that many tokens, ``chunk_pause_s`` apart
-    (``ChunkedFillEngine``); with ``die="between_chunks"`` the process exits after the second chunk."""
+    (``ChunkedFillEngine``; ("chunks",) is answered with its chunks computed and computations stopped);
+    with ``die="between_chunks"`` the process exits after the second chunk."""
     async def main():
         layout = BlockLayout(make_config(cache, order))
         node_cache = NodeCache(layout, num_blocks=num_blocks, num_rings=num_rings)
@@ -254,6 +260,8 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
             cmd = await loop.run_in_executor(None, conn.recv)
             if cmd[0] == "counts":
                 conn.send((node_cache.free_blocks, node_cache.free_rings, len(node.leases)))
+            elif cmd[0] == "chunks":  # a chunked engine's: chunks computed, computations stopped before their end
+                conn.send((engine.chunks_done, engine.stopped))
             elif cmd[0] == "stop":
                 await stop_prefill(server, node)
                 for allocation in held:

@@ -126,10 +126,28 @@ class GrantKeeper:
         else:
             grant.release_requested = True
         if grant.release_requested and grant.computing:  # nobody wants the rest of the prompt: a pull still
-            grant.failure = "its grant was released"      # reading it fails at once
-            grant.prefill.cancel()
+            self.stop_computing(grant, "its grant was released")  # reading it fails at once
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
+
+    def abandon(self, grant: Grant, why: str) -> None:
+        """Release a grant whose decode engine went away (its pull's stream was cancelled or broke while the
+        prompt was still being computed): the engine stops before its next chunk and the grant is freed
+        once no pull reads it, rather than at the end of its lease."""
+        logger.warning("grant %s (request %s) abandoned: %s; stopping its prefill", grant.grant_id,
+                       grant.request_id, why)
+        self.metrics.failures.labels("abandoned").inc()
+        grant.release_requested = True
+        self.stop_computing(grant, why)
+        self.reap()
+
+    @staticmethod
+    def stop_computing(grant: Grant, why: str) -> None:
+        """Cancel a grant's computation still running (the engine drops its remaining chunks); a pull waiting
+        on it fails with ``why``."""
+        if grant.computing:
+            grant.failure = grant.failure or why
+            grant.prefill.cancel()
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """The Heartbeat RPC: renew the grants named (checked first: a refused call renews none), note the
