@@ -194,3 +194,48 @@ def test_a_prefill_node_without_sessions_gets_pull_calls(monkeypatch):
                 assert not procs.landed_differences(pair.decode.pool, landed, "old", 90)[0]
             await freed(pair, start)
     run(main())
+
+
+def test_an_idle_session_is_ended_with_a_clear_status_and_its_state_freed():
+    """An authenticated peer that opens a PullSession and sends nothing has it ended (DEADLINE_EXCEEDED, naming
+    the limit) once the limit passed; a session whose pull runs longer than the limit is not ended; a decode
+    node whose own session idled out pulls again on a new one."""
+    async def main():
+        config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0,
+                                 pull_session_idle_s=0.5)
+        async with InProcessPair(config=config, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            stub = pb.PrefillServiceStub(peer._channel)
+            loop = asyncio.get_running_loop()
+            silent = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=30)
+            began = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(silent.read(), 15)
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            assert "idle" in err.value.details() and "0.5 s" in err.value.details()
+            assert loop.time() - began >= 0.5
+
+            async def no_session() -> bool:
+                return pair.prefill.pull_sessions_open == 0
+            await until(no_session, "the idle session's handler ended", 10)
+            # a pull that waits longer than the limit (its prompt computes slowly) keeps its session
+            real = pair.prefill.pull_messages
+
+            async def slow(request):
+                await asyncio.sleep(1.2)
+                async for message in real(request):
+                    yield message
+            pair.prefill.pull_messages = slow
+            grant = await peer.prefill("slow", [4] * 130)
+            with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "slow", 130)[0]
+            pair.prefill.pull_messages = real
+            first = peer._session._call
+            await until(no_session, "the decode node's own session idled out", 10)
+            again = await peer.prefill("again", [5] * 70)
+            with await pull_into(pair.d_cache, peer, again, transport=UCX) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "again", 70)[0]
+            assert peer._session._call is not first
+            await freed(pair, start)
+    run(main())

@@ -58,7 +58,8 @@ class PrefillPeer:
         self._stub = pb.PrefillServiceStub(channel)
         self._pull = pull_method(channel)  # reads chunks without protobuf's copies
         # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
-        self._session = PullSession(lambda: self._stub.PullSession(metadata=self._md), address) \
+        self._session = PullSession(lambda: self._stub.PullSession(metadata=self._md), address,
+                                    idle_s=response.pull_session_idle_ms / 1000 or None) \
             if response.pull_session else None
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
