@@ -20,7 +20,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, PrefillConnector, StatusError, TlsConfig, Transport
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport
 from connector import prefill_api as pb
 from connector.shared.compat import model_differences
 from connector.prefill.decode_engines import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
@@ -114,6 +114,37 @@ def test_an_impersonating_handshake_is_refused_and_the_victim_keeps_pulling_byte
     assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
     assert prefill.ask("address", victim.engine_id) == victim.ucx_address
     assert f"handshake of engine '{victim.engine_id}' refused (PERMISSION_DENIED)" in prefill.log()
+
+
+def test_an_engine_handshakes_again_with_its_secret_and_a_second_claimant_cannot():
+    """The router's way back after a failed pull: the same engine handshakes on a new channel, presenting its
+    secret, and pulls; another connector under the same engine id (another process guessing it) is refused
+    and the engine keeps its secret, its record and its pulls. A secret the node hands out again after it
+    forgot the engine replaces the old one on the decode side."""
+    async def main():
+        async with InProcessPair(transports=(Transport.GRPC_STREAM,)) as pair:
+            first = await pair.decode.connect(pair.address)
+            secret = pair.decode.secrets.get(pair.address)
+            assert len(secret) == 32 and pair.prefill.engines.get("decode-t").secret == secret
+            await pair.decode.disconnect(first)
+            again = await pair.decode.connect(pair.address)  # a new channel, the same engine
+            assert pair.decode.secrets.get(pair.address) == secret
+            impostor = await DecodeConnector(pair.decode.pool, engine_id="decode-t", config=pair.decode.config,
+                                             registry=CollectorRegistry(), transports=(Transport.GRPC_STREAM,)).start()
+            with pytest.raises(StatusError) as err:
+                await impostor.connect(pair.address)
+            assert err.value.code is grpc.StatusCode.PERMISSION_DENIED and "engine secret" in err.value.message
+            await impostor.close()
+            grant = await again.prefill("mine", [2] * 100)
+            with await pull_into(pair.d_cache, again, grant, transport=Transport.GRPC_STREAM) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "mine", 100)[0]
+            pair.prefill.engines.forget("decode-t", "test")
+            await again.keep_alive.beat()  # told it is unknown: handshakes again and gets a new secret
+            assert pair.prefill.engines.get("decode-t").secret == pair.decode.secrets.get(pair.address) != secret
+            grant = await again.prefill("after", [3] * 70)
+            with await pull_into(pair.d_cache, again, grant, transport=Transport.GRPC_STREAM) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "after", 70)[0]
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_failed_handshakes_under_a_working_engine_id_change_nothing(tmp_path, nodes):
