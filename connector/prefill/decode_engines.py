@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 FORGET_AFTER_LEASES = 10  # a decode engine silent this many leases is forgotten (a live one heartbeats every lease)
 FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
 SECRET_BYTES = 32  # an engine's secret (HandshakeResponse.engine_secret)
-MAX_SHOWN_ID_CHARS = 256  # of an engine id in a message
+MAX_ID_CHARS = 256  # engine and request ids
 
 
 def new_secret() -> bytes:
@@ -99,12 +99,12 @@ class DecodeEngineTable:
         record = self._engines.get(engine_id)
         if record is None:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"engine {engine_id[:MAX_SHOWN_ID_CHARS]!r} has not handshaken")
+                              f"engine {engine_id[:MAX_ID_CHARS]!r} has not handshaken")
         if not self.owns(record, secret):
             logger.warning("%s naming engine %r refused: it did not present the engine's secret", what,
-                           engine_id[:MAX_SHOWN_ID_CHARS])
+                           engine_id[:MAX_ID_CHARS])
             raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
-                              f"{what}: engine id {engine_id[:MAX_SHOWN_ID_CHARS]!r} is held by another engine "
+                              f"{what}: engine id {engine_id[:MAX_ID_CHARS]!r} is held by another engine "
                               f"(the engine secret from its Handshake is missing or wrong)")
         return record
 
@@ -128,7 +128,7 @@ class DecodeEngineTable:
         old = self._engines.get(record.engine_id)
         if old is not None and not self.owns(old, record.secret):
             raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
-                              f"engine id {record.engine_id[:MAX_SHOWN_ID_CHARS]!r} was claimed by another engine")
+                              f"engine id {record.engine_id[:MAX_ID_CHARS]!r} was claimed by another engine")
         self._engines[record.engine_id] = record
         if old is not None and old.link is not None and old.link is not record.link:
             old.link.close(reason="the engine handshook again" + (" with another worker address"

@@ -17,8 +17,7 @@ import logging
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngine, DecodeEngineTable
-from connector.prefill.handshake import MAX_ID_CHARS
+from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngine, DecodeEngineTable
 from connector.prefill.leases import Grant, LeaseTable
 from connector.shared.config import ConnectorConfig
 from connector.shared.errors import StatusError

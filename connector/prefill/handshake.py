@@ -21,7 +21,7 @@ import time
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngine, DecodeEngineTable
+from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngine, DecodeEngineTable
 from connector.prefill.ucx_address import WorkerAddressError
 from connector.prefill.ucx_link import UcxLink
 from connector.shared.errors import StatusError
@@ -34,7 +34,6 @@ from kvcache import BlockLayout
 
 logger = logging.getLogger(__name__)
 
-MAX_ID_CHARS = 256  # engine and request ids
 VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
 
 

@@ -19,10 +19,9 @@ import time
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngineTable
+from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngineTable
 from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.prefill.grants import GrantKeeper
-from connector.prefill.handshake import MAX_ID_CHARS
 from connector.prefill.leases import Grant
 from connector.shared.config import ConnectorConfig
 from connector.shared.errors import StatusError, status_of
