@@ -44,6 +44,9 @@ from model import DecodeSequence, Engine, output_digest
 logger = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A pull failed so that this engine cannot pull from the node now (gone, timed out, or its engine id refused):
+# the router skips the node and handshakes again (presenting the engine's secret) at its next check.
+CANNOT_PULL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class DecodeScheduler:
@@ -184,9 +187,9 @@ class DecodeScheduler:
             peer.release_soon(grant.grant_id)  # the client left: the prefill node frees its blocks now
             raise
         except StatusError as exc:
-            if exc.code is grpc.StatusCode.UNAVAILABLE:
+            if exc.code in CANNOT_PULL:  # handshake again before its next request (health follows the router)
                 self.router.mark_failed(peer, exc.message)
-            else:  # the prefill node is up: free its blocks now rather than at lease expiry
+            if exc.code is not grpc.StatusCode.UNAVAILABLE:  # the node is up: free its blocks now, not at lease end
                 await self._release(peer, grant)
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         job.state = JobState.RELEASING

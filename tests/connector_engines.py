@@ -47,6 +47,7 @@ class ChunkedFillEngine(SeededFillEngine):
         self.chunk_tokens, self.gate, self.fail_after, self.on_chunk = chunk_tokens, gate, fail_after, on_chunk
         self.linger_s = linger_s
         self.chunks_done = 0
+        self.stopped = 0  # computations stopped (cancelled) before their last chunk
 
     async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
@@ -54,7 +55,11 @@ class ChunkedFillEngine(SeededFillEngine):
         layout, block_ids, ring_id = pool.layout, allocation.block_ids, allocation.ring_id
         size, written = layout.config.block_size, 0
         for index, start in enumerate(range(0, n, self.chunk_tokens)):
-            await self.gate()
+            try:
+                await self.gate()
+            except asyncio.CancelledError:
+                self.stopped += 1
+                raise
             if self.fail_after is not None and index >= self.fail_after:
                 raise RuntimeError(f"injected failure before chunk {index}")
             end = min(n, start + self.chunk_tokens)

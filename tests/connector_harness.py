@@ -35,6 +35,12 @@ class Prefill:
         assert self.conn.poll(10)
         return self.conn.recv()
 
+    def chunks(self) -> tuple[int, int]:
+        """A chunked engine's (chunks computed, computations stopped before their last chunk)."""
+        self.conn.send(("chunks",))
+        assert self.conn.poll(10)
+        return self.conn.recv()
+
     def stop(self):
         if self.proc.is_alive():
             self.conn.send(("stop",))

@@ -52,7 +52,8 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                  cache: str = "kpool", order: str = "BLNHC", chunk_tokens: int = 0, chunk_pause_s: float = 0.05) -> None:
     """Serve until told to stop; answer ("counts",) with (free blocks, free rings, grants held).
     ``chunk_tokens``: compute prompts in chunks of that many tokens, ``chunk_pause_s`` apart
-    (``ChunkedFillEngine``); with ``die="between_chunks"`` the process exits after the second chunk."""
+    (``ChunkedFillEngine``; ("chunks",) is answered with its chunks computed and computations stopped);
+    with ``die="between_chunks"`` the process exits after the second chunk."""
     async def main():
         layout = BlockLayout(make_config(cache, order))
         node_cache = NodeCache(layout, num_blocks=num_blocks, num_rings=num_rings)
@@ -98,6 +99,8 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
             cmd = await loop.run_in_executor(None, conn.recv)
             if cmd[0] == "counts":
                 conn.send((node_cache.free_blocks, node_cache.free_rings, len(node.leases)))
+            elif cmd[0] == "chunks":  # a chunked engine's: chunks computed, computations stopped before their end
+                conn.send((engine.chunks_done, engine.stopped))
             elif cmd[0] == "stop":
                 await stop_prefill(server, node)
                 for allocation in held:

@@ -47,6 +47,9 @@ def prefill_logged_main(conn, *, log_path: str, lease_s: float, model_identity: 
                 conn.send((cache.free_blocks, cache.free_rings, len(node.leases)))
             elif cmd[0] == "peers":
                 conn.send((sorted(node.engines.ids()), sorted(e for e in node.engines.ids() if node.engines.get(e).link)))
+            elif cmd[0] == "address":  # the UCX worker address its record of engine cmd[1] sends to
+                record = node.engines.get(cmd[1])
+                conn.send(None if record is None else record.ucx_address)
             elif cmd[0] == "stop":
                 await stop_prefill(server, node)
                 conn.send(("stopped",))
@@ -156,18 +159,28 @@ def junk_addresses(real: bytes, count: int, seed: int = 0) -> list[tuple[str, by
 
 
 def handshake_as(address: str, engine_id: str, ucx_worker_address: bytes, *, layout=None, model_identity: str = "",
-                 timeout_s: float = 15.0) -> tuple[str, str]:
+                 transports=(pb.TRANSPORT_UCX,), engine_secret: bytes = b"", timeout_s: float = 15.0) -> tuple[str, str]:
     """One Handshake sent as an attacker would, with a raw stub (the peer token, any bytes); returns
     (status code name, details)."""
     request = pb.HandshakeRequest(engine_id=engine_id, layout=layout or layout_message(BlockLayout(procs.CONFIG)),
-                                  transports=[pb.TRANSPORT_UCX], ucx_worker_address=ucx_worker_address,
-                                  model_identity=model_identity)
+                                  transports=list(transports), ucx_worker_address=ucx_worker_address,
+                                  model_identity=model_identity, engine_secret=engine_secret)
+    return call_as(address, "Handshake", request, timeout_s=timeout_s)
 
+
+def call_as(address: str, method: str, request, *, timeout_s: float = 15.0) -> tuple[str, str]:
+    """One call of ``method`` (Handshake, Prefill, Release, Heartbeat; Pull: read to its end) sent as an
+    attacker would, with a raw stub and the peer token; returns (status code name, details)."""
     async def go():
         async with grpc.aio.insecure_channel(address) as channel:
+            call = getattr(pb.PrefillServiceStub(channel), method)(
+                request, timeout=timeout_s, metadata=(("authorization", f"Bearer {procs.TOKEN}"),))
             try:
-                await pb.PrefillServiceStub(channel).Handshake(
-                    request, timeout=timeout_s, metadata=(("authorization", f"Bearer {procs.TOKEN}"),))
+                if method == "Pull":
+                    async for _ in call:
+                        pass
+                else:
+                    await call
                 return "OK", ""
             except grpc.aio.AioRpcError as exc:
                 return exc.code().name, exc.details()

@@ -10,6 +10,7 @@ import pytest
 
 from tests import connector_procs as procs
 from tests.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
+from tests.polling import wait_for
 
 TRANSPORTS = ["ucx", "grpc"]
 LEASE_S = 1.5
@@ -103,6 +104,23 @@ def test_decode_killed_between_chunks_frees_everything_on_the_prefill_node(prefi
     assert out["first_tokens"] == out["expected_first_tokens"]
     for times in out["times"]:
         assert times.prefill_ms > 0 and times.transfer_ms > 0 and 0 <= times.exposed_transfer_ms
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_decode_killed_mid_prompt_stops_the_prefill_within_a_chunk(prefill, transport):
+    """The decode process dies while its pipelined pull waits on a 20-chunk prompt (0.2 s a chunk): the
+    prefill node computes at most one more chunk and frees everything long before the lease (20 s) ends."""
+    lease_s, chunks = 20.0, 2000 // CHUNK_TOKENS
+    node = prefill(lease_s=lease_s, chunk_tokens=CHUNK_TOKENS, chunk_pause_s=0.2)
+    messages, code = run_child(procs.decode_main, address=node.address, transport=transport,
+                               scenario="pipelined_decode_dies", lease_s=lease_s)
+    assert messages == [{"dying": True}] and code == 17
+    computed_at_death, _ = node.chunks()
+    assert computed_at_death < chunks - 3, computed_at_death  # the prompt was well under way, far from done
+    assert wait_for(lambda: node.counts() == (node.free_blocks, node.free_rings, 0), 10.0), node.counts()
+    computed, stopped = node.chunks()
+    assert stopped == 1 and computed <= computed_at_death + 1, (computed_at_death, computed, stopped)
+    assert node.proc.is_alive()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -37,8 +37,11 @@ class Nodes:
     """A prefill node (connector + batching engine) and a decode node (connector, router,
     scheduler and its loop) in this event loop, each with its own pool."""
 
+    def __init__(self, transfer_timeout_s: float = 10.0) -> None:
+        self.transfer_timeout_s = transfer_timeout_s
+
     async def __aenter__(self) -> "Nodes":
-        config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=10.0)
+        config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=self.transfer_timeout_s)
         self.p_cache = NodeCache(CONFIG.cache, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
         self.batcher = BatchingPrefillEngine(Engine(CONFIG, self.p_cache.pool), self.p_cache, max_batch_tokens=4096,
                                              max_queue=8, registry=CollectorRegistry())
@@ -181,4 +184,39 @@ def test_a_failed_step_reports_failed_and_frees(monkeypatch):
             assert nodes.sample("requests_total", outcome="error") == 1
             nodes.scheduler.abandon(job, "failed")  # the handler leaves after raising the error
             assert nodes.free() == start and nodes.sample("requests_total", outcome="failed") == 0
+    run(main())
+
+
+def test_a_pull_that_times_out_takes_the_node_out_until_the_engine_handshook_again():
+    """A pull that ends DEADLINE_EXCEEDED: the node's grant is released, the router has no usable node (the
+    decode node's health follows it: NOT_SERVING) until the engine handshook again, presenting its engine
+    secret, and the next request lands from that node."""
+    async def main():
+        async with Nodes(transfer_timeout_s=1.0) as nodes:
+            start = nodes.free()
+            real = nodes.prefill.pull_messages
+            changes = []
+            nodes.router.on_change = changes.append
+
+            async def stalled(request):
+                await asyncio.sleep(3600)
+                yield  # never reached
+            nodes.prefill.pull_messages = stalled
+            job = nodes.scheduler.submit("stuck", PROMPT, 8)
+            await nodes.scheduler.wait_admitted(job)
+            with pytest.raises(StatusError) as err:
+                await nodes.scheduler.fetch(job)
+            assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert changes[:1] == [False]  # no usable prefill node: the decode node's health says NOT_SERVING
+            nodes.scheduler.abandon(job, "failed")
+            nodes.prefill.pull_messages = real
+            for _ in range(1000):
+                if nodes.router.usable:
+                    break
+                await asyncio.sleep(0.01)
+            assert nodes.router.usable and changes[-1] is True, nodes.router.reasons()
+            job = await nodes.fetched("after", PROMPT, 8)
+            assert job.landed.grant.num_blocks > 0
+            nodes.scheduler.abandon(job, "failed")
+            assert await nodes.until_free(start), nodes.free()
     run(main())

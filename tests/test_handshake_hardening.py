@@ -20,7 +20,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, PrefillConnector, StatusError, TlsConfig, Transport
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport
+from connector import prefill_api as pb
 from connector.shared.compat import model_differences
 from connector.prefill.decode_engines import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
 from connector.shared.ucx import ucx_available
@@ -78,6 +79,74 @@ def test_junk_worker_addresses_leave_the_prefill_serving(tmp_path, nodes):
     assert "Unexpected" not in log and "Traceback" not in log
 
 
+def test_an_impersonating_handshake_is_refused_and_the_victim_keeps_pulling_byte_for_byte(tmp_path, nodes):
+    """A peer-token holder who claims a working engine's id (with its own working UCX worker, or offering the
+    gRPC stream only) is refused PERMISSION_DENIED, as are its Prefill, Pull, Release and Heartbeat under that
+    id; the victim's record keeps its worker address and every pull of the victim lands in the victim."""
+    prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=LEASE_S)
+    nodes.append(prefill)
+    victim = hp.WaitingDecode(prefill.address, LEASE_S, engine_id="decode-victim")
+    attacker = hp.WaitingDecode(prefill.address, LEASE_S, engine_id="decode-attacker")  # a real worker, reachable
+    nodes += [victim, attacker]
+    before = prefill.ask("peers")
+    assert prefill.ask("address", victim.engine_id) == victim.ucx_address
+    claims = {
+        "the attacker's own worker": dict(ucx_worker_address=attacker.ucx_address),
+        "gRPC stream only": dict(ucx_worker_address=b"", transports=(pb.TRANSPORT_GRPC_STREAM,)),
+        "a guessed secret": dict(ucx_worker_address=attacker.ucx_address, engine_secret=os.urandom(32)),
+    }
+    for what, fields in claims.items():
+        got, details = hp.handshake_as(prefill.address, victim.engine_id, **fields)
+        assert got == "PERMISSION_DENIED" and "engine secret" in details, (what, got, details)
+        assert prefill.ask("peers") == before, f"{what} changed the prefill node's peers"
+        assert prefill.ask("address", victim.engine_id) == victim.ucx_address, f"{what} moved the victim's link"
+    calls = {
+        "Prefill": pb.PrefillRequest(request_id="stolen", prompt_token_ids=[1, 2, 3], engine_id=victim.engine_id),
+        "Pull": pb.PullRequest(grant_id="g" * 32, engine_id=victim.engine_id, transport=pb.TRANSPORT_UCX, ucx_tag_base=5),
+        "Release": pb.ReleaseRequest(grant_id="g" * 32, engine_id=victim.engine_id),
+        "Heartbeat": pb.HeartbeatRequest(engine_id=victim.engine_id),
+    }
+    for method, request in calls.items():
+        got, details = hp.call_as(prefill.address, method, request)
+        assert got == "PERMISSION_DENIED" and "engine secret" in details, (method, got, details)
+    assert prefill.ask("counts") == (prefill.free_blocks, prefill.free_rings, 0)  # no grant was made for the attacker
+    out = victim.go()
+    assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
+    assert prefill.ask("address", victim.engine_id) == victim.ucx_address
+    assert f"handshake of engine '{victim.engine_id}' refused (PERMISSION_DENIED)" in prefill.log()
+
+
+def test_an_engine_handshakes_again_with_its_secret_and_a_second_claimant_cannot():
+    """The router's way back after a failed pull: the same engine handshakes on a new channel, presenting its
+    secret, and pulls; another connector under the same engine id (another process guessing it) is refused
+    and the engine keeps its secret, its record and its pulls. A secret the node hands out again after it
+    forgot the engine replaces the old one on the decode side."""
+    async def main():
+        async with InProcessPair(transports=(Transport.GRPC_STREAM,)) as pair:
+            first = await pair.decode.connect(pair.address)
+            secret = pair.decode.secrets.get(pair.address)
+            assert len(secret) == 32 and pair.prefill.engines.get("decode-t").secret == secret
+            await pair.decode.disconnect(first)
+            again = await pair.decode.connect(pair.address)  # a new channel, the same engine
+            assert pair.decode.secrets.get(pair.address) == secret
+            impostor = await DecodeConnector(pair.decode.pool, engine_id="decode-t", config=pair.decode.config,
+                                             registry=CollectorRegistry(), transports=(Transport.GRPC_STREAM,)).start()
+            with pytest.raises(StatusError) as err:
+                await impostor.connect(pair.address)
+            assert err.value.code is grpc.StatusCode.PERMISSION_DENIED and "engine secret" in err.value.message
+            await impostor.close()
+            grant = await again.prefill("mine", [2] * 100)
+            with await pull_into(pair.d_cache, again, grant, transport=Transport.GRPC_STREAM) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "mine", 100)[0]
+            pair.prefill.engines.forget("decode-t", "test")
+            await again.keep_alive.beat()  # told it is unknown: handshakes again and gets a new secret
+            assert pair.prefill.engines.get("decode-t").secret == pair.decode.secrets.get(pair.address) != secret
+            grant = await again.prefill("after", [3] * 70)
+            with await pull_into(pair.d_cache, again, grant, transport=Transport.GRPC_STREAM) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "after", 70)[0]
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_failed_handshakes_under_a_working_engine_id_change_nothing(tmp_path, nodes):
     prefill = hp.LoggedPrefill(tmp_path / "prefill.log", lease_s=LEASE_S)
     nodes.append(prefill)
@@ -88,13 +157,13 @@ def test_failed_handshakes_under_a_working_engine_id_change_nothing(tmp_path, no
     nodes.append(real)
     before = prefill.ask("peers")
     assert real.engine_id in before[0] and real.engine_id in before[1]
-    attacks = {
-        "address of a dead worker": (dict(ucx_worker_address=gone.ucx_address), "UNAVAILABLE"),
-        "truncated address": (dict(ucx_worker_address=real.ucx_address[:30]), "INVALID_ARGUMENT"),
-        "no address": (dict(ucx_worker_address=b""), "INVALID_ARGUMENT"),
-        "other layout": (dict(ucx_worker_address=gone.ucx_address, layout=OTHER_LAYOUT), "FAILED_PRECONDITION"),
-        "other model": (dict(ucx_worker_address=gone.ucx_address, model_identity='{"seed":9}'), "FAILED_PRECONDITION"),
-        "random bytes": (dict(ucx_worker_address=os.urandom(1024)), "INVALID_ARGUMENT"),
+    attacks = {  # under a held id without its secret, each is refused before it is looked at
+        "address of a dead worker": (dict(ucx_worker_address=gone.ucx_address), "PERMISSION_DENIED"),
+        "truncated address": (dict(ucx_worker_address=real.ucx_address[:30]), "PERMISSION_DENIED"),
+        "no address": (dict(ucx_worker_address=b""), "PERMISSION_DENIED"),
+        "other layout": (dict(ucx_worker_address=gone.ucx_address, layout=OTHER_LAYOUT), "PERMISSION_DENIED"),
+        "other model": (dict(ucx_worker_address=gone.ucx_address, model_identity='{"seed":9}'), "PERMISSION_DENIED"),
+        "random bytes": (dict(ucx_worker_address=os.urandom(1024)), "PERMISSION_DENIED"),
     }
     for what, (fields, code) in attacks.items():
         got, details = hp.handshake_as(prefill.address, real.engine_id, **fields)
@@ -102,9 +171,7 @@ def test_failed_handshakes_under_a_working_engine_id_change_nothing(tmp_path, no
         assert prefill.ask("peers") == before, f"{what} changed the prefill node's peers"
     out = real.go()
     assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
-    log = prefill.log()
-    assert f"handshake of engine '{real.engine_id}' refused (FAILED_PRECONDITION): cache layout differs" in log
-    assert f"handshake of engine '{real.engine_id}' refused (UNAVAILABLE): cannot make a UCX endpoint" in log
+    assert f"handshake of engine '{real.engine_id}' refused (PERMISSION_DENIED)" in prefill.log()
 
 
 def test_a_dead_decode_engine_is_forgotten_and_a_live_one_kept(tmp_path, nodes):

@@ -74,7 +74,10 @@ REFUSED = {
     "grpc-stream-transport": (lambda g: dict(transport=pb.TRANSPORT_GRPC_STREAM), grpc.StatusCode.INVALID_ARGUMENT,
                               "UCX pulls only"),
     "unknown-grant": (lambda g: dict(grant_id="no-such-grant"), grpc.StatusCode.NOT_FOUND, "unknown"),
-    "another-engine": (lambda g: dict(engine_id="decode-other"), grpc.StatusCode.PERMISSION_DENIED, "not made for"),
+    "an-engine-not-handshaken": (lambda g: dict(engine_id="decode-other"), grpc.StatusCode.FAILED_PRECONDITION,
+                                 "has not handshaken"),
+    "no-engine-secret": (lambda g: dict(engine_secret=b""), grpc.StatusCode.PERMISSION_DENIED, "engine secret"),
+    "wrong-engine-secret": (lambda g: dict(engine_secret=b"x" * 32), grpc.StatusCode.PERMISSION_DENIED, "engine secret"),
     "zero-tag-base": (lambda g: dict(ucx_tag_base=0), grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base"),
     "wrong-block-count": (lambda g: dict(dst_block_ids=[0]), grpc.StatusCode.INVALID_ARGUMENT, "destination blocks"),
 }
@@ -92,7 +95,8 @@ def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(cas
             stub = pb.PrefillServiceStub(peer._channel)
             session = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=10)
             fields = dict(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=list(range(len(grant.src_block_ids))),
-                          dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7) | change(grant)
+                          dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7, engine_secret=peer._secret) \
+                | change(grant)
             await session.write(pb.PullSessionRequest(pull=pb.PullRequest(**fields)))
             answer = await session.read()
             assert answer.grant_id == fields["grant_id"] and answer.WhichOneof("message") == "failure"
@@ -112,7 +116,7 @@ def test_a_duplicate_pull_on_one_session_is_refused():
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("dup", [3] * 10)
             request = pb.PullRequest(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=[0], dst_ring_id=0,
-                                     transport=pb.TRANSPORT_UCX, ucx_tag_base=9)
+                                     transport=pb.TRANSPORT_UCX, ucx_tag_base=9, engine_secret=peer._secret)
             peer._session.open(request)
             with pytest.raises(StatusError) as err:
                 peer._session.open(request)
@@ -188,5 +192,50 @@ def test_a_prefill_node_without_sessions_gets_pull_calls(monkeypatch):
             grant = await peer.prefill("old", [8] * 90)
             with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:
                 assert not procs.landed_differences(pair.decode.pool, landed, "old", 90)[0]
+            await freed(pair, start)
+    run(main())
+
+
+def test_an_idle_session_is_ended_with_a_clear_status_and_its_state_freed():
+    """An authenticated peer that opens a PullSession and sends nothing has it ended (DEADLINE_EXCEEDED, naming
+    the limit) once the limit passed; a session whose pull runs longer than the limit is not ended; a decode
+    node whose own session idled out pulls again on a new one."""
+    async def main():
+        config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0,
+                                 pull_session_idle_s=0.5)
+        async with InProcessPair(config=config, transports=(UCX,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            stub = pb.PrefillServiceStub(peer._channel)
+            loop = asyncio.get_running_loop()
+            silent = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=30)
+            began = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(silent.read(), 15)
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+            assert "idle" in err.value.details() and "0.5 s" in err.value.details()
+            assert loop.time() - began >= 0.5
+
+            async def no_session() -> bool:
+                return pair.prefill.pull_sessions_open == 0
+            await until(no_session, "the idle session's handler ended", 10)
+            # a pull that waits longer than the limit (its prompt computes slowly) keeps its session
+            real = pair.prefill.pull_messages
+
+            async def slow(request):
+                await asyncio.sleep(1.2)
+                async for message in real(request):
+                    yield message
+            pair.prefill.pull_messages = slow
+            grant = await peer.prefill("slow", [4] * 130)
+            with await pull_into(pair.d_cache, peer, grant, transport=UCX) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "slow", 130)[0]
+            pair.prefill.pull_messages = real
+            first = peer._session._call
+            await until(no_session, "the decode node's own session idled out", 10)
+            again = await peer.prefill("again", [5] * 70)
+            with await pull_into(pair.d_cache, peer, again, transport=UCX) as landed:
+                assert not procs.landed_differences(pair.decode.pool, landed, "again", 70)[0]
+            assert peer._session._call is not first
             await freed(pair, start)
     run(main())

@@ -24,6 +24,7 @@ from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, model_differences,
 from connector.shared.config import ConnectorConfig, ucx_options_for
 from connector.shared.errors import StatusError, rpc_failure
 from connector.shared.metrics import ConnectorMetrics
+from connector.decode.engine_secrets import EngineSecrets
 from connector.decode.peer import PrefillPeer
 from connector.decode.peer_context import PeerContext
 from connector.shared.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
@@ -53,6 +54,7 @@ class DecodeConnector:
         self.transports = tuple(transports)
         self.metrics = ConnectorMetrics(registry, "decode")
         self.ucx: UcxNode | None = None
+        self.secrets = EngineSecrets()  # this engine's secret on each prefill node (its Handshakes')
         self._peers: list[PrefillPeer] = []
 
     async def start(self) -> "DecodeConnector":
@@ -82,7 +84,7 @@ class DecodeConnector:
         req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
                                   transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
                                   ucx_worker_address=self.ucx.address if self.ucx else b"",
-                                  model_identity=self.model_identity)
+                                  model_identity=self.model_identity, engine_secret=self.secrets.get(address))
         stub = pb.PrefillServiceStub(channel)
         warmup = self._post_warmup(req)
         try:
@@ -101,6 +103,7 @@ class DecodeConnector:
             raise
         await self._retire(warmup)  # still posted when the prefill node took no UCX (and sent nothing)
         req.ucx_warmup_tag = 0  # the keep-alive's Handshakes reuse the endpoint: no warm-up message
+        self.secrets.keep(address, r.engine_secret)
         layout, differing = peer_layout(self.pool.layout, r.layout)
         model = model_differences(self.model_identity, r.model_identity)
         if layout is None or model:
@@ -116,7 +119,7 @@ class DecodeConnector:
     def peer_context(self) -> PeerContext:
         """What this node's peers need of it (its UCX worker as ``start`` made it)."""
         return PeerContext(pool=self.pool, engine_id=self.engine_id, config=self.config, metrics=self.metrics,
-                           ucx=self.ucx)
+                           ucx=self.ucx, secrets=self.secrets)
 
     def _post_warmup(self, req: pb.HandshakeRequest) -> ReceiveBatch | None:
         """With UCX: draw the Handshake's warm-up tag and post its (empty) receive."""

@@ -4,7 +4,8 @@ Every ``period_s`` it sends one Heartbeat naming the grants the peer is pulling 
 renewed while their pulls run; an empty Heartbeat otherwise: the prefill node forgets engines it does not
 hear from). When the prefill node answers that it does not know this engine (it forgot it after a long
 silence, or restarted), the loop handshakes again on the same channel, reusing the first Handshake's
-request (no warm-up message: the endpoint to this engine is warm). Failures are left to the router's
+request (no warm-up message: the endpoint to this engine is warm) and this engine's secret on the node;
+the secret the node answers with is kept (``EngineSecrets``). Failures are left to the router's
 health checks and the calls' own errors; the loop ends when the peer closes (``stop``).
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from connector import prefill_api as pb
+from connector.decode.engine_secrets import EngineSecrets
 from connector.shared.auth import auth_metadata
 from connector.shared.config import ConnectorConfig
 
@@ -25,13 +27,15 @@ logger = logging.getLogger(__name__)
 
 class KeepAlive:
     """The loop of one peer: ``stub`` its channel's, ``handshake`` the request its Handshake sent,
-    ``grants`` what to renew now (the peer's pulls in flight)."""
+    ``secrets`` this engine's (read and renewed here), ``grants`` what to renew now (the peer's pulls in
+    flight)."""
 
-    def __init__(self, stub: pb.PrefillServiceStub, handshake: pb.HandshakeRequest, config: ConnectorConfig, *,
-                 address: str, period_s: float, grants: Callable[[], list[str]]) -> None:
+    def __init__(self, stub: pb.PrefillServiceStub, handshake: pb.HandshakeRequest, config: ConnectorConfig,
+                 secrets: EngineSecrets, *, address: str, period_s: float, grants: Callable[[], list[str]]) -> None:
         if not period_s > 0:
             raise ValueError(f"keep-alive period must be > 0 s, got {period_s!r}")
         self.stub, self.handshake, self.config, self.address = stub, handshake, config, address
+        self.secrets = secrets
         self.period_s, self.grants = period_s, grants
         self.beats = 0  # Heartbeats answered (tests and diagnosis)
         self._task: asyncio.Task | None = None
@@ -62,7 +66,8 @@ class KeepAlive:
         md = auth_metadata(self.config.peer_token)
         engine_id = self.handshake.engine_id
         try:
-            r = await self.stub.Heartbeat(pb.HeartbeatRequest(engine_id=engine_id, grant_ids=self.grants()),
+            r = await self.stub.Heartbeat(pb.HeartbeatRequest(engine_id=engine_id, grant_ids=self.grants(),
+                                                              engine_secret=self.secrets.get(self.address)),
                                           timeout=self.config.rpc_timeout_s, metadata=md)
             unknown = r.engine_unknown
         except grpc.aio.AioRpcError as exc:  # a node that refuses unknown engines outright
@@ -73,4 +78,6 @@ class KeepAlive:
         if unknown:
             logger.info("prefill node %s does not know engine %s (any more); handshaking again", self.address,
                         engine_id)
-            await self.stub.Handshake(self.handshake, timeout=self.config.rpc_timeout_s, metadata=md)
+            self.handshake.engine_secret = self.secrets.get(self.address)
+            r = await self.stub.Handshake(self.handshake, timeout=self.config.rpc_timeout_s, metadata=md)
+            self.secrets.keep(self.address, r.engine_secret)

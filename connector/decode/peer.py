@@ -57,14 +57,15 @@ class PrefillPeer:
         self._stub = pb.PrefillServiceStub(channel)
         self._pull = pull_method(channel)  # reads chunks without protobuf's copies
         # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
-        self._session = PullSession(lambda: self._stub.PullSession(metadata=self._md), address) \
+        self._session = PullSession(lambda: self._stub.PullSession(metadata=self._md), address,
+                                    idle_s=response.pull_session_idle_ms / 1000 or None) \
             if response.pull_session else None
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
         self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
         self._pulling: Counter[str] = Counter()  # grants being pulled (the keep-alive renews them)
         lease_s = response.lease_ms / 1000 or context.config.lease_s
-        self.keep_alive = KeepAlive(self._stub, handshake, context.config, address=address,
+        self.keep_alive = KeepAlive(self._stub, handshake, context.config, context.secrets, address=address,
                                     period_s=min(context.config.heartbeat_interval_s, lease_s / 3),
                                     grants=lambda: list(self._pulling))
         self.keep_alive.start()
@@ -89,6 +90,11 @@ class PrefillPeer:
     def _md(self):
         return auth_metadata(self.context.config.peer_token)
 
+    @property
+    def _secret(self) -> bytes:
+        """This engine's secret on the prefill node (its latest Handshake's), which every call presents."""
+        return self.context.secrets.get(self.address)
+
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{what}: peer {self.address} was disconnected")
@@ -111,7 +117,7 @@ class PrefillPeer:
         A DCP decode instance names its ranks' engine ids (``dcp_engine_ids``, this connector's
         first) and its interleave: each rank then pulls and releases its own share."""
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                engine_id=self.context.engine_id, pipelined=pipelined,
+                                engine_id=self.context.engine_id, engine_secret=self._secret, pipelined=pipelined,
                                 dcp_engine_ids=list(dcp_engine_ids), dcp_interleave=dcp_interleave)
         self._check_open(f"Prefill of {request_id}")
         call = asyncio.ensure_future(self._prefill_call(req))
@@ -193,6 +199,7 @@ class PrefillPeer:
         self._check_open(f"Release of {grant_id}")
         try:
             r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.context.engine_id,
+                                                           engine_secret=self._secret,
                                                            dcp_rank=dcp_rank, all_ranks=all_ranks),
                                          timeout=self.context.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
@@ -203,7 +210,8 @@ class PrefillPeer:
         """Renew leases; returns the ids the prefill node no longer holds."""
         self._check_open("Heartbeat")
         try:
-            r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.context.engine_id, grant_ids=list(grant_ids)),
+            r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.context.engine_id, grant_ids=list(grant_ids),
+                                                               engine_secret=self._secret),
                                            timeout=self.context.config.rpc_timeout_s, metadata=self._md)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Heartbeat to {self.address}") from None
@@ -308,7 +316,8 @@ class PrefillPeer:
         landing = Landing(c.pool, self.layout, allocation.block_ids[:landed],
                           source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len)
         tag_base = InboundPull.tag_base_for(transport)
-        req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,
+        req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, engine_secret=self._secret,
+                             dst_block_ids=landing.ids,
                              dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
         deadline_s = c.config.pull_budget_s(computing=grant.pipelined)

@@ -4,8 +4,9 @@ reaches back into the connector."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from connector.decode.engine_secrets import EngineSecrets
 from connector.shared.config import ConnectorConfig
 from connector.shared.metrics import ConnectorMetrics
 from connector.shared.ucx import UcxNode
@@ -16,10 +17,12 @@ from kvcache import CachePool
 class PeerContext:
     """The decode node as its peers see it: ``pool`` (the cache the pulls land into: allocations of it are
     the caller's), ``engine_id`` (the name every call to a prefill node carries), ``config``, ``metrics``
-    and ``ucx`` (the node's UCX worker, None without UCX)."""
+    ``ucx`` (the node's UCX worker, None without UCX) and ``secrets`` (the engine's secret on each prefill node,
+which every call presents; the keep-alive's Handshakes renew them)."""
 
     pool: CachePool
     engine_id: str
     config: ConnectorConfig
     metrics: ConnectorMetrics
     ucx: UcxNode | None = None
+    secrets: EngineSecrets = field(default_factory=EngineSecrets)

@@ -8,12 +8,16 @@ Pull call: ``read()`` gives the pull's messages in order, and raises the StatusE
 connection reset), every pull on it fails with UNAVAILABLE and the next ``open`` makes a new stream. A
 prefill node that does not serve PullSession answers UNIMPLEMENTED: ``supported`` turns False, and the
 caller pulls with Pull calls from then on.
+
+The prefill node ends a session idle for its limit (``HandshakeResponse.pull_session_idle_ms``); so that no
+pull races that end, ``open`` replaces a session that has been idle for half the limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -51,9 +55,11 @@ class SessionPull:
 class PullSession:
     """The session to one prefill node: ``open`` pulls on it; ``close`` ends it (every pull on it fails)."""
 
-    def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], address: str) -> None:
-        self._open_stream, self.address = open_stream, address
+    def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], address: str, *,
+                 idle_s: float | None = None) -> None:
+        self._open_stream, self.address, self.idle_s = open_stream, address, idle_s
         self.supported = True
+        self._active_at = time.monotonic()  # the last pull opened or message read
         self._call: grpc.aio.StreamStreamCall | None = None
         self._outgoing: asyncio.Queue[pb.PullSessionRequest] = asyncio.Queue()
         self._pulls: dict[str, SessionPull] = {}
@@ -63,6 +69,10 @@ class PullSession:
         """Start a pull of ``request`` (its receives are posted): the message goes out at once."""
         if request.grant_id in self._pulls:
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"grant {request.grant_id!r} is already being pulled")
+        now = time.monotonic()
+        if self._call is not None and not self._pulls and self.idle_s and now - self._active_at >= self.idle_s / 2:
+            self._end(f"idle for {now - self._active_at:.1f} s; the prefill node ends sessions idle {self.idle_s:g} s")
+        self._active_at = now
         if self._call is None:
             self._start()
         pull = self._pulls[request.grant_id] = SessionPull(self, request.grant_id)
@@ -90,6 +100,7 @@ class PullSession:
         why = "the prefill node ended it"
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
+                self._active_at = time.monotonic()
                 pull = self._pulls.get(message.grant_id)
                 if pull is None:  # a pull cancelled here, whose last messages were under way
                     continue

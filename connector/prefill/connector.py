@@ -80,6 +80,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self.pulls = PullDesk(pool=pool, config=config, transports=self.transports, engines=self.engines,
                               grants=self.grants, metrics=self.metrics)
         self._ucx: UcxNode | None = None
+        self.pull_sessions_open = 0  # PullSession calls being served now
 
     @property
     def model_identity(self) -> str:
@@ -164,9 +165,16 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(exc.code, exc.message)
 
     async def PullSession(self, requests, context):
-        """One decode node's UCX pulls on one stream (``connector.prefill.pull_session_server``)."""
-        async for message in serve_pull_session(requests, self.pull_messages):
-            yield message
+        """One decode node's UCX pulls on one stream (``connector.prefill.pull_session_server``), ended with
+        DEADLINE_EXCEEDED once idle for ``config.pull_session_idle_s``."""
+        self.pull_sessions_open += 1
+        try:
+            async for message in serve_pull_session(requests, self.pull_messages, idle_s=self.config.pull_session_idle_s):
+                yield message
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            self.pull_sessions_open -= 1
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         try:

@@ -7,33 +7,54 @@ check replaces the engine's record whole (``DecodeEngineTable.admit``); a refuse
 An engine not heard from for ``FORGET_AFTER_LEASES`` leases, or ``FORGET_AFTER_FAILED_SEND_LEASES`` after
 a UCX send to it failed, is forgotten with its link (``forget_silent``, which the lease reaper calls);
 Heartbeat then tells it (``engine_unknown``) and it handshakes again.
+
+An engine id belongs to the engine whose Handshake first claimed it: the record keeps the random ``secret``
+that Handshake returned, and every later call naming the engine must present it (``authenticate``); a
+re-handshake that presents it keeps it. A call naming a known engine without its secret is refused
+PERMISSION_DENIED and changes nothing, so that nobody who holds the peer token can take over another
+engine's id (its record, its UCX link, the bytes of its pulls). A forgotten engine's id is free again.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 
+import grpc
+
 from connector.prefill.ucx_link import UcxLink
+from connector.shared.errors import StatusError
 from connector.shared.wire import Transport
 
 logger = logging.getLogger(__name__)
 
 FORGET_AFTER_LEASES = 10  # a decode engine silent this many leases is forgotten (a live one heartbeats every lease)
 FORGET_AFTER_FAILED_SEND_LEASES = 3  # the same, once a UCX send to it failed
+SECRET_BYTES = 32  # an engine's secret (HandshakeResponse.engine_secret)
+MAX_ID_CHARS = 256  # engine and request ids
+
+
+def new_secret() -> bytes:
+    """A fresh engine secret (random)."""
+    return secrets.token_bytes(SECRET_BYTES)
 
 
 class DecodeEngine:
-    """One handshaken decode engine: ``transports`` it offered, its UCX ``link`` (None without UCX) and
-    ``heard_at`` (``time.monotonic()`` of its last call, the one field that changes)."""
+    """One handshaken decode engine: ``transports`` it offered, its UCX ``link`` (None without UCX), the
+    ``secret`` its calls present and ``heard_at`` (``time.monotonic()`` of its last call, the one field that
+    changes)."""
 
-    __slots__ = ("engine_id", "transports", "link", "heard_at")
+    __slots__ = ("engine_id", "transports", "link", "secret", "heard_at")
 
-    def __init__(self, engine_id: str, transports: frozenset[Transport], link: UcxLink | None,
+    def __init__(self, engine_id: str, transports: frozenset[Transport], link: UcxLink | None, secret: bytes,
                  heard_at: float | None = None) -> None:
         if Transport.UCX in transports and link is None:
             raise ValueError(f"engine {engine_id!r} offered UCX: its record needs the UCX link to it")
-        self.engine_id, self.transports, self.link = engine_id, frozenset(transports), link
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError(f"engine {engine_id!r} needs a secret of at least 16 bytes")
+        self.engine_id, self.transports, self.link, self.secret = engine_id, frozenset(transports), link, secret
         self.heard_at = time.monotonic() if heard_at is None else heard_at
 
     @property
@@ -71,10 +92,43 @@ class DecodeEngineTable:
     def ids(self) -> tuple[str, ...]:
         return tuple(self._engines)
 
+    def authenticate(self, engine_id: str, secret: bytes, what: str) -> DecodeEngine:
+        """The record of ``engine_id`` if ``secret`` is its secret. StatusError FAILED_PRECONDITION for an
+        engine not handshaken (or forgotten), PERMISSION_DENIED for a wrong or missing secret (``what``, the
+        call, is named; the record is untouched)."""
+        record = self._engines.get(engine_id)
+        if record is None:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"engine {engine_id[:MAX_ID_CHARS]!r} has not handshaken")
+        if not self.owns(record, secret):
+            logger.warning("%s naming engine %r refused: it did not present the engine's secret", what,
+                           engine_id[:MAX_ID_CHARS])
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{what}: engine id {engine_id[:MAX_ID_CHARS]!r} is held by another engine "
+                              f"(the engine secret from its Handshake is missing or wrong)")
+        return record
+
+    @staticmethod
+    def owns(record: DecodeEngine, secret: bytes) -> bool:
+        """Whether ``secret`` is the record's (compared in constant time)."""
+        return hmac.compare_digest(record.secret, bytes(secret))
+
+    def secret_for(self, engine_id: str, presented: bytes, what: str = "Handshake") -> bytes:
+        """The secret a Handshake of ``engine_id`` that presents ``presented`` will hold: the engine's own for
+        a known engine (PERMISSION_DENIED unless presented), a fresh one for an id not held."""
+        if engine_id in self._engines:
+            return self.authenticate(engine_id, presented, what).secret
+        return new_secret()
+
     def admit(self, record: DecodeEngine) -> None:
         """Make ``record`` the engine's, replacing its earlier record whole. The earlier record's link is
-        closed (its endpoints aborted) unless the new record keeps it (the same address: a re-handshake)."""
+        closed (its endpoints aborted) unless the new record keeps it (the same address: a re-handshake).
+        PERMISSION_DENIED (nothing changed) when the id is held under another secret (a claim that won a
+        race with this one while it reached the engine's UCX address)."""
         old = self._engines.get(record.engine_id)
+        if old is not None and not self.owns(old, record.secret):
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"engine id {record.engine_id[:MAX_ID_CHARS]!r} was claimed by another engine")
         self._engines[record.engine_id] = record
         if old is not None and old.link is not None and old.link is not record.link:
             old.link.close(reason="the engine handshook again" + (" with another worker address"

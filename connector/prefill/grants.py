@@ -17,8 +17,7 @@ import logging
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngineTable
-from connector.prefill.handshake import MAX_ID_CHARS
+from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngine, DecodeEngineTable
 from connector.prefill.leases import Grant, LeaseTable
 from connector.shared.config import ConnectorConfig
 from connector.shared.errors import StatusError
@@ -100,11 +99,22 @@ class GrantKeeper:
                            f"{what}: {count} grant{'' if count == 1 else 's'} not made for engine "
                            f"{engine_id[:MAX_ID_CHARS]!r}")
 
+    def authenticate(self, engine_id: str, secret: bytes, what: str) -> DecodeEngine:
+        """``DecodeEngineTable.authenticate``, a refusal counted (``engine_secret``)."""
+        try:
+            return self.engines.authenticate(engine_id, secret, what)
+        except StatusError as exc:
+            if exc.code is grpc.StatusCode.PERMISSION_DENIED:
+                self.metrics.failures.labels("engine_secret").inc()
+            raise
+
     # RPCs --------------------------------------------------------------------------------
     def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         """The Release RPC: the grant (a DCP rank's share, or every rank's) is released and freed once no
         pull reads it; a computation still running is stopped. False for an unknown grant; StatusError
-        PERMISSION_DENIED for another engine's."""
+        PERMISSION_DENIED for another engine's or without the engine's secret, FAILED_PRECONDITION from an
+        engine not handshaken."""
+        self.authenticate(request.engine_id, request.engine_secret, "Release")
         grant = self.leases.live(request.grant_id)
         if grant is None:
             return pb.ReleaseResponse(released=False)
@@ -115,17 +125,38 @@ class GrantKeeper:
         else:
             grant.release_requested = True
         if grant.release_requested and grant.computing:  # nobody wants the rest of the prompt: a pull still
-            grant.failure = "its grant was released"      # reading it fails at once
-            grant.prefill.cancel()
+            self.stop_computing(grant, "its grant was released")  # reading it fails at once
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
         return pb.ReleaseResponse(released=True)
 
+    def abandon(self, grant: Grant, why: str) -> None:
+        """Release a grant whose decode engine went away (its pull's stream was cancelled or broke while the
+        prompt was still being computed): the engine stops before its next chunk and the grant is freed
+        once no pull reads it, rather than at the end of its lease."""
+        logger.warning("grant %s (request %s) abandoned: %s; stopping its prefill", grant.grant_id,
+                       grant.request_id, why)
+        self.metrics.failures.labels("abandoned").inc()
+        grant.release_requested = True
+        self.stop_computing(grant, why)
+        self.reap()
+
+    @staticmethod
+    def stop_computing(grant: Grant, why: str) -> None:
+        """Cancel a grant's computation still running (the engine drops its remaining chunks); a pull waiting
+        on it fails with ``why``."""
+        if grant.computing:
+            grant.failure = grant.failure or why
+            grant.prefill.cancel()
+
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """The Heartbeat RPC: renew the grants named (checked first: a refused call renews none), note the
-        engine heard from, and say which grants are gone and whether the engine is known."""
+        engine heard from, and say which grants are gone and whether the engine is known. PERMISSION_DENIED
+        for a known engine without its secret (an unknown one is told so, and handshakes again)."""
         if len(request.grant_ids) > self.config.max_grants:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
+        if request.engine_id in self.engines:
+            self.authenticate(request.engine_id, request.engine_secret, "Heartbeat")
         foreign = [g for g in request.grant_ids
                    if (grant := self.leases.live(g)) is not None and not grant.owned_by(request.engine_id)]
         if foreign:

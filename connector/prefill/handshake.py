@@ -6,6 +6,10 @@ earlier record (its transports, UCX address and endpoints) as it was. A UCX work
 this process only after ``UcxNode.vet`` (its bytes checked, then a first endpoint made in a child process).
 A re-handshake from the same worker address keeps the link and its endpoints (the keep-alive's do); one
 from another address gets a new link, and the old one is closed once the new record is in place.
+
+An engine id is claimed by its first Handshake, which returns the engine's secret; a Handshake naming a
+known engine is checked first of all: without that secret it is refused PERMISSION_DENIED and nothing
+about the engine changes (``DecodeEngineTable.secret_for``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import time
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngine, DecodeEngineTable
+from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngine, DecodeEngineTable
 from connector.prefill.ucx_address import WorkerAddressError
 from connector.prefill.ucx_link import UcxLink
+from connector.shared.errors import StatusError
 from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
 from connector.shared.config import ConnectorConfig
 from connector.shared.metrics import ConnectorMetrics
@@ -29,7 +34,6 @@ from kvcache import BlockLayout
 
 logger = logging.getLogger(__name__)
 
-MAX_ID_CHARS = 256  # engine and request ids
 VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may take
 
 
@@ -45,13 +49,17 @@ class HandshakeDesk:
 
     async def answer(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         """Check the decode engine's id, layout, model and UCX worker address, then (only if all pass)
-        admit its new record. INVALID_ARGUMENT for a malformed id or address, FAILED_PRECONDITION for a
-        layout or model mismatch, UNAVAILABLE when UCX cannot reach the address; a refusal is logged as a
-        warning and changes nothing about the engine."""
+        admit its new record. INVALID_ARGUMENT for a malformed id or address, PERMISSION_DENIED for a known
+        engine's id without its secret, FAILED_PRECONDITION for a layout or model mismatch, UNAVAILABLE when
+        UCX cannot reach the address; a refusal is logged as a warning and changes nothing about the engine."""
         engine_id = request.engine_id
         if not engine_id or len(engine_id) > MAX_ID_CHARS:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_engine_id", engine_id[:MAX_ID_CHARS],
                                f"engine_id must have 1 to {MAX_ID_CHARS} characters")
+        try:
+            secret = self.engines.secret_for(engine_id, request.engine_secret)
+        except StatusError as exc:
+            await self._refuse(context, exc.code, "engine_claimed", engine_id, exc.message)
         theirs, differing = peer_layout(self.layout, request.layout)
         if theirs is None:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "layout_mismatch", engine_id,
@@ -73,13 +81,20 @@ class HandshakeDesk:
         if differing:
             logger.info("engine %s stores %s, this node %s; it converts what it pulls", engine_id,
                         arrangement(theirs), arrangement(self.layout))
-        self.engines.admit(DecodeEngine(engine_id, offered, link))
+        known = self.engines.get(engine_id)
+        try:
+            self.engines.admit(DecodeEngine(engine_id, offered, link, secret))
+        except StatusError as exc:  # another claim of the id won while this one reached its address
+            if link is not None and (known is None or link is not known.link):
+                link.close()
+            await self._refuse(context, exc.code, "engine_claimed", engine_id, exc.message)
         return pb.HandshakeResponse(
             engine_id=self.engine_id, layout=layout_message(self.layout),
             transports=[t.value for t in self.transports],
             ucx_worker_address=self.ucx.address if self.ucx is not None else b"",
             lease_ms=int(self.config.lease_s * 1000), max_prompt_tokens=self.config.max_prompt_tokens,
             chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity, pull_session=True,
+            engine_secret=secret, pull_session_idle_ms=int(self.config.pull_session_idle_s * 1000),
         )
 
     async def _reach(self, context, engine_id: str, address: bytes, warmup_tag: int) -> UcxLink:

@@ -19,10 +19,9 @@ import time
 import grpc
 
 from connector import prefill_api as pb
-from connector.prefill.decode_engines import DecodeEngineTable
+from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngineTable
 from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.prefill.grants import GrantKeeper
-from connector.prefill.handshake import MAX_ID_CHARS
 from connector.prefill.leases import Grant
 from connector.shared.config import ConnectorConfig
 from connector.shared.errors import StatusError, status_of
@@ -55,9 +54,7 @@ class PrefillDesk:
         if not 1 <= n <= self.config.max_prompt_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"prompt has {n} tokens; must have 1 to {self.config.max_prompt_tokens}")
-        if request.engine_id not in self.engines:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"engine {request.engine_id[:MAX_ID_CHARS]!r} has not handshaken")
+        self.grants.authenticate(request.engine_id, request.engine_secret, "Prefill")
         self.engines.heard_from(request.engine_id)
         if len(self.grants) >= self.config.max_grants:
             self.metrics.failures.labels("too_many_grants").inc()

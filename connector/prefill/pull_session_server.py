@@ -8,6 +8,10 @@ status a Pull call would have ended with. ``cancel_grant_id`` stops that pull (i
 When the decode node closes the stream, or it breaks (the node died, its connection reset), every pull
 still running on it is stopped, as a cancelled Pull call stops. Only UCX pulls travel here: the gRPC
 stream transport keeps its Pull calls (its chunks would hold up every other pull on the stream).
+
+A session with no pull running on which the decode node sends nothing for ``idle_s`` is ended with
+DEADLINE_EXCEEDED (a ``StatusError``), so that an authenticated peer cannot hold sessions open for ever;
+the decode node opens a new one at its next pull.
 """
 
 from __future__ import annotations
@@ -28,21 +32,38 @@ logger = logging.getLogger(__name__)
 MAX_SESSION_PULLS = 4096  # pulls running on one session at once (a decode node runs far fewer)
 
 
+_IDLE = object()  # the session was idle for its limit
+
+
 async def serve_pull_session(requests: AsyncIterator[pb.PullSessionRequest],
-                             pull_messages: Callable[[pb.PullRequest], AsyncIterator[pb.PullResponse]],
-                             ) -> AsyncIterator[pb.PullSessionResponse]:
-    """The session's responses, until the decode node has closed its side and every pull on it ended."""
-    out: asyncio.Queue[pb.PullSessionResponse | None] = asyncio.Queue()  # None: the session is over
+                             pull_messages: Callable[[pb.PullRequest], AsyncIterator[pb.PullResponse]], *,
+                             idle_s: float) -> AsyncIterator[pb.PullSessionResponse]:
+    """The session's responses, until the decode node has closed its side and every pull on it ended.
+    StatusError DEADLINE_EXCEEDED once no pull ran and no request came for ``idle_s``."""
+    out: asyncio.Queue = asyncio.Queue()  # responses; None: the session is over; _IDLE: it idled out
     pulls: dict[str, asyncio.Task] = {}
     reading = True
+    loop = asyncio.get_running_loop()
+    active_at = loop.time()  # the last request, or the end of the last pull
 
     def failure(grant_id: str, code: grpc.StatusCode, message: str) -> pb.PullSessionResponse:
         return pb.PullSessionResponse(grant_id=grant_id, failure=pb.PullFailure(code=code.value[0], message=message))
 
     def ended(grant_id: str) -> None:
+        nonlocal active_at
         pulls.pop(grant_id, None)
+        active_at = loop.time()
         if not reading and not pulls:
             out.put_nowait(None)
+
+    async def watch() -> None:
+        """Put _IDLE once the session has been idle for ``idle_s``."""
+        while True:
+            left = active_at + idle_s - loop.time()
+            if left <= 0 and not pulls:
+                out.put_nowait(_IDLE)
+                return
+            await asyncio.sleep(max(left, idle_s / 10))
 
     async def run(request: pb.PullRequest) -> None:
         try:
@@ -71,10 +92,15 @@ async def serve_pull_session(requests: AsyncIterator[pb.PullSessionRequest],
         else:
             pulls[grant_id] = asyncio.create_task(run(request), name=f"session-pull-{grant_id[:16]}")
 
+    def touch() -> None:
+        nonlocal active_at
+        active_at = loop.time()
+
     async def read() -> None:
         nonlocal reading
         try:
             async for request in requests:
+                touch()
                 kind = request.WhichOneof("message")
                 if kind == "pull":
                     start(request.pull)
@@ -89,13 +115,19 @@ async def serve_pull_session(requests: AsyncIterator[pb.PullSessionRequest],
                 out.put_nowait(None)
 
     reader = asyncio.create_task(read(), name="pull-session-reader")
+    watcher = asyncio.create_task(watch(), name="pull-session-idle")
     try:
         while (message := await out.get()) is not None:
+            if message is _IDLE:
+                logger.info("pull session idle for %.1f s: ending it", idle_s)
+                raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pull session idle (no pull, no message) for "
+                                  f"{idle_s:g} s, its limit: ended; open a new one for the next pull")
             yield message
         reader.result()  # a stream that broke raises here, and every pull on it was stopped
     finally:
         reader.cancel()
+        watcher.cancel()
         running = list(pulls.values())
         for task in running:
             task.cancel()
-        await asyncio.gather(reader, *running, return_exceptions=True)
+        await asyncio.gather(reader, watcher, *running, return_exceptions=True)

@@ -4,11 +4,15 @@
 A pull is checked against its grant (it must be the grant's engine or DCP rank, over a transport both
 offered, into as many blocks as the grant lands in), then planned once (``plan_pull``: the regions and
 when each may move); the plan serves the whole stream. A pull keeps its grant from being freed until it
-ends; a pull that ends before its last byte stops its sends first (``OutboundPull.stop_sends``).
+ends; a pull that ends before its last byte stops its sends first (``OutboundPull.stop_sends``). A pull
+whose caller went away (its Pull call cancelled, its PullSession broken: the decode node died or gave up)
+while the prompt is still being computed abandons its grant: the engine computes no further chunk of it
+and the grant is freed at once (``GrantKeeper.abandon``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -72,7 +76,9 @@ class PullDesk:
         self.on_pull_done: Callable[[OutboundPull], None] | None = None
 
     def _checked(self, request: pb.PullRequest) -> tuple[Grant, Transport, UcxLink | None]:
-        """The grant and transport of a pull that may go on; StatusError otherwise."""
+        """The grant and transport of a pull that may go on; StatusError otherwise (PERMISSION_DENIED first of
+        all for a pull naming an engine without its secret)."""
+        engine = self.grants.authenticate(request.engine_id, request.engine_secret, "Pull")
         grant = self.grants.leases.live(request.grant_id)
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
@@ -83,9 +89,6 @@ class PullDesk:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
         transport = Transport(request.transport)
-        engine = self.engines.get(request.engine_id)
-        if engine is None:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} has not handshaken")
         self.engines.heard_from(request.engine_id)
         if transport is Transport.UCX and not engine.reaches_over(Transport.UCX):
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
@@ -105,7 +108,7 @@ class PullDesk:
                                 link=link, tag_base=request.ucx_tag_base, chunk_bytes=self.config.chunk_bytes,
                                 integrity=request.integrity,
                                 deadline=time.monotonic() + self.config.pull_budget_s(computing=grant.computing))
-        finished = False
+        finished = caller_left = False
         try:
             try:
                 async for message in outbound.messages():
@@ -117,6 +120,9 @@ class PullDesk:
             except PullAborted as exc:
                 self.metrics.failures.labels(exc.cause).inc()
                 raise StatusError(exc.code, exc.message) from None
+        except (GeneratorExit, asyncio.CancelledError):  # its call was cancelled, or its stream broke
+            caller_left = True
+            raise
         finally:
             outbound.stop_sends()
             if finished and self.on_pull_done is not None:
@@ -125,4 +131,6 @@ class PullDesk:
                 self.metrics.failures.labels("pull_aborted").inc()
                 logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)
             grant.pulls_in_flight -= 1
+            if caller_left and not finished and grant.computing:  # its decode engine went away mid-prompt
+                self.grants.abandon(grant, f"its pull by {request.engine_id} ended before the prompt was computed")
             self.grants.reap()

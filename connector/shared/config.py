@@ -103,6 +103,9 @@ class ConnectorConfig:
     rpc_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
     heartbeat_s: float | None = None  # default: lease_s / 3
+    # A PullSession with no pull running that sends nothing for this long is ended (DEADLINE_EXCEEDED) and its
+    # state freed; a decode node reopens its session at its next pull (it closes its own idle one sooner).
+    pull_session_idle_s: float = 120.0
     ucx_options: tuple[tuple[str, str], ...] = UCX_NO_SHARED_MEMORY
 
     def __post_init__(self) -> None:
@@ -110,6 +113,8 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not 0 < self.pull_session_idle_s < float("inf"):
+            raise ValueError(f"pull_session_idle_s must be a finite number of seconds > 0, got {self.pull_session_idle_s!r}")
         for name in ("max_prompt_tokens", "max_grants", "chunk_bytes", "max_message_bytes", "piece_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -38,23 +38,25 @@ class Layout(_message.Message):
     def __init__(self, layout_hash: _Optional[str] = ..., fields_json: _Optional[str] = ..., block_bytes: _Optional[int] = ..., ring_block_bytes: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "model_identity", "ucx_warmup_tag")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "model_identity", "ucx_warmup_tag", "engine_secret")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     UCX_WARMUP_TAG_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
     ucx_worker_address: bytes
     model_identity: str
     ucx_warmup_tag: int
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., ucx_warmup_tag: _Optional[int] = ...) -> None: ...
+    engine_secret: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., ucx_warmup_tag: _Optional[int] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,8 @@ class HandshakeResponse(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     PULL_SESSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PULL_SESSION_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -73,23 +77,27 @@ class HandshakeResponse(_message.Message):
     chunk_bytes: int
     model_identity: str
     pull_session: bool
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ...) -> None: ...
+    engine_secret: bytes
+    pull_session_idle_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave")
+    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave", "engine_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
     DCP_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     DCP_INTERLEAVE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     engine_id: str
     pipelined: bool
     dcp_engine_ids: _containers.RepeatedScalarFieldContainer[str]
     dcp_interleave: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ..., dcp_engine_ids: _Optional[_Iterable[str]] = ..., dcp_interleave: _Optional[int] = ...) -> None: ...
+    engine_secret: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ..., dcp_engine_ids: _Optional[_Iterable[str]] = ..., dcp_interleave: _Optional[int] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
 
 class RingRange(_message.Message):
     __slots__ = ("start_slot", "num_slots")
@@ -128,7 +136,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., pipelined: _Optional[bool] = ..., piece_blocks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base", "dcp_rank")
+    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base", "dcp_rank", "engine_secret")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +145,7 @@ class PullRequest(_message.Message):
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
     DCP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     engine_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -145,7 +154,8 @@ class PullRequest(_message.Message):
     integrity: bool
     ucx_tag_base: int
     dcp_rank: int
-    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ...) -> None: ...
+    engine_secret: bytes
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("kind", "offset", "nbytes")
@@ -242,16 +252,18 @@ class PullSessionResponse(_message.Message):
     def __init__(self, grant_id: _Optional[str] = ..., response: _Optional[_Union[PullResponse, _Mapping]] = ..., failure: _Optional[_Union[PullFailure, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("grant_id", "engine_id", "dcp_rank", "all_ranks")
+    __slots__ = ("grant_id", "engine_id", "dcp_rank", "all_ranks", "engine_secret")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DCP_RANK_FIELD_NUMBER: _ClassVar[int]
     ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     engine_id: str
     dcp_rank: int
     all_ranks: bool
-    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dcp_rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ...) -> None: ...
+    engine_secret: bytes
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dcp_rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -260,12 +272,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("engine_id", "grant_ids")
+    __slots__ = ("engine_id", "grant_ids", "engine_secret")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     grant_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., grant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    engine_secret: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., grant_ids: _Optional[_Iterable[str]] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("unknown_grant_ids", "lease_ms", "engine_unknown")
