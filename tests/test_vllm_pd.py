@@ -1,0 +1,108 @@
+"""kpool-pd inside vLLM: a producer and a consumer engine (``KpoolPdConnector``) in two processes give the
+same greedy tokens as one engine alone, over UCX and over the gRPC stream, and the consumer computes none
+of the prompt (vLLM's ``num_cached_tokens``: every prompt token but the last, which vLLM always runs again
+to sample from, came from the producer)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import random
+import secrets
+import socket
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
+
+from tests import vllm_engines  # noqa: E402
+
+ENGINE_START_S = 600  # a loaded 2-core machine starts three engines at once
+JOB_S = 300
+PROMPT_LENGTHS = (7, 9, 16, 17, 100, 257, 640, 1000)
+MAX_TOKENS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connector(role: str, extra: dict) -> dict:
+    return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
+            "kv_connector_extra_config": extra}
+
+
+class Engine:
+    def __init__(self, context, model: str, transfer: dict | None) -> None:
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=vllm_engines.serve, args=(model, transfer, self.jobs, self.results))
+        self.process.start()
+
+    def _answer(self, timeout_s: float):
+        answer = self.results.get(timeout=timeout_s)
+        if isinstance(answer, tuple) and answer and answer[0] == "error":
+            raise AssertionError(f"engine failed:\n{answer[1]}")
+        return answer
+
+    def wait_ready(self) -> None:
+        self._answer(ENGINE_START_S)
+
+    def run(self, prompts, max_tokens, params=None):
+        self.jobs.put((prompts, max_tokens, params))
+        return self._answer(JOB_S)
+
+    def stop(self) -> None:
+        try:
+            self.jobs.put(None)
+            self.process.join(30)
+        finally:
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(30)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    model = str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama")))
+    token = secrets.token_hex(16)
+    context = multiprocessing.get_context("spawn")
+    started = []
+    try:
+        producer = Engine(context, model, connector("kv_producer", {"listen": f"127.0.0.1:{free_port()}",
+                                                                  "peer_token": token, "lease_s": 60}))
+        started.append(producer)
+        consumers = {}
+        for transport in ("ucx", "grpc"):
+            consumers[transport] = Engine(context, model, connector("kv_consumer", {"peer_token": token,
+                                                                                  "transport": transport,
+                                                                                  "integrity": True}))
+            started.append(consumers[transport])
+        for engine in started:
+            engine.wait_ready()
+        yield producer, consumers
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_pd_equals_single_engine(engines, transport):
+    producer, consumers = engines
+    consumer = consumers[transport]
+    rng = random.Random(len(transport))
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+    alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompt itself
+    prefilled = producer.run(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
+    params = [p for _, _, p in prefilled]
+    assert all(p and p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, prompts))
+    decoded = consumer.run(prompts, MAX_TOKENS, params)
+
+    for prompt, (single, single_cached, _), (pd, pd_cached, _) in zip(prompts, alone, decoded):
+        assert len(single) == MAX_TOKENS
+        assert pd == single, f"{len(prompt)}-token prompt: PD gave {pd}, one engine {single}"
+        assert single_cached == 0
+        assert pd_cached == len(prompt) - 1, f"{len(prompt)}-token prompt: the consumer computed " \
+                                             f"{len(prompt) - pd_cached} prompt tokens"

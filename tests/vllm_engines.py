@@ -1,0 +1,51 @@
+"""vLLM engines in processes of their own, for tests/test_vllm_pd.py: a 2-layer dummy-weight Llama from
+a config.json written here, run greedily on the CPU. Each process serves jobs from a queue until told
+to stop (``None``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def write_model(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return folder
+
+
+def serve(model: str, transfer: dict | None, jobs, results) -> None:
+    """One engine: ``transfer`` is the kv_transfer_config (None: no connector). A job is
+    ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
+    ``[(token_ids, num_cached_tokens, kv_transfer_params), ...]``, or ``("error", text)``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        from vllm import LLM, SamplingParams
+
+        kwargs = {"kv_transfer_config": transfer} if transfer else {}
+        llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                  enable_prefix_caching=False, max_model_len=2048, max_num_batched_tokens=2048, seed=0, **kwargs)
+    except Exception:
+        results.put(("error", traceback.format_exc()))
+        return
+    results.put(("ready", None))
+    while (job := jobs.get()) is not None:
+        prompts, max_tokens, params = job
+        try:
+            sampling = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                       extra_args={"kv_transfer_params": p} if p is not None else None)
+                        for p in (params or [None] * len(prompts))]
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+            results.put([(list(o.outputs[0].token_ids), o.num_cached_tokens, o.kv_transfer_params) for o in outputs])
+        except Exception:
+            results.put(("error", traceback.format_exc()))
