@@ -34,7 +34,7 @@ def serve(model: str, transfer: dict | None, jobs, results) -> None:
 
         kwargs = {"kv_transfer_config": transfer} if transfer else {}
         llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                  enable_prefix_caching=False, max_model_len=2048, max_num_batched_tokens=2048, seed=0, **kwargs)
+                  enable_prefix_caching=False, disable_log_stats=False, max_model_len=2048, max_num_batched_tokens=2048, seed=0, **kwargs)
     except Exception:
         results.put(("error", traceback.format_exc()))
         return
