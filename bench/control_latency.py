@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import grpc
+
+from runtime.launch import child_context, start_child
 
 _SERVICE = "bench.Control"
 
@@ -82,10 +83,8 @@ async def _measure(port: int, requests: int, deadline_s: float) -> dict[str, dic
 
 def measure(requests: int, deadline_s: float = 60.0) -> dict[str, dict[str, float]]:
     """Start the server process, time both ways, stop it."""
-    ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    server = ctx.Process(target=_server_proc, args=(ports,), daemon=True)
-    server.start()
+    ports = child_context().Queue()
+    server = start_child(_server_proc, ports)
     try:
         port = ports.get(timeout=deadline_s)
         return asyncio.run(_measure(port, requests, deadline_s))

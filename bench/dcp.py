@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import tempfile
 import time
 import traceback
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import torch
@@ -34,9 +34,10 @@ from connector import dcp_transfer_bytes
 from kvcache import BlockLayout, DcpConfig, NodeCache
 from model import DecodeSequence, ModelConfig
 from model.colocated import make_prompts, prefill_batch
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
+from runtime.launch import child_context, start_child
 
 
 def _sync(device: torch.device) -> None:
@@ -46,23 +47,23 @@ def _sync(device: torch.device) -> None:
 
 def _model(args: dict) -> ModelConfig:
     """The bench's model, from its flags (ValueError for a combination the model refuses)."""
-    return ModelConfig(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
+    return ModelConfig.build(kpool=args["kpool"], num_spec=args["num_spec"], num_layers=args["layers"],
                        block_size=args["block_size"])
 
 
-def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> None:
+def _rank_main(rank: int, size: int, args: dict, store: str, out: Queue) -> None:
     try:
         torch.set_num_threads(1)
         device = torch.device(f"cuda:{rank}" if args["device"] == "cuda" else "cpu")
         config = _model(args)
-        dcp = DcpConfig.for_cache(config.cache_config(), size=size)
+        dcp = DcpConfig.for_cache(config.cache, size=size)
         group = DcpGroup.join(dcp.shard(rank), init_method=f"file://{store}", device=device, timeout_s=600)
-        max_tokens = args["steps"] * (config.num_spec + 1) + args["warmup"] * (config.num_spec + 1) + 2
+        max_tokens = (args["steps"] + args["warmup"]) * (config.cache.num_spec + 1) + 2
         requests = make_prompts(args["batch"], args["tokens"], seed=1, vocab_size=config.vocab_size,
                                 max_tokens=max_tokens)
         full = prefill_batch(config, requests, device)
-        need = rank_blocks_for(config, dcp, args["tokens"], max_tokens)
-        cache = NodeCache(config.cache_config(), num_blocks=need * len(requests), num_rings=len(requests),
+        need = dcp.rank_blocks_for_request(config.cache, args["tokens"], max_tokens)
+        cache = NodeCache(config.cache, num_blocks=need * len(requests), num_rings=len(requests),
                           device=device)
         pool = cache.pool
         engine = DcpEngine(config, pool, group)
@@ -86,7 +87,7 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
             if step >= args["warmup"]:
                 times.append((time.perf_counter() - started) * 1000)
         shard = dcp.shard(rank)
-        held = shard.blocks_for_tokens(args["tokens"], config.resolved_block_size)
+        held = shard.blocks_for_tokens(config.cache, args["tokens"])
         layout = pool.layout
         out.put((rank, {"step_ms": times, "cache_bytes": held * layout.block_bytes + layout.ring_block_bytes,
                         "tokens": [s.output for s in seqs]}, None))
@@ -99,18 +100,15 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: mp.Queue) -> N
 
 def transfer_bytes(config: ModelConfig, size: int, tokens: int) -> list[int]:
     """What each of ``size`` ranks receives for one ``tokens``-token prompt (one rank: the whole plan)."""
-    cache = config.cache_config()
+    cache = config.cache
     return dcp_transfer_bytes(BlockLayout(cache), tokens, DcpConfig.for_cache(cache, size=size))
 
 
 def run_one(size: int, args: dict) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = child_context().Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, size, args, os.path.join(tmp, "store"), out))
+        procs = [start_child(_rank_main, r, size, args, os.path.join(tmp, "store"), out, daemon=False)
                  for r in range(size)]
-        for p in procs:
-            p.start()
         reports = {}
         try:
             for _ in range(size):
@@ -167,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # a model or rank count that does not fit fails here, before any rank process starts
         config = _model(args)
         for size in args["ranks"]:
-            DcpConfig.for_cache(config.cache_config(), size=size)
+            DcpConfig.for_cache(config.cache, size=size)
     except ValueError as exc:
         parser.error(str(exc))
     if args["device"] == "cuda" and torch.cuda.device_count() < max(args["ranks"]):

@@ -7,7 +7,6 @@ connector's gRPC stream."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -16,6 +15,7 @@ import grpc
 import numpy as np
 
 from connector import ConnectorConfig
+from runtime.launch import child_context, start_child
 
 _METHOD = "/bench.RawStream/Send"
 
@@ -49,10 +49,8 @@ def grpc_stream_gbps(nbytes: int, reps: int) -> float:
     """GB/s of one raw gRPC stream of ``nbytes`` into a host buffer: median of ``reps`` after one warm-up."""
     config = ConnectorConfig()
     options = list(config.grpc_options())
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_server_proc, args=(child, nbytes, config.chunk_bytes, options), daemon=True)
-    proc.start()
+    conn, child = child_context().Pipe()
+    proc = start_child(_server_proc, child, nbytes, config.chunk_bytes, options)
     if not conn.poll(60):
         raise RuntimeError("the gRPC baseline server did not start in 60 s")
     port = conn.recv()

@@ -10,7 +10,7 @@ from kernels.kpool_cache.triton import write_entries_triton
 from kernels.kpool_compress.triton import compress_pools_triton
 from kernels.kpool_decode.triton import decode_update_triton
 from kernels.kpool_prefill.triton import prefill_compress_write_triton
-from kvcache import DEFAULT_KERNEL_PAGE_STATES, INDEX_HEAD_DIM, PoolMode, blocks_for_tokens, tail_ring_size
+from kvcache import DEFAULT_KERNEL_PAGE_STATES, INDEX_HEAD_DIM, CacheConfig, PoolMode, tail_ring_size
 
 D = INDEX_HEAD_DIM
 DECODE_VARIANTS = ((1, 1, False), (1, 2, False), (1, 4, False), (2, 4, False), (1, 1, True), (1, 4, True))
@@ -48,8 +48,7 @@ def _prefill_inputs(device: torch.device, requests: int, tokens_each: int, kpool
     k, gate = _keys(tokens, device, gen)
     ape = torch.randn(kpool, D, generator=gen, device=device)
     qsl = torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32, device=device)
-    block_size = kpool * states
-    blocks_each = blocks_for_tokens(tokens_each, block_size)
+    blocks_each = CacheConfig(kpool=kpool, block_size=kpool * states).blocks_for_tokens(tokens_each)
     table = torch.randperm(requests * blocks_each, generator=gen, device=device).view(requests, blocks_each)
     iq, iscale = _pages(requests * blocks_each, states, device)
     return k, gate, ape, qsl, table.to(torch.int32), iq, iscale

@@ -102,8 +102,8 @@ class TimedEngine(Engine):
 
 async def timeline(config: ModelConfig, prompt: tuple[int, ...], budget: int, device: str, transport: Transport) -> dict:
     """One pipelined prefill and pull in this process: step and send intervals, in ms from the Prefill call."""
-    layout = BlockLayout(config.cache_config())
-    blocks = config.cache_config().blocks_for_tokens(len(prompt)) + 2
+    layout = BlockLayout(config.cache)
+    blocks = config.cache.blocks_for_tokens(len(prompt)) + 2
     transports = (transport,)
     cfg = ConnectorConfig(piece_tokens=budget, rpc_timeout_s=120, transfer_timeout_s=120)
     prefill_cache = NodeCache(layout, num_blocks=blocks, num_rings=2, device=device)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(table(rows) + "\n")
     lines = []
     if not args.no_timeline:
-        config = ModelConfig(num_layers=args.layers, num_spec=3)
+        config = ModelConfig.build(num_layers=args.layers, num_spec=3)
         prompt = make_prompts(1, args.prompt_len, seed=0, vocab_size=config.vocab_size, max_tokens=2)[0].prompt
         device = "cuda:0" if args.device == "cuda" else "cpu"
         for budget in (args.prompt_len, args.max_batch_tokens):

@@ -8,9 +8,7 @@ from bench.timing import BenchCase, Prepared
 from kernels import build_qsa_metadata, qsa_forward_update
 from kernels.qsa_rope import RopeCache
 from kernels.qsa_update.triton import qsa_forward_update_triton
-from kvcache import (
-    INDEX_HEAD_DIM, blocks_for_tokens, qsa_ring_capacity,
-)
+from kvcache import INDEX_HEAD_DIM, CacheConfig, CacheFamily, qsa_ring_capacity
 
 D = INDEX_HEAD_DIM
 
@@ -19,7 +17,8 @@ def _qsa_batch(device: torch.device, requests: int, q_len: int, context: int, r:
     """A batch of `requests` chunks of `q_len` tokens ending at random lengths up to `context` (+ q_len)."""
     gen = torch.Generator(device="cpu").manual_seed(7)
     seq = torch.randint(0, context, (requests,), generator=gen) + q_len
-    cols = blocks_for_tokens(context + q_len, block_size)
+    cols = CacheConfig(family=CacheFamily.QSA, compress_ratio=r, block_size=block_size).blocks_for_tokens(
+        context + q_len)
     table = torch.randperm(requests * cols, generator=gen).view(requests, cols)
     qsl = torch.arange(0, requests * q_len + 1, q_len)
     rings = torch.randperm(requests, generator=gen)

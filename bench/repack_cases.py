@@ -10,8 +10,7 @@ import torch
 
 from bench.timing import BenchCase, Prepared
 from kernels import repack_tokens
-from kernels.token_repack.geometry import block_fields
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, blocks_for_tokens
+from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily
 
 LAYERS = tuple(f"layer.{i}" for i in range(61))
 TOKENS = 32_768
@@ -22,14 +21,14 @@ QSA_CONFIG = CacheConfig(family=CacheFamily.QSA, layer_names=LAYERS, compress_ra
 
 def moved_bytes(layout: BlockLayout, tokens: int) -> int:
     """Bytes one repack of ``tokens`` reads plus writes: every field's rows, heads and pieces, every layer."""
-    return 2 * len(layout.layers) * sum(f.rows_for_tokens(tokens) * f.heads * f.piece_bytes for f in block_fields(layout))
+    return 2 * len(layout.layers) * sum(f.rows_for_tokens(tokens) * f.heads * f.piece_bytes for f in layout.fields)
 
 
 def _tables(src_layout: BlockLayout, dst_layout: BlockLayout, tokens: int, device: torch.device):
     """Pools of exactly the request's blocks, block tables shuffled."""
     gen = torch.Generator().manual_seed(7)
-    src_n = blocks_for_tokens(tokens, src_layout.config.block_size)
-    dst_n = blocks_for_tokens(tokens, dst_layout.config.block_size)
+    src_n = src_layout.config.blocks_for_tokens(tokens)
+    dst_n = dst_layout.config.blocks_for_tokens(tokens)
     src = torch.randint(0, 256, (src_n, src_layout.block_bytes), dtype=torch.uint8, device=device)
     dst = torch.zeros(dst_n, dst_layout.block_bytes, dtype=torch.uint8, device=device)
     return src, torch.randperm(src_n, generator=gen).to(device), dst, torch.randperm(dst_n, generator=gen).to(device)

@@ -7,7 +7,8 @@ package imports).
     python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
 
 Each UCX configuration runs with a fresh pair of processes (UCX reads its options once per
-process): the decode node in one spawned process, the prefill node in another. On the CPU
+process): the decode node in one child process, the prefill node in another (``runtime.launch``).
+The baselines live in ``bench.transfer_baselines``. On the CPU
 machine both same-host UCX configurations are measured (see ConnectorConfig.ucx_options).
 Prints a table, writes transfer-<date>-<machine>.json (and a .png when matplotlib imports) under --out.
 """
@@ -19,10 +20,8 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -34,10 +33,12 @@ from prometheus_client import CollectorRegistry
 from bench.arguments import count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
+from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
                        PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
 from runtime import GrpcServer
+from runtime.launch import child_context, start_child
 
 
 PHASES = tuple(f.name.removesuffix("_ms") for f in dataclasses.fields(PullTimeline))  # control, post, wire, ...
@@ -89,116 +90,6 @@ def _prefill_proc(conn, args: dict) -> None:
     os._exit(0)
 
 
-def _socket_sender(port: int, nbytes: int, reps: int) -> None:
-    buf = memoryview(bytearray(os.urandom(1 << 20)) * (-(-nbytes >> 20)))[:nbytes]
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        for _ in range(reps):
-            s.recv(1)  # the receiver's clock has started
-            s.sendall(buf)
-
-
-def socket_stream_gbps(nbytes: int, reps: int) -> float:
-    """Raw loopback TCP, one stream, between two processes: receive ``nbytes`` into a buffer."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    srv.settimeout(60)
-    proc = mp.get_context("spawn").Process(target=_socket_sender, args=(srv.getsockname()[1], nbytes, reps), daemon=True)
-    proc.start()
-    conn, _ = srv.accept()
-    conn.settimeout(60)
-    dst = memoryview(bytearray(nbytes))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        conn.sendall(b"g")
-        got = 0
-        while got < nbytes:
-            got += conn.recv_into(dst[got:], nbytes - got)
-        times.append(time.perf_counter() - t0)
-    conn.close()
-    srv.close()
-    proc.join(10)
-    return nbytes / statistics.median(times) / 1e9
-
-
-def copy_gbps(src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:
-    """memcpy (same device) or torch peer copy (cuda:0 -> cuda:1) of ``src.numel()`` bytes."""
-    times = []
-    for _ in range(reps + 1):
-        for t in (src, dst):
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        for t in (src, dst):  # a peer copy runs on the source device's stream
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
-        times.append(time.perf_counter() - t0)
-    return src.numel() / statistics.median(times[1:]) / 1e9
-
-
-# NIXL READ -----------------------------------------------------------------------------------
-def import_nixl():
-    """The nixl module (``nixl``, or the CUDA-specific ``nixl_cu12``/``nixl_cu13`` it wraps), or
-    None with the reason."""
-    errors = []
-    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
-        try:
-            module = __import__(name)
-        except (ImportError, OSError) as exc:  # not installed, or a missing shared library
-            errors.append(f"{name}: {exc}")
-            continue
-        if hasattr(module, "nixl_agent"):
-            return module, ""
-        errors.append(f"{name}: no nixl_agent")
-    return None, "; ".join(errors)
-
-
-def _nixl_target(conn, nbytes: int, device: str) -> None:
-    nixl, _ = import_nixl()
-    agent = nixl.nixl_agent("bench-target", nixl.nixl_agent_config(backends=["UCX"]))
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-    if src.is_cuda:
-        torch.cuda.synchronize(src.device)
-    agent.register_memory(src)
-    conn.send((agent.get_agent_metadata(), agent.get_serialized_descs(agent.get_xfer_descs(src))))
-    conn.recv()  # stop
-    os._exit(0)
-
-
-def nixl_read_gbps(nbytes: int, reps: int, src_device: str, dst_device: str) -> float:
-    """NIXL (UCX backend) READ of one ``nbytes`` region from another process's ``src_device``
-    memory into ``dst_device`` memory here; median of ``reps`` after one warm-up."""
-    nixl, _ = import_nixl()
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_nixl_target, args=(child, nbytes, src_device), daemon=True)
-    proc.start()
-    if not conn.poll(120):
-        raise RuntimeError("NIXL target process did not start")
-    metadata, remote = conn.recv()
-    agent = nixl.nixl_agent("bench-initiator", nixl.nixl_agent_config(backends=["UCX"]))
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
-    agent.register_memory(dst)
-    peer = agent.add_remote_agent(metadata)
-    local, remote = agent.get_xfer_descs(dst), agent.deserialize_descs(remote)
-    times = []
-    for _ in range(reps + 1):
-        handle = agent.initialize_xfer("READ", local, remote, peer)
-        t0 = time.perf_counter()
-        state = agent.transfer(handle)
-        deadline = t0 + 120
-        while state == "PROC" and time.perf_counter() < deadline:
-            time.sleep(20e-6)  # leave the CPU to NIXL's progress thread (2-core machines)
-            state = agent.check_xfer_state(handle)
-        times.append(time.perf_counter() - t0)
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL READ of {nbytes} B ended in state {state}")
-    conn.send("stop")
-    proc.join(30)
-    return nbytes / statistics.median(times[1:]) / 1e9
-
-
 # the connector --------------------------------------------------------------------------------
 async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str) -> list[dict]:
     config = _config(args["layers"], args["block_size"], args["kpool"])
@@ -206,12 +97,10 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     num_blocks = config.blocks_for_tokens(max(args["tokens"])) + 2
     prefill_block_size = args.get("prefill_block_size") or args["block_size"]  # another: the decode side repacks
     prefill_blocks = _config(1, prefill_block_size, args["kpool"]).blocks_for_tokens(max(args["tokens"])) + 2
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_proc, args=(child, dict(
+    conn, child = child_context().Pipe()
+    proc = start_child(_prefill_proc, child, dict(
         layers=args["layers"], block_size=prefill_block_size, kpool=args["kpool"], num_blocks=prefill_blocks,
-        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options)), daemon=True)
-    proc.start()
+        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options))
     port = conn.recv()
     cache = NodeCache(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
     pool = cache.pool
@@ -253,10 +142,9 @@ def _decode_proc(conn, args: dict, ucx_options: tuple, transports: tuple, suffix
 
 def connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str = "") -> list[dict]:
     """Rows for each transport and request size, from a fresh decode process and prefill process."""
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_proc, args=(child, args, ucx_options, tuple(t.value for t in transports), suffix))
-    proc.start()  # not a daemon: it starts the prefill process
+    conn, child = child_context().Pipe()
+    # not a daemon: it starts the prefill process
+    proc = start_child(_decode_proc, child, args, ucx_options, tuple(t.value for t in transports), suffix, daemon=False)
     while not conn.poll(1.0):
         if not proc.is_alive():
             raise RuntimeError(f"the decode benchmark process exited with {proc.exitcode} before sending its rows")

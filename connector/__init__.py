@@ -46,7 +46,8 @@ daemon's host; ``dial_host`` and ``dial_target``: the address a local client dia
 ``StatusError`` (a gRPC status and a message) and ``status_of`` (the one mapping from an exception to
 it), ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token);
 a grant's ring is a ``RingRange``. ``prefill_api``: the PrefillService wire format, for tests and tools
-that speak it directly.
+that speak it directly. ``MAX_ID_CHARS`` and ``MAX_DCP_RANKS``: the longest engine id and the most
+DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start).
 """
 
 from connector import prefill_api
@@ -63,12 +64,14 @@ from connector.decode.landed import LandedRequest
 from connector.decode.peer import PrefillPeer
 from connector.shared.plan import RingRange
 from connector.prefill.connector import PrefillConnector
+from connector.prefill.handshake import MAX_ID_CHARS
+from connector.prefill.prefills import MAX_DCP_RANKS
 from connector.shared.ucx import ucx_available, ucx_context_info
 from connector.shared.ucx_host import bind_ucx_options
 from connector.shared.wire import Transport
 
 __all__ = [
-    "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
+    "MAX_DCP_RANKS", "MAX_ID_CHARS", "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from connector import DecodeConnector
 from decode_worker import dcp_api
@@ -26,11 +28,12 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
 from kvcache import BlockLayout, NodeCache
 from model import DecodeSequence, Engine, PrefillJob
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
-                     model_config, nonnegative_int, parse_bool, positive_float, positive_int, pull_choice,
+                     model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
                      run_daemon, service_options)
+from runtime.preflight import check_cache_memory
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +59,30 @@ OPTIONS: tuple[Option, ...] = (
            "later chunks compute (false: pull once the prompt is computed)"),
     Option("max-running", positive_int, 16, "requests decoded at once (the batch)"),
     Option("max-queue", positive_int, 64, "requests waiting for room at most; more get RESOURCE_EXHAUSTED"),
-    Option("queue-timeout-s", positive_float, 60.0, "how long a request may wait for room"),
+    Option("queue-timeout-s", seconds, 60.0, "how long a request may wait for room"),
     Option("max-prompt-tokens", positive_int, 4096, "longest prompt accepted"),
     Option("max-new-tokens", positive_int, 512, "most output tokens a request may ask for"),
     Option("num-blocks", nonnegative_int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),
-    Option("health-interval-s", positive_float, 2.0, "how often prefill nodes are health-checked and re-resolved"),
+    Option("health-interval-s", seconds, 2.0, "how often prefill nodes are health-checked and re-resolved"),
     *DCP_OPTIONS,
 )
+
+
+def rank_cache_blocks(settings: Mapping[str, Any]) -> int:
+    """Blocks of each rank's cache: ``num-blocks``, or (0) enough for ``max-running`` of the largest requests."""
+    config, dcp = model_config(settings), dcp_config(settings)
+    largest = dcp.rank_blocks_for_request(config.cache, settings["max_prompt_tokens"], settings["max_new_tokens"])
+    return settings["num_blocks"] or settings["max_running"] * largest
+
+
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """The DCP options, then the memory of the cache the settings ask for (one per rank on the CPU)."""
+    check_dcp(settings)
+    option = "num_blocks" if settings["num_blocks"] else "max_running"
+    layout = BlockLayout(model_config(settings).cache)
+    copies = settings["dcp"] if torch.device(settings["device"]).type == "cpu" else 1
+    check_cache_memory(settings, option, layout, num_blocks=rank_cache_blocks(settings),
+                       num_rings=settings["max_running"], device=settings["device"], copies=copies)
 
 
 class DecodeNode:
@@ -72,20 +92,23 @@ class DecodeNode:
     def __init__(self, context: NodeContext) -> None:
         settings = context.settings
         self.config = model_config(settings)
-        self.layout = BlockLayout(self.config.cache_config())
+        self.layout = BlockLayout(self.config.cache)
         max_running = settings["max_running"]
         dcp = dcp_config(settings)
-        largest = rank_blocks_for(self.config, dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
-        self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"] or max_running * largest,
-                               num_rings=max_running, device=context.device)
+        self.cache = NodeCache(self.layout, num_blocks=rank_cache_blocks(settings), num_rings=max_running,
+                               device=context.device)
         self.ranks: DcpRanks | None = None
         self.leader: DcpLeader | None = None
         self._watch: asyncio.Task | None = None
         if dcp.size > 1:  # start ranks 1..N-1, then join their group (which waits for them)
             self.ranks = DcpRanks(context, dcp, OPTIONS, rendezvous_dir())
             self.ranks.on_broken = self._broken
-            group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
-                                  timeout_s=settings["dcp_timeout_s"])
+            try:
+                group = DcpGroup.join(dcp.shard(0), init_method=self.ranks.rendezvous, device=context.device,
+                                      timeout_s=settings["dcp_timeout_s"])
+            except BaseException:  # no node to close: stop the ranks and remove their folder here
+                self.ranks.kill()
+                raise
             self.engine: Engine = DcpEngine(self.config, self.cache.pool, group)
             self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
         else:
@@ -117,6 +140,12 @@ class DecodeNode:
         logger.error("stopping: the DCP decode instance is broken (%s)", why)
         asyncio.get_running_loop().call_soon(signal.raise_signal, signal.SIGTERM)
 
+    @property
+    def failure(self) -> str:
+        """Why the node stopped by itself (a DCP rank broke the instance), or empty: the runtime then
+        exits with status 1."""
+        return self.ranks.broken if self.ranks is not None else ""
+
     def _report_health(self, _changed: bool | None = None) -> None:
         """Tell the runtime's health gate whether this node can serve a request now."""
         if self.ranks is not None and self.ranks.broken:
@@ -134,8 +163,8 @@ class DecodeNode:
         if self.leader is not None:
             return
         config = self.config
-        prompt = [t % config.vocab_size for t in range(2 * config.group + 1)]
-        with self.cache.allocate("warm-up", config.blocks_for(len(prompt), WARM_UP_TOKENS)) as held:
+        prompt = [t % config.vocab_size for t in range(2 * config.cache.tokens_per_entry + 1)]
+        with self.cache.allocate("warm-up", config.cache.blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:
             first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])[0]
             seq = DecodeSequence(request_id="warm-up", prompt_len=len(prompt), max_tokens=WARM_UP_TOKENS,
                                  block_ids=list(held.block_ids), ring_id=held.ring_id, output=[first])
@@ -192,7 +221,7 @@ class DecodeNode:
 
 
 SPEC = DaemonSpec(role=Role.DECODE, description=__doc__.splitlines()[0], options=OPTIONS, build=DecodeNode,
-                  check=check_dcp)
+                  check=check_settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,31 +12,33 @@ from typing import Any
 
 import torch
 
+from connector import MAX_DCP_RANKS
 from kvcache import DcpConfig
-from runtime import Option, SettingsError, model_config, positive_float, positive_int
+from runtime import Option, SettingsError, int_in, integer, model_config, seconds
 
 
 def _interleave(text: Any) -> int:
-    value = int(text)
+    value = integer(text)
     if value < 0:
         raise ValueError(f"expected an integer >= 0 (0: the block size), got {text!r}")
     return value
 
 
 DCP_OPTIONS: tuple[Option, ...] = (
-    Option("dcp", positive_int, 1, "decode-context-parallel ranks: this daemon is rank 0 of that many processes "
-                                   "(one GPU each on a GPU host), the cache sharded over them (kpool family only)"),
+    Option("dcp", int_in(1, MAX_DCP_RANKS), 1,
+           f"decode-context-parallel ranks: this daemon is rank 0 of that many processes (at most {MAX_DCP_RANKS}, "
+           "what a prefill node accepts; one GPU each on a GPU host), the cache sharded over them (kpool family only)"),
     Option("dcp-interleave", _interleave, 0, "tokens dealt to one DCP rank at a time, a multiple of kpool (0: the "
                                              "block size, so whole blocks move to one rank)"),
-    Option("dcp-timeout-s", positive_float, 120.0, "how long DCP ranks wait for each other: to start and join, and "
-                                                   "in each collective"),
+    Option("dcp-timeout-s", seconds, 120.0, "how long DCP ranks wait for each other: to start and join, and "
+                                            "in each collective"),
 )
 
 
 def dcp_config(settings: Mapping[str, Any]) -> DcpConfig:
     """The instance's DCP shape from the settings; ValueError naming DCP when it cannot be used
     (the QSA family, an interleave off the pool)."""
-    cache = model_config(settings).cache_config()
+    cache = model_config(settings).cache
     return DcpConfig.for_cache(cache, size=settings["dcp"], interleave=settings["dcp_interleave"] or None)
 
 

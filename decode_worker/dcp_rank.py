@@ -2,8 +2,9 @@
 rank 0 drives it through (``kpoolpd.v1.DcpRankService``).
 
 Rank 0 (the decode daemon with ``--dcp N``) starts ranks 1..N-1 as ``python -m decode_worker.dcp_rank``
-with its own settings, ``--dcp-rank`` and the group's rendezvous. A rank joins the group
-(``model.DcpGroup``), serves the service on loopback, and writes its ready file. It holds a
+with its own settings, ``--dcp-rank``, the group's rendezvous and the instance's secret (the rank's
+client token: the service takes nothing else). A rank joins the group (``model.DcpGroup``, over
+loopback), serves the service on loopback only, and writes its ready file. It holds a
 request from Land (its pull of its share from the prefill node, which releases its share of the
 grant) until the Step that finishes it (after its state digest) or Drop. A collective
 that fails (a rank died) breaks the rank for good: it frees every request it holds and answers
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
@@ -32,20 +36,27 @@ from connector import (
 )
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from decode_worker.daemon import rank_cache_blocks
 from decode_worker.dcp_options import dcp_config
 from decode_worker.router import DNS_PREFIX, parse_targets
 from kvcache import BlockLayout, CacheAllocation, CacheExhaustedError, NodeCache
 from model import DecodeSequence
-from model.dcp_engine import DcpEngine, rank_blocks_for
+from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
-from runtime import DaemonSpec, NodeContext, Option, Role, model_config, run_daemon
+from runtime import DaemonSpec, NodeContext, Option, Role, model_config, nonnegative_int, run_daemon, text_value
 
 logger = logging.getLogger(__name__)
+FILE_SCHEME = "file://"
 
 RANK_OPTIONS: tuple[Option, ...] = (
-    Option("dcp-rank", int, 0, "this process's DCP rank (set by rank 0, which starts it)"),
-    Option("dcp-rendezvous", str, "", "the DCP group's torch.distributed rendezvous (set by rank 0)"),
+    Option("dcp-rank", nonnegative_int, 0, "this process's DCP rank (set by rank 0, which starts it)"),
+    Option("dcp-rendezvous", text_value, "", "the DCP group's torch.distributed rendezvous (set by rank 0)"),
 )
+
+
+def rendezvous_folder(rendezvous: str) -> Path | None:
+    """The folder of a ``file://`` rendezvous (rank 0's private folder), or None for another kind."""
+    return Path(rendezvous.removeprefix(FILE_SCHEME)).parent if rendezvous.startswith(FILE_SCHEME) else None
 
 
 class _Held:
@@ -74,17 +85,16 @@ class DcpRankNode(api.DcpRankServiceServicer):
     """Rank ``dcp-rank`` of a DCP decode instance (a runtime ``Node`` and the service's servicer)."""
 
     service_name = api.SERVICE_NAME
-    credential = Credential.PEER
+    credential = Credential.CLIENT  # rank 0 is the one client: it presents the instance's secret, not the peer token
 
     def __init__(self, context: NodeContext) -> None:
         settings = context.settings
         self.config = model_config(settings)
         self.dcp = dcp_config(settings)
         self.shard = self.dcp.shard(settings["dcp_rank"])
-        layout = BlockLayout(self.config.cache_config())
-        num_blocks = settings["num_blocks"] or settings["max_running"] * rank_blocks_for(
-            self.config, self.dcp, settings["max_prompt_tokens"], settings["max_new_tokens"])
-        self.cache = NodeCache(layout, num_blocks=num_blocks, num_rings=settings["max_running"], device=context.device)
+        layout = BlockLayout(self.config.cache)
+        self.cache = NodeCache(layout, num_blocks=rank_cache_blocks(settings), num_rings=settings["max_running"],
+                               device=context.device)
         self.group = DcpGroup.join(self.shard, init_method=settings["dcp_rendezvous"], device=context.device,
                                    timeout_s=settings["dcp_timeout_s"])
         self.engine = DcpEngine(self.config, self.cache.pool, self.group)
@@ -98,6 +108,13 @@ class DcpRankNode(api.DcpRankServiceServicer):
         self._held: dict[str, _Held] = {}
         self.broken = ""
         self.steps, self.step_seconds, self.transfer_bytes = 0, 0.0, 0
+        self._rank0 = os.getppid()  # the daemon that started this rank, which owns the rendezvous folder
+        self._rendezvous_dir = rendezvous_folder(settings["dcp_rendezvous"])
+
+    @property
+    def failure(self) -> str:
+        """Why this rank can no longer step (empty: it can); the process then exits with status 1."""
+        return self.broken
 
     # node -----------------------------------------------------------------------------------
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -128,6 +145,8 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self.connector.close()
         if not self.broken:  # a failed group is not torn down: its peers are gone, and the process exits
             self.group.leave()
+        if os.getppid() != self._rank0 and self._rendezvous_dir is not None:  # rank 0 died: nobody else removes it
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def describe(self) -> dict[str, object]:
         return {"dcp_rank": self.shard.rank, "dcp": self.shard.size, "dcp_interleave": self.shard.interleave,
@@ -186,7 +205,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self._check(context)
         if request.request_id in self._held:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is held already")
-        need = rank_blocks_for(self.config, self.dcp, request.prompt_len, request.max_tokens)
+        need = self.dcp.rank_blocks_for_request(self.config.cache, request.prompt_len, request.max_tokens)
         try:
             allocation = self.cache.allocate(request.request_id, need)
         except CacheExhaustedError as exc:
@@ -274,7 +293,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
 
 
 SPEC = DaemonSpec(role=Role.DECODE, description=__doc__.splitlines()[0], options=(*DECODE_OPTIONS, *RANK_OPTIONS),
-                  build=DcpRankNode)
+                  build=DcpRankNode, loopback_only=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,9 @@
 The ranks are child processes (``python -m decode_worker.dcp_rank``) given rank 0's settings
 through their environment (secrets included: a command line is readable by every user) plus their
 rank, the group's rendezvous, any free port and a ready file; they get SIGTERM when rank 0 dies.
+A rank serves its ``DcpRankService`` on loopback only, in plaintext, and requires the instance's
+secret, which rank 0 makes for this instance alone and hands its ranks as their client token
+(``KPOOLPD_TOKEN``): neither the fleet's peer token nor a process off the host reaches it.
 Every call has a deadline. A rank that cannot step any more (its process exited, a collective
 failed) breaks the instance for good: ``broken`` says why, and rank 0 fails its requests and
 stops serving (the pod's ranks restart together).
@@ -16,6 +19,7 @@ import enum
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -33,12 +37,16 @@ from decode_worker import dcp_api as api
 from decode_worker.dcp_options import rank_device
 from kvcache import DcpConfig
 from runtime import NodeContext, Option
+from runtime.node import LOOPBACK
 from runtime.process import parent_death_env
 
 logger = logging.getLogger(__name__)
 
 RANK_MODULE = "decode_worker.dcp_rank"
 STOP_GRACE_S = 10.0
+SECRET_BYTES = 32
+# The rank's client token: the only credential its DcpRankService takes (runtime.GrpcServer checks it).
+INSTANCE_SECRET_ENV = "KPOOLPD_TOKEN"
 
 
 def settings_env(options: Sequence[Option], settings: Mapping[str, Any]) -> dict[str, str]:
@@ -63,14 +71,12 @@ class DcpRanks:
         self.timeout_s = context.connector_config().pull_budget_s(computing=True)  # a rank's Land: one pull
         self.rpc_timeout_s = settings["rpc_timeout_s"]
         self.step_timeout_s = settings["dcp_timeout_s"]
-        self.peer_token = settings["peer_token"] or None
-        self.tls = context.tls
-        self.host = settings["host"]
+        self.secret = secrets.token_urlsafe(SECRET_BYTES)  # this instance's alone: the ranks' API takes only it
         self.workdir = Path(rendezvous_dir)
         base = settings_env(options, settings)
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, dcp.size):
-            env = {**os.environ, **base, "PYTHONUNBUFFERED": "1",
+            env = {**os.environ, **base, "PYTHONUNBUFFERED": "1", INSTANCE_SECRET_ENV: self.secret,
                    "KPOOLPD_DCP_RANK": str(rank), "KPOOLPD_DCP_RENDEZVOUS": self.rendezvous,
                    "KPOOLPD_PORT": "0", "KPOOLPD_METRICS_PORT": "-1", "KPOOLPD_HEALTH_PORT": "-1",
                    "KPOOLPD_READY_FILE": str(self._ready_file(rank)), "KPOOLPD_ENGINE_ID": f"{context.engine_id}/dcp{rank}",
@@ -120,30 +126,41 @@ class DcpRanks:
                     raise RuntimeError(f"DCP rank {rank} was not ready within {timeout_s:.0f} s")
                 await asyncio.sleep(0.05)
             port = json.loads(ready.read_text())["grpc_port"]
-            self.addresses.append(dial_target(self.host, port))
-            tls = self.tls
-            channel = open_channel(self.addresses[-1], tls, ())
+            self.addresses.append(dial_target(LOOPBACK, port))
+            channel = open_channel(self.addresses[-1], None, ())  # loopback, plaintext: the secret authenticates
             self._channels.append(channel)
             self._stubs.append(api.DcpRankServiceStub(channel))
         logger.info("DCP ranks 1 to %d serve at %s", self.dcp.size - 1, ", ".join(self.addresses))
 
-    async def close(self) -> None:
-        """Stop the ranks (SIGTERM, SIGKILL after a grace) and forget them; idempotent."""
-        for task in list(self._background):
-            task.cancel()
-        for channel in self._channels:
-            await channel.close()
-        self._channels.clear()
+    def kill(self) -> None:
+        """Stop the ranks at once (SIGKILL) and remove the rendezvous folder: for a start that failed."""
         for proc in self.procs:
             if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                await asyncio.to_thread(proc.wait, STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
                 proc.kill()
-                await asyncio.to_thread(proc.wait, STOP_GRACE_S)
+        for proc in self.procs:
+            proc.wait(STOP_GRACE_S)
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def close(self) -> None:
+        """Stop the ranks (SIGTERM, SIGKILL after a grace), forget them and remove the rendezvous
+        folder; idempotent."""
+        try:
+            for task in list(self._background):
+                task.cancel()
+            for channel in self._channels:
+                await channel.close()
+            self._channels.clear()
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in self.procs:
+                try:
+                    await asyncio.to_thread(proc.wait, STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    await asyncio.to_thread(proc.wait, STOP_GRACE_S)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # failures ----------------------------------------------------------------------------------
     def fail(self, why: str) -> None:
@@ -176,7 +193,7 @@ class DcpRanks:
         rank that failed; a collective call that fails, or a rank whose process exited, breaks the
         instance."""
         self._check()
-        md = auth_metadata(self.peer_token)
+        md = auth_metadata(self.secret)
         calls = [getattr(stub, call)(request, timeout=timeout_s, metadata=md) for stub in self._stubs]
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [(rank, r) for rank, r in enumerate(results, start=1) if isinstance(r, BaseException)]
@@ -218,7 +235,7 @@ class DcpRanks:
         task.add_done_callback(self._background.discard)
 
     async def _drop(self, request_id: str) -> None:
-        md = auth_metadata(self.peer_token)
+        md = auth_metadata(self.secret)
         calls = [stub.Drop(api.DropRequest(request_id=request_id), timeout=self.timeout_s, metadata=md)
                  for stub in self._stubs]
         for rank, result in enumerate(await asyncio.gather(*calls, return_exceptions=True), start=1):
@@ -229,7 +246,7 @@ class DcpRanks:
         """Every ``interval_s``: each rank's Status into the per-rank metrics (rank 0's from ``own``);
         a rank whose process exited, or that says it is broken, breaks the instance. A Status that
         gets no answer within the RPC deadline marks its rank down until it answers again."""
-        md = auth_metadata(self.peer_token)
+        md = auth_metadata(self.secret)
         while True:
             statuses = [own()]
             for rank, stub in enumerate(self._stubs, start=1):

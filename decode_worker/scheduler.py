@@ -121,15 +121,15 @@ class DecodeScheduler:
         """Queue a validated request (raises StatusError when it cannot be queued)."""
         if self.dcp is not None and self.dcp.ranks.broken:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
-        need = self.engine.blocks_for(len(prompt), max_tokens)
+        need = (self.dcp.dcp.rank_blocks_for_request(self.cache.config, len(prompt), max_tokens) if self.dcp is not None
+                else self.cache.config.blocks_for_request(len(prompt), max_tokens))
         if need > self.cache.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
                               f"this node has {self.cache.num_blocks}")
         if request_id in self._active:
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
-        if len(self._waiting) >= self.max_queue:
-            self.requests.labels("queue_full").inc()
+        if len(self._waiting) >= self.max_queue:  # the caller counts the refusal (kpoolpd_decode_requests_total)
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
         job = Job(request_id=request_id, prompt=prompt, max_tokens=max_tokens, need_blocks=need,
@@ -226,6 +226,9 @@ class DecodeScheduler:
                                                 dcp_interleave=self.dcp.shard.interleave)
             except StatusError as exc:
                 last = exc
+                if self.dcp is not None and self.dcp.ranks.broken:  # the instance broke, not the prefill node
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                      f"the DCP decode instance is broken: {self.dcp.ranks.broken}") from None
                 if exc.code not in RETRYABLE:
                     raise StatusError(exc.code, exc.message) from None
                 if exc.code is grpc.StatusCode.UNAVAILABLE:

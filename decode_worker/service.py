@@ -14,6 +14,7 @@ from connector import Credential, StatusError
 from decode_worker import api
 from decode_worker.jobs import Failed, Finished, JobEvent, Tokens
 from decode_worker.scheduler import DecodeScheduler
+from model import check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,10 @@ class GenerateService(api.GenerateServiceServicer):
         if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
-        n = len(request.prompt_token_ids)
-        if not 1 <= n <= self.max_prompt_tokens:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt has {n} tokens; must have 1 to {self.max_prompt_tokens}")
-        prompt = tuple(request.prompt_token_ids)
-        bad = [t for t in prompt if t >= config.vocab_size]
-        if bad:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
+        try:
+            prompt = check_prompt(request.prompt_token_ids, vocab_size=config.vocab_size, max_len=self.max_prompt_tokens)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if not 1 <= request.max_tokens <= self.max_new_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")
@@ -100,8 +96,9 @@ class GenerateService(api.GenerateServiceServicer):
                         return
         except StatusError as exc:
             outcome = "rejected" if job is None else "failed"
-            if job is None:
-                scheduler.requests.labels("rejected").inc()
+            if job is None:  # refused before it was queued: counted here, once (a full queue as queue_full)
+                full = exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+                scheduler.requests.labels("queue_full" if full else "rejected").inc()
             shown = (request.request_id or "(unnamed)")[:64]
             logger.warning("request %s: %s", shown, exc, extra={"request_id": shown, "code": exc.code.name})
             await context.abort(exc.code, exc.message)

@@ -6,7 +6,7 @@ A PD run also runs the colocated reference afterwards and says how many requests
 However a PD run ends it leaves nothing behind: SIGTERM, SIGINT or SIGHUP stops both daemons (they
 drain, at most ``INTERRUPT_GRACE_S``) and removes the run's temporary folder (logs, ready files,
 the throwaway CA and its key) before ``up`` exits with status 128 + the signal's number; and the
-daemons drain by themselves if ``up`` is killed outright (``kpool_pd.launcher``).
+daemons drain by themselves if ``up`` is killed outright (``runtime.launch``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, DaemonError, start_decode, start_prefill
+from runtime.launch import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, summary, summary_text, table
 from kvcache import DcpConfig
 from model.colocated import make_prompts, run_colocated
@@ -140,10 +140,10 @@ def run_up(args) -> int:
         _progress(f"error: {exc}")
         return 2
     try:
-        if args.dcp > 1 and prefill_config.resolved_block_size != config.resolved_block_size:
+        if args.dcp > 1 and prefill_config.cache.block_size != config.cache.block_size:
             raise ValueError(f"--dcp {args.dcp} needs one block size for prefill and decode, got "
-                             f"{prefill_config.resolved_block_size} and {config.resolved_block_size}")
-        DcpConfig.for_cache(config.cache_config(), size=args.dcp, interleave=args.dcp_interleave or None)
+                             f"{prefill_config.cache.block_size} and {config.cache.block_size}")
+        DcpConfig.for_cache(config.cache, size=args.dcp, interleave=args.dcp_interleave or None)
         prefill_device, decode_device = placement(args.device, args.dcp)
     except ValueError as exc:
         _progress(f"error: {exc}")
@@ -169,7 +169,7 @@ def run_up(args) -> int:
         _print(args, results, report)
         return 0
 
-    prefill_model, model = (model_flags({**vars(args), "block_size": c.resolved_block_size})
+    prefill_model, model = (model_flags({**vars(args), "block_size": c.cache.block_size})
                             for c in (prefill_config, config))
     limits = ["--max-prompt-tokens", str(args.prompt_len), "--max-new-tokens", str(args.max_tokens)]
     with Teardown() as teardown, tempfile.TemporaryDirectory(prefix="kpool-pd-up-") as tmp:
@@ -194,7 +194,7 @@ def run_up(args) -> int:
         client_token, peer_token = secrets.token_hex(16), secrets.token_hex(16)
         peer_env = {"KPOOLPD_PEER_TOKEN": peer_token}
         _progress(f"starting the prefill daemon on {prefill_device} (transport {args.transport}, "
-                  f"{prefill_config.resolved_block_size}-token blocks; logs in {workdir}) ...")
+                  f"{prefill_config.cache.block_size}-token blocks; logs in {workdir}) ...")
         t0 = time.perf_counter()
         with teardown.track(start_prefill(workdir, prefill_model, transports=args.transport, env=peer_env,
                                           extra=["--max-prompt-tokens", str(args.prompt_len), "--device", prefill_device,
@@ -205,7 +205,7 @@ def run_up(args) -> int:
                 _progress(f"  prefill ready on 127.0.0.1:{prefill.port} (metrics :{prefill.metrics_port}) "
                           f"after {time.perf_counter() - t0:.1f} s")
                 t0 = time.perf_counter()
-                _progress(f"starting the decode daemon on {decode_device} ({config.resolved_block_size}-token blocks"
+                _progress(f"starting the decode daemon on {decode_device} ({config.cache.block_size}-token blocks"
                           f"{f', {args.dcp} DCP ranks' if args.dcp > 1 else ''}) ...")
                 with teardown.track(start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
                                                  transport=args.transport,
@@ -229,7 +229,7 @@ def run_up(args) -> int:
                 return 2
     _progress(f"running the colocated reference on {reference_device} ...")
     reference = run_colocated(config, requests, device=reference_device)
-    described = config.describe() | {"prefill_block_size": prefill_config.resolved_block_size}
+    described = config.describe() | {"prefill_block_size": prefill_config.cache.block_size}
     report = summary(results, mode="pd", wall_s=wall, model=described, devices=(prefill_device, decode_device),
                      transport=args.transport, tls=args.tls, reference=reference,
                      data_plane_encrypted=bool(args.tls) and args.transport == "grpc", dcp=args.dcp)

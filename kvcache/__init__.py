@@ -9,17 +9,17 @@ from kvcache.family import (
     FamilySpec,
     KpoolFamilySpec,
     QsaFamilySpec,
-    blocks_for_tokens,
     complete_entries,
     family_spec_type,
     open_entry_start,
 )
-from kvcache.layout import BlockLayout, layout_differences, layout_hash
+from kvcache.layout import BlockLayout, FieldGeometry, FieldKind, layout_differences, layout_hash
 from kvcache.node_cache import CacheAllocation, CacheExhaustedError, NodeCache
 from kvcache.planar import PlanarCacheConfig, PlanarLayout, PlanarPool
 from kvcache.pool import CachePool
 from kvcache.specs import (
     DEFAULT_KERNEL_PAGE_STATES,
+    DEFAULT_MLA_ENTRY_BYTES,
     FP8_ENTRY_BYTES,
     INDEX_HEAD_DIM,
     KERNEL_PAGE_STATES,
@@ -37,11 +37,11 @@ from kvcache.specs import (
 )
 
 __all__ = [
-    "BlockAllocator", "BlockLayout", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DcpConfig", "DcpShard", "EngineCache", "FP8_ENTRY_BYTES", "FamilySpec",
+    "BlockAllocator", "BlockLayout", "FieldGeometry", "FieldKind", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
+    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DEFAULT_MLA_ENTRY_BYTES", "DcpConfig", "DcpShard", "EngineCache", "FP8_ENTRY_BYTES", "FamilySpec",
     "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
     "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PlanarCacheConfig", "PlanarLayout", "PlanarPool", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
-    "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "blocks_for_tokens", "complete_entries",
+    "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "complete_entries",
     "family_spec_type", "family_supports_dcp", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
     "tail_ring_size",
 ]

@@ -6,7 +6,7 @@ import functools
 
 from dataclasses import dataclass, field
 
-from kvcache.family import Count, FamilySpec, blocks_for_tokens, family_spec_type
+from kvcache.family import Count, FamilySpec, KpoolFamilySpec, QsaFamilySpec, check_count
 from kvcache.specs import (
     DEFAULT_KERNEL_PAGE_STATES,
     DEFAULT_MLA_ENTRY_BYTES,
@@ -114,7 +114,9 @@ class CacheConfig:
     def family_spec(self) -> FamilySpec:
         """The family's page and ring specs behind one interface (``KpoolFamilySpec`` or ``QsaFamilySpec``);
         built once per config (the config is frozen), since the cache ops ask it every step."""
-        return family_spec_type(self.family).from_config(self)
+        if self.family is CacheFamily.KPOOL:
+            return KpoolFamilySpec(indexer=self.kpool_indexer, ring=self.tail_ring)
+        return QsaFamilySpec(keys=self.qsa_keys, ring=self.qsa_ring)
 
     @property
     def indexer_page_bytes(self) -> int:
@@ -135,10 +137,31 @@ class CacheConfig:
         """Tokens per compressed entry: kpool, or the QSA compress ratio."""
         return self.family_spec.tokens_per_entry
 
+    # block counts: every count of a node's blocks is one of these (a DCP rank's: ``kvcache.dcp``) ------
     def blocks_for_tokens(self, num_tokens: Count) -> Count:
         """Blocks that hold positions ``[0, num_tokens)``: ceil(num_tokens / block_size); 0 for 0.
-        ValueError for a negative count."""
-        return blocks_for_tokens(num_tokens, self.block_size)
+        An int (ValueError for a negative or non-integer count) or an integer tensor, elementwise."""
+        check_count("num_tokens", num_tokens)
+        return -(-num_tokens // self.block_size)
+
+    @staticmethod
+    def positions_written(prompt_len: int, max_new_tokens: int) -> int:
+        """Positions a request writes at its largest: ``prompt_len + max_new_tokens - 1`` (the last output
+        token is never written; drafts never pass it). ValueError naming both when that is negative."""
+        written = prompt_len + max_new_tokens - 1
+        if written < 0:
+            raise ValueError(f"a request of {prompt_len} prompt and {max_new_tokens} new tokens writes "
+                             f"{written} positions")
+        return written
+
+    def blocks_for_request(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks a request holds at its largest: those of ``positions_written``."""
+        return self.blocks_for_tokens(self.positions_written(prompt_len, max_new_tokens))
+
+    def max_cached_tokens(self, num_blocks: int) -> int:
+        """Tokens that ``num_blocks`` blocks hold."""
+        check_count("num_blocks", num_blocks)
+        return num_blocks * self.block_size
 
     def complete_entries(self, num_tokens: Count) -> Count:
         """Compressed entries (pools, groups) complete after ``num_tokens`` committed tokens."""

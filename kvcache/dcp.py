@@ -68,6 +68,13 @@ class DcpConfig:
             raise ValueError(f"dcp interleave ({config.interleave} tokens) must be a multiple of kpool ({group})")
         return config
 
+    def rank_blocks_for_request(self, cache: CacheConfig, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks of ``cache`` each rank reserves for a request at its largest: the most any rank needs for
+        its share of ``cache.positions_written``, so that ranks' pools of one size, admitted by rank 0's
+        count, never run short (size 1: ``cache.blocks_for_request``). ValueError as that."""
+        written = cache.positions_written(prompt_len, max_new_tokens)
+        return max(shard.blocks_for_tokens(cache, written) for shard in self.shards())
+
     def shard(self, rank: int) -> DcpShard:
         return DcpShard(size=self.size, rank=rank, interleave=self.interleave)
 
@@ -130,6 +137,6 @@ class DcpShard:
             chunk += 1
         return runs
 
-    def blocks_for_tokens(self, num_tokens: int, block_size: int) -> int:
-        """Local blocks of ``block_size`` tokens this rank needs for positions ``[0, num_tokens)``."""
-        return -(-self.owned_tokens(num_tokens) // block_size)
+    def blocks_for_tokens(self, cache: CacheConfig, num_tokens: int) -> int:
+        """Local blocks of ``cache`` this rank needs for its share of positions ``[0, num_tokens)``."""
+        return cache.blocks_for_tokens(self.owned_tokens(num_tokens))

@@ -3,9 +3,9 @@
 ``CacheConfig.family_spec`` builds it; callers ask it (page bytes, ring slots, ring row bytes,
 tokens per compressed entry, the family's hashed fields) instead of branching on the family.
 
-Also here: the token arithmetic both families share, written once:
+Also here: the token arithmetic both families share, written once (the block counts are
+``CacheConfig``'s and, for a DCP rank, ``kvcache.dcp``'s):
 
-- ``blocks_for_tokens(n, block_size)``: blocks that hold positions ``[0, n)``;
 - ``complete_entries(n, g)``: compressed entries (kpool pools, QSA groups) complete after ``n``
   tokens, ``g`` tokens each;
 - ``open_entry_start(n, g)``: the first position of the entry still open after ``n`` tokens
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -33,13 +33,12 @@ from kvcache.specs import (
     tail_ring_size,
 )
 
-if TYPE_CHECKING:
-    from kvcache.config import CacheConfig
-
 Count = TypeVar("Count", int, torch.Tensor)
 
 
-def _check_count(name: str, value: int | torch.Tensor) -> None:
+def check_count(name: str, value: int | torch.Tensor) -> None:
+    """``value`` is an integer >= 0 or an integer tensor (not range-checked: no device sync); ValueError
+    or TypeError naming it otherwise."""
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
@@ -53,17 +52,9 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def blocks_for_tokens(num_tokens: Count, block_size: int) -> Count:
-    """Blocks of ``block_size`` tokens that hold positions ``[0, num_tokens)``: ceil(n / block_size)
-    (0 tokens need 0 blocks)."""
-    _check_count("num_tokens", num_tokens)
-    _check_positive("block_size", block_size)
-    return -(-num_tokens // block_size)
-
-
 def complete_entries(num_tokens: Count, tokens_per_entry: int) -> Count:
     """Entries of ``tokens_per_entry`` tokens complete after ``num_tokens`` tokens: floor(n / g)."""
-    _check_count("num_tokens", num_tokens)
+    check_count("num_tokens", num_tokens)
     _check_positive("tokens_per_entry", tokens_per_entry)
     return num_tokens // tokens_per_entry
 
@@ -111,10 +102,6 @@ class KpoolFamilySpec(_EntryArithmetic):
                 f"indexer (kpool {self.indexer.kpool}, block_size {self.indexer.block_size}) and ring "
                 f"(kpool {self.ring.kpool}, block_size {self.ring.block_size}) disagree"
             )
-
-    @classmethod
-    def from_config(cls, config: CacheConfig) -> KpoolFamilySpec:
-        return cls(indexer=config.kpool_indexer, ring=config.tail_ring)
 
     @staticmethod
     def tokens_per_entry_for(*, kpool: int, compress_ratio: int) -> int:
@@ -201,10 +188,6 @@ class QsaFamilySpec(_EntryArithmetic):
                 f"keys (compress_ratio, block_size, head_size, num_heads) = {ours} and ring {theirs} disagree"
             )
 
-    @classmethod
-    def from_config(cls, config: CacheConfig) -> QsaFamilySpec:
-        return cls(keys=config.qsa_keys, ring=config.qsa_ring)
-
     @staticmethod
     def tokens_per_entry_for(*, kpool: int, compress_ratio: int) -> int:
         """The family's entry size from a config's parameters (before a block size is known): r."""
@@ -270,8 +253,8 @@ _SPEC_TYPES: dict[CacheFamily, type[KpoolFamilySpec] | type[QsaFamilySpec]] = {
 
 
 def family_spec_type(family: CacheFamily) -> type[KpoolFamilySpec] | type[QsaFamilySpec]:
-    """The spec class of a family: ``from_config`` builds its spec; ``tokens_per_entry_for`` and
-    ``ring_slots_for`` answer what is known before a block size is."""
+    """The spec class of a family (``CacheConfig.family_spec`` builds its spec): ``tokens_per_entry_for``
+    and ``ring_slots_for`` answer what is known before a block size is."""
     if not isinstance(family, CacheFamily):
         raise ValueError(f"family must be a CacheFamily, got {family!r}")
     return _SPEC_TYPES[family]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.config import LAYOUT_FORMAT_VERSION
-from kvcache.family import Count, blocks_for_tokens
+from kvcache.family import Count, check_count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +50,9 @@ class PlanarCacheConfig:
     ring_slots = 0  # no per-request ring: the engine's caches are all paged
 
     def blocks_for_tokens(self, num_tokens: Count) -> Count:
-        return blocks_for_tokens(num_tokens, self.block_size)
+        """Blocks that hold positions ``[0, num_tokens)``: ceil(num_tokens / block_size), as CacheConfig counts."""
+        check_count("num_tokens", num_tokens)
+        return -(-num_tokens // self.block_size)
 
     def open_entry_start(self, num_tokens: Count) -> Count:
         """Every position is in a block: no open entry waits in a ring."""

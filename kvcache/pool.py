@@ -1,7 +1,8 @@
 """The memory of one worker: a block pool and a ring pool, with typed per-layer views.
 
 Every view aliases the pool's bytes (no copies): writing through a view changes the block,
-and a transfer of a block's bytes moves every layer's pages at once.
+and a transfer of a block's bytes moves every layer's pages at once. The block views are the layout's
+field geometry (``BlockLayout.fields``) with a dtype.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import TypeVar
 import torch
 
 from kvcache.family import KpoolFamilySpec, QsaFamilySpec
-from kvcache.layout import BlockLayout
-from kvcache.specs import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockOrder
+from kvcache.layout import BlockLayout, FieldKind
+from kvcache.specs import INDEX_HEAD_DIM
 
 _Spec = TypeVar("_Spec", KpoolFamilySpec, QsaFamilySpec)
 
@@ -45,6 +46,10 @@ class CachePool:
     def _block_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.blocks[:, offset:offset + nbytes]
 
+    def _field(self, kind: FieldKind, layer: int | str) -> torch.Tensor:
+        """uint8 [num_blocks, pages, rows_per_page, heads, piece]: one layer's field (``FieldGeometry.view``)."""
+        return self.layout.field(kind).view(self.blocks, self.layout.layer(layer).index)
+
     def _ring_rows(self, layer: int | str) -> torch.Tensor:
         """uint8 [num_rings, slots, row_bytes]: one layer's rows, strided across the slot-major ring."""
         pages = self.layout.layer(layer)
@@ -60,14 +65,9 @@ class CachePool:
 
     # Main attention ------------------------------------------------------------------
     def mla(self, layer: int | str) -> torch.Tensor:
-        """uint8 [num_blocks, N, H, C] in logical order; for BLHNC the view is permuted from its
+        """uint8 [num_blocks, N, H, C] in logical order; for BLHNC the view is strided over its
         storage order [num_blocks, H, N, C]."""
-        spec = self.config.mla
-        raw = self._block_bytes(self.layout.layer(layer).mla_offset, spec.page_bytes)
-        if spec.order is BlockOrder.BLNHC:
-            return raw.view(self.num_blocks, spec.block_size, spec.num_heads, spec.entry_bytes)
-        stored = raw.view(self.num_blocks, spec.num_heads, spec.block_size, spec.entry_bytes)
-        return stored.permute(0, 2, 1, 3)
+        return self._field(FieldKind.MLA, layer)[:, 0]
 
     # kpool family --------------------------------------------------------------------
     def indexer_page(self, layer: int | str) -> torch.Tensor:
@@ -76,25 +76,16 @@ class CachePool:
         self._family_spec(KpoolFamilySpec, "the kpool indexer page")
         return self._block_bytes(self.layout.layer(layer).indexer_offset, self.layout.indexer_page_bytes)
 
-    def _kernel_pages(self, layer: int | str) -> torch.Tensor:
-        """uint8 [num_blocks, pages, states_per_page * 132]: one row a kernel page."""
-        page = self.indexer_page(layer)
-        spec = self.family_spec
-        return page.view(self.num_blocks, spec.pages_per_block, spec.states_per_page * FP8_ENTRY_BYTES)
-
     def indexer_q(self, layer: int | str) -> torch.Tensor:
         """float8_e4m3fn [num_blocks, pages, states_per_page, 128]: state s of a block is
         ``[block, s // states_per_page, s % states_per_page]``."""
-        pages = self._kernel_pages(layer)
-        per_page = self.family_spec.states_per_page
-        q = pages[:, :, : per_page * INDEX_HEAD_DIM].view(torch.float8_e4m3fn)
-        return q.view(self.num_blocks, pages.shape[1], per_page, INDEX_HEAD_DIM)
+        self._family_spec(KpoolFamilySpec, "the kpool indexer page")
+        return self._field(FieldKind.KPOOL_ENTRY, layer)[:, :, :, 0].view(torch.float8_e4m3fn)
 
     def indexer_scale(self, layer: int | str) -> torch.Tensor:
         """float32 [num_blocks, pages, states_per_page]."""
-        pages = self._kernel_pages(layer)
-        per_page = self.family_spec.states_per_page
-        return pages[:, :, per_page * INDEX_HEAD_DIM:].view(torch.float32)
+        self._family_spec(KpoolFamilySpec, "the kpool indexer page")
+        return self._field(FieldKind.KPOOL_SCALE, layer)[:, :, :, 0].view(torch.float32)[..., 0]
 
     def tail_ring(self, layer: int | str) -> torch.Tensor:
         """bf16 [num_rings, 2, R, 128]: raw K half, then gate half (a strided view)."""
@@ -104,15 +95,10 @@ class CachePool:
 
     # QSA family ----------------------------------------------------------------------
     def qsa_keys(self, layer: int | str) -> torch.Tensor:
-        """bf16 or fp8 [num_blocks, rows, H, D] in logical order; for BLHNC the view is permuted
-        from its storage order [num_blocks, H, rows, D]."""
+        """bf16 or fp8 [num_blocks, rows, H, D] in logical order; for BLHNC the view is strided over
+        its storage order [num_blocks, H, rows, D]."""
         spec = self._family_spec(QsaFamilySpec, "the QSA compressed key cache").keys
-        raw = self._block_bytes(self.layout.layer(layer).indexer_offset, spec.page_bytes)
-        typed = raw.view(spec.dtype.torch_dtype)
-        if spec.order is BlockOrder.BLNHC:
-            return typed.view(self.num_blocks, spec.rows_per_block, spec.num_heads, spec.head_size)
-        stored = typed.view(self.num_blocks, spec.num_heads, spec.rows_per_block, spec.head_size)
-        return stored.permute(0, 2, 1, 3)
+        return self._field(FieldKind.QSA_KEYS, layer)[:, 0].view(spec.dtype.torch_dtype)
 
     def qsa_ring(self, layer: int | str) -> torch.Tensor:
         """bf16 [num_rings, C, H, W]; W = off + 12 when positions are cached."""

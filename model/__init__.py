@@ -3,7 +3,8 @@ and the colocated runner that every PD run must match."""
 
 from model.config import ModelConfig, default_block_size
 from model.engine import DecodeSequence, Engine, PrefillJob, output_digest
+from model.prompt import check_prompt
 from model.weights import SyntheticWeights
 
-__all__ = ["DecodeSequence", "Engine", "ModelConfig", "PrefillJob", "SyntheticWeights", "default_block_size",
+__all__ = ["DecodeSequence", "Engine", "ModelConfig", "PrefillJob", "SyntheticWeights", "check_prompt", "default_block_size",
            "output_digest"]

@@ -74,8 +74,8 @@ def make_prompts(count: int, prompt_len: int, *, seed: int, vocab_size: int, max
 def cache_for(config: ModelConfig, requests: Sequence[GenerateRequest], max_batch: int,
               device: torch.device | str = "cpu") -> NodeCache:
     """A node cache on ``device`` that holds the ``max_batch`` largest requests at once."""
-    sizes = sorted((config.blocks_for(len(r.prompt), r.max_tokens) for r in requests), reverse=True)
-    return NodeCache(config.cache_config(), num_blocks=max(1, sum(sizes[:max_batch])),
+    sizes = sorted((config.cache.blocks_for_request(len(r.prompt), r.max_tokens) for r in requests), reverse=True)
+    return NodeCache(config.cache, num_blocks=max(1, sum(sizes[:max_batch])),
                      num_rings=max(1, min(max_batch, len(requests))), device=device)
 
 
@@ -99,7 +99,7 @@ def prefill_batch(config: ModelConfig, requests: Sequence[GenerateRequest],
     """Prefill every request of ``requests`` in one step on a cache that holds them all."""
     cache = cache_for(config, requests, len(requests), device)
     engine = Engine(config, cache.pool)
-    allocations = tuple(cache.allocate(r.request_id, config.blocks_for(len(r.prompt), r.max_tokens)) for r in requests)
+    allocations = tuple(cache.allocate(r.request_id, config.cache.blocks_for_request(len(r.prompt), r.max_tokens)) for r in requests)
     try:
         firsts = engine.prefill([PrefillJob(prompt=r.prompt, block_ids=a.block_ids, ring_id=a.ring_id)
                                  for r, a in zip(requests, allocations)])
@@ -141,7 +141,7 @@ def _run(engine: Engine, cache: NodeCache, requests: Sequence[GenerateRequest], 
         admitted: list[tuple[DecodeSequence, tuple[int, ...]]] = []  # (sequence, prompt)
         while waiting and len(running) + len(admitted) < max_batch:
             req = waiting[0]
-            need = config.blocks_for(len(req.prompt), req.max_tokens)
+            need = config.cache.blocks_for_request(len(req.prompt), req.max_tokens)
             if not cache.fits(need):
                 if not running and not admitted:
                     raise ValueError(f"request {req.request_id} needs {need} blocks; the pool has {cache.free_blocks} free")

@@ -1,4 +1,4 @@
-"""The synthetic model's configuration: the cache family and its parameters, the layers, the seed.
+"""The synthetic model's configuration: its cache's (the family and its parameters, the layers), and the seed.
 
 Both daemons and the colocated runner build their caches from one ``ModelConfig``, so the two
 sides of a transfer agree on every byte (the connector's layout hash checks it).
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvcache import (
-    DEFAULT_KERNEL_PAGE_STATES, CacheConfig, CacheDtype, CacheFamily, PoolMode, blocks_for_tokens, family_spec_type,
+    DEFAULT_KERNEL_PAGE_STATES, DEFAULT_MLA_ENTRY_BYTES, CacheConfig, CacheDtype, CacheFamily, PoolMode, family_spec_type,
 )
 
 DEFAULT_BLOCK_SIZE = 256  # tokens: the model-wide attention block
@@ -38,78 +38,64 @@ def default_block_size(family: CacheFamily, kpool: int, compress_ratio: int, num
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Everything that decides the model's bytes and tokens.
+    """Everything that decides the model's bytes and tokens: its cache (``cache``: the family and its
+    parameters, the layers, the block size) and what is the model's own (the seed, the vocabulary, the
+    indexer's query heads, the top-k).
 
-    ``block_size = None`` picks ``default_block_size``. ``topk`` pools (QSA: groups) are
-    selected per query; ``index_heads`` is the indexer's query head count. ``kernel_page_states``
-    is the kpool indexer's kernel page (32 or 64 states, ``CacheConfig``).
+    ``build`` makes one from the common parameters (the cache's layers named ``layer.0`` on, the block
+    size picked by ``default_block_size`` unless given). ``topk`` pools (QSA: groups) are selected per
+    query; ``index_heads`` is the indexer's query head count.
     """
 
-    family: CacheFamily = CacheFamily.KPOOL
-    num_layers: int = 2
-    kpool: int = 4
-    compress_ratio: int = 4
-    num_spec: int = 0
-    block_size: int | None = None
+    cache: CacheConfig
     seed: int = 0
     vocab_size: int = 1024
     index_heads: int = 4
     topk: int = 8
-    mla_entry_bytes: int = 656
-    pool_mode: PoolMode = PoolMode.SOFTMAX
-    qsa_dtype: CacheDtype = CacheDtype.BFLOAT16
-    kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES
 
     def __post_init__(self) -> None:
-        if not isinstance(self.family, CacheFamily):
-            raise ValueError(f"family must be a CacheFamily, got {self.family!r}")
-        _positive(num_layers=self.num_layers, vocab_size=self.vocab_size, index_heads=self.index_heads,
-                  topk=self.topk, mla_entry_bytes=self.mla_entry_bytes, kpool=self.kpool,
-                  compress_ratio=self.compress_ratio)
-        if not isinstance(self.num_spec, int) or self.num_spec < 0:
-            raise ValueError(f"num_spec must be an integer >= 0, got {self.num_spec!r}")
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
+        _positive(vocab_size=self.vocab_size, index_heads=self.index_heads, topk=self.topk)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.vocab_size < 2 or self.vocab_size > 1 << 20:
             raise ValueError(f"vocab_size must be in [2, 2**20], got {self.vocab_size}")
-        self.cache_config()  # validates block size, ring size and the family's parameters
 
-    @property
-    def resolved_block_size(self) -> int:
-        if self.block_size is not None:
-            return self.block_size
-        return default_block_size(self.family, self.kpool, self.compress_ratio, self.num_spec)
-
-    @property
-    def group(self) -> int:
-        """Tokens per compressed entry: kpool, or the QSA compress ratio."""
-        return family_spec_type(self.family).tokens_per_entry_for(kpool=self.kpool, compress_ratio=self.compress_ratio)
-
-    @property
-    def layer_names(self) -> tuple[str, ...]:
-        return tuple(f"layer.{i}" for i in range(self.num_layers))
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            family=self.family, layer_names=self.layer_names, block_size=self.resolved_block_size,
-            num_spec=self.num_spec, mla_entry_bytes=self.mla_entry_bytes, kpool=self.kpool,
-            pool_mode=self.pool_mode, compress_ratio=self.compress_ratio, qsa_dtype=self.qsa_dtype,
-            kernel_page_states=self.kernel_page_states,
+    @classmethod
+    def build(cls, *, family: CacheFamily = CacheFamily.KPOOL, num_layers: int = 2, kpool: int = 4,
+              compress_ratio: int = 4, num_spec: int = 0, block_size: int | None = None,
+              mla_entry_bytes: int = DEFAULT_MLA_ENTRY_BYTES, pool_mode: PoolMode = PoolMode.SOFTMAX,
+              qsa_dtype: CacheDtype = CacheDtype.BFLOAT16, kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES,
+              seed: int = 0, vocab_size: int = 1024, index_heads: int = 4, topk: int = 8) -> ModelConfig:
+        """The model of ``num_layers`` layers (``layer.0`` on) over a cache of these parameters; ``block_size``
+        None picks ``default_block_size``. ValueError naming the value for one the cache or the model refuses."""
+        if not isinstance(family, CacheFamily):
+            raise ValueError(f"family must be a CacheFamily, got {family!r}")
+        _positive(num_layers=num_layers, kpool=kpool, compress_ratio=compress_ratio)
+        if not isinstance(num_spec, int) or isinstance(num_spec, bool) or num_spec < 0:
+            raise ValueError(f"num_spec must be an integer >= 0, got {num_spec!r}")
+        if block_size is None:
+            block_size = default_block_size(family, kpool, compress_ratio, num_spec)
+        cache = CacheConfig(
+            family=family, layer_names=tuple(f"layer.{i}" for i in range(num_layers)), block_size=block_size,
+            num_spec=num_spec, mla_entry_bytes=mla_entry_bytes, kpool=kpool, pool_mode=pool_mode,
+            compress_ratio=compress_ratio, qsa_dtype=qsa_dtype, kernel_page_states=kernel_page_states,
         )
+        return cls(cache=cache, seed=seed, vocab_size=vocab_size, index_heads=index_heads, topk=topk)
 
-    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks a request holds at its largest: positions [0, prompt_len + max_tokens - 1)
-        (the last output token is never written; drafts never pass it). ValueError when that
-        count is negative."""
-        return blocks_for_tokens(prompt_len + max_tokens - 1, self.resolved_block_size)
+    @property
+    def num_layers(self) -> int:
+        return self.cache.num_layers
 
     def describe(self) -> dict[str, object]:
+        cache = self.cache
         return {
-            "family": self.family.value, "layers": self.num_layers, "kpool": self.kpool,
-            "compress_ratio": self.compress_ratio, "num_spec": self.num_spec,
-            "block_size": self.resolved_block_size, "seed": self.seed, "vocab_size": self.vocab_size,
-            "index_heads": self.index_heads, "topk": self.topk, "mla_entry_bytes": self.mla_entry_bytes,
-            "kernel_page_states": self.kernel_page_states,
+            "family": cache.family.value, "layers": cache.num_layers, "kpool": cache.kpool,
+            "compress_ratio": cache.compress_ratio, "num_spec": cache.num_spec,
+            "block_size": cache.block_size, "seed": self.seed, "vocab_size": self.vocab_size,
+            "index_heads": self.index_heads, "topk": self.topk, "mla_entry_bytes": cache.mla_entry_bytes,
+            "kernel_page_states": cache.kernel_page_states,
         }
 
     def identity(self) -> str:
@@ -118,7 +104,7 @@ class ModelConfig:
         and the QSA dtype, less the block size and the kernel page, which only arrange the bytes:
         prefill and decode may differ in them, see ``connector.shared.compat``). Two nodes may exchange
         caches only when their identities are equal."""
-        fields = {**self.describe(), "pool_mode": self.pool_mode.value, "qsa_dtype": self.qsa_dtype.value}
+        fields = {**self.describe(), "pool_mode": self.cache.pool_mode.value, "qsa_dtype": self.cache.qsa_dtype.value}
         for arranging in ("block_size", "kernel_page_states"):
             del fields[arranging]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -29,31 +29,17 @@ from model.rule import HASH_PRIME
 from model.weights import SyntheticWeights
 
 
-def rank_blocks_for(config: ModelConfig, dcp: DcpConfig, prompt_len: int, max_tokens: int) -> int:
-    """Blocks each rank reserves for a request at its largest: the most any rank needs for its share
-    of positions [0, prompt_len + max_tokens - 1), so that ranks' pools of one size, admitted by
-    rank 0's count, never run short. ValueError as ``ModelConfig.blocks_for``."""
-    config.blocks_for(prompt_len, max_tokens)  # validates the counts
-    end = prompt_len + max_tokens - 1
-    return max(shard.blocks_for_tokens(end, config.resolved_block_size) for shard in dcp.shards())
-
-
 class DcpEngine(Engine):
     """``Engine`` for rank ``group.rank`` of ``group.size``. ValueError for a cache family that
     declares no DCP support (QSA) when the group has more than one rank."""
 
     def __init__(self, config: ModelConfig, pool: CachePool, group: DcpGroup,
                  weights: SyntheticWeights | None = None) -> None:
-        DcpConfig.for_cache(config.cache_config(), size=group.size, interleave=group.shard.interleave)
+        DcpConfig.for_cache(config.cache, size=group.size, interleave=group.shard.interleave)
         super().__init__(config, pool, weights)
         self.group = group
         self.shard: DcpShard = group.shard
         self.family = DcpKpoolFamily(config, self.weights, pool, group)
-
-    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks every rank reserves for a request (``rank_blocks_for``)."""
-        return rank_blocks_for(self.config, DcpConfig(size=self.shard.size, interleave=self.shard.interleave),
-                               prompt_len, max_tokens)
 
     def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
         raise ValueError("a DCP decode rank takes a request's prompt by transfer from a prefill node, not by prefill")
@@ -69,7 +55,7 @@ class DcpEngine(Engine):
     # state ------------------------------------------------------------------------------
     def _owned_sizes(self, shard: DcpShard, length: int) -> tuple[int, int]:
         """(complete pools, tokens) of positions [0, length) that ``shard`` holds."""
-        kpool = self.config.kpool
+        kpool = self.config.cache.kpool
         pools = shard.owned_tokens(self.pool.config.complete_entries(length) * kpool) // kpool
         return pools, shard.owned_tokens(length)
 
@@ -81,7 +67,7 @@ class DcpEngine(Engine):
         _, tokens = self._owned_sizes(self.shard, length)
         local = torch.arange(tokens, device=self.device)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        block_size = self.config.resolved_block_size
+        block_size = self.config.cache.block_size
         for layer in range(self.config.num_layers):
             mla = self.pool.mla(layer)[table[local // block_size], local % block_size] if tokens else None
             parts.append(mla.reshape(-1).cpu() if mla is not None else torch.empty(0, dtype=torch.uint8))
@@ -92,8 +78,8 @@ class DcpEngine(Engine):
         """The state digest of ``model.Engine.state_digest`` over the whole request, on rank 0 (None on
         the others): a collective; rank 0 gathers every rank's entries and MLA bytes and puts them
         in global order."""
-        layers, kpool, entry = self.config.num_layers, self.config.kpool, self.pool.layout.mla_page_bytes
-        entry //= self.config.resolved_block_size
+        layers, kpool, entry = self.config.num_layers, self.config.cache.kpool, self.pool.layout.mla_page_bytes
+        entry //= self.config.cache.block_size
         shards = DcpConfig(size=self.shard.size, interleave=self.shard.interleave).shards()
         sizes = [self._owned_sizes(s, length) for s in shards]
         widths = [layers * (pools * FP8_ENTRY_BYTES + tokens * entry) for pools, tokens in sizes]

@@ -6,12 +6,18 @@ shape and dtype, and it returns when every rank has; a group of one rank needs n
 ``torch.distributed`` and returns at once. A rank that died or stopped calling makes the others'
 collective fail once the group's timeout (given at ``join``) has passed, or sooner where the
 backend sees the connection close: every wait has a deadline.
+
+The ranks of a group are processes of one host, so their traffic (gloo's listeners, NCCL's
+bootstrap) stays on the loopback interface, whatever the hostname resolves to and whatever
+``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` said: nothing off the host reaches a rank.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -19,6 +25,28 @@ import torch.distributed as dist
 from kvcache import DcpShard
 
 logger = logging.getLogger(__name__)
+
+
+SOCKET_INTERFACE_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str:
+    """The name of this host's loopback interface (``lo`` on Linux); RuntimeError when it has none."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0", *names):
+        if name in names and name.startswith("lo"):
+            return name
+    raise RuntimeError(f"no loopback interface among {names}: DCP ranks talk over loopback only")
+
+
+def keep_on_loopback(environ: dict[str, str] | None = None) -> str:
+    """Point gloo and NCCL at the loopback interface in ``environ`` (default ``os.environ``), before
+    the group is joined; returns the interface's name."""
+    environ = os.environ if environ is None else environ
+    name = loopback_interface()
+    for variable in SOCKET_INTERFACE_ENV:
+        environ[variable] = name
+    return name
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -48,6 +76,7 @@ class DcpGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = backend_for(device)
+        keep_on_loopback()
         dist.init_process_group(backend, init_method=init_method, world_size=shard.size, rank=shard.rank,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))

@@ -23,7 +23,7 @@ def land_request(source: CachePool, source_blocks: Sequence[int], source_ring: i
         raise ValueError("the source and target pools must share one cache config")
     cache = source.config
     block_size, kpool = cache.block_size, cache.tokens_per_entry
-    need = shard.blocks_for_tokens(length, block_size)
+    need = shard.blocks_for_tokens(cache, length)
     if len(target_blocks) < need:
         raise ValueError(f"rank {shard.rank} holds {shard.owned_tokens(length)} of {length} tokens: it needs "
                          f"{need} blocks, got {len(target_blocks)}")

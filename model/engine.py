@@ -29,6 +29,7 @@ from model.batch import ForwardBatch, build_batch
 from model.cache_io import open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
 from model.kpool_family import KpoolFamily
+from model.prompt import check_prompt
 from model.qsa_family import QsaFamily
 from model.rule import TokenRule
 from model.weights import SyntheticWeights
@@ -115,19 +116,15 @@ def _on_pool_device(method):
 
 class Engine:
     def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None) -> None:
-        if pool.config != config.cache_config():
-            raise ValueError("the pool's cache config is not the model's: build the pool from config.cache_config()")
+        if pool.config != config.cache:
+            raise ValueError("the pool's cache config is not the model's: build the pool from config.cache")
         self.config = config
         self.pool = pool
         self.device = pool.device
         self.weights = weights if weights is not None else SyntheticWeights(config, self.device)
-        family_type = KpoolFamily if config.family is CacheFamily.KPOOL else QsaFamily
+        family_type = KpoolFamily if config.cache.family is CacheFamily.KPOOL else QsaFamily
         self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
-
-    def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks of this engine's pool a request holds at its largest (``ModelConfig.blocks_for``)."""
-        return self.config.blocks_for(prompt_len, max_tokens)
 
     # forwards ---------------------------------------------------------------------------
     def _targets(self, batch: ForwardBatch) -> list[int]:
@@ -158,7 +155,7 @@ class Engine:
         for the others. Chunked and whole prefill write the same bytes (DESIGN section 2). ValueError for
         a token outside the vocabulary, a chunk outside its prompt, or too few blocks."""
         for job in jobs:
-            self._check_prompt(job.prompt)
+            check_prompt(job.prompt, vocab_size=self.config.vocab_size)
             if not 0 <= job.start < job.stop <= len(job.prompt):
                 raise ValueError(f"chunk [{job.start}, {job.stop}) is empty or outside its {len(job.prompt)}-token "
                                  "prompt")
@@ -185,7 +182,7 @@ class Engine:
             return [[] for _ in sequences]
         chunks, drafts = [], []
         for seq in live:
-            proposed = self.rule.drafts(seq.pending, min(self.config.num_spec, seq.remaining - 1))
+            proposed = self.rule.drafts(seq.pending, min(self.config.cache.num_spec, seq.remaining - 1))
             drafts.append(proposed)
             chunks.append(([seq.pending, *proposed], seq.cached, seq.block_ids, seq.ring_id))
         batch = build_batch(chunks, last_only=False, device=self.device)
@@ -207,13 +204,6 @@ class Engine:
             emitted_by_id[id(seq)] = emitted
         return [emitted_by_id.get(id(s), []) for s in sequences]
 
-    def _check_prompt(self, prompt: Sequence[int]) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
-
     # state ------------------------------------------------------------------------------
     @_on_pool_device
     def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str:
@@ -229,7 +219,7 @@ class Engine:
         for layer in range(self.config.num_layers):
             rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
             sha.update(rows.cpu().numpy().tobytes())
-        block_size = self.config.resolved_block_size
+        block_size = self.config.cache.block_size
         positions = torch.arange(length, device=self.device)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         for layer in range(self.config.num_layers):

@@ -20,14 +20,14 @@ class KpoolFamily:
     def __init__(self, config: ModelConfig, weights: SyntheticWeights, pool: CachePool) -> None:
         self.config, self.weights, self.pool = config, weights, pool
         self.cache = pool.config
-        self.kpool = config.kpool
+        self.kpool = self.cache.kpool
         self.states = self.cache.family_spec.entries_per_block
 
     @property
     def feature_width(self) -> int:
-        c = self.config
-        attended = c.topk * c.kpool + c.kpool - 1
-        return (c.topk + c.topk * FP8_ENTRY_BYTES + (c.kpool - 1) * self.pool.layout.ring_row_bytes
+        topk, kpool = self.config.topk, self.kpool
+        attended = topk * kpool + kpool - 1
+        return (topk + topk * FP8_ENTRY_BYTES + (kpool - 1) * self.pool.layout.ring_row_bytes
                 + attended * self.pool.layout.mla_page_bytes // self.cache.block_size)
 
     def prefill(self, layer: int, batch: ForwardBatch) -> None:

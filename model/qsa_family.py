@@ -26,7 +26,7 @@ class QsaFamily:
         self.config, self.weights, self.pool = config, weights, pool
         self.cache = pool.config
         self.keys_spec = self.cache.qsa_keys
-        self.ratio = config.compress_ratio
+        self.ratio = self.cache.compress_ratio
         self._metadata: tuple[ForwardBatch, QsaMetadata] | None = None
 
     @property

@@ -31,13 +31,13 @@ class SyntheticWeights:
         self.gate_table = 2.0 * randn(layers, vocab, D)
         self.position_freq = 0.02 + 0.3 * torch.rand(layers, D, generator=gen)
         self.position_phase = 6.28 * torch.rand(layers, D, generator=gen)
-        self.ape = randn(layers, config.kpool, D).contiguous()
+        self.ape = randn(layers, config.cache.kpool, D).contiguous()
         self.norm_weight = 0.2 * randn(layers, D)
         self.query_table = randn(layers, vocab, heads, D)
         self.head_weight = 0.25 + torch.rand(layers, vocab, heads, generator=gen)
-        self.mla_table = torch.randint(0, 256, (layers, vocab, config.mla_entry_bytes), generator=gen,
+        self.mla_table = torch.randint(0, 256, (layers, vocab, config.cache.mla_entry_bytes), generator=gen,
                                        dtype=torch.int64).to(torch.uint8)
-        self.mla_position = torch.randint(0, 256, (layers, MLA_POSITION_PERIOD, config.mla_entry_bytes),
+        self.mla_position = torch.randint(0, 256, (layers, MLA_POSITION_PERIOD, config.cache.mla_entry_bytes),
                                           generator=gen, dtype=torch.int64).to(torch.uint8)
         # The draft model: a bigram table that the target follows most of the time (see model.rule).
         self.draft_table = torch.randint(0, vocab, (vocab,), generator=gen)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from connector import CacheExhaustedError, EngineUnavailable, PrefillInput, PrefillOutput, PrefillProgress
 from kvcache import CacheAllocation, NodeCache
-from model import Engine, PrefillJob
+from model import Engine, PrefillJob, check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,11 @@ class BatchingPrefillEngine:
         if self.draining:
             self.requests.labels("draining").inc()
             raise EngineUnavailable("prefill node is draining; try another")
-        bad = [t for t in prompt if t >= config.vocab_size]
-        if bad:
+        try:
+            prompt = check_prompt(prompt, vocab_size=config.vocab_size)  # its length: the connector's limit
+        except ValueError:
             self.requests.labels("invalid").inc()
-            raise ValueError(f"prompt token ids must be < vocab_size {config.vocab_size}, got {bad[:5]}")
+            raise
         if len(self._pending) >= self.max_queue:
             self.requests.labels("queue_full").inc()
             raise CacheExhaustedError(f"prefill queue is full ({len(self._pending)} waiting)")

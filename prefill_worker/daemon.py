@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from connector import PrefillConnector
 from kvcache import BlockLayout, NodeCache
@@ -19,6 +20,7 @@ from model import Engine, PrefillJob
 from prefill_worker.batcher import BatchingPrefillEngine
 from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, model_config, positive_int,
                      run_daemon, service_options)
+from runtime.preflight import check_cache_memory
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
 
@@ -43,7 +45,7 @@ class PrefillNode:
     def __init__(self, context: NodeContext) -> None:
         settings = context.settings
         self.config = model_config(settings)
-        self.layout = BlockLayout(self.config.cache_config())
+        self.layout = BlockLayout(self.config.cache)
         self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"], num_rings=settings["num_rings"],
                                device=context.device)
         self.engine = Engine(self.config, self.cache.pool)
@@ -62,10 +64,10 @@ class PrefillNode:
         """One prefill of ``2 * group + 1`` tokens (at most a block) through the engine, whole and then in two
         chunks (the second starting inside a pool), so that both kernel variants are built before serving."""
         config = self.config
-        prompt = [t % config.vocab_size for t in range(min(config.resolved_block_size, 2 * config.group + 1))]
+        prompt = [t % config.vocab_size for t in range(min(config.cache.block_size, 2 * config.cache.tokens_per_entry + 1))]
         with self.cache.allocate("warm-up", 1) as held:
             self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])
-            cut = min(config.group + 1, len(prompt) - 1)  # inside the second pool (group)
+            cut = min(config.cache.tokens_per_entry + 1, len(prompt) - 1)  # inside the second pool (group)
             for start, end in ((0, cut), (cut, len(prompt))):
                 self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id,
                                                 start=start, end=end)])
@@ -96,7 +98,15 @@ class PrefillNode:
         return {"model": self.config.describe(), "layout_hash": self.layout.layout_hash}
 
 
-SPEC = DaemonSpec(role=Role.PREFILL, description=__doc__.splitlines()[0], options=OPTIONS, build=PrefillNode)
+def check_resources(settings: Mapping[str, Any]) -> None:
+    """The cache the settings ask for fits the memory free on the device (SettingsError naming num-blocks)."""
+    layout = BlockLayout(model_config(settings).cache)
+    check_cache_memory(settings, "num_blocks", layout, num_blocks=settings["num_blocks"],
+                       num_rings=settings["num_rings"], device=settings["device"])
+
+
+SPEC = DaemonSpec(role=Role.PREFILL, description=__doc__.splitlines()[0], options=OPTIONS, build=PrefillNode,
+                  check=check_resources)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,12 +42,13 @@ from runtime.health_gate import HealthGate
 from runtime.logs import configure_logging
 from runtime.metrics import MetricsEndpoint, watch_cache
 from runtime.model_options import MODEL_KEYS, model_config
-from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
+from runtime.node import LOOPBACK, DaemonSpec, Node, NodeContext, default_engine_id
 from runtime.options import Option, SettingsError
 from runtime.ports import BindError, bind_error, ensure_bindable
 from runtime.process import arm_parent_death_signal, keep_event_loop_responsive, termination_event, write_ready_file
 from runtime.service_options import check_credentials
-from runtime.settings import load_settings
+from runtime.preflight import check_ready_file
+from runtime.settings import load_settings, one_line
 from runtime.tls import tls_config
 from runtime.transports import Transports, transports_of
 
@@ -86,10 +87,10 @@ async def drain(node: Node, health: HealthGate, drain_s: float, server: GrpcServ
 
 
 async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.device, tls: TlsConfig | None,
-                transports: Transports) -> None:
+                transports: Transports) -> str:
     """Run the node of ``spec`` until SIGTERM or SIGINT, then drain and stop (steps 1 to 4 of
-    the module's docstring). Returns once everything is closed; what ``build`` or a start step raises
-    propagates after the cleanup."""
+    the module's docstring). Returns once everything is closed: the node's ``failure`` (why it stopped
+    by itself, empty when it did not); what ``build`` or a start step raises propagates after the cleanup."""
     role = spec.role
     registry = CollectorRegistry()
     context = NodeContext(role=role, settings=settings, device=device, tls=tls, transports=transports,
@@ -114,10 +115,12 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
         # patches the process's memory functions while it initialises, which is unsafe while
         # other threads may be calling them.
         connector_config = context.connector_config
-        server = GrpcServer(client_token=settings["token"] or None, peer_token=connector_config.peer_token, tls=tls,
-                            options=connector_config.grpc_options(), gate=context.health)
+        local = spec.loopback_only
+        server = GrpcServer(client_token=settings["token"] or None, peer_token=connector_config.peer_token,
+                            tls=None if local else tls, options=connector_config.grpc_options(), gate=context.health)
         server.add(node.servicer)
-        grpc_port = await server.start(settings["host"], settings["port"], health_port=settings["health_port"])
+        grpc_port = await server.start(LOOPBACK if local else settings["host"], settings["port"],
+                                       health_port=-1 if local else settings["health_port"])
         try:
             metrics_port = metrics.start(settings["metrics_host"], settings["metrics_port"])
         except OSError as exc:
@@ -140,6 +143,7 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
     cache = node.cache
     logger.info("%s node stopped; free: %d of %d blocks, %d of %d rings", role.value, cache.free_blocks,
                 cache.num_blocks, cache.free_rings, cache.num_rings)
+    return getattr(node, "failure", "")
 
 
 def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
@@ -147,10 +151,12 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     SIGTERM and drain.
 
     A bad setting (a value, a model the options do not make, credentials that cannot work, a TLS file, a device or a transport that
-    cannot be used here, a port another process holds) prints ``kpool-pd <role>: error: <option>
+    cannot be used here, a port another process holds, a ready file's folder that is missing, a cache larger than the
+    memory free; ``runtime.preflight``) prints one line ``kpool-pd <role>: error: <option>
     ...`` to stderr and returns 2 before anything starts. A port taken between that check and the
     bind stops the daemon after its warm-up, with the same line logged and status 2. After
-    serving, the process exits at once (status 0), skipping interpreter teardown of the UCX
+    serving, the process exits at once (status 0; 1 when the node stopped because it broke: its
+    ``failure``), skipping interpreter teardown of the UCX
     worker, whose peers may be gone.
     """
     role = spec.role.value
@@ -171,13 +177,14 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
                 spec.check(settings)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+        check_ready_file(settings)
         tls = tls_config(settings)
         device = resolve_device(settings["device"])
         transports = transports_of(settings)
         for option, host in (("port", "host"), ("health-port", "host"), ("metrics-port", "metrics_host")):
             ensure_bindable(option, settings[host], settings[option.replace("-", "_")])
     except (SettingsError, BindError) as exc:
-        print(f"kpool-pd {role}: error: {exc}", file=sys.stderr)
+        print(f"kpool-pd {role}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     configure_logging(role, level=settings["log_level"], fmt=settings["log_format"])
     torch.set_num_threads(settings["torch_threads"])
@@ -185,9 +192,13 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(device)
     status = 0
     try:
-        asyncio.run(serve(spec, settings, device=device, tls=tls, transports=transports))
+        failure = asyncio.run(serve(spec, settings, device=device, tls=tls, transports=transports))
     except BindError as exc:
         logger.error("kpool-pd %s: error: %s", role, exc)
         status = 2
+    else:
+        if failure:
+            logger.error("kpool-pd %s: stopped because it broke: %s", role, failure)
+            status = 1
     logging.shutdown()
     os._exit(status)

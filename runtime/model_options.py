@@ -11,7 +11,7 @@ from typing import Any
 
 from kvcache import CacheFamily
 from model import ModelConfig
-from runtime.options import Option, one_of
+from runtime.options import Option, integer, nonnegative_int, one_of, positive_int
 
 
 def _family(text: Any) -> str:
@@ -20,13 +20,13 @@ def _family(text: Any) -> str:
 
 MODEL_OPTIONS: tuple[Option, ...] = (
     Option("family", _family, CacheFamily.KPOOL.value, "cache family", choices=tuple(f.value for f in CacheFamily)),
-    Option("layers", int, 2, "model layers"),
-    Option("kpool", int, 4, "tokens per kpool pool (kpool family)"),
-    Option("ratio", int, 4, "QSA compress ratio (qsa family)"),
-    Option("num-spec", int, 0, "draft tokens per decode step"),
-    Option("block-size", int, 0, "tokens per block (0: 256, or where the ring or the group does not divide 256, "
+    Option("layers", positive_int, 2, "model layers"),
+    Option("kpool", positive_int, 4, "tokens per kpool pool (kpool family)"),
+    Option("ratio", positive_int, 4, "QSA compress ratio (qsa family)"),
+    Option("num-spec", nonnegative_int, 0, "draft tokens per decode step"),
+    Option("block-size", nonnegative_int, 0, "tokens per block (0: 256, or where the ring or the group does not divide 256, "
                                  "the smallest multiple of 128 that they divide)"),
-    Option("seed", int, 0, "seed of the synthetic model's weights"),
+    Option("seed", integer, 0, "seed of the synthetic model's weights"),
 )
 MODEL_KEYS = frozenset(option.key for option in MODEL_OPTIONS)
 
@@ -34,7 +34,7 @@ MODEL_KEYS = frozenset(option.key for option in MODEL_OPTIONS)
 def model_config(settings: Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig of the model options in ``settings`` (keys as in the table: ``num_spec``;
     other keys are ignored). ``ValueError`` for a combination the model refuses."""
-    return ModelConfig(
+    return ModelConfig.build(
         family=CacheFamily(settings["family"]), num_layers=settings["layers"], kpool=settings["kpool"],
         compress_ratio=settings["ratio"], num_spec=settings["num_spec"],
         block_size=settings["block_size"] or None, seed=settings["seed"],
@@ -44,8 +44,9 @@ def model_config(settings: Mapping[str, Any]) -> ModelConfig:
 def model_settings(config: ModelConfig) -> dict[str, Any]:
     """The model options' settings that give ``config`` (``model_config`` of them equals it for
     every field the options cover)."""
-    return {"family": config.family.value, "layers": config.num_layers, "kpool": config.kpool,
-            "ratio": config.compress_ratio, "num_spec": config.num_spec, "block_size": config.block_size or 0,
+    cache = config.cache
+    return {"family": cache.family.value, "layers": cache.num_layers, "kpool": cache.kpool,
+            "ratio": cache.compress_ratio, "num_spec": cache.num_spec, "block_size": cache.block_size,
             "seed": config.seed}
 
 

@@ -28,6 +28,8 @@ from runtime.service_options import service_options
 from runtime.tls import TLS_OPTIONS
 from runtime.transports import Transports
 
+LOOPBACK = "127.0.0.1"  # where a loopback_only node serves
+
 # Settings keys the runtime reads itself; every daemon's table has them.
 RUNTIME_KEYS = frozenset(option.key for option in (*service_options(grpc_port=0, metrics_port=0), *TLS_OPTIONS))
 
@@ -93,6 +95,10 @@ class Node(Protocol):
     def describe(self) -> dict[str, object]:
         """Fields of the ``<role> node ready`` log line (model, layout hash, peers)."""
 
+    # Optional: why the node stopped by itself, if it broke (empty: it did not). A node that sets it
+    # has the process exit with status 1, so that a supervisor restarts it.
+    # failure: str
+
 
 @dataclass(frozen=True, kw_only=True)
 class DaemonSpec:
@@ -105,6 +111,9 @@ class DaemonSpec:
     # Checks of the settings together, before anything starts: raise SettingsError (or ValueError)
     # saying what cannot work; the daemon then exits with status 2 naming it.
     check: Callable[[Mapping[str, Any]], None] | None = None
+    # A node only processes of its own host call (a DCP rank): its gRPC server binds loopback whatever
+    # --host says, in plaintext (its callers present the token), with no health or metrics port.
+    loopback_only: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):

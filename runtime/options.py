@@ -9,6 +9,7 @@ loader turns that into a ``SettingsError`` naming the option and where the value
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -56,8 +57,26 @@ class Option:
         return ENV_PREFIX + self.key.upper()
 
 
+SCALARS = (str, int, float, bool)  # what one setting's raw value may be (YAML gives the native types)
+MAX_SECONDS = 7 * 24 * 3600.0  # the longest duration an option takes: a week
+
+
+def scalar(text: Any) -> Any:
+    """``text`` when it is one value (a string, number or boolean); ValueError naming its kind when
+    it is a list, a mapping or anything else (no option takes more than one value)."""
+    if text is None or not isinstance(text, SCALARS):
+        kind = {list: "a list", dict: "a mapping", type(None): "nothing"}.get(type(text), type(text).__name__)
+        raise ValueError(f"expected a single value, got {kind}")
+    return text
+
+
+def text_value(text: Any) -> str:
+    """A text option's value: one scalar, as text."""
+    return str(scalar(text))
+
+
 def parse_bool(text: Any) -> bool:
-    if isinstance(text, bool):
+    if isinstance(scalar(text), bool):
         return text
     lowered = str(text).strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -67,30 +86,77 @@ def parse_bool(text: Any) -> bool:
     raise ValueError(f"expected a boolean (true/false), got {text!r}")
 
 
+def integer(text: Any) -> int:
+    """An integer from its text or from an int; a boolean, a float (``1.7``, ``2.0``) or anything
+    else is refused, never rounded."""
+    if isinstance(scalar(text), bool) or isinstance(text, float):
+        raise ValueError(f"expected an integer, got {text!r}")
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def number(text: Any) -> float:
+    """A finite number from its text, an int or a float; booleans, ``inf`` and ``nan`` are refused."""
+    if isinstance(scalar(text), bool):
+        raise ValueError(f"expected a number, got {text!r}")
+    try:
+        value = float(text.strip() if isinstance(text, str) else text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[Any], int]:
+    """A parser of integers in ``[low, high]`` (``high`` None: no upper bound)."""
+    def parse(text: Any) -> int:
+        value = integer(text)
+        if value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise ValueError(f"expected an integer {bound}, got {text!r}")
+        return value
+    parse.__name__ = f"int_in_{low}_{high}"
+    return parse
+
+
 def positive_int(text: Any) -> int:
-    value = int(text)
+    value = integer(text)
     if value <= 0:
         raise ValueError(f"expected an integer > 0, got {text!r}")
     return value
 
 
 def nonnegative_int(text: Any) -> int:
-    value = int(text)
+    value = integer(text)
     if value < 0:
         raise ValueError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
 def positive_float(text: Any) -> float:
-    value = float(text)
+    value = number(text)
     if not value > 0:
         raise ValueError(f"expected a number > 0, got {text!r}")
     return value
 
 
+def seconds(text: Any) -> float:
+    """A duration in seconds: finite, > 0 and at most ``MAX_SECONDS`` (a week), so that every
+    deadline built from it can pass."""
+    value = positive_float(text)
+    if value > MAX_SECONDS:
+        raise ValueError(f"expected seconds in (0, {MAX_SECONDS:.0f}], got {text!r}")
+    return value
+
+
 def parse_port(text: Any) -> int:
     """A TCP port: 0 asks for any free port, -1 turns the listener off."""
-    value = int(text)
+    value = integer(text)
     if not -1 <= value <= 65535:
         raise ValueError(f"a port must be in [0, 65535] (or -1: off), got {value}")
     return value
@@ -102,7 +168,7 @@ def one_of(enum_type: type[enum.Enum]) -> Callable[[Any], Any]:
     names = [member.value for member in enum_type]
 
     def parse(text: Any) -> Any:
-        value = str(text).strip().lower()
+        value = str(scalar(text)).strip().lower()
         for member in enum_type:
             if member.value == value:
                 return member

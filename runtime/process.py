@@ -1,4 +1,4 @@
-"""What a launcher (the kubelet, ``kpool_pd.launcher``) sees of a daemon process: the ready file
+"""What a launcher (the kubelet, ``runtime.launch``) sees of a daemon process: the ready file
 it polls for, and the signals that stop it (SIGTERM; SIGINT from a terminal) by starting a drain;
 and the one interpreter setting a daemon changes (``keep_event_loop_responsive``)."""
 

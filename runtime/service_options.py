@@ -19,12 +19,14 @@ The two must differ. Empty means none: the service is open to whoever reaches it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from runtime.device import device_name
 from runtime.logs import LEVELS, LogFormat, log_level
-from runtime.options import Option, Role, SettingsError, one_of, parse_port, positive_float, positive_int
+from connector import MAX_ID_CHARS
+from runtime.options import Option, Role, SettingsError, int_in, one_of, parse_port, seconds, text_value
 from runtime.transports import transport_list
 
 
@@ -35,6 +37,26 @@ def bearer_token(text: Any) -> str:
     if value and not all("!" <= c <= "~" for c in value):
         raise ValueError(f"a token must be printable ASCII without spaces (got {len(value)} characters, "
                          "some of them not); the value is not shown")
+    return value
+
+
+THREADS_PER_CPU = 4  # torch-threads at most this many per CPU of the machine (far more crashes torch)
+
+
+def thread_count(text: Any) -> int:
+    """Parser of ``--torch-threads``: 1 to ``THREADS_PER_CPU`` x the machine's CPUs."""
+    return int_in(1, THREADS_PER_CPU * (os.cpu_count() or 1))(text)
+
+
+def engine_id(text: Any) -> str:
+    """Parser of ``--engine-id``: empty (the default id) or at most ``connector.MAX_ID_CHARS``
+    printable characters, the longest id a prefill node accepts."""
+    value = text_value(text)
+    if len(value) > MAX_ID_CHARS:
+        raise ValueError(f"an engine id is at most {MAX_ID_CHARS} characters (what a prefill node accepts), "
+                         f"got {len(value)}")
+    if not value.isprintable():
+        raise ValueError(f"an engine id is printable characters, got {value!r}")
     return value
 
 
@@ -54,9 +76,9 @@ def check_credentials(role: Role, settings: Mapping[str, Any]) -> None:
 def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
     """The shared options, with this daemon's default gRPC and metrics ports."""
     return (
-        Option("host", str, "0.0.0.0", "address to bind the gRPC server to"),
+        Option("host", text_value, "0.0.0.0", "address to bind the gRPC server to"),
         Option("port", parse_port, grpc_port, "gRPC port (0: any free port)"),
-        Option("metrics-host", str, "0.0.0.0", "address of the Prometheus /metrics endpoint"),
+        Option("metrics-host", text_value, "0.0.0.0", "address of the Prometheus /metrics endpoint"),
         Option("metrics-port", parse_port, metrics_port, "Prometheus /metrics port (0: any free port, -1: off)"),
         Option("token", bearer_token, "", "client credential: bearer token a decode daemon requires on its "
                                           "Generate API (empty: none); a prefill daemon refuses it without "
@@ -64,17 +86,17 @@ def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("peer-token", bearer_token, "", "peer credential: bearer token a prefill daemon requires on its "
                                                "internal PrefillService and a decode daemon sends to it (empty: "
                                                "none; with mTLS the client certificate may stand alone)"),
-        Option("engine-id", str, "", "this node's engine id (empty: <role>-<hostname>-<pid>)"),
+        Option("engine-id", engine_id, "", "this node's engine id (empty: <role>-<hostname>-<pid>)"),
         Option("log-level", log_level, "INFO", "log level", choices=LEVELS),
         Option("log-format", one_of(LogFormat), LogFormat.JSON, "json (one object a line) or text",
                choices=tuple(f.value for f in LogFormat)),
-        Option("torch-threads", positive_int, 1, "torch intra-op threads"),
-        Option("drain-s", positive_float, 30.0, "on SIGTERM, how long in-flight requests may take to finish"),
-        Option("ready-file", str, "", "write {grpc_port, metrics_port, health_port, engine_id, pid} here as JSON "
+        Option("torch-threads", thread_count, 1, f"torch intra-op threads (at most {THREADS_PER_CPU} a CPU)"),
+        Option("drain-s", seconds, 30.0, "on SIGTERM, how long in-flight requests may take to finish"),
+        Option("ready-file", text_value, "", "write {grpc_port, metrics_port, health_port, engine_id, pid} here as JSON "
                                       "once ready"),
-        Option("lease-s", positive_float, 30.0, "lease of a prefilled request's blocks"),
-        Option("rpc-timeout-s", positive_float, 10.0, "deadline of one control-plane RPC"),
-        Option("transfer-timeout-s", positive_float, 30.0, "deadline of one transfer"),
+        Option("lease-s", seconds, 30.0, "lease of a prefilled request's blocks"),
+        Option("rpc-timeout-s", seconds, 10.0, "deadline of one control-plane RPC"),
+        Option("transfer-timeout-s", seconds, 30.0, "deadline of one transfer"),
         Option("transports", transport_list, "auto", "ucx, grpc, or both comma-separated (auto: ucx when installed, "
                                                      "and grpc)"),
         Option("device", device_name, "cpu", "where the cache pool and the model live: cpu, cuda or cuda:N"),

@@ -19,17 +19,28 @@ from typing import Any
 
 import yaml
 
-from runtime.options import ENV_PREFIX, Option, Role, SettingsError
+from runtime.options import ENV_PREFIX, Option, Role, SettingsError, scalar
 
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+SOURCES = "sources"  # the settings key of where each option's value came from (``source_of``)
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line (a YAML parser's message spans several)."""
+    return " ".join(str(text).split())
 
 
 def _read_yaml(path: str, role: Role, known: set[str]) -> dict[str, Any]:
     """The file's top-level options overlaid with its ``role`` section; keys as settings keys."""
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"config file {path}: not UTF-8 text (byte {exc.start})") from None
+    except RecursionError:
+        raise SettingsError(f"config file {path}: nested too deeply (options are one mapping, with a "
+                            f"prefill: and a decode: section)") from None
     except (OSError, yaml.YAMLError) as exc:
-        raise SettingsError(f"cannot read config file {path}: {exc}") from None
+        raise SettingsError(f"cannot read config file {path}: {one_line(exc)}") from None
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     sections = {r.value for r in Role}
@@ -64,7 +75,7 @@ def argument_parser(role: Role | str, options: Sequence[Option], *, description:
 def load_settings(role: Role | str, options: Sequence[Option], argv: Sequence[str] | None, *,
                   description: str = "", env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Parse ``argv`` for ``role``; returns option key -> value, plus ``config`` (the YAML path or
-    None). ``env`` defaults to ``os.environ``. Raises ``SettingsError`` naming the option and the
+    None) and ``sources`` (option key -> where its value came from, ``source_of``). ``env`` defaults to ``os.environ``. Raises ``SettingsError`` naming the option and the
     source of a bad value; ``--help`` and unknown flags exit through argparse (status 0 and 2)."""
     role = Role(role)
     env = os.environ if env is None else env
@@ -72,15 +83,25 @@ def load_settings(role: Role | str, options: Sequence[Option], argv: Sequence[st
     config_path = args.config or env.get(CONFIG_ENV)
     from_file = _read_yaml(config_path, role, {o.key for o in options}) if config_path else {}
     settings: dict[str, Any] = {"config": config_path}
+    sources: dict[str, str] = {}
     for option in options:
         for source, value in (("flag --" + option.name, getattr(args, option.key)), (option.env, env.get(option.env)),
                               (f"config file {config_path}", from_file.get(option.key))):
             if value is not None:
                 try:
-                    settings[option.key] = option.parse(value)
-                except ValueError as exc:
-                    raise SettingsError(f"{option.name} from {source}: {exc}") from None
+                    settings[option.key] = option.parse(scalar(value))
+                except (ValueError, TypeError, OverflowError) as exc:
+                    raise SettingsError(f"{option.name} from {source}: {one_line(exc)}") from None
+                sources[option.key] = source
                 break
         else:
             settings[option.key] = option.default
+            sources[option.key] = "the default"
+    settings[SOURCES] = sources
     return settings
+
+
+def source_of(settings: Mapping[str, Any], key: str) -> str:
+    """Where the setting ``key`` came from: ``flag --name``, ``KPOOLPD_NAME``, ``config file PATH`` or
+    ``the default`` (settings that ``load_settings`` did not make: ``the settings``)."""
+    return settings.get(SOURCES, {}).get(key, "the settings")

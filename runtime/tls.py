@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from connector import TlsConfig
-from runtime.options import Option, SettingsError, parse_bool
+from runtime.options import Option, SettingsError, parse_bool, text_value
 
 TLS_OPTIONS: tuple[Option, ...] = (
-    Option("tls-cert", str, "", "PEM certificate chain of this daemon (with tls-key: serve TLS; empty: plaintext)"),
-    Option("tls-key", str, "", "PEM private key of tls-cert"),
-    Option("tls-ca", str, "", "PEM CA bundle that peers' certificates are checked against"),
+    Option("tls-cert", text_value, "", "PEM certificate chain of this daemon (with tls-key: serve TLS; empty: plaintext)"),
+    Option("tls-key", text_value, "", "PEM private key of tls-cert"),
+    Option("tls-ca", text_value, "", "PEM CA bundle that peers' certificates are checked against"),
     Option("tls-require-client-auth", parse_bool, False, "refuse clients without a certificate signed by tls-ca"),
 )
 # Only the decode node opens channels (to prefill nodes) whose name can differ from the certificate's.
 TLS_CLIENT_OPTIONS: tuple[Option, ...] = (
-    Option("tls-server-name", str, "", "name expected in prefill nodes' certificates (empty: the host dialled)"),
+    Option("tls-server-name", text_value, "", "name expected in prefill nodes' certificates (empty: the host dialled)"),
 )
 
 

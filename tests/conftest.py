@@ -42,6 +42,17 @@ def _hold_grpc_aio() -> None:
 _hold_grpc_aio()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A kernel body's CPU rows run from tests/, its CUDA rows from tests/gpu/ (tests/kernel_backends.py):
+    the other rows are deselected at collection, not skipped one by one."""
+    from tests.kernel_backends import in_its_suite
+
+    elsewhere = [item for item in items if not in_its_suite(item)]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if in_its_suite(item)]
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Small ops run faster on one thread than on two contending ones (the daemons do the same)."""

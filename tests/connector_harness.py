@@ -1,10 +1,9 @@
-"""The test side of the connector tests: a prefill node in its own process (spawn), driven
-through a pipe; a child process run to completion, every wait under a deadline; and a prefill
+"""The test side of the connector tests: a prefill node in its own process (``runtime.launch``:
+forked with torch imported, one torch thread), driven through a pipe; a child process run to completion, every wait under a deadline; and a prefill
 and a decode node in the test's own event loop."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -12,17 +11,18 @@ from prometheus_client import CollectorRegistry
 
 from connector import ConnectorConfig, DecodeConnector, PrefillConnector, Transport
 from kvcache import CacheConfig, NodeCache
+from runtime.launch import child_context, start_child
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
 
-CTX = mp.get_context("spawn")
+CTX = child_context()
+CHILD_THREADS = 1  # two workers of the suite on two cores: a child on one torch thread
 
 
 class Prefill:
     def __init__(self, **kwargs) -> None:
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=procs.prefill_main, args=(child,), kwargs=kwargs, daemon=True)
-        self.proc.start()
+        self.proc = start_child(procs.prefill_main, child, threads=CHILD_THREADS, **kwargs)
         deadline = time.monotonic() + 60
         while not self.conn.poll(0.1):
             assert self.proc.is_alive(), f"prefill process exited with {self.proc.exitcode} before serving"
@@ -52,8 +52,7 @@ class Prefill:
 
 def run_child(target, timeout: float = 60, **kwargs):
     conn, child = CTX.Pipe()
-    proc = CTX.Process(target=target, args=(child,), kwargs=kwargs, daemon=True)
-    proc.start()
+    proc = start_child(target, child, threads=CHILD_THREADS, **kwargs)
     messages = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

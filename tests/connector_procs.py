@@ -1,11 +1,10 @@
 """Process bodies for the connector tests: a prefill node and a decode node, each in its own
-process (multiprocessing spawn), talking over loopback. Also the test PrefillEngine, and the
-layer-by-layer comparison of a request's state between two pools of possibly different orders."""
+process (``runtime.launch``), talking over loopback; the caches they use. The prefill engines are
+``tests.connector_engines``'s, the bytes they write and the decode side checks ``tests.connector_bytes``'s."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
 import time
@@ -14,11 +13,11 @@ from dataclasses import replace
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, PrefillInput, PrefillOutput, PrefillProgress,
-                       StatusError, Transport)
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
 from connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
-from connector.shared.plan import ring_live_range
 from kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
+from tests.connector_bytes import expected_block, landed_differences, live_slots, mirror_pool, state_differences
+from tests.connector_engines import ChunkedFillEngine, SeededFillEngine
 from tests.pulls import pull_into
 from tests.serving import serve_prefill, stop_prefill
 
@@ -36,161 +35,6 @@ CONFIGS = {
 
 def make_config(name: str = "kpool", order: str = "BLNHC") -> CacheConfig:
     return replace(CONFIGS[name], order=BlockOrder(order))
-
-
-def _as_bytes(view: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., bytes] of a (possibly permuted) typed view, so NaN patterns compare exactly."""
-    return view.contiguous().view(torch.uint8)
-
-
-def _rows(view: torch.Tensor, block_ids, count: int) -> torch.Tensor:
-    """uint8 [count, row bytes]: rows 0..count-1 of a request, row g in ``block_ids[g // rows]`` at
-    ``g % rows``, from a typed view [blocks, rows, ...] (any storage order: compared by bytes)."""
-    rows = view.shape[1]
-    g = torch.arange(count)
-    table = torch.tensor(list(block_ids), dtype=torch.int64)
-    picked = view[table[g // rows], g % rows] if count else view[:0, 0]
-    return picked.contiguous().view(torch.uint8).reshape(count, -1)
-
-
-def _page_rows(pool: CachePool, layer: int, num_tokens: int) -> list[tuple[str, torch.Tensor, int]]:
-    """A layer's per-position views of a pool: (name, typed view [blocks, rows, ...], rows of the
-    first ``num_tokens`` positions). MLA by token, kpool entries and scales by state, QSA keys by group."""
-    config = pool.config
-    mla = pool.mla(layer)
-    views = [("mla", mla, num_tokens)]
-    if config.family is CacheFamily.KPOOL:
-        states = -(-num_tokens // config.kpool)
-        q, scale = pool.indexer_q(layer), pool.indexer_scale(layer)
-        views += [("indexer entries", q.reshape(q.shape[0], -1, q.shape[-1]), states),
-                  ("indexer scales", scale.reshape(scale.shape[0], -1), states)]
-    else:
-        views += [("qsa keys", pool.qsa_keys(layer), -(-num_tokens // config.compress_ratio))]
-    return views
-
-
-def state_differences(dst: CachePool, dst_blocks, dst_ring: int, src: CachePool, src_blocks, src_ring: int,
-                      ring_slots, num_tokens: int) -> list[str]:
-    """Where a request's state in ``dst`` differs from ``src`` for positions [0, num_tokens), compared
-    layer by layer through the pools' logical views by position (MLA rows, kpool entries and scales
-    or QSA keys, ring rows of the live slots), so the two pools may differ in block size, order and
-    kernel page."""
-    bad = []
-    slots = torch.tensor(list(ring_slots), dtype=torch.int64)
-    for layer in range(dst.config.num_layers):
-        for (name, got, count), (_, want, _) in zip(_page_rows(dst, layer, num_tokens), _page_rows(src, layer, num_tokens)):
-            if not torch.equal(_rows(got, dst_blocks, count), _rows(want, src_blocks, count)):
-                bad.append(f"layer {layer} {name} of {num_tokens} positions")
-        if dst.config.family is CacheFamily.KPOOL:
-            got, want = dst.tail_ring(layer)[dst_ring][:, slots], src.tail_ring(layer)[src_ring][:, slots]
-        else:
-            got, want = dst.qsa_ring(layer)[dst_ring][slots], src.qsa_ring(layer)[src_ring][slots]
-        if not torch.equal(_as_bytes(got), _as_bytes(want)):
-            bad.append(f"layer {layer} ring slots {slots.tolist()}")
-    return bad
-
-
-def live_slots(config: CacheConfig, prompt_len: int) -> list[int]:
-    live = ring_live_range(config, prompt_len)
-    return [(live.start_slot + i) % config.ring_slots for i in range(live.num_slots)]
-
-
-def landed_differences(pool: CachePool, landed, request_id: str, prompt_len: int) -> tuple[list[str], int]:
-    """Where a landed request's prompt blocks and its ring's live slots differ from what
-    ``SeededFillEngine`` wrote for ``request_id`` (empty: byte for byte), and the bytes compared.
-    Works on a pool of any device."""
-    layout = pool.layout
-    prompt_blocks = landed.block_ids[:landed.grant.num_blocks]
-    differences = [f"{request_id} block {j}" for j, b in enumerate(prompt_blocks)
-                   if not torch.equal(pool.blocks[b].cpu(), expected_block(layout, request_id, j))]
-    ring = expected_ring(layout, request_id).view(layout.ring_slots, layout.ring_slot_bytes)
-    got = pool.rings[landed.ring_id].cpu().view(layout.ring_slots, layout.ring_slot_bytes)
-    slots = live_slots(layout.config, prompt_len)
-    differences += [f"{request_id} ring slot {s}" for s in slots if not torch.equal(got[s], ring[s])]
-    return differences, len(prompt_blocks) * layout.block_bytes + len(slots) * layout.ring_slot_bytes
-
-
-def mirror_pool(layout: BlockLayout, request_id: str, num_blocks: int) -> CachePool:
-    """What ``SeededFillEngine`` wrote for a request, as blocks 0..n-1 and ring 0 of a fresh pool."""
-    pool = CachePool(layout, num_blocks=max(num_blocks, 1), num_rings=1)
-    for j in range(num_blocks):
-        pool.blocks[j] = expected_block(layout, request_id, j)
-    pool.rings[0] = expected_ring(layout, request_id)
-    return pool
-
-
-def _seed(request_id: str, index: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{request_id}/{index}".encode()).digest()[:8], "little") >> 1
-
-
-def expected_block(layout: BlockLayout, request_id: str, j: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(_seed(request_id, j))
-    return torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8, generator=g)
-
-
-def expected_ring(layout: BlockLayout, request_id: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(_seed(request_id, -1))
-    return torch.randint(0, 256, (layout.ring_block_bytes,), dtype=torch.uint8, generator=g)
-
-
-class SeededFillEngine:
-    """A PrefillEngine that allocates from its node cache (``cache``: given, or set by whoever serves
-    it, as ``InProcessPair`` does) and fills each block j of a request, and its ring, with bytes drawn
-    from a generator seeded by (request id, j), so the decode side can regenerate what to expect."""
-
-    def __init__(self, cache: NodeCache | None = None) -> None:
-        self.cache = cache
-
-    def _allocate(self, request: PrefillInput, progress: PrefillProgress) -> CacheAllocation:
-        allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(
-            len(request.prompt_token_ids)))
-        progress.serve_from(allocation)
-        return allocation
-
-    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
-        n = len(request.prompt_token_ids)
-        allocation, pool = self._allocate(request, progress), self.cache.pool
-        for j, b in enumerate(allocation.block_ids):
-            pool.blocks[b] = expected_block(pool.layout, request.request_id, j)
-        pool.rings[allocation.ring_id] = expected_ring(pool.layout, request.request_id)
-        return PrefillOutput(prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
-
-
-class ChunkedFillEngine(SeededFillEngine):
-    """SeededFillEngine in chunks of ``chunk_tokens``: before each chunk it awaits ``gate()`` (a pause, or the
-    test's go-ahead); after it, the blocks the chunk completed hold their bytes and ``progress.advance`` says so;
-    the ring is written with the last chunk. ``fail_after`` chunks: it raises instead of the next one;
-    ``on_chunk(i)`` is called after chunk i (fault injection); ``linger_s``: the time it takes to return
-    once every token is written (as a batch loop's step that still has other requests to finish)."""
-
-    def __init__(self, chunk_tokens: int, gate, *, fail_after: int | None = None, on_chunk=None,
-                 linger_s: float = 0.0, cache: NodeCache | None = None) -> None:
-        super().__init__(cache)
-        self.chunk_tokens, self.gate, self.fail_after, self.on_chunk = chunk_tokens, gate, fail_after, on_chunk
-        self.linger_s = linger_s
-        self.chunks_done = 0
-
-    async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
-        n = len(request.prompt_token_ids)
-        allocation, pool = self._allocate(request, progress), self.cache.pool
-        layout, block_ids, ring_id = pool.layout, allocation.block_ids, allocation.ring_id
-        size, written = layout.config.block_size, 0
-        for index, start in enumerate(range(0, n, self.chunk_tokens)):
-            await self.gate()
-            if self.fail_after is not None and index >= self.fail_after:
-                raise RuntimeError(f"injected failure before chunk {index}")
-            end = min(n, start + self.chunk_tokens)
-            while written < len(block_ids) and (end >= (written + 1) * size or end == n):
-                pool.blocks[block_ids[written]] = expected_block(layout, request.request_id, written)
-                written += 1
-            if end == n:
-                pool.rings[ring_id] = expected_ring(layout, request.request_id)
-            progress.advance(end)
-            self.chunks_done += 1
-            if self.on_chunk is not None:
-                self.on_chunk(index)
-        await asyncio.sleep(self.linger_s)
-        return PrefillOutput(prompt_len=n, first_token=sum(request.prompt_token_ids) % 50000)
 
 
 def _fragment(cache: NodeCache, rng: random.Random) -> list[CacheAllocation]:

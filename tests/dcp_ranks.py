@@ -16,9 +16,9 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
 
 import torch
-import torch.multiprocessing as mp
 
 from kvcache import DcpConfig, DcpShard, NodeCache
 from model import DecodeSequence, ModelConfig, output_digest
@@ -26,6 +26,7 @@ from model.colocated import GenerateRequest, prefill_batch
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from model.dcp_landing import land_request
+from runtime.launch import child_context, start_child
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,9 +41,9 @@ def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, st
     config, requests, device = case.config, case.requests, group.device
     full = prefill_batch(config, requests, device)
     shard = group.shard
-    local_sizes = [shard.blocks_for_tokens(len(r.prompt) + r.max_tokens - 1, config.resolved_block_size)
-                   for r in requests]
-    cache = NodeCache(config.cache_config(), num_blocks=max(1, sum(local_sizes)), num_rings=len(requests),
+    local_sizes = [shard.blocks_for_tokens(config.cache, config.cache.positions_written(
+        len(r.prompt), r.max_tokens)) for r in requests]
+    cache = NodeCache(config.cache, num_blocks=max(1, sum(local_sizes)), num_rings=len(requests),
                       device=device)
     cache.pool.blocks.fill_(0xA5)  # unwritten bytes that a rank reads would show
     engine = DcpEngine(config, cache.pool, group)
@@ -124,7 +125,7 @@ def run_threads(size: int, interleave: int, work: Callable, *args, timeout_s: fl
     return results
 
 
-def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], out: mp.Queue, device: str) -> None:
+def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], out: Queue, device: str) -> None:
     torch.set_num_threads(1)
     try:
         device = f"cuda:{rank}" if device == "cuda" else device
@@ -132,7 +133,7 @@ def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], ou
                               device=device, timeout_s=120)
         results = []
         for case in cases:
-            interleave = DcpConfig.for_cache(case.config.cache_config(), size=size, interleave=case.interleave).interleave
+            interleave = DcpConfig.for_cache(case.config.cache, size=size, interleave=case.interleave).interleave
             group = DcpGroup(DcpShard(size=size, rank=rank, interleave=interleave), device, world._group)
             results.append(decode_on_ranks(group, case))
         out.put((rank, results, None))
@@ -144,14 +145,10 @@ def _process_main(rank: int, size: int, store: str, cases: Sequence[DcpCase], ou
 def run_processes(size: int, cases: Sequence[DcpCase], *, timeout_s: float = 240.0, device: str = "cpu") -> list[list]:
     """Every case on ``size`` rank processes; rank 0's results per case. ``device`` cpu: joined by gloo;
     cuda: rank r on cuda:r, joined by NCCL."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = child_context().Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_process_main, args=(r, size, store, list(cases), out, device), daemon=True)
-                 for r in range(size)]
-        for p in procs:
-            p.start()
+        procs = [start_child(_process_main, r, size, store, list(cases), out, device) for r in range(size)]
         try:
             reports = {}
             for _ in range(size):

@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests import deploy_manifests as dm
+from tests.ports import free_port
 
 NAMESPACE = "default"
 LOOPBACK = "127.0.0.1"
@@ -46,12 +47,6 @@ _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 class LaunchError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def image_env(dockerfile: Path) -> dict[str, str]:

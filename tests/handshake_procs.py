@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import random
 
@@ -17,11 +16,12 @@ from connector import ConnectorConfig, DecodeConnector, PrefillConnector, Status
 from connector import prefill_api as pb
 from connector.shared.wire import layout_message
 from kvcache import BlockLayout, NodeCache
+from runtime.launch import child_context, start_child
 from tests.pulls import pull_into
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
 
-CTX = mp.get_context("spawn")
+CTX = child_context()
 PULL_LENGTHS = (1, 5, 64, 65, 300, 1000)
 
 
@@ -56,14 +56,12 @@ def prefill_logged_main(conn, *, log_path: str, lease_s: float, model_identity: 
 
 
 class LoggedPrefill:
-    """``prefill_logged_main`` in a spawned process; ``ask(cmd)`` sends a command and returns the answer."""
+    """``prefill_logged_main`` in a child process (``runtime.launch``); ``ask(cmd)`` sends a command and returns the answer."""
 
     def __init__(self, log_path, **kwargs) -> None:
         self.log_path = log_path
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=prefill_logged_main, args=(child,), kwargs={"log_path": str(log_path), **kwargs},
-                                daemon=True)
-        self.proc.start()
+        self.proc = start_child(prefill_logged_main, child, threads=1, log_path=str(log_path), **kwargs)
         assert self.conn.poll(60), f"prefill process did not start (exit {self.proc.exitcode})"
         _, self.port, self.free_blocks, self.free_rings = self.conn.recv()
         self.address = f"127.0.0.1:{self.port}"
@@ -115,14 +113,12 @@ def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "de
 
 
 class WaitingDecode:
-    """``decode_wait_main`` in a spawned process: ``engine_id`` and ``ucx_address`` once it
+    """``decode_wait_main`` in a child process (``runtime.launch``): ``engine_id`` and ``ucx_address`` once it
     handshook; ``go()`` lets it pull and returns its result dict."""
 
     def __init__(self, address: str, lease_s: float, **kwargs) -> None:
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=decode_wait_main, args=(child,), kwargs={"address": address, "lease_s": lease_s,
-                                                                                **kwargs}, daemon=True)
-        self.proc.start()
+        self.proc = start_child(decode_wait_main, child, threads=1, address=address, lease_s=lease_s, **kwargs)
         assert self.conn.poll(60), f"decode process did not handshake (exit {self.proc.exitcode})"
         _, self.engine_id, self.ucx_address = self.conn.recv()
 

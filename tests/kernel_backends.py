@@ -8,14 +8,16 @@
 A body takes the ``backend`` fixture, parametrized indirectly with ``backends(...)``, and puts its
 tensors on ``backend.device``. The bodies live in the tests/ modules; each tests/gpu/ module imports
 the bodies of its family, so the GPU suite (``pytest -m gpu tests/gpu``) runs them on CUDA. So that a
-body runs once per backend, each module's ``backend`` fixture (``make_backend``) skips ``cuda`` in
-the tests/ modules and runs only ``cuda`` in the tests/gpu/ ones.
+body runs once per backend, tests/conftest.py keeps only the CPU rows (``reference``, ``interpreter``)
+of a body collected in a tests/ module and only its ``cuda`` rows in a tests/gpu/ module
+(``in_its_suite``): no row is collected only to be skipped.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -57,11 +59,26 @@ KERNEL_BACKENDS = backends(INTERPRETER, CUDA)  # a kernel against its reference
 ALL_BACKENDS = backends(REFERENCE, INTERPRETER, CUDA)  # a property of the public ops, whatever runs them
 
 
+def in_gpu_suite(path: Path) -> bool:
+    """A test module of the GPU suite (tests/gpu/)."""
+    return path.parent.name == "gpu"
+
+
+def in_its_suite(item: pytest.Item) -> bool:
+    """A collected row runs here: any test without a ``backend`` parameter; a ``cuda`` row only in
+    tests/gpu/, a CPU row only in tests/."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "backend" not in callspec.params:
+        return True
+    return (callspec.params["backend"] == CUDA) == in_gpu_suite(item.path)
+
+
 def make_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, *, gpu_suite: bool) -> Backend:
     """The body of each module's ``backend`` fixture (``gpu_suite``: the module lives in tests/gpu/)."""
     name = getattr(request, "param", REFERENCE)
-    if (name == CUDA) != gpu_suite:
-        pytest.skip(f"the {name} backend runs from the {'tests/' if gpu_suite else 'tests/gpu/'} modules")
+    if (name == CUDA) != gpu_suite:  # tests/conftest.py collects no such row
+        raise ValueError(f"the {name} backend runs from the {'tests/' if gpu_suite else 'tests/gpu/'} modules, "
+                         f"not from {request.node.path}")
     if name == CUDA:
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device: run tests/gpu/run_all.sh on the H200 through the device tool")

@@ -41,18 +41,13 @@ class Pulled:
         self.release()
 
 
-def blocks_to_land(cache: NodeCache, grant: PrefillGrant, dcp: DcpShard | None = None) -> int:
-    """The blocks of ``cache`` that the grant's prompt (a DCP rank: its share) lands in."""
-    if dcp is not None:
-        return dcp.blocks_for_tokens(grant.prompt_len, cache.config.block_size)
-    return cache.config.blocks_for_tokens(grant.prompt_len)
-
-
 def allocation_for(cache: NodeCache, grant: PrefillGrant, *, reserve_blocks: int = 0,
                    dcp: DcpShard | None = None) -> CacheAllocation:
     """The prompt's blocks (at least ``reserve_blocks``) and a ring in ``cache``, as a decode node's
     scheduler takes them before it pulls ``grant``; the caller releases them."""
-    return cache.allocate(grant.request_id, max(blocks_to_land(cache, grant, dcp), reserve_blocks))
+    prompt = (dcp.blocks_for_tokens(cache.config, grant.prompt_len) if dcp is not None
+              else cache.config.blocks_for_tokens(grant.prompt_len))  # the prompt's blocks (a rank's share)
+    return cache.allocate(grant.request_id, max(prompt, reserve_blocks))
 
 
 async def pull_into(cache: NodeCache, peer: PrefillPeer, grant: PrefillGrant, *, reserve_blocks: int = 0,

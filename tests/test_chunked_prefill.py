@@ -184,7 +184,7 @@ def test_a_chunk_inside_a_pool_without_a_ring_is_refused():
 
 
 def engine_for(config: ModelConfig, blocks: int) -> Engine:
-    return Engine(config, CachePool(BlockLayout(config.cache_config()), num_blocks=blocks, num_rings=4))
+    return Engine(config, CachePool(BlockLayout(config.cache), num_blocks=blocks, num_rings=4))
 
 
 @st.composite
@@ -193,8 +193,8 @@ def engine_case(draw):
     group = draw(st.sampled_from([2, 4] if family is CacheFamily.KPOOL else [1, 3, 4]))
     num_spec = draw(st.integers(0, 7))
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
-    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, **{key: group})
-    cache = config.cache_config()
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, **{key: group})
+    cache = config.cache
     periods = (group, cache.ring_slots, cache.block_size)
     lengths = [draw(st.integers(1, 2 * cache.block_size + 2 * group + 1)) for _ in range(2)]
     return config, lengths, [cuts(draw, n, periods) for n in lengths]
@@ -203,7 +203,7 @@ def engine_case(draw):
 def run_engine(config: ModelConfig, prompts: list[list[int]], edges: list[list[int]], seed: int):
     """The prompts prefilled whole in one forward and in chunks (chunk i of each prompt that has one, per
     forward, on other blocks in shuffled order); per prompt (whole, chunked) as (first token, state digest)."""
-    per = [config.cache_config().blocks_for_tokens(len(p)) for p in prompts]
+    per = [config.cache.blocks_for_tokens(len(p)) for p in prompts]
     engine = engine_for(config, 2 * sum(per))
     ids = list(range(2 * sum(per)))
     random.Random(seed).shuffle(ids)
@@ -231,12 +231,12 @@ def test_engine_chunks_equal_one_whole_prefill(case, seed):
     rng = random.Random(seed)
     prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in lengths]
     for b, (whole, chunked) in enumerate(run_engine(config, prompts, edges, seed)):
-        assert chunked == whole, f"{config.family.value} prompt {b} of {lengths}, chunk edges {edges[b]}"
+        assert chunked == whole, f"{config.cache.family.value} prompt {b} of {lengths}, chunk edges {edges[b]}"
 
 
 @pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
 def test_engine_chunk_outside_its_prompt_is_refused(family):
-    engine = engine_for(ModelConfig(family=family, num_layers=1), 2)
+    engine = engine_for(ModelConfig.build(family=family, num_layers=1), 2)
     with pytest.raises(ValueError, match=r"chunk \[3, 3\) is empty or outside its 5-token prompt"):
         engine.prefill([PrefillJob(prompt=[1] * 5, block_ids=[0], ring_id=0, start=3, end=3)])
     with pytest.raises(ValueError, match=r"chunk \[2, 6\) is empty or outside"):

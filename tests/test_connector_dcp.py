@@ -22,8 +22,9 @@ from connector.shared.regions import region_view
 from model import ModelConfig
 from model.dcp_landing import land_request
 from tests import connector_procs as procs
+from tests.connector_bytes import expected_ring
 from tests.connector_harness import InProcessPair
-from tests.pulls import blocks_to_land, pull_into
+from tests.pulls import pull_into
 
 GRPC = Transport.GRPC_STREAM
 CONFIG = procs.CONFIG  # block 64, kpool 4, 3 layers
@@ -71,7 +72,7 @@ def _share_equal(expected: CachePool, got: CachePool, blocks: tuple[int, ...], r
 def test_a_rank_plan_moves_entries_across_kernel_pages(page_states, ranks, interleave, prompt_len):
     """kpool 2 in 256-token blocks (128 states: pages of 64 or 32): every rank's plan, applied byte by
     byte, lands what the in-process landing copies; runs of entries split where they cross a page."""
-    config = ModelConfig(kpool=2, num_spec=3, num_layers=2, block_size=256, kernel_page_states=page_states).cache_config()
+    config = ModelConfig.build(kpool=2, num_spec=3, num_layers=2, block_size=256, kernel_page_states=page_states).cache
     layout = BlockLayout(config)
     gen = torch.Generator().manual_seed(prompt_len)
     source = CachePool(layout, num_blocks=8, num_rings=2)
@@ -81,7 +82,7 @@ def test_a_rank_plan_moves_entries_across_kernel_pages(page_states, ranks, inter
     live = ring_live_range(config, prompt_len)
     for rank in range(ranks):
         shard = DcpShard(size=ranks, rank=rank, interleave=interleave)
-        dst_blocks = list(range(shard.blocks_for_tokens(prompt_len, config.block_size)))
+        dst_blocks = list(range(shard.blocks_for_tokens(config, prompt_len)))
         got, expected = CachePool(layout, num_blocks=8, num_rings=2), CachePool(layout, num_blocks=8, num_rings=2)
         plan = plan_dcp_transfer(layout, src_blocks, dst_blocks, 0, 1, live, shard, prompt_len)
         for pair in plan.pairs:
@@ -115,7 +116,7 @@ def test_each_rank_pulls_its_own_share_and_the_ring(transport, ranks, interleave
                 source = CachePool(BlockLayout(CONFIG), num_blocks=len(grant.src_block_ids), num_rings=1)
                 for j in range(len(grant.src_block_ids)):
                     source.blocks[j] = procs.expected_block(source.layout, "dcp", j)
-                source.rings[0] = procs.expected_ring(source.layout, "dcp")
+                source.rings[0] = expected_ring(source.layout, "dcp")
                 for c, got, shard in zip(connectors, landed, shards):
                     expected = CachePool(BlockLayout(CONFIG), num_blocks=c.pool.num_blocks, num_rings=c.pool.num_rings)
                     land_request(source, list(range(len(grant.src_block_ids))), 0, expected, list(got.block_ids),
@@ -179,7 +180,7 @@ def test_a_rank_allocation_short_of_its_share_is_refused_before_anything_is_sent
                 grant = await peer0.prefill("dcp", [5] * 300, dcp_engine_ids=[pair.decode.engine_id, other.engine_id],
                                             dcp_interleave=64)
                 shard = DcpShard(size=2, rank=1, interleave=64)
-                share = blocks_to_land(other_cache, grant, shard)  # 2 of the prompt's 5 blocks
+                share = shard.blocks_for_tokens(other_cache.config, grant.prompt_len)  # 2 of the prompt's 5 blocks
                 assert share == 2 < grant.num_blocks
                 with other_cache.allocate("dcp", share - 1) as short:
                     with pytest.raises(ValueError, match=f"at least {share} blocks, got CacheAllocation"):
@@ -227,10 +228,10 @@ def test_dcp_adds_no_byte_but_a_ring_per_rank(ranks, tokens):
     from bench.dcp import transfer_bytes
     from model import ModelConfig
 
-    config = ModelConfig(kpool=4, num_spec=3, num_layers=4, block_size=256)
+    config = ModelConfig.build(kpool=4, num_spec=3, num_layers=4, block_size=256)
     single = transfer_bytes(config, 1, tokens)[0]
-    layout = BlockLayout(config.cache_config())
-    ring = ring_live_range(config.cache_config(), tokens).num_slots * layout.ring_slot_bytes
+    layout = BlockLayout(config.cache)
+    ring = ring_live_range(config.cache, tokens).num_slots * layout.ring_slot_bytes
     per_rank = transfer_bytes(config, ranks, tokens)
     assert sum(per_rank) == single + (ranks - 1) * ring
     assert max(per_rank) - ring <= -(-(single - ring) // layout.block_bytes // ranks) * layout.block_bytes

@@ -15,20 +15,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_worker import api as gpb
 from kpool_pd.client import RequestFailed, generate_all, generate_one
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from runtime import model_flags
-from tests.deploy_launch import free_port
+from tests.ports import free_port
 from tests.polling import wait_for
 
 TOKEN = "daemon-test-token"  # the client credential (decode's Generate API)
 PEER_TOKEN = "daemon-test-peer-token"  # the peer credential (the prefill node's service)
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=3)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=3)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=3)
 LIMITS = ["--max-prompt-tokens", "300", "--max-new-tokens", "64", "--token", TOKEN, "--peer-token", PEER_TOKEN,
           "--log-format", "text"]
-DECODE_BLOCKS = 4 * CONFIG.blocks_for(300, 64)
+DECODE_BLOCKS = 4 * CONFIG.cache.blocks_for_request(300, 64)
 
 
 def metric(port: int, name: str) -> float:
@@ -128,7 +128,7 @@ def test_requests_match_colocated(cluster):
 @pytest.mark.parametrize("request_kwargs,needle", [
     pytest.param(dict(prompt_token_ids=[], max_tokens=4), "prompt has 0 tokens", id="empty-prompt"),
     pytest.param(dict(prompt_token_ids=[1] * 301, max_tokens=4), "prompt has 301 tokens", id="prompt-too-long"),
-    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "< vocab_size 1024", id="token-outside-vocab"),
+    pytest.param(dict(prompt_token_ids=[1, 5000], max_tokens=4), "must be in [0, 1024)", id="token-outside-vocab"),
     pytest.param(dict(prompt_token_ids=[1], max_tokens=0), "max_tokens is 0", id="no-output"),
     pytest.param(dict(prompt_token_ids=[1], max_tokens=65), "max_tokens is 65", id="too-many-outputs"),
     pytest.param(dict(request_id="x" * 257, prompt_token_ids=[1], max_tokens=1), "request_id", id="long-id"),
@@ -151,13 +151,32 @@ def test_oversized_message_and_missing_token_are_refused(cluster):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_a_full_queue_answers_resource_exhausted(cluster):
+def outcomes(port: int, name: str = "kpoolpd_decode_requests_total") -> dict[str, float]:
+    """The samples of the counter ``name`` by its ``outcome`` label."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            label, value = line.split()
+            found[label.split('outcome="')[1].split('"')[0]] = float(value)
+    return found
+
+
+def test_a_full_queue_answers_resource_exhausted_and_counts_each_request_once(cluster):
     _, _, small = cluster
+    before = outcomes(small.metrics_port)
     requests = make_prompts(6, 40, seed=4, vocab_size=CONFIG.vocab_size, max_tokens=48)
     results = asyncio.run(generate_all(f"127.0.0.1:{small.port}", requests, token=TOKEN))
     refused = [r for r in results if isinstance(r, RequestFailed)]
     assert refused and all(r.code == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
     assert len(refused) < len(results)
+    # every call counted once, when it ended (the served ones once their stream closed)
+    assert wait_for(lambda: sum(outcomes(small.metrics_port).values()) - sum(before.values()) == len(requests), 30), \
+        (before, outcomes(small.metrics_port))
+    after = outcomes(small.metrics_port)
+    assert after.get("queue_full", 0) - before.get("queue_full", 0) == len(refused), (before, after)
+    assert after.get("ok", 0) - before.get("ok", 0) == len(results) - len(refused), (before, after)
+    assert after.get("rejected", 0) == before.get("rejected", 0), (before, after)
 
 
 def test_a_client_that_goes_away_frees_its_request(cluster):

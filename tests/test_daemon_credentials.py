@@ -21,7 +21,7 @@ from connector.shared.wire import layout_message
 from decode_worker import api as gpb
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import BlockLayout
 from model.colocated import make_prompts
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
@@ -108,7 +108,7 @@ def test_generate_takes_the_client_token_in_any_scheme_case_and_not_the_peer_tok
 
 def test_the_client_token_never_opens_the_prefill_daemon(cluster):
     _, prefill, _ = cluster
-    layout = layout_message(BlockLayout(model_config(MODEL).cache_config()))
+    layout = layout_message(BlockLayout(model_config(MODEL).cache))
     requests = {
         "Handshake": pb.HandshakeRequest(engine_id="client-posing-as-decode", layout=layout, transports=[pb.TRANSPORT_GRPC_STREAM]),
         "Prefill": pb.PrefillRequest(request_id="stolen", prompt_token_ids=[1] * 10, engine_id="client-posing-as-decode"),

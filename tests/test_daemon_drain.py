@@ -22,16 +22,16 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
 from decode_worker import api
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import NodeCache
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import LIVENESS_SERVICE, GrpcServer, model_flags
-from tests.deploy_launch import free_port
+from tests.ports import free_port
 from tests.polling import until
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=4)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=4)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=4)
 DEADLINE_S = 30.0
 
 
@@ -48,7 +48,7 @@ def test_a_draining_prefill_node_is_not_serving_and_answers_unavailable(tmp_path
         address = f"127.0.0.1:{prefill.port}"
 
         async def go():
-            cache = NodeCache(CONFIG.cache_config(), num_blocks=32, num_rings=4)
+            cache = NodeCache(CONFIG.cache, num_blocks=32, num_rings=4)
             connector = await DecodeConnector(cache.pool, engine_id="drain-test",
                                               config=ConnectorConfig(), registry=CollectorRegistry(),
                                               transports=(Transport.GRPC_STREAM,),

@@ -29,7 +29,7 @@ def test_defaults_then_file_then_env_then_flags(tmp_path):
     settings = _load("decode", ["--layers", "7"], env)
     assert settings["layers"] == 7
     config = model_config(settings)
-    assert config.num_layers == 7 and config.family.value == "qsa"
+    assert config.num_layers == 7 and config.cache.family.value == "qsa"
 
 
 def test_bad_values_name_the_option_and_the_source(tmp_path):

@@ -18,14 +18,14 @@ from connector import open_channel
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all, model_info
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from runtime import SettingsError, client_tls, load_settings, model_flags, resolve_device, tls_config
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=11)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=11)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ MAX_TOKENS = 9
 def _boundary_lengths(config: ModelConfig, interleave: int, ranks: int) -> list[int]:
     """Prompt lengths on each side of a pool, ring, block and interleave boundary (and of one round
     of every rank)."""
-    kpool, block = config.kpool, config.resolved_block_size
-    ring = tail_ring_size(kpool, config.num_spec)
+    kpool, block = config.cache.kpool, config.cache.block_size
+    ring = tail_ring_size(kpool, config.cache.num_spec)
     edges = {kpool, ring, block, interleave, interleave * ranks, 2 * interleave + kpool}
     lengths = {1} | {e + d for e in edges for d in (-1, 0, 1)}
     return sorted(n for n in lengths if n >= 1)
@@ -53,9 +53,9 @@ def _matrix(ranks: int) -> list[DcpCase]:
     neither divides nor is a multiple of the block): each interleave twice, once with drafts."""
     cases = []
     for i, (kpool, num_spec) in enumerate((k, s) for k in (2, 4, 8) for s in (0, 3)):
-        config = ModelConfig(kpool=kpool, num_spec=num_spec, num_layers=2)
+        config = ModelConfig.build(kpool=kpool, num_spec=num_spec, num_layers=2)
         interleave = (kpool, None, 3 * kpool)[i % 3]
-        resolved = interleave or config.resolved_block_size
+        resolved = interleave or config.cache.block_size
         cases.append(DcpCase(config=config, interleave=interleave,
                              requests=_requests(_boundary_lengths(config, resolved, ranks), seed=i)))
     return cases
@@ -69,7 +69,7 @@ def test_rank_processes_equal_the_colocated_run(ranks):
     got = run_processes(ranks, cases)
     for case, results in zip(cases, got):
         expected = _reference(case)
-        what = f"kpool {case.config.kpool}, drafts {case.config.num_spec}, interleave {case.interleave}"
+        what = f"kpool {case.config.cache.kpool}, drafts {case.config.cache.num_spec}, interleave {case.interleave}"
         assert [r[0] for r in results] == [e[0] for e in expected], f"tokens differ ({what})"
         assert results == expected, f"digests differ ({what})"
 
@@ -78,7 +78,7 @@ def test_rank_processes_equal_the_colocated_run(ranks):
 @given(ranks=st.integers(1, 4), kpool=st.sampled_from([2, 4, 8]), num_spec=st.sampled_from([0, 1, 3]),
        pools_per_chunk=st.integers(1, 40), data=st.data())
 def test_any_rank_count_and_interleave_equal_the_colocated_run(ranks, kpool, num_spec, pools_per_chunk, data):
-    config = ModelConfig(kpool=kpool, num_spec=num_spec, num_layers=1)
+    config = ModelConfig.build(kpool=kpool, num_spec=num_spec, num_layers=1)
     interleave = kpool * pools_per_chunk
     lengths = data.draw(st.lists(st.integers(1, 2 * interleave * ranks + kpool), min_size=1, max_size=3))
     requests = _requests(lengths, seed=data.draw(st.integers(0, 50)))
@@ -90,13 +90,28 @@ def test_any_rank_count_and_interleave_equal_the_colocated_run(ranks, kpool, num
 
 
 def test_a_rank_holds_only_its_share_of_the_blocks():
-    config = ModelConfig(kpool=4, num_spec=3)
-    block = config.resolved_block_size
+    config = ModelConfig.build(kpool=4, num_spec=3)
+    block = config.cache.block_size
     length = 10 * block + 5
-    shards = DcpConfig.for_cache(config.cache_config(), size=4).shards()
-    held = [s.blocks_for_tokens(length, block) for s in shards]
+    shards = DcpConfig.for_cache(config.cache, size=4).shards()
+    held = [s.blocks_for_tokens(config.cache, length) for s in shards]
     assert held == [3, 3, 3, 2]  # 11 blocks dealt over 4 ranks, whole blocks each
-    assert sum(held) == config.cache_config().blocks_for_tokens(length)
+    assert sum(held) == config.cache.blocks_for_tokens(length)
+
+
+def test_every_rank_reserves_the_most_any_rank_needs_and_one_rank_reserves_the_whole_request():
+    cache = ModelConfig.build(kpool=4, num_spec=3).cache
+    block = cache.block_size
+    four = DcpConfig.for_cache(cache, size=4)
+    # 10 blocks and 5 tokens, plus 8 outputs less the unwritten last: 11 blocks, dealt 3, 3, 3, 2
+    assert four.rank_blocks_for_request(cache, 10 * block + 5, 8) == 3
+    assert four.rank_blocks_for_request(cache, 4 * block, 1) == 1  # one whole block each
+    assert four.rank_blocks_for_request(cache, 4 * block, 2) == 2  # rank 0 takes the fifth block's first token
+    one = DcpConfig.for_cache(cache, size=1)
+    for prompt_len, max_tokens in [(1, 1), (block, 1), (block, 2), (10 * block + 5, 8)]:
+        assert one.rank_blocks_for_request(cache, prompt_len, max_tokens) == cache.blocks_for_request(prompt_len, max_tokens)
+    with pytest.raises(ValueError, match="writes -1 positions"):
+        four.rank_blocks_for_request(cache, 0, 0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -172,17 +187,17 @@ def test_a_pool_score_does_not_depend_on_the_other_pools_scored():
 
 
 def test_qsa_refuses_dcp_naming_it():
-    config = ModelConfig(family=CacheFamily.QSA, compress_ratio=4)
+    config = ModelConfig.build(family=CacheFamily.QSA, compress_ratio=4)
     with pytest.raises(ValueError, match=r"decode-context parallel \(DCP\).*got 2"):
-        DcpConfig.for_cache(config.cache_config(), size=2)
-    assert DcpConfig.for_cache(config.cache_config(), size=1).size == 1
+        DcpConfig.for_cache(config.cache, size=2)
+    assert DcpConfig.for_cache(config.cache, size=1).size == 1
 
 
 def test_an_interleave_off_the_pool_is_refused():
-    config = ModelConfig(kpool=4)
+    config = ModelConfig.build(kpool=4)
     with pytest.raises(ValueError, match=r"interleave \(6 tokens\) must be a multiple of kpool \(4\)"):
-        DcpConfig.for_cache(config.cache_config(), size=2, interleave=6)
-    assert DcpConfig.for_cache(config.cache_config(), size=2).interleave == config.resolved_block_size
+        DcpConfig.for_cache(config.cache, size=2, interleave=6)
+    assert DcpConfig.for_cache(config.cache, size=2).interleave == config.cache.block_size
 
 
 def test_ranks_join_over_nccl_on_gpus_and_gloo_on_the_cpu():

@@ -15,7 +15,6 @@ And the pieces: the runtime's health gate (draining wins over the node), the sch
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from concurrent import futures
 
@@ -27,28 +26,23 @@ from connector import open_channel
 from decode_worker.diagnosis import closed_at_once, failure_reason
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import client_tls, model_flags
 from runtime.health_gate import HealthGate
 from tests.polling import wait_for
+from tests.ports import free_port
 from tests.test_decode_scheduler import PROMPT, Nodes
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=13)
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=13)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=13)
 INTERVAL_S = 0.3
 FLIP_WITHIN_S = 10 * INTERVAL_S + 3.0  # a few health intervals, with room for a loaded 2-core machine
 FAIL_WITHIN_S = 3.0
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 DECODE_FLAGS = ["--max-prompt-tokens", "64", "--max-new-tokens", "8", "--max-running", "2", "--log-format", "text",
                 "--health-interval-s", str(INTERVAL_S)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _health(port: int, tls=None) -> int:
@@ -68,7 +62,7 @@ def _one_request(port: int, tls=None, prefix: str = "r"):
 
 def test_health_follows_the_prefill_node_and_requests_fail_fast_naming_it(tmp_path):
     flags = model_flags(MODEL)
-    port = _free_port()  # nothing listens here yet
+    port = free_port()  # nothing listens here yet
     decode = start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], transport="grpc",
                           extra=[*DECODE_FLAGS, "--health-port", "0"])
     prefill = None

@@ -22,7 +22,7 @@ from model.colocated import GenerateRequest, run_colocated
 from prefill_worker.batcher import BatchingPrefillEngine
 from tests.serving import serve_prefill, stop_prefill
 
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=5, block_size=64)  # a request spans several blocks
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=5, block_size=64)  # a request spans several blocks
 GRPC = Transport.GRPC_STREAM
 NUM_BLOCKS, NUM_RINGS = 16, 4
 
@@ -39,14 +39,14 @@ class Nodes:
 
     async def __aenter__(self) -> "Nodes":
         config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=10.0)
-        self.p_cache = NodeCache(CONFIG.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.p_cache = NodeCache(CONFIG.cache, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
         self.batcher = BatchingPrefillEngine(Engine(CONFIG, self.p_cache.pool), self.p_cache, max_batch_tokens=4096,
                                              max_queue=8, registry=CollectorRegistry())
         self.prefill = PrefillConnector(self.p_cache.pool, self.batcher, engine_id="prefill-s",
                                         config=config, registry=CollectorRegistry(), transports=(GRPC,))
         self.batch_loop = asyncio.create_task(self.batcher.run())
         self.server = await serve_prefill(self.prefill)
-        self.d_cache = NodeCache(CONFIG.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.d_cache = NodeCache(CONFIG.cache, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
         self.decode = await DecodeConnector(self.d_cache.pool, engine_id="decode-s", config=config,
                                             registry=CollectorRegistry(), transports=(GRPC,)).start()
         self.router = PrefillRouter(self.decode, (f"127.0.0.1:{self.server.port}",), health_interval_s=60,
@@ -97,7 +97,7 @@ def test_a_request_is_one_allocation_of_the_scheduler_landed_in_by_the_pull_and_
             start = nodes.free()
             job = await nodes.fetched("one", PROMPT, 60)
             landed, allocation = job.landed, job.allocation
-            assert job.need_blocks == CONFIG.blocks_for(len(PROMPT), 60) > landed.grant.num_blocks == landed.prompt_blocks
+            assert job.need_blocks == CONFIG.cache.blocks_for_request(len(PROMPT), 60) > landed.grant.num_blocks == landed.prompt_blocks
             assert allocation.num_blocks == job.need_blocks and job.seq.block_ids == list(allocation.block_ids)
             assert nodes.free() == (start[0], start[1], start[2] - job.need_blocks, start[3] - 1)
             assert nodes.sample("reserved_blocks") == job.need_blocks

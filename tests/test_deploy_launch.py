@@ -105,7 +105,7 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant,
         assert all(r["transfer_bytes"] > 0 for r in got[:-1])
 
         # Prompts of one token and on a block boundary and past it, through the client library.
-        requests = [r for n in (1, config.resolved_block_size, config.resolved_block_size + 1)
+        requests = [r for n in (1, config.cache.block_size, config.cache.block_size + 1)
                     for r in make_prompts(1, n, seed=n, vocab_size=config.vocab_size, max_tokens=7, prefix=f"len{n}")]
         results = asyncio.run(generate_all(address, requests, token=token, tls=tls))
         failed = [r for r in results if isinstance(r, RequestFailed)]

@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -30,12 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, start_decode, start_prefill
+from runtime.launch import Daemon, start_decode, start_prefill
 from kvcache import CacheFamily, family_spec_type
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
 from runtime import model_flags, model_settings
 from tests.polling import wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 READY_S = 120
@@ -94,17 +94,11 @@ def _stop(*daemons: Daemon) -> None:
         daemon.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def boundary_prompts(config: ModelConfig, count: int, max_tokens: int, *, seed: int, prefix: str
                      ) -> list[GenerateRequest]:
     """Prompt lengths on and around the pool (group), ring and block boundaries, 1 included,
     then seeded random lengths up to ``count`` requests."""
-    g, ring, block = config.group, config.cache_config().ring_slots, config.resolved_block_size
+    g, ring, block = config.cache.tokens_per_entry, config.cache.ring_slots, config.cache.block_size
     lengths = sorted({n for base in (g, ring, block, 2 * block + g) for n in (base - 1, base, base + 1) if n >= 1}
                      | {1})
     rng = random.Random(seed)
@@ -162,13 +156,13 @@ def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
     if block_size is not None:  # the least multiple of 128 that the ring divides (QSA ratio 2, 3 drafts: 6 -> 384)
         block_size = math.lcm(block_size, family_spec_type(family).ring_slots_for(group, num_spec))
-    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=block_size,
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=block_size,
                          **{key: group})
     flags = _flags(config)
     # All three daemons boot at once: the decode daemons retry the prefill port until it serves.
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
-    longest = ["--max-prompt-tokens", str(max(512, 3 * config.resolved_block_size))]  # boundary_prompts' longest
+    longest = ["--max-prompt-tokens", str(max(512, 3 * config.cache.block_size))]  # boundary_prompts' longest
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
                             extra=[*DECODE_LIMITS, *longest, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
     try:
@@ -191,7 +185,7 @@ def _two_prefills(tmp_path, flags, extra=()):
 
 
 def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_path):
-    config = ModelConfig(num_layers=2, num_spec=3, seed=21, block_size=128)
+    config = ModelConfig.build(num_layers=2, num_spec=3, seed=21, block_size=128)
     flags = _flags(config)
     a, b = _two_prefills(tmp_path, flags)
     decode = start_decode(tmp_path, flags, [f"127.0.0.1:{a.port}", f"dns:///localhost:{b.port}"],
@@ -235,7 +229,7 @@ def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_
 
 
 def test_a_decode_worker_killed_mid_request_fails_only_its_requests(tmp_path):
-    config = ModelConfig(family=CacheFamily.QSA, num_layers=2, num_spec=3, seed=5, block_size=128)
+    config = ModelConfig.build(family=CacheFamily.QSA, num_layers=2, num_spec=3, seed=5, block_size=128)
     flags = _flags(config)
     prefill = start_prefill(tmp_path, flags, extra=["--lease-s", "2", "--num-blocks", "128", "--log-format", "text"])
     try:
@@ -314,7 +308,7 @@ def test_prefill_and_decode_in_two_network_namespaces(tmp_path, transport):
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
-    config = ModelConfig(num_layers=2, num_spec=3, seed=9, block_size=128)
+    config = ModelConfig.build(num_layers=2, num_spec=3, seed=9, block_size=128)
     flags = _flags(config)
     requests = boundary_prompts(config, 6, 12, seed=4, prefix="ns")
     with NetnsPair() as ns:

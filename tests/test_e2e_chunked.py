@@ -16,13 +16,14 @@ import urllib.request
 
 import pytest
 
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import run_colocated
 from tests.polling import wait_for
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _free_port,
-                            _logs_on_failure, _ready_and_serving, _metric, _stop, boundary_prompts,
+from tests.ports import free_port
+from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
+                            _metric, _ready_and_serving, _stop, boundary_prompts,
                             generate_and_match)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,10 +45,10 @@ def _summed(daemon, name: str) -> float:
 @pytest.mark.parametrize("family,group,num_spec,budget", CASES)
 def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
-    config = ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=64, **{key: group})
-    assert (config.cache_config().ring_slots, config.resolved_block_size) == (8, 64)
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=64, **{key: group})
+    assert (config.cache.ring_slots, config.cache.block_size) == (8, 64)
     flags = _flags(config)
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text",
                                                     "--max-batch-tokens", str(budget)])
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
@@ -63,7 +64,7 @@ def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
             prompts = sum(len(b) for b in batches.values())
             assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
             # pieces of the budget's worth of blocks (here one block): at least a region per block moved
-            blocks = sum(config.cache_config().blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
+            blocks = sum(config.cache.blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
             assert _summed(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
             for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
                 assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)

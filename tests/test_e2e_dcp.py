@@ -25,11 +25,12 @@ import pytest
 
 from connector.shared.plan import ring_live_range
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import Daemon, start_decode, start_prefill
+from runtime.launch import Daemon, start_decode, start_prefill
 from kvcache import BlockLayout
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.polling import wait_for
+from tests.ports import free_port
 from tests.test_e2e import (
     DECODE_LIMITS,
     READY_S,
@@ -38,7 +39,6 @@ from tests.test_e2e import (
     _assert_match,
     _flags,
     _free_blocks,
-    _free_port,
     _logs_on_failure,
     _metric,
     _ready_and_serving,
@@ -51,7 +51,7 @@ MAX_PROMPT = 512  # the decode daemons' --max-prompt-tokens (DECODE_LIMITS)
 
 def _prompts(config: ModelConfig, interleaves: list[int], ranks: int, max_tokens: int, *, seed: int,
              prefix: str) -> list[GenerateRequest]:
-    g, ring, block = config.group, config.cache_config().ring_slots, config.resolved_block_size
+    g, ring, block = config.cache.tokens_per_entry, config.cache.ring_slots, config.cache.block_size
     edges = {g, ring, block, *interleaves, *(i * ranks for i in interleaves)}
     lengths = sorted({n for e in edges for n in (e - 1, e, e + 1) if 1 <= n <= MAX_PROMPT} | {1})
     base = make_prompts(len(lengths), max(lengths), seed=seed, vocab_size=config.vocab_size, max_tokens=max_tokens,
@@ -65,9 +65,9 @@ def _prompts(config: ModelConfig, interleaves: list[int], ranks: int, max_tokens
 def _whole_request_bytes(config: ModelConfig, prompt_len: int, ranks: int) -> int:
     """What a decode instance of ``ranks`` ranks receives for a prompt when whole blocks move: the
     prompt's blocks once, and the ring's live slots on every rank."""
-    layout = BlockLayout(config.cache_config())
-    ring = ring_live_range(config.cache_config(), prompt_len).num_slots * layout.ring_slot_bytes
-    return config.cache_config().blocks_for_tokens(prompt_len) * layout.block_bytes + ranks * ring
+    layout = BlockLayout(config.cache)
+    ring = ring_live_range(config.cache, prompt_len).num_slots * layout.ring_slot_bytes
+    return config.cache.blocks_for_tokens(prompt_len) * layout.block_bytes + ranks * ring
 
 
 CASES = [  # (kpool, drafts, interleave of the 2-rank decode, of the 4-rank one; 0: the block size)
@@ -79,10 +79,10 @@ CASES = [  # (kpool, drafts, interleave of the 2-rank decode, of the 4-rank one;
 
 @pytest.mark.parametrize("kpool,num_spec,interleave2,interleave4", CASES)
 def test_dcp_equals_colocated(tmp_path, kpool, num_spec, interleave2, interleave4):
-    config = ModelConfig(num_layers=2, kpool=kpool, num_spec=num_spec, seed=kpool + num_spec)
+    config = ModelConfig.build(num_layers=2, kpool=kpool, num_spec=num_spec, seed=kpool + num_spec)
     flags = _flags(config)
-    block = config.resolved_block_size
-    port = _free_port()
+    block = config.cache.block_size
+    port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
     shapes = [(2, interleave2, TRANSPORTS[0]), (4, interleave4, TRANSPORTS[-1])]
     decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-dcp{n}", transport=t,
@@ -131,15 +131,17 @@ STOPPED = re.compile(r"decode node stopped; free: (\d+) of (\d+) blocks, (\d+) o
 
 
 def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_the_prefill(tmp_path):
-    config = ModelConfig(num_layers=2, num_spec=3, seed=11)
+    config = ModelConfig.build(num_layers=2, num_spec=3, seed=11)
     flags = _flags(config)
     prefill = start_prefill(tmp_path, flags, extra=["--num-blocks", "128", "--log-format", "text"])
     decode: Daemon | None = None
     try:
         with _logs_on_failure(prefill):
             prefill.wait_ready(READY_S)
+        scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: where its rendezvous folder lives
+        scratch.mkdir()
         decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp3",
-                              transport=TRANSPORTS[0],
+                              transport=TRANSPORTS[0], env={"TMPDIR": str(scratch)},
                               extra=[*DECODE_LIMITS, "--dcp", "3", "--transfer-timeout-s", "20", "--drain-s", "10"])
         with _logs_on_failure(prefill, decode):
             _ready_and_serving(decode)
@@ -163,10 +165,18 @@ def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_t
             assert wait_for(lambda: _free_blocks(prefill) == prefill_free, SETTLE_S), "the prefill still holds blocks"
             # rank 0 stops by itself (the instance is broken), after freeing everything; so does rank 2
             assert wait_for(lambda: decode.proc.poll() is not None, 90), "rank 0 did not stop by itself"
-            stopped = STOPPED.findall(decode.log_path.read_text())
+            log = decode.log_path.read_text()
+            stopped = STOPPED.findall(log)
             assert len(stopped) == 2, f"rank 0 and the surviving rank each report their pool: {stopped}"
             for free, total, free_rings, rings in stopped:
                 assert (free, free_rings) == (total, rings), f"blocks or rings left in use: {stopped}"
+            # a broken instance exits non-zero (a supervisor restarts it), blaming the rank, not the prefill node
+            assert decode.proc.returncode not in (0, None), f"rank 0 exited with status {decode.proc.returncode}"
+            assert re.search(r"stopped because it broke: DCP rank 1 (exited|failed)", log), log[-3000:]
+            blamed = [line for line in log.splitlines() if "prefill" in line.lower() and
+                      re.search(r"unusable|not usable|failed|unreachable", line, re.IGNORECASE)]
+            assert not blamed, f"the log blames the prefill node for the broken rank: {blamed[:3]}"
+            assert not list(scratch.iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
     finally:
         if decode is not None:
             decode.stop()

@@ -17,13 +17,14 @@ import sys
 
 import pytest
 
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.polling import wait_for
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _free_port,
-                            _logs_on_failure, _ready_and_serving, _stop, generate_and_match)
+from tests.ports import free_port
+from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
+                            _ready_and_serving, _stop, generate_and_match)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
@@ -42,7 +43,7 @@ def _prompts(config: ModelConfig, blocks: tuple[int, int], count: int, max_token
              prefix: str) -> list[GenerateRequest]:
     """Lengths on and around the pool (group), the ring and both block sizes (1 included), then
     seeded random ones up to ``count`` requests, none over two of the larger blocks and a bit."""
-    g, ring, longest = config.group, config.cache_config().ring_slots, 2 * max(blocks) + config.group
+    g, ring, longest = config.cache.tokens_per_entry, config.cache.ring_slots, 2 * max(blocks) + config.cache.tokens_per_entry
     bases = (g, ring, *blocks, longest - 1)
     lengths = sorted({n for base in bases for n in (base - 1, base, base + 1) if 1 <= n <= longest} | {1})
     rng = random.Random(seed)
@@ -57,10 +58,10 @@ def _prompts(config: ModelConfig, blocks: tuple[int, int], count: int, max_token
 @pytest.mark.parametrize("family,group,num_spec,prefill_block,decode_block", CASES)
 def test_pd_with_different_block_sizes_equals_colocated(tmp_path, family, group, num_spec, prefill_block, decode_block):
     key = "kpool" if family is KPOOL else "compress_ratio"
-    configs = [ModelConfig(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
+    configs = [ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
                            **{key: group}) for size in (prefill_block, decode_block)]
     prefill_config, decode_config = configs
-    port = _free_port()
+    port = free_port()
     prefill = start_prefill(tmp_path, _flags(prefill_config), extra=["--port", str(port), "--num-blocks", "128",
                                                                      "--log-format", "text"])
     longest = ["--max-prompt-tokens", str(2 * max(prefill_block, decode_block) + group)]

@@ -18,7 +18,7 @@ FAMILIES = [pytest.param(CacheFamily.KPOOL, id="kpool"), pytest.param(CacheFamil
 
 
 def _config(family: CacheFamily, **kw) -> ModelConfig:
-    return ModelConfig(family=family, num_layers=2, **kw)
+    return ModelConfig.build(family=family, num_layers=2, **kw)
 
 
 def _digests(results):
@@ -52,8 +52,8 @@ def test_kernel_pages_of_32_states_change_no_token_and_no_entry():
     requests = make_prompts(3, 300, seed=8, vocab_size=1024, max_tokens=12)
     one_page, two_pages = (_config(CacheFamily.KPOOL, num_spec=3, block_size=256, kernel_page_states=p)
                            for p in (64, 32))
-    assert one_page.cache_config().family_spec.pages_per_block == 1
-    assert two_pages.cache_config().family_spec.pages_per_block == 2
+    assert one_page.cache.family_spec.pages_per_block == 1
+    assert two_pages.cache.family_spec.pages_per_block == 2
     assert _digests(run_colocated(two_pages, requests)) == _digests(run_colocated(one_page, requests))
 
 
@@ -86,7 +86,7 @@ def test_results_do_not_depend_on_the_batch(family):
 
 def test_a_prompt_token_outside_the_vocabulary_is_refused():
     config = _config(CacheFamily.KPOOL)
-    engine = Engine(config, CachePool(BlockLayout(config.cache_config()), num_blocks=2, num_rings=1))
+    engine = Engine(config, CachePool(BlockLayout(config.cache), num_blocks=2, num_rings=1))
     with pytest.raises(ValueError, match=r"\[0, 1024\)"):
         engine.prefill([PrefillJob(prompt=[5, 1024], block_ids=[0], ring_id=0)])
     with pytest.raises(ValueError, match="needs 1 blocks"):
@@ -104,20 +104,20 @@ class _TwoPools:
 
     def __init__(self, config: ModelConfig, prompt: list[int], max_tokens: int) -> None:
         self.config = config
-        layout = BlockLayout(config.cache_config())
-        need = config.blocks_for(len(prompt), max_tokens)
+        layout = BlockLayout(config.cache)
+        need = config.cache.blocks_for_request(len(prompt), max_tokens)
         self.src = Engine(config, CachePool(layout, num_blocks=need + 3, num_rings=2))
         self.dst = Engine(config, CachePool(layout, num_blocks=need + 5, num_rings=3), weights=self.src.weights)
         generator = torch.Generator().manual_seed(11)
         for pool in (self.src.pool, self.dst.pool):  # poison: bytes that are not moved never match
             pool.blocks.random_(0, 256, generator=generator)
             pool.rings.random_(0, 256, generator=generator)
-        prompt_blocks = config.cache_config().blocks_for_tokens(len(prompt))
+        prompt_blocks = config.cache.blocks_for_tokens(len(prompt))
         self.src_blocks = list(range(2, 2 + prompt_blocks))
         self.dst_blocks = [b for b in range(need + 5) if b % 2 == 1][:need]
         self.first = self.src.prefill([PrefillJob(prompt=prompt, block_ids=self.src_blocks, ring_id=1)])[0]
         self.plan = plan_transfer(layout, self.src_blocks, self.dst_blocks[:prompt_blocks], 1, 2,
-                                  ring_live_range(config.cache_config(), len(prompt)))
+                                  ring_live_range(config.cache, len(prompt)))
         self.prompt, self.max_tokens = prompt, max_tokens
 
     def move(self, flip: tuple[int, int] | None = None) -> None:
@@ -152,7 +152,7 @@ def test_a_faithful_transfer_matches_colocated_and_any_flipped_byte_shows(family
     block_region = 0
     cases = {
         "indexer entry of pool 0": (block_region, first_layer.indexer_offset),
-        "MLA byte of token 3": (block_region, first_layer.mla_offset + 3 * config.mla_entry_bytes + 17),
+        "MLA byte of token 3": (block_region, first_layer.mla_offset + 3 * config.cache.mla_entry_bytes + 17),
         "last layer, last block": (block_region, pd.plan.pairs[0].src.nbytes - layout.block_bytes
                                    + layout.layer(1).mla_offset + 5),
         "open pool in the ring": (len(pd.plan.pairs) - 1, 1),

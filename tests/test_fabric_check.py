@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector import open_channel, ucx_available
-from kpool_pd.launcher import start_prefill
+from runtime.launch import start_prefill
 from runtime import LIVENESS_SERVICE, model_flags
 from runtime.fabric_check import (MIN_RDMA_MEMLOCK, Fabric, Resource, check_fabric, loaded_library, memlock_limit,
                                   parse_resources)

@@ -16,7 +16,7 @@ import pytest
 
 from connector.shared.ucx import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from model.colocated import make_prompts
 from runtime import model_flags
 from tests.polling import wait_for

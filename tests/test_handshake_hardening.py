@@ -210,17 +210,24 @@ def test_model_identity_covers_every_field():
     from kvcache import CacheDtype, CacheFamily, PoolMode
     from model import ModelConfig
 
-    base = ModelConfig(num_spec=3)
+    import inspect
+
+    base = ModelConfig.build(num_spec=3)
     changed = {"family": CacheFamily.QSA, "num_layers": 3, "kpool": 2, "compress_ratio": 8, "num_spec": 1, "block_size": 128,
                "seed": 1, "vocab_size": 512, "index_heads": 2, "topk": 4, "mla_entry_bytes": 64,
-               "pool_mode": next(m for m in PoolMode if m is not base.pool_mode),
-               "qsa_dtype": next(d for d in CacheDtype if d is not base.qsa_dtype), "kernel_page_states": 32}
-    assert set(changed) == {f.name for f in dataclasses.fields(ModelConfig)}
+               "pool_mode": next(m for m in PoolMode if m is not base.cache.pool_mode),
+               "qsa_dtype": next(d for d in CacheDtype if d is not base.cache.qsa_dtype), "kernel_page_states": 32}
+    assert set(changed) == set(inspect.signature(ModelConfig.build).parameters)
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - {"cache"} < set(changed)
     arranging = {"block_size", "kernel_page_states"}  # arrange the cache's bytes only: peers may differ in them
     for name, value in changed.items():
-        other = dataclasses.replace(base, **{name: value})
+        other = ModelConfig.build(**{"num_spec": 3, name: value})
         assert (other.identity() == base.identity()) is (name in arranging), name
-        assert json.loads(base.identity()) == json.loads(base.identity()) and " " not in base.identity()
+        ours, theirs = json.loads(base.identity()), json.loads(other.identity())
+        assert other.identity() == json.dumps(theirs, sort_keys=True, separators=(",", ":")), name  # canonical
+        assert ours.keys() == theirs.keys(), name
+        assert [k for k in ours if ours[k] != theirs[k]] == ([] if name in arranging else [k for k in ours if k in (
+            name, name.removeprefix("num_"))]), name  # the one field changed, under its name in the identity
     assert model_differences(base.identity(), dataclasses.replace(base, seed=2).identity()) == ["seed 0 vs 2"]
 
 

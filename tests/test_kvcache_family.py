@@ -15,7 +15,7 @@ import torch
 
 from kvcache import (
     BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, KpoolFamilySpec, KpoolIndexerSpec, PoolMode,
-    QsaCompressedKeySpec, QsaFamilySpec, QsaKeyStateRingSpec, TailRingSpec, blocks_for_tokens, complete_entries,
+    QsaCompressedKeySpec, QsaFamilySpec, QsaKeyStateRingSpec, TailRingSpec, complete_entries,
     family_spec_type, layout_hash, open_entry_start,
 )
 
@@ -182,7 +182,9 @@ def test_token_arithmetic_at_the_edges(name):
     config = ALL_CONFIGS[name]
     group, block_size = config.tokens_per_entry, config.block_size
     for n in _edges(group, block_size):
-        assert config.blocks_for_tokens(n) == blocks_for_tokens(n, block_size) == _brute_blocks(n, block_size), n
+        assert config.blocks_for_tokens(n) == _brute_blocks(n, block_size), n
+        blocks = config.blocks_for_tokens(n)
+        assert config.max_cached_tokens(blocks) >= n and (n == 0 or config.max_cached_tokens(blocks - 1) < n), n
         assert config.complete_entries(n) == complete_entries(n, group) == _brute_complete(n, group), n
         assert config.open_entry_start(n) == open_entry_start(n, group) == _brute_open_start(n, group), n
         assert config.family_spec.open_entry_start(n) == config.open_entry_start(n)
@@ -192,6 +194,20 @@ def test_token_arithmetic_at_the_edges(name):
                                          (129, 3)], ids=lambda v: str(v))
 def test_blocks_for_tokens_kpool4_block64(n, expected):
     assert KPOOL_CONFIGS["kpool4-spec3-b64"].blocks_for_tokens(n) == expected
+
+
+@pytest.mark.parametrize("name", ["kpool4-spec3-b64", "qsa3-spec2-b48-d64"])
+def test_a_request_holds_the_blocks_of_its_prompt_plus_outputs_minus_one_positions(name):
+    config = ALL_CONFIGS[name]
+    block = config.block_size
+    for prompt_len, max_tokens in [(1, 1), (1, 2), (block - 1, 1), (block, 1), (block, 2), (block + 1, 1),
+                                   (block - 1, 3), (2 * block, block + 1), (0, 1)]:
+        positions = prompt_len + max_tokens - 1  # the last output token is never written
+        assert config.positions_written(prompt_len, max_tokens) == positions
+        expected = next(b for b in range(positions + 2) if b * block >= positions)
+        assert config.blocks_for_request(prompt_len, max_tokens) == expected, (prompt_len, max_tokens)
+    with pytest.raises(ValueError, match="0 prompt and 0 new tokens writes -1 positions"):
+        config.blocks_for_request(0, 0)
 
 
 @pytest.mark.parametrize("n, start", [(0, 0), (1, 0), (2, 0), (3, 3), (4, 3), (47, 45), (48, 48), (49, 48)],
@@ -218,7 +234,7 @@ def test_counts_must_be_integers_at_least_zero(bad):
     for call in (config.blocks_for_tokens, config.complete_entries, config.open_entry_start):
         with pytest.raises(ValueError, match=f"num_tokens must be an integer >= 0, got {bad!r}"):
             call(bad)
-    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
-        blocks_for_tokens(3, 0)
+    with pytest.raises(ValueError, match=f"num_blocks must be an integer >= 0, got {bad!r}"):
+        config.max_cached_tokens(bad)
     with pytest.raises(ValueError, match="tokens_per_entry must be a positive integer, got 0"):
         open_entry_start(3, 0)

@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, PoolMode, layout_hash
+from kvcache import (
+    BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, FieldKind, PoolMode, layout_hash,
+)
 from kvcache.layout import layout_differences
 
 KPOOL = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3)
@@ -82,6 +84,29 @@ def test_qsa_views(order, dtype):
     assert ring.shape == (3, 8, 2, 140)
     ring[0, 7, 1, 128:140].view(torch.int64)[:] = torch.tensor([2**40, 5, -1])
     assert ring[0, 7, 1, 128:140].view(torch.int64).tolist() == [2**40, 5, -1]
+
+
+@pytest.mark.parametrize("order", list(BlockOrder), ids=lambda o: o.value)
+def test_field_offsets_are_the_bytes_written_by_hand(order):
+    # kpool 2 in 128-token blocks: 64 states in two kernel pages of 32; MLA of 2 heads x 48 bytes
+    config = CacheConfig(layer_names=("l0", "l1"), block_size=128, kpool=2, kernel_page_states=32, order=order,
+                         mla_num_heads=2, mla_entry_bytes=48)
+    layout = BlockLayout(config)
+    assert [f.kind for f in layout.fields] == [FieldKind.MLA, FieldKind.KPOOL_ENTRY, FieldKind.KPOOL_SCALE]
+    l1 = layout.layer(1)
+    mla = layout.field(FieldKind.MLA)
+    head_1_of_token_5 = 5 * 2 * 48 + 48 if order is BlockOrder.BLNHC else 128 * 48 + 5 * 48
+    assert mla.offset(layer=1, row=5, head=1) == l1.mla_offset + head_1_of_token_5
+    page_bytes = 32 * (128 + 4)
+    assert layout.field(FieldKind.KPOOL_ENTRY).offset(layer=1, row=33, head=0) == l1.indexer_offset + page_bytes + 128
+    assert layout.field(FieldKind.KPOOL_SCALE).offset(layer=1, row=33, head=0) == (
+        l1.indexer_offset + page_bytes + 32 * 128 + 4)
+    blocks = torch.zeros(3, layout.block_bytes, dtype=torch.uint8)
+    layout.field(FieldKind.KPOOL_SCALE).view(blocks, 1)[2, 1, 1, 0] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    at = l1.indexer_offset + page_bytes + 32 * 128 + 4
+    assert blocks[2, at:at + 4].tolist() == [1, 2, 3, 4] and int(blocks.sum()) == 10
+    with pytest.raises(ValueError, match="a kpool block holds no qsa_keys field"):
+        layout.field(FieldKind.QSA_KEYS)
 
 
 def test_family_views_are_refused_across_families():

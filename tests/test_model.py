@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from kvcache import CacheFamily
+from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode
 from model import ModelConfig, SyntheticWeights, default_block_size
 from model.cache_io import open_positions
 
@@ -27,29 +29,47 @@ def test_default_block_size_is_256_or_the_least_multiple_of_128_the_ring_divides
                                                                                  expected):
     assert default_block_size(family, kpool, ratio, num_spec) == expected
     group = kpool if family is CacheFamily.KPOOL else ratio
-    ring = ModelConfig(family=family, kpool=kpool, compress_ratio=ratio, num_spec=num_spec).cache_config().ring_slots
+    ring = ModelConfig.build(family=family, kpool=kpool, compress_ratio=ratio, num_spec=num_spec).cache.ring_slots
     assert expected % 128 == 0 and expected % group == 0 and expected % ring == 0
     if expected != 256:  # 256 does not work, and no smaller multiple of 128 than the expected one does
         assert 256 % ring or 256 % group
         assert all(b % ring or b % group for b in range(128, expected, 128))
-    config = ModelConfig(family=family, kpool=kpool, compress_ratio=ratio, num_spec=num_spec)
-    assert config.cache_config().block_size == expected
+    config = ModelConfig.build(family=family, kpool=kpool, compress_ratio=ratio, num_spec=num_spec)
+    assert config.cache.block_size == expected
 
 
 def test_invalid_configs_name_the_numbers():
     with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
-        ModelConfig(num_layers=0)
+        ModelConfig.build(num_layers=0)
     with pytest.raises(ValueError, match="S = block_size / kpool = 192 / 2 = 96 exceeds the kernel page of 64"):
-        ModelConfig(kpool=2, block_size=192)
+        ModelConfig.build(kpool=2, block_size=192)
     with pytest.raises(ValueError, match="does not divide block_size 36"):
-        ModelConfig(family=CacheFamily.QSA, compress_ratio=4, num_spec=3, block_size=36)
+        ModelConfig.build(family=CacheFamily.QSA, compress_ratio=4, num_spec=3, block_size=36)
     with pytest.raises(ValueError, match="num_spec must be an integer >= 0"):
-        ModelConfig(num_spec=-1)
+        ModelConfig.build(num_spec=-1)
+
+
+def test_a_model_holds_its_cache_and_build_fills_the_common_case():
+    config = ModelConfig.build(family=CacheFamily.QSA, num_layers=3, compress_ratio=2, num_spec=1, block_size=128,
+                               qsa_dtype=CacheDtype.FP8, seed=5, topk=6)
+    assert config.cache == CacheConfig(family=CacheFamily.QSA, layer_names=("layer.0", "layer.1", "layer.2"),
+                                       block_size=128, num_spec=1, compress_ratio=2, qsa_dtype=CacheDtype.FP8)
+    assert (config.num_layers, config.seed, config.topk) == (3, 5, 6)
+    assert ModelConfig(cache=config.cache, seed=5, topk=6) == config
+    assert ModelConfig.build(num_spec=3) == ModelConfig.build(num_spec=3, block_size=256)  # the default, given
+    # what the handshake compares reads the cache's fields, under the names it always had
+    assert json.loads(config.identity()) == {
+        "family": "qsa", "layers": 3, "kpool": 4, "compress_ratio": 2, "num_spec": 1, "seed": 5, "vocab_size": 1024,
+        "index_heads": 4, "topk": 6, "mla_entry_bytes": 656, "pool_mode": PoolMode.SOFTMAX.value, "qsa_dtype": "fp8"}
+    with pytest.raises(ValueError, match="cache must be a CacheConfig, got dict"):
+        ModelConfig(cache={})
+    with pytest.raises(ValueError, match="vocab_size must be in"):
+        ModelConfig(cache=config.cache, vocab_size=1)
 
 
 def test_weights_come_from_the_seed_only():
-    a, b = SyntheticWeights(ModelConfig(seed=3)), SyntheticWeights(ModelConfig(seed=3))
-    c = SyntheticWeights(ModelConfig(seed=4))
+    a, b = SyntheticWeights(ModelConfig.build(seed=3)), SyntheticWeights(ModelConfig.build(seed=3))
+    c = SyntheticWeights(ModelConfig.build(seed=4))
     tokens, positions = torch.tensor([0, 5, 5]), torch.tensor([0, 1, 300])
     for name in ("keys", "query"):
         for x, y, z in zip(getattr(a, name)(1, tokens, positions), getattr(b, name)(1, tokens, positions),
@@ -62,24 +82,13 @@ def test_weights_come_from_the_seed_only():
     assert k.dtype == gate.dtype == torch.bfloat16 and k.shape == (3, 128)
 
 
-@pytest.mark.parametrize("family", [CacheFamily.KPOOL, CacheFamily.QSA], ids=lambda f: f.value)
-def test_blocks_for_counts_prompt_plus_outputs_minus_one_positions(family):
-    config = ModelConfig(family=family, kpool=4, compress_ratio=3, num_spec=2)
-    block = config.resolved_block_size
-    for prompt_len, max_tokens in [(1, 1), (1, 2), (block - 1, 1), (block, 1), (block, 2), (block + 1, 1),
-                                   (block - 1, 3), (2 * block, block + 1)]:
-        positions = prompt_len + max_tokens - 1  # the last output token is never written
-        expected = next(b for b in range(positions + 2) if b * block >= positions)
-        assert config.blocks_for(prompt_len, max_tokens) == expected, (prompt_len, max_tokens)
-
-
 @pytest.mark.parametrize("family, group", [(CacheFamily.KPOOL, 4), (CacheFamily.QSA, 3)], ids=["kpool", "qsa"])
 def test_group_and_open_positions(family, group):
-    config = ModelConfig(family=family, kpool=4, compress_ratio=3, num_spec=1)
-    assert config.group == config.cache_config().tokens_per_entry == group
-    block = config.resolved_block_size
+    config = ModelConfig.build(family=family, kpool=4, compress_ratio=3, num_spec=1)
+    assert config.cache.tokens_per_entry == group
+    block = config.cache.block_size
     lengths = [0, 1, group - 1, group, group + 1, block - 1, block, block + 1]
-    got = open_positions(config.cache_config(), torch.tensor(lengths, dtype=torch.int32))
+    got = open_positions(config.cache, torch.tensor(lengths, dtype=torch.int32))
     assert got.shape == (len(lengths), group - 1) and got.dtype == torch.int64
     for row, length in zip(got.tolist(), lengths):
         open_pool = [p for p in range(length) if p >= length - length % group]

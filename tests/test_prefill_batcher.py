@@ -31,7 +31,7 @@ class Recording(Engine):
 
 class Node:
     def __init__(self, config: ModelConfig, budget: int) -> None:
-        self.cache = NodeCache(config.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+        self.cache = NodeCache(config.cache, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
         self.engine = Recording(config, self.cache.pool)
         self.batcher = BatchingPrefillEngine(self.engine, self.cache, max_batch_tokens=budget, max_queue=8,
                                              registry=CollectorRegistry())
@@ -58,7 +58,7 @@ async def prefill_all(node: Node, batch: list[tuple[int, ...]]):
 
 @pytest.mark.parametrize("family", list(CacheFamily), ids=lambda f: f.value)
 def test_steps_keep_the_budget_and_give_the_bytes_of_whole_prefills(family):
-    config = ModelConfig(family=family, num_layers=2, num_spec=3)
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=3)
     batch = prompts(config, [150, 5, 3, 70])
     node = Node(config, budget=64)
     outs, caches = asyncio.run(prefill_all(node, batch))
@@ -68,12 +68,12 @@ def test_steps_keep_the_budget_and_give_the_bytes_of_whole_prefills(family):
     assert steps[2] == [(150, 128, 150), (5, 0, 5), (3, 0, 3), (70, 0, 34)]  # short prompts share the step
     assert steps[3] == [(70, 34, 70)]
     assert all(c.prefilled == len(p) for c, p in zip(caches, batch))
-    whole_cache = NodeCache(config.cache_config(), num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
+    whole_cache = NodeCache(config.cache, num_blocks=NUM_BLOCKS, num_rings=NUM_RINGS)
     whole = Engine(config, whole_cache.pool)
     skip = whole_cache.allocate("skip", 1, ring=False)  # so the block ids differ between the two runs
     for out, prompt, progress in zip(outs, batch, caches):
         served = progress.allocation
-        assert out.prompt_len == len(prompt) and served.num_blocks == config.cache_config().blocks_for_tokens(len(prompt))
+        assert out.prompt_len == len(prompt) and served.num_blocks == config.cache.blocks_for_tokens(len(prompt))
         with whole_cache.allocate("whole", served.num_blocks) as mine:
             first, = whole.prefill([PrefillJob(prompt=prompt, block_ids=mine.block_ids, ring_id=mine.ring_id)])
             assert out.first_token == first
@@ -85,7 +85,7 @@ def test_steps_keep_the_budget_and_give_the_bytes_of_whole_prefills(family):
 
 
 def test_progress_is_reported_after_each_chunk():
-    config = ModelConfig(num_layers=1)
+    config = ModelConfig.build(num_layers=1)
     node = Node(config, budget=40)
     (prompt,) = prompts(config, [100])
 
@@ -109,7 +109,7 @@ def test_progress_is_reported_after_each_chunk():
 
 
 def test_a_caller_leaving_between_chunks_frees_everything_and_stops_its_chunks():
-    config = ModelConfig(num_layers=1)
+    config = ModelConfig.build(num_layers=1)
     node = Node(config, budget=16)
     (prompt,) = prompts(config, [200])
 

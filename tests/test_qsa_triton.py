@@ -2,8 +2,7 @@
 Triton's CPU interpreter here, compiled on CUDA through tests/gpu/test_qsa_gpu.py (tests/kernel_backends.py).
 
 Comparison rules:
-- ring writes, the metadata builder, and every ring byte of a forward update: identical (integer
-  and byte moves only);
+- ring writes and every ring byte of a forward update: identical (integer and byte moves only);
 - compressed rows (compress, forward update): the kernels do the reference's fp32 operations in its
   order (sequential slot sum, ``div_rn``, the pairwise square sum, correctly rounded sqrt and
   division, no fused multiply-add) and round to bf16 / encode e4m3 on the bits, so the
@@ -15,10 +14,8 @@ Comparison rules:
   identical rows the rule for nearly all (>= 95% of the elements here);
 - the QSA invariant with every op on its Triton path (a prefill of the whole sequence against
   chunked prefill and drafted decode steps): identical (tests/test_qsa_update.py, every backend);
-- scoring: with integer-valued rows and queries every product and sum is exact, so rows and token
-  indices are identical; with random values, scores within 1e-5 relative of the reference's
-  (fp32 accumulation order) and the same rows except near-ties.
-Every output buffer is poisoned (random bytes) before a kernel runs.
+The metadata builder's bodies are tests/test_qsa_metadata_kernel.py's, the scoring's
+tests/test_qsa_score_kernel.py's. Every output buffer is poisoned (random bytes) before a kernel runs.
 """
 
 from __future__ import annotations
@@ -28,13 +25,10 @@ import math
 import pytest
 import torch
 
-from kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, write_qsa_ring
+from kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, write_qsa_ring
 from kernels.qsa_compress import ref as compress_ref
-from kernels.qsa_metadata import ref as metadata_ref
 from kernels.qsa_rope import RopeCache
 from kernels.qsa_ring import ref as ring_ref
-from kernels.qsa_score import ref as score_ref
-from kernels.qsa_score.triton import qsa_scores_triton
 from kernels.qsa_update import ref as update_ref
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend, poison
@@ -252,93 +246,6 @@ def test_ring_write_single_token_and_checks(force_triton):  # value checks: CPU 
         write_qsa_ring(ring, keys.expand(2, 1, 128), torch.zeros(2, 3, dtype=torch.int64), torch.tensor([1, 1]))
 
 
-# --- metadata -----------------------------------------------------------------------------------------------
-
-METADATA_CASES = {
-    # (q_lens, seq_lens, r, C, block_size)
-    "prefill-longer-than-ring-and-decode": ([10, 4], [10, 7], 4, 8, 8),
-    "single-token": ([1], [1], 4, 8, 8),
-    "empty-request-between": ([3, 0, 5], [9, 4, 5], 2, 4, 8),
-    "drafts-cross-groups": ([4, 4, 4, 4], [13, 16, 4, 30], 4, 8, 16),
-    "r1": ([5, 1], [5, 9], 1, 4, 4),
-    "r3-odd": ([7, 2, 1], [20, 6, 3], 3, 6, 12),
-}
-
-
-def _metadata_args(q_lens, seq_lens, block_size, seed):
-    gen = torch.Generator().manual_seed(seed)
-    blocks = max(-(-s // block_size) for s in seq_lens)
-    table = torch.randperm(len(seq_lens) * blocks + 3, generator=gen)[:len(seq_lens) * blocks]
-    starts = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
-    rings = torch.randperm(len(seq_lens) + 2, generator=gen)[:len(seq_lens)]
-    return (starts, torch.tensor(seq_lens, dtype=torch.int32), table.view(len(seq_lens), blocks).to(torch.int32),
-            rings.to(torch.int32))
-
-
-FIELDS = ("token_to_req", "logical_positions", "visible_blocks", "ring_slot_mapping", "compressed_slot_mapping",
-          "k_work", "num_work")
-
-
-def random_metadata_inputs(requests: int, seed: int, *, block_size: int, max_len: int, max_q: int):
-    """A random batch: prefill chunks, decode steps (every 5th request) and idle requests (every 11th from 3)."""
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(1, max_len, (requests,), generator=gen)
-    q_lens = torch.minimum(torch.randint(0, max_q, (requests,), generator=gen), seq)
-    q_lens[::5] = 1  # decode steps
-    q_lens[3::11] = 0  # idle requests
-    cols = -(-max_len // block_size)
-    table = torch.randperm(requests * cols, generator=gen).view(requests, cols).to(torch.int32)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32)
-    rings = torch.randperm(requests, generator=gen).to(torch.int32)
-    return (starts, seq.to(torch.int32), table, rings), int(q_lens.sum())
-
-
-RANDOM_METADATA = {"random-r4-C8": (4, 8), "random-r1-C4": (1, 4), "random-r3-C6": (3, 6), "random-r8-C16": (8, 16)}
-
-
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("case", [*METADATA_CASES, *RANDOM_METADATA])
-def test_metadata(backend, case):
-    if case in METADATA_CASES:
-        q_lens, seq_lens, r, cap, block_size = METADATA_CASES[case]
-        args, tokens = _metadata_args(q_lens, seq_lens, block_size, seed=len(case)), sum(q_lens)
-    else:
-        (r, cap), block_size = RANDOM_METADATA[case], 48 if case == "random-r3-C6" else 64
-        args, tokens = random_metadata_inputs(backend.pick(12, 300), r, block_size=block_size,
-                                              max_len=backend.pick(256, 4096), max_q=backend.pick(16, 64))
-    params = {"compress_ratio": r, "ring_capacity": cap, "block_size": block_size}
-    got = build_qsa_metadata(*(t.to(backend.device) for t in args), **params, num_tokens=tokens)
-    want = metadata_ref.build_qsa_metadata(*args, **params)
-    for name in FIELDS:
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.device == backend.device and a.dtype == b.dtype and torch.equal(a.cpu(), b), name
-
-
-def test_metadata_pads_tokens_past_the_last_request(force_triton):
-    # A caller padding the batch to a captured size on CUDA; on CPU tensors num_tokens must match.
-    args = _metadata_args([3, 2], [3, 6], 4, seed=1)
-    params = {"compress_ratio": 2, "ring_capacity": 4, "block_size": 4}
-    with pytest.raises(ValueError, match="num_tokens 8 != query_start_loc"):
-        build_qsa_metadata(*args, **params, num_tokens=8)
-    from kernels.qsa_metadata.triton import build_qsa_metadata_triton
-
-    padded = build_qsa_metadata_triton(*args, **params, num_tokens=8)
-    exact = metadata_ref.build_qsa_metadata(*args, **params)
-    assert padded.token_to_req.tolist() == exact.token_to_req.tolist() + [-1] * 3
-    assert padded.logical_positions.tolist() == exact.logical_positions.tolist() + [-1] * 3
-    assert padded.ring_slot_mapping.tolist()[5:] == [-1] * 3 and padded.visible_blocks.tolist()[5:] == [0] * 3
-    assert padded.k_work.shape[0] == metadata_ref.max_work_items(8, 2, 2)
-    assert padded.num_work.tolist() == exact.num_work.tolist() == [2]
-    assert padded.k_work.tolist() == exact.k_work.tolist()[:2] + [[-1, -1]] * (padded.k_work.shape[0] - 2)
-
-
-def test_metadata_checks_values_on_cpu(force_triton):
-    args = list(_metadata_args([2, 2], [2, 4], 4, seed=2))
-    args[2][1, 0] = -1  # request 1's group 1 would be written to block -1
-    with pytest.raises(ValueError, match=r"request 1: block_table column 0 holds block -1"):
-        build_qsa_metadata(*args, compress_ratio=2, ring_capacity=4, block_size=4)
-
-
 # --- forward update -------------------------------------------------------------------------------------------
 
 
@@ -430,69 +337,3 @@ def test_forward_update_checks_values_on_cpu(force_triton):
         qsa_forward_update(torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.int64), meta,
                            pool.qsa_ring(0), pool.qsa_keys(0), torch.zeros(128), compress_ratio=2,
                            block_size=pool.config.block_size, eps=1e-6, cache_rope_positions=True, **ROPE)
-
-
-# --- scoring + top-k ------------------------------------------------------------------------------------------
-
-
-def score_inputs(dtype: CacheDtype, integer: bool, seed: int, backend: Backend):
-    """A BLHNC cache and queries: in the interpreter 5 queries over 7 small blocks (a request with no visible
-    row, one with no tokens); compiled, 48 queries of 16 heads over 400 blocks of 64 tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    r, block_size, kv_heads, head_size, blocks, queries, q_heads = backend.pick((4, 16, 2, 64, 7, 5, 4),
-                                                                               (4, 64, 2, 128, 400, 48, 16))
-    cache = torch.empty(blocks, kv_heads, block_size // r, head_size, dtype=dtype.torch_dtype).permute(0, 2, 1, 3)
-    values = torch.randint(-3, 4, cache.shape, generator=gen) if integer else torch.randn(cache.shape, generator=gen)
-    cache.copy_(values.to(cache.dtype))
-    q = (torch.randint(-3, 4, (queries, q_heads, head_size), generator=gen) if integer
-         else torch.randn(queries, q_heads, head_size, generator=gen)).to(torch.bfloat16)
-    if backend.is_cuda:
-        table = torch.randperm(blocks, generator=gen)[:queries * 8].view(queries, 8).to(torch.int32)
-        seq_lens = torch.randint(0, 8 * block_size + 1, (queries,), generator=gen).to(torch.int32)
-    else:
-        table = torch.tensor([[0, 1, 2], [3, 4, -1], [5, -1, -1], [6, 2, 1], [1, -1, -1]], dtype=torch.int32)
-        seq_lens = torch.tensor([45, 30, 3, 48, 0], dtype=torch.int32)  # 11, 7, 0, 12 and 0 visible rows
-    return q, cache, table, seq_lens, {"compress_ratio": r, "block_size": block_size}
-
-
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("dtype", [CacheDtype.BFLOAT16, CacheDtype.FP8_E4M3], ids=lambda d: d.value)
-@pytest.mark.parametrize("topk", [1, 4, 20, 200], ids=lambda k: f"top{k}")
-def test_topk_exact_on_integer_values(backend, dtype, topk):
-    q, cache, table, seq_lens, params = score_inputs(dtype, True, 1, backend)
-    if topk == 20:  # one int dtype rule: tables and lengths may be int32 or int64
-        table, seq_lens = table.to(torch.int64), seq_lens.to(torch.int64)
-    rows, tokens = qsa_topk(*(t.to(backend.device) for t in (q, cache, table, seq_lens)), **params, topk=topk)
-    want_rows, want_tokens = score_ref.qsa_topk(q, cache, table, seq_lens, **params, topk=topk)
-    assert torch.equal(rows.cpu(), want_rows) and torch.equal(tokens.cpu(), want_tokens)
-
-
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS, indirect=True)
-@pytest.mark.parametrize("dtype", [CacheDtype.BFLOAT16, CacheDtype.FP8_E4M3], ids=lambda d: d.value)
-def test_scores_within_accumulation_error(backend, dtype):
-    q, cache, table, seq_lens, params = score_inputs(dtype, False, 2, backend)
-    r, block_size = params["compress_ratio"], params["block_size"]
-    on_device = tuple(t.to(backend.device) for t in (q, cache, table, seq_lens))
-    scores = qsa_scores_triton(*on_device, **params).cpu()
-    rows, _ = qsa_topk(*on_device, **params, topk=12)
-    rows = rows.cpu()
-    want_rows, _ = score_ref.qsa_topk(q, cache, table, seq_lens, **params, topk=12)
-    assert torch.equal(rows < 0, want_rows < 0)
-    group = q.shape[1] // cache.shape[2]
-    for b, visible in enumerate((seq_lens // r).tolist()):
-        assert bool(torch.isinf(scores[b, visible:]).all())
-        j = torch.arange(visible)
-        k = cache[table[b, j * r // block_size].long(), j % (block_size // r)].float().repeat_interleave(group, dim=1)
-        want = torch.relu((q[b].float()[None] * k).sum(-1)).sum(-1) / math.sqrt(q.shape[2])  # [J]
-        assert bool(((scores[b, :visible] - want).abs() <= 1e-5 * want.abs().clamp_min(1.0)).all())
-        for i in torch.nonzero(rows[b] != want_rows[b]).flatten().tolist():  # only a near-tie may swap
-            a, c = float(scores[b, rows[b, i]]), float(scores[b, want_rows[b, i]])
-            assert abs(a - c) <= 2e-5 * max(1.0, abs(c))
-
-
-def test_topk_checks_values_on_cpu(force_triton):
-    q, cache, table, seq_lens, params = score_inputs(CacheDtype.BFLOAT16, True, 3,
-                                                     Backend("interpreter", torch.device("cpu")))
-    table[0, 1] = 9
-    with pytest.raises(ValueError, match="block 9, outside the cache's blocks"):
-        qsa_topk(q, cache, table, seq_lens, **params, topk=2)

@@ -18,9 +18,9 @@ from runtime import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_
                      parse_bool, parse_port, positive_float, positive_int)
 
 CONFIGS = [
-    pytest.param(ModelConfig(), id="defaults"),
-    pytest.param(ModelConfig(family=CacheFamily.QSA, compress_ratio=8, num_spec=3, num_layers=3, seed=7), id="qsa"),
-    pytest.param(ModelConfig(kpool=8, num_spec=1, block_size=256, seed=2), id="kpool8-block256"),
+    pytest.param(ModelConfig.build(), id="defaults"),
+    pytest.param(ModelConfig.build(family=CacheFamily.QSA, compress_ratio=8, num_spec=3, num_layers=3, seed=7), id="qsa"),
+    pytest.param(ModelConfig.build(kpool=8, num_spec=1, block_size=256, seed=2), id="kpool8-block256"),
 ]
 
 
@@ -40,14 +40,14 @@ def test_both_daemons_and_up_declare_the_model_options_from_one_table():
     up = build_parser().parse_args(["up"])
     daemon = {o.key: o.default for o in MODEL_OPTIONS}
     assert {k: getattr(up, k) for k in daemon} == {**daemon, "num_spec": 3}  # up's own default: 3 drafts
-    assert model_config(vars(up)) == ModelConfig(num_spec=3)
+    assert model_config(vars(up)) == ModelConfig.build(num_spec=3)
     assert model_flags(vars(up))[model_flags(vars(up)).index("--num-spec") + 1] == "3"
 
 
 def test_up_flags_parse_like_the_daemons():
     args = build_parser().parse_args(["up", "--family", "qsa", "--ratio", "2", "--num-spec", "0", "--layers", "1",
                                       "--block-size", "64", "--seed", "5"])
-    assert model_config(vars(args)) == ModelConfig(family=CacheFamily.QSA, compress_ratio=2, num_spec=0,
+    assert model_config(vars(args)) == ModelConfig.build(family=CacheFamily.QSA, compress_ratio=2, num_spec=0,
                                                    num_layers=1, block_size=64, seed=5)
     for bad in (["--family", "dense"], ["--layers", "two"]):
         with pytest.raises(SystemExit):
@@ -55,7 +55,7 @@ def test_up_flags_parse_like_the_daemons():
 
 
 def test_model_flags_need_every_model_option():
-    values = model_settings(ModelConfig())
+    values = model_settings(ModelConfig.build())
     del values["ratio"], values["seed"]
     with pytest.raises(KeyError, match=r"\['ratio', 'seed'\]"):
         model_flags(values)

@@ -210,10 +210,10 @@ def test_a_bad_setting_exits_2_naming_it_before_anything_is_built(argv, needle, 
 
 
 @pytest.mark.parametrize("argv,needle", [
-    pytest.param(["--layers", "0"], "model: num_layers must be a positive integer, got 0", id="layers"),
+    pytest.param(["--layers", "0"], "layers from flag --layers: expected an integer > 0, got '0'", id="layers"),
     pytest.param(["--kpool", "3", "--block-size", "100"], "model: block_size 100 is not a multiple of kpool 3",
                  id="block-size"),
-    pytest.param(["--num-spec", "-1"], "model: num_spec must be an integer >= 0, got -1", id="num-spec"),
+    pytest.param(["--num-spec", "-1"], "num-spec from flag --num-spec: expected an integer >= 0, got '-1'", id="num-spec"),
 ])
 def test_a_model_the_options_do_not_make_exits_2_before_anything_is_built(argv, needle, capsys):
     nodes: list[FakeNode] = []

@@ -2,7 +2,9 @@
 over UCX when it is installed, one over the gRPC stream), a quarter of them cancelled by their
 client, aimed at every state of a request: waiting in the queue, prefilling, pulling, releasing
 the grant, decoding. The prefill daemon (``tests.soak_prefill``) holds the requests aimed at
-its steps there until the cancel has come.
+its steps there until the cancel has come; the decode daemons (``tests.soak_decode``) hold the one
+aimed at decoding in their running batch until its cancel has come (a small request could finish
+before a cancel reached a loaded node, and the cancel would count nothing).
 
 At the end nothing is held anywhere: every block and ring is free again on all three daemons,
 no reservation is left, and no lease expired (a lease of 30 s cannot run out here: only Releases
@@ -32,7 +34,7 @@ import pytest
 from connector import open_channel, ucx_available
 from decode_worker import api
 from kpool_pd.client import RequestFailed, generate_one
-from kpool_pd.launcher import Daemon, start_decode
+from runtime.launch import Daemon, start_decode
 from model import ModelConfig
 from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
 from runtime import model_flags, model_settings
@@ -40,12 +42,12 @@ from tests.polling import wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CONFIG = ModelConfig(num_spec=3, num_layers=2, seed=17)
+CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=17)
 TRANSPORTS = ["ucx", "grpc"] if ucx_available() else ["grpc"]
 REQUESTS, ROUND = 300, 20
 HELD = ("prefilling", "pulling", "releasing")  # held on the prefill node until cancelled
 STATES = ("waiting", *HELD, "decoding")
-HOLD_S = 2.0  # the prefill node's hold (tests.soak_prefill)
+HOLD_S = 2.0  # the prefill node's hold (tests.soak_prefill), the decode nodes' per step (tests.soak_decode)
 CANCEL_HELD_S = 0.5  # a held request is cancelled this long after it was sent
 SEEN_S = 10.0  # how long a round waits for the decode node to count its held and queued requests
 MAX_RUNNING = len(HELD)
@@ -122,7 +124,7 @@ async def run_round(stub: api.GenerateServiceStub, planned: list[Planned], daemo
     await until_counted(daemon, "kpoolpd_decode_reserved_blocks", 0, 0)  # the last round's cancels are freed
     tasks = [start(p) for p in planned if p.aim in HELD]
     try:
-        held_blocks = sum(CONFIG.blocks_for(len(p.request.prompt), p.request.max_tokens)
+        held_blocks = sum(CONFIG.cache.blocks_for_request(len(p.request.prompt), p.request.max_tokens)
                           for p in planned if p.aim in HELD)
         await until_counted(daemon, "kpoolpd_decode_reserved_blocks", held_blocks)  # they hold every slot now
         tasks += [start(p) for p in planned if p.aim == "waiting"]
@@ -166,7 +168,7 @@ def test_cancels_aimed_at_every_state_leave_nothing_held_and_the_rest_match_colo
     try:
         prefill.wait_ready(READY_S)
         decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name=f"decode-{t}", transport=t,
-                                extra=["--max-running", str(MAX_RUNNING), "--max-prompt-tokens", "64",
+                                module="tests.soak_decode", env=env, extra=["--max-running", str(MAX_RUNNING), "--max-prompt-tokens", "64",
                                        "--max-new-tokens", "64", "--log-format", "text"]) for t in TRANSPORTS]
         per_decode = REQUESTS // ROUND // len(TRANSPORTS)
         rounds = {t: plan(t, per_decode + (i < REQUESTS // ROUND % len(TRANSPORTS)), seed=i + 1)

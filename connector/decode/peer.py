@@ -14,7 +14,6 @@ import grpc
 from connector import prefill_api as pb
 from connector.shared.auth import auth_metadata
 from connector.shared.compat import arrangement
-from connector.shared.dcp_plan import dcp_landed_blocks
 from connector.shared.errors import StatusError, rpc_failure
 from connector.decode.grant import PrefillGrant, TransferTimes
 from connector.decode.landed import LandedRequest
@@ -234,7 +233,8 @@ class PrefillPeer:
         ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
         it pulls its own share of the prompt (``connector.shared.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
-        landed = self._landed_blocks(grant, dcp)
+        landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
+                  else self.context.pool.config.blocks_for_tokens(grant.prompt_len))  # the prompt's (a rank's share)
         ringless = isinstance(into, CacheAllocation) and into.ring_id is None and self.context.pool.layout.ring_slots > 0
         if not isinstance(into, CacheAllocation) or into.released or ringless \
                 or into.pool is not self.context.pool or into.num_blocks < landed:
@@ -245,12 +245,6 @@ class PrefillPeer:
                 return await self._pull_and_release(grant, into, transport, integrity, release, dcp)
             finally:
                 self._open_grants.pop(grant.grant_id, None)
-
-    def _landed_blocks(self, grant: PrefillGrant, dcp: DcpShard | None) -> int:
-        """Our blocks that the prompt (a DCP rank: its share) lands in, in our own block size."""
-        if dcp is not None:
-            return dcp_landed_blocks(self.layout, dcp, grant.prompt_len)
-        return self.context.pool.layout.config.blocks_for_tokens(grant.prompt_len)
 
     def _transport_for(self, asked: Transport | None) -> Transport:
         """The transport asked for, else UCX when both sides have it; FAILED_PRECONDITION if unavailable."""
@@ -311,7 +305,9 @@ class PrefillPeer:
         the allocation; the finished pull (its plan and timeline)."""
         c = self.context
         ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
-        landing = Landing(c.pool, self.layout, allocation.block_ids[:self._landed_blocks(grant, dcp)],
+        landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
+                  else c.pool.config.blocks_for_tokens(grant.prompt_len))
+        landing = Landing(c.pool, self.layout, allocation.block_ids[:landed],
                           source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len)
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, dst_block_ids=landing.ids,

@@ -23,7 +23,7 @@ from connector.prefill.outbound import OutboundPull, PullAborted
 from connector.prefill.ucx_link import UcxLink
 from connector.shared import regions
 from connector.shared.config import ConnectorConfig
-from connector.shared.dcp_plan import dcp_landed_blocks, plan_dcp_transfer
+from connector.shared.dcp_plan import plan_dcp_transfer
 from connector.shared.errors import StatusError
 from connector.shared.metrics import ConnectorMetrics
 from connector.shared.plan import TransferPlan, plan_transfer, ready_at
@@ -40,7 +40,7 @@ def plan_pull(layout: BlockLayout, grant: Grant, request: pb.PullRequest) -> tup
     INVALID_ARGUMENT for a wrong number of blocks, ids out of range, or too many regions."""
     shard = DcpShard(size=len(grant.dcp_engine_ids), rank=request.dcp_rank, interleave=grant.dcp_interleave) \
         if grant.dcp_engine_ids else None
-    want = dcp_landed_blocks(layout, shard, grant.prompt_len) if shard else len(grant.block_ids)
+    want = shard.blocks_for_tokens(layout.config, grant.prompt_len) if shard else len(grant.block_ids)
     if len(request.dst_block_ids) != want:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"

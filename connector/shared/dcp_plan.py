@@ -21,46 +21,35 @@ from collections.abc import Sequence
 
 from connector.shared.plan import (PoolKind, Region, RegionPair, RingRange, TransferPlan, check_ids, plan_transfer,
                                    ring_live_range)
-from kvcache import FP8_ENTRY_BYTES, INDEX_HEAD_DIM, BlockLayout, BlockOrder, DcpConfig, DcpShard
+from kvcache import BlockLayout, DcpConfig, DcpShard, FieldGeometry, FieldKind
 
 
 def _layer_pairs(layout: BlockLayout, src: int, dst: int, t: int, u: int, count: int, pools: tuple[int, int, int]):
     """Per layer: ``count`` tokens at token ``t`` of source block ``src`` to token ``u`` of destination
-    block ``dst``, and ``pools`` = (first source state, first destination state, how many) entries."""
-    config, bb = layout.config, layout.block_bytes
-    mla = config.mla
-    token_bytes = mla.num_heads * mla.entry_bytes
+    block ``dst``, and ``pools`` = (first source state, first destination state, how many) entries: every
+    field's rows (``BlockLayout.fields``), in source byte order within the layer."""
+    bb = layout.block_bytes
     s_state, d_state, entries = pools
-    for pages in layout.layers:
-        base_s, base_d = src * bb + pages.mla_offset, dst * bb + pages.mla_offset
-        if mla.order is BlockOrder.BLNHC:
-            spans = [(base_s + t * token_bytes, base_d + u * token_bytes, count * token_bytes)]
-        else:  # head-major: one span per head
-            head = mla.block_size * mla.entry_bytes
-            spans = [(base_s + h * head + t * mla.entry_bytes, base_d + h * head + u * mla.entry_bytes,
-                      count * mla.entry_bytes) for h in range(mla.num_heads)]
-        if entries:
-            spans += _entry_spans(src * bb + pages.indexer_offset, dst * bb + pages.indexer_offset, s_state, d_state,
-                                  entries, config.family_spec.states_per_page)
-        for s, d, n in spans:
-            yield RegionPair(Region(PoolKind.BLOCKS, s, n), Region(PoolKind.BLOCKS, d, n))
+    for layer in range(len(layout.layers)):
+        spans = []
+        for field in layout.fields:
+            rows = (t, u, count) if field.kind is FieldKind.MLA else (s_state, d_state, entries)
+            spans += _field_spans(field.heads_folded(), layer, *rows)
+        for s, d, n in sorted(spans):
+            yield RegionPair(Region(PoolKind.BLOCKS, src * bb + s, n), Region(PoolKind.BLOCKS, dst * bb + d, n))
 
 
-def _entry_spans(base_s: int, base_d: int, s_state: int, d_state: int, entries: int, per_page: int):
-    """(source offset, destination offset, bytes) spans of ``entries`` consecutive indexer entries from
-    state ``s_state`` of a source block's pages to state ``d_state`` of a destination block's: in each
-    kernel page of ``per_page`` states, the entries' fp8 bytes, then their fp32 scales; split where a
-    run crosses a page boundary on either side."""
-    spans, done = [], 0
-    scale_bytes = FP8_ENTRY_BYTES - INDEX_HEAD_DIM
-    while done < entries:
-        s, d = s_state + done, d_state + done
-        n = min(entries - done, per_page - s % per_page, per_page - d % per_page)
-        page_s = base_s + s // per_page * per_page * FP8_ENTRY_BYTES
-        page_d = base_d + d // per_page * per_page * FP8_ENTRY_BYTES
-        spans.append((page_s + s % per_page * INDEX_HEAD_DIM, page_d + d % per_page * INDEX_HEAD_DIM, n * INDEX_HEAD_DIM))
-        scales_s, scales_d = page_s + per_page * INDEX_HEAD_DIM, page_d + per_page * INDEX_HEAD_DIM
-        spans.append((scales_s + s % per_page * scale_bytes, scales_d + d % per_page * scale_bytes, n * scale_bytes))
+def _field_spans(field: FieldGeometry, layer: int, s_row: int, d_row: int, rows: int) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, bytes) spans inside a block of ``rows`` consecutive rows of
+    ``field`` from row ``s_row`` to row ``d_row``, a span a head: split where a run crosses a page boundary
+    on either side (a kpool kernel page: its entries, then their scales), a row each where a page's rows
+    are not back to back."""
+    spans, done, per_page = [], 0, field.rows_per_page
+    while done < rows:
+        s, d = s_row + done, d_row + done
+        n = min(rows - done, per_page - s % per_page, per_page - d % per_page) if field.rows_contiguous else 1
+        spans += [(field.offset(layer=layer, row=s, head=h), field.offset(layer=layer, row=d, head=h),
+                   n * field.piece_bytes) for h in range(field.heads)]
         done += n
     return spans
 
@@ -80,17 +69,13 @@ def _merged(pairs: list[RegionPair]) -> list[RegionPair]:
     return out
 
 
-def dcp_landed_blocks(layout: BlockLayout, shard: DcpShard, prompt_len: int) -> int:
-    """Blocks rank ``shard`` lands a ``prompt_len``-token prompt into (the first of its reservation)."""
-    return shard.blocks_for_tokens(prompt_len, layout.config.block_size)
-
-
 def plan_dcp_transfer(layout: BlockLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], src_ring: int,
                       dst_ring: int, live: RingRange, shard: DcpShard, prompt_len: int, *,
                       src_num_blocks: int | None = None, dst_num_blocks: int | None = None,
                       src_num_rings: int | None = None, dst_num_rings: int | None = None) -> TransferPlan:
     """Rank ``shard``'s share of a ``prompt_len``-token prompt held in ``src_blocks`` (the request's
-    blocks in order) into ``dst_blocks`` (the rank's, ``dcp_landed_blocks`` of them), then the ring.
+    blocks in order) into ``dst_blocks`` (the rank's, ``shard.blocks_for_tokens(layout.config, prompt_len)`` of
+    them), then the ring.
     ValueError naming the numbers for block lists of the wrong length or ids out of range."""
     config = layout.config
     block, kpool = config.block_size, config.tokens_per_entry
@@ -99,7 +84,7 @@ def plan_dcp_transfer(layout: BlockLayout, src_blocks: Sequence[int], dst_blocks
     if len(src_blocks) != config.blocks_for_tokens(prompt_len):
         raise ValueError(f"a {prompt_len}-token prompt lies in {config.blocks_for_tokens(prompt_len)} blocks, "
                          f"got {len(src_blocks)} source blocks")
-    need = dcp_landed_blocks(layout, shard, prompt_len)
+    need = shard.blocks_for_tokens(config, prompt_len)
     if len(dst_blocks) != need:
         raise ValueError(f"rank {shard.rank} of {shard.size} lands a {prompt_len}-token prompt in {need} blocks, "
                          f"got {len(dst_blocks)}")
@@ -139,5 +124,5 @@ def dcp_transfer_bytes(layout: BlockLayout, prompt_len: int, dcp: DcpConfig) -> 
     live = ring_live_range(config, prompt_len)
     if dcp.size == 1:
         return [plan_transfer(layout, src, src, 0, 0, live).total_bytes]
-    return [plan_dcp_transfer(layout, src, list(range(dcp_landed_blocks(layout, shard, prompt_len))), 0, 0, live, shard,
+    return [plan_dcp_transfer(layout, src, list(range(shard.blocks_for_tokens(config, prompt_len))), 0, 0, live, shard,
                               prompt_len).total_bytes for shard in dcp.shards()]

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 from kernels.dispatch import interpreting
 from kernels.qsa_rope.cache import RopeCache
-from kernels.qsa_rope.ref import rope_inv_freq
+from kernels.qsa_rope.cache import rope_inv_freq
 from kernels.triton_helpers import (bf16_bits_to_f32, f32_to_bf16_bits, f32_to_e4m3_bits, launch_options,
                                     round_to_bf16)
 

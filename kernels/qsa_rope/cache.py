@@ -1,7 +1,7 @@
 """A cos/sin table of the rotary pairs indexed by position, made once by torch and read by the QSA ops.
 
 The rotary's cos/sin at position ``p`` for pair ``j`` are torch's fp32 ``cos`` / ``sin`` of the fp32
-angle ``fp32(p) * inv_freq[j]`` (``kernels.qsa_rope.ref``). ``RopeCache.build`` evaluates exactly those
+angle ``fp32(p) * inv_freq[j]`` (``rope_inv_freq`` below, the reference's frequencies: ``kernels.qsa_rope.ref``). ``RopeCache.build`` evaluates exactly those
 for every position below ``num_positions`` with the same torch ops, so a row of the table holds the
 values that the reference computes for that position on the same device; an MRoPE position
 ``(t, h, w)`` takes, for each pair, the row of that pair's axis. This is the layout of vLLM's rotary
@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.qsa_rope.ref import rope_inv_freq
+
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    # returns: [rotary_dim // 2] fp32, theta ** (-2j / rotary_dim) computed in float64, rounded once
+    j = torch.arange(rotary_dim // 2, dtype=torch.float64, device=device)
+    return (float(theta) ** (-2.0 * j / rotary_dim)).to(torch.float32)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -11,24 +11,22 @@ interleaving: pair ``j`` rotates with
 so with the default ``section = (12, 10, 10)`` and 32 pairs, height and width take 10 pairs
 each (j < 30) and time the remaining 12. A section must sum to ``rotary_dim / 2`` and give
 each axis exactly its size under this rule (ValueError otherwise). Pair ``j`` has the frequency
-``inv_freq[j] = theta ** (-2j / rotary_dim)``, evaluated in float64 and rounded once to fp32;
-the angle ``fp32(position) * inv_freq[j]`` is one fp32 product, and cos/sin are the fp32
-``torch.cos`` / ``torch.sin`` of that angle. (Positions beyond 2**24 lose precision when
-converted to fp32; that is the rotary's definition, not an error.) Given a ``RopeCache``
-(``kernels.qsa_rope.cache``: the same values computed once by torch for the positions below its size),
-the positions it holds take its values, the others are computed.
+``inv_freq[j] = theta ** (-2j / rotary_dim)``, evaluated in float64 and rounded once to fp32
+(``rope_inv_freq``, kept beside the table that ``kernels.qsa_rope.cache`` builds from it); the
+angle ``fp32(position) * inv_freq[j]`` is one fp32 product, and cos/sin are the fp32 ``torch.cos``
+/ ``torch.sin`` of that angle. (Positions beyond 2**24 lose precision when converted to fp32; that
+is the rotary's definition, not an error.) Given a ``RopeCache`` (the same values computed once by
+torch for the positions below its size), the positions it holds take its values, the others are
+computed.
 
 The rotary is NeoX style (rotate-half) on the first ``rotary_dim`` dims; the rest pass through.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from kernels.qsa_rope.cache import RopeCache
+from kernels.qsa_rope.cache import RopeCache, check_rope_cache, rope_inv_freq
 
 MROPE_AXES = 3  # time, height, width
 
@@ -63,12 +61,6 @@ def mrope_axis_of_pair(rotary_dim: int = 64, section: tuple[int, int, int] = (12
     return axes
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    # returns: [rotary_dim // 2] fp32, theta ** (-2j / rotary_dim) computed in float64, rounded once
-    j = torch.arange(rotary_dim // 2, dtype=torch.float64, device=device)
-    return (float(theta) ** (-2.0 * j / rotary_dim)).to(torch.float32)
-
-
 def text_positions(pos: torch.Tensor) -> torch.Tensor:
     # pos: [N] int64 -> [N, 3] int64 with time = height = width = pos
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.dim() != 1:
@@ -95,10 +87,6 @@ def mrope_cos_sin(
     cos, sin = torch.cos(angle), torch.sin(angle)
     if cache is None:
         return cos, sin
-    from kernels.qsa_rope.cache import (
-        check_rope_cache,  # (that module builds its table with this one's math)
-    )
-
     check_rope_cache(cache, rotary_dim=rotary_dim, theta=theta, device=positions.device)
     # A position the table holds takes the table's row (torch's values, computed once on its device).
     half = rotary_dim // 2

@@ -2,7 +2,7 @@
 
 Each launch covers every layer and head of its field: grid ``(row tiles, layers, heads)``. Global row ``G``
 maps to its block through the id tables (loaded on the device: no host sync) and to its offset through
-``geometry.FieldGeometry`` on each side (int64 offsets). Two kernels:
+``kvcache.FieldGeometry`` on each side (int64 offsets). Two kernels:
 
 - **runs**, where a row's pieces lie back to back on both sides (one head, BLNHC heads folded into one
   piece, or BLHNC on both sides): a tile of ``BLOCK_R`` rows that stays inside one page on both sides
@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.token_repack.geometry import FieldGeometry, block_fields
-from kvcache import BlockLayout, CacheConfig
+from kvcache import BlockLayout, CacheConfig, FieldGeometry
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 RUN_WORDS_CUDA = 4096  # most words of one run tile (32 KiB at 8-byte words; 4096-8192 measured alike on an H200)
@@ -171,7 +170,7 @@ def launch_plan(src_config: CacheConfig, dst_config: CacheConfig, src_stride: in
     strides in bytes, and buffer address alignments (address mod 16), not at every call)."""
     src_layout, dst_layout = BlockLayout(src_config), BlockLayout(dst_config)
     return tuple(_field_launch(s, d, src_stride, dst_stride, src_align, dst_align, len(src_layout.layers), interpreter)
-                 for s, d in zip(block_fields(src_layout), block_fields(dst_layout), strict=True))
+                 for s, d in zip(src_layout.fields, dst_layout.fields, strict=True))
 
 
 def repack_tokens_triton(src_blocks: torch.Tensor, src_layout: BlockLayout, src_ids: torch.Tensor,

@@ -5,7 +5,6 @@ over UCX (cuda_ipc) and over the gRPC stream, and land byte for byte."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import random
 import sys
@@ -14,14 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.launch import ChildKind, child_context, start_child
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                        reason="needs two CUDA devices (nvidia-h200-x2)"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (spawned children inherit it)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (the children inherit it)
 
+FRESH = ChildKind.SPAWN  # GPU children start CUDA and UCX in a fresh interpreter, as a deployment does
 LENGTHS = [1, 4, 5, 64, 65, 257, 1000, 4096]
 
 
@@ -97,15 +99,12 @@ def _decode_proc(conn, address: str, transport: str) -> None:
 def test_blocks_move_gpu_to_gpu_byte_for_byte(transport):
     if transport == "ucx":
         pytest.importorskip("ucxx", reason="the UCX transport needs ucxx (carry the cu13 wheels)")
-    ctx = mp.get_context("spawn")
-    p_conn, p_child = ctx.Pipe()
-    prefill = ctx.Process(target=_prefill_proc, args=(p_child,), daemon=True)
-    prefill.start()
+    p_conn, p_child = child_context(FRESH).Pipe()
+    prefill = start_child(_prefill_proc, p_child, kind=FRESH)
     assert p_conn.poll(120), "prefill node did not start"
     address = f"127.0.0.1:{p_conn.recv()}"
-    d_conn, d_child = ctx.Pipe()
-    decode = ctx.Process(target=_decode_proc, args=(d_child, address, transport), daemon=True)
-    decode.start()
+    d_conn, d_child = child_context(FRESH).Pipe()
+    decode = start_child(_decode_proc, d_child, address, transport, kind=FRESH)
     try:
         assert d_conn.poll(240), "decode node did not finish within 240 s"
         result = d_conn.recv()

@@ -16,7 +16,7 @@ import torch
 
 from connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from kpool_pd.launcher import start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
@@ -41,9 +41,9 @@ def _colocated_on_gpu(config: ModelConfig, requests):
 def test_gpu_daemons_equal_colocated(tmp_path, family, prefill_block):
     """``prefill-128-blocks``: the prefill daemon stores 128-token blocks, the decode daemon its default 256
     (the Triton token repack places the staged prompt on the decode GPU)."""
-    config = ModelConfig(family=family, num_layers=2, num_spec=3, seed=11)
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=3, seed=11)
     flags = model_flags(model_settings(config))
-    prefill_flags = model_flags(model_settings(dataclasses.replace(config, block_size=prefill_block)))
+    prefill_flags = model_flags(model_settings(dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=prefill_block))))
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     prefill = start_prefill(tmp_path, prefill_flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text"])
     decodes = []

@@ -31,8 +31,8 @@ def _requests(lengths: list[int], max_tokens: int) -> tuple[GenerateRequest, ...
 @pytest.mark.parametrize("kpool,num_spec,interleave", [(4, 3, None), (2, 0, 6), (8, 3, 8)],
                          ids=["kpool4-spec3-block", "kpool2-spec0-three-pools", "kpool8-spec3-one-pool"])
 def test_two_ranks_over_nccl_equal_the_colocated_run_on_the_gpu(kpool, num_spec, interleave):
-    config = ModelConfig(kpool=kpool, num_spec=num_spec, num_layers=2)
-    block = config.resolved_block_size
+    config = ModelConfig.build(kpool=kpool, num_spec=num_spec, num_layers=2)
+    block = config.cache.block_size
     edge = interleave or block
     lengths = sorted({1, kpool - 1, kpool, kpool + 1, block - 1, block, block + 1, edge + 1, 2 * edge - 1, 2 * edge,
                       2 * edge + 1, 700} - {0})

@@ -23,11 +23,12 @@ from kernels.qsa_rope import RopeCache
 from kernels.qsa_update import ref as update_ref
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import Backend, make_backend, poison
-from tests.test_qsa_triton import (ROPE, random_metadata_inputs, test_compress,  # noqa: F401
-                                   test_compress_garbage_keys, test_compress_reads_the_rope_cache,
-                                   test_compress_rounding_edges, test_forward_update,
-                                   test_metadata, test_ring_write, test_scores_within_accumulation_error,
-                                   test_topk_exact_on_integer_values)
+from tests.test_qsa_metadata_kernel import random_metadata_inputs, test_metadata  # noqa: F401
+from tests.test_qsa_score_kernel import test_scores_within_accumulation_error  # noqa: F401
+from tests.test_qsa_score_kernel import test_topk_exact_on_integer_values  # noqa: F401
+from tests.test_qsa_triton import (ROPE, test_compress, test_compress_garbage_keys,  # noqa: F401
+                                   test_compress_reads_the_rope_cache, test_compress_rounding_edges,
+                                   test_forward_update, test_ring_write)
 from tests.test_qsa_update import (Storage, make_history, norm_weight, run_both, state_mismatches,  # noqa: F401
                                    test_edge_histories)
 

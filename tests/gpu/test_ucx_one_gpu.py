@@ -7,7 +7,6 @@ about unused options. Run by ``tests/gpu/run_all.sh`` on an H200."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import random
 import sys
@@ -16,13 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.launch import ChildKind, child_context, start_child
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (spawned children inherit it)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (the children inherit it)
 
+FRESH = ChildKind.SPAWN  # GPU children start CUDA and UCX in a fresh interpreter, as a deployment does
 LENGTHS = [1, 5, 65, 1000, 4096]
 
 
@@ -90,16 +92,13 @@ def _decode_proc(conn, address: str) -> None:
 
 
 def test_gpu_memory_moves_over_ucx_on_one_gpu(capfd):
-    ctx = mp.get_context("spawn")
-    p_conn, p_child = ctx.Pipe()
-    prefill = ctx.Process(target=_prefill_proc, args=(p_child,), daemon=True)
-    prefill.start()
+    p_conn, p_child = child_context(FRESH).Pipe()
+    prefill = start_child(_prefill_proc, p_child, kind=FRESH)
     try:
         assert p_conn.poll(120), "prefill process did not start"
         port, prefill_transports, _ = p_conn.recv()
-        d_conn, d_child = ctx.Pipe()
-        decode = ctx.Process(target=_decode_proc, args=(d_child, f"127.0.0.1:{port}"), daemon=True)
-        decode.start()
+        d_conn, d_child = child_context(FRESH).Pipe()
+        decode = start_child(_decode_proc, d_child, f"127.0.0.1:{port}", kind=FRESH)
         assert d_conn.poll(300), "decode process did not report"
         result = d_conn.recv()
         decode.join(30)

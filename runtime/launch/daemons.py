@@ -117,10 +117,11 @@ def start_prefill(workdir: Path, model: Sequence[str], *, name: str = "prefill",
 
 def start_decode(workdir: Path, model: Sequence[str], prefill: Sequence[str], *, name: str = "decode",
                  host: str = "127.0.0.1", transport: str = "auto", extra: Sequence[str] = (),
-                 netns: str | None = None, env: dict[str, str] | None = None) -> Daemon:
+                 netns: str | None = None, env: dict[str, str] | None = None,
+                 module: str = "decode_worker") -> Daemon:
     """A decode daemon on ``host`` (any free ports) pulling from the ``prefill`` addresses over
     ``transport`` (also what it offers); ``model``, ``extra`` and ``env`` as for ``start_prefill``
-    (``KPOOLPD_TOKEN``, ``KPOOLPD_PEER_TOKEN``)."""
-    return Daemon("decode_worker", ["--host", host, "--port", "0", "--metrics-host", host, "--metrics-port", "0",
+    (``KPOOLPD_TOKEN``, ``KPOOLPD_PEER_TOKEN``); ``module`` the daemon's module (a test's variant)."""
+    return Daemon(module, ["--host", host, "--port", "0", "--metrics-host", host, "--metrics-port", "0",
                                     "--prefill", ",".join(prefill), "--transport", transport,
                                     "--transports", transport, *model, *extra], workdir, name, netns=netns, env=env)
