@@ -1,7 +1,10 @@
 """kpool-pd inside vLLM: a producer and a consumer engine (``KpoolPdConnector``) in two processes give the
 same greedy tokens as one engine alone, over UCX and over the gRPC stream, and the consumer computes none
-of the prompt (vLLM's ``num_cached_tokens``: every prompt token but the last, which vLLM always runs again
-to sample from, came from the producer)."""
+of the prompt: vLLM's own ``vllm:prompt_tokens_by_source`` counter on the consumer grows by every prompt
+token under ``external_kv_transfer`` and by none under ``local_compute``. (A request's
+``num_cached_tokens`` does not say this: for a ``do_remote_prefill`` request vLLM reports the producer's
+prefix-cache hits there.) The consumer runs the PD requests before it ever computes those prompts itself,
+so its blocks cannot already hold their KV: equal tokens mean the pulled bytes were right."""
 
 from __future__ import annotations
 
@@ -93,16 +96,17 @@ def test_pd_equals_single_engine(engines, transport):
     consumer = consumers[transport]
     rng = random.Random(len(transport))
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    total = sum(PROMPT_LENGTHS)
 
-    alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompt itself
     prefilled = producer.run(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
-    params = [p for _, _, p in prefilled]
+    params = [p for _, p in prefilled.outputs]
     assert all(p and p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, prompts))
     decoded = consumer.run(prompts, MAX_TOKENS, params)
+    alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompts itself
 
-    for prompt, (single, single_cached, _), (pd, pd_cached, _) in zip(prompts, alone, decoded):
+    assert alone.prompt_tokens["local_compute"] == total  # the counter counts what the engine computes
+    assert decoded.prompt_tokens["local_compute"] == 0, f"the consumer computed {decoded.prompt_tokens}"
+    assert decoded.prompt_tokens["external_kv_transfer"] == total
+    for prompt, (single, _), (pd, _) in zip(prompts, alone.outputs, decoded.outputs):
         assert len(single) == MAX_TOKENS
         assert pd == single, f"{len(prompt)}-token prompt: PD gave {pd}, one engine {single}"
-        assert single_cached == 0
-        assert pd_cached == len(prompt) - 1, f"{len(prompt)}-token prompt: the consumer computed " \
-                                             f"{len(prompt) - pd_cached} prompt tokens"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 TINY_LLAMA = {
@@ -15,6 +16,18 @@ TINY_LLAMA = {
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
+
+
+@dataclass(frozen=True)
+class Job:
+    outputs: list[tuple[list[int], dict | None]]
+    prompt_tokens: dict[str, int]
+
+
+def prompt_tokens_by_source(llm) -> dict[str, int]:
+    """vLLM's ``vllm:prompt_tokens_by_source`` counter now, by source (its one engine)."""
+    return {m.labels["source"]: int(m.value) for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_by_source"}
 
 
 def write_model(folder: Path) -> Path:
@@ -26,7 +39,10 @@ def write_model(folder: Path) -> Path:
 def serve(model: str, transfer: dict | None, jobs, results) -> None:
     """One engine: ``transfer`` is the kv_transfer_config (None: no connector). A job is
     ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
-    ``[(token_ids, num_cached_tokens, kv_transfer_params), ...]``, or ``("error", text)``."""
+    ``Job(outputs=[(token_ids, kv_transfer_params), ...], prompt_tokens={source: count})``, or
+    ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
+    during the job: prompt tokens the engine computed (``local_compute``), found in its prefix cache
+    (``local_cache_hit``) or had its KV connector load (``external_kv_transfer``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
@@ -45,7 +61,10 @@ def serve(model: str, transfer: dict | None, jobs, results) -> None:
             sampling = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                                        extra_args={"kv_transfer_params": p} if p is not None else None)
                         for p in (params or [None] * len(prompts))]
+            before = prompt_tokens_by_source(llm)
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-            results.put([(list(o.outputs[0].token_ids), o.num_cached_tokens, o.kv_transfer_params) for o in outputs])
+            after = prompt_tokens_by_source(llm)
+            results.put(Job(outputs=[(list(o.outputs[0].token_ids), o.kv_transfer_params) for o in outputs],
+                            prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
         except Exception:
             results.put(("error", traceback.format_exc()))
