@@ -1,6 +1,11 @@
-"""vLLM engines in processes of their own, for tests/test_vllm_pd.py: a 2-layer dummy-weight Llama from
-a config.json written here, run greedily on the CPU. Each process serves jobs from a queue until told
-to stop (``None``)."""
+"""vLLM engines in processes of their own, for tests/test_vllm_pd.py: a 2-layer Llama from a config.json
+and seeded random weights written here, run greedily on the CPU. Each process serves jobs from a queue
+until told to stop (``None``).
+
+The weights are written, not vLLM's dummy ones: those lie in [-1e-3, 1e-3], where attention is uniform
+and a token's output hardly depends on the KV of the tokens before it, so a consumer that loaded wrong
+(or no) KV would still give one engine's tokens. With weights of the usual scale (std 1/sqrt(fan_in),
+queries and keys sharper) the next token depends on every earlier token's KV."""
 
 from __future__ import annotations
 
@@ -30,9 +35,41 @@ def prompt_tokens_by_source(llm) -> dict[str, int]:
             if m.name == "vllm:prompt_tokens_by_source"}
 
 
+def tiny_llama_weights(seed: int = 0) -> dict:
+    """TINY_LLAMA's weights under their Hugging Face names, bf16, seeded."""
+    import torch
+
+    c = TINY_LLAMA
+    hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim, inner = hidden // heads, c["intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(rows: int, cols: int, gain: float = 1.0):
+        return (torch.randn(rows, cols, generator=g) * gain / cols ** 0.5).to(torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": weight(c["vocab_size"], hidden, hidden ** 0.5),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+               "lm_head.weight": weight(c["vocab_size"], hidden)}
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        tensors |= {f"{layer}.self_attn.q_proj.weight": weight(heads * head_dim, hidden, 4.0),
+                    f"{layer}.self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden, 4.0),
+                    f"{layer}.self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+                    f"{layer}.self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+                    f"{layer}.mlp.gate_proj.weight": weight(inner, hidden),
+                    f"{layer}.mlp.up_proj.weight": weight(inner, hidden),
+                    f"{layer}.mlp.down_proj.weight": weight(hidden, inner),
+                    f"{layer}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                    f"{layer}.post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    return tensors
+
+
 def write_model(folder: Path) -> Path:
+    """TINY_LLAMA's config.json and seeded weights (model.safetensors) in ``folder``."""
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    save_file(tiny_llama_weights(), str(folder / "model.safetensors"))
     return folder
 
 
@@ -49,7 +86,7 @@ def serve(model: str, transfer: dict | None, jobs, results) -> None:
         from vllm import LLM, SamplingParams
 
         kwargs = {"kv_transfer_config": transfer} if transfer else {}
-        llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+        llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
                   enable_prefix_caching=False, disable_log_stats=False, max_model_len=2048, max_num_batched_tokens=2048, seed=0, **kwargs)
     except Exception:
         results.put(("error", traceback.format_exc()))
