@@ -96,6 +96,8 @@ class GrantKeeper:
                              f"got {grant_id[:16]!r} and {request_id[:16]!r}")
         if type(prompt_len) is not int or not 1 <= prompt_len <= self.config.max_prompt_tokens:
             raise ValueError(f"prompt_len must be 1 to {self.config.max_prompt_tokens}, got {prompt_len!r}")
+        if grant_id in self.leases:
+            raise ValueError(f"grant id {grant_id[:16]}... is in use")
         progress = PrefillProgress(request_id)
         progress.serve_from(allocation)
         progress.advance(prompt_len)
