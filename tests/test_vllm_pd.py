@@ -12,13 +12,13 @@ import multiprocessing
 import queue
 import random
 import secrets
-import socket
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from tests import vllm_engines  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 ENGINE_START_S = 600  # a loaded 2-core machine starts three engines at once
 JOB_S = 300
@@ -26,15 +26,12 @@ PROMPT_LENGTHS = (7, 9, 16, 17, 100, 257, 640, 1000)
 MAX_TOKENS = 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+FAILURE_POLICY = {"ucx": "recompute", "grpc": "fail"}  # vLLM's kv_load_failure_policy, one of each
 
 
-def connector(role: str, extra: dict) -> dict:
+def connector(role: str, extra: dict, **transfer) -> dict:
     return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
-            "kv_connector_extra_config": extra}
+            "kv_connector_extra_config": extra, **transfer}
 
 
 class Engine:
@@ -78,9 +75,9 @@ def engines(tmp_path_factory):
         started.append(producer)
         consumers = {}
         for transport in ("ucx", "grpc"):
-            consumers[transport] = Engine(context, model, connector("kv_consumer", {"peer_token": token,
-                                                                                  "transport": transport,
-                                                                                  "integrity": True}))
+            settings = {"peer_token": token, "transport": transport, "integrity": True}
+            consumers[transport] = Engine(context, model, connector(
+                "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]))
             started.append(consumers[transport])
         for engine in started:
             engine.wait_ready()
@@ -99,7 +96,7 @@ def test_pd_equals_single_engine(engines, transport):
     total = sum(PROMPT_LENGTHS)
 
     prefilled = producer.run(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
-    params = [p for _, p in prefilled.outputs]
+    params = [p for _, _, p in prefilled.outputs]
     assert all(p and p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, prompts))
     decoded = consumer.run(prompts, MAX_TOKENS, params)
     alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompts itself
@@ -107,6 +104,27 @@ def test_pd_equals_single_engine(engines, transport):
     assert alone.prompt_tokens["local_compute"] == total  # the counter counts what the engine computes
     assert decoded.prompt_tokens["local_compute"] == 0, f"the consumer computed {decoded.prompt_tokens}"
     assert decoded.prompt_tokens["external_kv_transfer"] == total
-    for prompt, (single, _), (pd, _) in zip(prompts, alone.outputs, decoded.outputs):
+    for prompt, (single, _, _), (pd, _, _) in zip(prompts, alone.outputs, decoded.outputs):
         assert len(single) == MAX_TOKENS
         assert pd == single, f"{len(prompt)}-token prompt: PD gave {pd}, one engine {single}"
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_a_failed_load_is_recomputed_or_fails_the_request(engines, transport):
+    """A decode request whose grant is gone (its params sent a second time: the first pull released it)
+    does not hang: the pull fails, its blocks are reported as load errors, and vLLM recomputes the prompt
+    (kv_load_failure_policy "recompute": one engine's tokens) or ends the request with an error ("fail")."""
+    producer, consumers = engines
+    consumer = consumers[transport]
+    prompts = [[random.Random(7).randrange(3, 1000) for _ in range(40)]]
+    prefilled = producer.run(prompts, 1, [{"do_remote_decode": True}])
+    params = [p for _, _, p in prefilled.outputs]
+    first = consumer.run(prompts, MAX_TOKENS, [dict(p) for p in params])
+    assert first.prompt_tokens["local_compute"] == 0 and first.outputs[0][1] == "length"
+
+    again = consumer.run(prompts, MAX_TOKENS, [dict(p) for p in params])  # the grant was released
+    tokens, finish_reason, _ = again.outputs[0]
+    if FAILURE_POLICY[transport] == "recompute":
+        assert (tokens, finish_reason) == (first.outputs[0][0], "length")
+    else:
+        assert finish_reason == "error" and len(tokens) < MAX_TOKENS

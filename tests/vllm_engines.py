@@ -25,7 +25,7 @@ TINY_LLAMA = {
 
 @dataclass(frozen=True)
 class Job:
-    outputs: list[tuple[list[int], dict | None]]
+    outputs: list[tuple[list[int], str | None, dict | None]]  # token ids, finish reason, kv_transfer_params
     prompt_tokens: dict[str, int]
 
 
@@ -76,7 +76,7 @@ def write_model(folder: Path) -> Path:
 def serve(model: str, transfer: dict | None, jobs, results) -> None:
     """One engine: ``transfer`` is the kv_transfer_config (None: no connector). A job is
     ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
-    ``Job(outputs=[(token_ids, kv_transfer_params), ...], prompt_tokens={source: count})``, or
+    ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
     ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
     during the job: prompt tokens the engine computed (``local_compute``), found in its prefix cache
     (``local_cache_hit``) or had its KV connector load (``external_kv_transfer``)."""
@@ -101,7 +101,8 @@ def serve(model: str, transfer: dict | None, jobs, results) -> None:
             before = prompt_tokens_by_source(llm)
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
             after = prompt_tokens_by_source(llm)
-            results.put(Job(outputs=[(list(o.outputs[0].token_ids), o.kv_transfer_params) for o in outputs],
+            results.put(Job(outputs=[(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.kv_transfer_params)
+                                     for o in outputs],
                             prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
         except Exception:
             results.put(("error", traceback.format_exc()))
