@@ -3,6 +3,7 @@
 
 from kvcache.allocator import BlockAllocator, RingAllocator
 from kvcache.config import LAYOUT_FORMAT_VERSION, CacheConfig
+from kvcache.engine_cache import EngineCache
 from kvcache.dcp import DcpConfig, DcpShard, family_supports_dcp
 from kvcache.family import (
     FamilySpec,
@@ -14,6 +15,7 @@ from kvcache.family import (
 )
 from kvcache.layout import BlockLayout, FieldGeometry, FieldKind, layout_differences, layout_hash
 from kvcache.node_cache import CacheAllocation, CacheExhaustedError, NodeCache
+from kvcache.planar import PlanarCacheConfig, PlanarLayout, PlanarPool
 from kvcache.pool import CachePool
 from kvcache.specs import (
     DEFAULT_KERNEL_PAGE_STATES,
@@ -36,9 +38,9 @@ from kvcache.specs import (
 
 __all__ = [
     "BlockAllocator", "BlockLayout", "FieldGeometry", "FieldKind", "CacheAllocation", "CacheExhaustedError", "BlockOrder", "CacheConfig", "CacheDtype", "CacheFamily",
-    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DEFAULT_MLA_ENTRY_BYTES", "DcpConfig", "DcpShard", "FP8_ENTRY_BYTES", "FamilySpec",
+    "CachePool", "DEFAULT_KERNEL_PAGE_STATES", "DEFAULT_MLA_ENTRY_BYTES", "DcpConfig", "DcpShard", "EngineCache", "FP8_ENTRY_BYTES", "FamilySpec",
     "INDEX_HEAD_DIM", "KERNEL_PAGE_STATES", "KpoolFamilySpec", "KpoolIndexerSpec",
-    "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
+    "LAYOUT_FORMAT_VERSION", "MlaPageSpec", "NodeCache", "PlanarCacheConfig", "PlanarLayout", "PlanarPool", "PoolMode", "QsaCompressedKeySpec", "QsaFamilySpec",
     "QsaKeyStateRingSpec", "RingAllocator", "TailRingSpec", "complete_entries",
     "family_spec_type", "family_supports_dcp", "layout_differences", "layout_hash", "open_entry_start", "qsa_ring_capacity",
     "tail_ring_size",

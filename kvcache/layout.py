@@ -171,6 +171,7 @@ class BlockLayout:
             pages.append(LayerPages(index, name, mla_offset, indexer_offset, index * self.ring_row_bytes))
         self.layers: tuple[LayerPages, ...] = tuple(pages)
         self.block_bytes = block_cursor
+        self.block_planes: tuple[int, ...] = (block_cursor,)  # one plane: a block is one byte range
         self.ring_slot_bytes = self.ring_row_bytes * len(pages)
         self.ring_block_bytes = self.ring_slot_bytes * self.ring_slots
         self._by_name = {p.name: p for p in pages}

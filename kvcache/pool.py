@@ -37,6 +37,12 @@ class CachePool:
     def device(self) -> torch.device:
         return self.blocks.device
 
+    def block_plane(self, index: int) -> torch.Tensor:
+        """uint8 [num_blocks * block_bytes]: the block pool, flat (the unified layout has one plane, 0)."""
+        if index != 0:
+            raise ValueError(f"the unified block layout has one plane, 0; got {index}")
+        return self.blocks.view(-1)
+
     def _block_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.blocks[:, offset:offset + nbytes]
 

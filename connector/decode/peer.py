@@ -243,7 +243,8 @@ class PrefillPeer:
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
         landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
                   else self.context.pool.config.blocks_for_tokens(grant.prompt_len))  # the prompt's (a rank's share)
-        if not isinstance(into, CacheAllocation) or into.released or into.ring_id is None \
+        ringless = isinstance(into, CacheAllocation) and into.ring_id is None and self.context.pool.layout.ring_slots > 0
+        if not isinstance(into, CacheAllocation) or into.released or ringless \
                 or into.pool is not self.context.pool or into.num_blocks < landed:
             raise ValueError(f"pull of {grant.request_id} needs a held allocation of this node's cache with a ring "
                              f"and at least {landed} blocks, got {into!r}")
@@ -311,6 +312,7 @@ class PrefillPeer:
         """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
         the allocation; the finished pull (its plan and timeline)."""
         c = self.context
+        ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
         landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
                   else c.pool.config.blocks_for_tokens(grant.prompt_len))
         landing = Landing(c.pool, self.layout, allocation.block_ids[:landed],
@@ -318,13 +320,13 @@ class PrefillPeer:
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, engine_secret=self._secret,
                              dst_block_ids=landing.ids,
-                             dst_ring_id=allocation.ring_id, transport=transport.value, integrity=integrity,
+                             dst_ring_id=ring_id, transport=transport.value, integrity=integrity,
                              ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
         deadline_s = c.config.pull_budget_s(computing=grant.pipelined)
         session = self._session if transport is Transport.UCX and self._session is not None else None
         pull = InboundPull((lambda: session.open(req)) if session is not None else
                            (lambda: self._pull(req, timeout=deadline_s, metadata=self._md)),
-                           address=self.address, grant=grant, landing=landing, ring_id=allocation.ring_id,
+                           address=self.address, grant=grant, landing=landing, ring_id=ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
                            keep=self._follow_on, dcp=dcp)
         await pull.run()

@@ -48,7 +48,7 @@ from connector.shared.errors import StatusError
 from connector.shared.metrics import ConnectorMetrics
 from connector.shared.ucx import NOT_ENCRYPTED, UcxNode
 from connector.shared.wire import Transport
-from kvcache import CachePool
+from kvcache import CacheAllocation, CachePool
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,19 @@ class PrefillConnector(pb.PrefillServiceServicer):
     def reap(self) -> int:
         """Free expired and released grants that no pull reads now; returns how many expired."""
         return self.grants.reap()
+
+    def offer(self, allocation: CacheAllocation, *, grant_id: str, request_id: str, prompt_len: int,
+              first_token: int = 0) -> None:
+        """Hold a prompt the engine computed on its own as a grant (``grant_id``, drawn by the engine:
+        ``secrets.token_hex(16)``) under lease, for an engine that schedules its own requests (vLLM's
+        producer) instead of answering Prefill calls. The first handshaken decode engine whose Pull, Release
+        or Heartbeat names it claims it; from then on it is a grant like any other (lease, Release,
+        expiry), and the allocation is released when it ends. Who calls: the engine, on the connector's
+        event loop, once per request. ValueError (nothing held: the allocation stays the caller's) for a
+        grant id in use, a prompt length out of range, or a released (or, where rings exist, ringless)
+        allocation."""
+        self.grants.offer(allocation, grant_id=grant_id, request_id=request_id, prompt_len=prompt_len,
+                          first_token=first_token)
 
     # RPCs --------------------------------------------------------------------------------
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:

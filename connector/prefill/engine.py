@@ -62,10 +62,10 @@ class PrefillProgress:
     def serve_from(self, allocation: CacheAllocation) -> None:
         """The engine's allocation for this request (its blocks in block-table order and its ring),
         handed over once; from now on the grant holds it and releases it. ValueError for a released
-        allocation or one without a ring; RuntimeError when called twice."""
+        allocation or one without a ring (where the layout has rings); RuntimeError when called twice."""
         if self.allocation is not None:
             raise RuntimeError(f"PrefillProgress.serve_from may be called once per request ({self.request_id})")
-        if allocation.released or allocation.ring_id is None:
+        if allocation.released or (allocation.ring_id is None and allocation.pool.layout.ring_slots):
             raise ValueError(f"request {self.request_id} must be served from a held allocation with a ring, "
                              f"got {allocation!r}")
         self.allocation = allocation

@@ -18,10 +18,13 @@ import grpc
 
 from connector import prefill_api as pb
 from connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngine, DecodeEngineTable
+from connector.prefill.engine import PrefillProgress
 from connector.prefill.leases import Grant, LeaseTable
 from connector.shared.config import ConnectorConfig
 from connector.shared.errors import StatusError
 from connector.shared.metrics import ConnectorMetrics
+from connector.shared.plan import ring_live_range
+from kvcache import CacheAllocation
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,36 @@ class GrantKeeper:
             self.reap()
             self.engines.forget_silent()
 
+    # grants the engine offers itself -----------------------------------------------------
+    def offer(self, allocation: CacheAllocation, *, grant_id: str, request_id: str, prompt_len: int,
+              first_token: int = 0) -> Grant:
+        """Hold ``allocation`` (a prompt the engine computed on its own: an engine that schedules its own
+        requests, vLLM's producer) as a grant under lease, claimed by the first handshaken decode engine
+        that names it (``claim``). ValueError for a grant id in use, a bad length or a released allocation."""
+        if not grant_id or len(grant_id) > MAX_ID_CHARS or not request_id or len(request_id) > MAX_ID_CHARS:
+            raise ValueError(f"grant and request ids must have 1 to {MAX_ID_CHARS} characters, "
+                             f"got {grant_id[:16]!r} and {request_id[:16]!r}")
+        if type(prompt_len) is not int or not 1 <= prompt_len <= self.config.max_prompt_tokens:
+            raise ValueError(f"prompt_len must be 1 to {self.config.max_prompt_tokens}, got {prompt_len!r}")
+        if grant_id in self.leases:
+            raise ValueError(f"grant id {grant_id[:16]}... is in use")
+        progress = PrefillProgress(request_id)
+        progress.serve_from(allocation)
+        progress.advance(prompt_len)
+        layout = allocation.pool.layout
+        grant = Grant(grant_id=grant_id, request_id=request_id, engine_id="", block_ids=allocation.block_ids,
+                      ring_id=0 if allocation.ring_id is None else allocation.ring_id, prompt_len=prompt_len,
+                      live=ring_live_range(layout.config, prompt_len), first_token=first_token,
+                      expires_at=self.leases.expiry(), progress=progress)
+        self.leases.add(grant)
+        return grant
+
+    def claim(self, grant: Grant, engine_id: str) -> None:
+        """An offered grant nobody claimed yet becomes ``engine_id``'s, if that engine has handshaken; from
+        then on it is that engine's alone, as a grant its own Prefill made."""
+        if not grant.engine_id and engine_id in self.engines:
+            grant.engine_id = engine_id
+
     # who may touch a grant ---------------------------------------------------------------
     @staticmethod
     def pulls_as(grant: Grant, engine_id: str, dcp_rank: int) -> bool:
@@ -118,6 +151,7 @@ class GrantKeeper:
         grant = self.leases.live(request.grant_id)
         if grant is None:
             return pb.ReleaseResponse(released=False)
+        self.claim(grant, request.engine_id)
         if not self.pulls_as(grant, request.engine_id, request.dcp_rank) or (request.all_ranks and request.dcp_rank != 0):
             raise self.foreign("Release", request.engine_id)
         if grant.dcp_engine_ids and not request.all_ranks:
@@ -157,6 +191,9 @@ class GrantKeeper:
                               f"{len(request.grant_ids)} grant ids (limit {self.config.max_grants})")
         if request.engine_id in self.engines:
             self.authenticate(request.engine_id, request.engine_secret, "Heartbeat")
+        for grant_id in request.grant_ids:
+            if (grant := self.leases.live(grant_id)) is not None:
+                self.claim(grant, request.engine_id)
         foreign = [g for g in request.grant_ids
                    if (grant := self.leases.live(g)) is not None and not grant.owned_by(request.engine_id)]
         if foreign:

@@ -74,6 +74,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._grants)
 
+    def __contains__(self, grant_id: str) -> bool:
+        """Whether a grant of this id is held (live, or ended and not reaped yet)."""
+        return grant_id in self._grants
+
     def add(self, grant: Grant) -> None:
         if grant.grant_id in self._grants:
             raise ValueError(f"grant {grant.grant_id} exists")

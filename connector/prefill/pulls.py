@@ -60,7 +60,7 @@ def plan_pull(layout: BlockLayout, grant: Grant, request: pb.PullRequest) -> tup
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     if len(plan) > MAX_REGIONS:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{len(plan)} regions (limit {MAX_REGIONS})")
-    return plan, ready_at(plan, layout.block_bytes, layout.config.block_size, grant.prompt_len)
+    return plan, ready_at(plan, layout, grant.prompt_len)
 
 
 class PullDesk:
@@ -83,6 +83,7 @@ class PullDesk:
         if grant is None:
             self.metrics.failures.labels("unknown_grant").inc()
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"grant {request.grant_id!r} is unknown, released or expired")
+        self.grants.claim(grant, request.engine_id)
         if not self.grants.pulls_as(grant, request.engine_id, request.dcp_rank):
             raise self.grants.foreign("Pull", request.engine_id)
         if request.transport not in self._offered_values:

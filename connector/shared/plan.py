@@ -2,8 +2,10 @@
 
 Pure functions of the layout and the ids; both nodes compute the same plan, so the decode
 node never writes where the prefill node tells it to. Offsets are into the flat pool buffers
-(``CachePool.blocks.view(-1)`` for ``PoolKind.BLOCKS``, ``CachePool.rings.view(-1)`` for
-``PoolKind.RINGS``).
+(``pool.block_plane(region.plane)`` for ``PoolKind.BLOCKS``, ``CachePool.rings.view(-1)`` for
+``PoolKind.RINGS``). The unified layout has one plane (a block is one byte range); an engine that
+keeps a tensor per layer (``kvcache.PlanarLayout``) has several, and a run of blocks is then one
+region in each.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Region:
     kind: PoolKind
     offset: int
     nbytes: int
+    plane: int = 0  # which block plane (``layout.block_planes``) the offset is into; 0 for rings
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +121,9 @@ def plan_transfer(
     check_ids("destination blocks", dst_blocks, dst_num_blocks)
     check_ids("source ring", [src_ring], src_num_rings)
     check_ids("destination ring", [dst_ring], dst_num_rings)
-    if not 0 <= live.num_slots <= layout.ring_slots or not 0 <= live.start_slot < layout.ring_slots:
+    if not 0 <= live.num_slots <= layout.ring_slots or (live.num_slots and not 0 <= live.start_slot < layout.ring_slots):
         raise ValueError(f"ring range {live} does not fit a ring of {layout.ring_slots} slots")
 
-    bb = layout.block_bytes
     pairs: list[RegionPair] = []
     i = 0
     while i < len(src_blocks):
@@ -129,8 +131,10 @@ def plan_transfer(
         while (j < len(src_blocks) and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1
                and not (piece_blocks and j % piece_blocks == 0)):
             j += 1
-        n = (j - i) * bb
-        pairs.append(RegionPair(Region(PoolKind.BLOCKS, src_blocks[i] * bb, n), Region(PoolKind.BLOCKS, dst_blocks[i] * bb, n)))
+        for plane, bb in enumerate(layout.block_planes):  # a run is one region in each plane, plane 0 first
+            n = (j - i) * bb
+            pairs.append(RegionPair(Region(PoolKind.BLOCKS, src_blocks[i] * bb, n, plane),
+                                    Region(PoolKind.BLOCKS, dst_blocks[i] * bb, n, plane)))
         i = j
 
     slot_bytes = layout.ring_slot_bytes
@@ -146,15 +150,16 @@ def plan_transfer(
     return TransferPlan(pairs=tuple(pairs), ring_empty=live.empty)
 
 
-def ready_at(plan: TransferPlan, block_bytes: int, block_size: int, prompt_len: int) -> list[int]:
-    """For each region of ``plan`` (block runs in block-table order, then the ring), how many prompt
-    tokens must be written in every layer before it may move: a run's last block complete (or the
-    prompt's end, for the block it ends in), the ring only once the whole prompt is."""
+def ready_at(plan: TransferPlan, layout: BlockLayout, prompt_len: int) -> list[int]:
+    """For each region of ``plan`` (block runs in block-table order, each in every plane, then the ring),
+    how many prompt tokens must be written in every layer before it may move: a run's last block
+    complete (or the prompt's end, for the block it ends in), the ring only once the whole prompt is."""
     ready, blocks = [], 0
     for pair in plan.pairs:
         if pair.src.kind is PoolKind.BLOCKS:
-            blocks += pair.src.nbytes // block_bytes
-            ready.append(min(prompt_len, blocks * block_size))
+            if pair.src.plane == 0:
+                blocks += pair.src.nbytes // layout.block_planes[0]
+            ready.append(min(prompt_len, blocks * layout.config.block_size))
         else:
             ready.append(prompt_len)
     return ready

@@ -16,7 +16,7 @@ def region_view(pool: CachePool, region: Region, *, blocks: torch.Tensor | None 
     ``blocks`` (uint8 [n, block_bytes], contiguous) stands in for the pool's block buffer: a
     staging buffer that block regions land in."""
     if region.kind is PoolKind.BLOCKS:
-        flat = (pool.blocks if blocks is None else blocks).view(-1)
+        flat = pool.block_plane(region.plane) if blocks is None else blocks.view(-1)
     else:
         flat = pool.rings.view(-1)
     if region.offset < 0 or region.offset + region.nbytes > flat.numel():

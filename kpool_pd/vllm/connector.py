@@ -1,0 +1,134 @@
+"""``KpoolPdConnector``: kpool-pd as vLLM's KV connector (``KVConnectorBase_V1``), loaded with
+``--kv-transfer-config '{"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm",
+"kv_role": "kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}'`` (``kpool_pd.vllm.settings``).
+
+vLLM makes one instance per role: the scheduler side (``kpool_pd.vllm.scheduler``) in its engine core
+and the worker side (``kpool_pd.vllm.worker``) beside the KV tensors; this class routes each of vLLM's
+calls to the part of the role it was made for. One KV cache group (one block table per request) is
+supported: a model that needs several is refused when its caches are registered, naming the groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kpool_pd.vllm.metadata import KpoolPdMetadata
+from kpool_pd.vllm.planes import planar_pool
+from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
+from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def model_identity(vllm_config: "VllmConfig") -> str:
+    """What must agree between producer and consumer for their bytes to mean the same: the model's
+    config, dtype and seed (dummy weights come from it) and vLLM's version."""
+    import vllm
+
+    model = vllm_config.model_config
+    config_json = model.hf_config.to_json_string(use_diff=False)
+    return json.dumps({"hf_config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+                       "dtype": str(model.dtype).removeprefix("torch."), "seed": model.seed,
+                       "load_format": str(vllm_config.load_config.load_format), "vllm": vllm.__version__},
+                      sort_keys=True)
+
+
+class KpoolPdConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(f"KpoolPdConnector serves kv_role 'kv_producer' or 'kv_consumer', got {transfer.kv_role!r}")
+        self.producer = transfer.kv_role == "kv_producer"
+        self.settings = KpoolPdSettings.from_extra_config(transfer.kv_connector_extra_config, producer=self.producer)
+        self.engine_id = f"vllm-{transfer.engine_id}"
+        self.block_size = vllm_config.cache_config.block_size
+        self.identity = model_identity(vllm_config)
+        self.scheduler: ProducerScheduler | ConsumerScheduler | None = None
+        self.worker: ProducerWorker | ConsumerWorker | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self.scheduler = (ProducerScheduler(self.settings, engine_id=self.engine_id, block_size=self.block_size)
+                              if self.producer else ConsumerScheduler(self.settings))
+
+    # worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        config = self._kv_cache_config
+        groups = config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"KpoolPdConnector moves one KV cache group; this model has {len(groups)}: "
+                             f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+        spec = groups[0].kv_cache_spec
+        caches = {name: kv_caches[name] for name in groups[0].layer_names}
+        pool = planar_pool(caches, num_blocks=config.num_blocks, block_size=spec.block_size,
+                           engine={"spec": type(spec).__name__, "block_size": spec.block_size})
+        worker_type = ProducerWorker if self.producer else ConsumerWorker
+        self.worker = worker_type(self.settings, pool, engine_id=self.engine_id, model_identity=self.identity)
+        self.worker.start()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if isinstance(self.worker, ConsumerWorker):
+            self.worker.load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs once its whole prompt landed
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # nothing is saved: the producer serves its blocks where they are
+
+    def wait_for_save(self) -> None:
+        if isinstance(self.worker, ProducerWorker):
+            self.worker.offer(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if isinstance(self.worker, ProducerWorker):
+            return self.worker.finished_sending(finished_req_ids) or None, None
+        if isinstance(self.worker, ConsumerWorker):
+            return None, self.worker.finished_recving() or None
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if isinstance(self.worker, ConsumerWorker) else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.close()
+
+    # scheduler side ---------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if isinstance(self.scheduler, ProducerScheduler):
+            self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if isinstance(self.scheduler, ConsumerScheduler):
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)

@@ -1,0 +1,93 @@
+"""The scheduler side of the connector (vLLM's engine core): which requests a producer offers as grants and
+which a consumer loads, and the ``kv_transfer_params`` between them (NixlConnector's request protocol).
+
+Producer (``kv_producer``): a request with ``{"do_remote_decode": true}`` is offered as a grant in the
+step that computes its prompt's last token (the worker holds it once that step's forward ran, before the
+step's output leaves the engine); ``request_finished`` then keeps its blocks (``delay_free``) until the
+worker reports the grant ended (pulled and released, or its lease ran out) and returns the params the
+decode request sends back. Consumer (``kv_consumer``): a request whose params say
+``do_remote_prefill`` loads its prompt asynchronously into the blocks vLLM allocates for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, is_remote_prefill, producer_params
+from kpool_pd.vllm.settings import KpoolPdSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class ProducerScheduler:
+    def __init__(self, settings: KpoolPdSettings, *, engine_id: str, block_size: int) -> None:
+        self.settings, self.engine_id, self.block_size = settings, engine_id, block_size
+        self.kv_cache_manager: "KVCacheManager | None" = None
+        self._prefilling: dict[str, "Request"] = {}  # do_remote_decode requests whose prompt is not computed
+        self._offered: dict[str, Offer] = {}  # offered in a step's metadata, not finished yet
+        self._pending: list[Offer] = []
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and request.request_id not in self._offered:
+            self._prefilling[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, request in list(self._prefilling.items()):
+            if request_id in scheduled and request.num_computed_tokens + scheduled[request_id] >= request.num_prompt_tokens:
+                del self._prefilling[request_id]
+                n = request.num_prompt_tokens
+                blocks = self.kv_cache_manager.get_block_ids(request_id)[0][:-(-n // self.block_size)]
+                offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=tuple(blocks), prompt_len=n)
+                self._offered[request_id] = offer
+                self._pending.append(offer)
+        meta, self._pending = KpoolPdMetadata(offers=self._pending), []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks of an offered request stay until its grant ends (the worker reports it); the params
+        name the grant. A request that was not offered (not a PD prefill, or it ended before its prompt
+        was computed) frees at once."""
+        self._prefilling.pop(request.request_id, None)
+        offer = self._offered.pop(request.request_id, None)
+        if offer is None:
+            return False, None
+        return True, producer_params(offer, address=self.settings.advertise, engine_id=self.engine_id,
+                                     lease_s=self.settings.lease_s)
+
+
+class ConsumerScheduler:
+    def __init__(self, settings: KpoolPdSettings) -> None:
+        self.settings = settings
+        self._pending: list[Load] = []
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt's tokens, loaded asynchronously, for a decode request of a producer's grant that has
+        no locally computed tokens (a local prefix hit is computed here instead: its blocks may be shared)."""
+        params = request.kv_transfer_params
+        if not is_remote_prefill(params) or num_computed_tokens:
+            return 0, False
+        count = min(int(params.get("remote_num_tokens", 0)), request.num_prompt_tokens)
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if num_external_tokens > 0 and is_remote_prefill(params):
+            block_ids = blocks.get_block_ids()[0]
+            self._pending.append(Load(request_id=request.request_id, params=dict(params), block_ids=tuple(block_ids)))
+            params["do_remote_prefill"] = False  # loaded once: a second allocation for this request loads nothing
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:
+        meta, self._pending = KpoolPdMetadata(loads=self._pending), []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return False, None

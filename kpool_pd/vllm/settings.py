@@ -1,0 +1,79 @@
+"""The connector's settings, from vLLM's ``kv_transfer_config.kv_connector_extra_config``.
+
+| key | default | meaning |
+|---|---|---|
+| ``listen`` | (a producer must give it) | ``"host:port"`` the producer serves PrefillService on; the decode side dials the address it is handed in ``kv_transfer_params`` (``advertise``, else this) |
+| ``advertise`` | ``listen`` (a wildcard host becomes loopback) | ``"host:port"`` the consumers dial |
+| ``peer_token`` | ``$KPOOLPD_PEER_TOKEN``, else none | the peer credential every PrefillService call carries (both roles) |
+| ``transport`` | ``"ucx"`` when ucxx is installed, else ``"grpc"`` | the consumer's data plane: ``"ucx"`` or ``"grpc"`` (the gRPC stream) |
+| ``lease_s`` | 30 | how long a producer keeps an unpulled request's blocks |
+| ``integrity`` | false | the consumer checks a crc32 of every region |
+| ``pull_timeout_s`` | 30 | a consumer's bound on one pull |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from connector import Transport, dial_target, ucx_available
+
+PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"
+_TRANSPORTS = {"ucx": Transport.UCX, "grpc": Transport.GRPC_STREAM}
+_KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s"})
+
+
+def split_address(value: str, key: str) -> tuple[str, int]:
+    """``"host:port"`` as (host, port); ValueError naming ``key`` and the value otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be 'host:port' with a port in 1..65535, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KpoolPdSettings:
+    listen: tuple[str, int] | None
+    advertise: str | None
+    peer_token: str | None
+    transport: Transport
+    lease_s: float
+    integrity: bool
+    pull_timeout_s: float
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool,
+                          environ: Mapping[str, str] = os.environ) -> "KpoolPdSettings":
+        """The settings of one instance; ValueError naming the key for an unknown key or a bad value."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(_KEYS)}")
+        listen = split_address(str(extra["listen"]), "listen") if "listen" in extra else None
+        if producer and listen is None:
+            raise ValueError("a kv_producer needs kv_connector_extra_config['listen'] ('host:port' it serves on)")
+        advertise = str(extra["advertise"]) if "advertise" in extra else None
+        if advertise is not None:
+            split_address(advertise, "advertise")
+        elif listen is not None:
+            advertise = dial_target(listen[0], listen[1])
+        name = str(extra.get("transport", "ucx" if ucx_available() else "grpc"))
+        if name not in _TRANSPORTS:
+            raise ValueError(f"kv_connector_extra_config['transport'] must be one of {sorted(_TRANSPORTS)}, got {name!r}")
+        if _TRANSPORTS[name] is Transport.UCX and not ucx_available():
+            raise ValueError("kv_connector_extra_config['transport'] is 'ucx' but ucxx is not installed "
+                             "(pip install 'kpool-pd[ucx]'), or use 'grpc'")
+        numbers = {}
+        for key, default in (("lease_s", 30.0), ("pull_timeout_s", 30.0)):
+            try:
+                numbers[key] = float(extra.get(key, default))
+            except (TypeError, ValueError):
+                numbers[key] = -1.0
+            if not numbers[key] > 0:
+                raise ValueError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {extra.get(key)!r}")
+        token = extra.get("peer_token") or environ.get(PEER_TOKEN_ENV) or None
+        return cls(listen=listen, advertise=advertise, peer_token=token, transport=_TRANSPORTS[name],
+                   lease_s=numbers["lease_s"], integrity=bool(extra.get("integrity", False)),
+                   pull_timeout_s=numbers["pull_timeout_s"])

@@ -1,0 +1,209 @@
+"""The worker side of the connector (the process that holds vLLM's KV tensors): a producer serves
+PrefillService from vLLM's blocks, a consumer pulls into them.
+
+The project's connector runs on an event loop in a thread of its own (``ConnectorLoop``); vLLM's worker
+calls in from its thread and hands work over. vLLM owns the blocks: an offered grant holds vLLM's block
+ids as a lent allocation (``kvcache.EngineCache.lend``) whose release tells vLLM it may free them
+(``get_finished``: finished sending); a pull lands into a lent allocation of the blocks vLLM allocated
+for the decode request, and its end is reported as finished receiving (its blocks, if it failed, as
+load errors, which vLLM recomputes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry
+
+from connector import (
+    ConnectorConfig,
+    DecodeConnector,
+    EngineUnavailable,
+    PrefillConnector,
+    PrefillInput,
+    PrefillPeer,
+    PrefillProgress,
+)
+from kpool_pd.vllm.metadata import KpoolPdMetadata, grant_from
+from kpool_pd.vllm.settings import KpoolPdSettings
+from kvcache import EngineCache, PlanarPool
+from runtime import GrpcServer
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0  # a hand-over to the loop (start, an offer) that takes longer is a failure
+
+
+class ConnectorLoop:
+    """An asyncio loop in a daemon thread; ``call`` runs a coroutine there and waits for its result."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, make: Callable[[], Awaitable], timeout_s: float = CALL_TIMEOUT_S):
+        async def run():
+            return await make()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
+
+    def submit(self, make: Callable[[], Awaitable]) -> None:
+        async def run():
+            await make()
+        asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(CALL_TIMEOUT_S)
+
+
+class NoPrefillCalls:
+    """A vLLM producer computes the prompts its own scheduler admits; it answers no Prefill call."""
+
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress):
+        raise EngineUnavailable("this prefill node is a vLLM instance: send prompts to vLLM with "
+                                "kv_transfer_params {\"do_remote_decode\": true}")
+
+
+def connector_config(settings: KpoolPdSettings) -> ConnectorConfig:
+    return ConnectorConfig(peer_token=settings.peer_token, lease_s=settings.lease_s,
+                           transfer_timeout_s=settings.pull_timeout_s)
+
+
+class ProducerWorker:
+    """Serves vLLM's blocks on ``settings.listen`` once ``start`` ran."""
+
+    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str) -> None:
+        self.settings, self.engine_id = settings, engine_id
+        self.cache = EngineCache(pool)
+        self._lock = threading.Lock()
+        self._ended: set[str] = set()  # grants ended (their blocks are vLLM's to free again)
+        self._finished: set[str] = set()  # requests vLLM said finished
+        self.loop = ConnectorLoop("kpoolpd-producer")
+        self.node = PrefillConnector(pool, NoPrefillCalls(), engine_id=engine_id,
+                                     config=connector_config(settings), registry=CollectorRegistry(),
+                                     model_identity=model_identity)
+        self.server: GrpcServer | None = None
+
+    def start(self) -> None:
+        async def start():
+            await self.node.start()
+            config = self.node.config
+            self.server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options())
+            self.server.add(self.node)
+            host, port = self.settings.listen
+            await self.server.start(host, port)
+            await self.server.health.open(self.server)
+        self.loop.call(start)
+        logger.info("kpool-pd producer %s serves vLLM's blocks on %s:%d", self.engine_id, *self.settings.listen)
+
+    def offer(self, metadata: KpoolPdMetadata) -> None:
+        """Hold this step's computed prompts as grants (before the step's output leaves the engine)."""
+        if metadata.offers:
+            self.loop.call(lambda: self._offer_all(metadata))
+
+    async def _offer_all(self, metadata: KpoolPdMetadata) -> None:
+        for offer in metadata.offers:
+            allocation = self.cache.lend(offer.request_id, offer.block_ids,
+                                         on_release=lambda rid=offer.request_id: self._grant_ended(rid))
+            try:
+                self.node.offer(allocation, grant_id=offer.grant_id, request_id=offer.request_id,
+                                prompt_len=offer.prompt_len)
+            except ValueError:
+                logger.exception("request %s could not be offered; its blocks go back to vLLM", offer.request_id)
+                allocation.release()
+
+    def _grant_ended(self, request_id: str) -> None:
+        with self._lock:
+            self._ended.add(request_id)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose grant ended: their blocks may be freed."""
+        with self._lock:
+            self._finished |= finished_req_ids
+            done = self._ended & self._finished
+            self._ended -= done
+            self._finished -= done
+        return done
+
+    def close(self) -> None:
+        async def stop():
+            if self.server is not None:
+                await self.server.stop(0)
+            await self.node.stop()
+        try:
+            self.loop.call(stop)
+        finally:
+            self.loop.close()
+
+
+class ConsumerWorker:
+    """Pulls producers' grants into vLLM's blocks."""
+
+    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str) -> None:
+        self.settings, self.engine_id = settings, engine_id
+        self.cache = EngineCache(pool)
+        self._lock = threading.Lock()
+        self._received: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self.loop = ConnectorLoop("kpoolpd-consumer")
+        self.node = DecodeConnector(pool, engine_id=engine_id, config=connector_config(settings),
+                                    registry=CollectorRegistry(), transports=(settings.transport,),
+                                    model_identity=model_identity)
+        self._peers: dict[str, PrefillPeer] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    def start(self) -> None:
+        self.loop.call(self.node.start)
+
+    def load(self, metadata: KpoolPdMetadata) -> None:
+        """Start this step's pulls (they run on the loop; ``finished_recving`` reports them)."""
+        for load in metadata.loads:
+            self.loop.submit(lambda load=load: self._pull(load.request_id, load.params, load.block_ids))
+
+    async def _peer(self, address: str) -> PrefillPeer:
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            peer = self._peers.get(address)
+            if peer is None or peer.closed:
+                peer = self._peers[address] = await self.node.connect(address)
+            return peer
+
+    async def _pull(self, request_id: str, params: dict, block_ids: tuple[int, ...]) -> None:
+        failed: tuple[int, ...] = ()
+        try:
+            grant = grant_from(params)
+            landed = block_ids[:grant.num_blocks]
+            failed = landed
+            peer = await self._peer(str(params["remote_address"]))
+            with self.cache.lend(request_id, landed, on_release=lambda: None) as allocation:
+                await peer.pull(grant, into=allocation, transport=self.settings.transport,
+                                integrity=self.settings.integrity)
+            failed = ()
+        except Exception as exc:  # every failure: vLLM recomputes the blocks (reported below)
+            logger.warning("pull of request %s failed; vLLM recomputes its %d blocks: %s", request_id, len(failed), exc)
+            if not failed:
+                failed = block_ids
+        finally:
+            with self._lock:
+                self._failed_blocks |= set(failed)
+                self._received.add(request_id)
+
+    def finished_recving(self) -> set[str]:
+        with self._lock:
+            done, self._received = self._received, set()
+        return done
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def close(self) -> None:
+        try:
+            self.loop.call(self.node.close)
+        finally:
+            self.loop.close()

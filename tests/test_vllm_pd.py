@@ -1,0 +1,130 @@
+"""kpool-pd inside vLLM: a producer and a consumer engine (``KpoolPdConnector``) in two processes give the
+same greedy tokens as one engine alone, over UCX and over the gRPC stream, and the consumer computes none
+of the prompt: vLLM's own ``vllm:prompt_tokens_by_source`` counter on the consumer grows by every prompt
+token under ``external_kv_transfer`` and by none under ``local_compute``. (A request's
+``num_cached_tokens`` does not say this: for a ``do_remote_prefill`` request vLLM reports the producer's
+prefix-cache hits there.) The consumer runs the PD requests before it ever computes those prompts itself,
+so its blocks cannot already hold their KV: equal tokens mean the pulled bytes were right."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import random
+import secrets
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
+
+from tests import vllm_engines  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+
+ENGINE_START_S = 600  # a loaded 2-core machine starts three engines at once
+JOB_S = 300
+PROMPT_LENGTHS = (7, 9, 16, 17, 100, 257, 640, 1000)
+MAX_TOKENS = 8
+
+
+FAILURE_POLICY = {"ucx": "recompute", "grpc": "fail"}  # vLLM's kv_load_failure_policy, one of each
+
+
+def connector(role: str, extra: dict, **transfer) -> dict:
+    return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
+            "kv_connector_extra_config": extra, **transfer}
+
+
+class Engine:
+    def __init__(self, context, model: str, transfer: dict | None) -> None:
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=vllm_engines.serve, args=(model, transfer, self.jobs, self.results))
+        self.process.start()
+
+    def _answer(self, timeout_s: float):
+        answer = self.results.get(timeout=timeout_s)
+        if isinstance(answer, tuple) and answer and answer[0] == "error":
+            raise AssertionError(f"engine failed:\n{answer[1]}")
+        return answer
+
+    def wait_ready(self) -> None:
+        self._answer(ENGINE_START_S)
+
+    def run(self, prompts, max_tokens, params=None):
+        self.jobs.put((prompts, max_tokens, params))
+        return self._answer(JOB_S)
+
+    def stop(self) -> None:
+        try:
+            self.jobs.put(None)
+            self.process.join(30)
+        finally:
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(30)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    model = str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama")))
+    token = secrets.token_hex(16)
+    context = multiprocessing.get_context("spawn")
+    started = []
+    try:
+        producer = Engine(context, model, connector("kv_producer", {"listen": f"127.0.0.1:{free_port()}",
+                                                                  "peer_token": token, "lease_s": 60}))
+        started.append(producer)
+        consumers = {}
+        for transport in ("ucx", "grpc"):
+            settings = {"peer_token": token, "transport": transport, "integrity": True}
+            consumers[transport] = Engine(context, model, connector(
+                "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]))
+            started.append(consumers[transport])
+        for engine in started:
+            engine.wait_ready()
+        yield producer, consumers
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_pd_equals_single_engine(engines, transport):
+    producer, consumers = engines
+    consumer = consumers[transport]
+    rng = random.Random(len(transport))
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    total = sum(PROMPT_LENGTHS)
+
+    prefilled = producer.run(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
+    params = [p for _, _, p in prefilled.outputs]
+    assert all(p and p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, prompts))
+    decoded = consumer.run(prompts, MAX_TOKENS, params)
+    alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompts itself
+
+    assert alone.prompt_tokens["local_compute"] == total  # the counter counts what the engine computes
+    assert decoded.prompt_tokens["local_compute"] == 0, f"the consumer computed {decoded.prompt_tokens}"
+    assert decoded.prompt_tokens["external_kv_transfer"] == total
+    for prompt, (single, _, _), (pd, _, _) in zip(prompts, alone.outputs, decoded.outputs):
+        assert len(single) == MAX_TOKENS
+        assert pd == single, f"{len(prompt)}-token prompt: PD gave {pd}, one engine {single}"
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_a_failed_load_is_recomputed_or_fails_the_request(engines, transport):
+    """A decode request whose grant is gone (its params sent a second time: the first pull released it)
+    does not hang: the pull fails, its blocks are reported as load errors, and vLLM recomputes the prompt
+    (kv_load_failure_policy "recompute": one engine's tokens) or ends the request with an error ("fail")."""
+    producer, consumers = engines
+    consumer = consumers[transport]
+    prompts = [[random.Random(7).randrange(3, 1000) for _ in range(40)]]
+    prefilled = producer.run(prompts, 1, [{"do_remote_decode": True}])
+    params = [p for _, _, p in prefilled.outputs]
+    first = consumer.run(prompts, MAX_TOKENS, [dict(p) for p in params])
+    assert first.prompt_tokens["local_compute"] == 0 and first.outputs[0][1] == "length"
+
+    again = consumer.run(prompts, MAX_TOKENS, [dict(p) for p in params])  # the grant was released
+    tokens, finish_reason, _ = again.outputs[0]
+    if FAILURE_POLICY[transport] == "recompute":
+        assert (tokens, finish_reason) == (first.outputs[0][0], "length")
+    else:
+        assert finish_reason == "error" and len(tokens) < MAX_TOKENS

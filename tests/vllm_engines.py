@@ -1,0 +1,108 @@
+"""vLLM engines in processes of their own, for tests/test_vllm_pd.py: a 2-layer Llama from a config.json
+and seeded random weights written here, run greedily on the CPU. Each process serves jobs from a queue
+until told to stop (``None``).
+
+The weights are written, not vLLM's dummy ones: those lie in [-1e-3, 1e-3], where attention is uniform
+and a token's output hardly depends on the KV of the tokens before it, so a consumer that loaded wrong
+(or no) KV would still give one engine's tokens. With weights of the usual scale (std 1/sqrt(fan_in),
+queries and keys sharper) the next token depends on every earlier token's KV."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    outputs: list[tuple[list[int], str | None, dict | None]]  # token ids, finish reason, kv_transfer_params
+    prompt_tokens: dict[str, int]
+
+
+def prompt_tokens_by_source(llm) -> dict[str, int]:
+    """vLLM's ``vllm:prompt_tokens_by_source`` counter now, by source (its one engine)."""
+    return {m.labels["source"]: int(m.value) for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_by_source"}
+
+
+def tiny_llama_weights(seed: int = 0) -> dict:
+    """TINY_LLAMA's weights under their Hugging Face names, bf16, seeded."""
+    import torch
+
+    c = TINY_LLAMA
+    hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim, inner = hidden // heads, c["intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(rows: int, cols: int, gain: float = 1.0):
+        return (torch.randn(rows, cols, generator=g) * gain / cols ** 0.5).to(torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": weight(c["vocab_size"], hidden, hidden ** 0.5),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+               "lm_head.weight": weight(c["vocab_size"], hidden)}
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        tensors |= {f"{layer}.self_attn.q_proj.weight": weight(heads * head_dim, hidden, 4.0),
+                    f"{layer}.self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden, 4.0),
+                    f"{layer}.self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+                    f"{layer}.self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+                    f"{layer}.mlp.gate_proj.weight": weight(inner, hidden),
+                    f"{layer}.mlp.up_proj.weight": weight(inner, hidden),
+                    f"{layer}.mlp.down_proj.weight": weight(hidden, inner),
+                    f"{layer}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                    f"{layer}.post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    return tensors
+
+
+def write_model(folder: Path) -> Path:
+    """TINY_LLAMA's config.json and seeded weights (model.safetensors) in ``folder``."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    save_file(tiny_llama_weights(), str(folder / "model.safetensors"))
+    return folder
+
+
+def serve(model: str, transfer: dict | None, jobs, results) -> None:
+    """One engine: ``transfer`` is the kv_transfer_config (None: no connector). A job is
+    ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
+    ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
+    ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
+    during the job: prompt tokens the engine computed (``local_compute``), found in its prefix cache
+    (``local_cache_hit``) or had its KV connector load (``external_kv_transfer``)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        from vllm import LLM, SamplingParams
+
+        kwargs = {"kv_transfer_config": transfer} if transfer else {}
+        llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
+                  enable_prefix_caching=False, disable_log_stats=False, max_model_len=2048, max_num_batched_tokens=2048, seed=0, **kwargs)
+    except Exception:
+        results.put(("error", traceback.format_exc()))
+        return
+    results.put(("ready", None))
+    while (job := jobs.get()) is not None:
+        prompts, max_tokens, params = job
+        try:
+            sampling = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                       extra_args={"kv_transfer_params": p} if p is not None else None)
+                        for p in (params or [None] * len(prompts))]
+            before = prompt_tokens_by_source(llm)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+            after = prompt_tokens_by_source(llm)
+            results.put(Job(outputs=[(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.kv_transfer_params)
+                                     for o in outputs],
+                            prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
+        except Exception:
+            results.put(("error", traceback.format_exc()))
