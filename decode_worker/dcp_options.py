@@ -7,6 +7,7 @@ hold the kpool cache sharded by ``--dcp-interleave`` tokens and each keeps the w
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,10 @@ import torch
 from connector import MAX_DCP_RANKS
 from kvcache import DcpConfig
 from runtime import Option, SettingsError, int_in, integer, model_config, seconds
+
+# The signal a rank gets when rank 0 dies, however it dies (its parent-death signal): not SIGTERM, which rank 0
+# sends on a normal stop, so that a rank knows nobody else will remove the rendezvous folder.
+RANK0_DIED = signal.SIGUSR1
 
 
 def _interleave(text: Any) -> int:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,7 @@ from connector import (
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from decode_worker.daemon import rank_cache_blocks
-from decode_worker.dcp_options import dcp_config
+from decode_worker.dcp_options import RANK0_DIED, dcp_config
 from decode_worker.router import DNS_PREFIX, parse_targets
 from kvcache import BlockLayout, CacheAllocation, CacheExhaustedError, NodeCache
 from model import DecodeSequence
@@ -110,6 +111,8 @@ class DcpRankNode(api.DcpRankServiceServicer):
         self.steps, self.step_seconds, self.transfer_bytes = 0, 0.0, 0
         self._rank0 = os.getppid()  # the daemon that started this rank, which owns the rendezvous folder
         self._rendezvous_dir = rendezvous_folder(settings["dcp_rendezvous"])
+        self._orphaned = False  # rank 0 died: nobody else removes the rendezvous folder
+        signal.signal(RANK0_DIED, self._on_rank0_death)
 
     @property
     def failure(self) -> str:
@@ -138,8 +141,8 @@ class DcpRankNode(api.DcpRankServiceServicer):
         return f"{len(self._held)} requests held; freeing them" if self._held else None
 
     async def close(self) -> None:
-        if os.getppid() != self._rank0 and self._rendezvous_dir is not None:  # rank 0 died: nobody else removes it
-            # first, before anything below can block on the group whose rank 0 is gone
+        if (self._orphaned or os.getppid() != self._rank0) and self._rendezvous_dir is not None:
+            # rank 0 died: nobody else removes it; first, before anything below can wait on the group
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
         self._free_all()
         if self._connecting is not None:
@@ -148,6 +151,13 @@ class DcpRankNode(api.DcpRankServiceServicer):
         await self.connector.close()
         if not self.broken:  # a failed group is not torn down: its peers are gone, and the process exits
             self.group.leave()
+
+    def _on_rank0_death(self, _signum, _frame) -> None:
+        """Rank 0 died (the kernel's parent-death signal): stop as on SIGTERM, and clean up after it.
+        (While rank 0's threads exit, ``getppid`` may still name it, so the signal itself says so.)"""
+        self._orphaned = True
+        logger.warning("DCP rank %d: rank 0 (pid %d) died; stopping", self.shard.rank, self._rank0)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def describe(self) -> dict[str, object]:
         return {"dcp_rank": self.shard.rank, "dcp": self.shard.size, "dcp_interleave": self.shard.interleave,

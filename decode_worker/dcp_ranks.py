@@ -34,7 +34,7 @@ from prometheus_client import Gauge
 
 from connector import PrefillGrant, StatusError, Transport, auth_metadata, dial_target, open_channel
 from decode_worker import dcp_api as api
-from decode_worker.dcp_options import rank_device
+from decode_worker.dcp_options import RANK0_DIED, rank_device
 from kvcache import DcpConfig
 from runtime import NodeContext, Option
 from runtime.node import LOOPBACK
@@ -80,7 +80,7 @@ class DcpRanks:
                    "KPOOLPD_DCP_RANK": str(rank), "KPOOLPD_DCP_RENDEZVOUS": self.rendezvous,
                    "KPOOLPD_PORT": "0", "KPOOLPD_METRICS_PORT": "-1", "KPOOLPD_HEALTH_PORT": "-1",
                    "KPOOLPD_READY_FILE": str(self._ready_file(rank)), "KPOOLPD_ENGINE_ID": f"{context.engine_id}/dcp{rank}",
-                   "KPOOLPD_DEVICE": rank_device(settings, rank), **parent_death_env()}
+                   "KPOOLPD_DEVICE": rank_device(settings, rank), **parent_death_env(RANK0_DIED)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", RANK_MODULE], env=env))
         self.addresses: list[str] = []
         self._channels: list[grpc.aio.Channel] = []

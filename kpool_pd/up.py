@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -69,7 +70,7 @@ def _progress(text: str) -> None:
 class Teardown:
     """What a PD run must undo however it ends: its daemons and its temporary folder.
 
-    Inside ``with``, SIGTERM, SIGINT and SIGHUP stop every ``track``ed daemon (SIGTERM to all, so
+    Inside ``with``, SIGTERM, SIGINT and SIGHUP stop every daemon it ``start``ed (SIGTERM to all, so
     they drain together, then SIGKILL after ``INTERRUPT_GRACE_S``), remove ``workdir`` and exit
     the process at once with status 128 + the signal (whatever the main thread was doing: waiting
     for a daemon, running the requests); a second signal meanwhile is ignored. On a normal exit the
@@ -80,6 +81,8 @@ class Teardown:
         self.workdir: Path | None = None
         self.daemons: list[Daemon] = []
         self._previous: dict[int, object] = {}
+        self._starting = False
+        self._deferred: int | None = None  # a stop signal that came while a daemon was starting
 
     def __enter__(self) -> "Teardown":
         for sig in STOP_SIGNALS:
@@ -90,14 +93,28 @@ class Teardown:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
 
-    def track(self, daemon: Daemon) -> Daemon:
-        """Stop ``daemon`` too if a signal comes; returns it."""
-        self.daemons.append(daemon)
-        return daemon
+    def start(self, launch: Callable[[], Daemon]) -> Daemon:
+        """Start a daemon (``launch()``) and stop it too if a signal comes; returns it. A signal that comes
+        while it starts (its process may exist before ``launch`` returns it) is acted on once it is tracked."""
+        self._starting = True
+        try:
+            daemon = launch()
+            self.daemons.append(daemon)
+            return daemon
+        finally:
+            self._starting = False
+            if self._deferred is not None:
+                self._stop_everything(self._deferred)
 
     def _on_signal(self, signum: int, _frame) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if self._starting:  # a daemon is starting: ``start`` stops everything once it holds that daemon
+            self._deferred = signum
+            return
+        self._stop_everything(signum)
+
+    def _stop_everything(self, signum: int) -> None:
         _progress(f"{signal.Signals(signum).name}: stopping the daemons"
                   f"{f' and removing {self.workdir}' if self.workdir else ''} ...")
         for daemon in self.daemons:
@@ -196,7 +213,7 @@ def run_up(args) -> int:
         _progress(f"starting the prefill daemon on {prefill_device} (transport {args.transport}, "
                   f"{prefill_config.cache.block_size}-token blocks; logs in {workdir}) ...")
         t0 = time.perf_counter()
-        with teardown.track(start_prefill(workdir, prefill_model, transports=args.transport, env=peer_env,
+        with teardown.start(lambda: start_prefill(workdir, prefill_model, transports=args.transport, env=peer_env,
                                           extra=["--max-prompt-tokens", str(args.prompt_len), "--device", prefill_device,
                                                  "--max-batch-tokens", str(args.max_batch_tokens),
                                                  *tls_flags])) as prefill:
@@ -207,7 +224,7 @@ def run_up(args) -> int:
                 t0 = time.perf_counter()
                 _progress(f"starting the decode daemon on {decode_device} ({config.cache.block_size}-token blocks"
                           f"{f', {args.dcp} DCP ranks' if args.dcp > 1 else ''}) ...")
-                with teardown.track(start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
+                with teardown.start(lambda: start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
                                                  transport=args.transport,
                                                  env={**peer_env, "KPOOLPD_TOKEN": client_token},
                                                  extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),

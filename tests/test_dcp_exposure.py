@@ -19,10 +19,10 @@ import pytest
 
 from decode_worker import dcp_api as api
 from kpool_pd.client import generate_all
-from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
-from tests.test_e2e import DECODE_LIMITS, READY_S, _assert_match, _flags, _logs_on_failure, _ready_and_serving, _stop
+from tests.dcp_daemons import dcp_instance
+from tests.test_e2e import _assert_match
 from tests.test_e2e_dcp import _children
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,51 +64,36 @@ def _other_interface() -> str:
 
 def test_dcp_ranks_listen_on_loopback_only_and_refuse_the_peer_token(tmp_path):
     config = ModelConfig.build(num_layers=2, num_spec=0, seed=21)
-    flags = _flags(config)
-    prefill = start_prefill(tmp_path, flags, transports="grpc",
-                            extra=["--num-blocks", "64", "--log-format", "text", "--peer-token", PEER_TOKEN])
-    scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: its rendezvous folder and the ranks' ready files
-    scratch.mkdir()
-    decode = None
-    try:
-        with _logs_on_failure(prefill):
-            prefill.wait_ready(READY_S)
-        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp2", transport="grpc",
-                              env={"TMPDIR": str(scratch), "GLOO_SOCKET_IFNAME": _other_interface()},
-                              extra=[*DECODE_LIMITS, "--dcp", "2", "--peer-token", PEER_TOKEN])
-        with _logs_on_failure(prefill, decode):
-            _ready_and_serving(decode)
-            ranks = _children(decode.proc.pid)
-            assert len(ranks) == 1, f"rank 0 should have started 1 rank process, found {ranks}"
-            for pid in (decode.proc.pid, *ranks):
-                listening = _listening(pid)
-                assert listening, f"process {pid} listens nowhere?"
-                beyond = [(a, p) for a, p in listening if a not in LOOPBACK]
-                # rank 0's own Generate API and metrics listen on --host (127.0.0.1 here) too
-                assert not beyond, f"process {pid} listens beyond loopback: {beyond}"
+    with dcp_instance(tmp_path, config, 2, transport="grpc", prefill_transports="grpc",
+                      prefill_extra=["--peer-token", PEER_TOKEN], decode_extra=["--peer-token", PEER_TOKEN],
+                      env={"GLOO_SOCKET_IFNAME": _other_interface()}) as instance:
+        decode, scratch = instance.decode, instance.scratch
+        ranks = _children(decode.proc.pid)
+        assert len(ranks) == 1, f"rank 0 should have started 1 rank process, found {ranks}"
+        for pid in (decode.proc.pid, *ranks):
+            listening = _listening(pid)
+            assert listening, f"process {pid} listens nowhere?"
+            beyond = [(a, p) for a, p in listening if a not in LOOPBACK]
+            # rank 0's own Generate API and metrics listen on --host (127.0.0.1 here) too
+            assert not beyond, f"process {pid} listens beyond loopback: {beyond}"
 
-            # the rank's API refuses the fleet's peer token (and no token at all)
-            ready = next(scratch.glob("kpoolpd-dcp-*/rank-1.ready.json"))
-            port = json.loads(ready.read_text())["grpc_port"]
+        # the rank's API refuses the fleet's peer token (and no token at all)
+        ready = next(scratch.glob("kpoolpd-dcp-*/rank-1.ready.json"))
+        port = json.loads(ready.read_text())["grpc_port"]
 
-            async def drop(token: str | None) -> grpc.StatusCode:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    md = (("authorization", f"Bearer {token}"),) if token else ()
-                    try:
-                        await api.DcpRankServiceStub(channel).Drop(api.DropRequest(request_id=""), timeout=10,
-                                                                     metadata=md)
-                    except grpc.aio.AioRpcError as exc:
-                        return exc.code()
-                    return grpc.StatusCode.OK
-            assert asyncio.run(drop(PEER_TOKEN)) is grpc.StatusCode.UNAUTHENTICATED
-            assert asyncio.run(drop(None)) is grpc.StatusCode.UNAUTHENTICATED
+        async def drop(token: str | None) -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                md = (("authorization", f"Bearer {token}"),) if token else ()
+                try:
+                    await api.DcpRankServiceStub(channel).Drop(api.DropRequest(request_id=""), timeout=10,
+                                                                 metadata=md)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+        assert asyncio.run(drop(PEER_TOKEN)) is grpc.StatusCode.UNAUTHENTICATED
+        assert asyncio.run(drop(None)) is grpc.StatusCode.UNAUTHENTICATED
 
-            requests = make_prompts(2, 300, seed=22, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
-            results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests))
-            _assert_match(results, run_colocated(config, requests))
-    finally:
-        if decode is not None:
-            _stop(decode, prefill)
-        else:
-            _stop(prefill)
-    assert not list(scratch.iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
+        requests = make_prompts(2, 300, seed=22, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
+        results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests))
+        _assert_match(results, run_colocated(config, requests))
+    assert not list(instance.scratch.iterdir()), f"rendezvous folder left behind: {list(instance.scratch.iterdir())}"

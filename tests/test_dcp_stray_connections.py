@@ -17,18 +17,16 @@ import select
 import socket
 import struct
 import time
-from pathlib import Path
 
 import pytest
 
 from kpool_pd.client import generate_all
-from runtime.launch import start_decode, start_prefill
 from model import ModelConfig
 from model.colocated import make_prompts, run_colocated
+from tests.dcp_daemons import dcp_instance
 from tests.polling import process_alive, wait_for
 from tests.test_dcp_exposure import _listening
-from tests.test_e2e import DECODE_LIMITS, READY_S, SETTLE_S, _assert_match, _flags, _logs_on_failure, \
-    _ready_and_serving, _stop
+from tests.test_e2e import SETTLE_S, _assert_match
 from tests.test_e2e_dcp import _children
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,41 +90,26 @@ def _storm(port: int, pids: list[int]) -> int:
 
 def test_stray_connections_to_every_port_leave_the_dcp_instance_serving(tmp_path):
     config = ModelConfig.build(num_layers=2, num_spec=0, seed=31)
-    flags = _flags(config)
-    prefill = start_prefill(tmp_path, flags, transports="grpc", extra=["--num-blocks", "64", "--log-format", "text"])
-    scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: its rendezvous folder
-    scratch.mkdir()
-    decode = None
-    try:
-        with _logs_on_failure(prefill):
-            prefill.wait_ready(READY_S)
-        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp2", transport="grpc",
-                              env={"TMPDIR": str(scratch)}, extra=[*DECODE_LIMITS, "--dcp", "2"])
-        with _logs_on_failure(prefill, decode):
-            _ready_and_serving(decode)
-            pids = [decode.proc.pid, *_children(decode.proc.pid)]
-            assert len(pids) == 2, f"rank 0 should have started 1 rank process, found {pids[1:]}"
-            warm = make_prompts(1, 200, seed=32, vocab_size=config.vocab_size, max_tokens=4, prefix="warm")
-            _assert_match(asyncio.run(generate_all(f"127.0.0.1:{decode.port}", warm)), run_colocated(config, warm))
-            ports = {pid: sorted({port for _, port in _listening(pid)}) for pid in pids}
-            assert all(len(p) >= 2 for p in ports.values()), f"each process listens on its API and gloo: {ports}"
-            before = {pid: _fds(pid) for pid in pids}
+    with dcp_instance(tmp_path, config, 2, transport="grpc", prefill_transports="grpc") as instance:
+        decode = instance.decode
+        pids = [decode.proc.pid, *_children(decode.proc.pid)]
+        assert len(pids) == 2, f"rank 0 should have started 1 rank process, found {pids[1:]}"
+        warm = make_prompts(1, 200, seed=32, vocab_size=config.vocab_size, max_tokens=4, prefix="warm")
+        _assert_match(asyncio.run(generate_all(f"127.0.0.1:{decode.port}", warm)), run_colocated(config, warm))
+        ports = {pid: sorted({port for _, port in _listening(pid)}) for pid in pids}
+        assert all(len(p) >= 2 for p in ports.values()), f"each process listens on its API and gloo: {ports}"
+        before = {pid: _fds(pid) for pid in pids}
 
-            came_up = {port: _storm(port, pids) for pid in pids for port in ports[pid]}
+        came_up = {port: _storm(port, pids) for pid in pids for port in ports[pid]}
 
-            assert all(process_alive(pid) for pid in pids), "a DCP process died"
-            assert decode.proc.poll() is None, f"rank 0 exited with status {decode.proc.returncode}"
-            assert decode.port in came_up and came_up[decode.port] > 0, f"the Generate API took no connection: {came_up}"
-            for pid in pids:
-                assert wait_for(lambda pid=pid: _fds(pid) <= before[pid], SETTLE_S), \
-                    f"process {pid} holds {_fds(pid)} fds, {before[pid]} before {CONNECTIONS} connections to each of " \
-                    f"its ports (up: {came_up})"
-            requests = make_prompts(2, 300, seed=33, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
-            _assert_match(asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests)),
-                          run_colocated(config, requests))
-    finally:
-        if decode is not None:
-            _stop(decode, prefill)
-        else:
-            _stop(prefill)
-    assert not list(Path(scratch).iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
+        assert all(process_alive(pid) for pid in pids), "a DCP process died"
+        assert decode.proc.poll() is None, f"rank 0 exited with status {decode.proc.returncode}"
+        assert decode.port in came_up and came_up[decode.port] > 0, f"the Generate API took no connection: {came_up}"
+        for pid in pids:
+            assert wait_for(lambda pid=pid: _fds(pid) <= before[pid], SETTLE_S), \
+                f"process {pid} holds {_fds(pid)} fds, {before[pid]} before {CONNECTIONS} connections to each of " \
+                f"its ports (up: {came_up})"
+        requests = make_prompts(2, 300, seed=33, vocab_size=config.vocab_size, max_tokens=8, prefix="after")
+        _assert_match(asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests)),
+                      run_colocated(config, requests))
+    assert not list(instance.scratch.iterdir()), f"rendezvous folder left behind: {list(instance.scratch.iterdir())}"

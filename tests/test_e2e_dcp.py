@@ -26,15 +26,15 @@ import pytest
 
 from connector.shared.plan import ring_live_range
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import Daemon, start_decode, start_prefill
+from runtime.launch import start_decode, start_prefill
 from kvcache import BlockLayout
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
+from tests.dcp_daemons import dcp_instance
 from tests.polling import process_alive, wait_for
 from tests.ports import free_port
 from tests.test_e2e import (
     DECODE_LIMITS,
-    READY_S,
     SETTLE_S,
     TRANSPORTS,
     _assert_match,
@@ -134,55 +134,41 @@ STOPPED = re.compile(r"decode node stopped; free: (\d+) of (\d+) blocks, (\d+) o
 
 def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_the_prefill(tmp_path):
     config = ModelConfig.build(num_layers=2, num_spec=3, seed=11)
-    flags = _flags(config)
-    prefill = start_prefill(tmp_path, flags, extra=["--num-blocks", "128", "--log-format", "text"])
-    decode: Daemon | None = None
-    try:
-        with _logs_on_failure(prefill):
-            prefill.wait_ready(READY_S)
-        scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: where its rendezvous folder lives
-        scratch.mkdir()
-        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp3",
-                              transport=TRANSPORTS[0], env={"TMPDIR": str(scratch)},
-                              extra=[*DECODE_LIMITS, "--dcp", "3", "--transfer-timeout-s", "20", "--drain-s", "10"])
-        with _logs_on_failure(prefill, decode):
-            _ready_and_serving(decode)
-            prefill_free = _free_blocks(prefill)
-            ranks = _children(decode.proc.pid)
-            assert len(ranks) == 2, f"rank 0 should have started 2 rank processes, found {ranks}"
-            doomed = make_prompts(4, 150, seed=12, vocab_size=config.vocab_size, max_tokens=256, prefix="doomed")
+    with dcp_instance(tmp_path, config, 3, transport=TRANSPORTS[0], prefill_blocks=128,
+                      decode_extra=["--transfer-timeout-s", "20", "--drain-s", "10"]) as instance:
+        prefill, decode, scratch = instance.prefill, instance.decode, instance.scratch
+        prefill_free = _free_blocks(prefill)
+        ranks = _children(decode.proc.pid)
+        assert len(ranks) == 2, f"rank 0 should have started 2 rank processes, found {ranks}"
+        doomed = make_prompts(4, 150, seed=12, vocab_size=config.vocab_size, max_tokens=256, prefix="doomed")
 
-            async def scenario():
-                task = asyncio.ensure_future(generate_all(f"127.0.0.1:{decode.port}", doomed))
-                while not task.done() and _metric(decode, "kpoolpd_decode_running") < len(doomed):
-                    await asyncio.sleep(0.01)
-                signal_sent = time.monotonic()
-                os.kill(ranks[0], signal.SIGKILL)
-                results = await task
-                return results, time.monotonic() - signal_sent
-            results, took = asyncio.run(scenario())
-            assert all(isinstance(r, RequestFailed) and r.code == grpc.StatusCode.UNAVAILABLE and "DCP" in r.message
-                       for r in results), results
-            assert took < 20, f"the requests took {took:.1f} s to fail (deadline 20 s)"
-            assert wait_for(lambda: _free_blocks(prefill) == prefill_free, SETTLE_S), "the prefill still holds blocks"
-            # rank 0 stops by itself (the instance is broken), after freeing everything; so does rank 2
-            assert wait_for(lambda: decode.proc.poll() is not None, 90), "rank 0 did not stop by itself"
-            log = decode.log_path.read_text()
-            stopped = STOPPED.findall(log)
-            assert len(stopped) == 2, f"rank 0 and the surviving rank each report their pool: {stopped}"
-            for free, total, free_rings, rings in stopped:
-                assert (free, free_rings) == (total, rings), f"blocks or rings left in use: {stopped}"
-            # a broken instance exits non-zero (a supervisor restarts it), blaming the rank, not the prefill node
-            assert decode.proc.returncode not in (0, None), f"rank 0 exited with status {decode.proc.returncode}"
-            assert re.search(r"stopped because it broke: DCP rank 1 (exited|failed)", log), log[-3000:]
-            blamed = [line for line in log.splitlines() if "prefill" in line.lower() and
-                      re.search(r"unusable|not usable|failed|unreachable", line, re.IGNORECASE)]
-            assert not blamed, f"the log blames the prefill node for the broken rank: {blamed[:3]}"
-            assert not list(scratch.iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
-    finally:
-        if decode is not None:
-            decode.stop()
-        _stop(prefill)
+        async def scenario():
+            task = asyncio.ensure_future(generate_all(f"127.0.0.1:{decode.port}", doomed))
+            while not task.done() and _metric(decode, "kpoolpd_decode_running") < len(doomed):
+                await asyncio.sleep(0.01)
+            signal_sent = time.monotonic()
+            os.kill(ranks[0], signal.SIGKILL)
+            results = await task
+            return results, time.monotonic() - signal_sent
+        results, took = asyncio.run(scenario())
+        assert all(isinstance(r, RequestFailed) and r.code == grpc.StatusCode.UNAVAILABLE and "DCP" in r.message
+                   for r in results), results
+        assert took < 20, f"the requests took {took:.1f} s to fail (deadline 20 s)"
+        assert wait_for(lambda: _free_blocks(prefill) == prefill_free, SETTLE_S), "the prefill still holds blocks"
+        # rank 0 stops by itself (the instance is broken), after freeing everything; so does rank 2
+        assert wait_for(lambda: decode.proc.poll() is not None, 90), "rank 0 did not stop by itself"
+        log = decode.log_path.read_text()
+        stopped = STOPPED.findall(log)
+        assert len(stopped) == 2, f"rank 0 and the surviving rank each report their pool: {stopped}"
+        for free, total, free_rings, rings in stopped:
+            assert (free, free_rings) == (total, rings), f"blocks or rings left in use: {stopped}"
+        # a broken instance exits non-zero (a supervisor restarts it), blaming the rank, not the prefill node
+        assert decode.proc.returncode not in (0, None), f"rank 0 exited with status {decode.proc.returncode}"
+        assert re.search(r"stopped because it broke: DCP rank 1 (exited|failed)", log), log[-3000:]
+        blamed = [line for line in log.splitlines() if "prefill" in line.lower() and
+                  re.search(r"unusable|not usable|failed|unreachable", line, re.IGNORECASE)]
+        assert not blamed, f"the log blames the prefill node for the broken rank: {blamed[:3]}"
+        assert not list(scratch.iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
 
 
 @pytest.mark.parametrize("command", [["decode_worker"], ["kpool_pd", "up"]], ids=["decode", "up"])
@@ -196,28 +182,13 @@ def test_qsa_with_dcp_is_refused_at_start_naming_dcp(command):
 
 def test_the_surviving_ranks_remove_the_rendezvous_folder_when_rank_0_is_killed(tmp_path):
     config = ModelConfig.build(num_layers=2, num_spec=0, seed=13)
-    flags = _flags(config)
-    prefill = start_prefill(tmp_path, flags, extra=["--num-blocks", "64", "--log-format", "text"])
-    decode: Daemon | None = None
-    try:
-        with _logs_on_failure(prefill):
-            prefill.wait_ready(READY_S)
-        scratch = tmp_path / "scratch"  # the decode daemon's TMPDIR: where its rendezvous folder lives
-        scratch.mkdir()
-        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode-dcp3",
-                              transport=TRANSPORTS[0], env={"TMPDIR": str(scratch)},
-                              extra=[*DECODE_LIMITS, "--dcp", "3"])
-        with _logs_on_failure(prefill, decode):
-            _ready_and_serving(decode)
-            ranks = _children(decode.proc.pid)
-            assert len(ranks) == 2, f"rank 0 should have started 2 rank processes, found {ranks}"
-            assert [p.name for p in scratch.iterdir()], "no rendezvous folder while the instance serves?"
-            decode.kill()  # SIGKILL: rank 0 gets no chance to stop its ranks or remove the folder
-            assert wait_for(lambda: not any(process_alive(pid) for pid in ranks), ORPHAN_STOP_S), \
-                f"ranks {[pid for pid in ranks if process_alive(pid)]} outlived rank 0"
-            assert wait_for(lambda: not list(scratch.iterdir()), ORPHAN_STOP_S), \
-                f"rendezvous folder left behind: {list(scratch.rglob('*'))}"
-    finally:
-        if decode is not None:
-            decode.stop()
-        _stop(prefill)
+    with dcp_instance(tmp_path, config, 3, transport=TRANSPORTS[0]) as instance:
+        decode, scratch = instance.decode, instance.scratch
+        ranks = _children(decode.proc.pid)
+        assert len(ranks) == 2, f"rank 0 should have started 2 rank processes, found {ranks}"
+        assert [p.name for p in scratch.iterdir()], "no rendezvous folder while the instance serves?"
+        decode.kill()  # SIGKILL: rank 0 gets no chance to stop its ranks or remove the folder
+        assert wait_for(lambda: not any(process_alive(pid) for pid in ranks), ORPHAN_STOP_S), \
+            f"ranks {[pid for pid in ranks if process_alive(pid)]} outlived rank 0"
+        assert wait_for(lambda: not list(scratch.iterdir()), ORPHAN_STOP_S), \
+            f"rendezvous folder left behind: {list(scratch.rglob('*'))}"
