@@ -33,6 +33,7 @@ from kpool_pd.report import json_lines, summary, summary_text, table
 from kvcache import DcpConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import SettingsError, client_tls, model_config, model_flags
+from runtime.geometry import check_kernel_page_on, check_serving_geometry
 
 READY_TIMEOUT_S = 120.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -143,8 +144,12 @@ def run_up(args) -> int:
         if args.dcp > 1 and prefill_config.cache.block_size != config.cache.block_size:
             raise ValueError(f"--dcp {args.dcp} needs one block size for prefill and decode, got "
                              f"{prefill_config.cache.block_size} and {config.cache.block_size}")
+        for checked in (prefill_config, config):  # the geometry the daemons refuse, refused here too
+            check_serving_geometry(checked.cache)
         DcpConfig.for_cache(config.cache, size=args.dcp, interleave=args.dcp_interleave or None)
         prefill_device, decode_device = placement(args.device, args.dcp)
+        check_kernel_page_on(prefill_config.cache, torch.device(prefill_device))
+        check_kernel_page_on(config.cache, torch.device(decode_device))
     except ValueError as exc:
         _progress(f"error: {exc}")
         return 2
