@@ -58,8 +58,9 @@ def check_kernel_page_for_capability(cache: CacheConfig, capability: tuple[int, 
         raise GeometryError(
             f"kpool {cache.kpool} in {cache.block_size}-token blocks with kernel pages of {states} states is refused on "
             f"a GPU of compute capability {capability[0]}.{capability[1]}: the paged-MQA indexer kernel takes pages of "
-            f"{SM120_PAGE_STATES} states only there (a block of at least {SM120_PAGE_STATES * cache.kpool} tokens for "
-            f"kpool {cache.kpool})", options=("kpool", "block_size"))
+            f"{SM120_PAGE_STATES} states only there (--kernel-page-states 64 and a block of at least "
+            f"{SM120_PAGE_STATES * cache.kpool} tokens for "
+            f"kpool {cache.kpool})", options=("kpool", "block_size", "kernel_page_states"))
 
 
 def check_kernel_page_on(cache: CacheConfig, device: torch.device) -> None:
