@@ -23,3 +23,10 @@ def counts(text: str) -> list[int]:
     if not all(parts):
         raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, got {text!r}")
     return [count(part) for part in parts]
+
+
+def bench_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """A bench's command line, described by its module docstring's first paragraph (whole sentences:
+    argparse reflows it), so that ``--help`` never stops mid-sentence."""
+    paragraph = (doc or "").strip().split("\n\n")[0]
+    return argparse.ArgumentParser(prog=prog, description=" ".join(paragraph.split()))

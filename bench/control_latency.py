@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.arguments import bench_parser
 from runtime.launch import child_context, start_child
 
 _SERVICE = "bench.Control"
@@ -93,10 +94,15 @@ def measure(requests: int, deadline_s: float = 60.0) -> dict[str, dict[str, floa
         server.join(10)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kpool-pd bench control", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("kpool-pd bench control", __doc__)
     parser.add_argument("--requests", type=int, default=300, help="requests each way (default 300)")
     parser.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error(f"--requests must be >= 1, got {args.requests}")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.arguments import count, counts
+from bench.arguments import bench_parser, count, counts
 from bench.plotting import pyplot, wrote
 from connector import dcp_transfer_bytes
 from kvcache import BlockLayout, DcpConfig, NodeCache
@@ -143,22 +143,31 @@ def _table(rows: list[dict], args: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kpool-pd bench dcp", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--ranks", type=counts, default=[1, 2])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("kpool-pd bench dcp", __doc__)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu (gloo) or cuda (rank r on cuda:r, NCCL) (default cpu)")
+    parser.add_argument("--ranks", type=counts, default=[1, 2], help="rank counts to measure, comma-separated "
+                                                                     "(default 1,2)")
     parser.add_argument("--tokens", type=count, default=32768, help="context (prompt) length of each request")
     parser.add_argument("--batch", type=count, default=4, help="requests decoded together")
-    parser.add_argument("--layers", type=count, default=4)
-    parser.add_argument("--kpool", type=count, default=4)
-    parser.add_argument("--num-spec", type=int, default=3)
-    parser.add_argument("--block-size", type=count, default=256)
-    parser.add_argument("--steps", type=count, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timeout-s", type=float, default=1800.0)
-    parser.add_argument("--machine", default=platform.node() or "machine")
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--layers", type=count, default=4, help="model layers (default 4)")
+    parser.add_argument("--kpool", type=count, default=4, help="tokens per kpool pool (default 4)")
+    parser.add_argument("--num-spec", type=int, default=3, help="draft tokens per decode step (default 3)")
+    parser.add_argument("--block-size", type=count, default=256, help="tokens per block (default 256)")
+    parser.add_argument("--steps", type=count, default=20, help="timed decode steps, the median reported (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before them (default 3)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0,
+                        help="deadline of one rank count's run, its processes included (default 1800)")
+    parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
+    parser.add_argument("--no-plot", action="store_true", help="write the JSON only, no PNG")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"),
+                        help="folder for the JSON and PNG results (default bench/results)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = vars(parser.parse_args(argv))
     if args["warmup"] < 0:
         parser.error(f"--warmup must be >= 0, got {args['warmup']}")

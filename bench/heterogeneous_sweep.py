@@ -4,7 +4,8 @@ requests must equal the colocated run with the decode block size, byte for byte.
     python -m bench.heterogeneous_sweep [--pairs 128:256,512:128,256:512] [--drafts 0,1,2,3,4,5]
         [--transports ucx,grpc] [--requests 2 --prompt-len 600 --max-tokens 8] [--out FILE.json]
 
-A combination whose ring (kpool family) or group ring (QSA) does not divide both block sizes is
+A combination whose ring (kpool family) or group ring (QSA) does not divide both block sizes, or whose
+blocks are a geometry the daemons refuse (kpool 8 in 128-token blocks: pages of 16 states), is
 listed as not applicable (the daemons would refuse it at start). Prints one line per run as it
 ends (progress on stderr), then a table of the outcomes; exits 1 when any applicable run failed
 or did not match.
@@ -20,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.arguments import bench_parser
 from kvcache import CacheFamily, family_spec_type
+from model import ModelConfig
+from runtime.geometry import check_serving_geometry
 
 logger = logging.getLogger("kpool_pd.sweep")
 FAMILY_GROUPS = (("kpool", 2), ("kpool", 4), ("kpool", 8), ("qsa", 2), ("qsa", 4), ("qsa", 8))
@@ -39,9 +43,18 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 
 
 def applicable(family: str, group: int, drafts: int, sizes: tuple[int, int]) -> bool:
-    """Whether the ring (or QSA's group ring) and the group divide both block sizes."""
+    """Whether the ring (or QSA's group ring) and the group divide both block sizes, and both blocks
+    are a geometry the daemons serve (``runtime.geometry``: kpool 8 in 128-token blocks is not)."""
     ring = family_spec_type(CacheFamily(family)).ring_slots_for(group, drafts)
-    return all(size % ring == 0 and size % group == 0 for size in sizes)
+    if not all(size % ring == 0 and size % group == 0 for size in sizes):
+        return False
+    try:
+        for size in sizes:
+            check_serving_geometry(ModelConfig.build(family=CacheFamily(family), kpool=group, compress_ratio=group,
+                                                     num_spec=drafts, block_size=size).cache)
+    except ValueError:
+        return False
+    return True
 
 
 def run_one(family: str, group: int, drafts: int, sizes: tuple[int, int], transport: str, args) -> dict:
@@ -62,18 +75,23 @@ def run_one(family: str, group: int, drafts: int, sizes: tuple[int, int], transp
             "error": "" if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1:]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.heterogeneous_sweep", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("python -m bench.heterogeneous_sweep", __doc__)
     parser.add_argument("--pairs", type=_pairs, default=_pairs("128:256,512:128,256:512"),
                         help="prefill:decode block sizes (default 128:256,512:128,256:512)")
-    parser.add_argument("--drafts", type=_ints, default=_ints("0,1,2,3,4,5"))
-    parser.add_argument("--transports", default="ucx,grpc")
-    parser.add_argument("--requests", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=600)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--drafts", type=_ints, default=_ints("0,1,2,3,4,5"),
+                        help="draft counts, comma-separated (default 0,1,2,3,4,5)")
+    parser.add_argument("--transports", default="ucx,grpc", help="data planes, comma-separated (default ucx,grpc)")
+    parser.add_argument("--requests", type=int, default=2, help="requests of each run (default 2)")
+    parser.add_argument("--prompt-len", type=int, default=600, help="prompt tokens of each request (default 600)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens of each request (default 8)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline of one run (default 300)")
     parser.add_argument("--out", type=Path, default=None, help="write every run's outcome as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = [(f, g, d, sizes, t) for sizes in args.pairs for f, g in FAMILY_GROUPS for d in args.drafts
             for t in args.transports.split(",")]

@@ -26,7 +26,7 @@ import triton
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.arguments import count  # noqa: E402
+from bench.arguments import bench_parser, count  # noqa: E402
 from bench.copy_baseline import copy_bandwidths  # noqa: E402
 from bench.kernel_report import format_table, plot  # noqa: E402
 from bench.kpool_cases import KPOOL_CASES, KPOOL_VARIANTS  # noqa: E402
@@ -38,12 +38,17 @@ CASES: list[BenchCase] = [*KPOOL_CASES, *QSA_CASES, *REPACK_CASES]
 VARIANTS: list[BenchCase] = [*KPOOL_VARIANTS, *QSA_VARIANTS]  # launch variants, with --variants
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kpool-pd bench kernels", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("kpool-pd bench kernels", __doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for kernels.json/.txt/.png")
     parser.add_argument("--reps", type=count, default=200, help="timed graph replays per kernel (median reported)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains one of these comma-separated texts")
     parser.add_argument("--variants", action="store_true", help="also time the kernels' launch variants (sweeps)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     wanted = [part for part in args.only.split(",") if part] or [""]
     cases = [c for c in CASES + (VARIANTS if args.variants else []) if any(part in c.name for part in wanted)]

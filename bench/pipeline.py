@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from bench.arguments import count
+from bench.arguments import bench_parser, count
 from bench.plotting import pyplot, wrote
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, Transport, ucx_available)
 from kvcache import BlockLayout, NodeCache
@@ -174,17 +174,26 @@ def plot(lines: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kpool-pd bench pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-len", type=count, default=4096)
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("kpool-pd bench pipeline", __doc__)
+    parser.add_argument("--prompt-len", type=count, default=4096, help="prompt tokens of the one request (default 4096)")
     parser.add_argument("--max-batch-tokens", type=count, default=256, help="the chunked run's token budget")
     parser.add_argument("--runs", type=count, default=3, help="kpool-pd up runs of each prefill (medians shown)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--transport", choices=["ucx", "grpc"], default="ucx" if ucx_available() else "grpc")
-    parser.add_argument("--layers", type=count, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the daemons run (kpool-pd up --device; default cpu)")
+    transport = "ucx" if ucx_available() else "grpc"
+    parser.add_argument("--transport", choices=["ucx", "grpc"], default=transport,
+                        help=f"data plane between the daemons (default here: {transport})")
+    parser.add_argument("--layers", type=count, default=2, help="model layers (default 2)")
     parser.add_argument("--no-timeline", action="store_true", help="skip the in-process timeline")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"),
+                        help="folder for the JSON and PNG results (default bench/results)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")

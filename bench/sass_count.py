@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.arguments import count, counts
+from bench.arguments import bench_parser, count, counts
 from kernels.dispatch import INTERPRET_ENV, interpreting
 from kernels.kpool_compress.triton import _compress_kernel
 from kernels.triton_helpers import launch_options
@@ -78,11 +78,16 @@ def _tool(name: str, *args: str) -> str:
     return proc.stdout
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sass_count", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("python -m bench.sass_count", __doc__)
     parser.add_argument("--block-p", type=counts, default=[8, 16], help="pools a program, comma-separated")
     parser.add_argument("--warps", type=counts, default=[4], help="warps a program, comma-separated")
     parser.add_argument("--pools", type=count, default=262_144, help="pools of the launch the floor is for")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if interpreting():
         parser.error(f"{INTERPRET_ENV} is set: the kernels are interpreted and nothing compiles; run without it")

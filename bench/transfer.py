@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from bench.arguments import count, counts
+from bench.arguments import bench_parser, count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
@@ -246,23 +246,37 @@ def _plot(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kpool-pd bench transfer", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("kpool-pd bench transfer", __doc__)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where both nodes' pools live (default cpu)")
     parser.add_argument("--two-gpu", action="store_true", help="decode pool on cuda:1 (prefill on cuda:0); needs --device cuda")
-    parser.add_argument("--tokens", type=counts, default=[256, 1024, 4096, 16384, 32768, 65536, 131072])
-    parser.add_argument("--layers", type=count, default=4)
-    parser.add_argument("--block-size", type=count, default=256)
+    parser.add_argument("--tokens", type=counts, default=[256, 1024, 4096, 16384, 32768, 65536, 131072],
+                        help="request sizes in tokens, comma-separated (default 256,1024,4096,16384,32768,65536,131072)")
+    parser.add_argument("--layers", type=count, default=4, help="model layers in each block (default 4)")
+    parser.add_argument("--block-size", type=count, default=256, help="tokens per block (default 256)")
     parser.add_argument("--prefill-block-size", type=int, default=0,
                         help="also pull from a prefill node of this block size into --block-size decode blocks "
                              "(staging and repack), beside the same-layout pull (default 0: not)")
-    parser.add_argument("--kpool", type=count, default=4)
-    parser.add_argument("--reps", type=count, default=5)
+    parser.add_argument("--kpool", type=count, default=4, help="tokens per kpool pool (default 4)")
+    parser.add_argument("--reps", type=count, default=5, help="timed pulls of each size and transport, the median "
+                                                              "reported (default 5)")
     parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
     parser.add_argument("--no-nixl", action="store_true", help="leave the NIXL READ baseline out")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"),
+                        help="folder for the JSON and PNG results (default bench/results)")
+    return parser
+
+
+GRPC_VERBOSITY = "ERROR"  # the bench's processes: gRPC's informational lines (a "Got goaway" as a node stops) stay quiet
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    # Before any child process starts (each takes this environment): a user's GRPC_VERBOSITY still wins.
+    os.environ.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)
     if args.two_gpu and args.device != "cuda":
         parser.error("--two-gpu needs --device cuda")
     try:  # a block size that kpool or the ring does not allow fails here, before any process starts

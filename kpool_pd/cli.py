@@ -36,13 +36,14 @@ def _generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
-def _add_request_flags(parser: argparse.ArgumentParser, *, requests: int, prompt_len: int, max_tokens: int) -> None:
+def _add_request_flags(parser: argparse.ArgumentParser, *, requests: int, prompt_len: int, max_tokens: int,
+                       seed_help: str) -> None:
     parser.add_argument("--requests", type=int, default=requests, help=f"requests to send (default {requests})")
     parser.add_argument("--prompt-len", type=int, default=prompt_len,
                         help=f"prompt tokens of each request (default {prompt_len})")
     parser.add_argument("--max-tokens", type=int, default=max_tokens,
                         help=f"output tokens of each request (default {max_tokens})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the model's weights (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default 0)")
     parser.add_argument("--json", action="store_true", help='one JSON object per request, then {"summary": ...}')
 
 
@@ -56,7 +57,8 @@ def _add_up(commands) -> None:
         description="Start one prefill and one decode daemon as subprocesses on loopback, send the requests, "
                     "print per request its tokens, bytes moved, transfer time and time to first token, then a "
                     "summary that includes the check against the colocated run, and stop the daemons.")
-    _add_request_flags(up, requests=8, prompt_len=200, max_tokens=32)  # --seed: prompts and weights
+    _add_request_flags(up, requests=8, prompt_len=200, max_tokens=32,
+                       seed_help="seed of the prompts and of the synthetic model's weights (the daemons' --seed)")
     add_model_arguments(up, defaults=UP_MODEL_DEFAULTS, skip=("seed",))
     transport = default_transport()
     up.add_argument("--transport", choices=["ucx", "grpc"], default=transport,
@@ -86,6 +88,8 @@ def _add_up(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kpool_pd.client import DEFAULT_REQUEST_TIMEOUT_S
+
     parser = argparse.ArgumentParser(prog="kpool-pd", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -105,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--tls-key", default="", metavar="PEM", help="private key of --tls-cert")
     generate.add_argument("--tls-server-name", default="", metavar="NAME",
                           help="name expected in the daemon's certificate (default: the host of --decode)")
-    _add_request_flags(generate, requests=4, prompt_len=200, max_tokens=32)
+    _add_request_flags(generate, requests=4, prompt_len=200, max_tokens=32,
+                       seed_help="seed of the prompts' random tokens (the model's weights are the decode daemon's: its "
+                                 "--seed)")
+    generate.add_argument("--timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                          help=f"each request's deadline in seconds from its sending, waiting for room on the decode "
+                               f"daemon included; a request past it fails DEADLINE_EXCEEDED (default "
+                               f"{DEFAULT_REQUEST_TIMEOUT_S:.0f})")
     generate.set_defaults(handler=_generate)
     for name, text in (("prefill", "run the prefill daemon"), ("decode", "run the decode daemon (the Generate API)")):
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")

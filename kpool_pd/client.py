@@ -14,6 +14,9 @@ from decode_worker import api
 from model.colocated import GenerateRequest, RequestResult
 
 
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # one request's deadline, queueing on the decode node included
+
+
 class RequestFailed(StatusError):
     """A request that ended with an error status; ``request_id`` names it."""
 
@@ -74,10 +77,11 @@ async def generate_one(stub: api.GenerateServiceStub, request: GenerateRequest, 
 
 
 async def generate_all(address: str, requests: Sequence[GenerateRequest], *, token: str | None = None,
-                       tls: TlsConfig | None = None, timeout_s: float = 120.0,
+                       tls: TlsConfig | None = None, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                        on_done: Callable[[RequestResult | RequestFailed], None] | None = None,
                        ) -> list[RequestResult | RequestFailed]:
-    """Send every request at once, over TLS with ``tls``; results (or the failure) in request order."""
+    """Send every request at once, over TLS with ``tls``, each with a deadline of ``timeout_s`` seconds
+    from its sending (one past it fails DEADLINE_EXCEEDED); results (or the failure) in request order."""
     async with open_channel(address, tls) as channel:
         stub = api.GenerateServiceStub(channel)
 

@@ -14,6 +14,11 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 request``, ``2 requests``, ``0 requests`` (nouns that take an s)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -80,7 +85,8 @@ def summary_text(s: dict) -> str:
               f"({100 * s['drafts_accepted'] / s['drafts_proposed']:.0f}%)" if s["drafts_proposed"] else "")
     dcp_text = f", {s['dcp']} DCP ranks" if s.get("dcp") else ""
     lines = [
-        f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, transport {s['transport']}"
+        f"summary: {s['ok']}/{s['requests']} requests ok ({s['mode']}, "
+        f"transport {s['transport'] or 'none (no request reached the decode node)'}"
         f"{' over mTLS' if s.get('tls') else ''}"
         f"{' (cache bytes over UCX NOT encrypted)' if s.get('tls') and s.get('data_plane_encrypted') is False else ''}"
         f"; {m['family']} "
@@ -92,9 +98,11 @@ def summary_text(s: dict) -> str:
     if s["mode"] == "pd":
         where = (f" (prefill on {s['prefill_device']}, decode on {s['decode_device']})"
                  if s.get("prefill_device", "cpu") != "cpu" or s.get("decode_device", "cpu") != "cpu" else "")
-        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request, "
-                     f"{s['exposed_transfer_ms_mean']:.2f} ms of it after the prefill (exposed); mean prefill "
-                     f"{s['prefill_ms_mean']:.2f} ms{where}")
+        # The exposed time is not a part of the transfer time: it runs from the end of the prompt's compute to
+        # the last byte landed, waiting for a send included, while the transfer time counts only the moving.
+        lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request "
+                     f"(moving its bytes); the first token waited {s['exposed_transfer_ms_mean']:.2f} ms after the "
+                     f"prefill for the last byte (exposed); mean prefill {s['prefill_ms_mean']:.2f} ms{where}")
     if "colocated_match" in s:
         lines.append(f"  colocated reference: {s['colocated_match']}/{s['ok']} requests match byte for byte "
                      f"(output and state digests)")

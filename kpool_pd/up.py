@@ -30,10 +30,12 @@ from connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
 from runtime.launch import Daemon, DaemonError, start_decode, start_prefill
-from kpool_pd.report import json_lines, summary, summary_text, table
+from kpool_pd.report import json_lines, plural, summary, summary_text, table
 from kvcache import DcpConfig
 from model.colocated import make_prompts, run_colocated
 from runtime import SettingsError, client_tls, model_config, model_flags
+from runtime.options import MAX_SECONDS
+from runtime.geometry import check_kernel_page_on, check_serving_geometry
 
 READY_TIMEOUT_S = 120.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -160,8 +162,12 @@ def run_up(args) -> int:
         if args.dcp > 1 and prefill_config.cache.block_size != config.cache.block_size:
             raise ValueError(f"--dcp {args.dcp} needs one block size for prefill and decode, got "
                              f"{prefill_config.cache.block_size} and {config.cache.block_size}")
+        for checked in (prefill_config, config):  # the geometry the daemons refuse, refused here too
+            check_serving_geometry(checked.cache)
         DcpConfig.for_cache(config.cache, size=args.dcp, interleave=args.dcp_interleave or None)
         prefill_device, decode_device = placement(args.device, args.dcp)
+        check_kernel_page_on(prefill_config.cache, torch.device(prefill_device))
+        check_kernel_page_on(config.cache, torch.device(decode_device))
     except ValueError as exc:
         _progress(f"error: {exc}")
         return 2
@@ -178,7 +184,7 @@ def run_up(args) -> int:
         _progress(f"[{done[0]}/{len(requests)}] {result.request_id}: {what}")
 
     if args.colocated:
-        _progress(f"running {len(requests)} requests colocated (one process, no transfer, on {reference_device}) ...")
+        _progress(f"running {plural(len(requests), 'request')} colocated (one process, no transfer, on {reference_device}) ...")
         started = time.perf_counter()
         results = run_colocated(config, requests, on_result=on_done, device=reference_device)
         wall = time.perf_counter() - started
@@ -234,7 +240,7 @@ def run_up(args) -> int:
                     decode.wait_ready(READY_TIMEOUT_S)
                     _progress(f"  decode ready on 127.0.0.1:{decode.port} (metrics :{decode.metrics_port}) "
                               f"after {time.perf_counter() - t0:.1f} s")
-                    _progress(f"sending {len(requests)} requests of {args.prompt_len} prompt tokens, "
+                    _progress(f"sending {plural(len(requests), 'request')} of {args.prompt_len} prompt tokens, "
                               f"{args.max_tokens} output tokens each ...")
                     started = time.perf_counter()
                     results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, token=client_token,
@@ -268,6 +274,9 @@ def run_generate(args) -> int:
 
     if _counts_refused(args, ("requests", "prompt_len", "max_tokens")):
         return 2
+    if not 0 < args.timeout_s <= MAX_SECONDS:
+        _progress(f"error: --timeout-s must be in (0, {MAX_SECONDS:.0f}] seconds, got {args.timeout_s}")
+        return 2
     try:
         tls = client_tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
     except SettingsError as exc:
@@ -286,10 +295,11 @@ def run_generate(args) -> int:
             return 2
     requests = make_prompts(args.requests, args.prompt_len, seed=args.seed, vocab_size=info["vocab_size"],
                             max_tokens=args.max_tokens)
-    _progress(f"sending {len(requests)} requests to {args.decode} ({info['model']['family']} model, "
+    _progress(f"sending {plural(len(requests), 'request')} to {args.decode} ({info['model']['family']} model, "
               f"layout {info['layout_hash'][:12]}) ...")
     started = time.perf_counter()
-    results = asyncio.run(generate_all(args.decode, requests, token=args.token or None, tls=tls))
+    results = asyncio.run(generate_all(args.decode, requests, token=args.token or None, tls=tls,
+                                       timeout_s=args.timeout_s))
     used = {r.transport for r in results if not isinstance(r, RequestFailed)}
     report = summary(results, mode="pd", wall_s=time.perf_counter() - started, model=info["model"],
                      transport=",".join(sorted(used)), tls=tls is not None,

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 
 from kvcache import (
-    DEFAULT_KERNEL_PAGE_STATES, DEFAULT_MLA_ENTRY_BYTES, CacheConfig, CacheDtype, CacheFamily, PoolMode, family_spec_type,
+    DEFAULT_KERNEL_PAGE_STATES, DEFAULT_MLA_ENTRY_BYTES, BlockOrder, CacheConfig, CacheDtype, CacheFamily, PoolMode,
+    family_spec_type,
 )
 
 DEFAULT_BLOCK_SIZE = 256  # tokens: the model-wide attention block
@@ -67,6 +68,7 @@ class ModelConfig:
               compress_ratio: int = 4, num_spec: int = 0, block_size: int | None = None,
               mla_entry_bytes: int = DEFAULT_MLA_ENTRY_BYTES, pool_mode: PoolMode = PoolMode.SOFTMAX,
               qsa_dtype: CacheDtype = CacheDtype.BFLOAT16, kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES,
+              round_scale: bool = True, block_order: BlockOrder = BlockOrder.BLNHC, cache_rope_positions: bool = True,
               seed: int = 0, vocab_size: int = 1024, index_heads: int = 4, topk: int = 8) -> ModelConfig:
         """The model of ``num_layers`` layers (``layer.0`` on) over a cache of these parameters; ``block_size``
         None picks ``default_block_size``. ValueError naming the value for one the cache or the model refuses."""
@@ -81,6 +83,7 @@ class ModelConfig:
             family=family, layer_names=tuple(f"layer.{i}" for i in range(num_layers)), block_size=block_size,
             num_spec=num_spec, mla_entry_bytes=mla_entry_bytes, kpool=kpool, pool_mode=pool_mode,
             compress_ratio=compress_ratio, qsa_dtype=qsa_dtype, kernel_page_states=kernel_page_states,
+            round_scale=round_scale, order=block_order, cache_rope_positions=cache_rope_positions,
         )
         return cls(cache=cache, seed=seed, vocab_size=vocab_size, index_heads=index_heads, topk=topk)
 
@@ -95,16 +98,17 @@ class ModelConfig:
             "compress_ratio": cache.compress_ratio, "num_spec": cache.num_spec,
             "block_size": cache.block_size, "seed": self.seed, "vocab_size": self.vocab_size,
             "index_heads": self.index_heads, "topk": self.topk, "mla_entry_bytes": cache.mla_entry_bytes,
-            "kernel_page_states": cache.kernel_page_states,
+            "kernel_page_states": cache.kernel_page_states, "block_order": cache.order.value,
+            "round_scale": cache.round_scale, "cache_rope_positions": cache.cache_rope_positions,
         }
 
     def identity(self) -> str:
         """The model's identity for a handshake: canonical JSON (sorted keys, no spaces) of every
         field that changes tokens or what the cache's bytes mean (``describe()`` plus the pool mode
-        and the QSA dtype, less the block size and the kernel page, which only arrange the bytes:
+        and the QSA dtype, less the block size, the block order and the kernel page, which only arrange the bytes:
         prefill and decode may differ in them, see ``connector.shared.compat``). Two nodes may exchange
         caches only when their identities are equal."""
         fields = {**self.describe(), "pool_mode": self.cache.pool_mode.value, "qsa_dtype": self.cache.qsa_dtype.value}
-        for arranging in ("block_size", "kernel_page_states"):
+        for arranging in ("block_size", "kernel_page_states", "block_order"):
             del fields[arranging]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from connector import Credential, TlsConfig, Transport
 from runtime.device import resolve_device
 from runtime.fabric_check import FABRIC_OPTIONS, Fabric, fabric_report, log_report
+from runtime.geometry import GeometryError, check_kernel_page_on, check_serving_geometry
 from runtime.grpc_server import GrpcServer
 from runtime.health_gate import HealthGate
 from runtime.logs import configure_logging
@@ -48,7 +49,7 @@ from runtime.ports import BindError, bind_error, ensure_bindable
 from runtime.process import arm_parent_death_signal, keep_event_loop_responsive, termination_event, write_ready_file
 from runtime.service_options import check_credentials
 from runtime.preflight import check_ready_file
-from runtime.settings import load_settings, one_line
+from runtime.settings import load_settings, one_line, source_of
 from runtime.tls import tls_config
 from runtime.transports import Transports, transports_of
 
@@ -146,6 +147,16 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
     return getattr(node, "failure", "")
 
 
+def _refuse_geometry(settings: Mapping[str, Any], check: Callable[..., None], *args: Any) -> None:
+    """``check(*args)`` (``runtime.geometry``); its ``GeometryError`` as a ``SettingsError`` that names
+    the options the rule concerns and where their values came from."""
+    try:
+        check(*args)
+    except GeometryError as exc:
+        names = " and ".join(f"{key.replace('_', '-')} from {source_of(settings, key)}" for key in exc.options)
+        raise SettingsError(f"{names}: {exc}") from None
+
+
 def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
     """Parse the settings (flags > env > YAML; ``argv`` None: ``sys.argv[1:]``), then serve until
     SIGTERM and drain.
@@ -167,11 +178,13 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
             raise SettingsError(str(exc)) from None
         settings = load_settings(spec.role, daemon_options(spec), argv, description=spec.description)
         check_credentials(spec.role, settings)
+        cache = None
         if MODEL_KEYS <= settings.keys():
             try:  # a combination the model refuses (kpool and block size, layers, drafts)
-                model_config(settings)
+                cache = model_config(settings).cache
             except ValueError as exc:
                 raise SettingsError(f"model: {exc}") from None
+            _refuse_geometry(settings, check_serving_geometry, cache)
         if spec.check is not None:
             try:
                 spec.check(settings)
@@ -180,6 +193,8 @@ def run_daemon(spec: DaemonSpec, argv: Sequence[str] | None = None) -> int:
         check_ready_file(settings)
         tls = tls_config(settings)
         device = resolve_device(settings["device"])
+        if cache is not None:
+            _refuse_geometry(settings, check_kernel_page_on, cache, device)
         transports = transports_of(settings)
         for option, host in (("port", "host"), ("health-port", "host"), ("metrics-port", "metrics_host")):
             ensure_bindable(option, settings[host], settings[option.replace("-", "_")])

@@ -53,7 +53,8 @@ def _read_yaml(path: str, role: Role, known: set[str]) -> dict[str, Any]:
             if scope is data and key in sections:
                 continue
             if key not in known:
-                raise SettingsError(f"config file {path}: unknown option {raw_key!r} (known: {sorted(known)})")
+                names = ", ".join(sorted(name.replace("_", "-") for name in known))
+                raise SettingsError(f"config file {path}: unknown option {raw_key!r} (known: {names})")
             merged[key] = value
     return merged
 

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench import dcp, kernels, pipeline, transfer
+from bench import control_latency, dcp, heterogeneous_sweep, kernels, pipeline, sass_count, transfer
 from bench.arguments import count, counts
 
 
@@ -41,3 +41,12 @@ def test_a_bad_argument_is_refused_before_anything_runs(capsys, tmp_path, main, 
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("bench", [transfer, dcp, pipeline, control_latency, kernels, heterogeneous_sweep, sass_count],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_bench_help_is_whole_sentences_and_every_flag_says_what_it_does(bench):
+    parser = bench.build_parser()
+    assert parser.description and parser.description.rstrip().endswith("."), parser.description
+    silent = [action.option_strings[0] for action in parser._actions if not (action.help or "").strip()]
+    assert not silent, f"flags without help: {silent}"

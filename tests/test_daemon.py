@@ -115,6 +115,23 @@ def test_the_client_refuses_counts_the_daemon_would_refuse(cluster, flag, value,
     assert code == 2 and f"error: {message}" in err, err
 
 
+def test_the_client_gives_each_request_its_timeout_and_says_what_failed(cluster):
+    """``generate --timeout-s``: a request past its deadline fails DEADLINE_EXCEEDED, the summary names no
+    transport plainly (none reached the decode node's data plane), one request is "1 request", and the
+    decode daemon frees what the request held."""
+    _, decode, _ = cluster
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "generate", "--decode", f"127.0.0.1:{decode.port}",
+                           "--token", TOKEN, "--requests", "1", "--prompt-len", "300", "--max-tokens", "64",
+                           "--timeout-s", "0.01"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"sending 1 request to 127.0.0.1:{decode.port}" in proc.stderr, proc.stderr
+    assert "FAILED DEADLINE_EXCEEDED" in proc.stdout, proc.stdout
+    assert "transport none (no request reached the decode node)" in proc.stdout and "transport ;" not in proc.stdout
+    assert wait_for(lambda: metric(decode.metrics_port, "kpoolpd_decode_free_blocks") == DECODE_BLOCKS, 60)
+    code, err = _generate("--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, "--timeout-s", "0")
+    assert code == 2 and "error: --timeout-s must be in (0, 604800] seconds, got 0.0" in err, err
+
+
 def test_requests_match_colocated(cluster):
     _, decode, _ = cluster
     requests = make_prompts(3, 70, seed=8, vocab_size=CONFIG.vocab_size, max_tokens=20)

@@ -39,8 +39,10 @@ def test_bad_values_name_the_option_and_the_source(tmp_path):
         _load("prefill", ["--family", "dense"])
     path = tmp_path / "bad.yaml"
     path.write_text("layerz: 2\n")
-    with pytest.raises(SettingsError, match="unknown option 'layerz'"):
+    with pytest.raises(SettingsError, match="unknown option 'layerz'") as unknown:
         _load("decode", ["--config", str(path)])
+    known = str(unknown.value).split("(known: ", 1)[1]  # the names as the README and the flags write them
+    assert "metrics-port" in known and "max-prompt-tokens" in known and "_" not in known, known
     with pytest.raises(SettingsError, match="integrity from flag --integrity: expected a boolean"):
         _load("decode", ["--integrity", "maybe"])
 

@@ -59,6 +59,19 @@ CASES = {
     "yaml-layers-bool": Case("decode_worker", yaml=b"layers: true\n", needle="layers from config file {config}"),
     "lease-inf": Case("prefill_worker", ("--lease-s", "inf"), needle="lease-s from flag --lease-s"),
     "drain-nan-env": Case("prefill_worker", env=(("KPOOLPD_DRAIN_S", "nan"),), needle="drain-s from KPOOLPD_DRAIN_S"),
+    # the serving geometry (runtime.geometry): a block of a multiple of 128 tokens, kernel pages of at least 32 states
+    "block-size-64": Case("prefill_worker", ("--block-size", "64"),
+                          needle="block-size from flag --block-size: a block of 64 tokens is refused: the attention "
+                                 "block is a multiple of 128 tokens"),
+    "yaml-block-size-192": Case("decode_worker", yaml=b"block-size: 192\n",
+                                needle="block-size from config file {config}: a block of 192 tokens"),
+    "kpool-16-pages-of-16": Case("decode_worker", env=(("KPOOLPD_KPOOL", "16"),),
+                                 needle="kpool from KPOOLPD_KPOOL and block-size from the default: kpool 16 in "
+                                        "256-token blocks makes kernel pages of 16 states"),
+    "kpool-8-in-128-pages-of-16": Case("prefill_worker", ("--kpool", "8", "--block-size", "128"),
+                                       needle="kpool from flag --kpool and block-size from flag --block-size: kpool 8 "
+                                              "in 128-token blocks makes kernel pages of 16 states: the paged-MQA "
+                                              "indexer kernel takes pages of 32 or 64 states"),
 }
 
 

@@ -28,11 +28,11 @@ from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_b
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CASES = [  # family, group, drafts, budget (ring 8 and block 64 in every case)
+CASES = [  # family, group, drafts, budget (ring 8 and block 128, the smallest the daemons take, in every case)
     pytest.param(CacheFamily.KPOOL, 4, 3, 7, id="kpool4-spec3-budget7"),
-    pytest.param(CacheFamily.KPOOL, 4, 3, 65, id="kpool4-spec3-budget65"),
+    pytest.param(CacheFamily.KPOOL, 4, 3, 129, id="kpool4-spec3-budget129"),
     pytest.param(CacheFamily.QSA, 4, 3, 9, id="qsa4-spec3-budget9"),
-    pytest.param(CacheFamily.QSA, 4, 3, 63, id="qsa4-spec3-budget63"),
+    pytest.param(CacheFamily.QSA, 4, 3, 127, id="qsa4-spec3-budget127"),
 ]
 
 
@@ -45,8 +45,8 @@ def _summed(daemon, name: str) -> float:
 @pytest.mark.parametrize("family,group,num_spec,budget", CASES)
 def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
-    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=64, **{key: group})
-    assert (config.cache.ring_slots, config.cache.block_size) == (8, 64)
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=128, **{key: group})
+    assert (config.cache.ring_slots, config.cache.block_size) == (8, 128)
     flags = _flags(config)
     port = free_port()
     prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text",

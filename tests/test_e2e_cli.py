@@ -66,6 +66,19 @@ def test_up_refuses_a_bad_configuration_before_starting_anything():
     assert "192 / 2 = 96 exceeds the kernel page of 64" in proc.stderr and "starting" not in proc.stderr
 
 
+@pytest.mark.parametrize("flags,rule", [
+    (("--block-size", "64"), "a block of 64 tokens is refused: the attention block is a multiple of 128 tokens"),
+    (("--prefill-block-size", "192"), "a block of 192 tokens is refused"),
+    (("--kpool", "8", "--block-size", "128", "--colocated"), "kpool 8 in 128-token blocks makes kernel pages of 16 "
+                                                              "states"),
+], ids=["block-64", "prefill-block-192", "kpool8-pages-of-16-colocated"])
+def test_up_refuses_the_geometry_the_daemons_refuse_naming_the_rule(flags, rule):
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", *flags], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and rule in lines[0], proc.stderr
+
+
 def test_up_places_the_daemons_by_device(monkeypatch):
     from kpool_pd.up import placement
 

@@ -274,7 +274,7 @@ def test_model_differences(ours, theirs, want):
 def test_model_identity_covers_every_field():
     import dataclasses
 
-    from kvcache import CacheDtype, CacheFamily, PoolMode
+    from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
     from model import ModelConfig
 
     import inspect
@@ -283,10 +283,11 @@ def test_model_identity_covers_every_field():
     changed = {"family": CacheFamily.QSA, "num_layers": 3, "kpool": 2, "compress_ratio": 8, "num_spec": 1, "block_size": 128,
                "seed": 1, "vocab_size": 512, "index_heads": 2, "topk": 4, "mla_entry_bytes": 64,
                "pool_mode": next(m for m in PoolMode if m is not base.cache.pool_mode),
-               "qsa_dtype": next(d for d in CacheDtype if d is not base.cache.qsa_dtype), "kernel_page_states": 32}
+               "qsa_dtype": next(d for d in CacheDtype if d is not base.cache.qsa_dtype), "kernel_page_states": 32,
+               "round_scale": False, "block_order": BlockOrder.BLHNC, "cache_rope_positions": False}
     assert set(changed) == set(inspect.signature(ModelConfig.build).parameters)
     assert {f.name for f in dataclasses.fields(ModelConfig)} - {"cache"} < set(changed)
-    arranging = {"block_size", "kernel_page_states"}  # arrange the cache's bytes only: peers may differ in them
+    arranging = {"block_size", "kernel_page_states", "block_order"}  # arrange the cache's bytes only: peers may differ in them
     for name, value in changed.items():
         other = ModelConfig.build(**{"num_spec": 3, name: value})
         assert (other.identity() == base.identity()) is (name in arranging), name

@@ -11,7 +11,7 @@ import pytest
 
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.cli import build_parser
-from kvcache import CacheFamily
+from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
 from model import ModelConfig
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from runtime import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, model_flags, model_settings,
@@ -21,6 +21,10 @@ CONFIGS = [
     pytest.param(ModelConfig.build(), id="defaults"),
     pytest.param(ModelConfig.build(family=CacheFamily.QSA, compress_ratio=8, num_spec=3, num_layers=3, seed=7), id="qsa"),
     pytest.param(ModelConfig.build(kpool=8, num_spec=1, block_size=256, seed=2), id="kpool8-block256"),
+    pytest.param(ModelConfig.build(kpool=2, num_spec=3, pool_mode=PoolMode.KEEP_LAST, round_scale=False,
+                                   block_order=BlockOrder.BLHNC, kernel_page_states=32), id="kpool-cache-options"),
+    pytest.param(ModelConfig.build(family=CacheFamily.QSA, num_spec=3, qsa_dtype=CacheDtype.FP8,
+                                   block_order=BlockOrder.BLHNC, cache_rope_positions=False), id="qsa-cache-options"),
 ]
 
 
@@ -34,7 +38,8 @@ def test_model_flags_give_a_daemon_the_same_model(config, options):
 
 def test_both_daemons_and_up_declare_the_model_options_from_one_table():
     names = [o.name for o in MODEL_OPTIONS]
-    assert names == ["family", "layers", "kpool", "ratio", "num-spec", "block-size", "seed"]
+    assert names == ["family", "layers", "kpool", "ratio", "num-spec", "block-size", "seed", "pool-mode", "round-scale",
+                     "qsa-dtype", "block-order", "kernel-page-states", "cache-rope-positions"]
     for options in (PREFILL_OPTIONS, DECODE_OPTIONS):
         assert [o for o in options if o.name in names] == list(MODEL_OPTIONS)
     up = build_parser().parse_args(["up"])
@@ -52,6 +57,34 @@ def test_up_flags_parse_like_the_daemons():
     for bad in (["--family", "dense"], ["--layers", "two"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["up", *bad])
+
+
+CACHE_FLAGS = ["--pool-mode", "keep-last", "--round-scale", "false", "--qsa-dtype", "fp8", "--block-order", "hnc",
+               "--kernel-page-states", "32", "--cache-rope-positions", "false"]
+
+
+def test_the_cache_options_reach_the_model_from_flags_env_yaml_and_up(tmp_path):
+    want = ModelConfig.build(pool_mode=PoolMode.KEEP_LAST, round_scale=False, qsa_dtype=CacheDtype.FP8,
+                             block_order=BlockOrder.BLHNC, kernel_page_states=32, cache_rope_positions=False)
+    assert model_config(load_settings("prefill", PREFILL_OPTIONS, CACHE_FLAGS, env={})) == want
+    env = {"KPOOLPD_POOL_MODE": "KEEP_LAST", "KPOOLPD_ROUND_SCALE": "0", "KPOOLPD_QSA_DTYPE": "fp8",
+           "KPOOLPD_BLOCK_ORDER": "hnc", "KPOOLPD_KERNEL_PAGE_STATES": "32", "KPOOLPD_CACHE_ROPE_POSITIONS": "no"}
+    assert model_config(load_settings("decode", DECODE_OPTIONS, [], env=env)) == want
+    path = tmp_path / "cache.yaml"
+    path.write_text("pool-mode: keep-last\nround-scale: false\nqsa-dtype: fp8\nblock-order: hnc\n"
+                    "kernel-page-states: 32\ncache-rope-positions: false\n")
+    assert model_config(load_settings("decode", DECODE_OPTIONS, ["--config", str(path)], env={})) == want
+    up = vars(build_parser().parse_args(["up", "--num-spec", "0", *CACHE_FLAGS]))
+    assert model_config(up) == want
+    assert model_flags(up)[-12:] == CACHE_FLAGS  # what up passes its daemons
+
+
+@pytest.mark.parametrize("flag,bad", [("--pool-mode", "mean"), ("--round-scale", "maybe"), ("--qsa-dtype", "fp16"),
+                                      ("--block-order", "nch"), ("--kernel-page-states", "16"),
+                                      ("--cache-rope-positions", "2")])
+def test_a_bad_cache_option_names_itself_and_its_values(flag, bad):
+    with pytest.raises(SettingsError, match=f"{flag[2:]} from flag {flag}: expected "):
+        load_settings("prefill", PREFILL_OPTIONS, [flag, bad], env={})
 
 
 def test_model_flags_need_every_model_option():

@@ -1,0 +1,22 @@
+"""``kpool-pd bench transfer`` as a user runs it prints its table and nothing from gRPC's own logging on
+stderr: a node that stops while its peer's connection is still open made gRPC log a "Got goaway" line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_transfer_leaves_no_grpc_log_lines_on_stderr(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "bench", "transfer", "--tokens", "256", "--reps", "1",
+                           "--layers", "1", "--no-nixl", "--machine", "quiet", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "goaway" not in proc.stderr.lower(), proc.stderr
+    assert "chttp2" not in proc.stderr, proc.stderr
+    (result,) = tmp_path.glob("transfer-*-quiet-cpu.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert any(row["path"].startswith("connector grpc") for row in rows), rows

@@ -1,0 +1,80 @@
+"""End to end with each cache option the daemons take (``--pool-mode --round-scale --qsa-dtype
+--block-order --kernel-page-states --cache-rope-positions``): one prefill daemon and one decode daemon
+per transport, 16 concurrent requests around the pool, ring and block boundaries, every request equal to
+the colocated run of the same model byte for byte (``tests/test_e2e.py``'s pattern). Then ``kpool-pd up``
+with the options combined, each family on one transport, against its own colocated run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
+from model import ModelConfig
+from model.colocated import run_colocated
+from runtime.launch import start_decode, start_prefill
+from tests.polling import wait_for
+from tests.ports import free_port
+from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
+                            _ready_and_serving, _stop, boundary_prompts, generate_and_match)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
+CASES = [  # family, drafts, the cache options (ModelConfig.build's names); 128-token blocks
+    pytest.param(KPOOL, 3, dict(pool_mode=PoolMode.KEEP_LAST), id="kpool-keep-last-spec3"),
+    pytest.param(KPOOL, 0, dict(round_scale=False), id="kpool-round-scale-false-spec0"),
+    pytest.param(KPOOL, 3, dict(block_order=BlockOrder.BLHNC), id="kpool-hnc-spec3"),
+    pytest.param(KPOOL, 3, dict(kpool=2, kernel_page_states=32), id="kpool2-pages-of-32-spec3"),
+    pytest.param(QSA, 3, dict(qsa_dtype=CacheDtype.FP8), id="qsa-fp8-spec3"),
+    pytest.param(QSA, 0, dict(cache_rope_positions=False), id="qsa-no-rope-positions-spec0"),
+    pytest.param(KPOOL, 3, dict(kpool=2, pool_mode=PoolMode.KEEP_LAST, round_scale=False, block_order=BlockOrder.BLHNC,
+                                kernel_page_states=32), id="kpool-all-options-spec3"),
+    pytest.param(QSA, 3, dict(qsa_dtype=CacheDtype.FP8, block_order=BlockOrder.BLHNC, cache_rope_positions=False),
+                 id="qsa-all-options-spec3"),
+]
+
+
+@pytest.mark.parametrize("family,num_spec,options", CASES)
+def test_pd_with_a_cache_option_equals_colocated(tmp_path, family, num_spec, options):
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=7 + num_spec, block_size=128,
+                               **options)
+    assert all(getattr(config.cache, "order" if k == "block_order" else k) == v for k, v in options.items())
+    flags = _flags(config)
+    port = free_port()
+    prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
+    decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
+                            extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
+    try:
+        with _logs_on_failure(prefill, *decodes):
+            batches = {t: boundary_prompts(config, 16, 10, seed=num_spec, prefix=t) for t in TRANSPORTS}
+            references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+            _ready_and_serving(prefill, *decodes)
+            start_free = [_free_blocks(d) for d in (prefill, *decodes)]
+            generate_and_match(decodes, batches, references)
+            assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
+    finally:
+        _stop(*decodes, prefill)
+
+
+UP_CASES = [
+    pytest.param(("--family", "kpool", "--kpool", "2", "--pool-mode", "keep-last", "--round-scale", "false",
+                  "--block-order", "hnc", "--kernel-page-states", "32"), TRANSPORTS[0], id=f"kpool-{TRANSPORTS[0]}"),
+    pytest.param(("--family", "qsa", "--qsa-dtype", "fp8", "--block-order", "hnc", "--cache-rope-positions", "false"),
+                 TRANSPORTS[-1], id=f"qsa-{TRANSPORTS[-1]}"),
+]
+
+
+@pytest.mark.parametrize("flags,transport", UP_CASES)
+def test_up_with_the_cache_options_equals_its_colocated_run(flags, transport):
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--json", "--requests", "3", "--prompt-len", "140",
+                           "--max-tokens", "6", "--transport", transport, *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])["summary"]
+    assert summary["ok"] == summary["colocated_match"] == 3, summary
+    model = summary["model"]
+    assert model["block_order"] == "BLHNC" and model["family"] == flags[1], model
