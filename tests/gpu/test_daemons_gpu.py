@@ -43,7 +43,7 @@ def test_gpu_daemons_equal_colocated(tmp_path, family, prefill_block):
     (the Triton token repack places the staged prompt on the decode GPU)."""
     config = ModelConfig.build(family=family, num_layers=2, num_spec=3, seed=11)
     flags = model_flags(model_settings(config))
-    prefill_flags = model_flags(model_settings(dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=prefill_block))))
+    prefill_flags = model_flags(model_settings(dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=prefill_block or config.cache.block_size))))
     decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     prefill = start_prefill(tmp_path, prefill_flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text"])
     decodes = []
