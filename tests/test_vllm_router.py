@@ -9,10 +9,10 @@ gRPC stream):
   recomputes the prompt (kv_load_failure_policy "recompute"; the same tokens), and the consumer holds no
   block afterwards (vLLM's ``vllm:kv_cache_usage_perc``);
 - a consumer killed while its request is in flight (before, during or after its pull, from a second
-  producer it has not pulled from before): that producer holds no block once the grant's lease ran out,
-  and still serves.
+  producer started then, which it has not pulled from before): that producer holds no block once the
+  grant's lease ran out, and still serves.
 
-The tests run in this order on one set of servers (the second kills the router's producer, the last the
+The tests run in this order on one deployment (the second kills the router's producer, the last the
 consumer). The router's producer has a long lease: on a loaded 2-core machine a consumer's first
 Handshake and its pulls can take many seconds, and the fixture sends requests until one pull succeeded
 (the Handshake done) before the tests count anything."""
@@ -33,7 +33,7 @@ from tests import vllm_engines, vllm_servers  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
-# Three vLLM servers start, warm up and serve on a loaded 2-core machine: well past the suite's 300 s.
+# vLLM servers start, warm up and serve on a loaded 2-core machine: well past the suite's 300 s.
 pytestmark = pytest.mark.timeout(1800)
 
 PROMPT_LENGTHS = (7, 17, 100, 257, 1000)
@@ -50,31 +50,49 @@ def connector(role: str, extra: dict, **transfer) -> dict:
             "kv_connector_extra_config": extra, **transfer}
 
 
+class Deployment:
+    """A producer, a consumer and the router in front of them, healthy; more producers on demand (at most
+    two vLLM servers run at once on the 2-core machine). Stops every server it started."""
+
+    def __init__(self, folder, model: str) -> None:
+        self.folder, self.model = folder, model
+        self.token = {"KPOOLPD_PEER_TOKEN": secrets.token_hex(16)}
+        self.servers: list[vllm_servers.Server] = []
+
+    def start_producer(self, name: str, lease_s: int) -> vllm_servers.Server:
+        return self._started(vllm_servers.vllm_server(name, self.model, free_port(), connector(
+            "kv_producer", {"listen": f"127.0.0.1:{free_port()}", "transport": "grpc", "lease_s": lease_s}),
+            self.folder, **self.token))
+
+    def start(self) -> None:
+        self.producer = self.start_producer("producer", LEASE_S)
+        self.consumer = self._started(vllm_servers.vllm_server("consumer", self.model, free_port(), connector(
+            "kv_consumer", {"transport": "grpc", "integrity": True}, kv_load_failure_policy="recompute"),
+            self.folder, **self.token))
+        self.router = self._started(vllm_servers.router_server(free_port(), [self.producer.url], [self.consumer.url],
+                                                               self.folder))
+        for server in self.servers:
+            server.wait_healthy()
+        warm_up(self.router, self.consumer)
+
+    def _started(self, server: vllm_servers.Server) -> vllm_servers.Server:
+        self.servers.append(server)
+        return server
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    """{"producer", "second_producer", "consumer", "router"}: servers, healthy; the router in front of the
-    producer and the consumer, which has pulled from the producer once."""
     folder = tmp_path_factory.mktemp("vllm-router")
-    model = str(vllm_engines.write_model(folder / "model"))
-    token = {"KPOOLPD_PEER_TOKEN": secrets.token_hex(16)}
-    servers = {}
+    deployment = Deployment(folder, str(vllm_engines.write_model(folder / "model")))
     try:
-        for name, lease_s in (("producer", LEASE_S), ("second_producer", SHORT_LEASE_S)):
-            servers[name] = vllm_servers.vllm_server(name, model, free_port(), connector(
-                "kv_producer", {"listen": f"127.0.0.1:{free_port()}", "transport": "grpc", "lease_s": lease_s}),
-                folder, **token)
-        servers["consumer"] = vllm_servers.vllm_server("consumer", model, free_port(), connector(
-            "kv_consumer", {"transport": "grpc", "integrity": True}, kv_load_failure_policy="recompute"), folder,
-            **token)
-        servers["router"] = vllm_servers.router_server(free_port(), [servers["producer"].url],
-                                                       [servers["consumer"].url], folder)
-        for server in servers.values():
-            server.wait_healthy()
-        warm_up(servers["router"], servers["consumer"])
-        yield servers
+        deployment.start()
+        yield deployment
     finally:
-        for server in servers.values():
-            server.stop()
+        deployment.stop()
 
 
 def client(server: vllm_servers.Server):
@@ -125,11 +143,11 @@ def warm_up(router: vllm_servers.Server, consumer: vllm_servers.Server) -> None:
 
 
 def test_completions_through_the_router_equal_one_server(deployment):
-    consumer = deployment["consumer"]
+    consumer = deployment.consumer
     asked = prompts(25, PROMPT_LENGTHS)
 
     before = vllm_servers.prompt_tokens_by_source(consumer.metrics())
-    pd = [complete(client(deployment["router"]), prompt, stream=index % 2 == 1) for index, prompt in enumerate(asked)]
+    pd = [complete(client(deployment.router), prompt, stream=index % 2 == 1) for index, prompt in enumerate(asked)]
     after = vllm_servers.prompt_tokens_by_source(consumer.metrics())
     single = [complete(client(consumer), prompt) for prompt in asked]
 
@@ -141,11 +159,11 @@ def test_completions_through_the_router_equal_one_server(deployment):
         assert two == one, f"{len(prompt)}-token prompt: through the router {two}, one server {one}"
     counted = vllm_servers.prompt_tokens_by_source(consumer.metrics())
     assert counted["local_compute"] - after["local_compute"] == sum(PROMPT_LENGTHS)
-    assert wait_for(lambda: holds_no_block(consumer) and holds_no_block(deployment["producer"]), FREED_WITHIN_S)
+    assert wait_for(lambda: holds_no_block(consumer) and holds_no_block(deployment.producer), FREED_WITHIN_S)
 
 
 def test_a_producer_killed_before_the_pull_leaves_the_consumer_to_recompute(deployment):
-    doomed, consumer = deployment["producer"], deployment["consumer"]
+    doomed, consumer = deployment.producer, deployment.consumer
     [prompt] = prompts(26, [300])
     params = prefill(doomed, prompt)
     assert not holds_no_block(doomed)  # the grant holds the prompt's blocks
@@ -162,7 +180,9 @@ def test_a_producer_killed_before_the_pull_leaves_the_consumer_to_recompute(depl
 
 
 def test_a_consumer_killed_with_its_request_in_flight_lets_the_producer_free_by_lease(deployment):
-    producer, consumer = deployment["second_producer"], deployment["consumer"]
+    consumer = deployment.consumer
+    producer = deployment.start_producer("second_producer", SHORT_LEASE_S)
+    producer.wait_healthy()
     [prompt] = prompts(27, [900])
     params = prefill(producer, prompt)
     assert not holds_no_block(producer)

@@ -85,7 +85,10 @@ def vllm_server(name: str, model: str, port: int, transfer: dict | None, log_dir
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port),
                "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048",
-               "--max-num-batched-tokens", "2048", "--seed", "0", "--no-enable-prefix-caching"]
+               "--max-num-batched-tokens", "2048", "--seed", "0", "--no-enable-prefix-caching",
+               # the model runs in the engine process: a worker process of its own polls for work without
+               # sleeping, which starves everything else (the producer's PrefillService) on 2 cores
+               "--distributed-executor-backend", "uni"]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
     return Server(name, command, port, log_dir / f"{name}.log", server_env(**env))
