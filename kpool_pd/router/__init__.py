@@ -1,0 +1,4 @@
+"""`kpool-pd router`: an OpenAI-compatible PD router in front of prefill and decode ``vllm serve``
+instances running ``kpool_pd.vllm.KpoolPdConnector`` (or any connector that speaks NixlConnector's
+``kv_transfer_params`` protocol). Built on aiohttp (the ``router`` extra; vLLM brings it too): import
+``kpool_pd.router.app`` for ``build_app`` and ``run_router``; ``kpool_pd.router.main`` is the command."""

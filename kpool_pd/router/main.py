@@ -1,0 +1,43 @@
+"""`kpool-pd router --prefill URL... --decode URL...`: parses its flags and serves until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kpool_pd.router.settings import add_router_arguments, settings_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kpool-pd router",
+        description="An OpenAI-compatible PD router: each /v1/completions or /v1/chat/completions request is "
+                    "prefilled on a prefill vllm serve instance (max_tokens 1, kv_transfer_params do_remote_decode) "
+                    "and generated on a decode instance with the kv_transfer_params the prefill returned; instances "
+                    "are chosen by fewest outstanding requests, one that fails is skipped. Also /health, /metrics.")
+    add_router_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        from kpool_pd.router.app import run_router
+    except ImportError as error:
+        print(f"error: the router needs aiohttp ({error}); pip install 'kpool-pd[router]'", file=sys.stderr)
+        return 2
+    return run_router(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
