@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.qsa_metadata.split import BatchSplit
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class QsaMetadata:
@@ -45,6 +47,7 @@ class QsaMetadata:
     compress_ratio: int
     ring_capacity: int
     block_size: int
+    split: BatchSplit | None = None  # host counts; set by QsaMetadataBuilder, which has the batch's host copies
 
     @property
     def num_requests(self) -> int:
@@ -69,6 +72,18 @@ class QsaMetadata:
 def max_work_items(num_tokens: int, num_requests: int, compress_ratio: int) -> int:
     """Static bound on the groups one forward completes: (T + (r - 1) * B) // r."""
     return (num_tokens + (compress_ratio - 1) * num_requests) // compress_ratio
+
+
+def metadata_outputs(num_tokens: int, max_work: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fresh output tensors of one forward, by field name."""
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return dict(
+        token_to_req=torch.empty(num_tokens, **i32), logical_positions=torch.empty(num_tokens, **i64),
+        visible_blocks=torch.empty(num_tokens, **i32), ring_slot_mapping=torch.empty(num_tokens, **i64),
+        compressed_slot_mapping=torch.empty(num_tokens, **i64), k_work=torch.empty(max_work, 2, **i32),
+        num_work=torch.zeros(1, **i32),
+    )
 
 
 def build_qsa_metadata(

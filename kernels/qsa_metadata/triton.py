@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.qsa_metadata.ref import QsaMetadata, max_work_items
+from kernels.qsa_metadata.ref import QsaMetadata, max_work_items, metadata_outputs
 
 
 @triton.jit
@@ -89,19 +89,17 @@ def _metadata_kernel(qsl_ptr, seq_ptr, table_ptr, rings_ptr, req_ptr, pos_ptr, v
 def build_qsa_metadata_triton(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, ring_blocks: torch.Tensor, *,
     compress_ratio: int, ring_capacity: int, block_size: int, num_tokens: int,
+    out: dict[str, torch.Tensor] | None = None,
 ) -> QsaMetadata:
     # query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_table: [B, M] int32; ring_blocks: [B] int32
-    device = seq_lens.device
+    """``out``: the output tensors to write (``metadata_outputs``' names and shapes), e.g. views of a
+    builder's preallocated buffers; allocated here when omitted."""
     requests = seq_lens.shape[0]
     max_work = max_work_items(num_tokens, requests, compress_ratio)
-    i32 = dict(dtype=torch.int32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    out = dict(
-        token_to_req=torch.empty(num_tokens, **i32), logical_positions=torch.empty(num_tokens, **i64),
-        visible_blocks=torch.empty(num_tokens, **i32), ring_slot_mapping=torch.empty(num_tokens, **i64),
-        compressed_slot_mapping=torch.empty(num_tokens, **i64), k_work=torch.empty(max_work, 2, **i32),
-        num_work=torch.zeros(1, **i32),
-    )
+    if out is None:
+        out = metadata_outputs(num_tokens, max_work, seq_lens.device)
+    elif not requests:
+        out["num_work"].zero_()  # no program runs to write it
     if requests:
         assert block_table.stride(1) == 1, "block table rows must be contiguous"
         _metadata_kernel[(requests,)](
@@ -115,3 +113,4 @@ def build_qsa_metadata_triton(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, ring_blocks=ring_blocks,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, block_size=block_size, **out,
     )
+

@@ -23,6 +23,11 @@ from kernels.qsa_rope import RopeCache
 from kernels.qsa_update import ref as update_ref
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import Backend, make_backend, poison
+from kernels.qsa_metadata import split_uniform_decodes
+from kernels.qsa_metadata.builder import QsaMetadataBuilder
+from tests.test_qsa_metadata_builder import GEOMETRY, mixed_batch
+from tests.test_qsa_metadata_builder import (  # noqa: F401
+    test_builder_matches_the_reference_forward_after_forward_in_the_same_buffers)
 from tests.test_qsa_metadata_kernel import random_metadata_inputs, test_metadata  # noqa: F401
 from tests.test_qsa_score_kernel import test_scores_within_accumulation_error  # noqa: F401
 from tests.test_qsa_score_kernel import test_topk_exact_on_integer_values  # noqa: F401
@@ -80,6 +85,54 @@ def test_metadata_never_syncs_and_replays_from_a_graph():
     assert torch.equal(captured.k_work[:num_work], want.k_work[:num_work])
     assert bool((captured.k_work[num_work:] == -1).all())
 
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_builder_replays_a_padded_bucket_from_a_graph():
+    """A bucket of 256 tokens and 16 requests captured once; two mixed batches with drafts (10 decode steps
+    and 4 chunks, then 6 and 2 in the bucket's tensors, the requests past them idle) replayed: the maps equal
+    the reference's of the real requests, the padding tokens get no slot, and the split comes from the host."""
+    bucket_tokens, bucket_requests, num_spec = 256, 16, 3
+    builder = QsaMetadataBuilder(**GEOMETRY, num_spec=num_spec, max_num_batched_tokens=512, max_num_seqs=32,
+                                 device="cuda")
+
+    def padded(batch):  # the real requests, then idle ones (query length 0, sequence length 0)
+        qsl, seq, table, rings = batch
+        idle = bucket_requests - seq.shape[0]
+        return (torch.cat([qsl, qsl[-1:].expand(idle)]), torch.cat([seq, seq.new_zeros(idle)]),
+                torch.cat([table, table.new_zeros(idle, table.shape[1])]), torch.cat([rings, rings.new_zeros(idle)]))
+
+    batches = [mixed_batch(seed, decodes=d, prefills=p, num_spec=num_spec, block_size=64, max_len=600)
+               for seed, (d, p) in enumerate([(10, 4), (6, 2)])]
+    columns = max(b[2].shape[1] for b in batches)
+    batches = [(q, s, torch.nn.functional.pad(t, (0, columns - t.shape[1])), r) for q, s, t, r in batches]
+    inputs = [t.cuda() for t in padded(batches[0])]  # the bucket's tensors, at fixed addresses
+    assert int(batches[0][0][-1]) <= bucket_tokens
+    host = dict(query_start_loc_cpu=batches[0][0], seq_lens_cpu=batches[0][1])  # the real requests' host copies
+    builder.build(*inputs, **host, num_tokens=bucket_tokens)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = builder.build(*inputs, **host, num_tokens=bucket_tokens)
+    assert captured.split.num_decodes == 10 and captured.split.num_prefills == 4
+    for batch, (decodes, prefills) in zip(batches, [(10, 4), (6, 2)]):
+        for target, source in zip(inputs, padded(batch)):
+            target.copy_(source)
+        graph.replay()
+        split = split_uniform_decodes(batch[0], batch[1], decode_threshold=builder.decode_threshold)  # host work
+        assert (split.num_decodes, split.num_prefills, split.decode_query_len) == (decodes, prefills, 1 + num_spec)
+        torch.cuda.synchronize()
+        want = metadata_ref.build_qsa_metadata(*batch, **GEOMETRY)
+        real = int(batch[0][-1])
+        for name in ("token_to_req", "logical_positions", "visible_blocks", "ring_slot_mapping",
+                     "compressed_slot_mapping"):
+            assert torch.equal(getattr(captured, name)[:real].cpu(), getattr(want, name)), name
+            assert bool((getattr(captured, name)[real:] <= 0).all()), name  # padding: -1 (or 0 visible rows)
+        num_work = int(want.num_work)
+        assert int(captured.num_work) == num_work
+        assert torch.equal(captured.k_work[:num_work].cpu(), want.k_work[:num_work])
+        assert bool((captured.k_work[num_work:] == -1).all())
 
 def _qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec: int, blocks: int, rings: int,
               seed: int) -> CachePool:
