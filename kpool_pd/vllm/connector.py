@@ -99,6 +99,8 @@ class KpoolPdConnector(KVConnectorBase_V1):
             self.worker.offer(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is not None:
+            self.worker.progress.wait_if_idle(self._get_connector_metadata())
         if isinstance(self.worker, ProducerWorker):
             return self.worker.finished_sending(finished_req_ids) or None, None
         if isinstance(self.worker, ConsumerWorker):

@@ -34,6 +34,12 @@ class Load:
 class KpoolPdMetadata(KVConnectorMetadata):
     offers: list[Offer] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    idle: bool = False  # the step schedules no token: vLLM steps only to hear about transfers
+
+
+def is_idle(scheduler_output) -> bool:
+    """A step that schedules no token (vLLM steps on while requests wait on transfers)."""
+    return scheduler_output.total_num_scheduled_tokens == 0
 
 
 def producer_params(offer: Offer, *, address: str, engine_id: str, lease_s: float) -> dict:

@@ -15,7 +15,7 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, is_remote_prefill, producer_params
+from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, is_idle, is_remote_prefill, producer_params
 from kpool_pd.vllm.settings import KpoolPdSettings
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class ProducerScheduler:
                 offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=tuple(blocks), prompt_len=n)
                 self._offered[request_id] = offer
                 self._pending.append(offer)
-        meta, self._pending = KpoolPdMetadata(offers=self._pending), []
+        meta, self._pending = KpoolPdMetadata(offers=self._pending, idle=is_idle(scheduler_output)), []
         return meta
 
     def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
@@ -86,7 +86,7 @@ class ConsumerScheduler:
             params["do_remote_prefill"] = False  # loaded once: a second allocation for this request loads nothing
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:
-        meta, self._pending = KpoolPdMetadata(loads=self._pending), []
+        meta, self._pending = KpoolPdMetadata(loads=self._pending, idle=is_idle(scheduler_output)), []
         return meta
 
     def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:

@@ -35,6 +35,22 @@ from runtime import GrpcServer
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0  # a hand-over to the loop (start, an offer) that takes longer is a failure
+IDLE_WAIT_S = 0.02  # the longest an idle step waits for the connector's thread (a new request waits as long)
+
+
+class TransferProgress:
+    """The connector's thread tells vLLM's idle steps that a transfer ended."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def note(self) -> None:
+        self._event.set()
+
+    def wait_if_idle(self, metadata: KpoolPdMetadata) -> None:
+        if metadata.idle:
+            self._event.wait(IDLE_WAIT_S)
+        self._event.clear()
 
 
 class ConnectorLoop:
@@ -82,6 +98,7 @@ class ProducerWorker:
         self._lock = threading.Lock()
         self._ended: set[str] = set()  # grants ended (their blocks are vLLM's to free again)
         self._finished: set[str] = set()  # requests vLLM said finished
+        self.progress = TransferProgress()
         self.loop = ConnectorLoop("kpoolpd-producer")
         self.node = PrefillConnector(pool, NoPrefillCalls(), engine_id=engine_id,
                                      config=connector_config(settings), registry=CollectorRegistry(),
@@ -119,6 +136,7 @@ class ProducerWorker:
     def _grant_ended(self, request_id: str) -> None:
         with self._lock:
             self._ended.add(request_id)
+        self.progress.note()
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose grant ended: their blocks may be freed."""
@@ -149,6 +167,7 @@ class ConsumerWorker:
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self.progress = TransferProgress()
         self.loop = ConnectorLoop("kpoolpd-consumer")
         self.node = DecodeConnector(pool, engine_id=engine_id, config=connector_config(settings),
                                     registry=CollectorRegistry(), transports=(settings.transport,),
@@ -191,6 +210,7 @@ class ConsumerWorker:
             with self._lock:
                 self._failed_blocks |= set(failed)
                 self._received.add(request_id)
+            self.progress.note()
 
     def finished_recving(self) -> set[str]:
         with self._lock:
