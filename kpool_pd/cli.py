@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("kernels", "kernel timings"), ("transfer", "connector transfers beside copy, socket and NIXL"),
                        ("pipeline", "time to first token with whole and chunked prefill; exposed transfer"),
                        ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ..."),
-                       ("control", "a control message on gRPC: a new call beside a message on an open stream")):
+                       ("control", "a control message on gRPC: a new call beside a message on an open stream"),
+                       ("vllm", "TTFT of a vLLM PD pair with KpoolPdConnector and with NixlConnector")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
 SERVERS = {**DAEMONS, "router": "kpool_pd.router.main"}  # each parses its own flags
 BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp",
-           "control": "bench.control_latency"}
+           "control": "bench.control_latency", "vllm": "bench.vllm_pd"}
 
 
 def main(argv: list[str] | None = None) -> int:

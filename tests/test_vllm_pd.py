@@ -19,13 +19,11 @@ import pytest
 if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a missing vLLM fails there
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
-from tests import vllm_engines  # noqa: E402
+from bench import vllm_engines  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ENGINE_START_S = 600  # a loaded 2-core machine starts three engines at once
-JOB_S = 300
 PROMPT_LENGTHS = (7, 9, 16, 17, 100, 257, 640, 1000)
 MAX_TOKENS = 8
 
@@ -38,35 +36,6 @@ def connector(role: str, extra: dict, **transfer) -> dict:
             "kv_connector_extra_config": extra, **transfer}
 
 
-class Engine:
-    def __init__(self, context, model: str, transfer: dict | None) -> None:
-        self.jobs, self.results = context.Queue(), context.Queue()
-        self.process = context.Process(target=vllm_engines.serve, args=(model, transfer, self.jobs, self.results))
-        self.process.start()
-
-    def _answer(self, timeout_s: float):
-        answer = self.results.get(timeout=timeout_s)
-        if isinstance(answer, tuple) and answer and answer[0] == "error":
-            raise AssertionError(f"engine failed:\n{answer[1]}")
-        return answer
-
-    def wait_ready(self) -> None:
-        self._answer(ENGINE_START_S)
-
-    def run(self, prompts, max_tokens, params=None):
-        self.jobs.put((prompts, max_tokens, params))
-        return self._answer(JOB_S)
-
-    def stop(self) -> None:
-        try:
-            self.jobs.put(None)
-            self.process.join(30)
-        finally:
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(30)
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     model = str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama")))
@@ -74,13 +43,13 @@ def engines(tmp_path_factory):
     context = multiprocessing.get_context("spawn")
     started = []
     try:
-        producer = Engine(context, model, connector("kv_producer", {"listen": f"127.0.0.1:{free_port()}",
+        producer = vllm_engines.EngineProcess(context, model, connector("kv_producer", {"listen": f"127.0.0.1:{free_port()}",
                                                                   "peer_token": token, "lease_s": 60}))
         started.append(producer)
         consumers = {}
         for transport in ("ucx", "grpc"):
             settings = {"peer_token": token, "transport": transport, "integrity": True}
-            consumers[transport] = Engine(context, model, connector(
+            consumers[transport] = vllm_engines.EngineProcess(context, model, connector(
                 "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]))
             started.append(consumers[transport])
         for engine in started:

@@ -1,6 +1,6 @@
-"""vLLM engines in processes of their own, for tests/test_vllm_pd.py: a 2-layer Llama from a config.json
-and seeded random weights written here, run greedily on the CPU. Each process serves jobs from a queue
-until told to stop (``None``).
+"""vLLM engines in processes of their own, for ``kpool-pd bench vllm`` and tests/test_vllm_pd.py: a 2-layer
+Llama from a config.json and seeded random weights written here, run greedily on the CPU. Each process
+serves jobs from a queue until told to stop (``None``).
 
 The weights are written, not vLLM's dummy ones: those lie in [-1e-3, 1e-3], where attention is uniform
 and a token's output hardly depends on the KV of the tokens before it, so a consumer that loaded wrong
@@ -68,23 +68,26 @@ def tiny_llama_weights(seed: int = 0) -> dict:
     return tensors
 
 
-def write_model(folder: Path) -> Path:
-    """TINY_LLAMA's config.json and seeded weights (model.safetensors) in ``folder``."""
+def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embeddings"]) -> Path:
+    """TINY_LLAMA's config.json (``max_positions`` tokens of context) and seeded weights
+    (model.safetensors) in ``folder``."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA | {"max_position_embeddings": max_positions}))
     save_file(tiny_llama_weights(), str(folder / "model.safetensors"))
     return folder
 
 
-def serve(model: str, transfer: dict | None, jobs, results) -> None:
+def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int = 2048,
+          env: dict[str, str] | None = None) -> None:
     """One engine: ``transfer`` is the kv_transfer_config (None: no connector). A job is
     ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
     ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
     ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
     during the job: prompt tokens the engine computed (``local_compute``), found in its prefix cache
     (``local_cache_hit``) or had its KV connector load (``external_kv_transfer``)."""
+    os.environ.update(env or {})  # before vLLM reads its settings (e.g. VLLM_NIXL_SIDE_CHANNEL_PORT)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
@@ -92,7 +95,8 @@ def serve(model: str, transfer: dict | None, jobs, results) -> None:
 
         kwargs = {"kv_transfer_config": transfer} if transfer else {}
         llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
-                  enable_prefix_caching=False, disable_log_stats=False, max_model_len=2048, max_num_batched_tokens=2048, seed=0, **kwargs)
+                  enable_prefix_caching=False, disable_log_stats=False, max_model_len=max_model_len,
+                  max_num_batched_tokens=max_model_len, seed=0, **kwargs)
     except Exception:
         results.put(("error", traceback.format_exc()))
         return
@@ -111,3 +115,41 @@ def serve(model: str, transfer: dict | None, jobs, results) -> None:
                             prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
         except Exception:
             results.put(("error", traceback.format_exc()))
+
+
+ENGINE_START_S = 600  # a loaded 2-core machine starts several engines at once
+JOB_S = 300
+
+
+class EngineProcess:
+    """``serve`` in a process of its own (``context``: a multiprocessing context; spawn, as vLLM needs);
+    ``run`` sends a job and waits for its ``Job``; AssertionError with the engine's traceback if it failed."""
+
+    def __init__(self, context, model: str, transfer: dict | None, *, max_model_len: int = 2048,
+                 env: dict[str, str] | None = None) -> None:
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=serve, args=(model, transfer, self.jobs, self.results),
+                                       kwargs={"max_model_len": max_model_len, "env": env})
+        self.process.start()
+
+    def _answer(self, timeout_s: float):
+        answer = self.results.get(timeout=timeout_s)
+        if isinstance(answer, tuple) and answer and answer[0] == "error":
+            raise AssertionError(f"engine failed:\n{answer[1]}")
+        return answer
+
+    def wait_ready(self, timeout_s: float = ENGINE_START_S) -> None:
+        self._answer(timeout_s)
+
+    def run(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None) -> Job:
+        self.jobs.put((prompts, max_tokens, params))
+        return self._answer(JOB_S)
+
+    def stop(self) -> None:
+        try:
+            self.jobs.put(None)
+            self.process.join(30)
+        finally:
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(30)
