@@ -24,18 +24,20 @@ from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_b
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
-CASES = [  # family, drafts, the cache options (ModelConfig.build's names); 128-token blocks
-    pytest.param(KPOOL, 3, dict(pool_mode=PoolMode.KEEP_LAST), id="kpool-keep-last-spec3"),
-    pytest.param(KPOOL, 0, dict(round_scale=False), id="kpool-round-scale-false-spec0"),
-    pytest.param(KPOOL, 3, dict(block_order=BlockOrder.BLHNC), id="kpool-hnc-spec3"),
-    pytest.param(KPOOL, 3, dict(kpool=2, kernel_page_states=32), id="kpool2-pages-of-32-spec3"),
-    pytest.param(QSA, 3, dict(qsa_dtype=CacheDtype.FP8), id="qsa-fp8-spec3"),
-    pytest.param(QSA, 0, dict(cache_rope_positions=False), id="qsa-no-rope-positions-spec0"),
-    pytest.param(KPOOL, 3, dict(kpool=2, pool_mode=PoolMode.KEEP_LAST, round_scale=False, block_order=BlockOrder.BLHNC,
-                                kernel_page_states=32), id="kpool-all-options-spec3"),
-    pytest.param(QSA, 3, dict(qsa_dtype=CacheDtype.FP8, block_order=BlockOrder.BLHNC, cache_rope_positions=False),
-                 id="qsa-all-options-spec3"),
+OPTIONS = [  # family, the cache options (ModelConfig.build's names), alone and all together; 128-token blocks
+    (KPOOL, dict(pool_mode=PoolMode.KEEP_LAST), "kpool-keep-last"),
+    (KPOOL, dict(round_scale=False), "kpool-round-scale-false"),
+    (KPOOL, dict(block_order=BlockOrder.BLHNC), "kpool-hnc"),
+    (KPOOL, dict(kpool=2, kernel_page_states=32), "kpool2-pages-of-32"),
+    (QSA, dict(qsa_dtype=CacheDtype.FP8), "qsa-fp8"),
+    (QSA, dict(cache_rope_positions=False), "qsa-no-rope-positions"),
+    (KPOOL, dict(kpool=2, pool_mode=PoolMode.KEEP_LAST, round_scale=False, block_order=BlockOrder.BLHNC,
+                 kernel_page_states=32), "kpool-all-options"),
+    (QSA, dict(qsa_dtype=CacheDtype.FP8, block_order=BlockOrder.BLHNC, cache_rope_positions=False),
+     "qsa-all-options"),
 ]
+CASES = [pytest.param(family, num_spec, options, id=f"{name}-spec{num_spec}")
+         for family, options, name in OPTIONS for num_spec in (0, 3)]
 
 
 @pytest.mark.parametrize("family,num_spec,options", CASES)
