@@ -1,8 +1,9 @@
 """Transfer benchmark: time from Pull to the last byte landed, per transport and request size,
 beside baselines measured in the same run (memcpy of the same bytes; a raw loopback TCP stream
 between two processes; a raw gRPC stream between two processes (``bench.grpc_baseline``); torch's
-peer copy when two GPUs are used; NIXL READ of the same bytes across two processes where the nixl
-package imports).
+peer copy when two GPUs are used; a raw ucxx tag send of the same bytes between two processes, with the
+connector's UCX options and placement, where ucxx imports (``bench.ucxx_baseline``); NIXL READ of the
+same bytes across two processes where the nixl package imports).
 
     python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
 
@@ -34,6 +35,7 @@ from bench.arguments import bench_parser, count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
+from bench.ucxx_baseline import ucxx_tag_gbps
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
                        PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
@@ -174,6 +176,9 @@ def _run(args) -> tuple[list[dict], dict]:
         if args.device == "cpu":
             rows.append(base | {"path": "raw socket", "gbps": socket_stream_gbps(nbytes, args.reps)})
         rows.append(base | {"path": "raw grpc stream", "gbps": grpc_stream_gbps(nbytes, args.reps)})
+        if use_ucx:  # the connector's UCX options and placement: what a pull costs above UCX's own send
+            rows.append(base | {"path": "raw ucxx tag", "gbps": ucxx_tag_gbps(nbytes, args.reps, prefill_device,
+                                                                             decode_device, UCX_NO_SHARED_MEMORY)})
         if nixl is not None:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
@@ -194,12 +199,13 @@ def _run(args) -> tuple[list[dict], dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    """One line per row, with its rate over the copy baseline, the raw socket, the raw gRPC stream
-    and NIXL READ of the same request size (a dash where that baseline was not measured)."""
+    """One line per row, with its rate over the copy baseline, the raw socket, the raw gRPC stream, the
+    raw ucxx tag send and NIXL READ of the same request size (a dash where that baseline was not measured)."""
     def rates(path_names):
         return {r["tokens"]: r["gbps"] for r in rows if r["path"] in path_names}
     baselines = [("x copy", rates(("memcpy", "device copy", "torch peer copy"))), ("x socket", rates(("raw socket",))),
-                 ("x grpc", rates(("raw grpc stream",))), ("x nixl", rates(("nixl read",)))]
+                 ("x grpc", rates(("raw grpc stream",))), ("x ucxx", rates(("raw ucxx tag",))),
+                 ("x nixl", rates(("nixl read",)))]
     lines = [f"{'tokens':>7} {'MiB':>8} {'path':<20} {'ms':>9} {'GB/s':>7}" + "".join(f" {n:>8}" for n, _ in baselines)
              + "  where a connector pull's time went (ms, median): " + " / ".join(PHASES)]
     for r in rows:

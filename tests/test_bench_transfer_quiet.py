@@ -1,5 +1,6 @@
-"""``kpool-pd bench transfer`` as a user runs it prints its table and nothing from gRPC's own logging on
-stderr: a node that stops while its peer's connection is still open made gRPC log a "Got goaway" line."""
+"""``kpool-pd bench transfer`` as a user runs it prints its table and nothing from gRPC's or UCX's own logging
+on stderr: a node that stops while its peer's connection is still open made gRPC log a "Got goaway" line.
+Where ucxx imports, the raw ucxx tag send stands beside the connector's rows (the "x ucxx" column)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+
+from connector import ucx_available
 
 
 def test_bench_transfer_leaves_no_grpc_log_lines_on_stderr(tmp_path):
@@ -17,6 +20,11 @@ def test_bench_transfer_leaves_no_grpc_log_lines_on_stderr(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "goaway" not in proc.stderr.lower(), proc.stderr
     assert "chttp2" not in proc.stderr, proc.stderr
+    assert "UCX  WARN" not in proc.stderr, proc.stderr
     (result,) = tmp_path.glob("transfer-*-quiet-cpu.json")
     rows = json.loads(result.read_text())["rows"]
     assert any(row["path"].startswith("connector grpc") for row in rows), rows
+    if ucx_available():
+        [raw] = [row for row in rows if row["path"] == "raw ucxx tag"]
+        assert raw["bytes"] > 0 and raw["gbps"] > 0, raw
+        assert "x ucxx" in proc.stdout, proc.stdout
