@@ -32,7 +32,7 @@ from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
                      model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
-                     run_daemon, service_options)
+                     seconds_or_off, run_daemon, service_options)
 from runtime.preflight import check_cache_memory
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ OPTIONS: tuple[Option, ...] = (
            "later chunks compute (false: pull once the prompt is computed)"),
     Option("max-running", positive_int, 16, "requests decoded at once (the batch)"),
     Option("max-queue", positive_int, 64, "requests waiting for room at most; more get RESOURCE_EXHAUSTED"),
-    Option("queue-timeout-s", seconds, 60.0, "how long a request may wait for room"),
+    Option("queue-timeout-s", seconds_or_off, 0.0, "how long a request may wait for room before it fails "
+           "DEADLINE_EXCEEDED (0: as long as its call's deadline allows)"),
     Option("max-prompt-tokens", positive_int, 4096, "longest prompt accepted"),
     Option("max-new-tokens", positive_int, 512, "most output tokens a request may ask for"),
     Option("num-blocks", nonnegative_int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),

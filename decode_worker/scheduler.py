@@ -155,11 +155,15 @@ class DecodeScheduler:
             job.admitted.set_result(None)
 
     async def wait_admitted(self, job: Job) -> None:
+        """Until ``job`` has room. A request that fits waits as long as its call allows (the client's
+        deadline cancels the wait), or ``queue_timeout_s`` where that is set (> 0): then DEADLINE_EXCEEDED.
+        RESOURCE_EXHAUSTED is only ``submit``'s, at the queue's bound."""
         try:
-            await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout_s or None)
         except asyncio.TimeoutError:
-            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"no room in the decode batch within {self.queue_timeout_s} s") from None
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no room in the decode batch within {self.queue_timeout_s} s "
+                              f"(--queue-timeout-s)") from None
 
     # fetching -----------------------------------------------------------------------------
     async def fetch(self, job: Job) -> None:

@@ -154,6 +154,11 @@ def seconds(text: Any) -> float:
     return value
 
 
+def seconds_or_off(text: Any) -> float:
+    """A duration in seconds as ``seconds`` takes it, or 0: no bound of its own."""
+    return 0.0 if number(text) == 0 else seconds(text)
+
+
 def parse_port(text: Any) -> int:
     """A TCP port: 0 asks for any free port, -1 turns the listener off."""
     value = integer(text)

@@ -37,7 +37,8 @@ class Nodes:
     """A prefill node (connector + batching engine) and a decode node (connector, router,
     scheduler and its loop) in this event loop, each with its own pool."""
 
-    def __init__(self, transfer_timeout_s: float = 10.0) -> None:
+    def __init__(self, transfer_timeout_s: float = 10.0, queue_timeout_s: float = 10.0) -> None:
+        self.queue_timeout_s = queue_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
 
     async def __aenter__(self) -> "Nodes":
@@ -59,7 +60,7 @@ class Nodes:
         self.engine = Engine(CONFIG, self.d_cache.pool)
         self.scheduler = DecodeScheduler(self.engine, self.d_cache, self.decode, self.router,
                                          max_running=4, max_queue=8, transport=GRPC, integrity=True,
-                                         queue_timeout_s=10, registry=self.registry)
+                                         queue_timeout_s=self.queue_timeout_s, registry=self.registry)
         self.decode_loop = asyncio.create_task(self.scheduler.run())
         return self
 
@@ -218,5 +219,38 @@ def test_a_pull_that_times_out_takes_the_node_out_until_the_engine_handshook_aga
             job = await nodes.fetched("after", PROMPT, 8)
             assert job.landed.grant.num_blocks > 0
             nodes.scheduler.abandon(job, "failed")
+            assert await nodes.until_free(start), nodes.free()
+    run(main())
+
+
+@pytest.mark.parametrize("queue_timeout_s", [0.0, 0.3], ids=["no-bound", "bound-0.3s"])
+def test_a_request_that_fits_waits_for_room_and_only_a_bound_it_was_given_ends_the_wait(queue_timeout_s):
+    """max_running 4 admitted: a fifth request waits. Without a bound (0) it waits until a slot frees,
+    then it is admitted; with one it fails DEADLINE_EXCEEDED naming it. Never RESOURCE_EXHAUSTED: that is
+    the full queue's answer (submit)."""
+    async def main():
+        async with Nodes(queue_timeout_s=queue_timeout_s) as nodes:
+            start = nodes.free()
+            running = [nodes.scheduler.submit(f"r{i}", PROMPT, 4) for i in range(4)]
+            for job in running:
+                await nodes.scheduler.wait_admitted(job)
+            waiting = nodes.scheduler.submit("fifth", PROMPT, 4)
+            admitted = asyncio.ensure_future(nodes.scheduler.wait_admitted(waiting))
+            if queue_timeout_s:
+                with pytest.raises(StatusError) as failed:
+                    await asyncio.wait_for(admitted, 30)
+                assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "within 0.3 s (--queue-timeout-s)" in failed.value.message
+            else:
+                done, _ = await asyncio.wait({admitted}, timeout=1.0)  # well past the other case's bound
+                assert not done and waiting.state is JobState.WAITING
+                nodes.scheduler.abandon(running.pop(), "cancelled")  # a slot frees
+                await asyncio.wait_for(admitted, 30)
+                assert waiting.state is JobState.PREFILLING
+                running.append(waiting)
+            for job in running:
+                nodes.scheduler.abandon(job, "cancelled")
+            if queue_timeout_s:
+                nodes.scheduler.abandon(waiting, "failed")
             assert await nodes.until_free(start), nodes.free()
     run(main())
