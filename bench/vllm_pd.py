@@ -14,6 +14,7 @@ Needs vLLM (pip install -e '.[vllm]', see README) and, for the NixlConnector row
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -146,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         connectors = [Connector(name.strip()) for name in args.connectors.split(",")]
     except ValueError:
         parser.error(f"--connectors: expected names among {[c.value for c in Connector]}, got {args.connectors!r}")
+    missing = [f"{name} ({hint})" for name, hint, needed in (
+        ("vllm", "pip install -e '.[vllm]', see README", True),
+        ("nixl", "pip install nixl, or leave nixl out of --connectors", Connector.NIXL in connectors))
+        if needed and importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"error: kpool-pd bench vllm needs {' and '.join(missing)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_model_len = max(args.tokens) + 16
     rows: list[Row] = []

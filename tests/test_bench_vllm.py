@@ -23,6 +23,13 @@ def test_bad_flags_exit_2_naming_the_value(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_missing_package_is_named_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(vllm_pd.importlib.util, "find_spec", lambda name: None)
+    assert vllm_pd.main(["--connectors", "kpool-grpc,nixl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs vllm (pip install -e '.[vllm]'" in err and "nixl (pip install nixl" in err
+
+
 def test_the_table_gives_each_ttft_beside_nixls():
     rows = [vllm_pd.Row(connector=name, tokens=1024, reps=3, prefill_ms=10.0, decode_first_token_ms=first,
                         ttft_ms=10.0 + first, same_tokens=True, pulled_tokens=3072)
