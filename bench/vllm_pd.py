@@ -4,8 +4,8 @@ NixlConnector (kv_buffer_device cpu), one connector after the other in one run, 
 Prints per connector and length the median prefill time (the producer's one-token prefill), the median
 time the consumer takes from the decode request to its first token (the pull of the prompt's KV plus one
 token's compute: the compute is the same whatever the connector, so the difference between connectors is
-the transfer), their sum (TTFT), its ratio to NixlConnector's, and whether the consumer's first tokens
-equal one engine's.
+the transfer), their sum (TTFT), its ratio to NixlConnector's, and whether the consumer's first token
+equals one engine's.
 
     python -m bench.vllm_pd --tokens 1024,8192 --reps 5     (kpool-pd bench vllm)
 
@@ -49,7 +49,7 @@ class Row:
     prefill_ms: float  # median, the producer's one-token prefill
     decode_first_token_ms: float  # median, the consumer's pull plus one token
     ttft_ms: float  # prefill_ms + decode_first_token_ms
-    same_tokens: bool  # the consumer's first tokens equal one engine's, every rep
+    same_tokens: bool  # the consumer's first token equals one engine's, every rep
     pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the rest it computed)
 
 
@@ -95,9 +95,9 @@ def measure(connector: Connector, model: str, lengths: list[int], reps: int, max
         started = time.perf_counter()
         params = producer.run([prompt], 1, [{"do_remote_decode": True}]).outputs[0][2]
         prefilled = time.perf_counter()
-        decoded = consumer.run([prompt], 2, [params])
+        decoded = consumer.run([prompt], 1, [params])  # the pull, then the prompt's last token: the first token
         done = time.perf_counter()
-        alone = consumer.run([prompt], 2)  # no params: the consumer computes the prompt itself
+        alone = consumer.run([prompt], 1)  # no params: the consumer computes the prompt itself
         return (prefilled - started, done - prefilled, decoded.outputs[0][0] == alone.outputs[0][0],
                 decoded.prompt_tokens.get("external_kv_transfer", 0))
 

@@ -5,9 +5,9 @@ gRPC stream):
   or not, and the consumer computes none of those prompts (vLLM's ``vllm:prompt_tokens_by_source`` counter
   on its /metrics). The single-server reference is the consumer itself after the PD requests, asked with
   no kv_transfer_params; it has prefix caching off, so its PD requests found their KV only in the pull;
-- a producer killed after its prefill, before the consumer pulls: the consumer's pull fails, vLLM
-  recomputes the prompt (kv_load_failure_policy "recompute"; the same tokens), and the consumer holds no
-  block afterwards (vLLM's ``vllm:kv_cache_usage_perc``);
+- a producer killed mid-pull (stopped after its prefill, killed once the consumer's load is in progress):
+  the consumer's pull fails, vLLM recomputes the prompt (kv_load_failure_policy "recompute"; the same
+  tokens), and the consumer holds no block afterwards (vLLM's ``vllm:kv_cache_usage_perc``);
 - a consumer killed while its request is in flight (before, during or after its pull, from a second
   producer started then, which it has not pulled from before): that producer holds no block once the
   grant's lease ran out, and still serves.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import signal
 import threading
 
 import pytest
@@ -46,6 +47,7 @@ LEASE_S = 120  # the router's producer
 SHORT_LEASE_S = 10  # the second producer's
 FREED_WITHIN_S = SHORT_LEASE_S + 60  # the lease, and a loaded machine's engine steps
 WARM_UP_S = 600
+FETCH_SEEN_S = 60  # the decode request reaches the consumer's scheduler and its pull starts
 
 
 def connector(role: str, extra: dict, **transfer) -> dict:
@@ -165,19 +167,32 @@ def test_completions_through_the_router_equal_one_server(deployment):
     assert wait_for(lambda: holds_no_block(consumer) and holds_no_block(deployment.producer), FREED_WITHIN_S)
 
 
-def test_a_producer_killed_before_the_pull_leaves_the_consumer_to_recompute(deployment):
+def test_a_producer_killed_mid_pull_leaves_the_consumer_to_recompute(deployment):
+    """The producer stops answering (SIGSTOP) after its prefill; the consumer's pull starts and waits for its
+    bytes (vLLM counts the load in progress); then the producer is killed (SIGKILL)."""
     doomed, consumer = deployment.producer, deployment.consumer
     [prompt] = prompts(26, [300])
     params = prefill(doomed, prompt)
     assert not holds_no_block(doomed)  # the grant holds the prompt's blocks
-    doomed.kill()
-    doomed.process.wait(vllm_servers.STOP_S)
-
     before = vllm_servers.prompt_tokens_by_source(consumer.metrics())
-    recomputed = complete(client(consumer), prompt, kv_transfer_params=params)
+    doomed.kill(signal.SIGSTOP)
+    answer: dict[str, list[int]] = {}
+
+    def decode() -> None:
+        answer["tokens"] = complete(client(consumer), prompt, kv_transfer_params=params)
+    sender = threading.Thread(target=decode, daemon=True)
+    sender.start()
+    try:
+        assert wait_for(lambda: vllm_servers.kv_fetches_in_progress(consumer.metrics()) >= 1, FETCH_SEEN_S,
+                        period_s=0.2), f"the consumer's pull did not start within {FETCH_SEEN_S} s:\n{consumer.tail()}"
+    finally:
+        doomed.kill()  # SIGKILL, stopped or not
+    doomed.process.wait(vllm_servers.STOP_S)
+    sender.join(CLIENT_TIMEOUT_S)
+
     after = vllm_servers.prompt_tokens_by_source(consumer.metrics())
     assert after["local_compute"] - before["local_compute"] == len(prompt)  # the load failed; vLLM computed it
-    assert recomputed == complete(client(consumer), prompt)
+    assert answer["tokens"] == complete(client(consumer), prompt)
     assert wait_for(lambda: holds_no_block(consumer), FREED_WITHIN_S)
     assert consumer.healthy()
 

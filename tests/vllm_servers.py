@@ -123,3 +123,12 @@ def prompt_tokens_by_source(metrics_text: str) -> dict[str, float]:
             source = labels.split('source="', 1)[1].split('"', 1)[0]
             counts[source] = counts.get(source, 0.0) + float(value)
     return counts
+
+
+def kv_fetches_in_progress(metrics_text: str) -> float:
+    """vLLM's ``vllm:num_requests_kv_fetch_by_stage{stage="in_progress"}`` (a consumer's gauge): requests
+    whose asynchronous KV load started and has not been reported finished."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:num_requests_kv_fetch_by_stage{") and 'stage="in_progress"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:num_requests_kv_fetch_by_stage{stage=\"in_progress\"} in the metrics")
