@@ -195,6 +195,10 @@ def test_one_decode_worker_uses_two_prefill_workers_and_survives_losing_one(tmp_
     try:
         with _logs_on_failure(decode, a, b):
             _ready(decode)
+            # Ready means one prefill node is usable; on a loaded machine the other's first check may time
+            # out, so wait until the decode node has found both healthy before counting who served what.
+            assert wait_for(lambda: all(f"prefill node 127.0.0.1:{p.port} is healthy" in decode.log_tail(400)
+                                        for p in (a, b)), READY_S), decode.log_tail(20)
             decode_free = _free_blocks(decode)
             address = f"127.0.0.1:{decode.port}"
             requests = boundary_prompts(config, 8, 12, seed=1, prefix="both")

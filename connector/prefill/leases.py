@@ -103,11 +103,11 @@ class LeaseTable:
     def pop(self, grant_id: str) -> Grant | None:
         return self._grants.pop(grant_id, None)
 
-    def active_request(self, request_id: str, engine_id: str) -> bool:
-        """Whether ``engine_id`` holds an unreleased grant for ``request_id`` (request ids are a decode
-        engine's own: another engine's request of the same id is no conflict, and no answer says it exists)."""
-        return any(g.request_id == request_id and g.engine_id == engine_id and not g.release_requested
-                   for g in self._grants.values())
+    def held_for(self, request_id: str, engine_id: str) -> list[Grant]:
+        """``engine_id``'s unreleased grants for ``request_id`` (request ids are a decode engine's own:
+        another engine's request of the same id is no conflict, and no answer says it exists)."""
+        return [g for g in self._grants.values()
+                if g.request_id == request_id and g.engine_id == engine_id and not g.release_requested]
 
     def take_expired(self) -> list[Grant]:
         """Remove and return the grants that are expired (or released) and no longer read."""

@@ -60,16 +60,22 @@ class PrefillDesk:
             self.metrics.failures.labels("too_many_grants").inc()
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{len(self.grants)} grants held (limit {self.config.max_grants})")
-        if self.grants.leases.active_request(request.request_id, request.engine_id):
-            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} already holds a grant")
         if request.dcp_engine_ids:
             problem = self._dcp_problem(request.engine_id, tuple(request.dcp_engine_ids), request.dcp_interleave)
             if problem:
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
+    def _supersede(self, request: pb.PrefillRequest) -> None:
+        """A Prefill of a request whose engine already holds a grant for it means the engine never got that
+        answer (its call ended, e.g. at its deadline on a loaded node, just as the grant was made), so
+        nothing will pull or release that grant: it is released now and the call is served anew."""
+        for earlier in self.grants.leases.held_for(request.request_id, request.engine_id):
+            self.grants.abandon(earlier, "its engine asked for the request again (the earlier answer was lost)")
+
     async def answer(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """Check the call, run the prompt and hold it as a grant; StatusError for a refused or failed call."""
         self._check(request)
+        self._supersede(request)
         n = len(request.prompt_token_ids)
         dcp_ids = tuple(request.dcp_engine_ids)
         progress = PrefillProgress(request.request_id)
