@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -153,6 +154,35 @@ MATRIX = [pytest.param(family, group, spec, 256 if (family, group) == (CacheFami
 MATRIX.append(pytest.param(CacheFamily.KPOOL, 2, 3, None, id="kpool-2-spec3-default-block-two-pages"))
 
 
+@contextlib.contextmanager
+def pd_pair(tmp_path, prefill_flags: list[str], decode_flags: list[str] | None = None, *,
+            prefill_blocks: int = 256, prefill_extra: Sequence[str] = (), decode_extra: Sequence[str] = ()):
+    """One prefill daemon on a port named in advance and one decode daemon per transport pulling from it,
+    all booting at once (a decode daemon retries the port until it serves); their logs on a failure;
+    stopped afterwards. Yields ``(prefill, decodes)``."""
+    port = free_port()
+    prefill = start_prefill(tmp_path, prefill_flags, extra=["--port", str(port), "--num-blocks",
+                                                            str(prefill_blocks), "--log-format", "text", *prefill_extra])
+    decodes = [start_decode(tmp_path, decode_flags or prefill_flags, [f"127.0.0.1:{port}"], name=f"decode-{t}",
+                            transport=t, extra=[*DECODE_LIMITS, *decode_extra, "--health-interval-s", "0.5"])
+               for t in TRANSPORTS]
+    try:
+        with _logs_on_failure(prefill, *decodes):
+            yield prefill, decodes
+    finally:
+        _stop(*decodes, prefill)
+
+
+def match_and_free(prefill: Daemon, decodes: list[Daemon], batches: dict, references: dict) -> list[list]:
+    """Once every daemon serves: each batch through its decode daemon equals its colocated reference
+    (``generate_and_match``), and every daemon has all its blocks free again afterwards."""
+    _ready_and_serving(prefill, *decodes)
+    start_free = [_free_blocks(d) for d in (prefill, *decodes)]
+    outcomes = generate_and_match(decodes, batches, references)
+    assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
+    return outcomes
+
+
 @pytest.mark.parametrize("family,group,num_spec,block_size", MATRIX)
 def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
@@ -160,23 +190,12 @@ def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
         block_size = math.lcm(block_size, family_spec_type(family).ring_slots_for(group, num_spec))
     config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=block_size,
                          **{key: group})
-    flags = _flags(config)
-    # All three daemons boot at once: the decode daemons retry the prefill port until it serves.
-    port = free_port()
-    prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
     longest = ["--max-prompt-tokens", str(max(512, 3 * config.cache.block_size))]  # boundary_prompts' longest
-    decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
-                            extra=[*DECODE_LIMITS, *longest, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
-    try:
+    with pd_pair(tmp_path, _flags(config), decode_extra=longest) as (prefill, decodes):
         max_tokens = max(10, group + 3)
         batches = {t: boundary_prompts(config, 16, max_tokens, seed=num_spec, prefix=t) for t in TRANSPORTS}
         references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
-        _ready_and_serving(prefill, *decodes)
-        start_free = [_free_blocks(d) for d in (prefill, *decodes)]
-        generate_and_match(decodes, batches, references)
-        assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
-    finally:
-        _stop(*decodes, prefill)
+        match_and_free(prefill, decodes, batches, references)
 
 
 def _two_prefills(tmp_path, flags, extra=()):

@@ -16,11 +16,7 @@ import pytest
 from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
 from model import ModelConfig
 from model.colocated import run_colocated
-from runtime.launch import start_decode, start_prefill
-from tests.polling import wait_for
-from tests.ports import free_port
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
-                            _ready_and_serving, _stop, boundary_prompts, generate_and_match)
+from tests.test_e2e import TRANSPORTS, _flags, boundary_prompts, match_and_free, pd_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
@@ -45,21 +41,10 @@ def test_pd_with_a_cache_option_equals_colocated(tmp_path, family, num_spec, opt
     config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=7 + num_spec, block_size=128,
                                **options)
     assert all(getattr(config.cache, "order" if k == "block_order" else k) == v for k, v in options.items())
-    flags = _flags(config)
-    port = free_port()
-    prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text"])
-    decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
-                            extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
-    try:
-        with _logs_on_failure(prefill, *decodes):
-            batches = {t: boundary_prompts(config, 16, 10, seed=num_spec, prefix=t) for t in TRANSPORTS}
-            references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
-            _ready_and_serving(prefill, *decodes)
-            start_free = [_free_blocks(d) for d in (prefill, *decodes)]
-            generate_and_match(decodes, batches, references)
-            assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
-    finally:
-        _stop(*decodes, prefill)
+    with pd_pair(tmp_path, _flags(config)) as (prefill, decodes):
+        batches = {t: boundary_prompts(config, 16, 10, seed=num_spec, prefix=t) for t in TRANSPORTS}
+        references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+        match_and_free(prefill, decodes, batches, references)
 
 
 UP_CASES = [

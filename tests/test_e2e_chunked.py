@@ -16,15 +16,12 @@ import urllib.request
 
 import pytest
 
-from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import run_colocated
 from tests.polling import wait_for
-from tests.ports import free_port
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
-                            _metric, _ready_and_serving, _stop, boundary_prompts,
-                            generate_and_match)
+from tests.test_e2e import (SETTLE_S, TRANSPORTS, _flags, _free_blocks, _metric, _ready_and_serving,
+                            boundary_prompts, generate_and_match, pd_pair)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,33 +44,24 @@ def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
     config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=128, **{key: group})
     assert (config.cache.ring_slots, config.cache.block_size) == (8, 128)
-    flags = _flags(config)
-    port = free_port()
-    prefill = start_prefill(tmp_path, flags, extra=["--port", str(port), "--num-blocks", "256", "--log-format", "text",
-                                                    "--max-batch-tokens", str(budget)])
-    decodes = [start_decode(tmp_path, flags, [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
-                            extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
-    try:
-        with _logs_on_failure(prefill, *decodes):
-            batches = {t: boundary_prompts(config, 16, 8, seed=budget, prefix=t) for t in TRANSPORTS}
-            references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
-            _ready_and_serving(prefill, *decodes)
-            start_free = [_free_blocks(d) for d in (prefill, *decodes)]
-            chunks_before = _metric(prefill, "kpoolpd_prefill_chunks_total")
-            outcomes = generate_and_match(decodes, batches, references)
-            prompts = sum(len(b) for b in batches.values())
-            assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
-            # pieces of the budget's worth of blocks (here one block): at least a region per block moved
-            blocks = sum(config.cache.blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
-            assert _summed(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
-            for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
-                assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
-                for name in ("prefill", "transfer", "exposed_transfer"):
-                    count = _metric(decode, f"kpoolpd_decode_request_{name}_seconds_count")
-                    assert count == len(results), f"{decode.name}: {name} observed {count} times"
-            assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
-    finally:
-        _stop(*decodes, prefill)
+    with pd_pair(tmp_path, _flags(config), prefill_extra=["--max-batch-tokens", str(budget)]) as (prefill, decodes):
+        batches = {t: boundary_prompts(config, 16, 8, seed=budget, prefix=t) for t in TRANSPORTS}
+        references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+        _ready_and_serving(prefill, *decodes)
+        start_free = [_free_blocks(d) for d in (prefill, *decodes)]
+        chunks_before = _metric(prefill, "kpoolpd_prefill_chunks_total")
+        outcomes = generate_and_match(decodes, batches, references)
+        prompts = sum(len(b) for b in batches.values())
+        assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
+        # pieces of the budget's worth of blocks (here one block): at least a region per block moved
+        blocks = sum(config.cache.blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
+        assert _summed(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
+        for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
+            assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
+            for name in ("prefill", "transfer", "exposed_transfer"):
+                count = _metric(decode, f"kpoolpd_decode_request_{name}_seconds_count")
+                assert count == len(results), f"{decode.name}: {name} observed {count} times"
+        assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
 
 
 def _up(*flags: str) -> tuple[int, list[dict], str]:

@@ -17,14 +17,10 @@ import sys
 
 import pytest
 
-from runtime.launch import start_decode, start_prefill
 from kvcache import CacheFamily
 from model import ModelConfig
 from model.colocated import GenerateRequest, make_prompts, run_colocated
-from tests.polling import wait_for
-from tests.ports import free_port
-from tests.test_e2e import (DECODE_LIMITS, SETTLE_S, TRANSPORTS, _flags, _free_blocks, _logs_on_failure,
-                            _ready_and_serving, _stop, generate_and_match)
+from tests.test_e2e import TRANSPORTS, _flags, match_and_free, pd_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
@@ -61,24 +57,14 @@ def test_pd_with_different_block_sizes_equals_colocated(tmp_path, family, group,
     configs = [ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
                            **{key: group}) for size in (prefill_block, decode_block)]
     prefill_config, decode_config = configs
-    port = free_port()
-    prefill = start_prefill(tmp_path, _flags(prefill_config), extra=["--port", str(port), "--num-blocks", "128",
-                                                                     "--log-format", "text"])
     longest = ["--max-prompt-tokens", str(2 * max(prefill_block, decode_block) + group)]
-    decodes = [start_decode(tmp_path, _flags(decode_config), [f"127.0.0.1:{port}"], name=f"decode-{t}", transport=t,
-                            extra=[*DECODE_LIMITS, *longest, "--health-interval-s", "0.5"]) for t in TRANSPORTS]
-    try:
-        with _logs_on_failure(prefill, *decodes):
-            max_tokens = max(10, group + num_spec + 2)
-            batches = {t: _prompts(decode_config, (prefill_block, decode_block), 12, max_tokens, seed=num_spec,
-                                   prefix=t) for t in TRANSPORTS}
-            references = {t: run_colocated(decode_config, batches[t]) for t in TRANSPORTS}
-            _ready_and_serving(prefill, *decodes)
-            start_free = [_free_blocks(d) for d in (prefill, *decodes)]
-            generate_and_match(decodes, batches, references)
-            assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
-    finally:
-        _stop(*decodes, prefill)
+    with pd_pair(tmp_path, _flags(prefill_config), _flags(decode_config), prefill_blocks=128,
+                 decode_extra=longest) as (prefill, decodes):
+        max_tokens = max(10, group + num_spec + 2)
+        batches = {t: _prompts(decode_config, (prefill_block, decode_block), 12, max_tokens, seed=num_spec,
+                               prefix=t) for t in TRANSPORTS}
+        references = {t: run_colocated(decode_config, batches[t]) for t in TRANSPORTS}
+        match_and_free(prefill, decodes, batches, references)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
