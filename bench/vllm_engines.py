@@ -68,6 +68,13 @@ def tiny_llama_weights(seed: int = 0) -> dict:
     return tensors
 
 
+def kpool_transfer_config(role: str, extra: dict, **transfer) -> dict:
+    """vLLM's kv_transfer_config for KpoolPdConnector in ``role`` (kv_producer or kv_consumer) with
+    ``extra`` as its kv_connector_extra_config (``kpool_pd.vllm.settings``); ``transfer``: vLLM's own keys."""
+    return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
+            "kv_connector_extra_config": extra, **transfer}
+
+
 def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embeddings"]) -> Path:
     """TINY_LLAMA's config.json (``max_positions`` tokens of context) and seeded weights
     (model.safetensors) in ``folder``."""

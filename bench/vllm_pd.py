@@ -62,10 +62,7 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
                 {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[1])})
     token = {"KPOOLPD_PEER_TOKEN": secrets.token_hex(16)}
     transport = "ucx" if connector is Connector.KPOOL_UCX else "grpc"
-
-    def kpool(role: str, extra: dict) -> dict:
-        return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
-                "kv_connector_extra_config": extra}
+    kpool = vllm_engines.kpool_transfer_config
     return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport}),
             kpool("kv_consumer", {"transport": transport}), token, token)
 

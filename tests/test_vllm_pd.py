@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
 import random
 import secrets
 
@@ -22,6 +21,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 from bench import vllm_engines  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
+connector = vllm_engines.kpool_transfer_config  # KpoolPdConnector's kv_transfer_config
 pytestmark = pytest.mark.vllm
 
 PROMPT_LENGTHS = (7, 9, 16, 17, 100, 257, 640, 1000)
@@ -29,11 +29,6 @@ MAX_TOKENS = 8
 
 
 FAILURE_POLICY = {"ucx": "recompute", "grpc": "fail"}  # vLLM's kv_load_failure_policy, one of each
-
-
-def connector(role: str, extra: dict, **transfer) -> dict:
-    return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
-            "kv_connector_extra_config": extra, **transfer}
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 # vLLM servers start, warm up and serve on a loaded 2-core machine: well past the suite's 300 s.
+connector = vllm_engines.kpool_transfer_config  # KpoolPdConnector's kv_transfer_config
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 PROMPT_LENGTHS = (7, 17, 100, 257, 1000)
@@ -48,11 +49,6 @@ SHORT_LEASE_S = 10  # the second producer's
 FREED_WITHIN_S = SHORT_LEASE_S + 60  # the lease, and a loaded machine's engine steps
 WARM_UP_S = 600
 FETCH_SEEN_S = 60  # the decode request reaches the consumer's scheduler and its pull starts
-
-
-def connector(role: str, extra: dict, **transfer) -> dict:
-    return {"kv_connector": "KpoolPdConnector", "kv_connector_module_path": "kpool_pd.vllm", "kv_role": role,
-            "kv_connector_extra_config": extra, **transfer}
 
 
 class Deployment:
