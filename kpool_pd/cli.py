@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("pipeline", "time to first token with whole and chunked prefill; exposed transfer"),
                        ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ..."),
                        ("control", "a control message on gRPC: a new call beside a message on an open stream"),
-                       ("vllm", "TTFT of a vLLM PD pair with KpoolPdConnector and with NixlConnector")):
+                       ("vllm", "TTFT of a vLLM PD pair with KpoolPdConnector and with NixlConnector"),
+                       ("decode", "the engine's decode step, eager and from CUDA graphs: host and GPU time, launches")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
 SERVERS = {**DAEMONS, "router": "kpool_pd.router.main"}  # each parses its own flags
 BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp",
-           "control": "bench.control_latency", "vllm": "bench.vllm_pd"}
+           "control": "bench.control_latency", "vllm": "bench.vllm_pd",
+           "decode": "bench.decode_step"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ class ForwardBatch:
 
     # tokens, positions: [T] int64; query_start_loc: [B+1] int32; start_pos, seq_lens: [B] int32
     # block_table: [B, M] int32 (-1 padded); ring_ids: [B] int32; rows: [Q] int64 indices into tokens
+    # token_request: [T] int64, the request of each token
     """
 
     tokens: torch.Tensor
@@ -26,6 +27,7 @@ class ForwardBatch:
     block_table: torch.Tensor
     ring_ids: torch.Tensor
     rows: torch.Tensor
+    token_request: torch.Tensor
     from_zero: bool = False  # every request starts at position 0 (whole prompts), known without reading start_pos
 
     @property
@@ -58,10 +60,12 @@ def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]],
     width = max(len(blocks) for _, _, blocks, _ in chunks)
     table = torch.full((len(chunks), max(width, 1)), -1, dtype=torch.int32)
     rows: list[int] = []
+    token_request: list[int] = []
     for b, (ids, start, blocks, _) in enumerate(chunks):
         if not ids:
             raise ValueError(f"request {b} of the batch has no tokens")
         tokens.extend(ids)
+        token_request.extend([b] * len(ids))
         positions.extend(range(start, start + len(ids)))
         if last_only:
             rows.append(starts[-1] + len(ids) - 1)
@@ -78,5 +82,6 @@ def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]],
         query_start_loc=torch.tensor(starts, **as_int), start_pos=torch.tensor(first, **as_int),
         seq_lens=torch.tensor(lens, **as_int), block_table=table.to(device),
         ring_ids=torch.tensor([ring for *_, ring in chunks], **as_int), rows=torch.tensor(rows, **as_long),
+        token_request=torch.tensor(token_request, **as_long),
         from_zero=not any(first),
     )

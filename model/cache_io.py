@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import torch
 
+from kernels.mla_rows import write_mla_rows
 from kvcache import CacheConfig, CachePool
 
 
 def write_mla(pool: CachePool, layer: int, block_table: torch.Tensor, request: torch.Tensor,
               positions: torch.Tensor, entries: torch.Tensor) -> None:
-    """Store each token's MLA entry at its position.
+    """Store each token's MLA entry at its position; a token whose position is negative or lies past its
+    request's blocks (a padded batch's extra tokens) writes nothing. No host synchronisation.
 
     # block_table: [B, M] int32; request, positions: [T] int64; entries: [T, E] uint8
     """
     block_size = pool.config.block_size
-    blocks = block_table.to(torch.int64)[request, positions // block_size]
-    if bool((blocks < 0).any()):
-        bad = int(torch.nonzero(blocks < 0)[0, 0])
-        raise ValueError(f"token at position {int(positions[bad])} has no block in its request's block table")
-    pool.mla(layer)[blocks, positions % block_size] = entries[:, None, :]
+    column = torch.where(positions >= 0, positions, 0) // block_size
+    inside = (positions >= 0) & (column < block_table.shape[1])
+    blocks = block_table.to(torch.int64)[request, torch.where(inside, column, 0)]
+    write_mla_rows(pool.mla(layer), torch.where(inside, blocks, -1), positions % block_size, entries)
 
 
 def read_mla(pool: CachePool, layer: int, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -112,15 +112,16 @@ def prefill_batch(config: ModelConfig, requests: Sequence[GenerateRequest],
 
 def run_colocated(config: ModelConfig, requests: Sequence[GenerateRequest], *, max_batch: int = 16,
                   on_result: Callable[[RequestResult], None] | None = None,
-                  device: torch.device | str = "cpu") -> list[RequestResult]:
+                  device: torch.device | str = "cpu", graph_requests: int = 0) -> list[RequestResult]:
     """Run every request to completion with continuous batching of up to ``max_batch`` on a cache of
-    its own (``cache_for``) on ``device``; results in request order. Each request holds its blocks and
+    its own (``cache_for``) on ``device`` (decode steps of up to ``graph_requests`` requests from CUDA graphs:
+    ``Engine``); results in request order. Each request holds its blocks and
     ring as one allocation from admission to its result; every one is released at the end, also when
     a request fails."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     cache = cache_for(config, requests, max_batch, device)
-    engine = Engine(config, cache.pool)
+    engine = Engine(config, cache.pool, graph_requests=graph_requests)
     held: dict[str, CacheAllocation] = {}
     try:
         return _run(engine, cache, requests, max_batch, held, on_result)

@@ -49,6 +49,9 @@ class DcpEngine(Engine):
             update(layer, batch)
             self.family.write_mla(layer, batch)
 
+    def _blocks_needed(self, tokens: int) -> int:
+        return self.pool.config.blocks_for_tokens(self.shard.owned_tokens(tokens))
+
     def _combine(self, acc: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce_sum(acc) % HASH_PRIME
 

@@ -56,7 +56,7 @@ class DcpKpoolFamily(KpoolFamily):
         kpool_decode_update(k, gate, batch.start_pos, batch.query_start_loc, batch.ring_ids, no_blocks,
                             self.weights.ape[layer], ring, index_q, index_scale, mode=self.cache.pool_mode,
                             round_scale=self.cache.round_scale)
-        positions, request = batch.positions, self.token_requests(batch)
+        positions, request = batch.positions, batch.token_request
         completes = (positions % self.kpool == self.kpool - 1) & self.shard.owns(positions)
         if not bool(completes.any()):
             return
@@ -78,14 +78,8 @@ class DcpKpoolFamily(KpoolFamily):
         positions, tokens = batch.positions[mine], batch.tokens[mine]
         if positions.numel() == 0:
             return
-        write_mla(self.pool, layer, batch.block_table, self.token_requests(batch)[mine],
+        write_mla(self.pool, layer, batch.block_table, batch.token_request[mine],
                   self.shard.local_position(positions), self.weights.mla_bytes(layer, tokens, positions))
-
-    @staticmethod
-    def token_requests(batch: ForwardBatch) -> torch.Tensor:
-        """# -> [T] int64: the request of each token of the batch"""
-        counts = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).to(torch.int64)
-        return torch.repeat_interleave(torch.arange(batch.num_requests, device=counts.device), counts)
 
     # selection ------------------------------------------------------------------------
     def local_pools(self, pools: torch.Tensor) -> torch.Tensor:

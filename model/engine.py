@@ -28,6 +28,7 @@ from kvcache import CacheFamily, CachePool
 from model.batch import ForwardBatch, build_batch
 from model.cache_io import open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
+from model.decode_graphs import DecodeGraphs
 from model.kpool_family import KpoolFamily
 from model.prompt import check_prompt
 from model.qsa_family import QsaFamily
@@ -115,7 +116,11 @@ def _on_pool_device(method):
 
 
 class Engine:
-    def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None) -> None:
+    """``graph_requests`` > 0 replays decode steps of up to that many requests from CUDA graphs
+    (``model.decode_graphs``; CUDA pools of the kpool family only); 0 runs every step eagerly."""
+
+    def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None, *,
+                 graph_requests: int = 0) -> None:
         if pool.config != config.cache:
             raise ValueError("the pool's cache config is not the model's: build the pool from config.cache")
         self.config = config
@@ -125,13 +130,30 @@ class Engine:
         family_type = KpoolFamily if config.cache.family is CacheFamily.KPOOL else QsaFamily
         self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
+        self.graphs: DecodeGraphs | None = None
+        if graph_requests:
+            if self.device.type != "cuda" or config.cache.family is not CacheFamily.KPOOL:
+                raise ValueError(f"decode graphs serve kpool pools on CUDA; this engine's pool is "
+                                 f"{config.cache.family.value} on {self.device}")
+            self.graphs = DecodeGraphs(self._decode_forward, tokens_per_request=1 + config.cache.num_spec,
+                                       block_size=config.cache.block_size, max_requests=graph_requests,
+                                       device=self.device)
 
     # forwards ---------------------------------------------------------------------------
-    def _targets(self, batch: ForwardBatch) -> list[int]:
+    def _hashes(self, batch: ForwardBatch) -> torch.Tensor:
+        """Each row's chained hash over every layer (no host synchronisation on CUDA).
+
+        # -> [Q] int64 in [0, P)
+        """
         acc = self.rule.start(batch.rows.shape[0], self.device)
         for layer in range(self.config.num_layers):
             acc = self.rule.chain(acc, layer, self.family.features(layer, batch))
-        return self.rule.next_tokens(self._combine(acc), batch.tokens[batch.rows])
+        return self._combine(acc)
+
+    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode step's cache writes, then its rows' hashes. # -> [Q] int64"""
+        self._write(batch, self.family.decode)
+        return self._hashes(batch)
 
     def _combine(self, acc: torch.Tensor) -> torch.Tensor:
         """The chained hash of every row from this engine's part of it (one engine holds all of it).
@@ -140,12 +162,14 @@ class Engine:
         """
         return acc
 
+    def _blocks_needed(self, tokens: int) -> int:
+        """Blocks this engine's pool holds a request of ``tokens`` tokens in."""
+        return self.pool.config.blocks_for_tokens(tokens)
+
     def _write(self, batch: ForwardBatch, update) -> None:
-        request = torch.repeat_interleave(torch.arange(batch.num_requests, device=self.device),
-                                          (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).to(torch.int64))
         for layer in range(self.config.num_layers):
             update(layer, batch)
-            write_mla(self.pool, layer, batch.block_table, request, batch.positions,
+            write_mla(self.pool, layer, batch.block_table, batch.token_request, batch.positions,
                       self.weights.mla_bytes(layer, batch.tokens, batch.positions))
 
     @_on_pool_device
@@ -170,7 +194,8 @@ class Engine:
             return [None] * len(jobs)
         if len(finals) < len(jobs):
             batch = dataclasses.replace(batch, rows=batch.rows[torch.tensor(finals, device=self.device)])
-        tokens = iter(self._targets(batch))
+        last_tokens = [j.prompt[j.stop - 1] for j in jobs if j.last]
+        tokens = iter(self.rule.next_tokens(self._hashes(batch).tolist(), last_tokens))
         return [next(tokens) if j.last else None for j in jobs]
 
     @_on_pool_device
@@ -180,19 +205,30 @@ class Engine:
         live = [s for s in sequences if not s.finished]
         if not live:
             return [[] for _ in sequences]
+        graphed = self.graphs is not None and self.graphs.serves(len(live))
+        num_spec = self.config.cache.num_spec
         chunks, drafts = [], []
         for seq in live:
-            proposed = self.rule.drafts(seq.pending, min(self.config.cache.num_spec, seq.remaining - 1))
-            drafts.append(proposed)
+            count = min(num_spec, seq.remaining - 1)
+            need = self._blocks_needed(seq.cached + 1 + count)
+            if len(seq.block_ids) < need:
+                raise ValueError(f"request {seq.request_id}: a step to position {seq.cached + count} needs {need} "
+                                 f"blocks, got {len(seq.block_ids)}")
+            # a graphed step gives every request num_spec drafts; those past ``count`` are written past the
+            # committed length (as a rejected draft is) and never accepted
+            proposed = self.rule.drafts(seq.pending, num_spec if graphed else count)
+            drafts.append(proposed[:count])
             chunks.append(([seq.pending, *proposed], seq.cached, seq.block_ids, seq.ring_id))
-        batch = build_batch(chunks, last_only=False, device=self.device)
-        self._write(batch, self.family.decode)
-        targets = self._targets(batch)
+        if graphed:
+            hashes = self.graphs.run(chunks)
+        else:
+            hashes = self._decode_forward(build_batch(chunks, last_only=False, device=self.device)).tolist()
+        targets = self.rule.next_tokens(hashes, [t for ids, *_ in chunks for t in ids])
         emitted_by_id: dict[int, list[int]] = {}
         cursor = 0
-        for seq, proposed in zip(live, drafts):
-            step_targets = targets[cursor:cursor + 1 + len(proposed)]
-            cursor += 1 + len(proposed)
+        for seq, proposed, (ids, *_) in zip(live, drafts, chunks):
+            step_targets = targets[cursor:cursor + len(ids)]
+            cursor += len(ids)
             accepted = 0
             while accepted < len(proposed) and proposed[accepted] == step_targets[accepted]:
                 accepted += 1

@@ -10,6 +10,8 @@ otherwise a token drawn from the mix. Draft: the seeded bigram table alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from model.weights import SyntheticWeights
@@ -52,13 +54,10 @@ class TokenRule:
         layer_hash = (features * self.hash_weights[layer]).sum(dim=1) % HASH_PRIME
         return (acc * LAYER_MULTIPLIER + layer_hash) % HASH_PRIME
 
-    def next_tokens(self, acc: torch.Tensor, current: torch.Tensor) -> list[int]:
-        """The target's next token after each row's current token.
-
-        # acc: [Q] int64; current: [Q] int64 -> Q token ids
-        """
+    def next_tokens(self, hashes: Sequence[int], current: Sequence[int]) -> list[int]:
+        """The target's next token after each row's current token, from the row's chained hash."""
         out = []
-        for h, token in zip(acc.tolist(), current.tolist()):
+        for h, token in zip(hashes, current, strict=True):
             mixed = splitmix64(h)
             out.append(self._draft_list[token] if mixed & 3 else (mixed >> 2) % self.vocab_size)
         return out

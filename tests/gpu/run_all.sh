@@ -10,7 +10,7 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER and SKIP_DCP leave a step out (the whole suite takes about 490 s on one
+# SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP and SKIP_DECODE leave a step out (the whole suite takes about 490 s on one
 # H200 without pytest-xdist, 2026-12-02: add "-n 8" to GPU_TESTS, or run the benches in a second call);
 # NO_NIXL leaves out the transfer bench's NIXL baseline;
 # PREFILL_BLOCK_SIZE (default 128) is the block size of the heterogeneous pull measured beside the 256-token one.
@@ -60,6 +60,13 @@ if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
   dcp_rc=$?
   cat "$OUT/dcp.txt" >> "$OUT/bench.log"; rm -f "$OUT/dcp.txt"
 fi
+decode_rc=0
+# The decode step bench: eager and graphed steps of 61 layers at batch 1, 16 and 64 (DECODE_BATCHES); table in decode.txt.
+if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
+  timeout "${DECODE_TIMEOUT:-300}" python3 -m bench.decode_step --device cuda --layers "${DECODE_LAYERS:-61}" \
+    --batches "${DECODE_BATCHES:-1,16,64}" --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
+  decode_rc=$?
+fi
 echo "== device"; head -n 3 "$OUT/pytest_gpu.log"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
 echo "== kernel bench (rc $bench_rc)"; cat "$OUT/bench/kernels.txt" 2>/dev/null || tail -n 30 "$OUT/bench.log"
@@ -69,4 +76,7 @@ fi
 if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
   echo "== DCP bench (rc $dcp_rc)"; grep -A6 '^DCP decode step' "$OUT/bench.log" | tail -n 7
 fi
-exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc ))
+if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
+  echo "== decode step bench (rc $decode_rc)"; tail -n 8 "$OUT/decode.txt"
+fi
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc ))

@@ -23,6 +23,7 @@ from kernels.kpool_decode.ref import decode_update
 from kvcache import PoolMode
 from tests.kernel_backends import Backend, make_backend
 from tests.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
+from tests.test_mla_rows import test_kernel_writes_what_the_reference_writes  # noqa: F401
 from tests.test_chunked_prefill import test_kernel_chunks_equal_one_whole_prefill  # noqa: F401
 from tests.test_kpool_pages import test_prefill_writes_each_entry_where_design_says  # noqa: F401
 from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, keys, make_pool,  # noqa: F401

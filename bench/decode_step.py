@@ -1,0 +1,169 @@
+"""The engine's decode step, eager and replayed from CUDA graphs, at several batch sizes, in one run.
+
+Per mode and batch: the median wall time of a step, its host time (the wall time less the time the host
+waits in CUDA synchronisations), the GPU's busy time (the sum of the step's kernel times), the kernel
+launches and graph launches a step makes and its host synchronisations (torch's profiler, over a few
+profiled steps apart from the timed ones), and the tokens a second (accepted drafts count). Every request
+holds a prompt of ``--prompt-len`` tokens (one batched prefill) and decodes without end; graphed steps are
+timed after their bucket was captured. Eager and graphed runs start from the same prefilled state on one
+pool each, and their tokens must agree (a mismatch fails the bench).
+
+    python -m bench.decode_step --device cuda --layers 61 --batches 1,16,64     (kpool-pd bench decode)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.arguments import bench_parser, count, counts
+from kvcache import BlockLayout, CacheAllocation, CacheFamily, NodeCache
+from model import ModelConfig
+from model.engine import DecodeSequence, Engine, PrefillJob
+
+logger = logging.getLogger("bench.decode_step")
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str  # eager | graphed
+    batch: int
+    step_ms: float  # median wall time of a step
+    host_ms: float  # wall time less the time spent waiting in synchronisations (profiled steps)
+    gpu_ms: float  # kernel time a step (profiled steps)
+    launches: float  # kernel and graph launches a step
+    syncs: float  # host synchronisations a step
+    tokens_per_s: float
+    tokens: tuple[tuple[int, ...], ...]  # every request's tokens (compared between modes, left out of the JSON)
+
+
+def prefilled(config: ModelConfig, batch: int, prompt_len: int, steps: int, device: torch.device,
+              graph_requests: int) -> tuple[Engine, list[DecodeSequence], list[CacheAllocation]]:
+    """An engine on a pool of its own holding ``batch`` prefilled requests with room for ``steps`` steps, and
+    their allocations (the caller releases them)."""
+    max_tokens = steps * (1 + config.cache.num_spec) + 1
+    need = config.cache.blocks_for_request(prompt_len, max_tokens)
+    cache = NodeCache(BlockLayout(config.cache), num_blocks=need * batch, num_rings=batch, device=device)
+    engine = Engine(config, cache.pool, graph_requests=graph_requests)
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    allocations = [cache.allocate(f"r{b}", need) for b in range(batch)]
+    firsts = engine.prefill([PrefillJob(prompt=p, block_ids=a.block_ids, ring_id=a.ring_id)
+                             for p, a in zip(prompts, allocations)])
+    seqs = [DecodeSequence(request_id=f"r{b}", prompt_len=prompt_len, max_tokens=max_tokens, block_ids=list(a.block_ids),
+                           ring_id=a.ring_id, output=[first]) for b, (a, first) in enumerate(zip(allocations, firsts))]
+    return engine, seqs, allocations
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profiled(engine: Engine, seqs: list[DecodeSequence], steps: int, device: torch.device) -> tuple[float, float, float, float]:
+    """(host ms, GPU ms, launches, syncs) a step over ``steps`` profiled steps."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            engine.decode_step(seqs)
+        synchronize(device)
+        wall_ms = (time.perf_counter() - began) * 1000
+    events = prof.events()
+    waited_us = sum(e.cpu_time_total for e in events if e.name in SYNC_CALLS)
+    gpu_us = sum(e.device_time_total for e in events if e.device_type is not None
+                 and e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+    launches = sum(1 for e in events if e.name in LAUNCH_CALLS)
+    syncs = sum(1 for e in events if e.name in SYNC_CALLS) - 1  # less the bench's own synchronize after the steps
+    return (wall_ms - waited_us / 1000) / steps, gpu_us / 1000 / steps, launches / steps, syncs / steps
+
+
+def measure(config: ModelConfig, batch: int, *, graphed: bool, prompt_len: int, warmup: int, steps: int,
+            profile_steps: int, device: torch.device) -> Row:
+    total = warmup + steps + profile_steps
+    engine, seqs, allocations = prefilled(config, batch, prompt_len, total, device, batch if graphed else 0)
+    try:
+        for _ in range(warmup):
+            engine.decode_step(seqs)
+        times, emitted = [], 0
+        for _ in range(steps):
+            synchronize(device)
+            began = time.perf_counter()
+            out = engine.decode_step(seqs)
+            times.append(time.perf_counter() - began)
+            emitted += sum(len(tokens) for tokens in out)
+        host_ms, gpu_ms, launches, syncs = profiled(engine, seqs, profile_steps, device)
+    finally:
+        for allocation in allocations:
+            allocation.release()
+    return Row(mode="graphed" if graphed else "eager", batch=batch, step_ms=statistics.median(times) * 1000,
+               host_ms=host_ms, gpu_ms=gpu_ms, launches=launches, syncs=syncs, tokens_per_s=emitted / sum(times),
+               tokens=tuple(tuple(s.output) for s in seqs))
+
+
+def table(rows: list[Row]) -> str:
+    eager = {r.batch: r for r in rows if r.mode == "eager"}
+    lines = [f"{'mode':8} {'batch':>5} {'step ms':>9} {'host ms':>9} {'GPU ms':>8} {'launches':>9} {'syncs':>6} "
+             f"{'tokens/s':>10} {'x eager':>8}"]
+    for r in rows:
+        ratio = f"{r.step_ms / eager[r.batch].step_ms:.3f}" if r.batch in eager and r.mode != "eager" else ""
+        lines.append(f"{r.mode:8} {r.batch:>5} {r.step_ms:>9.2f} {r.host_ms:>9.2f} {r.gpu_ms:>8.2f} {r.launches:>9.0f} "
+                     f"{r.syncs:>6.1f} {r.tokens_per_s:>10.0f} {ratio:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser("kpool-pd bench decode", __doc__)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (eager and graphed rows) or cpu (eager rows); default cuda where there is one")
+    parser.add_argument("--layers", type=count, default=61, help="model layers (default 61)")
+    parser.add_argument("--kpool", type=count, default=4, help="tokens a pool (default 4)")
+    parser.add_argument("--num-spec", type=int, default=3, help="draft tokens a step (default 3)")
+    parser.add_argument("--batches", type=counts, default=[1, 16, 64], metavar="N,N",
+                        help="requests a step (default 1,16,64)")
+    parser.add_argument("--prompt-len", type=count, default=512, help="prompt tokens of every request (default 512)")
+    parser.add_argument("--steps", type=count, default=20, help="timed steps per row (default 20)")
+    parser.add_argument("--warmup", type=count, default=3, help="steps before timing (default 3)")
+    parser.add_argument("--profile-steps", type=count, default=3, help="profiled steps per row (default 3)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for decode_step.json "
+                        "(default bench/results)")
+    args = parser.parse_args(argv)
+    if args.num_spec < 0:
+        parser.error(f"--num-spec must be >= 0, got {args.num_spec}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=args.layers, kpool=args.kpool,
+                               num_spec=args.num_spec)
+    modes = (False, True) if device.type == "cuda" else (False,)
+    rows = []
+    for batch in args.batches:
+        for graphed in modes:
+            logger.info("batch %d, %s: %d steps", batch, "graphed" if graphed else "eager",
+                        args.warmup + args.steps + args.profile_steps)
+            rows.append(measure(config, batch, graphed=graphed, prompt_len=args.prompt_len, warmup=args.warmup,
+                                steps=args.steps, profile_steps=args.profile_steps, device=device))
+        same = {r.tokens for r in rows if r.batch == batch}
+        if len(same) != 1:
+            raise SystemExit(f"batch {batch}: graphed steps emitted other tokens than eager steps")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_step.json").write_text(json.dumps(
+        [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in rows], indent=2))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""CUDA graphs of the decode step's forward: one graph per padded bucket, as vLLM captures its decodes.
+
+A bucket is (R requests, M table columns): every request brings 1 + num_spec tokens (its last token and
+its drafts), so a bucket's shapes are fixed. A step of r <= R requests whose block tables are at most M
+wide runs the smallest bucket that holds it: the step's inputs are copied into the bucket's persistent
+buffers (one host-to-device copy of one packed int64 buffer), the graph is replayed, and each row's
+chained hash comes back (the step's one host synchronisation). The engine derives tokens from the hashes
+on the host.
+
+Padding: a padded request has ring id -1, an all -1 block table, seq_len 0 and positions -1, so it writes
+nothing (the update skips a negative ring, the MLA write a negative position) and selects nothing (no
+complete pool below seq_len 0). Its rows' hashes are discarded.
+
+A graph is captured the first time its bucket is needed, on an all-padded batch (the capture's warm-up run
+then compiles the kernels and writes nothing), with every graph's memory from one pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# A decode chunk: (token ids, first position, block ids, ring id), as model.batch.build_batch takes.
+Chunk = tuple[Sequence[int], int, Sequence[int], int]
+
+
+def bucket_size(count: int) -> int:
+    """The smallest power of two >= count (>= 1)."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class DecodeBucket:
+    requests: int
+    table_width: int
+
+
+class BucketGraph:
+    """One bucket's persistent inputs, its captured forward and the hashes it leaves.
+
+    Packed int64 input, in order: tokens [R*K], positions [R*K], query_start_loc [R+1], start_pos [R],
+    seq_lens [R], ring_ids [R], block_table [R*M].
+    """
+
+    def __init__(self, bucket: DecodeBucket, tokens_per_request: int, device: torch.device) -> None:
+        self.bucket, self.k = bucket, tokens_per_request
+        r, m, k = bucket.requests, bucket.table_width, tokens_per_request
+        self._sizes = (r * k, r * k, r + 1, r, r, r, r * m)
+        size = sum(self._sizes)
+        self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        self.device_input = torch.empty(size, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hashes: torch.Tensor | None = None
+
+    def batch(self) -> ForwardBatch:
+        """The bucket's batch over its persistent buffers (int32 fields converted inside the graph)."""
+        r, m, k = self.bucket.requests, self.bucket.table_width, self.k
+        tokens, positions, starts, start_pos, seq_lens, ring_ids, table = self.device_input.split(self._sizes)
+        rows = torch.arange(r * k, device=tokens.device)
+        return ForwardBatch(tokens=tokens, positions=positions, query_start_loc=starts.to(torch.int32),
+                            start_pos=start_pos.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+                            block_table=table.view(r, m).to(torch.int32), ring_ids=ring_ids.to(torch.int32),
+                            rows=rows, token_request=rows // k)
+
+    def fill(self, chunks: Sequence[Chunk]) -> None:
+        """Write ``chunks`` (each of exactly K tokens) and the padding into the host buffer, then copy it over.
+
+        # -> device_input: [sum(sizes)] int64
+        """
+        r, m, k = self.bucket.requests, self.bucket.table_width, self.k
+        tokens, positions, starts, start_pos, seq_lens, ring_ids, table = self.host.split(self._sizes)
+        tokens.zero_()
+        positions.fill_(-1)
+        starts.copy_(torch.arange(0, (r + 1) * k, k))
+        start_pos.zero_()
+        seq_lens.zero_()
+        ring_ids.fill_(-1)
+        table.fill_(-1)
+        table = table.view(r, m)
+        n = len(chunks)
+        if n:
+            first = torch.tensor([start for _, start, _, _ in chunks], dtype=torch.int64)
+            tokens[:n * k] = torch.tensor([t for ids, *_ in chunks for t in ids], dtype=torch.int64)
+            positions[:n * k] = (first[:, None] + torch.arange(k)).flatten()
+            start_pos[:n] = first
+            seq_lens[:n] = first + k
+            ring_ids[:n] = torch.tensor([ring for *_, ring in chunks], dtype=torch.int64)
+            for b, (_, _, blocks, _) in enumerate(chunks):
+                table[b, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
+        self.device_input.copy_(self.host, non_blocking=True)
+
+
+class DecodeGraphs:
+    """The decode forward of one engine (``forward``: ForwardBatch -> [Q] int64 hashes, no host
+    synchronisation), replayed from CUDA graphs for steps of up to ``max_requests`` requests."""
+
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], *, tokens_per_request: int,
+                 block_size: int, max_requests: int, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"decode graphs need a CUDA device, got {device}")
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.forward, self.k, self.block_size = forward, tokens_per_request, block_size
+        self.max_requests, self.device = max_requests, device
+        self._graphs: dict[DecodeBucket, BucketGraph] = {}
+        self._memory = torch.cuda.graph_pool_handle()
+
+    def serves(self, num_requests: int) -> bool:
+        return 1 <= num_requests <= self.max_requests
+
+    def bucket_of(self, chunks: Sequence[Chunk]) -> DecodeBucket:
+        width = max(max(len(blocks), -(-(start + self.k) // self.block_size)) for _, start, blocks, _ in chunks)
+        return DecodeBucket(requests=min(bucket_size(len(chunks)), self.max_requests),
+                            table_width=bucket_size(width))
+
+    def run(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Every row's hash of the step's ``chunks`` (each of K tokens), in row order."""
+        if not self.serves(len(chunks)):
+            raise ValueError(f"a graphed step holds 1 to {self.max_requests} requests, got {len(chunks)}")
+        if any(len(ids) != self.k for ids, *_ in chunks):
+            raise ValueError(f"every request of a graphed step brings {self.k} tokens, got "
+                             f"{sorted({len(ids) for ids, *_ in chunks})}")
+        bucket = self.bucket_of(chunks)
+        graph = self._graphs.get(bucket) or self._capture(bucket)
+        graph.fill(chunks)
+        graph.graph.replay()
+        return graph.hashes[:len(chunks) * self.k].tolist()
+
+    def _capture(self, bucket: DecodeBucket) -> BucketGraph:
+        began = time.perf_counter()
+        graph = BucketGraph(bucket, self.k, self.device)
+        graph.fill(())
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.forward(graph.batch())  # compiles every kernel outside the capture; padding writes nothing
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph.graph, pool=self._memory):
+            batch = graph.batch()
+            graph.hashes = self.forward(batch)
+        self._graphs[bucket] = graph
+        logger.info("captured the decode graph of %d requests x %d tokens, %d blocks wide, in %.0f ms",
+                    bucket.requests, self.k, bucket.table_width, (time.perf_counter() - began) * 1000)
+        return graph
