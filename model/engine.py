@@ -130,7 +130,7 @@ class Engine:
     def _targets(self, batch: ForwardBatch) -> list[int]:
         acc = self.rule.start(batch.rows.shape[0], self.device)
         for layer in range(self.config.num_layers):
-            acc = self.rule.chain(acc, layer, self.family.features(layer, batch))
+            acc = self.family.chain(acc, layer, batch, self.rule)
         return self.rule.next_tokens(self._combine(acc), batch.tokens[batch.rows])
 
     def _combine(self, acc: torch.Tensor) -> torch.Tensor:
