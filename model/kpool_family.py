@@ -55,7 +55,7 @@ class KpoolFamily:
         slots = pool_slots(block_table, pools, kpool=self.kpool, states=self.states)
         return torch.where(pools >= 0, slots, 0)
 
-    def _select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    def select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Each row's top-k pools and what locates its bytes.
 
         # -> pools: [Q, topk] int64 (-1 = none), seq_lens: [Q] int32, block_table: [Q, M] int32, ring_ids: [Q] int32
@@ -66,7 +66,7 @@ class KpoolFamily:
                                       self.pool.indexer_scale(layer), kpool=self.kpool, topk=self.config.topk)
         return pools, seq_lens, table, batch.ring_ids[batch.row_request]
 
-    def _views(self, layer: int) -> tuple[torch.Tensor, ...]:
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The layer's cache views the features read: indexer codes and scales, ring rows, MLA entries."""
         return (self.pool.indexer_q(layer), self.pool.indexer_scale(layer), layer_ring_rows(self.pool, layer),
                 self.pool.mla(layer))
@@ -77,7 +77,7 @@ class KpoolFamily:
 
         # -> [Q, feature_width] int64
         """
-        return kpool_features(*self._select(layer, batch), *self._views(layer), kpool=self.kpool)
+        return kpool_features(*self.select(layer, batch), *self.layer_views(layer), kpool=self.kpool)
 
     def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule) -> torch.Tensor:
         """``rule.chain(acc, layer, self.features(layer, batch))`` in two launches on CUDA (the top-k and the
@@ -85,7 +85,7 @@ class KpoolFamily:
 
         # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
         """
-        return kpool_layer_hash(acc, rule.hash_weights[layer], *self._select(layer, batch), *self._views(layer),
+        return kpool_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
                                 kpool=self.kpool)
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:

@@ -66,7 +66,7 @@ class QsaFamily:
     prefill = _update
     decode = _update
 
-    def _select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    def select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Each row's top-k groups, the tokens they expand to, and what locates its bytes.
 
         # -> chosen: [Q, topk] int64, token_indices: [Q, topk * r + r - 1] int64 (-1 = none), seq_lens: [Q] int32,
@@ -78,7 +78,7 @@ class QsaFamily:
                                          block_size=self.cache.block_size, topk=self.config.topk)
         return chosen, token_indices, seq_lens, table, batch.ring_ids[batch.row_request]
 
-    def _views(self, layer: int) -> tuple[torch.Tensor, ...]:
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The layer's cache views the features read: compressed keys, ring rows, MLA entries."""
         return self.pool.qsa_keys(layer), layer_ring_rows(self.pool, layer), self.pool.mla(layer)
 
@@ -88,7 +88,7 @@ class QsaFamily:
 
         # -> [Q, feature_width] int64
         """
-        return qsa_features(*self._select(layer, batch), *self._views(layer), compress_ratio=self.ratio)
+        return qsa_features(*self.select(layer, batch), *self.layer_views(layer), compress_ratio=self.ratio)
 
     def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule) -> torch.Tensor:
         """``rule.chain(acc, layer, self.features(layer, batch))`` in two launches on CUDA (the top-k and the
@@ -96,7 +96,7 @@ class QsaFamily:
 
         # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
         """
-        return qsa_layer_hash(acc, rule.hash_weights[layer], *self._select(layer, batch), *self._views(layer),
+        return qsa_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
                               compress_ratio=self.ratio)
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
