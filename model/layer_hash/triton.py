@@ -217,7 +217,7 @@ def _ring_and_mla_args(ring_rows: torch.Tensor, mla: torch.Tensor) -> tuple[int,
 
 
 def _open_tile(group: int) -> int:
-    return triton.next_power_of_2(max(group - 1, 1))
+    return triton.next_power_of_2(max(group - 1, 2))  # a tile of at least two: no size-1 arange
 
 
 def kpool_layer_hash_triton(acc: torch.Tensor, weights: torch.Tensor, pools: torch.Tensor, seq_lens: torch.Tensor,
