@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +13,9 @@ import torch
 class ForwardBatch:
     """B requests, each contributing consecutive positions ``start_pos[b] ..`` (a prefill chunk, from 0
     for a whole prompt, or a decode step: the last committed token and its drafts). ``rows`` picks the tokens whose
-    next token is asked for (prefill: each prompt's last token; decode: every token).
+    next token is asked for (prefill: each prompt's last token; decode: every token). The per-row views
+    (``row_request``, ``row_seq_lens``, ``row_block_table``) are computed once per batch, on first use: every
+    layer reads them, and the batch's tensors are not changed after it is built.
 
     # tokens, positions: [T] int64; query_start_loc: [B+1] int32; start_pos, seq_lens: [B] int32
     # block_table: [B, M] int32 (-1 padded); ring_ids: [B] int32; rows: [Q] int64 indices into tokens
@@ -34,18 +37,18 @@ class ForwardBatch:
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]
 
-    @property
+    @functools.cached_property
     def row_request(self) -> torch.Tensor:
         """# -> [Q] int64: the request of each row."""
         starts = self.query_start_loc.to(torch.int64)
         return torch.searchsorted(starts[1:], self.rows, right=True)
 
-    @property
+    @functools.cached_property
     def row_seq_lens(self) -> torch.Tensor:
         """# -> [Q] int32: tokens visible to each row (its position + 1)."""
         return (self.positions[self.rows] + 1).to(torch.int32)
 
-    @property
+    @functools.cached_property
     def row_block_table(self) -> torch.Tensor:
         """# -> [Q, M] int32"""
         return self.block_table[self.row_request]

@@ -31,14 +31,34 @@ def read_mla(pool: CachePool, layer: int, block_table: torch.Tensor, positions: 
 
     # block_table: [Q, M] int32 (each row's table); positions: [Q, N] int64 -> [Q, N, H * E] uint8
     """
-    block_size = pool.config.block_size
+    return gather_mla(pool.mla(layer), block_table, positions)
+
+
+def gather_mla(mla: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``read_mla`` on one layer's MLA view (``CachePool.mla``): positions -1, or on a block -1, give zeros.
+
+    # mla: [num_blocks, block_size, H, E] uint8; block_table: [Q, M] int; positions: [Q, N] int64
+    # -> [Q, N, H * E] uint8
+    """
+    block_size = mla.shape[1]
     valid = positions >= 0
     safe = torch.where(valid, positions, 0)
     blocks = torch.gather(block_table.to(torch.int64), 1, safe // block_size)
     valid = valid & (blocks >= 0)
-    entries = pool.mla(layer)[torch.where(valid, blocks, 0), safe % block_size]  # [Q, N, H, E]
+    entries = mla[torch.where(valid, blocks, 0), safe % block_size]  # [Q, N, H, E]
     entries = entries.reshape(*positions.shape, -1)
     return torch.where(valid[..., None], entries, torch.zeros((), dtype=torch.uint8, device=entries.device))
+
+
+def layer_ring_rows(pool: CachePool, layer: int) -> torch.Tensor:
+    """One layer's rows of every ring slot, a strided view of the ring pool.
+
+    # -> [num_rings, ring_slots, ring_row_bytes] uint8
+    """
+    layout = pool.layout
+    offset = layout.layer(layer).ring_row_offset
+    slots = pool.rings.view(pool.num_rings, layout.ring_slots, layout.ring_slot_bytes)
+    return slots[:, :, offset:offset + layout.ring_row_bytes]
 
 
 def read_ring_rows(pool: CachePool, layer: int, ring_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -47,12 +67,20 @@ def read_ring_rows(pool: CachePool, layer: int, ring_ids: torch.Tensor, position
 
     # ring_ids: [Q] int; positions: [Q, N] int64 -> [Q, N, ring_row_bytes] uint8
     """
-    layout = pool.layout
-    offset = layout.layer(layer).ring_row_offset
-    slots = pool.rings.view(pool.num_rings, layout.ring_slots, layout.ring_slot_bytes)
-    valid = positions >= 0
-    slot = torch.where(valid, positions, 0) % layout.ring_slots
-    rows = slots[ring_ids.to(torch.int64)[:, None], slot, offset:offset + layout.ring_row_bytes]
+    return gather_ring_rows(layer_ring_rows(pool, layer), ring_ids, positions)
+
+
+def gather_ring_rows(ring_rows: torch.Tensor, ring_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``read_ring_rows`` on one layer's ring view (``layer_ring_rows``): position p lives in slot
+    p % ring_slots; positions -1, or a ring id -1, give zeros.
+
+    # ring_rows: [num_rings, ring_slots, row_bytes] uint8; ring_ids: [Q] int; positions: [Q, N] int64
+    # -> [Q, N, row_bytes] uint8
+    """
+    ring = ring_ids.to(torch.int64)[:, None]
+    valid = (positions >= 0) & (ring >= 0)
+    slot = torch.where(valid, positions, 0) % ring_rows.shape[1]
+    rows = ring_rows[torch.where(valid, ring, 0), slot]
     return torch.where(valid[..., None], rows, torch.zeros((), dtype=torch.uint8, device=rows.device))
 
 
@@ -62,7 +90,14 @@ def open_positions(config: CacheConfig, seq_lens: torch.Tensor) -> torch.Tensor:
 
     # seq_lens: [Q] int -> [Q, g - 1] int64
     """
-    group = config.tokens_per_entry
+    return open_group_positions(seq_lens, config.tokens_per_entry)
+
+
+def open_group_positions(seq_lens: torch.Tensor, group: int) -> torch.Tensor:
+    """``open_positions`` for entries of ``group`` tokens: [L // g * g, L), -1 padded to g - 1.
+
+    # seq_lens: [Q] int -> [Q, group - 1] int64
+    """
     seq = seq_lens.to(torch.int64)[:, None]
-    pos = config.open_entry_start(seq) + torch.arange(max(group - 1, 0), device=seq_lens.device)[None]
+    pos = seq // group * group + torch.arange(max(group - 1, 0), device=seq_lens.device)[None]
     return torch.where(pos < seq, pos, -1)

@@ -33,6 +33,7 @@ from model.config import ModelConfig
 from model.dcp_group import DcpGroup
 from model.dcp_topk import join_topk
 from model.kpool_family import KpoolFamily
+from model.rule import TokenRule
 from model.weights import SyntheticWeights
 
 
@@ -121,6 +122,13 @@ class DcpKpoolFamily(KpoolFamily):
             head, ring = torch.zeros_like(head), torch.zeros_like(ring)
         return torch.cat([head, entries.flatten(1).to(torch.int64), ring.flatten(1).to(torch.int64),
                           mla.flatten(1).to(torch.int64)], dim=1)
+
+    def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule) -> torch.Tensor:
+        """This rank's part of the layer's hash, from ``features`` (the fused hash reads one rank's whole selection).
+
+        # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
+        """
+        return rule.chain(acc, layer, self.features(layer, batch))
 
     def entry_rows(self, layer: int, block_ids: list[int], length: int) -> torch.Tensor:
         """The fp8 entries (q bytes, then scale) of this rank's complete pools in local order.

@@ -147,7 +147,7 @@ class Engine:
         """
         acc = self.rule.start(batch.rows.shape[0], self.device)
         for layer in range(self.config.num_layers):
-            acc = self.rule.chain(acc, layer, self.family.features(layer, batch))
+            acc = self.family.chain(acc, layer, batch, self.rule)
         return self._combine(acc)
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:

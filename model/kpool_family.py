@@ -8,8 +8,11 @@ from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpoo
 from kernels.kpool_cache import pool_slots
 from kvcache import FP8_ENTRY_BYTES, CachePool
 from model.batch import ForwardBatch
-from model.cache_io import open_positions, read_mla, read_ring_rows
+from model.cache_io import layer_ring_rows
 from model.config import ModelConfig
+from model.layer_hash import kpool_layer_hash
+from model.layer_hash.ref import kpool_features
+from model.rule import TokenRule
 from model.weights import SyntheticWeights
 
 
@@ -52,29 +55,38 @@ class KpoolFamily:
         slots = pool_slots(block_table, pools, kpool=self.kpool, states=self.states)
         return torch.where(pools >= 0, slots, 0)
 
-    def features(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """What the next token of each row reads: the selected pools, their fp8 entries, the open
-        pool's raw K and gate, and the MLA bytes of every attended token.
+    def select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """Each row's top-k pools and what locates its bytes.
 
-        # -> [Q, feature_width] int64
+        # -> pools: [Q, topk] int64 (-1 = none), seq_lens: [Q] int32, block_table: [Q, M] int32, ring_ids: [Q] int32
         """
-        rows = batch.rows
-        q, weights = self.weights.query(layer, batch.tokens[rows], batch.positions[rows])
+        q, weights = self.weights.query(layer, batch.tokens[batch.rows], batch.positions[batch.rows])
         seq_lens, table = batch.row_seq_lens, batch.row_block_table
         pools, _ = kpool_indexer_topk(q, weights, seq_lens, table, self.pool.indexer_q(layer),
                                       self.pool.indexer_scale(layer), kpool=self.kpool, topk=self.config.topk)
-        valid = pools >= 0  # [Q, topk]
-        entry_q, entry_scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
-                                                  self._slots(table, pools).flatten(), dequantize=False)
-        entries = torch.cat([entry_q.view(torch.uint8), entry_scale.view(torch.uint8).view(-1, 4)], dim=1)
-        entries = entries.view(*pools.shape, FP8_ENTRY_BYTES) * valid[..., None]
-        open_pos = open_positions(self.cache, seq_lens)  # [Q, kpool - 1]
-        ring = read_ring_rows(self.pool, layer, batch.ring_ids[batch.row_request], open_pos)
-        pool_tokens = pools[..., None] * self.kpool + torch.arange(self.kpool, device=pools.device)
-        attended = torch.cat([torch.where(valid[..., None], pool_tokens, -1).flatten(1), open_pos], dim=1)
-        mla = read_mla(self.pool, layer, table, attended)
-        return torch.cat([(pools + 1), entries.flatten(1).to(torch.int64), ring.flatten(1).to(torch.int64),
-                          mla.flatten(1).to(torch.int64)], dim=1)
+        return pools, seq_lens, table, batch.ring_ids[batch.row_request]
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's cache views the features read: indexer codes and scales, ring rows, MLA entries."""
+        return (self.pool.indexer_q(layer), self.pool.indexer_scale(layer), layer_ring_rows(self.pool, layer),
+                self.pool.mla(layer))
+
+    def features(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """What the next token of each row reads: the selected pools, their fp8 entries, the open
+        pool's raw K and gate, and the MLA bytes of every attended token (``model.layer_hash.ref``).
+
+        # -> [Q, feature_width] int64
+        """
+        return kpool_features(*self.select(layer, batch), *self.layer_views(layer), kpool=self.kpool)
+
+    def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule) -> torch.Tensor:
+        """``rule.chain(acc, layer, self.features(layer, batch))`` in two launches on CUDA (the top-k and the
+        fused layer hash), without a host synchronisation.
+
+        # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
+        """
+        return kpool_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
+                                kpool=self.kpool)
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
         """The fp8 entries (q bytes, then scale) of every complete pool in pool order."""

@@ -14,8 +14,11 @@ from kernels.qsa_score import qsa_topk
 from kernels.qsa_update import qsa_forward_update
 from kvcache import CachePool
 from model.batch import ForwardBatch
-from model.cache_io import open_positions, read_mla, read_ring_rows
+from model.cache_io import layer_ring_rows
 from model.config import ModelConfig
+from model.layer_hash import qsa_layer_hash
+from model.layer_hash.ref import qsa_features
+from model.rule import TokenRule
 from model.weights import SyntheticWeights
 
 
@@ -63,29 +66,38 @@ class QsaFamily:
     prefill = _update
     decode = _update
 
+    def select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """Each row's top-k groups, the tokens they expand to, and what locates its bytes.
+
+        # -> chosen: [Q, topk] int64, token_indices: [Q, topk * r + r - 1] int64 (-1 = none), seq_lens: [Q] int32,
+        #    block_table: [Q, M] int32, ring_ids: [Q] int32
+        """
+        q, _ = self.weights.query(layer, batch.tokens[batch.rows], batch.positions[batch.rows])
+        seq_lens, table = batch.row_seq_lens, batch.row_block_table
+        chosen, token_indices = qsa_topk(q, self.pool.qsa_keys(layer), table, seq_lens, compress_ratio=self.ratio,
+                                         block_size=self.cache.block_size, topk=self.config.topk)
+        return chosen, token_indices, seq_lens, table, batch.ring_ids[batch.row_request]
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's cache views the features read: compressed keys, ring rows, MLA entries."""
+        return self.pool.qsa_keys(layer), layer_ring_rows(self.pool, layer), self.pool.mla(layer)
+
     def features(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """The selected compressed rows and their bytes, the open group's ring rows, and the MLA
-        bytes of every attended token.
+        bytes of every attended token (``model.layer_hash.ref``).
 
         # -> [Q, feature_width] int64
         """
-        rows = batch.rows
-        q, _ = self.weights.query(layer, batch.tokens[rows], batch.positions[rows])
-        seq_lens, table = batch.row_seq_lens, batch.row_block_table
-        compressed = self.pool.qsa_keys(layer)
-        chosen, token_indices = qsa_topk(q, compressed, table, seq_lens, compress_ratio=self.ratio,
-                                         block_size=self.cache.block_size, topk=self.config.topk)
-        valid = chosen >= 0
-        safe = torch.where(valid, chosen, 0)
-        blocks = torch.gather(table.to(torch.int64), 1, safe * self.ratio // self.cache.block_size)
-        rows_per_block = self.keys_spec.rows_per_block
-        picked = compressed[torch.where(valid, blocks, 0), safe % rows_per_block]  # [Q, topk, H, D]
-        picked = picked.contiguous().view(torch.uint8).reshape(*chosen.shape, -1) * valid[..., None]
-        open_pos = open_positions(self.cache, seq_lens)  # [Q, r - 1]
-        ring = read_ring_rows(self.pool, layer, batch.ring_ids[batch.row_request], open_pos)
-        mla = read_mla(self.pool, layer, table, token_indices)
-        return torch.cat([(chosen + 1), picked.flatten(1).to(torch.int64), ring.flatten(1).to(torch.int64),
-                          mla.flatten(1).to(torch.int64)], dim=1)
+        return qsa_features(*self.select(layer, batch), *self.layer_views(layer), compress_ratio=self.ratio)
+
+    def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule) -> torch.Tensor:
+        """``rule.chain(acc, layer, self.features(layer, batch))`` in two launches on CUDA (the top-k and the
+        fused layer hash), without a host synchronisation.
+
+        # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
+        """
+        return qsa_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
+                              compress_ratio=self.ratio)
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
         """The compressed rows of every complete group in group order."""

@@ -28,6 +28,16 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def fold_layer(acc: torch.Tensor, weights: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The chained hash after one more layer: acc * 48271 + sum_f features[f] * weights[f], modulo P.
+
+    # acc: [Q] int64 in [0, P); weights: [F] int64 in [1, P); features: [Q, F] int64 in [0, 2**31)
+    # -> [Q] int64 in [0, P)
+    """
+    layer_hash = (features * weights).sum(dim=1) % HASH_PRIME
+    return (acc * LAYER_MULTIPLIER + layer_hash) % HASH_PRIME
+
+
 class TokenRule:
     """Seeded hash weights for features of width ``feature_width`` on ``num_layers`` layers."""
 
@@ -51,8 +61,7 @@ class TokenRule:
         """
         if features.shape[1] != self.hash_weights.shape[1]:
             raise ValueError(f"features have width {features.shape[1]}, the rule expects {self.hash_weights.shape[1]}")
-        layer_hash = (features * self.hash_weights[layer]).sum(dim=1) % HASH_PRIME
-        return (acc * LAYER_MULTIPLIER + layer_hash) % HASH_PRIME
+        return fold_layer(acc, self.hash_weights[layer], features)
 
     def next_tokens(self, hashes: Sequence[int], current: Sequence[int]) -> list[int]:
         """The target's next token after each row's current token, from the row's chained hash."""
