@@ -9,8 +9,8 @@ vLLM's hybrid KV cache manager on (``SupportsHMA``): full-attention and MLA grou
 pages too: GLM-5-Next's indexer, QSA's compressed keys) by the prompt's blocks, sliding-window groups by
 the blocks in the window, per-request rings (``CircularBufferSpec``: GLM-5-Next's tail, QSA's key-state
 ring, drafts' slots included) whole (``kpool_pd.vllm.groups``). A model with a group it cannot move
-(e.g. Mamba state, chunked-local attention, a host-resident group) is refused when its caches are
-registered, with a ValueError naming the group and why.
+(e.g. Mamba state, chunked-local attention, a host-resident group) is refused with a ValueError naming
+the group and why, when the scheduler side is made and when the worker side registers the caches.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kpool_pd.vllm.groups import transfer_rules
-from kpool_pd.vllm.metadata import KpoolPdMetadata
 from kpool_pd.vllm.planes import engine_pool
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
 from kpool_pd.vllm.settings import KpoolPdSettings
