@@ -75,13 +75,20 @@ def kpool_transfer_config(role: str, extra: dict, **transfer) -> dict:
             "kv_connector_extra_config": extra, **transfer}
 
 
-def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embeddings"]) -> Path:
-    """TINY_LLAMA's config.json (``max_positions`` tokens of context) and seeded weights
-    (model.safetensors) in ``folder``."""
+# TINY_LLAMA with a sliding-window layer before its full-attention one (vLLM's Llama reads ``layer_types``):
+# two KV cache groups under vLLM's hybrid KV cache manager. The window is shorter than the long prompts.
+HYBRID_LAYERS = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 100}
+
+
+def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embeddings"],
+                layers: dict | None = None) -> Path:
+    """TINY_LLAMA's config.json (``max_positions`` tokens of context; ``layers``: config keys that change
+    its attention, e.g. HYBRID_LAYERS) and seeded weights (model.safetensors) in ``folder``."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA | {"max_position_embeddings": max_positions}))
+    config = TINY_LLAMA | {"max_position_embeddings": max_positions} | (layers or {})
+    (folder / "config.json").write_text(json.dumps(config))
     save_file(tiny_llama_weights(), str(folder / "model.safetensors"))
     return folder
 

@@ -172,6 +172,8 @@ class BlockLayout:
         self.layers: tuple[LayerPages, ...] = tuple(pages)
         self.block_bytes = block_cursor
         self.block_planes: tuple[int, ...] = (block_cursor,)  # one plane: a block is one byte range
+        self.num_groups = 1  # one block table per request (``kvcache.PlanarLayout`` may have several)
+        self.plane_groups: tuple[tuple[int, ...], ...] = ((0,),)
         self.ring_slot_bytes = self.ring_row_bytes * len(pages)
         self.ring_block_bytes = self.ring_slot_bytes * self.ring_slots
         self._by_name = {p.name: p for p in pages}

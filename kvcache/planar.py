@@ -10,6 +10,13 @@ request still moves as a few large regions per layer.
 hash, blocks for a prompt, the empty ring: such an engine keeps no ring); ``PlanarPool`` holds the
 planes. The engine describes its cache (layer names, shapes, dtypes, specs) in ``description``,
 which the layout hash covers, so two engines exchange blocks only when their caches mean the same.
+
+**Groups.** An engine may keep several block tables per request (vLLM's KV cache groups: full and
+sliding-window attention, an indexer, a per-request ring), all drawing block ids from one pool of
+``blocks_per_plane`` blocks. Each plane holds the blocks of some of the groups (``plane_groups``). The
+connector names a block by one id: with ``G`` groups, id ``v`` is block ``v // G`` of group ``v % G``
+(``PlanarLayout.block_id``), so a run of a group's consecutive blocks is a run of ids ``G`` apart, moved
+as one region in each of that group's planes. One group (``G == 1``) is the plain block id.
 """
 
 from __future__ import annotations
@@ -28,11 +35,15 @@ from kvcache.family import Count, check_count
 @dataclass(frozen=True, kw_only=True)
 class PlanarCacheConfig:
     """``block_size`` tokens a block; ``plane_block_bytes[i]`` bytes of a block in plane ``i``;
-    ``description``: the engine's canonical JSON of everything that changes what the bytes mean."""
+    ``description``: the engine's canonical JSON of everything that changes what the bytes mean;
+    ``num_groups`` block tables per request and ``plane_groups[i]`` the groups whose blocks plane ``i``
+    holds (empty: one group, in every plane)."""
 
     block_size: int
     plane_block_bytes: tuple[int, ...]
     description: str
+    num_groups: int = 1
+    plane_groups: tuple[tuple[int, ...], ...] = ()
     format_version: int = LAYOUT_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -46,6 +57,16 @@ class PlanarCacheConfig:
             raise ValueError(f"description must be JSON: {exc}") from None
         if not isinstance(described, dict):
             raise ValueError("description must be a JSON object")
+        if type(self.num_groups) is not int or self.num_groups <= 0:
+            raise ValueError(f"num_groups must be a positive integer, got {self.num_groups!r}")
+        if self.plane_groups or self.num_groups > 1:
+            if len(self.plane_groups) != len(self.plane_block_bytes):
+                raise ValueError(f"plane_groups names {len(self.plane_groups)} planes for "
+                                 f"{len(self.plane_block_bytes)} planes of {self.num_groups} groups")
+            for index, groups in enumerate(self.plane_groups):
+                if not groups or any(type(g) is not int or not 0 <= g < self.num_groups for g in groups):
+                    raise ValueError(f"plane {index} holds groups {groups!r}; each plane holds one or more "
+                                     f"of groups 0..{self.num_groups - 1}")
 
     ring_slots = 0  # no per-request ring: the engine's caches are all paged
 
@@ -59,11 +80,14 @@ class PlanarCacheConfig:
         return num_tokens
 
     def hash_fields(self) -> dict[str, object]:
-        return json.loads(self.description) | {
+        fields = json.loads(self.description) | {
             "block_size": self.block_size,
             "plane_block_bytes": list(self.plane_block_bytes),
             "format_version": self.format_version,
         }
+        if self.num_groups > 1:
+            fields |= {"num_groups": self.num_groups, "plane_groups": [list(g) for g in self.plane_groups]}
+        return fields
 
 
 class PlanarLayout:
@@ -78,6 +102,18 @@ class PlanarLayout:
         self.config = config
         self.block_planes: tuple[int, ...] = config.plane_block_bytes
         self.block_bytes = sum(config.plane_block_bytes)
+        self.num_groups = config.num_groups
+        self.plane_groups: tuple[tuple[int, ...], ...] = config.plane_groups or ((0,),) * len(config.plane_block_bytes)
+
+    def block_id(self, group: int, block: int) -> int:
+        """The connector's id of the engine's block ``block`` of group ``group``."""
+        if not 0 <= group < self.num_groups or block < 0:
+            raise ValueError(f"no block {block} of group {group} in a layout of {self.num_groups} groups")
+        return block * self.num_groups + group
+
+    def split_id(self, block_id: int) -> tuple[int, int]:
+        """(group, engine block) of the connector's id ``block_id``."""
+        return block_id % self.num_groups, block_id // self.num_groups
 
     @property
     def layout_hash(self) -> str:
@@ -90,7 +126,9 @@ class PlanarLayout:
 
 class PlanarPool:
     """The planes of an engine's cache: ``planes[i]`` is uint8 ``[num_blocks * block_planes[i]]``,
-    aliasing the engine's tensors (no copy). No rings (``num_rings`` 0)."""
+    aliasing the engine's tensors (no copy; planes of different groups may alias each other, as vLLM's
+    groups overlay one allocation). No rings (``num_rings`` 0). ``num_blocks`` here counts the
+    connector's ids (``blocks_per_plane * layout.num_groups``)."""
 
     def __init__(self, layout: PlanarLayout, planes: Sequence[torch.Tensor], *, num_blocks: int) -> None:
         if type(num_blocks) is not int or num_blocks <= 0:
@@ -107,7 +145,8 @@ class PlanarPool:
                                  f"got {plane.dtype} {tuple(plane.shape)}")
         self.layout = layout
         self.config = layout.config
-        self.num_blocks = num_blocks
+        self.blocks_per_plane = num_blocks
+        self.num_blocks = num_blocks * layout.num_groups
         self.num_rings = 0
         self.planes = tuple(planes)
         self.rings = torch.empty(0, dtype=torch.uint8, device=self.planes[0].device)

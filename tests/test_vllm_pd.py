@@ -31,9 +31,8 @@ MAX_TOKENS = 8
 FAILURE_POLICY = {"ucx": "recompute", "grpc": "fail"}  # vLLM's kv_load_failure_policy, one of each
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    model = str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama")))
+def start_engines(model: str):
+    """A producer and a consumer per transport for ``model``; yields (producer, {transport: consumer})."""
     token = secrets.token_hex(16)
     context = multiprocessing.get_context("spawn")
     started = []
@@ -55,17 +54,29 @@ def engines(tmp_path_factory):
             engine.stop()
 
 
-@pytest.mark.parametrize("transport", ["ucx", "grpc"])
-def test_pd_equals_single_engine(engines, transport):
-    producer, consumers = engines
-    consumer = consumers[transport]
-    rng = random.Random(len(transport))
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    yield from start_engines(str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama"))))
+
+
+@pytest.fixture(scope="module")
+def hybrid_engines(tmp_path_factory):
+    """The model with a sliding-window layer and a full-attention one: two KV cache groups."""
+    yield from start_engines(str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-hybrid"),
+                                                          layers=vllm_engines.HYBRID_LAYERS)))
+
+
+def check_pd_equals_single_engine(producer, consumer, seed: int, groups: int) -> None:
+    """PROMPT_LENGTHS prompts through producer and consumer give the consumer's own tokens, the consumer
+    computing none of the prompts; the params carry one block list per KV cache group."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
     total = sum(PROMPT_LENGTHS)
 
     prefilled = producer.run(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
     params = [p for _, _, p in prefilled.outputs]
     assert all(p and p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, prompts))
+    assert all(len(p["remote_block_ids"]) == groups for p in params), [len(p["remote_block_ids"]) for p in params]
     decoded = consumer.run(prompts, MAX_TOKENS, params)
     alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompts itself
 
@@ -75,6 +86,20 @@ def test_pd_equals_single_engine(engines, transport):
     for prompt, (single, _, _), (pd, _, _) in zip(prompts, alone.outputs, decoded.outputs):
         assert len(single) == MAX_TOKENS
         assert pd == single, f"{len(prompt)}-token prompt: PD gave {pd}, one engine {single}"
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_pd_equals_single_engine(engines, transport):
+    producer, consumers = engines
+    check_pd_equals_single_engine(producer, consumers[transport], seed=len(transport), groups=1)
+
+
+@pytest.mark.parametrize("transport", ["ucx", "grpc"])
+def test_hybrid_pd_equals_single_engine(hybrid_engines, transport):
+    """Sliding-window and full-attention layers (vLLM's hybrid KV cache manager, two groups): the full
+    group's prompt blocks and the sliding group's in-window blocks land, and the tokens are one engine's."""
+    producer, consumers = hybrid_engines
+    check_pd_equals_single_engine(producer, consumers[transport], seed=len(transport), groups=2)
 
 
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])

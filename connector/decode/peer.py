@@ -241,8 +241,7 @@ class PrefillPeer:
         ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
         it pulls its own share of the prompt (``connector.shared.dcp_plan``) into the first blocks of its
         allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
-        landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
-                  else self.context.pool.config.blocks_for_tokens(grant.prompt_len))  # the prompt's (a rank's share)
+        landed = self._landed_blocks(grant, dcp)  # the prompt's (a rank's share)
         ringless = isinstance(into, CacheAllocation) and into.ring_id is None and self.context.pool.layout.ring_slots > 0
         if not isinstance(into, CacheAllocation) or into.released or ringless \
                 or into.pool is not self.context.pool or into.num_blocks < landed:
@@ -307,14 +306,23 @@ class PrefillPeer:
                                                    dcp_rank=dcp.rank if dcp else 0))
         return landed
 
+    def _landed_blocks(self, grant: PrefillGrant, dcp: DcpShard | None) -> int:
+        """How many of the allocation's first blocks the prompt lands in: the prompt's (a DCP rank's
+        share); for an engine with several block tables per request (``layout.num_groups > 1``) the
+        grant's, one of ours per source block, as the engine chose them."""
+        if dcp is not None:
+            return dcp.blocks_for_tokens(self.layout.config, grant.prompt_len)
+        if self.context.pool.layout.num_groups > 1:
+            return len(grant.src_block_ids)
+        return self.context.pool.config.blocks_for_tokens(grant.prompt_len)
+
     async def _land(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport,
                     integrity: bool, dcp: DcpShard | None) -> InboundPull:
         """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
         the allocation; the finished pull (its plan and timeline)."""
         c = self.context
         ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
-        landed = (dcp.blocks_for_tokens(self.layout.config, grant.prompt_len) if dcp is not None
-                  else c.pool.config.blocks_for_tokens(grant.prompt_len))
+        landed = self._landed_blocks(grant, dcp)
         landing = Landing(c.pool, self.layout, allocation.block_ids[:landed],
                           source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len)
         tag_base = InboundPull.tag_base_for(transport)

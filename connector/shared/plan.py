@@ -5,7 +5,9 @@ node never writes where the prefill node tells it to. Offsets are into the flat 
 (``pool.block_plane(region.plane)`` for ``PoolKind.BLOCKS``, ``CachePool.rings.view(-1)`` for
 ``PoolKind.RINGS``). The unified layout has one plane (a block is one byte range); an engine that
 keeps a tensor per layer (``kvcache.PlanarLayout``) has several, and a run of blocks is then one
-region in each.
+region in each. Such an engine may keep several block tables per request (``layout.num_groups``
+``G``): id ``v`` is then block ``v // G`` of group ``v % G``, a run is ids ``G`` apart (one group's
+consecutive blocks), and it moves in the planes that hold that group (``layout.plane_groups``).
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def plan_transfer(
 ) -> TransferPlan:
     """Region pairs that copy ``src_blocks[i] -> dst_blocks[i]`` and the ring's live slots.
 
-    Consecutive entries are merged into one region where BOTH sides are consecutive, and, with
+    Consecutive entries are merged into one region where BOTH sides are consecutive (ids ``G`` apart
+    for a layout of ``G`` groups: one group's consecutive blocks), and, with
     ``piece_blocks > 0``, not across a block-table index that is a multiple of ``piece_blocks`` (a
     pipelined transfer moves each piece once the prompt's chunks have written all of it). The pool
     sizes, when given, bound the ids (ValueError naming the id otherwise).
@@ -124,17 +127,24 @@ def plan_transfer(
     if not 0 <= live.num_slots <= layout.ring_slots or (live.num_slots and not 0 <= live.start_slot < layout.ring_slots):
         raise ValueError(f"ring range {live} does not fit a ring of {layout.ring_slots} slots")
 
+    groups = layout.num_groups
+    mixed = [(s, d) for s, d in zip(src_blocks, dst_blocks) if s % groups != d % groups]
+    if mixed:
+        raise ValueError(f"source and destination blocks of different groups (of {groups}): {mixed[:4]}")
     pairs: list[RegionPair] = []
     i = 0
     while i < len(src_blocks):
         j = i + 1
-        while (j < len(src_blocks) and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1
-               and not (piece_blocks and j % piece_blocks == 0)):
+        while (j < len(src_blocks) and src_blocks[j] == src_blocks[j - 1] + groups
+               and dst_blocks[j] == dst_blocks[j - 1] + groups and not (piece_blocks and j % piece_blocks == 0)):
             j += 1
-        for plane, bb in enumerate(layout.block_planes):  # a run is one region in each plane, plane 0 first
+        group, src_block, dst_block = src_blocks[i] % groups, src_blocks[i] // groups, dst_blocks[i] // groups
+        for plane, bb in enumerate(layout.block_planes):  # a run is one region in each of its group's planes
+            if group not in layout.plane_groups[plane]:
+                continue
             n = (j - i) * bb
-            pairs.append(RegionPair(Region(PoolKind.BLOCKS, src_blocks[i] * bb, n, plane),
-                                    Region(PoolKind.BLOCKS, dst_blocks[i] * bb, n, plane)))
+            pairs.append(RegionPair(Region(PoolKind.BLOCKS, src_block * bb, n, plane),
+                                    Region(PoolKind.BLOCKS, dst_block * bb, n, plane)))
         i = j
 
     slot_bytes = layout.ring_slot_bytes
@@ -153,7 +163,10 @@ def plan_transfer(
 def ready_at(plan: TransferPlan, layout: BlockLayout, prompt_len: int) -> list[int]:
     """For each region of ``plan`` (block runs in block-table order, each in every plane, then the ring),
     how many prompt tokens must be written in every layer before it may move: a run's last block
-    complete (or the prompt's end, for the block it ends in), the ring only once the whole prompt is."""
+    complete (or the prompt's end, for the block it ends in), the ring only once the whole prompt is.
+    Blocks of several groups (``layout.num_groups > 1``) are not in token order: each waits for the prompt."""
+    if layout.num_groups > 1:
+        return [prompt_len] * len(plan.pairs)
     ready, blocks = [], 0
     for pair in plan.pairs:
         if pair.src.kind is PoolKind.BLOCKS:

@@ -4,8 +4,13 @@
 
 vLLM makes one instance per role: the scheduler side (``kpool_pd.vllm.scheduler``) in its engine core
 and the worker side (``kpool_pd.vllm.worker``) beside the KV tensors; this class routes each of vLLM's
-calls to the part of the role it was made for. One KV cache group (one block table per request) is
-supported: a model that needs several is refused when its caches are registered, naming the groups.
+calls to the part of the role it was made for. It moves every KV cache group vLLM transfers, and keeps
+vLLM's hybrid KV cache manager on (``SupportsHMA``): full-attention and MLA groups (``tokens_per_state``
+pages too: GLM-5-Next's indexer, QSA's compressed keys) by the prompt's blocks, sliding-window groups by
+the blocks in the window, per-request rings (``CircularBufferSpec``: GLM-5-Next's tail, QSA's key-state
+ring, drafts' slots included) whole (``kpool_pd.vllm.groups``). A model with a group it cannot move
+(e.g. Mamba state, chunked-local attention, a host-resident group) is refused with a ValueError naming
+the group and why, when the scheduler side is made and when the worker side registers the caches.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
-from kpool_pd.vllm.metadata import KpoolPdMetadata
-from kpool_pd.vllm.planes import planar_pool
+from kpool_pd.vllm.groups import transfer_rules
+from kpool_pd.vllm.planes import engine_pool
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker
@@ -52,7 +58,7 @@ def model_identity(vllm_config: "VllmConfig") -> str:
                       sort_keys=True)
 
 
-class KpoolPdConnector(KVConnectorBase_V1):
+class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -61,25 +67,21 @@ class KpoolPdConnector(KVConnectorBase_V1):
         self.producer = transfer.kv_role == "kv_producer"
         self.settings = KpoolPdSettings.from_extra_config(transfer.kv_connector_extra_config, producer=self.producer)
         self.engine_id = f"vllm-{transfer.engine_id}"
-        self.block_size = vllm_config.cache_config.block_size
         self.identity = model_identity(vllm_config)
         self.scheduler: ProducerScheduler | ConsumerScheduler | None = None
         self.worker: ProducerWorker | ConsumerWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self.scheduler = (ProducerScheduler(self.settings, engine_id=self.engine_id, block_size=self.block_size)
-                              if self.producer else ConsumerScheduler(self.settings))
+            rules = transfer_rules(kv_cache_config)
+            self.scheduler = (ProducerScheduler(self.settings, rules, engine_id=self.engine_id)
+                              if self.producer else ConsumerScheduler(self.settings, rules))
 
     # worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's worker, once, after it allocated the caches: every group that moves becomes planes of one
+        pool. ValueError naming the group for a model whose groups cannot be moved (nothing started)."""
         config = self._kv_cache_config
-        groups = config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"KpoolPdConnector moves one KV cache group; this model has {len(groups)}: "
-                             f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
-        spec = groups[0].kv_cache_spec
-        caches = {name: kv_caches[name] for name in groups[0].layer_names}
-        pool = planar_pool(caches, num_blocks=config.num_blocks, block_size=spec.block_size,
-                           engine={"spec": type(spec).__name__, "block_size": spec.block_size})
+        layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()  # the one vLLM allocated with
+        pool = engine_pool(kv_caches, config, layout, transfer_rules(config), engine={"connector": "KpoolPdConnector"})
         worker_type = ProducerWorker if self.producer else ConsumerWorker
         self.worker = worker_type(self.settings, pool, engine_id=self.engine_id, model_identity=self.identity)
         self.worker.start()
@@ -133,4 +135,10 @@ class KpoolPdConnector(KVConnectorBase_V1):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's scheduler, once per request, before it frees the request's blocks of every group (vLLM
+        calls this instead of ``request_finished`` for a connector that ``SupportsHMA``)."""
         return self.scheduler.request_finished(request, block_ids)

@@ -1,5 +1,11 @@
 """What the scheduler side tells the worker side each step (vLLM's ``KVConnectorMetadata``), and the
-``kv_transfer_params`` a producer hands out for its consumers (NixlConnector's request protocol)."""
+``kv_transfer_params`` a producer hands out for its consumers (NixlConnector's request protocol).
+
+Block ids travel per KV cache group, as vLLM keeps them (one tuple per group, vLLM's group order; the
+groups not moved are empty); ``remote_block_ids`` is a list of lists, as NixlConnector's. The connector
+names a block by one id (``kvcache.PlanarLayout.block_id``): ``flat_ids`` lists a request's blocks that
+way, group by group.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +14,31 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from connector import PrefillGrant, RingRange
+from kvcache import PlanarLayout
+
+BlockIds = tuple[tuple[int, ...], ...]  # one tuple of vLLM block ids per KV cache group
 
 
 @dataclass(frozen=True, kw_only=True)
 class Offer:
-    """Producer: request ``request_id``'s prompt is computed by the end of this step in ``block_ids``;
-    hold them as grant ``grant_id``."""
+    """Producer: request ``request_id``'s prompt is computed by the end of this step in ``block_ids``
+    (per group); hold them as grant ``grant_id``."""
 
     request_id: str
     grant_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     prompt_len: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class Load:
-    """Consumer: pull the grant of ``params`` into ``block_ids`` (vLLM's blocks for request ``request_id``)."""
+    """Consumer: pull the grant of ``params`` into ``block_ids`` (vLLM's blocks for request ``request_id``,
+    per group). ``error``: why the prompt cannot land in them (the load then fails, vLLM recomputes)."""
 
     request_id: str
     params: dict
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
+    error: str = ""
 
 
 @dataclass
@@ -46,7 +57,7 @@ def producer_params(offer: Offer, *, address: str, engine_id: str, lease_s: floa
     """The prefill request's output ``kv_transfer_params``: what the decode request sends back."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_address": address, "remote_request_id": offer.request_id, "remote_grant_id": offer.grant_id,
-            "remote_block_ids": list(offer.block_ids), "remote_num_tokens": offer.prompt_len,
+            "remote_block_ids": [list(group) for group in offer.block_ids], "remote_num_tokens": offer.prompt_len,
             "remote_lease_ms": int(lease_s * 1000)}
 
 
@@ -55,14 +66,40 @@ def is_remote_prefill(params: dict | None) -> bool:
     return bool(params) and bool(params.get("do_remote_prefill")) and bool(params.get("remote_grant_id"))
 
 
-def grant_from(params: dict) -> PrefillGrant:
-    """The grant the params name; ValueError naming the key for params that cannot be one."""
+def flat_ids(layout: PlanarLayout, block_ids: BlockIds) -> tuple[int, ...]:
+    """The connector's ids of ``block_ids`` (per group), group by group in block-table order."""
+    if len(block_ids) != layout.num_groups:
+        raise ValueError(f"{len(block_ids)} block tables for a layout of {layout.num_groups} KV cache groups")
+    return tuple(layout.block_id(group, b) for group, blocks in enumerate(block_ids) for b in blocks)
+
+
+def remote_block_ids(params: dict) -> BlockIds:
+    """The producer's blocks per group of ``params``; ValueError naming the key if it holds none."""
+    value = params.get("remote_block_ids")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(group, (list, tuple)) for group in value):
+        raise ValueError(f"kv_transfer_params['remote_block_ids'] must be one list of block ids per KV cache "
+                         f"group, got {str(value)[:80]}")
+    return tuple(tuple(int(b) for b in group) for group in value)
+
+
+def grant_from(params: dict, layout: PlanarLayout, dst: BlockIds) -> tuple[PrefillGrant, tuple[int, ...]]:
+    """The grant the params name and the connector's ids of ``dst`` (this engine's blocks per group) it
+    lands in, one for each of the producer's. ValueError naming the key or group for params that cannot
+    be one or a group whose block counts differ."""
     try:
-        block_ids = tuple(int(b) for b in params["remote_block_ids"])
-        return PrefillGrant(grant_id=str(params["remote_grant_id"]), request_id=str(params["remote_request_id"]),
-                            prompt_len=int(params["remote_num_tokens"]), num_blocks=len(block_ids),
-                            ring_live=RingRange(0, 0), first_token=0,
-                            lease_s=int(params.get("remote_lease_ms", 30000)) / 1000,
-                            src_block_ids=block_ids, src_ring_id=0)
+        src = remote_block_ids(params)
+        if len(src) != len(dst):
+            raise ValueError(f"the producer has {len(src)} KV cache groups, this engine {len(dst)}")
+        for group, (theirs, ours) in enumerate(zip(src, dst)):
+            if len(theirs) != len(ours):
+                raise ValueError(f"group {group}: the producer offers {len(theirs)} blocks, this engine holds "
+                                 f"{len(ours)} for them")
+        src_ids = flat_ids(layout, src)
+        grant = PrefillGrant(grant_id=str(params["remote_grant_id"]), request_id=str(params["remote_request_id"]),
+                             prompt_len=int(params["remote_num_tokens"]), num_blocks=len(src_ids),
+                             ring_live=RingRange(0, 0), first_token=0,
+                             lease_s=int(params.get("remote_lease_ms", 30000)) / 1000,
+                             src_block_ids=src_ids, src_ring_id=0)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"kv_transfer_params do not name a kpool-pd grant: {type(exc).__name__}: {exc}") from None
+    return grant, flat_ids(layout, dst)

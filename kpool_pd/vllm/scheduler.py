@@ -7,6 +7,9 @@ step's output leaves the engine); ``request_finished`` then keeps its blocks (``
 worker reports the grant ended (pulled and released, or its lease ran out) and returns the params the
 decode request sends back. Consumer (``kv_consumer``): a request whose params say
 ``do_remote_prefill`` loads its prompt asynchronously into the blocks vLLM allocates for it.
+
+Both take a request's blocks in every KV cache group that moves (``kpool_pd.vllm.groups``: the prompt's
+blocks of a full-attention or MLA group, the in-window ones of a sliding-window group, the ring's one).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
+from kpool_pd.vllm.groups import GroupRule, request_blocks
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, is_idle, is_remote_prefill, producer_params
 from kpool_pd.vllm.settings import KpoolPdSettings
 
@@ -27,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class ProducerScheduler:
-    def __init__(self, settings: KpoolPdSettings, *, engine_id: str, block_size: int) -> None:
-        self.settings, self.engine_id, self.block_size = settings, engine_id, block_size
+    def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...], *, engine_id: str) -> None:
+        self.settings, self.rules, self.engine_id = settings, rules, engine_id
         self.kv_cache_manager: "KVCacheManager | None" = None
         self._prefilling: dict[str, "Request"] = {}  # do_remote_decode requests whose prompt is not computed
         self._offered: dict[str, Offer] = {}  # offered in a step's metadata, not finished yet
@@ -45,8 +49,12 @@ class ProducerScheduler:
             if request_id in scheduled and request.num_computed_tokens + scheduled[request_id] >= request.num_prompt_tokens:
                 del self._prefilling[request_id]
                 n = request.num_prompt_tokens
-                blocks = self.kv_cache_manager.get_block_ids(request_id)[0][:-(-n // self.block_size)]
-                offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=tuple(blocks), prompt_len=n)
+                try:
+                    blocks = request_blocks(self.rules, self.kv_cache_manager.get_block_ids(request_id), n)
+                except ValueError:
+                    logger.exception("request %s is not offered: its blocks cannot be moved", request_id)
+                    continue
+                offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=blocks, prompt_len=n)
                 self._offered[request_id] = offer
                 self._pending.append(offer)
         meta, self._pending = KpoolPdMetadata(offers=self._pending, idle=is_idle(scheduler_output)), []
@@ -65,8 +73,8 @@ class ProducerScheduler:
 
 
 class ConsumerScheduler:
-    def __init__(self, settings: KpoolPdSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...]) -> None:
+        self.settings, self.rules = settings, rules
         self._pending: list[Load] = []
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -81,8 +89,14 @@ class ConsumerScheduler:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if num_external_tokens > 0 and is_remote_prefill(params):
-            block_ids = blocks.get_block_ids()[0]
-            self._pending.append(Load(request_id=request.request_id, params=dict(params), block_ids=tuple(block_ids)))
+            tables = blocks.get_block_ids()
+            try:
+                load = Load(request_id=request.request_id, params=dict(params),
+                            block_ids=request_blocks(self.rules, tables, num_external_tokens))
+            except ValueError as exc:  # the worker reports the load failed: vLLM recomputes these blocks
+                load = Load(request_id=request.request_id, params=dict(params), error=str(exc),
+                            block_ids=tuple(tuple(t) for t in tables))
+            self._pending.append(load)
             params["do_remote_prefill"] = False  # loaded once: a second allocation for this request loads nothing
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:

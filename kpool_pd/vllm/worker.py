@@ -6,7 +6,8 @@ calls in from its thread and hands work over. vLLM owns the blocks: an offered g
 ids as a lent allocation (``kvcache.EngineCache.lend``) whose release tells vLLM it may free them
 (``get_finished``: finished sending); a pull lands into a lent allocation of the blocks vLLM allocated
 for the decode request, and its end is reported as finished receiving (its blocks, if it failed, as
-load errors, which vLLM recomputes).
+load errors, which vLLM recomputes). A request's blocks come per KV cache group; the connector names
+each by one id (``kpool_pd.vllm.metadata.flat_ids``), and load errors go back as vLLM's block ids.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from connector import (
     PrefillPeer,
     PrefillProgress,
 )
-from kpool_pd.vllm.metadata import KpoolPdMetadata, grant_from
+from kpool_pd.vllm.groups import NULL_BLOCK_ID
+from kpool_pd.vllm.metadata import BlockIds, KpoolPdMetadata, flat_ids, grant_from
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kvcache import EngineCache, PlanarPool
 from runtime import GrpcServer
@@ -124,8 +126,14 @@ class ProducerWorker:
 
     async def _offer_all(self, metadata: KpoolPdMetadata) -> None:
         for offer in metadata.offers:
-            allocation = self.cache.lend(offer.request_id, offer.block_ids,
-                                         on_release=lambda rid=offer.request_id: self._grant_ended(rid))
+            try:
+                ids = flat_ids(self.cache.layout, offer.block_ids)
+                allocation = self.cache.lend(offer.request_id, ids,
+                                             on_release=lambda rid=offer.request_id: self._grant_ended(rid))
+            except ValueError:
+                logger.exception("request %s could not be offered: its blocks are not this engine's", offer.request_id)
+                self._grant_ended(offer.request_id)
+                continue
             try:
                 self.node.offer(allocation, grant_id=offer.grant_id, request_id=offer.request_id,
                                 prompt_len=offer.prompt_len)
@@ -181,7 +189,7 @@ class ConsumerWorker:
     def load(self, metadata: KpoolPdMetadata) -> None:
         """Start this step's pulls (they run on the loop; ``finished_recving`` reports them)."""
         for load in metadata.loads:
-            self.loop.submit(lambda load=load: self._pull(load.request_id, load.params, load.block_ids))
+            self.loop.submit(lambda load=load: self._pull(load.request_id, load.params, load.block_ids, load.error))
 
     async def _peer(self, address: str) -> PrefillPeer:
         lock = self._connecting.setdefault(address, asyncio.Lock())
@@ -191,24 +199,22 @@ class ConsumerWorker:
                 peer = self._peers[address] = await self.node.connect(address)
             return peer
 
-    async def _pull(self, request_id: str, params: dict, block_ids: tuple[int, ...]) -> None:
-        failed: tuple[int, ...] = ()
+    async def _pull(self, request_id: str, params: dict, block_ids: BlockIds, error: str) -> None:
+        failed = {b for group in block_ids for b in group if b != NULL_BLOCK_ID}  # vLLM's ids: all until it landed
         try:
-            grant = grant_from(params)
-            landed = block_ids[:grant.num_blocks]
-            failed = landed
+            if error:
+                raise ValueError(error)
+            grant, landed = grant_from(params, self.cache.layout, block_ids)
             peer = await self._peer(str(params["remote_address"]))
             with self.cache.lend(request_id, landed, on_release=lambda: None) as allocation:
                 await peer.pull(grant, into=allocation, transport=self.settings.transport,
                                 integrity=self.settings.integrity)
-            failed = ()
+            failed = set()
         except Exception as exc:  # every failure: vLLM recomputes the blocks (reported below)
             logger.warning("pull of request %s failed; vLLM recomputes its %d blocks: %s", request_id, len(failed), exc)
-            if not failed:
-                failed = block_ids
         finally:
             with self._lock:
-                self._failed_blocks |= set(failed)
+                self._failed_blocks |= failed
                 self._received.add(request_id)
             self.progress.note()
 
