@@ -26,7 +26,7 @@ from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
 from decode_worker.router import PrefillRouter, parse_targets
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
-from kvcache import BlockLayout, NodeCache
+from kvcache import BlockLayout, CacheFamily, NodeCache
 from model import DecodeSequence, Engine, PrefillJob
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
@@ -57,6 +57,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("integrity", parse_bool, False, "verify a crc32 of every transferred region"),
     Option("pipelined-transfer", parse_bool, True, "pull each prompt as its prefill runs: its blocks move while "
            "later chunks compute (false: pull once the prompt is computed)"),
+    Option("cuda-graphs", parse_bool, True, "replay decode steps from CUDA graphs, one per padded batch size (CUDA "
+           "devices, the kpool family, DCP 1; false: every step eager)"),
     Option("max-running", positive_int, 16, "requests decoded at once (the batch)"),
     Option("max-queue", positive_int, 64, "requests waiting for room at most; more get RESOURCE_EXHAUSTED"),
     Option("queue-timeout-s", seconds_or_off, 0.0, "how long a request may wait for room before it fails "
@@ -67,6 +69,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("health-interval-s", seconds, 2.0, "how often prefill nodes are health-checked and re-resolved"),
     *DCP_OPTIONS,
 )
+
+
+def graph_requests(settings: Mapping[str, Any], device: torch.device) -> int:
+    """The most requests a decode step replays from a CUDA graph: ``max-running`` where graphs serve the
+    engine (``cuda-graphs`` on, a CUDA device, the kpool family, one rank), 0 (eager) otherwise."""
+    if not settings["cuda_graphs"] or torch.device(device).type != "cuda":
+        return 0
+    if model_config(settings).cache.family is not CacheFamily.KPOOL:
+        logger.info("decode steps run eagerly: CUDA graphs serve the kpool family")
+        return 0
+    return settings["max_running"]
 
 
 def rank_cache_blocks(settings: Mapping[str, Any]) -> int:
@@ -113,7 +126,9 @@ class DecodeNode:
             self.engine: Engine = DcpEngine(self.config, self.cache.pool, group)
             self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
         else:
-            self.engine = Engine(self.config, self.cache.pool)
+            largest = self.config.cache.blocks_for_request(settings["max_prompt_tokens"], settings["max_new_tokens"])
+            self.engine = Engine(self.config, self.cache.pool, graph_requests=graph_requests(settings, context.device),
+                                 graph_table_width=largest)
         self._settings = settings
         self.connector = DecodeConnector(self.cache.pool, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
@@ -159,10 +174,13 @@ class DecodeNode:
             self._health.set_able(True)
 
     def warm_up(self) -> None:
-        """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest.
-        None with DCP: rank 0 runs no prefill, and a step needs every rank."""
+        """One local prefill of ``2 * group + 1`` tokens, then decode steps until 3 tokens, and the state digest;
+        then the decode graphs of every batch size, where steps replay them. None with DCP: rank 0 runs no
+        prefill, and a step needs every rank."""
         if self.leader is not None:
             return
+        if self.engine.graphs is not None:
+            self.engine.capture_graphs()
         config = self.config
         prompt = [t % config.vocab_size for t in range(2 * config.cache.tokens_per_entry + 1)]
         with self.cache.allocate("warm-up", config.cache.blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:

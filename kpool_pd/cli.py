@@ -66,6 +66,8 @@ def _add_up(commands) -> None:
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the daemons and the colocated reference run (default cpu); cuda: the prefill "
                          "daemon on cuda:0, the decode daemon on cuda:1 when there are two GPUs (else cuda:0)")
+    up.add_argument("--max-running", type=int, default=16, metavar="N",
+                    help="requests the decode daemon decodes at once (default 16; at most --requests are ever running)")
     up.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
                     help=f"the prefill daemon's token budget per step (default {DEFAULT_MAX_BATCH_TOKENS}): longer prompts "
                          "are prefilled in chunks, their finished blocks moving to the decode daemon while later "

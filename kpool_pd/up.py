@@ -147,7 +147,7 @@ def _counts_refused(args, names: tuple[str, ...]) -> bool:
 
 
 def run_up(args) -> int:
-    if _counts_refused(args, ("requests", "prompt_len", "max_tokens", "max_batch_tokens")):
+    if _counts_refused(args, ("requests", "prompt_len", "max_tokens", "max_batch_tokens", "max_running")):
         return 2
     for name in ("prefill_block_size", "decode_block_size"):
         if getattr(args, name) < 0:
@@ -233,7 +233,7 @@ def run_up(args) -> int:
                 with teardown.start(lambda: start_decode(workdir, model, [f"127.0.0.1:{prefill.port}"],
                                                  transport=args.transport,
                                                  env={**peer_env, "KPOOLPD_TOKEN": client_token},
-                                                 extra=[*limits, "--max-running", str(max(1, min(args.requests, 16))),
+                                                 extra=[*limits, "--max-running", str(min(args.requests, args.max_running)),
                                                         "--device", decode_device, "--dcp", str(args.dcp),
                                                         "--dcp-interleave", str(args.dcp_interleave),
                                                         *tls_flags])) as decode:

@@ -11,7 +11,8 @@ Padding: a padded request has ring id -1, an all -1 block table, seq_len 0 and p
 nothing (the update skips a negative ring, the MLA write a negative position) and selects nothing (no
 complete pool below seq_len 0). Its rows' hashes are discarded.
 
-A graph is captured the first time its bucket is needed, on an all-padded batch (the capture's warm-up run
+A graph is captured the first time its bucket is needed (or all request buckets at once: ``capture_all``, which
+a daemon runs at start), on an all-padded batch (the capture's warm-up run
 then compiles the kernels and writes nothing), with every graph's memory from one pool.
 """
 
@@ -103,13 +104,14 @@ class DecodeGraphs:
     synchronisation), replayed from CUDA graphs for steps of up to ``max_requests`` requests."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], *, tokens_per_request: int,
-                 block_size: int, max_requests: int, device: torch.device) -> None:
+                 block_size: int, max_requests: int, device: torch.device, table_width: int = 1) -> None:
         if device.type != "cuda":
             raise ValueError(f"decode graphs need a CUDA device, got {device}")
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.forward, self.k, self.block_size = forward, tokens_per_request, block_size
         self.max_requests, self.device = max_requests, device
+        self.table_width = bucket_size(table_width)  # the narrowest table a bucket has (wider steps widen it)
         self._graphs: dict[DecodeBucket, BucketGraph] = {}
         self._memory = torch.cuda.graph_pool_handle()
 
@@ -119,7 +121,19 @@ class DecodeGraphs:
     def bucket_of(self, chunks: Sequence[Chunk]) -> DecodeBucket:
         width = max(max(len(blocks), -(-(start + self.k) // self.block_size)) for _, start, blocks, _ in chunks)
         return DecodeBucket(requests=min(bucket_size(len(chunks)), self.max_requests),
-                            table_width=bucket_size(width))
+                            table_width=max(bucket_size(width), self.table_width))
+
+    def capture_all(self) -> None:
+        """Capture every request bucket (1, 2, 4, .. max_requests) at the narrowest table width, so that no
+        step of such tables pays a capture."""
+        requests = 1
+        while True:
+            bucket = DecodeBucket(requests=min(requests, self.max_requests), table_width=self.table_width)
+            if bucket not in self._graphs:
+                self._capture(bucket)
+            if requests >= self.max_requests:
+                return
+            requests *= 2
 
     def run(self, chunks: Sequence[Chunk]) -> list[int]:
         """Every row's hash of the step's ``chunks`` (each of K tokens), in row order."""

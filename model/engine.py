@@ -117,10 +117,11 @@ def _on_pool_device(method):
 
 class Engine:
     """``graph_requests`` > 0 replays decode steps of up to that many requests from CUDA graphs
-    (``model.decode_graphs``; CUDA pools of the kpool family only); 0 runs every step eagerly."""
+    (``model.decode_graphs``; CUDA pools of the kpool family only), whose block tables are at least
+    ``graph_table_width`` blocks wide; 0 runs every step eagerly."""
 
     def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None, *,
-                 graph_requests: int = 0) -> None:
+                 graph_requests: int = 0, graph_table_width: int = 1) -> None:
         if pool.config != config.cache:
             raise ValueError("the pool's cache config is not the model's: build the pool from config.cache")
         self.config = config
@@ -137,7 +138,14 @@ class Engine:
                                  f"{config.cache.family.value} on {self.device}")
             self.graphs = DecodeGraphs(self._decode_forward, tokens_per_request=1 + config.cache.num_spec,
                                        block_size=config.cache.block_size, max_requests=graph_requests,
-                                       device=self.device)
+                                       device=self.device, table_width=graph_table_width)
+
+    @_on_pool_device
+    def capture_graphs(self) -> None:
+        """Capture the decode graph of every batch size now (``DecodeGraphs.capture_all``)."""
+        if self.graphs is None:
+            raise ValueError("this engine replays no decode graphs (graph_requests=0)")
+        self.graphs.capture_all()
 
     # forwards ---------------------------------------------------------------------------
     def _hashes(self, batch: ForwardBatch) -> torch.Tensor:

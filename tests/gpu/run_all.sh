@@ -67,6 +67,19 @@ if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
     --batches "${DECODE_BATCHES:-1,16,64}" --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
   decode_rc=$?
 fi
+up_rc=0
+# Warm daemons end to end (UP_RUNS=1): kpool-pd up on cuda, 61 layers, three loads; summaries in up.txt.
+if [ "$gpus" -ge 1 ] && [ -n "${UP_RUNS:-}" ]; then
+  for load in "--requests 64 --prompt-len 512 --max-tokens 128 --max-running 64" \
+              "--requests 1 --prompt-len 512 --max-tokens 128" \
+              "--requests 16 --prompt-len 4096 --max-tokens 32 --max-running 16"; do
+    echo "== kpool-pd up --device cuda --layers 61 $load" >> "$OUT/up.txt"
+    timeout "${UP_TIMEOUT:-240}" python3 -m kpool_pd up --device cuda --layers 61 $load > "$OUT/up-run.txt" 2>&1
+    rc=$?; [ $rc -ne 0 ] && up_rc=$rc
+    grep -A4 '^summary' "$OUT/up-run.txt" >> "$OUT/up.txt" || tail -n 20 "$OUT/up-run.txt" >> "$OUT/up.txt"
+  done
+  rm -f "$OUT/up-run.txt"
+fi
 echo "== device"; head -n 3 "$OUT/pytest_gpu.log"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
 echo "== kernel bench (rc $bench_rc)"; cat "$OUT/bench/kernels.txt" 2>/dev/null || tail -n 30 "$OUT/bench.log"
@@ -79,4 +92,5 @@ fi
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
   echo "== decode step bench (rc $decode_rc)"; tail -n 8 "$OUT/decode.txt"
 fi
-exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc ))
+if [ -n "${UP_RUNS:-}" ]; then echo "== kpool-pd up (rc $up_rc)"; cat "$OUT/up.txt"; fi
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || up_rc ))

@@ -44,9 +44,13 @@ def test_graphed_decode_equals_eager(num_spec, kpool):
 
 
 def test_a_graphed_step_synchronises_once():
+    """After ``capture_graphs`` (every request bucket at the daemon's table width), steps only replay."""
     config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=4, kpool=4, num_spec=3)
     cache = NodeCache(BlockLayout(config.cache), num_blocks=64, num_rings=4, device="cuda")
-    engine = Engine(config, cache.pool, graph_requests=4)
+    engine = Engine(config, cache.pool, graph_requests=4, graph_table_width=3)
+    engine.capture_graphs()
+    captured = set(engine.graphs._graphs)
+    assert {(b.requests, b.table_width) for b in captured} == {(1, 4), (2, 4), (4, 4)}
     seqs = []
     for i, prompt_len in enumerate((100, 257, 31)):
         allocation = cache.allocate(f"r{i}", config.cache.blocks_for_request(prompt_len, 50))
@@ -54,7 +58,7 @@ def test_a_graphed_step_synchronises_once():
         first = engine.prefill([PrefillJob(prompt=prompt, block_ids=allocation.block_ids, ring_id=allocation.ring_id)])[0]
         seqs.append(DecodeSequence(request_id=f"r{i}", prompt_len=prompt_len, max_tokens=50,
                                    block_ids=list(allocation.block_ids), ring_id=allocation.ring_id, output=[first]))
-    engine.decode_step(seqs)  # captures the bucket
+    engine.decode_step(seqs)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -66,6 +70,8 @@ def test_a_graphed_step_synchronises_once():
         torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 3, [str(w.message) for w in syncs]
+    assert set(engine.graphs._graphs) == captured  # no step captured anew
+    assert all(len(s.output) > 4 for s in seqs)
 
 
 def test_graphs_refuse_what_they_cannot_serve():
