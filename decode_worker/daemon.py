@@ -20,6 +20,7 @@ import torch
 
 from connector import DecodeConnector
 from decode_worker import dcp_api
+from decode_worker.capacity import rank_cache_blocks
 from decode_worker.dcp_fetch import DcpLeader
 from decode_worker.dcp_options import DCP_OPTIONS, check_dcp, dcp_config
 from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
@@ -31,7 +32,7 @@ from model import DecodeSequence, Engine, PrefillJob
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
-                     model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
+                     memory_fraction, model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
                      seconds_or_off, run_daemon, service_options)
 from runtime.preflight import check_cache_memory
 
@@ -65,7 +66,11 @@ OPTIONS: tuple[Option, ...] = (
            "DEADLINE_EXCEEDED (0: as long as its call's deadline allows)"),
     Option("max-prompt-tokens", positive_int, 4096, "longest prompt accepted"),
     Option("max-new-tokens", positive_int, 512, "most output tokens a request may ask for"),
-    Option("num-blocks", nonnegative_int, 0, "blocks in the cache pool (0: enough for max-running of the largest requests)"),
+    Option("num-blocks", nonnegative_int, 0, "blocks in the cache pool (0: from gpu-memory-fraction, or enough for "
+           "max-running of the largest requests)"),
+    Option("gpu-memory-fraction", memory_fraction, 0.0, "share of the GPU's memory this daemon may take, like vLLM's "
+           "gpu_memory_utilization: the cache gets what is left after the memory in use, the rings and 1 GiB for the "
+           "model and its graphs (0: the cache is sized from max-running; num-blocks wins)"),
     Option("health-interval-s", seconds, 2.0, "how often prefill nodes are health-checked and re-resolved"),
     *DCP_OPTIONS,
 )
@@ -82,20 +87,13 @@ def graph_requests(settings: Mapping[str, Any], device: torch.device) -> int:
     return settings["max_running"]
 
 
-def rank_cache_blocks(settings: Mapping[str, Any]) -> int:
-    """Blocks of each rank's cache: ``num-blocks``, or (0) enough for ``max-running`` of the largest requests."""
-    config, dcp = model_config(settings), dcp_config(settings)
-    largest = dcp.rank_blocks_for_request(config.cache, settings["max_prompt_tokens"], settings["max_new_tokens"])
-    return settings["num_blocks"] or settings["max_running"] * largest
-
-
 def check_settings(settings: Mapping[str, Any]) -> None:
     """The DCP options, then the memory of the cache the settings ask for (one per rank on the CPU)."""
     check_dcp(settings)
-    option = "num_blocks" if settings["num_blocks"] else "max_running"
+    option = next(o for o in ("num_blocks", "gpu_memory_fraction", "max_running") if settings[o])
     layout = BlockLayout(model_config(settings).cache)
     copies = settings["dcp"] if torch.device(settings["device"]).type == "cpu" else 1
-    check_cache_memory(settings, option, layout, num_blocks=rank_cache_blocks(settings),
+    check_cache_memory(settings, option, layout, num_blocks=rank_cache_blocks(settings, settings["device"]),
                        num_rings=settings["max_running"], device=settings["device"], copies=copies)
 
 
@@ -109,7 +107,7 @@ class DecodeNode:
         self.layout = BlockLayout(self.config.cache)
         max_running = settings["max_running"]
         dcp = dcp_config(settings)
-        self.cache = NodeCache(self.layout, num_blocks=rank_cache_blocks(settings), num_rings=max_running,
+        self.cache = NodeCache(self.layout, num_blocks=rank_cache_blocks(settings, context.device), num_rings=max_running,
                                device=context.device)
         self.ranks: DcpRanks | None = None
         self.leader: DcpLeader | None = None

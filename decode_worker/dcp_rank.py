@@ -37,7 +37,7 @@ from connector import (
 )
 from decode_worker import dcp_api as api
 from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
-from decode_worker.daemon import rank_cache_blocks
+from decode_worker.capacity import rank_cache_blocks
 from decode_worker.dcp_options import RANK0_DIED, dcp_config
 from decode_worker.router import DNS_PREFIX, parse_targets
 from kvcache import BlockLayout, CacheAllocation, CacheExhaustedError, NodeCache

@@ -145,6 +145,14 @@ def positive_float(text: Any) -> float:
     return value
 
 
+def memory_fraction(text: Any) -> float:
+    """A share of a device's memory: a number in [0, 1] (0: not sized from the device)."""
+    value = number(text)
+    if not 0 <= value <= 1:
+        raise ValueError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def seconds(text: Any) -> float:
     """A duration in seconds: finite, > 0 and at most ``MAX_SECONDS`` (a week), so that every
     deadline built from it can pass."""
