@@ -79,6 +79,11 @@ if [ "$gpus" -ge 1 ] && [ -n "${UP_RUNS:-}" ]; then
     grep -A4 '^summary' "$OUT/up-run.txt" >> "$OUT/up.txt" || tail -n 20 "$OUT/up-run.txt" >> "$OUT/up.txt"
   done
   rm -f "$OUT/up-run.txt"
+  echo "== kpool-pd bench pipeline --device cuda --layers 61 --prompt-len 32768 --max-batch-tokens 2048" >> "$OUT/up.txt"
+  timeout "${UP_TIMEOUT:-240}" python3 -m bench.pipeline --device cuda --layers 61 --prompt-len 32768 \
+    --max-batch-tokens 2048 --runs 1 --no-timeline --machine h200 --out "$OUT/bench" > "$OUT/up-run.txt" 2>&1
+  rc=$?; [ $rc -ne 0 ] && up_rc=$rc
+  tail -n 6 "$OUT/up-run.txt" >> "$OUT/up.txt"; rm -f "$OUT/up-run.txt"
 fi
 echo "== device"; head -n 3 "$OUT/pytest_gpu.log"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
