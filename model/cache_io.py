@@ -12,18 +12,28 @@ from kernels.mla_rows import write_mla_rows
 from kvcache import CacheConfig, CachePool
 
 
-def write_mla(pool: CachePool, layer: int, block_table: torch.Tensor, request: torch.Tensor,
-              positions: torch.Tensor, entries: torch.Tensor) -> None:
-    """Store each token's MLA entry at its position; a token whose position is negative or lies past its
-    request's blocks (a padded batch's extra tokens) writes nothing. No host synchronisation.
+def mla_destinations(block_size: int, block_table: torch.Tensor, request: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's MLA row (block, offset in it), the same in every layer; block -1 for a token whose
+    position is negative or lies past its request's blocks (a padded batch's extra tokens).
 
-    # block_table: [B, M] int32; request, positions: [T] int64; entries: [T, E] uint8
+    # block_table: [B, M] int32; request, positions: [T] int64 -> blocks, offsets: [T] int64
     """
-    block_size = pool.config.block_size
     column = torch.where(positions >= 0, positions, 0) // block_size
     inside = (positions >= 0) & (column < block_table.shape[1])
     blocks = block_table.to(torch.int64)[request, torch.where(inside, column, 0)]
-    write_mla_rows(pool.mla(layer), torch.where(inside, blocks, -1), positions % block_size, entries)
+    return torch.where(inside, blocks, -1), positions % block_size
+
+
+def write_mla(pool: CachePool, layer: int, block_table: torch.Tensor, request: torch.Tensor,
+              positions: torch.Tensor, entries: torch.Tensor) -> None:
+    """Store each token's MLA entry at its position; a token without a row (``mla_destinations``) writes
+    nothing. No host synchronisation.
+
+    # block_table: [B, M] int32; request, positions: [T] int64; entries: [T, E] uint8
+    """
+    blocks, offsets = mla_destinations(pool.config.block_size, block_table, request, positions)
+    write_mla_rows(pool.mla(layer), blocks, offsets, entries)
 
 
 def read_mla(pool: CachePool, layer: int, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.mla_rows import write_mla_rows
 from kvcache import CacheFamily, CachePool
 from model.batch import ForwardBatch, build_batch
-from model.cache_io import open_positions, read_ring_rows, write_mla
+from model.cache_io import mla_destinations, open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
 from model.decode_graphs import DecodeGraphs
 from model.kpool_family import KpoolFamily
@@ -136,7 +137,7 @@ class Engine:
             if self.device.type != "cuda" or config.cache.family is not CacheFamily.KPOOL:
                 raise ValueError(f"decode graphs serve kpool pools on CUDA; this engine's pool is "
                                  f"{config.cache.family.value} on {self.device}")
-            self.graphs = DecodeGraphs(self._decode_forward, tokens_per_request=1 + config.cache.num_spec,
+            self.graphs = DecodeGraphs(self._graphed_forward, tokens_per_request=1 + config.cache.num_spec,
                                        block_size=config.cache.block_size, max_requests=graph_requests,
                                        device=self.device, table_width=graph_table_width)
 
@@ -162,6 +163,21 @@ class Engine:
         """A decode step's cache writes, then its rows' hashes. # -> [Q] int64"""
         self._write(batch, self.family.decode)
         return self._hashes(batch)
+
+    def _graphed_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """``_decode_forward`` as a graph captures it (kpool family): the tokens' inputs of every layer and their
+        MLA rows computed once, then per layer the update, the MLA write, the top-k and the fused hash. The
+        same bytes (tests/gpu/test_decode_graphs_gpu.py). # -> [Q] int64"""
+        inputs = self.weights.step_inputs(batch.tokens, batch.positions, batch.rows)
+        blocks, offsets = mla_destinations(self.config.cache.block_size, batch.block_table, batch.token_request,
+                                           batch.positions)
+        for layer in range(self.config.num_layers):
+            self.family.decode(layer, batch, inputs)
+            write_mla_rows(self.pool.mla(layer), blocks, offsets, inputs.mla[layer])
+        acc = self.rule.start(batch.rows.shape[0], self.device)
+        for layer in range(self.config.num_layers):
+            acc = self.family.chain(acc, layer, batch, self.rule, inputs)
+        return self._combine(acc)
 
     def _combine(self, acc: torch.Tensor) -> torch.Tensor:
         """The chained hash of every row from this engine's part of it (one engine holds all of it).

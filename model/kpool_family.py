@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.layer_hash import kpool_layer_hash
 from model.layer_hash.ref import kpool_features
 from model.rule import TokenRule
-from model.weights import SyntheticWeights
+from model.weights import StepInputs, SyntheticWeights
 
 
 class KpoolFamily:
@@ -40,8 +40,12 @@ class KpoolFamily:
                       mode=self.cache.pool_mode, round_scale=self.cache.round_scale,
                       start_pos=None if batch.from_zero else batch.start_pos)
 
-    def decode(self, layer: int, batch: ForwardBatch) -> None:
-        k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
+    def decode(self, layer: int, batch: ForwardBatch, inputs: StepInputs | None = None) -> None:
+        """The layer's decode update (``inputs``: the step's keys of every layer, computed at once)."""
+        if inputs is None:
+            k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
+        else:
+            k, gate = inputs.keys[layer], inputs.gates[layer]
         kpool_decode_update(k, gate, batch.start_pos, batch.query_start_loc, batch.ring_ids, batch.block_table,
                             self.weights.ape[layer], self.pool.tail_ring(layer), self.pool.indexer_q(layer),
                             self.pool.indexer_scale(layer), mode=self.cache.pool_mode,
@@ -55,12 +59,15 @@ class KpoolFamily:
         slots = pool_slots(block_table, pools, kpool=self.kpool, states=self.states)
         return torch.where(pools >= 0, slots, 0)
 
-    def select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """Each row's top-k pools and what locates its bytes.
+    def select(self, layer: int, batch: ForwardBatch, inputs: StepInputs | None = None) -> tuple[torch.Tensor, ...]:
+        """Each row's top-k pools and what locates its bytes (``inputs``: the step's queries of every layer).
 
         # -> pools: [Q, topk] int64 (-1 = none), seq_lens: [Q] int32, block_table: [Q, M] int32, ring_ids: [Q] int32
         """
-        q, weights = self.weights.query(layer, batch.tokens[batch.rows], batch.positions[batch.rows])
+        if inputs is None:
+            q, weights = self.weights.query(layer, batch.tokens[batch.rows], batch.positions[batch.rows])
+        else:
+            q, weights = inputs.queries[layer], inputs.head_weights[layer]
         seq_lens, table = batch.row_seq_lens, batch.row_block_table
         pools, _ = kpool_indexer_topk(q, weights, seq_lens, table, self.pool.indexer_q(layer),
                                       self.pool.indexer_scale(layer), kpool=self.kpool, topk=self.config.topk)
@@ -79,13 +86,14 @@ class KpoolFamily:
         """
         return kpool_features(*self.select(layer, batch), *self.layer_views(layer), kpool=self.kpool)
 
-    def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule) -> torch.Tensor:
+    def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule,
+              inputs: StepInputs | None = None) -> torch.Tensor:
         """``rule.chain(acc, layer, self.features(layer, batch))`` in two launches on CUDA (the top-k and the
         fused layer hash), without a host synchronisation.
 
         # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
         """
-        return kpool_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
+        return kpool_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch, inputs), *self.layer_views(layer),
                                 kpool=self.kpool)
 
     def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:

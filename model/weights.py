@@ -8,12 +8,30 @@ elementwise per token, so a token's tensors never depend on what else is in the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from model.config import ModelConfig
 
 D = 128
 MLA_POSITION_PERIOD = 257  # prime, so MLA bytes of nearby positions differ
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward's per-token tensors of every layer at once (what ``keys``, ``query`` and ``mla_bytes``
+    give layer by layer, the same bytes): a decode step computes them in a few launches, not a few per layer.
+
+    # keys, gates: [L, T, 128] bf16; mla: [L, T, mla_entry_bytes] uint8
+    # queries: [L, Q, H, 128] bf16; head_weights: [L, Q, H] fp32 (the rows' tokens)
+    """
+
+    keys: torch.Tensor
+    gates: torch.Tensor
+    mla: torch.Tensor
+    queries: torch.Tensor
+    head_weights: torch.Tensor
 
 
 class SyntheticWeights:
@@ -49,10 +67,29 @@ class SyntheticWeights:
                 setattr(self, name, value.to(device))
         return self
 
-    def _position_term(self, layer: int, positions: torch.Tensor, shift: float) -> torch.Tensor:
-        # positions: [T] int64 -> [T, 128] fp32
-        angle = positions.to(torch.float32)[:, None] * self.position_freq[layer] + self.position_phase[layer] + shift
+    def _position_term(self, layer: int | slice, positions: torch.Tensor, shift: float) -> torch.Tensor:
+        # positions: [T] int64 -> [T, 128] fp32 (layer: an index), or [L, T, 128] (layer: a slice of layers)
+        if isinstance(layer, slice):
+            freq, phase = self.position_freq[layer, None], self.position_phase[layer, None]
+            angle = positions.to(torch.float32)[None, :, None] * freq + phase + shift
+        else:
+            angle = positions.to(torch.float32)[:, None] * self.position_freq[layer] + self.position_phase[layer] + shift
         return torch.sin(angle)
+
+    def step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> StepInputs:
+        """Every layer's keys, gates and MLA entries of ``tokens`` and queries of the ``rows`` among them, with
+        the per-layer methods' arithmetic, element for element.
+
+        # tokens, positions: [T] int64; rows: [Q] int64 indices into tokens
+        """
+        every = slice(None)
+        k = self.key_table[:, tokens] + 0.5 * self._position_term(every, positions, 0.0)
+        gate = self.gate_table[:, tokens] + self._position_term(every, positions, 1.0)
+        row_tokens, row_positions = tokens[rows], positions[rows]
+        q = self.query_table[:, row_tokens] + 0.5 * self._position_term(every, row_positions, 2.0)[:, :, None]
+        mla = torch.bitwise_xor(self.mla_table[:, tokens], self.mla_position[:, positions % MLA_POSITION_PERIOD])
+        return StepInputs(keys=k.to(torch.bfloat16), gates=gate.to(torch.bfloat16), mla=mla,
+                          queries=q.to(torch.bfloat16), head_weights=self.head_weight[:, row_tokens].contiguous())
 
     def keys(self, layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw indexer key and gate score of each token.

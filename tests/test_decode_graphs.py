@@ -9,7 +9,8 @@ import torch
 from kvcache import BlockLayout, CacheFamily, CachePool
 from model import ModelConfig
 from model.decode_graphs import bucket_size
-from model.engine import Engine
+from model.batch import build_batch
+from model.engine import Engine, PrefillJob
 
 
 def test_buckets_are_the_next_power_of_two():
@@ -23,3 +24,27 @@ def test_a_cpu_engine_refuses_graphs(family):
     with pytest.raises(ValueError, match=f"decode graphs serve kpool pools on CUDA; this engine's pool is "
                                          f"{family.value} on cpu"):
         Engine(config, pool, graph_requests=4)
+
+
+@pytest.mark.parametrize("num_spec", [0, 3])
+def test_the_forward_a_graph_captures_writes_and_hashes_what_the_eager_forward_does(num_spec):
+    """``Engine._graphed_forward`` (every layer's inputs at once, MLA rows once) on the CPU against the eager
+    forward, on two pools prefilled alike: the same hashes and the same cache bytes (padded requests, which the
+    CPU reference refuses for their ring -1, are tests/gpu/test_decode_graphs_gpu.py's)."""
+    config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=3, kpool=4, num_spec=num_spec, mla_entry_bytes=40)
+    engines = []
+    for _ in range(2):
+        pool = CachePool(BlockLayout(config.cache), num_blocks=8, num_rings=3, device=torch.device("cpu"))
+        engine = Engine(config, pool)
+        engine.prefill([PrefillJob(prompt=[(5 * i + 3) % 1000 for i in range(n)], block_ids=[2 * b, 2 * b + 1],
+                                   ring_id=b) for b, n in enumerate((9, 300, 64))])
+        engines.append(engine)
+    k = 1 + num_spec
+    chunks = [([7] * k, 9, [0, 1], 0), ([11] * k, 300, [2, 3], 1), ([13] * k, 64, [4, 5], 2)]
+    batch = build_batch(chunks, last_only=False, device=torch.device("cpu"))
+    eager, graphed = engines
+    want = eager._decode_forward(batch)
+    got = graphed._graphed_forward(batch)
+    assert torch.equal(got, want)
+    assert torch.equal(graphed.pool.blocks, eager.pool.blocks)
+    assert torch.equal(graphed.pool.rings, eager.pool.rings)
