@@ -51,9 +51,10 @@ def test_a_graphed_step_synchronises_once():
     engine.capture_graphs()
     captured = set(engine.graphs._graphs)
     assert {(b.requests, b.table_width) for b in captured} == {(1, 4), (2, 4), (4, 4)}
-    seqs = []
+    seqs, allocations = [], []
     for i, prompt_len in enumerate((100, 257, 31)):
         allocation = cache.allocate(f"r{i}", config.cache.blocks_for_request(prompt_len, 50))
+        allocations.append(allocation)
         prompt = [(7 * i + j) % config.vocab_size for j in range(prompt_len)]
         first = engine.prefill([PrefillJob(prompt=prompt, block_ids=allocation.block_ids, ring_id=allocation.ring_id)])[0]
         seqs.append(DecodeSequence(request_id=f"r{i}", prompt_len=prompt_len, max_tokens=50,
@@ -68,6 +69,8 @@ def test_a_graphed_step_synchronises_once():
                 engine.decode_step(seqs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        for allocation in allocations:
+            allocation.release()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 3, [str(w.message) for w in syncs]
     assert set(engine.graphs._graphs) == captured  # no step captured anew
