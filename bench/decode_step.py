@@ -17,6 +17,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,14 +71,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profiled(engine: Engine, seqs: list[DecodeSequence], steps: int, device: torch.device) -> tuple[float, float, float, float]:
-    """(host ms, GPU ms, launches, syncs) a step over ``steps`` profiled steps."""
+def profiled(step: Callable[[], object], steps: int, device: torch.device) -> tuple[float, float, float, float]:
+    """(host ms, GPU ms, launches, syncs) a call of ``step`` over ``steps`` profiled calls."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
     with profile(activities=activities) as prof:
         began = time.perf_counter()
         for _ in range(steps):
-            engine.decode_step(seqs)
+            step()
         synchronize(device)
         wall_ms = (time.perf_counter() - began) * 1000
     events = prof.events()
@@ -103,7 +104,7 @@ def measure(config: ModelConfig, batch: int, *, graphed: bool, prompt_len: int, 
             out = engine.decode_step(seqs)
             times.append(time.perf_counter() - began)
             emitted += sum(len(tokens) for tokens in out)
-        host_ms, gpu_ms, launches, syncs = profiled(engine, seqs, profile_steps, device)
+        host_ms, gpu_ms, launches, syncs = profiled(lambda: engine.decode_step(seqs), profile_steps, device)
     finally:
         for allocation in allocations:
             allocation.release()
