@@ -17,6 +17,7 @@ from kernels.kpool_compress import kpool_compress
 from kernels.kpool_decode import kpool_decode_update
 from kernels.kpool_prefill import kpool_prefill
 from kernels.kpool_score import kpool_indexer_topk
+from kernels.mla_rows import write_mla_rows
 from kernels.qsa_compress import compress_group_keys
 from kernels.qsa_metadata import QsaMetadata, build_qsa_metadata
 from kernels.qsa_ring import read_qsa_ring_positions, write_qsa_ring
@@ -29,5 +30,5 @@ __all__ = [
     "hadamard_matrix", "kpool_compress", "kpool_decode_update", "kpool_indexer_topk", "kpool_prefill",
     "kpool_read_entries", "kpool_write_entries", "QsaMetadata", "build_qsa_metadata", "compress_group_keys",
     "mrope_cos_sin", "qsa_forward_update", "qsa_topk", "read_qsa_ring_positions",
-    "repack_tokens", "text_positions", "write_qsa_ring",
+    "repack_tokens", "text_positions", "write_mla_rows", "write_qsa_ring",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.mla_rows import write_mla_rows
+from kernels import write_mla_rows
 from kvcache import CacheConfig, CachePool
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.mla_rows import write_mla_rows
+from kernels import write_mla_rows
 from kvcache import CacheFamily, CachePool
 from model.batch import ForwardBatch, build_batch
 from model.cache_io import mla_destinations, open_positions, read_ring_rows, write_mla
