@@ -101,6 +101,22 @@ def _open_sum(seq, ring, w_base, ring_ptr, ring_stride, slot_stride, ring_slots,
 
 
 @triton.jit
+def _selection_tile(sel_ptr, row, sel_stride, k0, topk, w_ptr, table_ptr, table_stride, table_width, block_size,
+                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile of a row's selection (pools or compressed rows of GROUP tokens): the indices, their weighted
+    (index + 1) terms, and each one's block (-1 where none).
+
+    # -> k: [BLOCK_K] int64, sel: [BLOCK_K] int64 (-1 = none), terms: [BLOCK_K] int64, block: [BLOCK_K] int64
+    """
+    k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    live = k < topk
+    sel = tl.load(sel_ptr + row * sel_stride + k, mask=live, other=-1)
+    terms = (sel + 1) * tl.load(w_ptr + k, mask=live, other=0)
+    block = _block_of(table_ptr, row, table_stride, table_width, sel * GROUP // block_size, sel >= 0)
+    return k, sel, terms, block
+
+
+@triton.jit
 def _kpool_kernel(acc_ptr, w_ptr, pools_ptr, seq_ptr, table_ptr, ring_ids_ptr, iq_ptr, is_ptr, ring_ptr, mla_ptr,
                   out_ptr, topk, pools_stride, table_stride, table_width, states, iq_block, iq_page, iq_entry,
                   is_block, is_page, is_entry, ring_stride, slot_stride, ring_slots, ring_bytes, mla_block, mla_token,
@@ -120,11 +136,9 @@ def _kpool_kernel(acc_ptr, w_ptr, pools_ptr, seq_ptr, table_ptr, ring_ids_ptr, i
     # the selection, its entries
     selected = tl.zeros([BLOCK_K], tl.int64)
     for k0 in range(0, topk, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        live = k < topk
-        pool = tl.load(pools_ptr + row * pools_stride + k, mask=live, other=-1)
-        selected += (pool + 1) * tl.load(w_ptr + k, mask=live, other=0)
-        block = _block_of(table_ptr, row, table_stride, table_width, pool * KPOOL // block_size, pool >= 0)
+        k, pool, terms, block = _selection_tile(pools_ptr, row, pools_stride, k0, topk, w_ptr, table_ptr,
+                                                table_stride, table_width, block_size, KPOOL, BLOCK_K)
+        selected += terms
         held = block >= 0
         q_at, scale_at = entry_offsets(block, pool % states, PAGE, iq_block, iq_page, iq_entry, is_block, is_page,
                                        is_entry)
@@ -176,11 +190,9 @@ def _qsa_kernel(acc_ptr, w_ptr, chosen_ptr, tokens_ptr, seq_ptr, table_ptr, ring
     # the selection, its compressed rows
     selected = tl.zeros([BLOCK_K], tl.int64)
     for k0 in range(0, topk, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        live = k < topk
-        chosen = tl.load(chosen_ptr + row * chosen_stride + k, mask=live, other=-1)
-        selected += (chosen + 1) * tl.load(w_ptr + k, mask=live, other=0)
-        block = _block_of(table_ptr, row, table_stride, table_width, chosen * RATIO // block_size, chosen >= 0)
+        k, chosen, terms, block = _selection_tile(chosen_ptr, row, chosen_stride, k0, topk, w_ptr, table_ptr,
+                                                  table_stride, table_width, block_size, RATIO, BLOCK_K)
+        selected += terms
         held = block >= 0
         base = block * keys_block + (chosen % rows_per_block) * keys_row
         for h in range(keys_heads):

@@ -35,6 +35,12 @@ def backend(request, monkeypatch) -> Backend:
     return make_backend(request, monkeypatch, gpu_suite=True)
 
 
+def _graph_case(options):
+    """A 3-layer CUDA engine of ``options`` and its decode batch of drafts."""
+    engine, sequences = build_engine(dict(options), False, PROMPTS, torch.device("cuda"), layers=3)
+    return engine, batches(engine, sequences)[1]
+
+
 def _fused_and_ref(engine):
     family = engine.family
     if engine.config.cache.family is CacheFamily.KPOOL:
@@ -46,8 +52,7 @@ def _fused_and_ref(engine):
 @needs_cuda
 @pytest.mark.parametrize("options", GRAPH_CASES)
 def test_fused_hash_never_syncs_and_captures(options):
-    engine, sequences = build_engine(dict(options), False, PROMPTS, torch.device("cuda"), layers=3)
-    batch = batches(engine, sequences)[1]
+    engine, batch = _graph_case(options)
     fused, reference, kw = _fused_and_ref(engine)
     family, rule = engine.family, engine.rule
     selections = [family.select(layer, batch) for layer in range(3)]
@@ -80,8 +85,7 @@ def test_fused_hash_never_syncs_and_captures(options):
 @pytest.mark.parametrize("options", GRAPH_CASES)
 def test_the_whole_chain_of_a_forward_captures(options):
     """Every layer's ``family.chain`` (query, top-k, fused hash) in one CUDA graph gives the reference's hash."""
-    engine, sequences = build_engine(dict(options), False, PROMPTS, torch.device("cuda"), layers=3)
-    batch = batches(engine, sequences)[1]
+    engine, batch = _graph_case(options)
     family, rule = engine.family, engine.rule
     rows = batch.rows.shape[0]
     want = rule.start(rows, engine.device)
