@@ -20,7 +20,7 @@ import torch
 
 from connector import DecodeConnector
 from decode_worker import dcp_api
-from decode_worker.capacity import rank_cache_blocks
+from decode_worker.capacity import largest_request_blocks, rank_cache_blocks
 from decode_worker.dcp_fetch import DcpLeader
 from decode_worker.dcp_options import DCP_OPTIONS, check_dcp, dcp_config
 from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
@@ -124,9 +124,8 @@ class DecodeNode:
             self.engine: Engine = DcpEngine(self.config, self.cache.pool, group)
             self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
         else:
-            largest = self.config.cache.blocks_for_request(settings["max_prompt_tokens"], settings["max_new_tokens"])
             self.engine = Engine(self.config, self.cache.pool, graph_requests=graph_requests(settings, context.device),
-                                 graph_table_width=largest)
+                                 graph_table_width=largest_request_blocks(settings))
         self._settings = settings
         self.connector = DecodeConnector(self.cache.pool, engine_id=context.engine_id,
                                          config=context.connector_config, registry=context.registry,
