@@ -46,6 +46,7 @@ class Row:
     syncs: float  # host synchronisations a step
     tokens_per_s: float
     tokens: tuple[tuple[int, ...], ...]  # every request's tokens (compared between modes, left out of the JSON)
+    profile: StepProfile  # the profiled steps (left out of the JSON)
 
 
 def prefilled(config: ModelConfig, batch: int, prompt_len: int, steps: int, device: torch.device,
@@ -71,8 +72,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profiled(step: Callable[[], object], steps: int, device: torch.device) -> tuple[float, float, float, float]:
-    """(host ms, GPU ms, launches, syncs) a call of ``step`` over ``steps`` profiled calls."""
+@dataclass(frozen=True)
+class StepProfile:
+    """A call's host ms, GPU ms, kernel and graph launches and host synchronisations (per call, over the profiled
+    calls), and its kernels by GPU time: (name, launches a call, us a call), most time first."""
+
+    host_ms: float
+    gpu_ms: float
+    launches: float
+    syncs: float
+    kernels: tuple[tuple[str, float, float], ...]
+
+    def kernel_table(self, top: int) -> str:
+        lines = [f"{'kernel':60} {'a call':>7} {'us a call':>10}"]
+        lines += [f"{name[:60]:60} {calls:>7.1f} {us:>10.1f}" for name, calls, us in self.kernels[:top]]
+        return "\n".join(lines)
+
+
+def profiled(step: Callable[[], object], steps: int, device: torch.device) -> StepProfile:
+    """``step`` over ``steps`` profiled calls (the kernels a replayed graph runs count as its own)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
     with profile(activities=activities) as prof:
@@ -83,11 +101,18 @@ def profiled(step: Callable[[], object], steps: int, device: torch.device) -> tu
         wall_ms = (time.perf_counter() - began) * 1000
     events = prof.events()
     waited_us = sum(e.cpu_time_total for e in events if e.name in SYNC_CALLS)
-    gpu_us = sum(e.device_time_total for e in events if e.device_type is not None
-                 and e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type is not None and e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
+            count_us = kernels.setdefault(e.name, [0, 0.0])
+            count_us[0] += 1
+            count_us[1] += e.device_time_total
+    gpu_us = sum(us for _, us in kernels.values())
     launches = sum(1 for e in events if e.name in LAUNCH_CALLS)
     syncs = sum(1 for e in events if e.name in SYNC_CALLS) - 1  # less the bench's own synchronize after the steps
-    return (wall_ms - waited_us / 1000) / steps, gpu_us / 1000 / steps, launches / steps, syncs / steps
+    by_time = sorted(((name, n / steps, us / steps) for name, (n, us) in kernels.items()), key=lambda k: -k[2])
+    return StepProfile(host_ms=(wall_ms - waited_us / 1000) / steps, gpu_ms=gpu_us / 1000 / steps,
+                       launches=launches / steps, syncs=syncs / steps, kernels=tuple(by_time))
 
 
 def measure(config: ModelConfig, batch: int, *, graphed: bool, prompt_len: int, warmup: int, steps: int,
@@ -104,13 +129,13 @@ def measure(config: ModelConfig, batch: int, *, graphed: bool, prompt_len: int, 
             out = engine.decode_step(seqs)
             times.append(time.perf_counter() - began)
             emitted += sum(len(tokens) for tokens in out)
-        host_ms, gpu_ms, launches, syncs = profiled(lambda: engine.decode_step(seqs), profile_steps, device)
+        step = profiled(lambda: engine.decode_step(seqs), profile_steps, device)
     finally:
         for allocation in allocations:
             allocation.release()
     return Row(mode="graphed" if graphed else "eager", batch=batch, step_ms=statistics.median(times) * 1000,
-               host_ms=host_ms, gpu_ms=gpu_ms, launches=launches, syncs=syncs, tokens_per_s=emitted / sum(times),
-               tokens=tuple(tuple(s.output) for s in seqs))
+               host_ms=step.host_ms, gpu_ms=step.gpu_ms, launches=step.launches, syncs=step.syncs,
+               tokens_per_s=emitted / sum(times), tokens=tuple(tuple(s.output) for s in seqs), profile=step)
 
 
 def table(rows: list[Row]) -> str:
@@ -137,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=count, default=20, help="timed steps per row (default 20)")
     parser.add_argument("--warmup", type=count, default=3, help="steps before timing (default 3)")
     parser.add_argument("--profile-steps", type=count, default=3, help="profiled steps per row (default 3)")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N", help="also print the N kernels that take the "
+                        "most GPU time in a step of the first batch size, graphed where there are graphs (default 0)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for decode_step.json "
                         "(default bench/results)")
     args = parser.parse_args(argv)
@@ -161,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"batch {batch}: graphed steps emitted other tokens than eager steps")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_step.json").write_text(json.dumps(
-        [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in rows], indent=2))
+        [{k: v for k, v in asdict(r).items() if k not in ("tokens", "profile")} for r in rows], indent=2))
+    if args.kernels:
+        first = rows[len(modes) - 1]  # the first batch size's last mode: graphed where there are graphs
+        print(f"kernels of a {first.mode} step at batch {first.batch}:\n{first.profile.kernel_table(args.kernels)}")
     print(table(rows))
     return 0
 

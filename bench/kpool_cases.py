@@ -9,6 +9,7 @@ from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill
 from kernels.kpool_cache.triton import write_entries_triton
 from kernels.kpool_compress.triton import compress_pools_triton
 from kernels.kpool_decode.triton import decode_update_triton
+from kernels.kpool_prefill import prefill_pool_offsets
 from kernels.kpool_prefill.triton import prefill_compress_write_triton
 from kvcache import DEFAULT_KERNEL_PAGE_STATES, INDEX_HEAD_DIM, CacheConfig, PoolMode, tail_ring_size
 
@@ -65,8 +66,9 @@ def make_prefill(requests: int = 256, tokens_each: int = 4096, kpool: int = 4, s
         moved = k.numel() * 2 * 2 + pools * (D + 4)
         if public:
             return Prepared(lambda: kpool_prefill(k, gate, ape, qsl, table, ring_ids, iq, iscale, ring), moved)
+        offsets = prefill_pool_offsets(qsl, None, kpool)
         return Prepared(lambda: prefill_compress_write_triton(
-            k, gate, ape, qsl, None, table, ring_ids, ring, iq, iscale, mode=PoolMode.SOFTMAX, round_scale=True, block_p=block_p,
+            k, gate, ape, qsl, None, offsets, table, ring_ids, ring, iq, iscale, mode=PoolMode.SOFTMAX, round_scale=True, block_p=block_p,
             num_warps=num_warps), moved)
     return make
 

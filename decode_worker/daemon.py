@@ -27,12 +27,12 @@ from decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
 from decode_worker.router import PrefillRouter, parse_targets
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import GenerateService
-from kvcache import BlockLayout, CacheFamily, NodeCache
+from kvcache import BlockLayout, NodeCache
 from model import DecodeSequence, Engine, PrefillJob
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
-                     memory_fraction, model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
+                     cuda_graphs_serve, memory_fraction, model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
                      seconds_or_off, run_daemon, service_options)
 from runtime.preflight import check_cache_memory
 
@@ -78,13 +78,8 @@ OPTIONS: tuple[Option, ...] = (
 
 def graph_requests(settings: Mapping[str, Any], device: torch.device) -> int:
     """The most requests a decode step replays from a CUDA graph: ``max-running`` where graphs serve the
-    engine (``cuda-graphs`` on, a CUDA device, the kpool family, one rank), 0 (eager) otherwise."""
-    if not settings["cuda_graphs"] or torch.device(device).type != "cuda":
-        return 0
-    if model_config(settings).cache.family is not CacheFamily.KPOOL:
-        logger.info("decode steps run eagerly: CUDA graphs serve the kpool family")
-        return 0
-    return settings["max_running"]
+    engine (``cuda_graphs_serve``, and one rank), 0 (eager) otherwise."""
+    return settings["max_running"] if cuda_graphs_serve(settings, device) else 0
 
 
 def check_settings(settings: Mapping[str, Any]) -> None:

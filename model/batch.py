@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels.kpool_prefill import prefill_pool_offsets
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -32,10 +34,22 @@ class ForwardBatch:
     rows: torch.Tensor
     token_request: torch.Tensor
     from_zero: bool = False  # every request starts at position 0 (whole prompts), known without reading start_pos
+    _pool_offsets: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]
+
+    def pool_offsets(self, kpool: int) -> torch.Tensor:
+        """Where each request's completed pools of ``kpool`` tokens start among the batch's
+        (``kernels.kpool_prefill.prefill_pool_offsets``), computed once for every layer.
+
+        # -> [B+1] int64
+        """
+        if kpool not in self._pool_offsets:
+            self._pool_offsets[kpool] = prefill_pool_offsets(self.query_start_loc,
+                                                             None if self.from_zero else self.start_pos, kpool)
+        return self._pool_offsets[kpool]
 
     @functools.cached_property
     def row_request(self) -> torch.Tensor:

@@ -40,6 +40,7 @@ class DcpEngine(Engine):
         self.group = group
         self.shard: DcpShard = group.shard
         self.family = DcpKpoolFamily(config, self.weights, pool, group)
+        self.hoists = False  # the DCP family's layers take no inputs computed for many layers at once
 
     def prefill(self, jobs: Sequence[PrefillJob]) -> list[int]:
         raise ValueError("a DCP decode rank takes a request's prompt by transfer from a prefill node, not by prefill")

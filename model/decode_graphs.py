@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import ForwardBatch
+from model.graph_capture import PackedInput, capture, padded_rows
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +55,19 @@ class BucketGraph:
     def __init__(self, bucket: DecodeBucket, tokens_per_request: int, device: torch.device) -> None:
         self.bucket, self.k = bucket, tokens_per_request
         r, m, k = bucket.requests, bucket.table_width, tokens_per_request
-        self._sizes = (r * k, r * k, r + 1, r, r, r, r * m)
-        size = sum(self._sizes)
-        self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self.device_input = torch.empty(size, dtype=torch.int64, device=device)
+        self.input = PackedInput((r * k, r * k, r + 1, r, r, r, r * m), device)
+        # the fields no step changes: query_start_loc, and the padding of a step of no request
+        tokens, positions, starts, start_pos, seq_lens, ring_ids, table = self.input.host()
+        starts.copy_(torch.arange(0, (r + 1) * k, k))
+        self._padding = [(field, value) for field, value in ((tokens, 0), (positions, -1), (start_pos, 0),
+                                                             (seq_lens, 0), (ring_ids, -1), (table, -1))]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hashes: torch.Tensor | None = None
 
     def batch(self) -> ForwardBatch:
         """The bucket's batch over its persistent buffers (int32 fields converted inside the graph)."""
         r, m, k = self.bucket.requests, self.bucket.table_width, self.k
-        tokens, positions, starts, start_pos, seq_lens, ring_ids, table = self.device_input.split(self._sizes)
+        tokens, positions, starts, start_pos, seq_lens, ring_ids, table = self.input.device()
         rows = torch.arange(r * k, device=tokens.device)
         return ForwardBatch(tokens=tokens, positions=positions, query_start_loc=starts.to(torch.int32),
                             start_pos=start_pos.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
@@ -74,18 +77,12 @@ class BucketGraph:
     def fill(self, chunks: Sequence[Chunk]) -> None:
         """Write ``chunks`` (each of exactly K tokens) and the padding into the host buffer, then copy it over.
 
-        # -> device_input: [sum(sizes)] int64
+        # -> the device fields: [sum(sizes)] int64
         """
-        r, m, k = self.bucket.requests, self.bucket.table_width, self.k
-        tokens, positions, starts, start_pos, seq_lens, ring_ids, table = self.host.split(self._sizes)
-        tokens.zero_()
-        positions.fill_(-1)
-        starts.copy_(torch.arange(0, (r + 1) * k, k))
-        start_pos.zero_()
-        seq_lens.zero_()
-        ring_ids.fill_(-1)
-        table.fill_(-1)
-        table = table.view(r, m)
+        m, k = self.bucket.table_width, self.k
+        tokens, positions, _, start_pos, seq_lens, ring_ids, table = self.input.host()
+        for field, value in self._padding:
+            field.fill_(value)
         n = len(chunks)
         if n:
             first = torch.tensor([start for _, start, _, _ in chunks], dtype=torch.int64)
@@ -94,9 +91,8 @@ class BucketGraph:
             start_pos[:n] = first
             seq_lens[:n] = first + k
             ring_ids[:n] = torch.tensor([ring for *_, ring in chunks], dtype=torch.int64)
-            for b, (_, _, blocks, _) in enumerate(chunks):
-                table[b, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
-        self.device_input.copy_(self.host, non_blocking=True)
+            table[:n * m] = torch.tensor(padded_rows([blocks for _, _, blocks, _ in chunks], m), dtype=torch.int64)
+        self.input.upload()
 
 
 class DecodeGraphs:
@@ -151,16 +147,8 @@ class DecodeGraphs:
     def _capture(self, bucket: DecodeBucket) -> BucketGraph:
         began = time.perf_counter()
         graph = BucketGraph(bucket, self.k, self.device)
-        graph.fill(())
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.forward(graph.batch())  # compiles every kernel outside the capture; padding writes nothing
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph, pool=self._memory):
-            batch = graph.batch()
-            graph.hashes = self.forward(batch)
+        graph.fill(())  # the warm-up run writes nothing: every request is padding
+        graph.graph, graph.hashes = capture(lambda: self.forward(graph.batch()), self._memory, self.device)
         self._graphs[bucket] = graph
         logger.info("captured the decode graph of %d requests x %d tokens, %d blocks wide, in %.0f ms",
                     bucket.requests, self.k, bucket.table_width, (time.perf_counter() - began) * 1000)

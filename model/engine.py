@@ -29,14 +29,19 @@ from kvcache import CacheFamily, CachePool
 from model.batch import ForwardBatch, build_batch
 from model.cache_io import mla_destinations, open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
-from model.decode_graphs import DecodeGraphs
+from model.decode_graphs import Chunk, DecodeGraphs
 from model.kpool_family import KpoolFamily
+from model.prefill_graphs import PrefillGraphs
 from model.prompt import check_prompt
 from model.qsa_family import QsaFamily
 from model.rule import TokenRule
 from model.weights import SyntheticWeights
 
 logger = logging.getLogger(__name__)
+
+# A forward that computes its layers' inputs at once does so for runs of layers of at most this many token-layers
+# (about 3.5 KiB of temporaries each), so that a long prompt's forward holds a bounded workspace.
+HOIST_TOKEN_LAYERS = 1 << 17
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,10 +124,14 @@ def _on_pool_device(method):
 class Engine:
     """``graph_requests`` > 0 replays decode steps of up to that many requests from CUDA graphs
     (``model.decode_graphs``; CUDA pools of the kpool family only), whose block tables are at least
-    ``graph_table_width`` blocks wide; 0 runs every step eagerly."""
+    ``graph_table_width`` blocks wide; 0 runs every step eagerly. ``prefill_graph_tokens`` > 0 replays prefill
+    steps of exactly that many tokens in up to ``prefill_graph_requests`` chunks from CUDA graphs
+    (``model.prefill_graphs``, the same table width); other steps run eagerly. On CUDA the kpool family's
+    eager forwards, too, compute their layers' inputs in a few launches for many layers at once."""
 
     def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None, *,
-                 graph_requests: int = 0, graph_table_width: int = 1) -> None:
+                 graph_requests: int = 0, graph_table_width: int = 1, prefill_graph_tokens: int = 0,
+                 prefill_graph_requests: int = 16) -> None:
         if pool.config != config.cache:
             raise ValueError("the pool's cache config is not the model's: build the pool from config.cache")
         self.config = config
@@ -132,14 +141,21 @@ class Engine:
         family_type = KpoolFamily if config.cache.family is CacheFamily.KPOOL else QsaFamily
         self.family: KpoolFamily | QsaFamily = family_type(config, self.weights, pool)
         self.rule = TokenRule(self.weights, self.family.feature_width)
+        self.hoists = self.device.type == "cuda" and config.cache.family is CacheFamily.KPOOL
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        if (graph_requests or prefill_graph_tokens) and not self.hoists:
+            raise ValueError(f"decode and prefill graphs serve kpool pools on CUDA; this engine's pool is "
+                             f"{config.cache.family.value} on {self.device}")
         if graph_requests:
-            if self.device.type != "cuda" or config.cache.family is not CacheFamily.KPOOL:
-                raise ValueError(f"decode graphs serve kpool pools on CUDA; this engine's pool is "
-                                 f"{config.cache.family.value} on {self.device}")
             self.graphs = DecodeGraphs(self._graphed_forward, tokens_per_request=1 + config.cache.num_spec,
                                        block_size=config.cache.block_size, max_requests=graph_requests,
                                        device=self.device, table_width=graph_table_width)
+        if prefill_graph_tokens:
+            self.prefill_graphs = PrefillGraphs(
+                lambda batch, hashed: self._hoisted_forward(batch, self.family.prefill, hashed=hashed),
+                tokens=prefill_graph_tokens, block_size=config.cache.block_size, max_requests=prefill_graph_requests,
+                device=self.device, table_width=graph_table_width)
 
     @_on_pool_device
     def capture_graphs(self) -> None:
@@ -147,6 +163,13 @@ class Engine:
         if self.graphs is None:
             raise ValueError("this engine replays no decode graphs (graph_requests=0)")
         self.graphs.capture_all()
+
+    @_on_pool_device
+    def capture_prefill_graphs(self) -> None:
+        """Capture the prefill graph of every request count now (``PrefillGraphs.capture_all``)."""
+        if self.prefill_graphs is None:
+            raise ValueError("this engine replays no prefill graphs (prefill_graph_tokens=0)")
+        self.prefill_graphs.capture_all()
 
     # forwards ---------------------------------------------------------------------------
     def _hashes(self, batch: ForwardBatch) -> torch.Tensor:
@@ -165,19 +188,38 @@ class Engine:
         return self._hashes(batch)
 
     def _graphed_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """``_decode_forward`` as a graph captures it (kpool family): the tokens' inputs of every layer and their
-        MLA rows computed once, then per layer the update, the MLA write, the top-k and the fused hash. The
-        same bytes (tests/gpu/test_decode_graphs_gpu.py). # -> [Q] int64"""
-        inputs = self.weights.step_inputs(batch.tokens, batch.positions, batch.rows)
+        """``_decode_forward`` as a graph captures it (kpool family): ``_hoisted_forward``. The same bytes
+        (tests/gpu/test_decode_graphs_gpu.py). # -> [Q] int64"""
+        return self._hoisted_forward(batch, self.family.decode, hashed=True)
+
+    def _hoisted_forward(self, batch: ForwardBatch, update, *, hashed: bool) -> torch.Tensor | None:
+        """A forward of the kpool family whose per-token inputs (keys, gates, MLA entries, the rows' queries) are
+        computed for runs of layers at once (``layer_runs``), and the tokens' MLA rows once: per layer ``update``
+        (the prefill or the decode update), the MLA write, and with ``hashed`` the top-k and the fused hash
+        (after the run's writes: a layer's hash reads only that layer's cache). The bytes and hashes of the
+        per-layer forwards (``_write`` then ``_hashes``). No host synchronisation.
+
+        # -> [Q] int64 with ``hashed``, else None
+        """
         blocks, offsets = mla_destinations(self.config.cache.block_size, batch.block_table, batch.token_request,
                                            batch.positions)
-        for layer in range(self.config.num_layers):
-            self.family.decode(layer, batch, inputs)
-            write_mla_rows(self.pool.mla(layer), blocks, offsets, inputs.mla[layer])
-        acc = self.rule.start(batch.rows.shape[0], self.device)
-        for layer in range(self.config.num_layers):
-            acc = self.family.chain(acc, layer, batch, self.rule, inputs)
-        return self._combine(acc)
+        acc = self.rule.start(batch.rows.shape[0], self.device) if hashed else None
+        for layers in self.layer_runs(batch.tokens.shape[0]):
+            inputs = self.weights.step_inputs(batch.tokens, batch.positions, batch.rows, layers)
+            for layer in layers:
+                update(layer, batch, inputs.of(layer))
+                write_mla_rows(self.pool.mla(layer), blocks, offsets, inputs.of(layer).mla)
+            if hashed:
+                for layer in layers:
+                    acc = self.family.chain(acc, layer, batch, self.rule, inputs.of(layer))
+        return self._combine(acc) if hashed else None
+
+    def layer_runs(self, num_tokens: int) -> list[range]:
+        """Consecutive runs of layers whose inputs for ``num_tokens`` tokens a hoisted forward computes at once:
+        at most ``HOIST_TOKEN_LAYERS`` token-layers a run, and at least one layer."""
+        per_run = max(1, HOIST_TOKEN_LAYERS // max(num_tokens, 1))
+        layers = self.config.num_layers
+        return [range(first, min(first + per_run, layers)) for first in range(0, layers, per_run)]
 
     def _combine(self, acc: torch.Tensor) -> torch.Tensor:
         """The chained hash of every row from this engine's part of it (one engine holds all of it).
@@ -200,7 +242,8 @@ class Engine:
     def prefill(self, jobs: Sequence[PrefillJob]) -> list[int | None]:
         """Run one chunk of each job's prompt (whole prompts by default) into its blocks and ring, all in
         one forward; returns each prompt's first output token for the chunks that end their prompt, None
-        for the others. Chunked and whole prefill write the same bytes (DESIGN section 2). ValueError for
+        for the others, once every byte it wrote has landed (one host synchronisation on CUDA). Chunked and
+        whole prefill write the same bytes (DESIGN section 2). ValueError for
         a token outside the vocabulary, a chunk outside its prompt, or too few blocks."""
         for job in jobs:
             check_prompt(job.prompt, vocab_size=self.config.vocab_size)
@@ -210,17 +253,32 @@ class Engine:
             need = self.pool.config.blocks_for_tokens(job.stop)
             if len(job.block_ids) < need:
                 raise ValueError(f"a chunk ending at position {job.stop} needs {need} blocks, got {len(job.block_ids)}")
-        batch = build_batch([(list(j.prompt[j.start:j.stop]), j.start, list(j.block_ids), j.ring_id) for j in jobs],
-                            last_only=True, device=self.device)
-        self._write(batch, self.family.prefill)
+        chunks: list[Chunk] = [(list(j.prompt[j.start:j.stop]), j.start, list(j.block_ids), j.ring_id) for j in jobs]
         finals = [b for b, j in enumerate(jobs) if j.last]
-        if not finals:
-            return [None] * len(jobs)
-        if len(finals) < len(jobs):
-            batch = dataclasses.replace(batch, rows=batch.rows[torch.tensor(finals, device=self.device)])
-        last_tokens = [j.prompt[j.stop - 1] for j in jobs if j.last]
-        tokens = iter(self.rule.next_tokens(self._hashes(batch).tolist(), last_tokens))
+        hashes = self._prefill_hashes(chunks, finals)
+        if not finals and self.device.type == "cuda":
+            # the caller may hand the chunks' blocks to another process (a pipelined pull) once this returns
+            torch.cuda.current_stream(self.device).synchronize()
+        last_tokens = [jobs[b].prompt[-1] for b in finals]
+        tokens = iter(self.rule.next_tokens(hashes, last_tokens))
         return [next(tokens) if j.last else None for j in jobs]
+
+    def _prefill_hashes(self, chunks: Sequence[Chunk], finals: Sequence[int]) -> list[int]:
+        """Write the chunks' cache entries; the hash of each final chunk's last token (``finals``: their indices).
+        Replayed from a prefill graph where one serves the step; else the hoisted forward (kpool on CUDA) or the
+        per-layer one."""
+        if self.prefill_graphs is not None and self.prefill_graphs.serves(chunks):
+            hashes = self.prefill_graphs.run(chunks, hashed=bool(finals))
+            return [hashes[b] for b in finals]
+        batch = build_batch(chunks, last_only=True, device=self.device)
+        if len(finals) < len(chunks):
+            batch = dataclasses.replace(batch, rows=batch.rows[torch.tensor(finals, dtype=torch.int64,
+                                                                            device=self.device)])
+        if self.hoists:
+            hashes = self._hoisted_forward(batch, self.family.prefill, hashed=bool(finals))
+            return hashes.tolist() if finals else []
+        self._write(batch, self.family.prefill)
+        return self._hashes(batch).tolist() if finals else []
 
     @_on_pool_device
     def decode_step(self, sequences: Sequence[DecodeSequence]) -> list[list[int]]:

@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.layer_hash import kpool_layer_hash
 from model.layer_hash.ref import kpool_features
 from model.rule import TokenRule
-from model.weights import StepInputs, SyntheticWeights
+from model.weights import LayerInputs, SyntheticWeights
 
 
 class KpoolFamily:
@@ -33,19 +33,23 @@ class KpoolFamily:
         return (topk + topk * FP8_ENTRY_BYTES + (kpool - 1) * self.pool.layout.ring_row_bytes
                 + attended * self.pool.layout.mla_page_bytes // self.cache.block_size)
 
-    def prefill(self, layer: int, batch: ForwardBatch) -> None:
-        k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
+    def prefill(self, layer: int, batch: ForwardBatch, inputs: LayerInputs | None = None) -> None:
+        """The layer's prefill of the batch's chunks (``inputs``: the layer's keys, computed with other layers')."""
+        k, gate = self._keys(layer, batch, inputs)
         kpool_prefill(k, gate, self.weights.ape[layer], batch.query_start_loc, batch.block_table, batch.ring_ids,
                       self.pool.indexer_q(layer), self.pool.indexer_scale(layer), self.pool.tail_ring(layer),
                       mode=self.cache.pool_mode, round_scale=self.cache.round_scale,
-                      start_pos=None if batch.from_zero else batch.start_pos)
+                      start_pos=None if batch.from_zero else batch.start_pos, pool_offsets=batch.pool_offsets(self.kpool))
 
-    def decode(self, layer: int, batch: ForwardBatch, inputs: StepInputs | None = None) -> None:
-        """The layer's decode update (``inputs``: the step's keys of every layer, computed at once)."""
+    def _keys(self, layer: int, batch: ForwardBatch, inputs: LayerInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """# -> k, gate: [T, 128] bf16"""
         if inputs is None:
-            k, gate = self.weights.keys(layer, batch.tokens, batch.positions)
-        else:
-            k, gate = inputs.keys[layer], inputs.gates[layer]
+            return self.weights.keys(layer, batch.tokens, batch.positions)
+        return inputs.keys, inputs.gates
+
+    def decode(self, layer: int, batch: ForwardBatch, inputs: LayerInputs | None = None) -> None:
+        """The layer's decode update (``inputs``: the layer's keys, computed with other layers')."""
+        k, gate = self._keys(layer, batch, inputs)
         kpool_decode_update(k, gate, batch.start_pos, batch.query_start_loc, batch.ring_ids, batch.block_table,
                             self.weights.ape[layer], self.pool.tail_ring(layer), self.pool.indexer_q(layer),
                             self.pool.indexer_scale(layer), mode=self.cache.pool_mode,
@@ -59,15 +63,15 @@ class KpoolFamily:
         slots = pool_slots(block_table, pools, kpool=self.kpool, states=self.states)
         return torch.where(pools >= 0, slots, 0)
 
-    def select(self, layer: int, batch: ForwardBatch, inputs: StepInputs | None = None) -> tuple[torch.Tensor, ...]:
-        """Each row's top-k pools and what locates its bytes (``inputs``: the step's queries of every layer).
+    def select(self, layer: int, batch: ForwardBatch, inputs: LayerInputs | None = None) -> tuple[torch.Tensor, ...]:
+        """Each row's top-k pools and what locates its bytes (``inputs``: the layer's queries of the rows).
 
         # -> pools: [Q, topk] int64 (-1 = none), seq_lens: [Q] int32, block_table: [Q, M] int32, ring_ids: [Q] int32
         """
         if inputs is None:
             q, weights = self.weights.query(layer, batch.tokens[batch.rows], batch.positions[batch.rows])
         else:
-            q, weights = inputs.queries[layer], inputs.head_weights[layer]
+            q, weights = inputs.queries, inputs.head_weights
         seq_lens, table = batch.row_seq_lens, batch.row_block_table
         pools, _ = kpool_indexer_topk(q, weights, seq_lens, table, self.pool.indexer_q(layer),
                                       self.pool.indexer_scale(layer), kpool=self.kpool, topk=self.config.topk)
@@ -87,7 +91,7 @@ class KpoolFamily:
         return kpool_features(*self.select(layer, batch), *self.layer_views(layer), kpool=self.kpool)
 
     def chain(self, acc: torch.Tensor, layer: int, batch: ForwardBatch, rule: TokenRule,
-              inputs: StepInputs | None = None) -> torch.Tensor:
+              inputs: LayerInputs | None = None) -> torch.Tensor:
         """``rule.chain(acc, layer, self.features(layer, batch))`` in two launches on CUDA (the top-k and the
         fused layer hash), without a host synchronisation.
 

@@ -19,12 +19,11 @@ MLA_POSITION_PERIOD = 257  # prime, so MLA bytes of nearby positions differ
 
 
 @dataclass(frozen=True)
-class StepInputs:
-    """One forward's per-token tensors of every layer at once (what ``keys``, ``query`` and ``mla_bytes``
-    give layer by layer, the same bytes): a decode step computes them in a few launches, not a few per layer.
+class LayerInputs:
+    """One layer's per-token tensors of a forward (what ``keys``, ``query`` and ``mla_bytes`` give, the same bytes).
 
-    # keys, gates: [L, T, 128] bf16; mla: [L, T, mla_entry_bytes] uint8
-    # queries: [L, Q, H, 128] bf16; head_weights: [L, Q, H] fp32 (the rows' tokens)
+    # keys, gates: [T, 128] bf16; mla: [T, mla_entry_bytes] uint8
+    # queries: [Q, H, 128] bf16; head_weights: [Q, H] fp32 (the rows' tokens)
     """
 
     keys: torch.Tensor
@@ -32,6 +31,29 @@ class StepInputs:
     mla: torch.Tensor
     queries: torch.Tensor
     head_weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A forward's per-token tensors of a run of ``layers`` at once: a forward computes them in a few launches,
+    not a few per layer.
+
+    # keys, gates: [L, T, 128] bf16; mla: [L, T, mla_entry_bytes] uint8
+    # queries: [L, Q, H, 128] bf16; head_weights: [L, Q, H] fp32 (the rows' tokens)
+    """
+
+    layers: range
+    keys: torch.Tensor
+    gates: torch.Tensor
+    mla: torch.Tensor
+    queries: torch.Tensor
+    head_weights: torch.Tensor
+
+    def of(self, layer: int) -> LayerInputs:
+        """Layer ``layer``'s slice (a layer of ``layers``)."""
+        i = self.layers.index(layer)
+        return LayerInputs(keys=self.keys[i], gates=self.gates[i], mla=self.mla[i], queries=self.queries[i],
+                           head_weights=self.head_weights[i])
 
 
 class SyntheticWeights:
@@ -76,20 +98,26 @@ class SyntheticWeights:
             angle = positions.to(torch.float32)[:, None] * self.position_freq[layer] + self.position_phase[layer] + shift
         return torch.sin(angle)
 
-    def step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> StepInputs:
-        """Every layer's keys, gates and MLA entries of ``tokens`` and queries of the ``rows`` among them, with
-        the per-layer methods' arithmetic, element for element.
+    def step_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                    layers: range | None = None) -> StepInputs:
+        """The keys, gates and MLA entries of ``tokens`` and the queries of the ``rows`` among them, for ``layers``
+        (a run of consecutive layers; default every layer), with the per-layer methods' arithmetic, element for
+        element.
 
         # tokens, positions: [T] int64; rows: [Q] int64 indices into tokens
         """
-        every = slice(None)
-        k = self.key_table[:, tokens] + 0.5 * self._position_term(every, positions, 0.0)
-        gate = self.gate_table[:, tokens] + self._position_term(every, positions, 1.0)
+        layers = range(self.config.num_layers) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= self.config.num_layers:
+            raise ValueError(f"layers must be a run of consecutive layers in [0, {self.config.num_layers}), "
+                             f"got {layers}")
+        run = slice(layers.start, layers.stop)
+        k = self.key_table[run, tokens] + 0.5 * self._position_term(run, positions, 0.0)
+        gate = self.gate_table[run, tokens] + self._position_term(run, positions, 1.0)
         row_tokens, row_positions = tokens[rows], positions[rows]
-        q = self.query_table[:, row_tokens] + 0.5 * self._position_term(every, row_positions, 2.0)[:, :, None]
-        mla = torch.bitwise_xor(self.mla_table[:, tokens], self.mla_position[:, positions % MLA_POSITION_PERIOD])
-        return StepInputs(keys=k.to(torch.bfloat16), gates=gate.to(torch.bfloat16), mla=mla,
-                          queries=q.to(torch.bfloat16), head_weights=self.head_weight[:, row_tokens].contiguous())
+        q = self.query_table[run, row_tokens] + 0.5 * self._position_term(run, row_positions, 2.0)[:, :, None]
+        mla = torch.bitwise_xor(self.mla_table[run, tokens], self.mla_position[run, positions % MLA_POSITION_PERIOD])
+        return StepInputs(layers=layers, keys=k.to(torch.bfloat16), gates=gate.to(torch.bfloat16), mla=mla,
+                          queries=q.to(torch.bfloat16), head_weights=self.head_weight[run, row_tokens].contiguous())
 
     def keys(self, layer: int, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw indexer key and gate score of each token.

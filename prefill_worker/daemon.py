@@ -18,8 +18,8 @@ from connector import PrefillConnector
 from kvcache import BlockLayout, NodeCache
 from model import Engine, PrefillJob
 from prefill_worker.batcher import BatchingPrefillEngine
-from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, model_config, positive_int,
-                     run_daemon, service_options)
+from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, cuda_graphs_serve,
+                     model_config, parse_bool, positive_int, run_daemon, service_options)
 from runtime.preflight import check_cache_memory
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -35,7 +35,12 @@ OPTIONS: tuple[Option, ...] = (
            "prompt tokens per prefill step: longer prompts are prefilled in chunks across steps, shorter ones "
            "share a step"),
     Option("max-queue", positive_int, 64, "prefill calls waiting at most; more get RESOURCE_EXHAUSTED"),
+    Option("cuda-graphs", parse_bool, True, "replay prefill steps of max-batch-tokens tokens from CUDA graphs, one per "
+           "padded count of prompts in the step (CUDA devices, the kpool family; false: every step eager)"),
 )
+
+# Prefill steps of up to this many prompts replay a graph; a step of more (short prompts) runs eagerly.
+GRAPH_PROMPTS = 16
 
 
 class PrefillNode:
@@ -48,7 +53,11 @@ class PrefillNode:
         self.layout = BlockLayout(self.config.cache)
         self.cache = NodeCache(self.layout, num_blocks=settings["num_blocks"], num_rings=settings["num_rings"],
                                device=context.device)
-        self.engine = Engine(self.config, self.cache.pool)
+        graphs = cuda_graphs_serve(settings, context.device)
+        self.engine = Engine(self.config, self.cache.pool,
+                             prefill_graph_tokens=settings["max_batch_tokens"] if graphs else 0,
+                             prefill_graph_requests=GRAPH_PROMPTS,
+                             graph_table_width=self.config.cache.blocks_for_tokens(settings["max_prompt_tokens"]))
         self.batcher = BatchingPrefillEngine(self.engine, self.cache, max_batch_tokens=settings["max_batch_tokens"],
                                              max_queue=settings["max_queue"], registry=context.registry)
         # a pipelined transfer moves blocks in pieces of a step's worth of tokens
@@ -62,7 +71,10 @@ class PrefillNode:
 
     def warm_up(self) -> None:
         """One prefill of ``2 * group + 1`` tokens (at most a block) through the engine, whole and then in two
-        chunks (the second starting inside a pool), so that both kernel variants are built before serving."""
+        chunks (the second starting inside a pool), so that both kernel variants are built before serving; then
+        the prefill graphs of every prompt count, where steps replay them."""
+        if self.engine.prefill_graphs is not None:
+            self.engine.capture_prefill_graphs()
         config = self.config
         prompt = [t % config.vocab_size for t in range(min(config.cache.block_size, 2 * config.cache.tokens_per_entry + 1))]
         with self.cache.allocate("warm-up", 1) as held:

@@ -11,7 +11,8 @@ from runtime.device import device_name, resolve_device
 from runtime.grpc_server import LIVENESS_SERVICE, GrpcServer, Servicer
 from runtime.logs import JsonFormatter, LogFormat, configure_logging
 from runtime.metrics import MetricsEndpoint
-from runtime.model_options import MODEL_OPTIONS, add_model_arguments, model_config, model_flags, model_settings
+from runtime.model_options import (MODEL_OPTIONS, add_model_arguments, cuda_graphs_serve, model_config, model_flags,
+                                   model_settings)
 from runtime.node import DaemonSpec, Node, NodeContext, default_engine_id
 from runtime.options import (ENV_PREFIX, Option, Role, SettingsError, int_in, integer, memory_fraction,
                              nonnegative_int, number, parse_bool, parse_port, positive_float, positive_int, seconds,
@@ -25,7 +26,7 @@ from runtime.transports import Transports, parse_pull, parse_transports, pull_ch
 __all__ = [
     "ENV_PREFIX", "LIVENESS_SERVICE", "MODEL_OPTIONS", "TLS_CLIENT_OPTIONS", "TLS_OPTIONS", "DaemonSpec", "GrpcServer", "JsonFormatter",
     "LogFormat", "MetricsEndpoint", "Node", "NodeContext", "Option", "Role", "Servicer", "SettingsError", "Transports",
-    "add_model_arguments", "int_in", "integer", "number", "seconds", "seconds_or_off", "text_value", "client_tls", "configure_logging", "default_engine_id", "device_name", "load_settings",
+    "add_model_arguments", "cuda_graphs_serve", "int_in", "integer", "number", "seconds", "seconds_or_off", "text_value", "client_tls", "configure_logging", "default_engine_id", "device_name", "load_settings",
     "model_config", "model_flags", "model_settings", "nonnegative_int", "parse_bool", "parse_port", "parse_pull", "parse_transports",
     "memory_fraction", "positive_float", "positive_int", "pull_choice", "read_pem", "resolve_device", "run_daemon", "serve",
     "service_options", "termination_event", "tls_config", "transport_list", "transports_of", "write_ready_file",

@@ -8,12 +8,17 @@ connector's handshake refuses any other difference)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from kvcache import KERNEL_PAGE_STATES, BlockOrder, CacheDtype, CacheFamily, PoolMode
 from model import ModelConfig
 from runtime.options import Option, integer, nonnegative_int, one_of, parse_bool, positive_int
+
+logger = logging.getLogger(__name__)
 
 # each cache option's words on the command line, and what they mean
 POOL_MODES = {"softmax": PoolMode.SOFTMAX, "keep-last": PoolMode.KEEP_LAST}
@@ -97,6 +102,17 @@ def model_config(settings: Mapping[str, Any]) -> ModelConfig:
         kernel_page_states=cache_option("kernel_page_states"),
         cache_rope_positions=parse_bool(cache_option("cache_rope_positions")),
     )
+
+
+def cuda_graphs_serve(settings: Mapping[str, Any], device: Any) -> bool:
+    """Whether a daemon's engine replays steps from CUDA graphs: ``cuda-graphs`` on, a CUDA device and the
+    kpool family (the graphs serve no other; a daemon of another family runs eagerly, and says so)."""
+    if not settings["cuda_graphs"] or torch.device(device).type != "cuda":
+        return False
+    if model_config(settings).cache.family is not CacheFamily.KPOOL:
+        logger.info("steps run eagerly: CUDA graphs serve the kpool family")
+        return False
+    return True
 
 
 def model_settings(config: ModelConfig) -> dict[str, Any]:

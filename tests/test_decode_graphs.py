@@ -1,7 +1,9 @@
-"""What the decode graphs decide on the host (their replay is tests/gpu/test_decode_graphs_gpu.py's): the
-buckets a step is padded to, and the engines they refuse."""
+"""What the decode and prefill graphs decide on the host (their replay is tests/gpu/test_decode_graphs_gpu.py's):
+the buckets a step is padded to, the engines they refuse, and the forwards they capture, run on the CPU."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -21,9 +23,10 @@ def test_buckets_are_the_next_power_of_two():
 def test_a_cpu_engine_refuses_graphs(family):
     config = ModelConfig.build(family=family, num_layers=1)
     pool = CachePool(BlockLayout(config.cache), num_blocks=2, num_rings=1, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=f"decode graphs serve kpool pools on CUDA; this engine's pool is "
-                                         f"{family.value} on cpu"):
-        Engine(config, pool, graph_requests=4)
+    for graphs in (dict(graph_requests=4), dict(prefill_graph_tokens=64)):
+        with pytest.raises(ValueError, match=f"decode and prefill graphs serve kpool pools on CUDA; this engine's "
+                                             f"pool is {family.value} on cpu"):
+            Engine(config, pool, **graphs)
 
 
 @pytest.mark.parametrize("num_spec", [0, 3])
@@ -48,3 +51,33 @@ def test_the_forward_a_graph_captures_writes_and_hashes_what_the_eager_forward_d
     assert torch.equal(got, want)
     assert torch.equal(graphed.pool.blocks, eager.pool.blocks)
     assert torch.equal(graphed.pool.rings, eager.pool.rings)
+
+
+@pytest.mark.parametrize("token_layers", [40, 1 << 17], ids=["runs of a layer or two", "every layer at once"])
+def test_the_hoisted_prefill_forward_writes_and_hashes_what_the_per_layer_forward_does(monkeypatch, token_layers):
+    """``Engine._hoisted_forward`` with the prefill update (what a prefill graph captures, and a CUDA engine's eager
+    prefill) against ``_write`` then ``_hashes``: three chunks of which two end their prompt, one starting inside a
+    pool, on two pools prefilled alike up to them; the same hashes and the same cache bytes."""
+    monkeypatch.setattr("model.engine.HOIST_TOKEN_LAYERS", token_layers)
+    config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=3, kpool=4, num_spec=1, mla_entry_bytes=40)
+    prompts = [[(7 * i + 1) % 1000 for i in range(n)] for n in (30, 300, 21)]
+    firsts = (9, 256, 0)  # where the chunks begin; the earlier tokens are prefilled before
+    engines = []
+    for _ in range(2):
+        pool = CachePool(BlockLayout(config.cache), num_blocks=8, num_rings=3, device=torch.device("cpu"))
+        engine = Engine(config, pool)
+        engine.prefill([PrefillJob(prompt=p, block_ids=[2 * b, 2 * b + 1], ring_id=b, end=first)
+                        for b, (p, first) in enumerate(zip(prompts, firsts)) if first])
+        engines.append(engine)
+    ends = (20, 300, 21)
+    chunks = [(p[first:end], first, [2 * b, 2 * b + 1], b) for b, (p, first, end) in enumerate(zip(prompts, firsts, ends))]
+    batch = build_batch(chunks, last_only=True, device=torch.device("cpu"))
+    finals = dataclasses.replace(batch, rows=batch.rows[torch.tensor([1, 2])])
+    per_layer, hoisted = engines
+    assert len(hoisted.layer_runs(batch.tokens.shape[0])) == (3 if token_layers == 40 else 1)
+    per_layer._write(finals, per_layer.family.prefill)
+    want = per_layer._hashes(finals)
+    got = hoisted._hoisted_forward(finals, hoisted.family.prefill, hashed=True)
+    assert torch.equal(got, want)
+    assert torch.equal(hoisted.pool.blocks, per_layer.pool.blocks)
+    assert torch.equal(hoisted.pool.rings, per_layer.pool.rings)

@@ -17,7 +17,7 @@ def kpool_prefill(
     k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, query_start_loc: torch.Tensor,
     block_table: torch.Tensor, ring_ids: torch.Tensor, indexer_q: torch.Tensor, indexer_scale: torch.Tensor,
     tail_ring: torch.Tensor, *, mode: PoolMode | str = "softmax", round_scale: bool = True,
-    start_pos: torch.Tensor | None = None,
+    start_pos: torch.Tensor | None = None, pool_offsets: torch.Tensor | None = None,
 ) -> None:
     """Prefill B chunks in place: request b's tokens sit at positions start_pos[b], start_pos[b] + 1, ...
     (``start_pos`` None: every chunk is a whole prompt from position 0). Every pool a chunk completes is
@@ -31,6 +31,8 @@ def kpool_prefill(
     # ring_ids: [B] int (-1 = no ring); indexer_q: [num_blocks, pages, states_per_page, 128] fp8
     # indexer_scale: [num_blocks, pages, states_per_page] fp32 (the kernel pages: CachePool.indexer_q / indexer_scale)
     # tail_ring: [num_rings, 2, R, 128] bf16; start_pos: [B] int or None
+    # pool_offsets: [B+1] int64 or None, ``prefill_pool_offsets`` of these chunks (a forward computes it once for
+    #   every layer; None: computed here)
     """
     mode = as_pool_mode(mode)
     batch = check_token_batch(k, gate, query_start_loc)
@@ -57,13 +59,37 @@ def kpool_prefill(
     if use_triton(k):
         from kernels.kpool_prefill.triton import prefill_compress_write_triton, seed_tail_ring_triton
 
-        prefill_compress_write_triton(k, gate, ape, query_start_loc, start_pos if chunked else None, block_table,
-                                      ring_ids, tail_ring, indexer_q, indexer_scale, mode=mode, round_scale=round_scale)
+        if pool_offsets is None:
+            pool_offsets = prefill_pool_offsets(query_start_loc, start_pos if chunked else None, kpool)
+        elif pool_offsets.shape != (batch + 1,) or pool_offsets.dtype != torch.int64:
+            raise ValueError(f"pool_offsets must be int64 of shape ({batch + 1},), got {pool_offsets.dtype} "
+                             f"{tuple(pool_offsets.shape)}")
+        prefill_compress_write_triton(k, gate, ape, query_start_loc, start_pos if chunked else None, pool_offsets,
+                                      block_table, ring_ids, tail_ring, indexer_q, indexer_scale, mode=mode,
+                                      round_scale=round_scale)
         seed_tail_ring_triton(k, gate, query_start_loc, start_pos, ring_ids, tail_ring, kpool=kpool)
         return
     prefill_compress_write(k, gate, ape, query_start_loc, start_pos, block_table, ring_ids, tail_ring, indexer_q,
                            indexer_scale, mode=mode, round_scale=round_scale)
     seed_tail_ring(k, gate, query_start_loc, start_pos, ring_ids, tail_ring, kpool=kpool)
+
+
+def prefill_pool_offsets(query_start_loc: torch.Tensor, start_pos: torch.Tensor | None, kpool: int) -> torch.Tensor:
+    """Where each chunk's completed pools start among the batch's: chunk b completes the pools from
+    ``start_pos[b] // kpool`` up to ``(start_pos[b] + its tokens) // kpool`` (``start_pos`` None: from 0).
+
+    # query_start_loc: [B+1] int; start_pos: [B] int or None -> [B+1] int64 (offsets[0] = 0)
+    """
+    qsl = query_start_loc.to(torch.int64)
+    counts = qsl[1:] - qsl[:-1]
+    if start_pos is not None:
+        first = start_pos.to(torch.int64)
+        pools = (first + counts) // kpool - first // kpool
+    else:
+        pools = counts // kpool
+    offsets = torch.zeros(qsl.shape[0], dtype=torch.int64, device=qsl.device)
+    torch.cumsum(pools, 0, out=offsets[1:])
+    return offsets
 
 
 def _check_chunk_values(start_pos: torch.Tensor, ring_ids: torch.Tensor, num_rings: int, kpool: int) -> None:

@@ -88,12 +88,13 @@ def _seed_ring_kernel(k_ptr, g_ptr, qsl_ptr, start_ptr, ring_ids_ptr, ring_ptr, 
 
 def prefill_compress_write_triton(
     k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, query_start_loc: torch.Tensor,
-    start_pos: torch.Tensor | None, block_table: torch.Tensor, ring_ids: torch.Tensor, tail_ring: torch.Tensor,
+    start_pos: torch.Tensor | None, pool_offsets: torch.Tensor, block_table: torch.Tensor, ring_ids: torch.Tensor,
+    tail_ring: torch.Tensor,
     indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, mode: PoolMode, round_scale: bool,
     block_p: int | None = None, num_warps: int = 4,
 ) -> None:
     """# k, gate: [T, 128] bf16; ape: [kpool, 128] fp32; query_start_loc: [B+1] int; start_pos: [B] int or None
-    # (whole prompts); block_table: [B, M] int; ring_ids: [B] int; tail_ring: [num_rings, 2, R, 128] bf16 (read)
+    # (whole prompts); pool_offsets: [B+1] int64 (``prefill_pool_offsets``); block_table: [B, M] int; ring_ids: [B] int; tail_ring: [num_rings, 2, R, 128] bf16 (read)
     # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page]
     #   fp32 (written in place)
     """
@@ -106,13 +107,7 @@ def prefill_compress_write_triton(
     assert k.stride() == (DIM, 1) and gate.stride() == (DIM, 1), "k and gate rows must be contiguous"
     assert block_table.stride(1) == 1, "table rows must be contiguous"
     assert tail_ring.stride(3) == 1, "ring rows must be contiguous"
-    qsl = query_start_loc.to(torch.int64)
-    pool_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=k.device)
-    if chunked:
-        first = start_pos.to(torch.int64)
-        torch.cumsum((first + qsl[1:] - qsl[:-1]) // kpool - first // kpool, 0, out=pool_offsets[1:])
-    else:
-        torch.cumsum((qsl[1:] - qsl[:-1]) // kpool, 0, out=pool_offsets[1:])
+    qsl = query_start_loc if query_start_loc.dtype == torch.int64 else query_start_loc.to(torch.int64)
     block_p = block_p or 8  # fastest of 8, 16, 32, 64 on the H200 (bench/results/2026-11-30-h200-kernels.txt)
     _prefill_compress_kernel[(triton.cdiv(max_pools, block_p),)](
         k, gate, ape.contiguous(), qsl, start_pos if chunked else qsl, pool_offsets, block_table, ring_ids, tail_ring,

@@ -10,9 +10,10 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP and SKIP_DECODE leave a step out (the whole suite takes about 490 s on one
+# SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
 # H200 without pytest-xdist, 2026-12-02: add "-n 8" to GPU_TESTS, or run the benches in a second call);
-# NO_NIXL leaves out the transfer bench's NIXL baseline;
+# NO_NIXL leaves out the transfer bench's NIXL baseline; KERNELS=N lists the N costliest kernels of a decode and
+# a prefill step;
 # PREFILL_BLOCK_SIZE (default 128) is the block size of the heterogeneous pull measured beside the 256-token one.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -64,8 +65,15 @@ decode_rc=0
 # The decode step bench: eager and graphed steps of 61 layers at batch 1, 16 and 64 (DECODE_BATCHES); table in decode.txt.
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
   timeout "${DECODE_TIMEOUT:-300}" python3 -m bench.decode_step --device cuda --layers "${DECODE_LAYERS:-61}" \
-    --batches "${DECODE_BATCHES:-1,16,64}" --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
+    --batches "${DECODE_BATCHES:-1,16,64}" --kernels "${KERNELS:-0}" --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
   decode_rc=$?
+fi
+prefill_rc=0
+# The prefill step bench: one 32k prompt whole and in 2,048-token chunks, per-layer, hoisted and graphed; prefill.txt.
+if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
+  timeout "${PREFILL_TIMEOUT:-300}" python3 -m bench.prefill_step --device cuda --layers "${DECODE_LAYERS:-61}" \
+    --prompt-len 32768 --chunk 2048 --kernels "${KERNELS:-0}" > "$OUT/prefill.txt" 2>&1
+  prefill_rc=$?
 fi
 up_rc=0
 # Warm daemons end to end (UP_RUNS=1): kpool-pd up on cuda, 61 layers, three loads; summaries in up.txt.
@@ -95,7 +103,10 @@ if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
   echo "== DCP bench (rc $dcp_rc)"; grep -A6 '^DCP decode step' "$OUT/bench.log" | tail -n 7
 fi
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
-  echo "== decode step bench (rc $decode_rc)"; tail -n 8 "$OUT/decode.txt"
+  echo "== decode step bench (rc $decode_rc)"; grep -v '^batch' "$OUT/decode.txt" | tail -n $(( ${KERNELS:-0} + 10 ))
+fi
+if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
+  echo "== prefill step bench (rc $prefill_rc)"; grep -v '^USDT\|^STAGE' "$OUT/prefill.txt" | tail -n 60
 fi
 if [ -n "${UP_RUNS:-}" ]; then echo "== kpool-pd up (rc $up_rc)"; cat "$OUT/up.txt"; fi
-exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || up_rc ))
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || up_rc ))

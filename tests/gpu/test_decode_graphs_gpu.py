@@ -80,5 +80,5 @@ def test_a_graphed_step_synchronises_once():
 def test_graphs_refuse_what_they_cannot_serve():
     config = ModelConfig.build(family=CacheFamily.QSA, num_layers=2)
     cache = NodeCache(BlockLayout(config.cache), num_blocks=8, num_rings=2, device="cuda")
-    with pytest.raises(ValueError, match="decode graphs serve kpool pools on CUDA"):
+    with pytest.raises(ValueError, match="decode and prefill graphs serve kpool pools on CUDA"):
         Engine(config, cache.pool, graph_requests=4)
