@@ -67,6 +67,11 @@ class ForwardBatch:
         """# -> [Q, M] int32"""
         return self.block_table[self.row_request]
 
+    @functools.cached_property
+    def row_ring_ids(self) -> torch.Tensor:
+        """# -> [Q] int32: the ring of each row's request"""
+        return self.ring_ids[self.row_request]
+
 
 def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]], *, last_only: bool,
                 device: torch.device) -> ForwardBatch:

@@ -112,7 +112,7 @@ class DcpKpoolFamily(KpoolFamily):
         entries = torch.cat([entry_q.view(torch.uint8), entry_scale.view(torch.uint8).view(-1, 4)], dim=1)
         entries = entries.view(*pools.shape, FP8_ENTRY_BYTES) * held[..., None]
         open_pos = open_positions(self.cache, seq_lens)  # [Q, kpool - 1]
-        ring = read_ring_rows(self.pool, layer, batch.ring_ids[batch.row_request], open_pos)
+        ring = read_ring_rows(self.pool, layer, batch.row_ring_ids, open_pos)
         pool_tokens = pools[..., None] * kpool + torch.arange(kpool, device=pools.device)
         attended = torch.cat([torch.where(valid[..., None], pool_tokens, -1).flatten(1), open_pos], dim=1)
         owned = (attended >= 0) & self.shard.owns(attended)

@@ -75,7 +75,7 @@ class KpoolFamily:
         seq_lens, table = batch.row_seq_lens, batch.row_block_table
         pools, _ = kpool_indexer_topk(q, weights, seq_lens, table, self.pool.indexer_q(layer),
                                       self.pool.indexer_scale(layer), kpool=self.kpool, topk=self.config.topk)
-        return pools, seq_lens, table, batch.ring_ids[batch.row_request]
+        return pools, seq_lens, table, batch.row_ring_ids
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The layer's cache views the features read: indexer codes and scales, ring rows, MLA entries."""

@@ -76,7 +76,7 @@ class QsaFamily:
         seq_lens, table = batch.row_seq_lens, batch.row_block_table
         chosen, token_indices = qsa_topk(q, self.pool.qsa_keys(layer), table, seq_lens, compress_ratio=self.ratio,
                                          block_size=self.cache.block_size, topk=self.config.topk)
-        return chosen, token_indices, seq_lens, table, batch.ring_ids[batch.row_request]
+        return chosen, token_indices, seq_lens, table, batch.row_ring_ids
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The layer's cache views the features read: compressed keys, ring rows, MLA entries."""
