@@ -77,9 +77,12 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
 
 
 WORK, TOKENS = CompressGrid.WORK, CompressGrid.TOKENS
-QSA_DECODE_VARIANTS = (UpdateLaunch(grid=TOKENS, block=1, num_warps=1), UpdateLaunch(grid=TOKENS, block=1, num_warps=2),
-                       UpdateLaunch(grid=TOKENS, block=2, num_warps=1), UpdateLaunch(grid=WORK, block=1, num_warps=1),
-                       UpdateLaunch(grid=WORK, block=1, num_warps=2), UpdateLaunch(grid=WORK, block=1, num_warps=1, pdl=False),
+QSA_DECODE_VARIANTS = (UpdateLaunch(grid=TOKENS, block=1, num_warps=1),
+                       UpdateLaunch(grid=TOKENS, block=1, num_warps=2),
+                       UpdateLaunch(grid=TOKENS, block=2, num_warps=1),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=1),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=2),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=1, pdl=False),
                        UpdateLaunch(grid=WORK, block=1, num_warps=1, paired=False))
 QSA_PREFILL_VARIANTS = tuple(UpdateLaunch(grid=WORK, block=block, num_warps=warps) for block, warps in
                              ((2, 1), (1, 1), (4, 1), (2, 2), (4, 2), (1, 2))) + (
