@@ -7,10 +7,10 @@ that this forward's last C tokens overwrite; see ``ref.py``):
 1. the compression, on one of two grids that write the same bytes (``launch.py``; ``token_grid.py`` holds the
    grid over tokens that a decode step takes). The grid over ``k_work`` (its static size ``max_work``; items
    past ``num_work``, read on the device together with the items, do nothing): each program compresses
-   BLOCK_W groups, slot by slot from this forward's keys or, for positions before the chunk, from the request's ring; the group's first
-   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; its cos/sin
-   from the ``RopeCache`` where one is given and holds the position, else computed; the row goes to
-   the slot that the group's last token carries in ``compressed_slot_mapping``;
+   BLOCK_W groups, slot by slot from this forward's keys or, for positions before the chunk, from the
+   request's ring; the group's first MRoPE position comes from ``positions``, the ring's packed positions,
+   or ``(p, p, p)``; its cos/sin from the ``RopeCache`` where one is given and holds the position, else
+   computed; the row goes to the slot that the group's last token carries in ``compressed_slot_mapping``;
 2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping``: over every token while the
    forward has at most requests x C of them (a decode step), else over each request's last C tokens
    alone (the only ones the metadata gives a slot: a prefill's other tokens need no program).
