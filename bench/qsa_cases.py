@@ -7,13 +7,14 @@ import torch
 from bench.timing import BenchCase, Prepared
 from kernels import build_qsa_metadata, qsa_forward_update
 from kernels.qsa_rope import RopeCache
+from kernels.qsa_update.launch import CompressGrid, UpdateLaunch
 from kernels.qsa_update.triton import qsa_forward_update_triton
 from kvcache import INDEX_HEAD_DIM, CacheConfig, CacheFamily, qsa_ring_capacity
 
 D = INDEX_HEAD_DIM
 
 
-def _qsa_batch(device: torch.device, requests: int, q_len: int, context: int, r: int, block_size: int):
+def qsa_batch(device: torch.device, requests: int, q_len: int, context: int, r: int, block_size: int):
     """A batch of `requests` chunks of `q_len` tokens ending at random lengths up to `context` (+ q_len)."""
     gen = torch.Generator(device="cpu").manual_seed(7)
     seq = torch.randint(0, context, (requests,), generator=gen) + q_len
@@ -28,7 +29,7 @@ def _qsa_batch(device: torch.device, requests: int, q_len: int, context: int, r:
 def make_qsa_metadata(requests: int = 256, tokens: int = 8192, r: int = 4, num_spec: int = 3, block_size: int = 64):
     """QSA metadata builder: every output of one forward from the batch's offsets, lengths and tables."""
     def make(device: torch.device) -> Prepared:
-        qsl, seq, table, rings = _qsa_batch(device, requests, tokens // requests, 16_384, r, block_size)
+        qsl, seq, table, rings = qsa_batch(device, requests, tokens // requests, 16_384, r, block_size)
         cap = qsa_ring_capacity(r, num_spec)
         outputs = tokens * (4 + 8 + 4 + 8 + 8) + ((tokens + (r - 1) * requests) // r) * 8 + 4
         moved = (qsl.numel() + seq.numel() + rings.numel()) * 4 + tokens // r * 4 + outputs
@@ -41,14 +42,14 @@ POSITION_RANGE = 1 << 20  # the update cases' MRoPE positions are drawn from [0,
 
 
 def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: int = 1, num_spec: int = 3,
-                    block_size: int = 64, fp8: bool = False, table: bool = True, block_w: int | None = None,
-                    num_warps: int | None = None, pdl: bool | None = None, paired: bool | None = None):
+                    block_size: int = 64, fp8: bool = False, table: bool = True, launch: UpdateLaunch | None = None):
     """QSA forward update of one layer for a prefill batch: compress + write every completed group, then the
     ring rows (keys and packed positions) of each request's last C tokens. ``table``: the op reads cos/sin
     from a RopeCache of every position drawn (2**20 rows, 256 MiB, built once), as vLLM's rotary reads its
-    cos_sin_cache; else it computes them. The table's reads are not counted in the bytes moved."""
+    cos_sin_cache; else it computes them. The table's reads are not counted in the bytes moved. ``launch``: time
+    the kernels alone with this launch (``kernels.qsa_update.launch``) instead of the public op."""
     def make(device: torch.device) -> Prepared:
-        qsl, seq, table_, rings = _qsa_batch(device, requests, q_len, 2 * block_size, r, block_size)
+        qsl, seq, table_, rings = qsa_batch(device, requests, q_len, 2 * block_size, r, block_size)
         cap = qsa_ring_capacity(r, num_spec)
         tokens = requests * q_len
         gen = torch.Generator(device=device).manual_seed(8)
@@ -64,22 +65,28 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
         groups = int(meta.num_work)
         moved = keys.numel() * 2 + positions.numel() * 8 + groups * heads * D * compressed.element_size() + \
             requests * cap * (heads * (D + 12) * 2 + D * heads * 2 + 24)
-        if block_w is None and num_warps is None and pdl is None and paired is None:
+        if launch is None:
             return Prepared(lambda: qsa_forward_update(
                 keys, positions, meta, ring, compressed, weight, compress_ratio=r, block_size=block_size, eps=1e-6,
                 rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=True,
                 rope_cache=rope_cache), moved)
         return Prepared(lambda: qsa_forward_update_triton(  # a launch variant: the kernels alone
             keys, positions, meta, ring, compressed, weight, eps=1e-6, rotary_dim=64, theta=10000.0,
-            section=(12, 10, 10), cache_rope_positions=True, rope_cache=rope_cache, block_w=block_w,
-            num_warps=num_warps, pdl=pdl, paired=paired), moved)
+            section=(12, 10, 10), cache_rope_positions=True, rope_cache=rope_cache, launch=launch), moved)
     return make
 
 
-# (groups a program, warps, PDL, rotary partner by swapping halves)
-QSA_DECODE_VARIANTS = ((1, 1, True, True), (1, 2, True, True), (1, 1, False, True), (1, 1, True, False))
-QSA_PREFILL_VARIANTS = ((2, 1, True), (1, 1, True), (4, 1, True), (2, 2, True), (4, 2, True), (1, 2, True),
-                        (2, 1, False))  # (groups a program, warps, rotary partner by swapping halves)
+WORK, TOKENS = CompressGrid.WORK, CompressGrid.TOKENS
+QSA_DECODE_VARIANTS = (UpdateLaunch(grid=TOKENS, block=1, num_warps=1),
+                       UpdateLaunch(grid=TOKENS, block=1, num_warps=2),
+                       UpdateLaunch(grid=TOKENS, block=2, num_warps=1),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=1),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=2),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=1, pdl=False),
+                       UpdateLaunch(grid=WORK, block=1, num_warps=1, paired=False))
+QSA_PREFILL_VARIANTS = tuple(UpdateLaunch(grid=WORK, block=block, num_warps=warps) for block, warps in
+                             ((2, 1), (1, 1), (4, 1), (2, 2), (4, 2), (1, 2))) + (
+                                 UpdateLaunch(grid=WORK, block=2, num_warps=1, paired=False),)
 TABLE_NOTE = "cos/sin table of 2**20 positions"
 
 QSA_CASES: list[BenchCase] = [
@@ -99,11 +106,9 @@ QSA_CASES: list[BenchCase] = [
 
 # Launch variants of the kernels alone, for choosing the defaults (bench/kernels.py --variants).
 QSA_VARIANTS: list[BenchCase] = [
-    *[BenchCase(name=f"qsa update (decode) BLOCK_W={bw} warps={nw}{' PDL' if pdl else ''}{'' if sw else ' recomputed'}",
-                size=f"256 requests x 4 tokens; {TABLE_NOTE}",
-                make=make_qsa_update(requests=256, q_len=4, block_w=bw, num_warps=nw, pdl=pdl, paired=sw), decode=True)
-      for bw, nw, pdl, sw in QSA_DECODE_VARIANTS],
-    *[BenchCase(name=f"qsa update (prefill) BLOCK_W={bw} warps={nw}{'' if sw else ' recomputed'}",
-                size=f"64 x 4096 tokens; {TABLE_NOTE}", make=make_qsa_update(block_w=bw, num_warps=nw, paired=sw))
-      for bw, nw, sw in QSA_PREFILL_VARIANTS],
+    *[BenchCase(name=f"qsa update (decode) {launch.label}", size=f"256 requests x 4 tokens; {TABLE_NOTE}",
+                make=make_qsa_update(requests=256, q_len=4, launch=launch), decode=True)
+      for launch in QSA_DECODE_VARIANTS],
+    *[BenchCase(name=f"qsa update (prefill) {launch.label}", size=f"64 x 4096 tokens; {TABLE_NOTE}",
+                make=make_qsa_update(launch=launch)) for launch in QSA_PREFILL_VARIANTS],
 ]
