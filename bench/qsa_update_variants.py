@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=count, default=3, help="runs in a row, every candidate in each")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     if device.type != "cuda" or not torch.cuda.is_available():
         print(f"bench qsa_update_variants needs a CUDA device, got {args.device!r}", file=sys.stderr)
         return 2

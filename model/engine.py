@@ -246,10 +246,11 @@ class Engine:
         whole prefill write the same bytes (DESIGN section 2). ValueError for
         a token outside the vocabulary, a chunk outside its prompt, or too few blocks."""
         for job in jobs:
-            check_prompt(job.prompt, vocab_size=self.config.vocab_size)
             if not 0 <= job.start < job.stop <= len(job.prompt):
+                check_prompt(job.prompt, vocab_size=self.config.vocab_size)  # an empty prompt says so
                 raise ValueError(f"chunk [{job.start}, {job.stop}) is empty or outside its {len(job.prompt)}-token "
                                  "prompt")
+            check_prompt(job.prompt[job.start:job.stop], vocab_size=self.config.vocab_size)  # each chunk its own
             need = self.pool.config.blocks_for_tokens(job.stop)
             if len(job.block_ids) < need:
                 raise ValueError(f"a chunk ending at position {job.stop} needs {need} blocks, got {len(job.block_ids)}")

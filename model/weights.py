@@ -56,6 +56,17 @@ class StepInputs:
                            head_weights=self.head_weights[i])
 
 
+def _as_wide(entries: torch.Tensor) -> torch.Tensor:
+    """The entries' bytes as the widest integer dtype whose size divides an entry.
+
+    # entries: [..., E] uint8 (contiguous rows) -> [..., E / w] int64 | int32 | int16 | uint8
+    """
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if entries.shape[-1] % dtype.itemsize == 0:
+            return entries.view(dtype)
+    return entries
+
+
 class SyntheticWeights:
     """Seeded weights of one ``ModelConfig`` (CPU tensors; ``to(device)`` moves them)."""
 
@@ -115,7 +126,10 @@ class SyntheticWeights:
         gate = self.gate_table[run, tokens] + self._position_term(run, positions, 1.0)
         row_tokens, row_positions = tokens[rows], positions[rows]
         q = self.query_table[run, row_tokens] + 0.5 * self._position_term(run, row_positions, 2.0)[:, :, None]
-        mla = torch.bitwise_xor(self.mla_table[run, tokens], self.mla_position[run, positions % MLA_POSITION_PERIOD])
+        # the MLA bytes gathered and XORed as the widest integers that tile an entry (the same bytes, fewer elements)
+        mla = torch.bitwise_xor(_as_wide(self.mla_table[run])[:, tokens],
+                                _as_wide(self.mla_position[run])[:, positions % MLA_POSITION_PERIOD])
+        mla = mla.view(torch.uint8)
         return StepInputs(layers=layers, keys=k.to(torch.bfloat16), gates=gate.to(torch.bfloat16), mla=mla,
                           queries=q.to(torch.bfloat16), head_weights=self.head_weight[run, row_tokens].contiguous())
 
