@@ -34,8 +34,10 @@ from prometheus_client import CollectorRegistry
 from bench.arguments import bench_parser, count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
+from bench.pull_hops import hop_lines, hop_offsets
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from bench.ucxx_baseline import ucxx_tag_gbps
+from connector.shared.hops import HopRecorder
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
                        PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
@@ -68,6 +70,8 @@ class _TemplateEngine:
 
 
 def _prefill_proc(conn, args: dict) -> None:
+    recorder = HopRecorder().install() if args["hops"] else None
+
     async def main():
         config = _config(args["layers"], args["block_size"], args["kpool"])
         layout = BlockLayout(config)
@@ -89,6 +93,7 @@ def _prefill_proc(conn, args: dict) -> None:
         await server.stop(0)
         await node.stop()
     asyncio.run(main())
+    conn.send(recorder.stamps if recorder else {})
     os._exit(0)
 
 
@@ -102,7 +107,9 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     conn, child = child_context().Pipe()
     proc = start_child(_prefill_proc, child, dict(
         layers=args["layers"], block_size=prefill_block_size, kpool=args["kpool"], num_blocks=prefill_blocks,
-        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options))
+        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options,
+        hops=args["hops"]))
+    recorder = HopRecorder().install() if args["hops"] else None
     port = conn.recv()
     cache = NodeCache(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
     pool = cache.pool
@@ -113,11 +120,13 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     rows = []
     for tokens in args["tokens"]:
         for transport in transports:
-            times, timelines = [], []
+            times, timelines, starts = [], [], {}
             for rep in range(args["reps"] + 1):
                 grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
                 with cache.allocate(grant.request_id, cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
                     t0 = time.perf_counter()
+                    if rep:
+                        starts[grant.grant_id] = t0
                     landed = await peer.pull(grant, into=allocation, transport=transport, release=False)
                     if pool.device.type == "cuda":
                         torch.cuda.synchronize(pool.device)
@@ -129,10 +138,15 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
                          "path": f"connector {transport.label}{suffix}", "gbps": landed.nbytes / seconds / 1e9,
                          "ms": seconds * 1e3, "regions": landed.regions,
                          "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in timelines[1:]), 3)
-                                       for name in PHASES}})
+                                       for name in PHASES}, "starts": starts})
     await node.close()
     conn.send("stop")
+    prefill_stamps = conn.recv() if conn.poll(30) else {}
     proc.join(30)
+    for row in rows:
+        starts = row.pop("starts")
+        if recorder is not None:
+            row["hops_ms"] = hop_offsets(starts, recorder.stamps, prefill_stamps)
     return rows
 
 
@@ -182,7 +196,7 @@ def _run(args) -> tuple[list[dict], dict]:
         if nixl is not None:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
-                  prefill_device=prefill_device, decode_device=decode_device)
+                  prefill_device=prefill_device, decode_device=decode_device, hops=args.hops)
     if use_ucx:
         rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.UCX, Transport.GRPC_STREAM))
         if args.device == "cpu":  # host memory on one host: the shared-memory and cma configuration too
@@ -269,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "reported (default 5)")
     parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
     parser.add_argument("--no-nixl", action="store_true", help="leave the NIXL READ baseline out")
+    parser.add_argument("--hops", action="store_true", help="also stamp each pull's hops on both nodes and print "
+                                                            "where its time went, hop by hop (bench.pull_hops)")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
     parser.add_argument("--out", type=Path, default=Path("bench/results"),
                         help="folder for the JSON and PNG results (default bench/results)")
@@ -298,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, note in notes.items():
         sys.stdout.write(f"{what}: {note}\n")
     sys.stdout.write(_table(rows) + "\n")
+    if args.hops:
+        sys.stdout.write(hop_lines(rows) + "\n")
     if args.prefill_block_size and args.prefill_block_size != args.block_size:
         sys.stdout.write(_heterogeneous_lines(rows, args.prefill_block_size, args.block_size) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
