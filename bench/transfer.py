@@ -90,10 +90,10 @@ def _prefill_proc(conn, args: dict) -> None:
         conn.send(await server.start("127.0.0.1", 0))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, conn.recv)
+        conn.send(recorder.stamps if recorder else {})  # the pulls are over; the node's stop may take long
         await server.stop(0)
         await node.stop()
     asyncio.run(main())
-    conn.send(recorder.stamps if recorder else {})
     os._exit(0)
 
 
@@ -178,6 +178,8 @@ def _run(args) -> tuple[list[dict], dict]:
     nixl, nixl_reason = (None, "--no-nixl") if args.no_nixl else import_nixl()
     notes = {"nixl": "measured" if nixl else f"skipped: {nixl_reason}",
              "ucx": "measured" if use_ucx else ("skipped: --no-ucx" if args.no_ucx else "skipped: ucxx does not import")}
+    if use_ucx:  # ucxx reads its progress mode from the environment: every row of this run used it
+        notes["ucx progress"] = os.environ.get("UCXPY_PROGRESS_MODE", "thread (ucxx's default)")
     rows = []
     for tokens in args.tokens:
         nbytes = config.blocks_for_tokens(tokens) * layout.block_bytes
