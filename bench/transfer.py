@@ -34,8 +34,10 @@ from prometheus_client import CollectorRegistry
 from bench.arguments import bench_parser, count, counts
 from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
+from bench.pull_hops import hop_lines, hop_offsets
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from bench.ucxx_baseline import ucxx_tag_gbps
+from connector.shared.hops import HopRecorder
 from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
                        PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
@@ -68,6 +70,8 @@ class _TemplateEngine:
 
 
 def _prefill_proc(conn, args: dict) -> None:
+    recorder = HopRecorder().install() if args["hops"] else None
+
     async def main():
         config = _config(args["layers"], args["block_size"], args["kpool"])
         layout = BlockLayout(config)
@@ -86,6 +90,7 @@ def _prefill_proc(conn, args: dict) -> None:
         conn.send(await server.start("127.0.0.1", 0))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, conn.recv)
+        conn.send(recorder.stamps if recorder else {})  # the pulls are over; the node's stop may take long
         await server.stop(0)
         await node.stop()
     asyncio.run(main())
@@ -102,7 +107,9 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     conn, child = child_context().Pipe()
     proc = start_child(_prefill_proc, child, dict(
         layers=args["layers"], block_size=prefill_block_size, kpool=args["kpool"], num_blocks=prefill_blocks,
-        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options))
+        ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options,
+        hops=args["hops"]))
+    recorder = HopRecorder().install() if args["hops"] else None
     port = conn.recv()
     cache = NodeCache(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
     pool = cache.pool
@@ -113,11 +120,13 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     rows = []
     for tokens in args["tokens"]:
         for transport in transports:
-            times, timelines = [], []
+            times, timelines, starts = [], [], {}
             for rep in range(args["reps"] + 1):
                 grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
                 with cache.allocate(grant.request_id, cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
                     t0 = time.perf_counter()
+                    if rep:
+                        starts[grant.grant_id] = t0
                     landed = await peer.pull(grant, into=allocation, transport=transport, release=False)
                     if pool.device.type == "cuda":
                         torch.cuda.synchronize(pool.device)
@@ -129,10 +138,15 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
                          "path": f"connector {transport.label}{suffix}", "gbps": landed.nbytes / seconds / 1e9,
                          "ms": seconds * 1e3, "regions": landed.regions,
                          "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in timelines[1:]), 3)
-                                       for name in PHASES}})
+                                       for name in PHASES}, "starts": starts})
     await node.close()
     conn.send("stop")
+    prefill_stamps = conn.recv() if conn.poll(30) else {}
     proc.join(30)
+    for row in rows:
+        starts = row.pop("starts")
+        if recorder is not None:
+            row["hops_ms"] = hop_offsets(starts, recorder.stamps, prefill_stamps)
     return rows
 
 
@@ -164,6 +178,8 @@ def _run(args) -> tuple[list[dict], dict]:
     nixl, nixl_reason = (None, "--no-nixl") if args.no_nixl else import_nixl()
     notes = {"nixl": "measured" if nixl else f"skipped: {nixl_reason}",
              "ucx": "measured" if use_ucx else ("skipped: --no-ucx" if args.no_ucx else "skipped: ucxx does not import")}
+    if use_ucx:  # ucxx reads its progress mode from the environment: every row of this run used it
+        notes["ucx progress"] = os.environ.get("UCXPY_PROGRESS_MODE", "thread (ucxx's default)")
     rows = []
     for tokens in args.tokens:
         nbytes = config.blocks_for_tokens(tokens) * layout.block_bytes
@@ -182,7 +198,7 @@ def _run(args) -> tuple[list[dict], dict]:
         if nixl is not None:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
-                  prefill_device=prefill_device, decode_device=decode_device)
+                  prefill_device=prefill_device, decode_device=decode_device, hops=args.hops)
     if use_ucx:
         rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.UCX, Transport.GRPC_STREAM))
         if args.device == "cpu":  # host memory on one host: the shared-memory and cma configuration too
@@ -269,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "reported (default 5)")
     parser.add_argument("--no-ucx", action="store_true", help="measure the gRPC stream only")
     parser.add_argument("--no-nixl", action="store_true", help="leave the NIXL READ baseline out")
+    parser.add_argument("--hops", action="store_true", help="also stamp each pull's hops on both nodes and print "
+                                                            "where its time went, hop by hop (bench.pull_hops)")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
     parser.add_argument("--out", type=Path, default=Path("bench/results"),
                         help="folder for the JSON and PNG results (default bench/results)")
@@ -298,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, note in notes.items():
         sys.stdout.write(f"{what}: {note}\n")
     sys.stdout.write(_table(rows) + "\n")
+    if args.hops:
+        sys.stdout.write(hop_lines(rows) + "\n")
     if args.prefill_block_size and args.prefill_block_size != args.block_size:
         sys.stdout.write(_heterogeneous_lines(rows, args.prefill_block_size, args.block_size) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ import torch
 import kernels
 from connector import prefill_api as pb
 from connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
-from connector.shared import regions
+from connector.shared import hops, regions
 from connector.shared.dcp_plan import plan_dcp_transfer
 from connector.shared.errors import StatusError, rpc_failure
 from connector.shared.metrics import ConnectorMetrics
@@ -110,8 +110,10 @@ class InboundPull:
 
     async def run(self) -> TransferPlan:
         try:
+            hops.stamp(self.grant.grant_id, "pull")
             marks = [time.perf_counter()]
             plan, views = self._plan()
+            hops.stamp(self.grant.grant_id, "posted")
             marks.append(time.perf_counter())
             self.call = self.open_call()
             if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
@@ -131,6 +133,7 @@ class InboundPull:
             post, control, *rest = ((b - a) * 1000 for a, b in zip(marks, marks[1:]))
             self.plan, self.timeline = plan, PullTimeline(control, post, *rest)
             self.times = self._times(marks)
+            hops.stamp(self.grant.grant_id, "returned")
             return plan
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
@@ -172,6 +175,7 @@ class InboundPull:
             if not landed.done():  # the stream ended first: a failure raises here, PullDone waits on
                 follow.result()
             await landed
+            hops.stamp(self.grant.grant_id, "landed")
         except BaseException:
             for task in (follow, landed):
                 task.cancel()

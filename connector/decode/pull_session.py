@@ -23,6 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from connector import prefill_api as pb
+from connector.shared import hops
 from connector.shared.errors import StatusError, status_code
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class PullSession:
             self._start()
         pull = self._pulls[request.grant_id] = SessionPull(self, request.grant_id)
         self._outgoing.put_nowait(pb.PullSessionRequest(pull=request))
+        hops.stamp(request.grant_id, "request")
         return pull
 
     def cancel(self, grant_id: str) -> None:
@@ -92,7 +94,10 @@ class PullSession:
     async def _write(self, call: grpc.aio.StreamStreamCall, outgoing: asyncio.Queue) -> None:
         try:
             while True:
-                await call.write(await outgoing.get())
+                message = await outgoing.get()
+                await call.write(message)
+                if message.WhichOneof("message") == "pull":
+                    hops.stamp(message.pull.grant_id, "written")
         except Exception as exc:  # the stream ended (an RPC error, or writes after its end): ``_read`` fails the pulls
             logger.debug("pull session to %s: write failed: %s: %s", self.address, type(exc).__name__, exc)
 

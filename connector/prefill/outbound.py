@@ -23,7 +23,7 @@ import torch
 
 from connector import prefill_api as pb
 from connector.prefill.leases import Grant
-from connector.shared import pull_frames, regions
+from connector.shared import hops, pull_frames, regions
 from connector.shared.plan import TransferPlan
 from connector.prefill.ucx_link import LentEndpoint, UcxLink
 from connector.shared.ucx import UcxSendError, region_tag
@@ -134,6 +134,7 @@ class OutboundPull:
 
     async def _send(self, index: int) -> None:
         started = time.perf_counter()
+        hops.stamp(self.grant.grant_id, "send")
         await self.endpoint.send([self.views[index]], region_tag(self.tag_base, index))
         self.clock.add(index, started, time.perf_counter())
 
@@ -155,6 +156,7 @@ class OutboundPull:
                 self.endpoint = await self.link.lend()
             except UcxSendError as exc:  # the engine was forgotten, or handshook anew, since the pull began
                 raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
+            hops.stamp(grant.grant_id, "lent")
             index = self._start_ready_sends(0)
         yield pb.PullResponse(grant=pb.PullGrant(
             src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),
@@ -183,6 +185,7 @@ class OutboundPull:
             all_sent.add_done_callback(_retrieved)  # its outcome is read here, or nowhere once the pull ended
             try:
                 await asyncio.wait_for(asyncio.shield(all_sent), max(self._left(), 0))
+                hops.stamp(grant.grant_id, "sent")
             except asyncio.TimeoutError:
                 raise PullAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"UCX sends to {self.engine_id} did not complete "
                                   "before the Pull's deadline", "deadline") from None

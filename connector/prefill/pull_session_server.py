@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from connector import prefill_api as pb
+from connector.shared import hops
 from connector.shared.errors import StatusError
 from connector.shared.wire import Transport
 
@@ -103,6 +104,7 @@ async def serve_pull_session(requests: AsyncIterator[pb.PullSessionRequest],
                 touch()
                 kind = request.WhichOneof("message")
                 if kind == "pull":
+                    hops.stamp(request.pull.grant_id, "read")
                     start(request.pull)
                 elif kind == "cancel_grant_id" and request.cancel_grant_id in pulls:
                     pulls[request.cancel_grant_id].cancel()

@@ -25,7 +25,7 @@ from connector.prefill.grants import GrantKeeper
 from connector.prefill.leases import Grant
 from connector.prefill.outbound import OutboundPull, PullAborted
 from connector.prefill.ucx_link import UcxLink
-from connector.shared import regions
+from connector.shared import hops, regions
 from connector.shared.config import ConnectorConfig
 from connector.shared.dcp_plan import plan_dcp_transfer
 from connector.shared.errors import StatusError
@@ -102,6 +102,7 @@ class PullDesk:
         refused or failed (the status its stream ends with). Closing the generator early stops its sends."""
         grant, transport, link = self._checked(request)
         plan, ready = plan_pull(self.layout, grant, request)
+        hops.stamp(grant.grant_id, "checked")
         grant.pulls_in_flight += 1
         views = [regions.region_view(self.pool, p.src) for p in plan.pairs]
         started = time.perf_counter()
