@@ -13,8 +13,8 @@ Two grids compute the same bytes:
   token's ring slot (every token of a decode step has one; else from ``ring_blocks``). About two dependent
   rounds fewer than ``WORK`` for a decode step; a grid of every token, so for decode steps only.
 
-The default (``default_update_launch``) takes ``TOKENS`` while the forward has at most requests x C tokens (a
-decode step) and the rotary pairs fit (the grid needs the halves-swapped partner), else ``WORK``.
+The default (``default_update_launch``) is ``WORK``: measured side by side on the H200, ``TOKENS`` saves no
+time (the chain it shortens is not what a flushed call waits on). ``TOKENS`` stays a launch a caller may pick.
 """
 
 from __future__ import annotations
@@ -63,23 +63,17 @@ class UpdateLaunch:
 WAVE_PROGRAMS_PER_SM = 8
 
 
-def default_update_launch(*, max_work: int, tokens: int, requests: int, capacity: int, pairs_fit: bool,
-                          device: torch.device) -> UpdateLaunch:
-    """The launch a call takes without one given.
+def default_update_launch(*, max_work: int, device: torch.device) -> UpdateLaunch:
+    """The launch a call takes without one given: ``WORK``.
 
-    CPU (the interpreter): four items a program, four warps, either grid by the same rule as CUDA (the tests run
-    both through it). CUDA: a decode step (tokens <= requests x C) with fitting rotary pairs, ``TOKENS`` with one
-    token and one warp a program (the shortest dependent chain; chosen on the H200 with
-    ``python -m bench.qsa_update_variants``). Otherwise ``WORK`` with one warp a program, one group a program
-    while the grid fits one wave, two beyond. Measured on the H200 (bench/results/2026-12-01-h200-qsa-kernels.txt)
-    for ``WORK``: a prefill of 64 x 4096 tokens 83 us with (2, 1), 97 with (1, 1), 98 with (4, 2), 99 with (4, 1),
-    112 with (2, 2), 153 with (1, 2); a decode step of 256 x 4 tokens 11.6 us a call in a 32-call graph with (1, 1)
-    and 11.4 with (1, 2)."""
-    by_token = pairs_fit and tokens <= requests * capacity
-    grid = CompressGrid.TOKENS if by_token else CompressGrid.WORK
+    CPU (the interpreter): four items a program, four warps. CUDA: one warp a program, one group a program while
+    the grid fits one wave, two beyond. ``TOKENS`` is no faster on the H200: a decode step of 256 x 4 tokens,
+    one call after an L2 flush, three runs in a row, 10.11 / 9.79 / 10.03 us against ``WORK``'s 9.70 / 9.89 /
+    9.79 (``python3 -m bench.qsa_update_variants --device cuda``, bench/results/2026-12-03-h200-qsa-update-variants.txt).
+    Measured on the H200 (bench/results/2026-12-01-h200-qsa-kernels.txt) for ``WORK``: a prefill of 64 x 4096
+    tokens 83 us with (2, 1), 97 with (1, 1), 98 with (4, 2), 99 with (4, 1), 112 with (2, 2), 153 with (1, 2); a
+    decode step of 256 x 4 tokens 11.6 us a call in a 32-call graph with (1, 1) and 11.4 with (1, 2)."""
     if device.type != "cuda":
-        return UpdateLaunch(grid=grid, block=4, num_warps=4)
-    if by_token:
-        return UpdateLaunch(grid=grid, block=1, num_warps=1)
+        return UpdateLaunch(grid=CompressGrid.WORK, block=4, num_warps=4)
     one_wave = max_work <= WAVE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return UpdateLaunch(grid=grid, block=1 if one_wave else 2, num_warps=1)
+    return UpdateLaunch(grid=CompressGrid.WORK, block=1 if one_wave else 2, num_warps=1)

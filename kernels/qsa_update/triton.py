@@ -129,8 +129,7 @@ def qsa_forward_update_triton(
     assert metadata.k_work.is_contiguous() and metadata.compressed_slot_mapping.is_contiguous()
     pairs_fit = rope_pairs_fit(rotary_dim, head_size)
     if launch is None:
-        launch = default_update_launch(max_work=max_work, tokens=num_tokens, requests=metadata.num_requests,
-                                       capacity=metadata.ring_capacity, pairs_fit=pairs_fit, device=keys.device)
+        launch = default_update_launch(max_work=max_work, device=keys.device)
     pdl = launch.pdl and keys.is_cuda and pdl_available()
     if max_work:
         fp8 = compressed.dtype == torch.float8_e4m3fn
