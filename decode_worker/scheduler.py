@@ -76,6 +76,7 @@ class DecodeScheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[str, Job] = {}
         self._running: list[Job] = []
+        self._digests: set[asyncio.Task] = set()  # finished jobs being digested beside the steps
         self._admitted = 0
         self._wake = asyncio.Event()
         self.steps_run, self.step_seconds_total, self.own_transfer_bytes = 0, 0.0, 0  # this rank's, for DCP metrics
@@ -256,13 +257,35 @@ class DecodeScheduler:
 
     # decoding -----------------------------------------------------------------------------
     def _step(self, jobs: list[Job]) -> tuple[list[list[int]], dict[int, str], float]:
-        """Worker thread: one step for the batch, and the state digest of each finished job."""
+        """Worker thread: one step for the batch; with DCP also the state digest of each finished job (a
+        collective, which the ranks run in the decode loop's order). Without DCP the loop digests finished jobs
+        beside the next steps (``_digest_and_finish``)."""
         started = time.perf_counter()
         emitted = self.engine.decode_step([j.seq for j in jobs])
         seconds = time.perf_counter() - started
-        digests = {id(j): self.engine.state_digest(j.seq.block_ids, j.seq.ring_id, j.seq.cached)
-                   for j in jobs if j.seq.finished}
+        digests = {} if self.dcp is None else {id(j): self._digest(j) for j in jobs if j.seq.finished}
         return emitted, digests, seconds
+
+    def _digest(self, job: Job) -> str:
+        return self.engine.state_digest(job.seq.block_ids, job.seq.ring_id, job.seq.cached)
+
+    async def _digest_and_finish(self, job: Job) -> None:
+        """A finished job's state digest on a worker thread (it reads only the job's blocks and ring, which it holds
+        until then), then its Finished event and its release; the decode loop steps on meanwhile."""
+        try:
+            digest = await asyncio.to_thread(self._digest, job)
+        except Exception as exc:
+            logger.exception("state digest of request %s failed", job.request_id)
+            job.events.put_nowait(Failed(StatusError(grpc.StatusCode.INTERNAL, f"state digest failed: {exc}")))
+            self.finish(job, "error")
+            return
+        self._report_finished(job, digest)
+
+    def _report_finished(self, job: Job, digest: str) -> None:
+        self.drafts.labels("accepted").inc(job.seq.drafts_accepted)
+        self.drafts.labels("rejected").inc(job.seq.drafts_proposed - job.seq.drafts_accepted)
+        job.events.put_nowait(self._finished_event(job, digest))
+        self.finish(job, "ok")
 
     def _finished_event(self, job: Job, state_digest: str) -> Finished:
         seq = job.seq
@@ -316,10 +339,12 @@ class DecodeScheduler:
                     job.events.put_nowait(Tokens(tuple(tokens)))
                 if id(job) in digests:
                     self._running.remove(job)
-                    self.drafts.labels("accepted").inc(job.seq.drafts_accepted)
-                    self.drafts.labels("rejected").inc(job.seq.drafts_proposed - job.seq.drafts_accepted)
-                    job.events.put_nowait(self._finished_event(job, digests[id(job)]))
-                    self.finish(job, "ok")
+                    self._report_finished(job, digests[id(job)])
+                elif job.seq.finished:
+                    self._running.remove(job)
+                    digesting = asyncio.create_task(self._digest_and_finish(job), name=f"digest-{job.request_id}")
+                    self._digests.add(digesting)
+                    digesting.add_done_callback(self._digests.discard)
 
     # release ------------------------------------------------------------------------------
     def abandon(self, job: Job, outcome: str) -> None:

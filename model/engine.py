@@ -125,8 +125,8 @@ class Engine:
     """``graph_requests`` > 0 replays decode steps of up to that many requests from CUDA graphs
     (``model.decode_graphs``; CUDA pools of the kpool family only), whose block tables are at least
     ``graph_table_width`` blocks wide; 0 runs every step eagerly. ``prefill_graph_tokens`` > 0 replays prefill
-    steps of exactly that many tokens in up to ``prefill_graph_requests`` chunks from CUDA graphs
-    (``model.prefill_graphs``, the same table width); other steps run eagerly. On CUDA the kpool family's
+    steps of up to that many tokens in up to ``prefill_graph_requests`` chunks (padding included) from CUDA
+    graphs (``model.prefill_graphs``, the same table width); other steps run eagerly. On CUDA the kpool family's
     eager forwards, too, compute their layers' inputs in a few launches for many layers at once."""
 
     def __init__(self, config: ModelConfig, pool: CachePool, weights: SyntheticWeights | None = None, *,
@@ -154,7 +154,7 @@ class Engine:
         if prefill_graph_tokens:
             self.prefill_graphs = PrefillGraphs(
                 lambda batch, hashed: self._hoisted_forward(batch, self.family.prefill, hashed=hashed),
-                tokens=prefill_graph_tokens, block_size=config.cache.block_size, max_requests=prefill_graph_requests,
+                max_tokens=prefill_graph_tokens, block_size=config.cache.block_size, max_requests=prefill_graph_requests,
                 device=self.device, table_width=graph_table_width)
 
     @_on_pool_device
@@ -328,20 +328,22 @@ class Engine:
     def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str:
         """sha256 over a request's compressed entries (every complete pool or group, pool order,
         layer by layer), then its ring's open pool (position order, layer by layer), then the MLA
-        bytes of positions [0, length) (layer by layer), read from this pool."""
-        sha = hashlib.sha256()
-        for layer in range(self.config.num_layers):
-            sha.update(self.family.entries(layer, list(block_ids), length))
+        bytes of positions [0, length) (layer by layer), read from this pool: gathered on the device and
+        read back at once (one host synchronisation).
+
+        Only reads the request's blocks and ring, so it may run on another thread beside a step that does not
+        write them (the decode daemon digests finished requests while the next steps run)."""
+        layers = range(self.config.num_layers)
+        parts = [self.family.entries(layer, list(block_ids), length) for layer in layers]
         cache = self.pool.config
         open_pos = open_positions(cache, torch.tensor([length], device=self.device))
         ring = torch.tensor([ring_id], device=self.device)
-        for layer in range(self.config.num_layers):
+        for layer in layers:
             rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
-            sha.update(rows.cpu().numpy().tobytes())
+            parts.append(rows.reshape(-1))
         block_size = self.config.cache.block_size
         positions = torch.arange(length, device=self.device)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        for layer in range(self.config.num_layers):
-            mla = self.pool.mla(layer)[table[positions // block_size], positions % block_size]
-            sha.update(mla.contiguous().cpu().numpy().tobytes())
-        return sha.hexdigest()
+        blocks, offsets = table[positions // block_size], positions % block_size
+        parts += [self.pool.mla(layer)[blocks, offsets].reshape(-1) for layer in layers]
+        return hashlib.sha256(torch.cat(parts).cpu().numpy()).hexdigest()

@@ -17,7 +17,7 @@ class PackedInput:
 
     def __init__(self, sizes: Sequence[int], device: torch.device) -> None:
         self.sizes = tuple(sizes)
-        self._host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=True)
+        self._host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = torch.empty(sum(self.sizes), dtype=torch.int64, device=device)
 
     def host(self) -> list[torch.Tensor]:

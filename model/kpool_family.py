@@ -100,11 +100,13 @@ class KpoolFamily:
         return kpool_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch, inputs), *self.layer_views(layer),
                                 kpool=self.kpool)
 
-    def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
-        """The fp8 entries (q bytes, then scale) of every complete pool in pool order."""
+    def entries(self, layer: int, block_ids: list[int], length: int) -> torch.Tensor:
+        """The fp8 entries (q bytes, then scale) of every complete pool in pool order, on the pool's device.
+
+        # -> [complete pools * (128 + 4)] uint8
+        """
         pools = torch.arange(self.cache.complete_entries(length), device=self.pool.device)[None]
         table = torch.tensor([block_ids], dtype=torch.int32, device=self.pool.device)
         q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
                                       self._slots(table, pools)[0], dequantize=False)
-        both = torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1)
-        return both.cpu().numpy().tobytes()
+        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1).reshape(-1)

@@ -99,10 +99,13 @@ class QsaFamily:
         return qsa_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
                               compress_ratio=self.ratio)
 
-    def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
-        """The compressed rows of every complete group in group order."""
+    def entries(self, layer: int, block_ids: list[int], length: int) -> torch.Tensor:
+        """The compressed rows of every complete group in group order, on the pool's device.
+
+        # -> [complete groups * row bytes] uint8
+        """
         groups = torch.arange(self.cache.complete_entries(length), device=self.pool.device)
         table = torch.tensor(block_ids, dtype=torch.int64, device=self.pool.device)
         blocks = table[groups * self.ratio // self.cache.block_size]
         rows = self.pool.qsa_keys(layer)[blocks, groups % self.keys_spec.rows_per_block]
-        return rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        return rows.contiguous().view(torch.uint8).reshape(-1)

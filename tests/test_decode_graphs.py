@@ -11,6 +11,7 @@ import torch
 from kvcache import BlockLayout, CacheFamily, CachePool
 from model import ModelConfig
 from model.decode_graphs import bucket_size
+from model.prefill_graphs import PrefillBucket, PrefillStepGraph, token_buckets
 from model.batch import build_batch
 from model.engine import Engine, PrefillJob
 
@@ -81,3 +82,38 @@ def test_the_hoisted_prefill_forward_writes_and_hashes_what_the_per_layer_forwar
     assert torch.equal(got, want)
     assert torch.equal(hoisted.pool.blocks, per_layer.pool.blocks)
     assert torch.equal(hoisted.pool.rings, per_layer.pool.rings)
+
+
+def test_a_padded_prefill_graph_batch_writes_and_hashes_what_the_unpadded_batch_does():
+    """What a prefill graph replays, run on the CPU: ``PrefillStepGraph.fill`` pads two chunks of 45 tokens to a
+    bucket of 64 tokens and 4 requests (the padding tokens in the third request, positions -1, no blocks, no
+    ring; the fourth empty), and the hoisted forward of that batch writes the bytes and gives the real rows the
+    hashes of the per-layer forward of the unpadded chunks."""
+    config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=2, kpool=4, num_spec=1, mla_entry_bytes=40)
+    prompts = [[(3 * i + 2) % 1000 for i in range(n)] for n in (20, 300)]
+    engines = []
+    for _ in range(2):
+        pool = CachePool(BlockLayout(config.cache), num_blocks=8, num_rings=2, device=torch.device("cpu"))
+        engine = Engine(config, pool)
+        engine.prefill([PrefillJob(prompt=prompts[1], block_ids=[2, 3], ring_id=1, end=275)])
+        engines.append(engine)
+    chunks = [(prompts[0], 0, [0, 1], 0), (prompts[1][275:], 275, [2, 3], 1)]
+    graph = PrefillStepGraph(PrefillBucket(tokens=64, requests=4, table_width=4, hashed=True), torch.device("cpu"))
+    graph.fill(chunks)
+    padded = graph.batch()
+    assert padded.query_start_loc.tolist() == [0, 20, 45, 64, 64]
+    assert padded.positions[45:].tolist() == [-1] * 19 and padded.rows.tolist() == [19, 44, 63, 63]
+    per_layer, hoisted = engines
+    batch = build_batch(chunks, last_only=True, device=torch.device("cpu"))
+    per_layer._write(batch, per_layer.family.prefill)
+    want = per_layer._hashes(batch)
+    got = hoisted._hoisted_forward(padded, hoisted.family.prefill, hashed=True)
+    assert torch.equal(got[:2], want)
+    assert torch.equal(hoisted.pool.blocks, per_layer.pool.blocks)
+    assert torch.equal(hoisted.pool.rings, per_layer.pool.rings)
+
+
+def test_prefill_token_buckets_are_powers_of_two_up_to_the_step():
+    assert token_buckets(2048) == [256, 512, 1024, 2048]
+    assert token_buckets(1000) == [256, 512, 1000]
+    assert token_buckets(96) == [96]

@@ -3,8 +3,8 @@ prefill byte for byte.
 
 Prompts of several lengths are prefilled the way the prefill daemon batches them (the oldest prompts first, at
 most T tokens a step, a prompt longer than what is left in a step continuing in the next, from inside a pool):
-full steps of T tokens replay a graph, padded to 1, 2 or 4 prompts, hashed where a chunk ends its prompt; the
-others run the hoisted eager forward. The first tokens and every byte of both pools must equal the per-layer
+steps replay a graph, padded to 32, 64 or 96 tokens and to 1, 2 or 4 prompts, hashed where a chunk ends its
+prompt; two whole prompts run the hoisted eager forward first (the engine's per-layer prefill is the reference). The first tokens and every byte of both pools must equal the per-layer
 engine's. A graphed step synchronises with the host once.
 """
 
@@ -27,7 +27,7 @@ STEP_TOKENS = 96
 
 def prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(5)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 300, 64, 2, 131, 96, 33, 250)]
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 300, 64, 2, 131, 96, 33, 200)]
 
 
 def steps(work: Sequence[tuple[list[int], list[int], int]], budget: int) -> Iterator[list[PrefillJob]]:
@@ -51,7 +51,8 @@ def steps(work: Sequence[tuple[list[int], list[int], int]], budget: int) -> Iter
 
 
 @pytest.mark.parametrize("kpool", [2, 4])
-def test_graphed_and_hoisted_prefill_equal_the_per_layer_prefill(kpool):
+def test_graphed_and_hoisted_prefill_equal_the_per_layer_prefill(monkeypatch, kpool):
+    monkeypatch.setattr("model.prefill_graphs.MIN_GRAPH_TOKENS", 32)  # token buckets of 32, 64 and 96
     config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=4, kpool=kpool, num_spec=3)
     caches, firsts = [], []
     for graphs in (False, True):
@@ -73,8 +74,9 @@ def test_graphed_and_hoisted_prefill_equal_the_per_layer_prefill(kpool):
             out.extend(first for first in engine.prefill(step) if first is not None)
         if graphs:
             assert served >= 3
-            assert {b.requests for b in engine.prefill_graphs._graphs} >= {1, 2}
-            assert {b.hashed for b in engine.prefill_graphs._graphs} == {False, True}
+            buckets = engine.prefill_graphs._graphs
+            assert {b.requests for b in buckets} >= {1, 2} and {b.hashed for b in buckets} == {False, True}
+            assert {b.tokens for b in buckets} >= {64, 96}  # the last step's tokens padded up to a smaller bucket
         caches.append(cache)
         firsts.append(out)
     reference, graphed = caches
