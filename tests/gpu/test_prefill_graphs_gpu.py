@@ -61,10 +61,10 @@ def test_graphed_and_hoisted_prefill_equal_the_per_layer_prefill(monkeypatch, kp
                         graph_table_width=2)
         if not graphs:
             engine.hoists = False  # the per-layer forward: the reference
-        work = []
+        work, held = [], []
         for i, prompt in enumerate(prompts(config.vocab_size)):
-            held = cache.allocate(f"r{i}", config.cache.blocks_for_tokens(len(prompt)))
-            work.append((prompt, list(held.block_ids), held.ring_id))
+            held.append(cache.allocate(f"r{i}", config.cache.blocks_for_tokens(len(prompt))))
+            work.append((prompt, list(held[-1].block_ids), held[-1].ring_id))
         whole = engine.prefill([PrefillJob(prompt=p, block_ids=b, ring_id=r) for p, b, r in work[:2]])
         out, served = list(whole), 0
         for step in steps(work[2:], STEP_TOKENS):
@@ -77,6 +77,8 @@ def test_graphed_and_hoisted_prefill_equal_the_per_layer_prefill(monkeypatch, kp
             buckets = engine.prefill_graphs._graphs
             assert {b.requests for b in buckets} >= {1, 2} and {b.hashed for b in buckets} == {False, True}
             assert {b.tokens for b in buckets} >= {64, 96}  # the last step's tokens padded up to a smaller bucket
+        for allocation in held:
+            allocation.release()
         caches.append(cache)
         firsts.append(out)
     reference, graphed = caches
