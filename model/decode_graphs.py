@@ -26,17 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import ForwardBatch
-from model.graph_capture import PackedInput, capture, padded_rows
+from model.graph_capture import Chunk, PackedInput, bucket_size, capture, padded_rows, request_buckets, table_width
 
 logger = logging.getLogger(__name__)
 
-# A decode chunk: (token ids, first position, block ids, ring id), as model.batch.build_batch takes.
-Chunk = tuple[Sequence[int], int, Sequence[int], int]
-
-
-def bucket_size(count: int) -> int:
-    """The smallest power of two >= count (>= 1)."""
-    return 1 << max(count - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -115,21 +108,17 @@ class DecodeGraphs:
         return 1 <= num_requests <= self.max_requests
 
     def bucket_of(self, chunks: Sequence[Chunk]) -> DecodeBucket:
-        width = max(max(len(blocks), -(-(start + self.k) // self.block_size)) for _, start, blocks, _ in chunks)
+        width = table_width(chunks, self.block_size)
         return DecodeBucket(requests=min(bucket_size(len(chunks)), self.max_requests),
                             table_width=max(bucket_size(width), self.table_width))
 
     def capture_all(self) -> None:
         """Capture every request bucket (1, 2, 4, .. max_requests) at the narrowest table width, so that no
         step of such tables pays a capture."""
-        requests = 1
-        while True:
-            bucket = DecodeBucket(requests=min(requests, self.max_requests), table_width=self.table_width)
+        for requests in request_buckets(self.max_requests):
+            bucket = DecodeBucket(requests=requests, table_width=self.table_width)
             if bucket not in self._graphs:
                 self._capture(bucket)
-            if requests >= self.max_requests:
-                return
-            requests *= 2
 
     def run(self, chunks: Sequence[Chunk]) -> list[int]:
         """Every row's hash of the step's ``chunks`` (each of K tokens), in row order."""

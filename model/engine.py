@@ -29,7 +29,8 @@ from kvcache import CacheFamily, CachePool
 from model.batch import ForwardBatch, build_batch
 from model.cache_io import mla_destinations, open_positions, read_ring_rows, write_mla
 from model.config import ModelConfig
-from model.decode_graphs import Chunk, DecodeGraphs
+from model.decode_graphs import DecodeGraphs
+from model.graph_capture import Chunk
 from model.kpool_family import KpoolFamily
 from model.prefill_graphs import PrefillGraphs
 from model.prompt import check_prompt
@@ -207,8 +208,9 @@ class Engine:
         for layers in self.layer_runs(batch.tokens.shape[0]):
             inputs = self.weights.step_inputs(batch.tokens, batch.positions, batch.rows, layers)
             for layer in layers:
-                update(layer, batch, inputs.of(layer))
-                write_mla_rows(self.pool.mla(layer), blocks, offsets, inputs.of(layer).mla)
+                layer_inputs = inputs.of(layer)
+                update(layer, batch, layer_inputs)
+                write_mla_rows(self.pool.mla(layer), blocks, offsets, layer_inputs.mla)
             if hashed:
                 for layer in layers:
                     acc = self.family.chain(acc, layer, batch, self.rule, inputs.of(layer))

@@ -10,6 +10,20 @@ import torch
 
 Result = TypeVar("Result")
 
+# A request's part of a step: (token ids, first position, block ids, ring id), as model.batch.build_batch takes.
+Chunk = tuple[Sequence[int], int, Sequence[int], int]
+
+
+def bucket_size(count: int) -> int:
+    """The smallest power of two >= count (>= 1): the padded size of a graph's batch."""
+    return 1 << max(count - 1, 0).bit_length()
+
+
+def request_buckets(max_requests: int) -> list[int]:
+    """The request counts graphs are captured for: 1, 2, 4, .. up to ``max_requests`` (which closes the list)."""
+    buckets = [1 << i for i in range(max(max_requests - 1, 0).bit_length()) if 1 << i < max_requests]
+    return buckets + [max_requests]
+
 
 class PackedInput:
     """Int64 fields of the given sizes, back to back: ``host`` fields are written, ``upload`` copies them all to
@@ -54,3 +68,9 @@ def padded_rows(rows: Sequence[Sequence[int]], width: int) -> list[int]:
         flat.extend(row)
         flat.extend([-1] * (width - len(row)))
     return flat
+
+
+def table_width(chunks: Sequence[Chunk], block_size: int) -> int:
+    """The block-table columns a step of ``chunks`` (token ids, first position, block ids, ring id) needs: each
+    chunk's blocks, and at least those its last position lies in."""
+    return max(max(len(blocks), -(-(start + len(ids)) // block_size)) for ids, start, blocks, _ in chunks)

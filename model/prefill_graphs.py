@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import ForwardBatch
-from model.decode_graphs import Chunk, bucket_size
-from model.graph_capture import PackedInput, capture, padded_rows
+from model.graph_capture import Chunk, PackedInput, bucket_size, capture, padded_rows, request_buckets, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +49,21 @@ class PrefillBucket:
     requests: int
     table_width: int
     hashed: bool
+
+
+def prefill_bucket(chunks: Sequence[Chunk], buckets: Sequence[int], *, max_requests: int, block_size: int,
+                   min_width: int, hashed: bool) -> PrefillBucket | None:
+    """The bucket a step of ``chunks`` replays: the smallest of the token ``buckets`` that holds its tokens, the
+    requests it needs (the chunks, and one for the padding tokens where fewer than that) padded to a power of two
+    and at most ``max_requests``, its table width padded to a power of two and at least ``min_width``; None where
+    no bucket holds the step (no chunk, too many tokens or too many requests)."""
+    total = sum(len(ids) for ids, *_ in chunks)
+    tokens = next((t for t in buckets if total <= t), None)
+    requests = len(chunks) + (tokens is not None and total < tokens)
+    if not chunks or tokens is None or requests > max_requests:
+        return None
+    return PrefillBucket(tokens=tokens, requests=min(bucket_size(requests), max_requests),
+                         table_width=max(bucket_size(table_width(chunks, block_size)), min_width), hashed=hashed)
 
 
 class PrefillStepGraph:
@@ -122,41 +136,24 @@ class PrefillGraphs:
         self._graphs: dict[PrefillBucket, PrefillStepGraph] = {}
         self._memory = torch.cuda.graph_pool_handle()
 
-    def _shape(self, chunks: Sequence[Chunk]) -> tuple[int, int] | None:
-        """(T, the requests a bucket needs: the chunks, and one for the padding where fewer than T), or None
-        where no bucket holds the step."""
-        total = sum(len(ids) for ids, *_ in chunks)
-        tokens = next((t for t in self.token_buckets if total <= t), None)
-        if tokens is None or not chunks:
-            return None
-        requests = len(chunks) + (total < tokens)
-        return (tokens, requests) if requests <= self.max_requests else None
-
     def serves(self, chunks: Sequence[Chunk]) -> bool:
         """Whether a step of these chunks replays a graph: at most ``max_tokens`` tokens in chunks that, with a
         padding request where needed, number at most ``max_requests``."""
-        return self._shape(chunks) is not None
+        return self.bucket_of(chunks, False) is not None
 
-    def bucket_of(self, chunks: Sequence[Chunk], hashed: bool) -> PrefillBucket:
-        tokens, requests = self._shape(chunks)
-        width = max(max(len(blocks), -(-(start + len(ids)) // self.block_size)) for ids, start, blocks, _ in chunks)
-        return PrefillBucket(tokens=tokens, requests=min(bucket_size(requests), self.max_requests),
-                             table_width=max(bucket_size(width), self.table_width), hashed=hashed)
+    def bucket_of(self, chunks: Sequence[Chunk], hashed: bool) -> PrefillBucket | None:
+        return prefill_bucket(chunks, self.token_buckets, max_requests=self.max_requests, block_size=self.block_size,
+                              min_width=self.table_width, hashed=hashed)
 
     def capture_all(self) -> None:
         """Capture every bucket of the narrowest table width: each token count, 1, 2, 4, .. max_requests requests,
         hashed and not."""
         for tokens in self.token_buckets:
-            requests = 1
-            while True:
+            for requests in request_buckets(self.max_requests):
                 for hashed in (False, True):
-                    bucket = PrefillBucket(tokens=tokens, requests=min(requests, self.max_requests),
-                                           table_width=self.table_width, hashed=hashed)
+                    bucket = PrefillBucket(tokens=tokens, requests=requests, table_width=self.table_width, hashed=hashed)
                     if bucket not in self._graphs:
                         self._capture(bucket)
-                if requests >= self.max_requests:
-                    break
-                requests *= 2
 
     def run(self, chunks: Sequence[Chunk], *, hashed: bool) -> list[int]:
         """Write the chunks' cache entries; with ``hashed``, each chunk's row hash (its last token's), in chunk

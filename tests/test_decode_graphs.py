@@ -10,14 +10,15 @@ import torch
 
 from kvcache import BlockLayout, CacheFamily, CachePool
 from model import ModelConfig
-from model.decode_graphs import bucket_size
-from model.prefill_graphs import PrefillBucket, PrefillStepGraph, token_buckets
+from model.graph_capture import bucket_size, request_buckets
+from model.prefill_graphs import PrefillBucket, PrefillStepGraph, prefill_bucket, token_buckets
 from model.batch import build_batch
 from model.engine import Engine, PrefillJob
 
 
 def test_buckets_are_the_next_power_of_two():
     assert [bucket_size(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 64)] == [1, 1, 2, 4, 4, 8, 16, 32, 64]
+    assert [request_buckets(n) for n in (1, 2, 5, 16)] == [[1], [1, 2], [1, 2, 4, 5], [1, 2, 4, 8, 16]]
 
 
 @pytest.mark.parametrize("family", list(CacheFamily), ids=lambda f: f.value)
@@ -117,3 +118,19 @@ def test_prefill_token_buckets_are_powers_of_two_up_to_the_step():
     assert token_buckets(2048) == [256, 512, 1024, 2048]
     assert token_buckets(1000) == [256, 512, 1000]
     assert token_buckets(96) == [96]
+
+
+def test_a_prefill_step_replays_the_smallest_bucket_that_holds_it_with_a_request_for_its_padding():
+    def bucket(*sizes: int, blocks: int = 1) -> PrefillBucket | None:
+        chunks = [([1] * n, 0, list(range(blocks)), 0) for n in sizes]
+        return prefill_bucket(chunks, [256, 512, 1024, 2048], max_requests=4, block_size=256, min_width=2,
+                              hashed=True)
+
+    assert bucket(2048) == PrefillBucket(tokens=2048, requests=1, table_width=8, hashed=True)  # 8 blocks' positions
+    assert bucket(100) == PrefillBucket(tokens=256, requests=2, table_width=2, hashed=True)  # + the padding request
+    assert bucket(300, 200, 12) == PrefillBucket(tokens=512, requests=4, table_width=2, hashed=True)  # no padding
+    assert bucket(300, 200, 13) == PrefillBucket(tokens=1024, requests=4, table_width=2, hashed=True)
+    assert bucket(512, 512, 512, 512) == PrefillBucket(tokens=2048, requests=4, table_width=2, hashed=True)
+    assert bucket(100, 100, 100, 100) is None  # the padding would be a fifth request
+    assert bucket(2049) is None and bucket() is None
+    assert bucket(10, blocks=5).table_width == 8
