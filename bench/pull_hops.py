@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from connector.shared.hops import HOPS
+from connector import HOPS
 
 
 def hop_offsets(starts: dict[str, float], *stamps: dict[str, dict[str, float]]) -> dict[str, float]:

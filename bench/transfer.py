@@ -37,8 +37,7 @@ from bench.plotting import pyplot, wrote
 from bench.pull_hops import hop_lines, hop_offsets
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from bench.ucxx_baseline import ucxx_tag_gbps
-from connector.shared.hops import HopRecorder
-from connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
+from connector import (UCX_NO_SHARED_MEMORY, HopRecorder, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
                        PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
 from runtime import GrpcServer

@@ -47,7 +47,8 @@ daemon's host; ``dial_host`` and ``dial_target``: the address a local client dia
 it), ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token);
 a grant's ring is a ``RingRange``. ``prefill_api``: the PrefillService wire format, for tests and tools
 that speak it directly. ``MAX_ID_CHARS`` and ``MAX_DCP_RANKS``: the longest engine id and the most
-DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start).
+DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start). ``HopRecorder`` and
+``HOPS``: a UCX pull's hop stamps on both nodes, for the transfer bench (off unless recorded).
 """
 
 from connector import prefill_api
@@ -58,6 +59,7 @@ from connector.shared.dcp_plan import dcp_transfer_bytes
 from connector.decode.connector import DecodeConnector
 from connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from connector.shared.errors import CacheExhaustedError, EngineUnavailable, StatusError, status_of
+from connector.shared.hops import HOPS, HopRecorder
 from connector.shared.hosts import dial_host, dial_target
 from connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from connector.decode.landed import LandedRequest
@@ -71,7 +73,7 @@ from connector.shared.ucx_host import bind_ucx_options
 from connector.shared.wire import Transport
 
 __all__ = [
-    "MAX_DCP_RANKS", "MAX_ID_CHARS", "BearerTokenInterceptor", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
+    "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "BearerTokenInterceptor", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
     "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
