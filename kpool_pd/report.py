@@ -7,6 +7,7 @@ import json
 import statistics
 
 from kpool_pd.client import RequestFailed
+from kpool_pd.decode_stats import DecodeSteps
 from model.colocated import RequestResult
 
 
@@ -45,11 +46,12 @@ def table(results: list[RequestResult | RequestFailed]) -> str:
 
 def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: float, model: dict,
             transport: str, tls: bool = False, reference: list[RequestResult] | None = None,
-            data_plane_encrypted: bool | None = None, devices: tuple[str, str] | None = None, dcp: int = 1) -> dict:
+            data_plane_encrypted: bool | None = None, devices: tuple[str, str] | None = None, dcp: int = 1,
+            decode_steps: DecodeSteps | None = None) -> dict:
     """The run's summary. ``tls``: the connections were TLS; ``data_plane_encrypted``: the cache
     bytes between the daemons were too (only over the gRPC stream with TLS: UCX has no encryption;
     None when there was no data plane or it is not known); ``devices``: (prefill, decode) devices;
-    ``dcp``: the decode instance's DCP ranks."""
+    ``dcp``: the decode instance's DCP ranks; ``decode_steps``: the decode daemon's steps during the run."""
     ok = [r for r in results if isinstance(r, RequestResult)]
     tokens = sum(len(r.tokens) for r in ok)
     out = {
@@ -70,6 +72,9 @@ def summary(results: list[RequestResult | RequestFailed], *, mode: str, wall_s: 
         out["prefill_device"], out["decode_device"] = devices
     if dcp > 1:
         out["dcp"] = dcp
+    if decode_steps is not None:
+        out["decode_steps"] = {"steps": decode_steps.steps, "seconds": round(decode_steps.seconds, 3),
+                               "requests": decode_steps.requests}
     if reference is not None:
         by_id = {r.request_id: r for r in reference}
         out["colocated_match"] = sum(
@@ -103,6 +108,8 @@ def summary_text(s: dict) -> str:
         lines.append(f"  moved {_mib(s['transfer_bytes'])}, mean transfer {s['transfer_ms_mean']:.2f} ms a request "
                      f"(moving its bytes); the first token waited {s['exposed_transfer_ms_mean']:.2f} ms after the "
                      f"prefill for the last byte (exposed); mean prefill {s['prefill_ms_mean']:.2f} ms{where}")
+    if "decode_steps" in s:
+        lines.append("  " + DecodeSteps(**s["decode_steps"]).describe(s["wall_s"]))
     if "colocated_match" in s:
         lines.append(f"  colocated reference: {s['colocated_match']}/{s['ok']} requests match byte for byte "
                      f"(output and state digests)")

@@ -29,6 +29,7 @@ import torch
 from connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_stats import DecodeSteps, read_decode_steps
 from runtime.launch import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, plural, summary, summary_text, table
 from kvcache import DcpConfig
@@ -67,6 +68,15 @@ def placement(device: str, dcp: int = 1) -> tuple[str, str]:
 
 def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _decode_steps(metrics_url: str) -> DecodeSteps | None:
+    """The decode daemon's step totals now; None, with a warning saying why, where its metrics cannot be read."""
+    try:
+        return read_decode_steps(metrics_url)
+    except (OSError, ValueError) as exc:
+        _progress(f"warning: the decode daemon's step metrics are not readable ({exc}): no decode step line")
+        return None
 
 
 class Teardown:
@@ -242,10 +252,14 @@ def run_up(args) -> int:
                               f"after {time.perf_counter() - t0:.1f} s")
                     _progress(f"sending {plural(len(requests), 'request')} of {args.prompt_len} prompt tokens, "
                               f"{args.max_tokens} output tokens each ...")
+                    metrics_url = f"http://127.0.0.1:{decode.metrics_port}/metrics"
+                    steps_before = _decode_steps(metrics_url)
                     started = time.perf_counter()
                     results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, token=client_token,
                                                        tls=tls, on_done=on_done))
                     wall = time.perf_counter() - started
+                    steps_after = _decode_steps(metrics_url)
+                    steps = steps_after.since(steps_before) if steps_before and steps_after else None
                     _progress("stopping the daemons ...")
             except DaemonError as exc:
                 _progress(f"error: {exc}")
@@ -255,7 +269,8 @@ def run_up(args) -> int:
     described = config.describe() | {"prefill_block_size": prefill_config.cache.block_size}
     report = summary(results, mode="pd", wall_s=wall, model=described, devices=(prefill_device, decode_device),
                      transport=args.transport, tls=args.tls, reference=reference,
-                     data_plane_encrypted=bool(args.tls) and args.transport == "grpc", dcp=args.dcp)
+                     data_plane_encrypted=bool(args.tls) and args.transport == "grpc", dcp=args.dcp,
+                     decode_steps=steps)
     _print(args, results, report)
     return 0 if report["failed"] == 0 and report["colocated_match"] == report["ok"] else 1
 
