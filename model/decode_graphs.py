@@ -31,7 +31,6 @@ from model.graph_capture import Chunk, PackedInput, bucket_size, capture, padded
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class DecodeBucket:
     requests: int
