@@ -219,11 +219,15 @@ def test_a_decode_node_rolled_under_load_finishes_what_it_admitted_and_sends_cli
                         if len(results) >= 4 and not signalled.is_set():
                             await signalled.wait()
 
+                workers = [asyncio.ensure_future(worker()) for _ in range(LOAD_WORKERS)]
+                await until(lambda: _true(len(results) >= 4), "load on both daemons", DEADLINE_S)
+                # the long request starts once the load is on, and the signal follows its admission at once: it
+                # decodes for a second or more, so it is in flight when the daemon is told to stop (were it
+                # started with the load, it could finish before the load's first results on a loaded machine)
                 long_events: list[str] = []
                 long_call = asyncio.ensure_future(_generate(api.GenerateServiceStub(direct), long, long_events))
-                workers = [asyncio.ensure_future(worker()) for _ in range(LOAD_WORKERS)]
-                await until(lambda: _true(len(results) >= 4 and long_events == ["started"]),
-                            "load on both daemons and the long request admitted", DEADLINE_S)
+                await until(lambda: _true(long_events == ["started"]), "the long request admitted", DEADLINE_S,
+                            period_s=0.005)
                 assert not long_call.done() and _gauge(rolled.metrics_port, "kpoolpd_decode_running") >= 1
                 rolled.signal(signal.SIGTERM)  # what the kubelet sends once the preStop hook is done
                 draining_since = time.monotonic()
