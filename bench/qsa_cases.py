@@ -7,7 +7,7 @@ import torch
 from bench.timing import BenchCase, Prepared
 from kernels import build_qsa_metadata, qsa_forward_update
 from kernels.qsa_rope import RopeCache
-from kernels.qsa_update.launch import CompressGrid, UpdateLaunch
+from kernels.qsa_update.launch import UpdateLaunch
 from kernels.qsa_update.triton import qsa_forward_update_triton
 from kvcache import INDEX_HEAD_DIM, CacheConfig, CacheFamily, qsa_ring_capacity
 
@@ -76,17 +76,11 @@ def make_qsa_update(requests: int = 64, q_len: int = 4096, r: int = 4, heads: in
     return make
 
 
-WORK, TOKENS = CompressGrid.WORK, CompressGrid.TOKENS
-QSA_DECODE_VARIANTS = (UpdateLaunch(grid=TOKENS, block=1, num_warps=1),
-                       UpdateLaunch(grid=TOKENS, block=1, num_warps=2),
-                       UpdateLaunch(grid=TOKENS, block=2, num_warps=1),
-                       UpdateLaunch(grid=WORK, block=1, num_warps=1),
-                       UpdateLaunch(grid=WORK, block=1, num_warps=2),
-                       UpdateLaunch(grid=WORK, block=1, num_warps=1, pdl=False),
-                       UpdateLaunch(grid=WORK, block=1, num_warps=1, paired=False))
-QSA_PREFILL_VARIANTS = tuple(UpdateLaunch(grid=WORK, block=block, num_warps=warps) for block, warps in
+QSA_DECODE_VARIANTS = (UpdateLaunch(block=1, num_warps=1), UpdateLaunch(block=1, num_warps=2),
+                       UpdateLaunch(block=1, num_warps=1, pdl=False), UpdateLaunch(block=1, num_warps=1, paired=False))
+QSA_PREFILL_VARIANTS = tuple(UpdateLaunch(block=block, num_warps=warps) for block, warps in
                              ((2, 1), (1, 1), (4, 1), (2, 2), (4, 2), (1, 2))) + (
-                                 UpdateLaunch(grid=WORK, block=2, num_warps=1, paired=False),)
+                                 UpdateLaunch(block=2, num_warps=1, paired=False),)
 TABLE_NOTE = "cos/sin table of 2**20 positions"
 
 QSA_CASES: list[BenchCase] = [

@@ -26,21 +26,16 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.arguments import bench_parser, count  # noqa: E402
-from bench.qsa_cases import POSITION_RANGE, qsa_batch  # noqa: E402
+from bench.qsa_cases import POSITION_RANGE, QSA_DECODE_VARIANTS, qsa_batch  # noqa: E402
 from bench.timing import L2_BYTES, time_graph  # noqa: E402
 from kernels import build_qsa_metadata, qsa_forward_update  # noqa: E402
 from kernels.qsa_rope import RopeCache  # noqa: E402
 from kernels.qsa_update import ref as update_ref  # noqa: E402
-from kernels.qsa_update.launch import CompressGrid, UpdateLaunch  # noqa: E402
 from kernels.qsa_update.triton import qsa_forward_update_triton  # noqa: E402
 from kvcache import INDEX_HEAD_DIM, qsa_ring_capacity  # noqa: E402
 
 TARGET_US = 10.0
-CANDIDATES = (UpdateLaunch(grid=CompressGrid.TOKENS, block=1, num_warps=1),
-              UpdateLaunch(grid=CompressGrid.TOKENS, block=1, num_warps=2),
-              UpdateLaunch(grid=CompressGrid.TOKENS, block=2, num_warps=1),
-              UpdateLaunch(grid=CompressGrid.TOKENS, block=1, num_warps=4),
-              UpdateLaunch(grid=CompressGrid.WORK, block=1, num_warps=1))  # the last: the launch before the grids
+CANDIDATES = QSA_DECODE_VARIANTS  # bench/kernels.py's launch variants of the same case
 ROPE = dict(rotary_dim=64, theta=10000.0, section=(12, 10, 10))
 
 

@@ -1,11 +1,11 @@
-"""The forward update's launches (kernels.qsa_update.launch): every grid and size writes the reference's bytes.
+"""The forward update's launches (kernels.qsa_update.launch): every size writes the reference's bytes.
 
 Each body runs the Triton update with one ``UpdateLaunch`` and the torch reference on the same inputs (the
 interpreter here, compiled through tests/gpu/test_qsa_gpu.py) and compares every byte of the pool. The batch has
 a decode-like request whose group straddles the chunk (its older keys and first position in the ring), a
 single-token request, a request without tokens, and a chunk longer than the ring whose straddling group's last
-token has no ring slot (the token grid then finds the ring from ``ring_blocks``). The RopeCache is the doctored
-one of tests/test_qsa_triton.py holding every position drawn, so the interpreter's rows are exact too.
+token has no ring slot. The RopeCache is the doctored one of tests/test_qsa_triton.py holding every position
+drawn, so the interpreter's rows are exact too.
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ import torch
 
 from kernels import build_qsa_metadata
 from kernels.qsa_update import ref as update_ref
-from kernels.qsa_update.launch import CompressGrid, UpdateLaunch, default_update_launch
+from kernels.qsa_update.launch import UpdateLaunch, default_update_launch
 from kernels.qsa_update.triton import qsa_forward_update_triton
 from kvcache import BlockOrder, CacheDtype
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 from tests.test_qsa_triton import ROPE, TABLE_POSITIONS, qsa_pool, table_for
 
-LAUNCHES = [UpdateLaunch(grid=CompressGrid.WORK, block=1, num_warps=1),
-            UpdateLaunch(grid=CompressGrid.WORK, block=4, num_warps=4),
-            UpdateLaunch(grid=CompressGrid.TOKENS, block=1, num_warps=1),
-            UpdateLaunch(grid=CompressGrid.TOKENS, block=4, num_warps=2),
-            UpdateLaunch(grid=CompressGrid.TOKENS, block=2, num_warps=1, paired=False)]  # falls back to WORK
+LAUNCHES = [UpdateLaunch(block=1, num_warps=1), UpdateLaunch(block=4, num_warps=4), UpdateLaunch(block=4, num_warps=2),
+            UpdateLaunch(block=2, num_warps=1, paired=False), UpdateLaunch(block=1, num_warps=1, pdl=False)]
 
 
 @pytest.fixture
@@ -75,10 +72,8 @@ def test_every_launch_writes_the_reference_bytes(backend, launch, dtype, heads, 
     assert differ == 0, f"{differ} bytes of the compressed rows differ ({launch.label})"
 
 
-def test_the_default_launch_is_the_work_grid():
-    """The measured faster grid on the H200 (``default_update_launch``'s docstring); TOKENS is a caller's choice."""
-    assert default_update_launch(max_work=45, device=torch.device("cpu")) == UpdateLaunch(grid=CompressGrid.WORK,
-                                                                                          block=4, num_warps=4)
+def test_the_default_launch_on_the_cpu():
+    assert default_update_launch(max_work=45, device=torch.device("cpu")) == UpdateLaunch(block=4, num_warps=4)
 
 
 def test_launch_options_are_checked():
@@ -86,5 +81,3 @@ def test_launch_options_are_checked():
         UpdateLaunch(block=3)
     with pytest.raises(ValueError, match="num_warps must be one of"):
         UpdateLaunch(num_warps=3)
-    with pytest.raises(TypeError, match="grid must be a CompressGrid"):
-        UpdateLaunch(grid="tokens")

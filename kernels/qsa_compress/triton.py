@@ -188,49 +188,22 @@ def compress_tile(k_ptr, ring_ptr, w_ptr, key_row0, key_step, ring_row0, ring_st
     cols = tl.arange(0, D_P2)
     x = _pooled(k_ptr, ring_ptr, cols, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap, live,
                 ROWS, R, D, D_P2, FROM_RING)
+    mean_square = tl.math.div_rn(pairwise_total(x * x, ROWS, D_P2, LOG_D), tl.full((ROWS,), D, tl.float32))
+    inv_rms = tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.math.sqrt_rn(mean_square + eps))
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
     if PAIRED:
-        y = norm_rope_paired(x, w, cos, sin, eps, ROWS, D, D_P2, LOG_D, ROT)
+        x = round_to_bf16((x * inv_rms[:, None]) * (1.0 + w)[None, :])
+        xp = _halves_swapped(x, ROWS, D_P2, ROT)
     else:
-        inv_rms = _inv_rms(x, eps, ROWS, D, D_P2, LOG_D)
         partner = tl.where(cols < HALF, cols + HALF, tl.where(cols < ROT, cols - HALF, cols))
         xp = _pooled(k_ptr, ring_ptr, partner, key_row0, key_step, ring_row0, ring_step, pos0, first_fresh, cap,
                      live, ROWS, R, D, D_P2, FROM_RING)
         wp = tl.load(w_ptr + partner, mask=partner < D, other=0.0)
         x = round_to_bf16((x * inv_rms[:, None]) * (1.0 + w)[None, :])
         xp = round_to_bf16((xp * inv_rms[:, None]) * (1.0 + wp)[None, :])
-        y = _rotated(x, xp, cos, sin, D_P2, ROT)
-    return y
-
-
-@triton.jit
-def _inv_rms(x, eps, ROWS: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, LOG_D: tl.constexpr):
-    """1 / sqrt(mean of squares + eps) per row, the reference's way. # x: [ROWS, D_P2] fp32 -> [ROWS]"""
-    mean_square = tl.math.div_rn(pairwise_total(x * x, ROWS, D_P2, LOG_D), tl.full((ROWS,), D, tl.float32))
-    return tl.math.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.math.sqrt_rn(mean_square + eps))
-
-
-@triton.jit
-def _rotated(x, xp, cos, sin, D_P2: tl.constexpr, ROT: tl.constexpr):
-    """The rotary of normed rows x given their partners xp; columns past ROT unchanged.
-    # x, xp, cos, sin: [ROWS, D_P2] fp32 -> [ROWS, D_P2] fp32"""
-    HALF: tl.constexpr = ROT // 2
-    cols = tl.arange(0, D_P2)
     first_half = (x * cos) - (xp * sin)
     second_half = (x * cos) + (xp * sin)
     return tl.where((cols < HALF)[None, :], first_half, tl.where((cols < ROT)[None, :], second_half, x))
-
-
-@triton.jit
-def norm_rope_paired(x, w, cos, sin, eps, ROWS: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                     LOG_D: tl.constexpr, ROT: tl.constexpr):
-    """RMSNorm (weight 1 + w) then the rotary of pooled rows, the partner by swapping the normed halves (ROT a
-    power of two dividing D_P2, ``rope_pairs_fit``). # x: [ROWS, D_P2] fp32 (0 past D); w: [D_P2] fp32 (0 past D);
-    cos, sin: [ROWS, D_P2] fp32 -> [ROWS, D_P2] fp32"""
-    inv_rms = _inv_rms(x, eps, ROWS, D, D_P2, LOG_D)
-    x = round_to_bf16((x * inv_rms[:, None]) * (1.0 + w)[None, :])
-    xp = _halves_swapped(x, ROWS, D_P2, ROT)
-    return _rotated(x, xp, cos, sin, D_P2, ROT)
 
 
 def rope_pairs_fit(rotary_dim: int, head_size: int) -> bool:

@@ -25,17 +25,6 @@ _UNITS = ((4, torch.int64), (2, torch.int32), (1, torch.int16))  # bf16 elements
 
 
 @triton.jit
-def ring_position(ring_ptr, row, axis: tl.constexpr, live):
-    """int64 MRoPE position ``axis`` packed at ring element offset ``row`` (4 int16 words, little end first).
-    # ring: int16 view; row: [N] int64 element offsets of the packed positions; live: [N] bool -> [N] int64"""
-    value = tl.zeros(row.shape, tl.int64)
-    for k in tl.static_range(4):
-        word = tl.load(ring_ptr + row + axis * 4 + k, mask=live, other=0)
-        value = value | ((word.to(tl.int64) & 0xFFFF) << (16 * k))
-    return value
-
-
-@triton.jit
 def write_ring_rows(ring_ptr, keys_ptr, pos_ptr, tok, slot, write, heads, ring_stride, slot_stride, head_stride,
                     key_tok_stride, key_head_stride, CAP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                     ZEROS: tl.constexpr, ZEROS_P2: tl.constexpr, OFF: tl.constexpr, P: tl.constexpr,

@@ -4,13 +4,13 @@ Two launches on one stream, in this order, so every ring read of the first prece
 write of the second (the straddling group's older keys, and its first position, can live in rows
 that this forward's last C tokens overwrite; see ``ref.py``):
 
-1. the compression, on one of two grids that write the same bytes (``launch.py``; ``token_grid.py`` holds the
-   grid over tokens that a decode step takes). The grid over ``k_work`` (its static size ``max_work``; items
-   past ``num_work``, read on the device together with the items, do nothing): each program compresses
-   BLOCK_W groups, slot by slot from this forward's keys or, for positions before the chunk, from the
-   request's ring; the group's first MRoPE position comes from ``positions``, the ring's packed positions,
-   or ``(p, p, p)``; its cos/sin from the ``RopeCache`` where one is given and holds the position, else
-   computed; the row goes to the slot that the group's last token carries in ``compressed_slot_mapping``;
+1. grid over ``k_work`` (its static size ``max_work``; items past ``num_work``, read on the device
+   together with the items, do nothing): each program compresses BLOCK_W groups, slot by slot from
+   this forward's keys or, for positions before the chunk, from the request's ring; the group's first
+   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; its cos/sin
+   from the ``RopeCache`` where one is given and holds the position, else computed; the row goes to
+   the slot that the group's last token carries in ``compressed_slot_mapping`` (launch options:
+   ``launch.py``);
 2. the ring write of ``kernels.qsa_ring`` over ``ring_slot_mapping``: over every token while the
    forward has at most requests x C of them (a decode step), else over each request's last C tokens
    alone (the only ones the metadata gives a slot: a prefill's other tokens need no program).
@@ -37,12 +37,21 @@ from kernels.dispatch import interpreting
 from kernels.qsa_compress.triton import (compress_tile, inv_freq_table, rope_cache_args, rope_cos_sin,
                                          rope_pairs_fit)
 from kernels.qsa_metadata.ref import QsaMetadata
-from kernels.qsa_ring.triton import ring_position, write_qsa_ring_triton
-from kernels.qsa_update.launch import CompressGrid, UpdateLaunch, default_update_launch
-from kernels.qsa_update.token_grid import compress_by_token_kernel, token_grid
+from kernels.qsa_ring.triton import write_qsa_ring_triton
+from kernels.qsa_update.launch import UpdateLaunch, default_update_launch
 from kernels.qsa_rope.cache import RopeCache
 from kernels.triton_helpers import (f32_to_bf16_bits, f32_to_e4m3_bits, gdc_launch_dependents, gdc_wait,
                                     launch_options, pdl_available)
+
+
+@triton.jit
+def _ring_position(ring_ptr, row, axis: tl.constexpr, live):
+    """int64 MRoPE position ``axis`` packed at ring element offset ``row`` (4 int16 words, little end first)."""
+    value = tl.zeros(row.shape, tl.int64)
+    for k in tl.static_range(4):
+        word = tl.load(ring_ptr + row + axis * 4 + k, mask=live, other=0)
+        value = value | ((word.to(tl.int64) & 0xFFFF) << (16 * k))
+    return value
 
 
 @triton.jit
@@ -83,9 +92,9 @@ def _update_compress_kernel(
     old = live & (pos0 < start)
     if ROPE_CACHED:
         packed = tl.where(old, ring_row0 + (pos0 % CAP) * slot_stride + OFF, 0)
-        first_t = tl.where(old, ring_position(ring_ptr, packed, 0, old), first_t)
-        first_h = tl.where(old, ring_position(ring_ptr, packed, 1, old), first_h)
-        first_w = tl.where(old, ring_position(ring_ptr, packed, 2, old), first_w)
+        first_t = tl.where(old, _ring_position(ring_ptr, packed, 0, old), first_t)
+        first_h = tl.where(old, _ring_position(ring_ptr, packed, 1, old), first_h)
+        first_w = tl.where(old, _ring_position(ring_ptr, packed, 2, old), first_w)
     else:
         first_t = tl.where(old, pos0, first_t)
         first_h = tl.where(old, pos0, first_h)
@@ -114,7 +123,7 @@ def qsa_forward_update_triton(
     norm_weight: torch.Tensor, *, eps: float, rotary_dim: int, theta: float, section: tuple[int, int, int],
     cache_rope_positions: bool, rope_cache: RopeCache | None = None, launch: UpdateLaunch | None = None,
 ) -> None:
-    """``launch``: the compression's grid and launch options (``kernels.qsa_update.launch``); None takes
+    """``launch``: the compression's launch options (``kernels.qsa_update.launch``); None takes
     ``default_update_launch``. Every launch writes the same bytes.
 
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
@@ -127,7 +136,6 @@ def qsa_forward_update_triton(
     max_work = metadata.k_work.shape[0]
     assert keys.stride(2) == 1 and ring.stride(3) == 1 and compressed.stride(3) == 1, "rows must be contiguous"
     assert metadata.k_work.is_contiguous() and metadata.compressed_slot_mapping.is_contiguous()
-    pairs_fit = rope_pairs_fit(rotary_dim, head_size)
     if launch is None:
         launch = default_update_launch(max_work=max_work, device=keys.device)
     pdl = launch.pdl and keys.is_cuda and pdl_available()
@@ -135,33 +143,19 @@ def qsa_forward_update_triton(
         fp8 = compressed.dtype == torch.float8_e4m3fn
         d_p2 = triton.next_power_of_2(head_size)
         inv_freq = inv_freq_table(rotary_dim, theta, keys.device)
-        paired = launch.paired and pairs_fit
-        common = dict(ROWS_PER_BLOCK=metadata.rows_per_block, CAP=metadata.ring_capacity, R=metadata.compress_ratio,
-                      D=head_size, D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim, S1=section[1],
-                      S2=section[2], OFF=ring.shape[3] - 12 if cache_rope_positions else 0,
-                      ROPE_CACHED=cache_rope_positions, FP8=fp8, PRECISE=not interpreting(),
-                      TABLE=rope_cache is not None, PDL=pdl, num_warps=launch.num_warps, **launch_options(),
-                      **({"launch_pdl": True} if pdl else {}))
-        strides = (keys.stride(0), keys.stride(1), ring.stride(0), ring.stride(1), ring.stride(2), compressed.stride(0),
-                   compressed.stride(1), compressed.stride(2), compressed.shape[0] * metadata.rows_per_block)
-        comp_bits = compressed.view(torch.uint8 if fp8 else torch.int16)
-        if launch.grid is CompressGrid.TOKENS and paired:
-            assert metadata.token_to_req.is_contiguous() and metadata.logical_positions.is_contiguous()
-            assert metadata.ring_slot_mapping.is_contiguous() and metadata.token_to_req.shape[0] == num_tokens
-            compress_by_token_kernel[token_grid(num_tokens, heads, launch.block)](
-                keys.view(torch.int16), positions.contiguous(), metadata.token_to_req, metadata.logical_positions,
-                metadata.ring_slot_mapping, metadata.compressed_slot_mapping, metadata.ring_blocks,
-                ring.view(torch.int16), comp_bits, norm_weight.contiguous(), inv_freq,
-                *rope_cache_args(rope_cache, inv_freq), num_tokens, *strides, float(eps),
-                R_P2=triton.next_power_of_2(metadata.compress_ratio), BLOCK_T=launch.block, **common,
-            )
-        else:
-            _update_compress_kernel[(triton.cdiv(max_work, launch.block),)](
-                keys.view(torch.int16), positions.contiguous(), metadata.query_start_loc, metadata.seq_lens,
-                metadata.ring_blocks, metadata.k_work, metadata.num_work, metadata.compressed_slot_mapping,
-                ring.view(torch.int16), comp_bits, norm_weight.contiguous(), inv_freq,
-                *rope_cache_args(rope_cache, inv_freq), heads, max_work, *strides, float(eps), PAIRED=paired,
-                BLOCK_W=launch.block, **common,
-            )
+        _update_compress_kernel[(triton.cdiv(max_work, launch.block),)](
+            keys.view(torch.int16), positions.contiguous(), metadata.query_start_loc, metadata.seq_lens,
+            metadata.ring_blocks, metadata.k_work, metadata.num_work, metadata.compressed_slot_mapping,
+            ring.view(torch.int16), compressed.view(torch.uint8 if fp8 else torch.int16), norm_weight.contiguous(),
+            inv_freq, *rope_cache_args(rope_cache, inv_freq), heads, max_work, keys.stride(0), keys.stride(1),
+            ring.stride(0), ring.stride(1), ring.stride(2), compressed.stride(0), compressed.stride(1),
+            compressed.stride(2), compressed.shape[0] * metadata.rows_per_block, float(eps),
+            ROWS_PER_BLOCK=metadata.rows_per_block, CAP=metadata.ring_capacity, R=metadata.compress_ratio, D=head_size,
+            D_P2=d_p2, LOG_D=d_p2.bit_length() - 1, ROT=rotary_dim,
+            PAIRED=launch.paired and rope_pairs_fit(rotary_dim, head_size), S1=section[1], S2=section[2],
+            OFF=ring.shape[3] - 12 if cache_rope_positions else 0, ROPE_CACHED=cache_rope_positions, FP8=fp8,
+            BLOCK_W=launch.block, PRECISE=not interpreting(), TABLE=rope_cache is not None, PDL=pdl,
+            num_warps=launch.num_warps, **launch_options(), **({"launch_pdl": True} if pdl else {}),
+        )
     write_qsa_ring_triton(ring, keys, positions if cache_rope_positions else None, metadata.ring_slot_mapping,
                           pdl=pdl, query_start_loc=metadata.query_start_loc, after_update=max_work > 0)
