@@ -6,6 +6,8 @@ caller gets fixed-width bytes per query row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import write_mla_rows
@@ -111,3 +113,48 @@ def open_group_positions(seq_lens: torch.Tensor, group: int) -> torch.Tensor:
     seq = seq_lens.to(torch.int64)[:, None]
     pos = seq // group * group + torch.arange(max(group - 1, 0), device=seq_lens.device)[None]
     return torch.where(pos < seq, pos, -1)
+
+
+def layer_stack(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every layer's view of one cache field as one strided view, layer first (no copy): a layout puts the
+    layers' pages a constant distance apart, so their views share shape, strides, dtype and storage and
+    their offsets step evenly. ValueError where they do not.
+
+    # views: L x [*S] -> [L, *S]
+    """
+    if not views:
+        raise ValueError("layer_stack needs at least one layer's view")
+    first = views[0]
+    offsets = [v.storage_offset() for v in views]
+    step = offsets[1] - offsets[0] if len(views) > 1 else 0
+    for layer, view in enumerate(views):
+        if (view.shape, view.stride(), view.dtype) != (first.shape, first.stride(), first.dtype) \
+                or view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or offsets[layer] != offsets[0] + layer * step:
+            raise ValueError(f"layer {layer}'s view ({view.dtype} {list(view.shape)}, strides {view.stride()}, offset "
+                             f"{offsets[layer]}) does not continue layer 0's ({first.dtype} {list(first.shape)}, "
+                             f"strides {first.stride()}, offsets stepping {step})")
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])
+
+
+def request_ring_rows(pool: CachePool, ring_id: int, length: int) -> torch.Tensor:
+    """Every layer's ring rows of the open pool (group) of a request of ``length`` tokens, in position order:
+    ``read_ring_rows`` of each layer at once.
+
+    # -> [L, length - open_entry_start(length), ring_row_bytes] uint8
+    """
+    config = pool.config
+    positions = torch.arange(config.open_entry_start(length), length, device=pool.device)
+    rows = layer_stack([layer_ring_rows(pool, layer) for layer in range(len(pool.layout.layers))])
+    return rows[:, ring_id, positions % rows.shape[2]]
+
+
+def request_mla_rows(pool: CachePool, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Every layer's MLA bytes of positions [0, length) of a request whose block table is ``table``.
+
+    # table: [>= ceil(length / block_size)] int64 -> [L, length, H, E] uint8
+    """
+    block_size = pool.config.block_size
+    positions = torch.arange(length, device=pool.device)
+    mla = layer_stack([pool.mla(layer) for layer in range(len(pool.layout.layers))])
+    return mla[:, table[positions // block_size], positions % block_size]

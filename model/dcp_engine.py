@@ -20,7 +20,7 @@ import torch
 
 from kvcache import FP8_ENTRY_BYTES, CachePool, DcpConfig, DcpShard
 from model.batch import ForwardBatch
-from model.cache_io import open_positions, read_ring_rows
+from model.cache_io import request_ring_rows
 from model.config import ModelConfig
 from model.dcp_group import DcpGroup
 from model.dcp_kpool import DcpKpoolFamily
@@ -107,12 +107,7 @@ class DcpEngine(Engine):
         sha = hashlib.sha256()
         for layer in range(layers):
             sha.update(entries[layer].numpy().tobytes())
-        cache = self.pool.config
-        open_pos = open_positions(cache, torch.tensor([length], device=self.device))
-        ring = torch.tensor([ring_id], device=self.device)
-        for layer in range(layers):
-            rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
-            sha.update(rows.cpu().numpy().tobytes())
+        sha.update(request_ring_rows(self.pool, ring_id, length).cpu().numpy().tobytes())  # layer by layer
         for layer in range(layers):
             sha.update(mla[layer].numpy().tobytes())
         return sha.hexdigest()

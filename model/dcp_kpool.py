@@ -141,7 +141,3 @@ class DcpKpoolFamily(KpoolFamily):
         q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
                                       self._slots(table, pools)[0], dequantize=False)
         return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1).cpu()
-
-    def entries(self, layer: int, block_ids: list[int], length: int) -> bytes:
-        """``entry_rows`` as bytes."""
-        return self.entry_rows(layer, block_ids, length).numpy().tobytes()

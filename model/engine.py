@@ -27,7 +27,7 @@ import torch
 from kernels import write_mla_rows
 from kvcache import CacheFamily, CachePool
 from model.batch import ForwardBatch, build_batch
-from model.cache_io import mla_destinations, open_positions, read_ring_rows, write_mla
+from model.cache_io import mla_destinations, request_mla_rows, request_ring_rows, write_mla
 from model.config import ModelConfig
 from model.decode_graphs import DecodeGraphs
 from model.graph_capture import Chunk
@@ -335,17 +335,7 @@ class Engine:
 
         Only reads the request's blocks and ring, so it may run on another thread beside a step that does not
         write them (the decode daemon digests finished requests while the next steps run)."""
-        layers = range(self.config.num_layers)
-        parts = [self.family.entries(layer, list(block_ids), length) for layer in layers]
-        cache = self.pool.config
-        open_pos = open_positions(cache, torch.tensor([length], device=self.device))
-        ring = torch.tensor([ring_id], device=self.device)
-        for layer in layers:
-            rows = read_ring_rows(self.pool, layer, ring, open_pos[:, : length - cache.open_entry_start(length)])
-            parts.append(rows.reshape(-1))
-        block_size = self.config.cache.block_size
-        positions = torch.arange(length, device=self.device)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        blocks, offsets = table[positions // block_size], positions % block_size
-        parts += [self.pool.mla(layer)[blocks, offsets].reshape(-1) for layer in layers]
+        parts = [self.family.entries(table, length), request_ring_rows(self.pool, ring_id, length).reshape(-1),
+                 request_mla_rows(self.pool, table, length).reshape(-1)]
         return hashlib.sha256(torch.cat(parts).cpu().numpy()).hexdigest()

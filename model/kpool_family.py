@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries
+from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill
 from kernels.kpool_cache import pool_slots
 from kvcache import FP8_ENTRY_BYTES, CachePool
 from model.batch import ForwardBatch
-from model.cache_io import layer_ring_rows
+from model.cache_io import layer_ring_rows, layer_stack
 from model.config import ModelConfig
 from model.layer_hash import kpool_layer_hash
 from model.layer_hash.ref import kpool_features
@@ -100,13 +100,19 @@ class KpoolFamily:
         return kpool_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch, inputs), *self.layer_views(layer),
                                 kpool=self.kpool)
 
-    def entries(self, layer: int, block_ids: list[int], length: int) -> torch.Tensor:
-        """The fp8 entries (q bytes, then scale) of every complete pool in pool order, on the pool's device.
+    def entries(self, table: torch.Tensor, length: int) -> torch.Tensor:
+        """Every layer's fp8 entries (q bytes, then scale) of every complete pool of a request, layer by layer in
+        pool order, gathered at once on the pool's device.
 
-        # -> [complete pools * (128 + 4)] uint8
+        # table: [>= blocks of length] int64 (the request's blocks) -> [L * complete pools * (128 + 4)] uint8
         """
-        pools = torch.arange(self.cache.complete_entries(length), device=self.pool.device)[None]
-        table = torch.tensor([block_ids], dtype=torch.int32, device=self.pool.device)
-        q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
-                                      self._slots(table, pools)[0], dequantize=False)
-        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1).reshape(-1)
+        pools = torch.arange(self.cache.complete_entries(length), device=self.pool.device)
+        slots = self._slots(table[None], pools[None])[0]  # [P]
+        block, state = slots // self.states, slots % self.states
+        per_page = self.cache.family_spec.states_per_page
+        layers = range(self.config.num_layers)
+        where = (block, state // per_page, state % per_page)
+        q = layer_stack([self.pool.indexer_q(layer) for layer in layers])[(slice(None), *where)]  # [L, P, 128]
+        scale = layer_stack([self.pool.indexer_scale(layer) for layer in layers])[(slice(None), *where)]  # [L, P]
+        scale = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)
+        return torch.cat([q.view(torch.uint8), scale], dim=2).reshape(-1)

@@ -14,7 +14,7 @@ from kernels.qsa_score import qsa_topk
 from kernels.qsa_update import qsa_forward_update
 from kvcache import CachePool
 from model.batch import ForwardBatch
-from model.cache_io import layer_ring_rows
+from model.cache_io import layer_ring_rows, layer_stack
 from model.config import ModelConfig
 from model.layer_hash import qsa_layer_hash
 from model.layer_hash.ref import qsa_features
@@ -99,13 +99,14 @@ class QsaFamily:
         return qsa_layer_hash(acc, rule.hash_weights[layer], *self.select(layer, batch), *self.layer_views(layer),
                               compress_ratio=self.ratio)
 
-    def entries(self, layer: int, block_ids: list[int], length: int) -> torch.Tensor:
-        """The compressed rows of every complete group in group order, on the pool's device.
+    def entries(self, table: torch.Tensor, length: int) -> torch.Tensor:
+        """Every layer's compressed rows of every complete group of a request, layer by layer in group order,
+        gathered at once on the pool's device.
 
-        # -> [complete groups * row bytes] uint8
+        # table: [>= blocks of length] int64 (the request's blocks) -> [L * complete groups * row bytes] uint8
         """
         groups = torch.arange(self.cache.complete_entries(length), device=self.pool.device)
-        table = torch.tensor(block_ids, dtype=torch.int64, device=self.pool.device)
         blocks = table[groups * self.ratio // self.cache.block_size]
-        rows = self.pool.qsa_keys(layer)[blocks, groups % self.keys_spec.rows_per_block]
+        keys = layer_stack([self.pool.qsa_keys(layer) for layer in range(self.config.num_layers)])
+        rows = keys[:, blocks, groups % self.keys_spec.rows_per_block]  # [L, G, H, D]
         return rows.contiguous().view(torch.uint8).reshape(-1)
