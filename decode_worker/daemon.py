@@ -216,6 +216,7 @@ class DecodeNode:
             self._loop.cancel()
             await asyncio.gather(self._loop, return_exceptions=True)
             self._loop = None
+        self.scheduler.close()
         await self.router.close()
         await self.connector.close()
         if self._watch is not None:

@@ -30,6 +30,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -47,6 +48,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, gr
 # A pull failed so that this engine cannot pull from the node now (gone, timed out, or its engine id refused):
 # the router skips the node and handshakes again (presenting the engine's secret) at its next check.
 CANNOT_PULL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED)
+DIGEST_THREADS = 4  # finished requests digested at once, beside the steps
 
 
 class DecodeScheduler:
@@ -77,6 +79,10 @@ class DecodeScheduler:
         self._active: dict[str, Job] = {}
         self._running: list[Job] = []
         self._digests: set[asyncio.Task] = set()  # finished jobs being digested beside the steps
+        # The steps run on a thread of their own and the digests on a few others, not on the event loop's default
+        # executor: there a batch finishing at once queued its digests ahead of the next step.
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-step")
+        self._digester = ThreadPoolExecutor(max_workers=DIGEST_THREADS, thread_name_prefix="state-digest")
         self._admitted = 0
         self._wake = asyncio.Event()
         self.steps_run, self.step_seconds_total, self.own_transfer_bytes = 0, 0.0, 0  # this rank's, for DCP metrics
@@ -273,7 +279,7 @@ class DecodeScheduler:
         """A finished job's state digest on a worker thread (it reads only the job's blocks and ring, which it holds
         until then), then its Finished event and its release; the decode loop steps on meanwhile."""
         try:
-            digest = await asyncio.to_thread(self._digest, job)
+            digest = await asyncio.get_running_loop().run_in_executor(self._digester, self._digest, job)
         except Exception as exc:
             logger.exception("state digest of request %s failed", job.request_id)
             job.events.put_nowait(Failed(StatusError(grpc.StatusCode.INTERNAL, f"state digest failed: {exc}")))
@@ -300,7 +306,7 @@ class DecodeScheduler:
         if self.dcp is not None:
             self.start_decoding(job)
             return
-        digest = await asyncio.to_thread(self.engine.state_digest, job.seq.block_ids, job.seq.ring_id, job.seq.cached)
+        digest = await asyncio.get_running_loop().run_in_executor(self._digester, self._digest, job)
         job.events.put_nowait(self._finished_event(job, digest))
 
     async def run(self) -> None:
@@ -315,7 +321,7 @@ class DecodeScheduler:
                 continue
             batch = list(self._running)
             try:
-                step = asyncio.to_thread(self._step, batch)
+                step = asyncio.get_running_loop().run_in_executor(self._stepper, self._step, batch)
                 if self.dcp is None:
                     emitted, digests, seconds = await step
                 else:  # every rank steps the same batch at once
@@ -345,6 +351,11 @@ class DecodeScheduler:
                     digesting = asyncio.create_task(self._digest_and_finish(job), name=f"digest-{job.request_id}")
                     self._digests.add(digesting)
                     digesting.add_done_callback(self._digests.discard)
+
+    def close(self) -> None:
+        """Stop the step and digest threads once their work in hand is done (call after the decode loop ended)."""
+        self._stepper.shutdown(wait=False, cancel_futures=True)
+        self._digester.shutdown(wait=False, cancel_futures=True)
 
     # release ------------------------------------------------------------------------------
     def abandon(self, job: Job, outcome: str) -> None:

@@ -6,6 +6,7 @@ exit (done, failed pull, cancelled while decoding, failed step) frees what it ho
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -68,6 +69,7 @@ class Nodes:
         for task in (self.decode_loop, self.batch_loop):
             task.cancel()
         await asyncio.gather(self.decode_loop, self.batch_loop, return_exceptions=True)
+        self.scheduler.close()
         await self.router.close()
         await self.decode.close()
         await stop_prefill(self.server, self.prefill)
@@ -121,6 +123,30 @@ def test_a_request_is_one_allocation_of_the_scheduler_landed_in_by_the_pull_and_
             assert tuple(tokens) == reference.tokens and finished.num_tokens == len(reference.tokens)
             assert (finished.output_digest, finished.state_digest) == (reference.output_digest, reference.state_digest)
             assert nodes.sample("requests_total", outcome="ok") == 1 and nodes.sample("reserved_blocks") == 0
+    run(main())
+
+
+def test_steps_and_digests_do_not_wait_for_the_event_loops_default_executor():
+    """Every thread of the loop's default executor busy (other work of the process): the request is still
+    stepped to its end and digested."""
+    async def main():
+        async with Nodes() as nodes:
+            job = await nodes.fetched("busy", PROMPT, 12)
+            release = threading.Event()
+            loop = asyncio.get_running_loop()
+            busy = [loop.run_in_executor(None, release.wait, 120) for _ in range(64)]  # more than its threads
+            try:
+                nodes.scheduler.first_token_sent(job)
+                nodes.scheduler.start_decoding(job)
+                events = [await asyncio.wait_for(job.events.get(), 30)]
+                while not isinstance(events[-1], Finished):
+                    events.append(await asyncio.wait_for(job.events.get(), 30))
+                assert not any(f.done() for f in busy)  # the default executor was busy all along
+                assert events[-1].num_tokens == 12 and events[-1].state_digest
+            finally:
+                release.set()
+                await asyncio.gather(*busy)
+            nodes.scheduler.abandon(job, "ok")
     run(main())
 
 
