@@ -20,27 +20,28 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _per_layer_digest(engine: Engine, block_ids: list[int], ring_id: int, length: int) -> str:
     """The digest's definition, read one layer at a time through the pool's per-layer views."""
     pool, cache, layers = engine.pool, engine.pool.config, range(engine.config.num_layers)
+    device = pool.device
     parts = []
     complete = cache.complete_entries(length)
     for layer in layers:
         if cache.family is CacheFamily.KPOOL:
             spec = cache.family_spec
-            slots = pool_slots(torch.tensor([block_ids]), torch.arange(complete)[None], kpool=spec.tokens_per_entry,
+            slots = pool_slots(torch.tensor([block_ids], device=device), torch.arange(complete, device=device)[None], kpool=spec.tokens_per_entry,
                                states=spec.entries_per_block)[0]
             q, scale = kpool_read_entries(pool.indexer_q(layer), pool.indexer_scale(layer), slots, dequantize=False)
             parts.append(torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1).reshape(-1))
         else:
             keys = cache.family_spec.keys
-            groups = torch.arange(complete)
-            blocks = torch.tensor(block_ids)[groups * keys.compress_ratio // cache.block_size]
+            groups = torch.arange(complete, device=device)
+            blocks = torch.tensor(block_ids, device=device)[groups * keys.compress_ratio // cache.block_size]
             rows = pool.qsa_keys(layer)[blocks, groups % keys.rows_per_block]
             parts.append(rows.contiguous().view(torch.uint8).reshape(-1))
-    open_pos = open_positions(cache, torch.tensor([length]))[:, : length - cache.open_entry_start(length)]
-    parts += [read_ring_rows(pool, layer, torch.tensor([ring_id]), open_pos).reshape(-1) for layer in layers]
-    positions = torch.arange(length)
-    blocks = torch.tensor(block_ids)[positions // cache.block_size]
+    open_pos = open_positions(cache, torch.tensor([length], device=device))[:, : length - cache.open_entry_start(length)]
+    parts += [read_ring_rows(pool, layer, torch.tensor([ring_id], device=device), open_pos).reshape(-1) for layer in layers]
+    positions = torch.arange(length, device=device)
+    blocks = torch.tensor(block_ids, device=device)[positions // cache.block_size]
     parts += [pool.mla(layer)[blocks, positions % cache.block_size].reshape(-1) for layer in layers]
-    return hashlib.sha256(torch.cat(parts).numpy()).hexdigest()
+    return hashlib.sha256(torch.cat(parts).cpu().numpy()).hexdigest()
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,13 @@ CONFIGS = [
 @pytest.mark.parametrize("options", CONFIGS)
 @pytest.mark.parametrize("prompt_len,max_tokens", [(301, 6), (256, 5), (7, 2)])
 def test_state_digest_equals_the_per_layer_reads(options, prompt_len, max_tokens):
-    config = ModelConfig.build(num_spec=2, **options)
-    pool = CachePool(BlockLayout(config.cache), num_blocks=12, num_rings=3)
+    check_state_digest(ModelConfig.build(num_spec=2, **options), prompt_len, max_tokens, "cpu")
+
+
+def check_state_digest(config: ModelConfig, prompt_len: int, max_tokens: int, device: str) -> None:
+    """A request prefilled and decoded to its end on ``device``: its digest is the per-layer reads', and one
+    flipped byte of the last layer changes it."""
+    pool = CachePool(BlockLayout(config.cache), num_blocks=12, num_rings=3, device=device)
     engine = Engine(config, pool)
     prompt = [(7 * t + 3) % config.vocab_size for t in range(prompt_len)]
     blocks = config.cache.blocks_for_request(prompt_len, max_tokens)
