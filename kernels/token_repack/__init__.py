@@ -57,7 +57,9 @@ def _ids(name: str, ids: torch.Tensor | Sequence[int], device: torch.device) -> 
     values = list(ids)
     if not all(type(v) is int for v in values):  # bool (an int subclass) is refused too
         raise TypeError(f"{name} must be a tensor or a sequence of ints, got {values!r}")
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    ids = torch.tensor(values, dtype=torch.int64)
+    # to a GPU from pinned memory without waiting: a pageable copy would wait for the stream's work in flight
+    return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
 
 
 def _check_overlap(src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
