@@ -231,12 +231,16 @@ def test_random_pairs_match_view_copy(backend, case):
 
 
 @pytest.mark.parametrize("backend", backends(CUDA), indirect=True)
-def test_device_ids_never_sync(backend):
-    """With the ids on the device, the op never synchronises with the host (CUDA only: nothing syncs on CPU)."""
+@pytest.mark.parametrize("ids_on", ["device", "host ints"])
+def test_device_ids_never_sync(backend, ids_on):
+    """With the ids on the device, or given as ints (copied from pinned memory without waiting), the op never
+    synchronises with the host (CUDA only: nothing syncs on CPU)."""
     pair = PAIRS["kpool4-512to128-P32to64-odd-entry"]
     src = make_pool(pair.config(pair.src), 3, 50, backend.device)
     dst = make_pool(pair.config(pair.dst), 9, 51, backend.device)
     src_ids, dst_ids = torch.tensor([2, 0], device=backend.device), torch.arange(8, device=backend.device)
+    if ids_on == "host ints":
+        src_ids, dst_ids = src_ids.tolist(), dst_ids.tolist()
     repack_tokens(src.blocks, src.layout, src_ids, dst.blocks, dst.layout, dst_ids, 1000)  # compiled here
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
