@@ -12,7 +12,7 @@
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
 # SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
 # H200 without pytest-xdist, 2026-12-02: add "-n 8" to GPU_TESTS, or run the benches in a second call);
-# NO_NIXL leaves out the transfer bench's NIXL baseline; KERNELS=N lists the N costliest kernels of a decode and
+# NO_NIXL leaves out the transfer bench's NIXL baseline; HOPS=1 adds its hop-by-hop stamps of a pull; KERNELS=N lists the N costliest kernels of a decode and
 # a prefill step;
 # PREFILL_BLOCK_SIZE (default 128) is the block size of the heterogeneous pull measured beside the 256-token one.
 set -uo pipefail
@@ -48,7 +48,7 @@ if [ "$gpus" -ge 2 ]; then placement=(--two-gpu --machine h200x2); else placemen
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
   timeout "${TRANSFER_TIMEOUT:-240}" python3 -m bench.transfer --device cuda "${placement[@]}" --layers 61 \
     --tokens "${TRANSFER_TOKENS:-256,1024,4096,16384,32768}" --reps "${TRANSFER_REPS:-5}" ${NO_NIXL:+--no-nixl} \
-    --block-size 256 --prefill-block-size "${PREFILL_BLOCK_SIZE:-128}" \
+    --block-size 256 --prefill-block-size "${PREFILL_BLOCK_SIZE:-128}" ${HOPS:+--hops} \
     --out "$OUT/transfer" >> "$OUT/bench.log" 2>&1
   transfer_rc=$?
 fi
@@ -76,7 +76,8 @@ if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
   prefill_rc=$?
 fi
 up_rc=0
-# Warm daemons end to end (UP_RUNS=1): kpool-pd up on cuda, 61 layers, three loads; summaries in up.txt.
+# Warm daemons end to end (UP_RUNS=1): kpool-pd up on cuda, 61 layers, three loads, then the 32k chunked-prefill
+# pipeline (SKIP_PIPELINE leaves it out); summaries in up.txt.
 if [ "$gpus" -ge 1 ] && [ -n "${UP_RUNS:-}" ]; then
   for load in "--requests 64 --prompt-len 512 --max-tokens 128 --max-running 64" \
               "--requests 1 --prompt-len 512 --max-tokens 128" \
@@ -87,11 +88,13 @@ if [ "$gpus" -ge 1 ] && [ -n "${UP_RUNS:-}" ]; then
     grep -A4 '^summary' "$OUT/up-run.txt" >> "$OUT/up.txt" || tail -n 20 "$OUT/up-run.txt" >> "$OUT/up.txt"
   done
   rm -f "$OUT/up-run.txt"
-  echo "== kpool-pd bench pipeline --device cuda --layers 61 --prompt-len 32768 --max-batch-tokens 2048" >> "$OUT/up.txt"
-  timeout "${UP_TIMEOUT:-240}" python3 -m bench.pipeline --device cuda --layers 61 --prompt-len 32768 \
-    --max-batch-tokens 2048 --runs 1 --no-timeline --machine h200 --out "$OUT/bench" > "$OUT/up-run.txt" 2>&1
-  rc=$?; [ $rc -ne 0 ] && up_rc=$rc
-  tail -n 6 "$OUT/up-run.txt" >> "$OUT/up.txt"; rm -f "$OUT/up-run.txt"
+  if [ -z "${SKIP_PIPELINE:-}" ]; then
+    echo "== kpool-pd bench pipeline --device cuda --layers 61 --prompt-len 32768 --max-batch-tokens 2048" >> "$OUT/up.txt"
+    timeout "${UP_TIMEOUT:-240}" python3 -m bench.pipeline --device cuda --layers 61 --prompt-len 32768 \
+      --max-batch-tokens 2048 --runs 1 --no-timeline --machine h200 --out "$OUT/bench" > "$OUT/up-run.txt" 2>&1
+    rc=$?; [ $rc -ne 0 ] && up_rc=$rc
+    tail -n 6 "$OUT/up-run.txt" >> "$OUT/up.txt"; rm -f "$OUT/up-run.txt"
+  fi
 fi
 echo "== device"; head -n 3 "$OUT/pytest_gpu.log"
 echo "== gpu tests (rc $tests_rc): $(tail -n 1 "$OUT/pytest_gpu.log")"
