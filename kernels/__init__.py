@@ -24,11 +24,11 @@ from kernels.qsa_ring import read_qsa_ring_positions, write_qsa_ring
 from kernels.qsa_rope import mrope_cos_sin, text_positions
 from kernels.qsa_score import qsa_topk
 from kernels.qsa_update import qsa_forward_update
-from kernels.token_repack import repack_tokens
+from kernels.token_repack import block_ids_on, repack_tokens
 
 __all__ = [
     "hadamard_matrix", "kpool_compress", "kpool_decode_update", "kpool_indexer_topk", "kpool_prefill",
     "kpool_read_entries", "kpool_write_entries", "QsaMetadata", "build_qsa_metadata", "compress_group_keys",
     "mrope_cos_sin", "qsa_forward_update", "qsa_topk", "read_qsa_ring_positions",
-    "repack_tokens", "text_positions", "write_mla_rows", "write_qsa_ring",
+    "block_ids_on", "repack_tokens", "text_positions", "write_mla_rows", "write_qsa_ring",
 ]

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import repack_tokens
+from kernels import block_ids_on, repack_tokens
 from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool
 from tests.kernel_backends import ALL_BACKENDS, CUDA, INTERPRETER, REFERENCE, Backend, backends, make_backend, poison
 
@@ -352,3 +352,10 @@ def test_valid_arguments_pass_and_unread_ids_are_not_checked(backend):
     repack_tokens(**args)
     args.update(num_tokens=16, src_block_ids=[2, 99, -5], dst_block_ids=[1, 1])  # one block each side is read
     repack_tokens(**args)
+
+
+@pytest.mark.parametrize("backend", backends(REFERENCE, CUDA), indirect=True)
+def test_block_ids_on_the_device_are_the_ints(backend):
+    table = block_ids_on([5, 0, 2**40], backend.device)
+    assert table.dtype == torch.int64 and table.device.type == torch.device(backend.device).type
+    assert table.cpu().tolist() == [5, 0, 2**40]

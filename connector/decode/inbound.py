@@ -50,7 +50,7 @@ class Landing:
     (ours: the prompt's blocks in our block size) with ``kernels.repack_tokens``. ``ids`` are what
     the PullRequest names."""
 
-    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens")
+    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens", "_tables")
 
     def __init__(self, pool: CachePool, peer_layout: BlockLayout, block_ids: tuple[int, ...], *,
                  source_blocks: int, num_tokens: int) -> None:
@@ -60,6 +60,9 @@ class Landing:
         self.staging = (torch.empty(source_blocks, peer_layout.block_bytes, dtype=torch.uint8, device=pool.device)
                         if repacks else None)
         self.ids = tuple(range(source_blocks)) if repacks else block_ids
+        # the repack's block tables, on the device while the bytes travel: ``convert`` then only launches
+        self._tables = (kernels.block_ids_on(self.ids, pool.device), kernels.block_ids_on(block_ids, pool.device)) \
+            if repacks else None
 
     @property
     def num_blocks(self) -> int:
@@ -74,8 +77,9 @@ class Landing:
     def convert(self) -> None:
         """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
         if self.staging is not None:
-            kernels.repack_tokens(self.staging, self.peer_layout, self.ids, self.pool.blocks, self.pool.layout,
-                                  self.block_ids, self.num_tokens)
+            staged, ours = self._tables
+            kernels.repack_tokens(self.staging, self.peer_layout, staged, self.pool.blocks, self.pool.layout, ours,
+                                  self.num_tokens)
 
 
 class InboundPull:

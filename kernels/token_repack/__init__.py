@@ -57,9 +57,18 @@ def _ids(name: str, ids: torch.Tensor | Sequence[int], device: torch.device) -> 
     values = list(ids)
     if not all(type(v) is int for v in values):  # bool (an int subclass) is refused too
         raise TypeError(f"{name} must be a tensor or a sequence of ints, got {values!r}")
-    ids = torch.tensor(values, dtype=torch.int64)
-    # to a GPU from pinned memory without waiting: a pageable copy would wait for the stream's work in flight
-    return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
+    return block_ids_on(values, device)
+
+
+def block_ids_on(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A block table of ints on ``device``, for ``repack_tokens``: to a GPU from pinned memory without waiting
+    (a pageable copy would wait for the stream's work in flight). A caller that knows the ids before the blocks
+    are ready makes the table then, and the repack launches without a copy.
+
+    # ids: n ints -> [n] int64 on device
+    """
+    table = torch.tensor(list(ids), dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else table
 
 
 def _check_overlap(src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:

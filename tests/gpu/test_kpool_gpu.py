@@ -31,7 +31,8 @@ from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, 
                                      test_compress_encodes_rounding_edges_like_torch, test_decode_step_with_drafts,
                                      test_indexer_topk, test_prefill,
                                      test_prefill_and_drafted_decode_give_the_same_bytes, test_write_and_read_entries)
-from tests.test_token_repack import (test_buffers_at_other_alignments_after_an_aligned_call,  # noqa: F401
+from tests.test_token_repack import (test_block_ids_on_the_device_are_the_ints,  # noqa: F401
+                                     test_buffers_at_other_alignments_after_an_aligned_call,
                                      test_device_ids_never_sync, test_python_id_lists_and_longer_tables,
                                      test_random_pairs_match_view_copy, test_rejects_bad_inputs,
                                      test_repack_matches_view_copy,
