@@ -60,9 +60,7 @@ class Landing:
         self.staging = (torch.empty(source_blocks, peer_layout.block_bytes, dtype=torch.uint8, device=pool.device)
                         if repacks else None)
         self.ids = tuple(range(source_blocks)) if repacks else block_ids
-        # the repack's block tables, on the device while the bytes travel: ``convert`` then only launches
-        self._tables = (kernels.block_ids_on(self.ids, pool.device), kernels.block_ids_on(block_ids, pool.device)) \
-            if repacks else None
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the repack's block tables (``prepare``)
 
     @property
     def num_blocks(self) -> int:
@@ -74,9 +72,17 @@ class Landing:
         dst = pair.dst
         return regions.region_view(self.pool, dst, blocks=self.staging if dst.kind is PoolKind.BLOCKS else None)
 
+    def prepare(self) -> None:
+        """Put the repack's block tables on the device (``kernels.block_ids_on``), so that ``convert`` only launches
+        it: the pull calls it while the bytes travel. Nothing to do without staging, or once done."""
+        if self.staging is not None and self._tables is None:
+            device = self.pool.device
+            self._tables = (kernels.block_ids_on(self.ids, device), kernels.block_ids_on(self.block_ids, device))
+
     def convert(self) -> None:
         """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
         if self.staging is not None:
+            self.prepare()
             staged, ours = self._tables
             kernels.repack_tokens(self.staging, self.peer_layout, staged, self.pool.blocks, self.pool.layout, ours,
                                   self.num_tokens)
@@ -120,6 +126,7 @@ class InboundPull:
             hops.stamp(self.grant.grant_id, "posted")
             marks.append(time.perf_counter())
             self.call = self.open_call()
+            self.landing.prepare()  # while the request and the bytes travel
             if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
                 await self._land_on_receives(plan)
                 marks += [marks[-1], time.perf_counter()]  # no control round trip waited on
