@@ -20,7 +20,7 @@ import torch
 
 from kvcache import FP8_ENTRY_BYTES, CachePool, DcpConfig, DcpShard
 from model.batch import ForwardBatch
-from model.cache_io import request_ring_rows
+from model.cache_io import request_mla_rows, request_ring_rows
 from model.config import ModelConfig
 from model.dcp_group import DcpGroup
 from model.dcp_kpool import DcpKpoolFamily
@@ -65,17 +65,11 @@ class DcpEngine(Engine):
 
     def _own_state(self, block_ids: Sequence[int], length: int) -> torch.Tensor:
         """This rank's entries (layer by layer, local pool order), then its MLA bytes (layer by layer,
-        local position order), as one byte row. # -> [n] uint8"""
-        parts = [self.family.entry_rows(layer, list(block_ids), length).reshape(-1)
-                 for layer in range(self.config.num_layers)]
-        _, tokens = self._owned_sizes(self.shard, length)
-        local = torch.arange(tokens, device=self.device)
+        local position order), as one byte row on the CPU. # -> [n] uint8"""
+        pools, tokens = self._owned_sizes(self.shard, length)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        block_size = self.config.cache.block_size
-        for layer in range(self.config.num_layers):
-            mla = self.pool.mla(layer)[table[local // block_size], local % block_size] if tokens else None
-            parts.append(mla.reshape(-1).cpu() if mla is not None else torch.empty(0, dtype=torch.uint8))
-        return torch.cat(parts)
+        return torch.cat([self.family.entry_rows(table, pools).reshape(-1),
+                          request_mla_rows(self.pool, table, tokens).reshape(-1)]).cpu()
 
     @_on_pool_device
     def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str | None:

@@ -129,15 +129,3 @@ class DcpKpoolFamily(KpoolFamily):
         # acc: [Q] int64 in [0, P) -> [Q] int64 in [0, P)
         """
         return rule.chain(acc, layer, self.features(layer, batch))
-
-    def entry_rows(self, layer: int, block_ids: list[int], length: int) -> torch.Tensor:
-        """The fp8 entries (q bytes, then scale) of this rank's complete pools in local order.
-
-        # -> [own complete pools, 132] uint8 (on the CPU)
-        """
-        own = self.shard.owned_tokens(self.cache.complete_entries(length) * self.kpool) // self.kpool
-        pools = torch.arange(own, device=self.pool.device)[None]
-        table = torch.tensor([block_ids], dtype=torch.int32, device=self.pool.device)
-        q, scale = kpool_read_entries(self.pool.indexer_q(layer), self.pool.indexer_scale(layer),
-                                      self._slots(table, pools)[0], dequantize=False)
-        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1).cpu()

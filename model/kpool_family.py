@@ -106,13 +106,21 @@ class KpoolFamily:
 
         # table: [>= blocks of length] int64 (the request's blocks) -> [L * complete pools * (128 + 4)] uint8
         """
-        pools = torch.arange(self.cache.complete_entries(length), device=self.pool.device)
-        slots = self._slots(table[None], pools[None])[0]  # [P]
+        return self.entry_rows(table, self.cache.complete_entries(length)).reshape(-1)
+
+    def entry_rows(self, table: torch.Tensor, count: int) -> torch.Tensor:
+        """Every layer's fp8 entries of the first ``count`` pools the block table holds (a DCP rank: its own, in local
+        order), gathered at once on the pool's device.
+
+        # table: [>= blocks of count pools] int64 -> [L, count, 128 + 4] uint8
+        """
+        pools = torch.arange(count, device=self.pool.device)
+        slots = self._slots(table[None], pools[None])[0]  # [count]
         block, state = slots // self.states, slots % self.states
         per_page = self.cache.family_spec.states_per_page
         layers = range(self.config.num_layers)
         where = (block, state // per_page, state % per_page)
-        q = layer_stack([self.pool.indexer_q(layer) for layer in layers])[(slice(None), *where)]  # [L, P, 128]
-        scale = layer_stack([self.pool.indexer_scale(layer) for layer in layers])[(slice(None), *where)]  # [L, P]
+        q = layer_stack([self.pool.indexer_q(layer) for layer in layers])[(slice(None), *where)]  # [L, count, 128]
+        scale = layer_stack([self.pool.indexer_scale(layer) for layer in layers])[(slice(None), *where)]  # [L, count]
         scale = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)
-        return torch.cat([q.view(torch.uint8), scale], dim=2).reshape(-1)
+        return torch.cat([q.view(torch.uint8), scale], dim=2)
