@@ -8,9 +8,10 @@
   is unavailable, busy or draining; with none usable the request fails at once, UNAVAILABLE with
   each node's reason), then one Pull that lands the prompt into the first blocks of the request's
   allocation (the connector never allocates), then the grant's Release.
-* Decoding: one loop runs a step for every running request at once in a worker thread; the
-  event loop keeps serving transfers meanwhile. A running request's blocks are freed by the
-  loop only, between steps, so no step ever writes blocks that were handed to someone else.
+* Decoding: one loop runs a step for every running request at once on a thread of its own (finished
+  requests are digested on a few others); the event loop keeps serving transfers meanwhile. A running
+  request's blocks are freed by the loop only, between steps, so no step ever writes blocks that were
+  handed to someone else.
   The loop reports to the request's handler through ``Job.events`` (``Tokens``, ``Failed``,
   ``Finished``).
 
