@@ -6,6 +6,7 @@ caller gets fixed-width bytes per query row.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -137,24 +138,60 @@ def layer_stack(views: Sequence[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])
 
 
-def request_ring_rows(pool: CachePool, ring_id: int, length: int) -> torch.Tensor:
+class LayerStacks:
+    """One pool's per-layer views stacked layer first (``layer_stack``), each made once, on first use: reads of a
+    request's bytes in every layer index them in a few launches (the state digest).
+
+    # mla: [L, num_blocks, N, H, C] uint8; ring_rows: [L, num_rings, ring_slots, ring_row_bytes] uint8
+    # kpool: indexer_q [L, num_blocks, pages, states_per_page, 128] fp8, indexer_scale [L, num_blocks, pages,
+    #        states_per_page] fp32; QSA: qsa_keys [L, num_blocks, rows, H, D]
+    """
+
+    def __init__(self, pool: CachePool) -> None:
+        self.pool = pool
+        self._layers = range(len(pool.layout.layers))
+
+    def _stack(self, view_of) -> torch.Tensor:
+        return layer_stack([view_of(layer) for layer in self._layers])
+
+    @functools.cached_property
+    def mla(self) -> torch.Tensor:
+        return self._stack(self.pool.mla)
+
+    @functools.cached_property
+    def ring_rows(self) -> torch.Tensor:
+        return self._stack(lambda layer: layer_ring_rows(self.pool, layer))
+
+    @functools.cached_property
+    def indexer_q(self) -> torch.Tensor:
+        return self._stack(self.pool.indexer_q)
+
+    @functools.cached_property
+    def indexer_scale(self) -> torch.Tensor:
+        return self._stack(self.pool.indexer_scale)
+
+    @functools.cached_property
+    def qsa_keys(self) -> torch.Tensor:
+        return self._stack(self.pool.qsa_keys)
+
+
+def request_ring_rows(stacks: LayerStacks, ring_id: int, length: int) -> torch.Tensor:
     """Every layer's ring rows of the open pool (group) of a request of ``length`` tokens, in position order:
     ``read_ring_rows`` of each layer at once.
 
     # -> [L, length - open_entry_start(length), ring_row_bytes] uint8
     """
-    config = pool.config
-    positions = torch.arange(config.open_entry_start(length), length, device=pool.device)
-    rows = layer_stack([layer_ring_rows(pool, layer) for layer in range(len(pool.layout.layers))])
+    pool = stacks.pool
+    positions = torch.arange(pool.config.open_entry_start(length), length, device=pool.device)
+    rows = stacks.ring_rows
     return rows[:, ring_id, positions % rows.shape[2]]
 
 
-def request_mla_rows(pool: CachePool, table: torch.Tensor, length: int) -> torch.Tensor:
+def request_mla_rows(stacks: LayerStacks, table: torch.Tensor, length: int) -> torch.Tensor:
     """Every layer's MLA bytes of positions [0, length) of a request whose block table is ``table``.
 
     # table: [>= ceil(length / block_size)] int64 -> [L, length, H, E] uint8
     """
-    block_size = pool.config.block_size
-    positions = torch.arange(length, device=pool.device)
-    mla = layer_stack([pool.mla(layer) for layer in range(len(pool.layout.layers))])
-    return mla[:, table[positions // block_size], positions % block_size]
+    block_size = stacks.pool.config.block_size
+    positions = torch.arange(length, device=stacks.pool.device)
+    return stacks.mla[:, table[positions // block_size], positions % block_size]

@@ -69,7 +69,7 @@ class DcpEngine(Engine):
         pools, tokens = self._owned_sizes(self.shard, length)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         return torch.cat([self.family.entry_rows(table, pools).reshape(-1),
-                          request_mla_rows(self.pool, table, tokens).reshape(-1)]).cpu()
+                          request_mla_rows(self.family.stacks, table, tokens).reshape(-1)]).cpu()
 
     @_on_pool_device
     def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str | None:
@@ -101,7 +101,7 @@ class DcpEngine(Engine):
         sha = hashlib.sha256()
         for layer in range(layers):
             sha.update(entries[layer].numpy().tobytes())
-        sha.update(request_ring_rows(self.pool, ring_id, length).cpu().numpy().tobytes())  # layer by layer
+        sha.update(request_ring_rows(self.family.stacks, ring_id, length).cpu().numpy().tobytes())  # layer by layer
         for layer in range(layers):
             sha.update(mla[layer].numpy().tobytes())
         return sha.hexdigest()

@@ -336,6 +336,7 @@ class Engine:
         Only reads the request's blocks and ring, so it may run on another thread beside a step that does not
         write them (the decode daemon digests finished requests while the next steps run)."""
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        parts = [self.family.entries(table, length), request_ring_rows(self.pool, ring_id, length).reshape(-1),
-                 request_mla_rows(self.pool, table, length).reshape(-1)]
+        stacks = self.family.stacks
+        parts = [self.family.entries(table, length), request_ring_rows(stacks, ring_id, length).reshape(-1),
+                 request_mla_rows(stacks, table, length).reshape(-1)]
         return hashlib.sha256(torch.cat(parts).cpu().numpy()).hexdigest()

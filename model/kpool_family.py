@@ -8,7 +8,7 @@ from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill
 from kernels.kpool_cache import pool_slots
 from kvcache import FP8_ENTRY_BYTES, CachePool
 from model.batch import ForwardBatch
-from model.cache_io import layer_ring_rows, layer_stack
+from model.cache_io import LayerStacks, layer_ring_rows
 from model.config import ModelConfig
 from model.layer_hash import kpool_layer_hash
 from model.layer_hash.ref import kpool_features
@@ -25,6 +25,7 @@ class KpoolFamily:
         self.cache = pool.config
         self.kpool = self.cache.kpool
         self.states = self.cache.family_spec.entries_per_block
+        self.stacks = LayerStacks(pool)  # every layer's views at once, for reads of a whole request
 
     @property
     def feature_width(self) -> int:
@@ -118,9 +119,8 @@ class KpoolFamily:
         slots = self._slots(table[None], pools[None])[0]  # [count]
         block, state = slots // self.states, slots % self.states
         per_page = self.cache.family_spec.states_per_page
-        layers = range(self.config.num_layers)
         where = (block, state // per_page, state % per_page)
-        q = layer_stack([self.pool.indexer_q(layer) for layer in layers])[(slice(None), *where)]  # [L, count, 128]
-        scale = layer_stack([self.pool.indexer_scale(layer) for layer in layers])[(slice(None), *where)]  # [L, count]
+        q = self.stacks.indexer_q[(slice(None), *where)]  # [L, count, 128]
+        scale = self.stacks.indexer_scale[(slice(None), *where)]  # [L, count]
         scale = scale.contiguous().view(torch.uint8).view(*scale.shape, 4)
         return torch.cat([q.view(torch.uint8), scale], dim=2)

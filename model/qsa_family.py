@@ -14,7 +14,7 @@ from kernels.qsa_score import qsa_topk
 from kernels.qsa_update import qsa_forward_update
 from kvcache import CachePool
 from model.batch import ForwardBatch
-from model.cache_io import layer_ring_rows, layer_stack
+from model.cache_io import LayerStacks, layer_ring_rows
 from model.config import ModelConfig
 from model.layer_hash import qsa_layer_hash
 from model.layer_hash.ref import qsa_features
@@ -31,6 +31,7 @@ class QsaFamily:
         self.keys_spec = self.cache.qsa_keys
         self.ratio = self.cache.compress_ratio
         self._metadata: tuple[ForwardBatch, QsaMetadata] | None = None
+        self.stacks = LayerStacks(pool)  # every layer's views at once, for reads of a whole request
 
     @property
     def row_bytes(self) -> int:
@@ -107,6 +108,5 @@ class QsaFamily:
         """
         groups = torch.arange(self.cache.complete_entries(length), device=self.pool.device)
         blocks = table[groups * self.ratio // self.cache.block_size]
-        keys = layer_stack([self.pool.qsa_keys(layer) for layer in range(self.config.num_layers)])
-        rows = keys[:, blocks, groups % self.keys_spec.rows_per_block]  # [L, G, H, D]
+        rows = self.stacks.qsa_keys[:, blocks, groups % self.keys_spec.rows_per_block]  # [L, G, H, D]
         return rows.contiguous().view(torch.uint8).reshape(-1)
