@@ -207,13 +207,13 @@ class Engine:
         acc = self.rule.start(batch.rows.shape[0], self.device) if hashed else None
         for layers in self.layer_runs(batch.tokens.shape[0]):
             inputs = self.weights.step_inputs(batch.tokens, batch.positions, batch.rows, layers)
-            for layer in layers:
-                layer_inputs = inputs.of(layer)
+            per_layer = [inputs.of(layer) for layer in layers]
+            for layer, layer_inputs in zip(layers, per_layer):
                 update(layer, batch, layer_inputs)
                 write_mla_rows(self.pool.mla(layer), blocks, offsets, layer_inputs.mla)
             if hashed:
-                for layer in layers:
-                    acc = self.family.chain(acc, layer, batch, self.rule, inputs.of(layer))
+                for layer, layer_inputs in zip(layers, per_layer):
+                    acc = self.family.chain(acc, layer, batch, self.rule, layer_inputs)
         return self._combine(acc) if hashed else None
 
     def layer_runs(self, num_tokens: int) -> list[range]:
@@ -270,9 +270,10 @@ class Engine:
         """Write the chunks' cache entries; the hash of each final chunk's last token (``finals``: their indices).
         Replayed from a prefill graph where one serves the step; else the hoisted forward (kpool on CUDA) or the
         per-layer one."""
-        if self.prefill_graphs is not None and self.prefill_graphs.serves(chunks):
+        if self.prefill_graphs is not None:
             hashes = self.prefill_graphs.run(chunks, hashed=bool(finals))
-            return [hashes[b] for b in finals]
+            if hashes is not None:
+                return [hashes[b] for b in finals]
         batch = build_batch(chunks, last_only=True, device=self.device)
         if len(finals) < len(chunks):
             batch = dataclasses.replace(batch, rows=batch.rows[torch.tensor(finals, dtype=torch.int64,

@@ -155,15 +155,14 @@ class PrefillGraphs:
                     if bucket not in self._graphs:
                         self._capture(bucket)
 
-    def run(self, chunks: Sequence[Chunk], *, hashed: bool) -> list[int]:
+    def run(self, chunks: Sequence[Chunk], *, hashed: bool) -> list[int] | None:
         """Write the chunks' cache entries; with ``hashed``, each chunk's row hash (its last token's), in chunk
         order (read back: a host synchronisation); else [] (none: the caller waits for the writes to land before
-        it fills the next step, whose host buffer this step's copy reads)."""
-        if not self.serves(chunks):
-            raise ValueError(f"a graphed prefill step holds 1 to {self.token_buckets[-1]} tokens in at most "
-                             f"{self.max_requests} chunks, padding included; got "
-                             f"{sum(len(ids) for ids, *_ in chunks)} tokens in {len(chunks)}")
+        it fills the next step, whose host buffer this step's copy reads). None, having done nothing, for a step
+        no graph serves (``serves``): the caller runs it eagerly."""
         bucket = self.bucket_of(chunks, hashed)
+        if bucket is None:
+            return None
         graph = self._graphs.get(bucket) or self._capture(bucket)
         graph.fill(chunks)
         graph.graph.replay()
