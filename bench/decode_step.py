@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,13 +40,15 @@ class Row:
     mode: str  # eager | graphed
     batch: int
     step_ms: float  # median wall time of a step
-    host_ms: float  # wall time less the time spent waiting in synchronisations (profiled steps)
-    gpu_ms: float  # kernel time a step (profiled steps)
-    launches: float  # kernel and graph launches a step
-    syncs: float  # host synchronisations a step
     tokens_per_s: float
     tokens: tuple[tuple[int, ...], ...]  # every request's tokens (compared between modes, left out of the JSON)
-    profile: StepProfile  # the profiled steps (left out of the JSON)
+    profile: StepProfile  # the profiled steps: host ms (less the waits in synchronisations), GPU ms, launches, syncs
+
+    def json(self) -> dict:
+        """The row's JSON object: its numbers, the profile's four per step, not the tokens or the kernels."""
+        p = self.profile
+        return {"mode": self.mode, "batch": self.batch, "step_ms": self.step_ms, "host_ms": p.host_ms,
+                "gpu_ms": p.gpu_ms, "launches": p.launches, "syncs": p.syncs, "tokens_per_s": self.tokens_per_s}
 
 
 def prefilled(config: ModelConfig, batch: int, prompt_len: int, steps: int, device: torch.device,
@@ -134,7 +136,6 @@ def measure(config: ModelConfig, batch: int, *, graphed: bool, prompt_len: int, 
         for allocation in allocations:
             allocation.release()
     return Row(mode="graphed" if graphed else "eager", batch=batch, step_ms=statistics.median(times) * 1000,
-               host_ms=step.host_ms, gpu_ms=step.gpu_ms, launches=step.launches, syncs=step.syncs,
                tokens_per_s=emitted / sum(times), tokens=tuple(tuple(s.output) for s in seqs), profile=step)
 
 
@@ -144,8 +145,9 @@ def table(rows: list[Row]) -> str:
              f"{'tokens/s':>10} {'x eager':>8}"]
     for r in rows:
         ratio = f"{r.step_ms / eager[r.batch].step_ms:.3f}" if r.batch in eager and r.mode != "eager" else ""
-        lines.append(f"{r.mode:8} {r.batch:>5} {r.step_ms:>9.2f} {r.host_ms:>9.2f} {r.gpu_ms:>8.2f} {r.launches:>9.0f} "
-                     f"{r.syncs:>6.1f} {r.tokens_per_s:>10.0f} {ratio:>8}")
+        p = r.profile
+        lines.append(f"{r.mode:8} {r.batch:>5} {r.step_ms:>9.2f} {p.host_ms:>9.2f} {p.gpu_ms:>8.2f} {p.launches:>9.0f} "
+                     f"{p.syncs:>6.1f} {r.tokens_per_s:>10.0f} {ratio:>8}")
     return "\n".join(lines)
 
 
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"batch {batch}: graphed steps emitted other tokens than eager steps")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_step.json").write_text(json.dumps(
-        [{k: v for k, v in asdict(r).items() if k not in ("tokens", "profile")} for r in rows], indent=2))
+        [r.json() for r in rows], indent=2))
     if args.kernels:
         first = rows[len(modes) - 1]  # the first batch size's last mode: graphed where there are graphs
         print(f"kernels of a {first.mode} step at batch {first.batch}:\n{first.profile.kernel_table(args.kernels)}")
