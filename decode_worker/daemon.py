@@ -32,8 +32,8 @@ from model import DecodeSequence, Engine, PrefillJob
 from model.dcp_engine import DcpEngine
 from model.dcp_group import DcpGroup
 from runtime import (MODEL_OPTIONS, TLS_CLIENT_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role,
-                     cuda_graphs_serve, memory_fraction, model_config, nonnegative_int, parse_bool, positive_int, pull_choice, seconds,
-                     seconds_or_off, run_daemon, service_options)
+                     cuda_graphs_serve, memory_fraction, model_config, nonnegative_int, parse_bool, positive_int,
+                     pull_choice, seconds, seconds_or_off, run_daemon, service_options)
 from runtime.preflight import check_cache_memory
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,8 @@ from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option
 from runtime.preflight import check_cache_memory
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
+# Prefill steps of up to this many prompts replay a graph; a step of more (short prompts) runs eagerly.
+GRAPH_PROMPTS = 16
 
 OPTIONS: tuple[Option, ...] = (
     *service_options(grpc_port=50051, metrics_port=9401),
@@ -35,12 +37,10 @@ OPTIONS: tuple[Option, ...] = (
            "prompt tokens per prefill step: longer prompts are prefilled in chunks across steps, shorter ones "
            "share a step"),
     Option("max-queue", positive_int, 64, "prefill calls waiting at most; more get RESOURCE_EXHAUSTED"),
-    Option("cuda-graphs", parse_bool, True, "replay prefill steps of max-batch-tokens tokens from CUDA graphs, one per "
-           "padded count of prompts in the step (CUDA devices, the kpool family; false: every step eager)"),
+    Option("cuda-graphs", parse_bool, True, "replay prefill steps of up to max-batch-tokens tokens in up to "
+           f"{GRAPH_PROMPTS} prompts from CUDA graphs, padded to the next token count (powers of two from 256) and "
+           "prompt count (CUDA devices, the kpool family; false: every step eager)"),
 )
-
-# Prefill steps of up to this many prompts replay a graph; a step of more (short prompts) runs eagerly.
-GRAPH_PROMPTS = 16
 
 
 class PrefillNode:
