@@ -7,8 +7,9 @@ same bytes across two processes where the nixl package imports).
 
     python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
 
-Each UCX configuration runs with a fresh pair of processes (UCX reads its options once per
-process): the decode node in one child process, the prefill node in another (``runtime.launch``).
+Each UCX configuration runs with fresh processes (UCX reads its options once per process): the decode
+node in one child process, the prefill node in another (``runtime.launch``); with --prefill-block-size a
+second prefill node of that block size, whose pulls alternate with the first one's in the same decode process.
 The baselines live in ``bench.transfer_baselines``. On the CPU
 machine both same-host UCX configurations are measured (see ConnectorConfig.ucx_options).
 Prints a table, writes transfer-<date>-<machine>.json (and a .png when matplotlib imports) under --out.
@@ -97,55 +98,90 @@ def _prefill_proc(conn, args: dict) -> None:
 
 
 # the connector --------------------------------------------------------------------------------
-async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str) -> list[dict]:
-    config = _config(args["layers"], args["block_size"], args["kpool"])
-    layout = BlockLayout(config)
-    num_blocks = config.blocks_for_tokens(max(args["tokens"])) + 2
-    prefill_block_size = args.get("prefill_block_size") or args["block_size"]  # another: the decode side repacks
-    prefill_blocks = _config(1, prefill_block_size, args["kpool"]).blocks_for_tokens(max(args["tokens"])) + 2
+@dataclasses.dataclass
+class _Series:
+    """The pulls of one row: from one prefill node, over one transport, of one request size."""
+    path: str
+    peer: object  # the DecodePeer of its prefill node
+    transport: Transport
+    times: list[float] = dataclasses.field(default_factory=list)
+    timelines: list[PullTimeline] = dataclasses.field(default_factory=list)
+    starts: dict[str, float] = dataclasses.field(default_factory=dict)  # grant id -> when its timed pull began
+    landed: object = None  # the last LandedRequest
+
+
+def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: tuple[Transport, ...]):
+    """A prefill process of ``block_size``-token blocks; (its process, its pipe, its gRPC port)."""
+    blocks = _config(1, block_size, args["kpool"]).blocks_for_tokens(max(args["tokens"])) + 2
     conn, child = child_context().Pipe()
     proc = start_child(_prefill_proc, child, dict(
-        layers=args["layers"], block_size=prefill_block_size, kpool=args["kpool"], num_blocks=prefill_blocks,
+        layers=args["layers"], block_size=block_size, kpool=args["kpool"], num_blocks=blocks,
         ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options,
         hops=args["hops"]))
+    return proc, conn, conn.recv()
+
+
+async def _pull_once(series: _Series, cache: NodeCache, tokens: int, rep: int) -> None:
+    """One pull of ``tokens`` tokens for ``series`` (rep 0 warms up and is not kept)."""
+    grant = await series.peer.prefill(f"t{tokens}-{series.path}-{rep}", [1] * tokens)
+    with cache.allocate(grant.request_id, cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
+        t0 = time.perf_counter()
+        landed = await series.peer.pull(grant, into=allocation, transport=series.transport, release=False)
+        if cache.pool.device.type == "cuda":
+            torch.cuda.synchronize(cache.pool.device)
+        elapsed = time.perf_counter() - t0
+        if rep:
+            series.starts[grant.grant_id] = t0
+            series.times.append(elapsed)
+            series.timelines.append(landed.timeline)
+        series.landed = landed
+        await series.peer.release(grant.grant_id)
+
+
+async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Transport, ...], suffix: str) -> list[dict]:
+    """The rows of one UCX configuration: pulls from a prefill node of our block size over ``transports``, and
+    with ``args["prefill_block_size"]`` also over UCX (the gRPC stream without ucxx) from a second prefill node of
+    that block size (staging and repack). The two nodes' pulls alternate, rep by rep, in this one decode
+    process, so that what drifts over the run (the host's load, its clocks) weighs on both alike."""
+    config = _config(args["layers"], args["block_size"], args["kpool"])
+    layout = BlockLayout(config)
+    other = args.get("prefill_block_size") or args["block_size"]
     recorder = HopRecorder().install() if args["hops"] else None
-    port = conn.recv()
-    cache = NodeCache(layout, num_blocks=num_blocks, num_rings=4, device=args["decode_device"])
-    pool = cache.pool
-    node = await DecodeConnector(pool, engine_id="bench-decode",
+    prefills = [_start_prefill(args, ucx_options, args["block_size"], transports)]
+    hetero = (Transport.UCX if Transport.UCX in transports else Transport.GRPC_STREAM,)
+    if other != args["block_size"]:
+        prefills.append(_start_prefill(args, ucx_options, other, hetero))
+    cache = NodeCache(layout, num_blocks=config.blocks_for_tokens(max(args["tokens"])) + 2, num_rings=4,
+                      device=args["decode_device"])
+    node = await DecodeConnector(cache.pool, engine_id="bench-decode",
                                  config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=ucx_options),
                                  registry=CollectorRegistry(), transports=transports).start()
-    peer = await node.connect(f"127.0.0.1:{port}")
+    peers = [await node.connect(f"127.0.0.1:{port}") for _, _, port in prefills]
     rows = []
     for tokens in args["tokens"]:
-        for transport in transports:
-            times, timelines, starts = [], [], {}
-            for rep in range(args["reps"] + 1):
-                grant = await peer.prefill(f"t{tokens}-{transport.label}-{rep}", [1] * tokens)
-                with cache.allocate(grant.request_id, cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
-                    t0 = time.perf_counter()
-                    if rep:
-                        starts[grant.grant_id] = t0
-                    landed = await peer.pull(grant, into=allocation, transport=transport, release=False)
-                    if pool.device.type == "cuda":
-                        torch.cuda.synchronize(pool.device)
-                    times.append(time.perf_counter() - t0)
-                    timelines.append(landed.timeline)
-                    await peer.release(grant.grant_id)
-            seconds = statistics.median(times[1:])
-            rows.append({"tokens": tokens, "layers": args["layers"], "bytes": landed.nbytes,
-                         "path": f"connector {transport.label}{suffix}", "gbps": landed.nbytes / seconds / 1e9,
-                         "ms": seconds * 1e3, "regions": landed.regions,
-                         "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in timelines[1:]), 3)
-                                       for name in PHASES}, "starts": starts})
+        series = [_Series(f"connector {t.label}{suffix}", peers[0], t) for t in transports]
+        if len(peers) > 1:
+            series += [_Series(f"connector {t.label}{suffix} from {other}", peers[1], t) for t in hetero]
+        for rep in range(args["reps"] + 1):
+            for one in series:
+                await _pull_once(one, cache, tokens, rep)
+        for one in series:
+            seconds = statistics.median(one.times)
+            rows.append({"tokens": tokens, "layers": args["layers"], "bytes": one.landed.nbytes, "path": one.path,
+                         "gbps": one.landed.nbytes / seconds / 1e9, "ms": seconds * 1e3, "regions": one.landed.regions,
+                         "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in one.timelines), 3)
+                                       for name in PHASES},
+                         "starts": one.starts})
     await node.close()
-    conn.send("stop")
-    prefill_stamps = conn.recv() if conn.poll(30) else {}
-    proc.join(30)
+    prefill_stamps = []
+    for proc, conn, _ in prefills:
+        conn.send("stop")
+        prefill_stamps.append(conn.recv() if conn.poll(30) else {})
+        proc.join(30)
     for row in rows:
         starts = row.pop("starts")
         if recorder is not None:
-            row["hops_ms"] = hop_offsets(starts, recorder.stamps, prefill_stamps)
+            row["hops_ms"] = hop_offsets(starts, recorder.stamps, *prefill_stamps)
     return rows
 
 
@@ -198,16 +234,13 @@ def _run(args) -> tuple[list[dict], dict]:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
                   prefill_device=prefill_device, decode_device=decode_device, hops=args.hops)
+    hetero = dict(prefill_block_size=args.prefill_block_size)  # pulled beside the same-layout pulls, in turn
     if use_ucx:
-        rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.UCX, Transport.GRPC_STREAM))
+        rows += connector_rows(shared | hetero, UCX_NO_SHARED_MEMORY, (Transport.UCX, Transport.GRPC_STREAM))
         if args.device == "cpu":  # host memory on one host: the shared-memory and cma configuration too
             rows += connector_rows(shared, UCX_SAME_HOST_ZERO_COPY, (Transport.UCX,), " shm")
     else:
-        rows += connector_rows(shared, UCX_NO_SHARED_MEMORY, (Transport.GRPC_STREAM,))
-    if args.prefill_block_size and args.prefill_block_size != args.block_size:  # heterogeneous P/D beside it
-        rows += connector_rows(shared | {"prefill_block_size": args.prefill_block_size}, UCX_NO_SHARED_MEMORY,
-                               (Transport.UCX if use_ucx else Transport.GRPC_STREAM,),
-                               f" from {args.prefill_block_size}")
+        rows += connector_rows(shared | hetero, UCX_NO_SHARED_MEMORY, (Transport.GRPC_STREAM,))
     order = {t: i for i, t in enumerate(args.tokens)}
     rows.sort(key=lambda r: order[r["tokens"]])  # stable: paths keep their order within a size
     return rows, notes
