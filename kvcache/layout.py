@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -222,8 +223,9 @@ class BlockLayout:
             raise IndexError(f"layer index {key} out of range [0, {len(self.layers)})")
         return self.layers[key]
 
-    @property
+    @functools.cached_property
     def layout_hash(self) -> str:
+        """``layout_hash(config)``, worked out once (the config is frozen; a pull compares two of them)."""
         return layout_hash(self.config)
 
     def describe(self) -> dict[str, object]:

@@ -18,6 +18,7 @@ layouts the bytes land in our blocks with no staging copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -73,11 +74,13 @@ class Landing:
         return regions.region_view(self.pool, dst, blocks=self.staging if dst.kind is PoolKind.BLOCKS else None)
 
     def prepare(self) -> None:
-        """Put the repack's block tables on the device (``kernels.block_ids_on``), so that ``convert`` only launches
-        it: the pull calls it while the bytes travel. Nothing to do without staging, or once done."""
+        """Put the repack's block tables on the device, so that ``convert`` only launches it: the staging blocks
+        are 0..n-1 (made on the device), ours come from pinned memory without waiting (``kernels.block_ids_on``).
+        The pull calls it once its request is under way, while the bytes travel. Nothing to do without staging,
+        or once done."""
         if self.staging is not None and self._tables is None:
             device = self.pool.device
-            self._tables = (kernels.block_ids_on(self.ids, device), kernels.block_ids_on(self.block_ids, device))
+            self._tables = (torch.arange(len(self.ids), device=device), kernels.block_ids_on(self.block_ids, device))
 
     def convert(self) -> None:
         """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
@@ -126,7 +129,7 @@ class InboundPull:
             hops.stamp(self.grant.grant_id, "posted")
             marks.append(time.perf_counter())
             self.call = self.open_call()
-            self.landing.prepare()  # while the request and the bytes travel
+            asyncio.get_running_loop().call_soon(self._prepare_landing)  # once the request is handed on
             if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
                 await self._land_on_receives(plan)
                 marks += [marks[-1], time.perf_counter()]  # no control round trip waited on
@@ -158,6 +161,12 @@ class InboundPull:
                 self.call.cancel()  # a prefill node still sending aborts this pull's endpoint, cancelling its sends
             await self._retire_receives()
             regions.settle(self.views)  # chunks written into GPU memory have landed before the memory is used or freed
+
+    def _prepare_landing(self) -> None:
+        """``Landing.prepare`` while the request and the bytes travel. Should it fail, ``convert`` prepares again
+        and raises there, in the pull."""
+        with contextlib.suppress(Exception):
+            self.landing.prepare()
 
     def _times(self, marks: list[float]) -> TransferTimes:
         """The request's TransferTimes (see there); ``marks``: ``run``'s time marks."""
