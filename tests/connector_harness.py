@@ -88,16 +88,18 @@ def prefill_nodes():
 
 class InProcessPair:
     """A prefill node and a decode node in the test's own event loop, each with its own node cache
-    (``p_cache``, ``d_cache``) and registry (``async with``; the prefill node stops without grace).
+    (``p_cache``, ``d_cache``, both on ``device``) and registry (``async with``; the prefill node stops without
+    grace).
     The prefill engine allocates from ``p_cache`` (a test engine without a cache is given it)."""
 
     def __init__(self, *, prefill_config: CacheConfig = procs.CONFIG, decode_config: CacheConfig | None = None,
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
-                 num_blocks: int = 32, num_rings: int = 4) -> None:
+                 num_blocks: int = 32, num_rings: int = 4, device: str = "cpu") -> None:
         config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
         self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
-        self.p_cache = NodeCache(prefill_config, num_blocks=num_blocks, num_rings=num_rings)
-        self.d_cache = NodeCache(decode_config or prefill_config, num_blocks=num_blocks, num_rings=num_rings)
+        self.p_cache = NodeCache(prefill_config, num_blocks=num_blocks, num_rings=num_rings, device=device)
+        self.d_cache = NodeCache(decode_config or prefill_config, num_blocks=num_blocks, num_rings=num_rings,
+                                 device=device)
         self.engine = engine or procs.SeededFillEngine()
         if getattr(self.engine, "cache", False) is None:
             self.engine.cache = self.p_cache

@@ -1,0 +1,65 @@
+"""A pull between layouts that arrange the same cache otherwise (block size, order), with both pools on
+cuda:0: the blocks land in a staging buffer on the GPU and the Triton repack places them, its block
+tables made while the request travels (``Landing.prepare``); every layer's rows of the prompt's
+positions and the ring's live rows then read as the prefill node wrote them. Run by
+``tests/gpu/run_all.sh`` on an H200 (both transports; the UCX one needs ucxx)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from connector import Transport, ucx_available
+from kvcache import CachePool
+from tests import connector_procs as procs
+from tests.connector_harness import InProcessPair
+from tests.pulls import pull_into
+from tests.test_connector_arrangement import ARRANGEMENTS, _arranged
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TRANSPORTS = [pytest.param(Transport.GRPC_STREAM, id="grpc"),
+              pytest.param(Transport.UCX, id="ucx",
+                           marks=pytest.mark.skipif(not ucx_available(), reason="needs ucxx"))]
+
+
+def _on_host(pool: CachePool) -> CachePool:
+    """A host copy of a pool's blocks and rings, for the host-side comparison."""
+    copy = CachePool(pool.layout, num_blocks=pool.num_blocks, num_rings=pool.num_rings)
+    copy.blocks.copy_(pool.blocks)
+    copy.rings.copy_(pool.rings)
+    return copy
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("name", ["kpool-32-to-64", "kpool-128-to-32-blhnc", "kpool2-128-to-256-two-pages",
+                                  "qsa-64-to-16-blhnc"])
+def test_pull_between_arrangements_on_cuda(name, transport):
+    cache, prefill_side, decode_side = ARRANGEMENTS[name]
+
+    async def main():
+        async with InProcessPair(prefill_config=_arranged(cache, *prefill_side),
+                                 decode_config=_arranged(cache, *decode_side), transports=(transport,),
+                                 num_blocks=48, device="cuda:0") as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            assert peer.repacks is True
+            small, large = sorted((prefill_side[1], decode_side[1]))
+            for i, n in enumerate([1, small + 1, large + 5, 2 * large + 3]):
+                request_id = f"{name}-cuda-{i}"
+                grant = await peer.prefill(request_id, [7] * n)
+                with await pull_into(pair.d_cache, peer, grant, transport=transport) as landed:
+                    assert landed.repacked is True
+                    src = procs.mirror_pool(pair.prefill.pool.layout, request_id, grant.num_blocks)
+                    differences = procs.state_differences(_on_host(pair.decode.pool), landed.block_ids, landed.ring_id,
+                                                          src, range(grant.num_blocks), 0,
+                                                          procs.live_slots(pair.decode.pool.config, n), n)
+                    assert differences == [], (n, differences)
+            assert pair.free() == start
+
+    asyncio.run(asyncio.wait_for(main(), 120))
