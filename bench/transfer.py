@@ -2,8 +2,9 @@
 beside baselines measured in the same run (memcpy of the same bytes; a raw loopback TCP stream
 between two processes; a raw gRPC stream between two processes (``bench.grpc_baseline``); torch's
 peer copy when two GPUs are used; a raw ucxx tag send of the same bytes between two processes, with the
-connector's UCX options and placement, where ucxx imports (``bench.ucxx_baseline``); NIXL READ of the
-same bytes across two processes where the nixl package imports).
+connector's UCX options and placement, where ucxx imports (``bench.ucxx_baseline``: over a listener's
+connection, the ratio's baseline, and over the connector's kind of endpoint); NIXL READ of the same bytes
+across two processes where the nixl package imports).
 
     python -m bench.transfer [--device cpu|cuda] [--two-gpu] [--tokens 1024,4096,...] [--out DIR]
 
@@ -37,7 +38,7 @@ from bench.grpc_baseline import grpc_stream_gbps
 from bench.plotting import pyplot, wrote
 from bench.pull_hops import hop_lines, hop_offsets
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
-from bench.ucxx_baseline import ucxx_tag_gbps
+from bench.ucxx_baseline import UcxxEndpoint, ucxx_tag_gbps
 from connector import (UCX_NO_SHARED_MEMORY, HopRecorder, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
                        PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
@@ -230,6 +231,8 @@ def _run(args) -> tuple[list[dict], dict]:
         if use_ucx:  # the connector's UCX options and placement: what a pull costs above UCX's own send
             rows.append(base | {"path": "raw ucxx tag", "gbps": ucxx_tag_gbps(nbytes, args.reps, prefill_device,
                                                                              decode_device, UCX_NO_SHARED_MEMORY)})
+            rows.append(base | {"path": "raw ucxx worker ep", "gbps": ucxx_tag_gbps(
+                nbytes, args.reps, prefill_device, decode_device, UCX_NO_SHARED_MEMORY, UcxxEndpoint.WORKER_ADDRESS)})
         if nixl is not None:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
