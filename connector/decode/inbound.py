@@ -160,7 +160,15 @@ class InboundPull:
             if self.call is not None and self.follower is None:
                 self.call.cancel()  # a prefill node still sending aborts this pull's endpoint, cancelling its sends
             await self._retire_receives()
-            regions.settle(self.views)  # chunks written into GPU memory have landed before the memory is used or freed
+            if self._wrote_on_stream():  # our writes into GPU memory have landed before the memory is used or freed
+                regions.settle(self.views)
+
+    def _wrote_on_stream(self) -> bool:
+        """Whether this pull wrote into memory through the current CUDA stream: the gRPC stream's chunks
+        (``regions.write_bytes``), or a landing in staging, which the repack reads. UCX lands the bytes itself,
+        complete once each receive completed, so a same-layout UCX pull waits for no stream: in a decode
+        daemon that stream also runs the decode steps, and waiting for it held the event loop up to a step."""
+        return self.transport is Transport.GRPC_STREAM or self.landing.staging is not None
 
     def _prepare_landing(self) -> None:
         """``Landing.prepare`` while the request and the bytes travel. Should it fail, ``convert`` prepares again
