@@ -39,8 +39,9 @@ from bench.plotting import pyplot, wrote
 from bench.pull_hops import hop_lines, hop_offsets
 from bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from bench.ucxx_baseline import UcxxEndpoint, ucxx_tag_gbps
-from connector import (UCX_NO_SHARED_MEMORY, HopRecorder, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector, PrefillConnector,
-                       PrefillInput, PrefillOutput, PrefillProgress, PullTimeline, Transport, ucx_available)
+from connector import (UCX_NO_SHARED_MEMORY, HopRecorder, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector,
+                       LandedRequest, PrefillConnector, PrefillInput, PrefillOutput, PrefillPeer, PrefillProgress,
+                       PullTimeline, Transport, ucx_available)
 from kvcache import BlockLayout, CacheConfig, NodeCache
 from runtime import GrpcServer
 from runtime.launch import child_context, start_child
@@ -103,12 +104,12 @@ def _prefill_proc(conn, args: dict) -> None:
 class _Series:
     """The pulls of one row: from one prefill node, over one transport, of one request size."""
     path: str
-    peer: object  # the DecodePeer of its prefill node
+    peer: PrefillPeer  # the decode node's peer of that prefill node
     transport: Transport
     times: list[float] = dataclasses.field(default_factory=list)
     timelines: list[PullTimeline] = dataclasses.field(default_factory=list)
     starts: dict[str, float] = dataclasses.field(default_factory=dict)  # grant id -> when its timed pull began
-    landed: object = None  # the last LandedRequest
+    landed: LandedRequest | None = None  # the last pull's
 
 
 def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: tuple[Transport, ...]):
