@@ -228,7 +228,11 @@ def test_a_decode_node_rolled_under_load_finishes_what_it_admitted_and_sends_cli
                 long_call = asyncio.ensure_future(_generate(api.GenerateServiceStub(direct), long, long_events))
                 await until(lambda: _true(long_events == ["started"]), "the long request admitted", DEADLINE_S,
                             period_s=0.005)
-                assert not long_call.done() and _gauge(rolled.metrics_port, "kpoolpd_decode_running") >= 1
+                # its first reply goes out before it joins the decode batch: wait for that, as a loaded machine
+                # may take a while between the two
+                await until(lambda: _true(_gauge(rolled.metrics_port, "kpoolpd_decode_running") >= 1),
+                            "the long request in the rolled daemon's decode batch", DEADLINE_S, period_s=0.005)
+                assert not long_call.done()
                 rolled.signal(signal.SIGTERM)  # what the kubelet sends once the preStop hook is done
                 draining_since = time.monotonic()
                 signalled.set()
