@@ -85,6 +85,14 @@ def landed_differences(pool: CachePool, landed, request_id: str, prompt_len: int
     return differences, len(prompt_blocks) * layout.block_bytes + len(slots) * layout.ring_slot_bytes
 
 
+def host_copy(pool: CachePool) -> CachePool:
+    """A host copy of a pool's blocks and rings (a GPU pool compared on the host)."""
+    copy = CachePool(pool.layout, num_blocks=pool.num_blocks, num_rings=pool.num_rings)
+    copy.blocks.copy_(pool.blocks)
+    copy.rings.copy_(pool.rings)
+    return copy
+
+
 def mirror_pool(layout: BlockLayout, request_id: str, num_blocks: int) -> CachePool:
     """What ``SeededFillEngine`` wrote for a request, as blocks 0..n-1 and ring 0 of a fresh pool."""
     pool = CachePool(layout, num_blocks=max(num_blocks, 1), num_rings=1)

@@ -7,7 +7,6 @@ sides' views. Any difference in what the bytes mean is still refused."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import grpc
@@ -23,6 +22,7 @@ from connector.shared.wire import layout_message
 from kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
+from tests.arrangements import ARRANGEMENTS, arranged
 from tests.pulls import allocation_for, pull_into
 
 LEASE_S = 1.5
@@ -65,37 +65,14 @@ async def _pull_and_compare(pair: InProcessPair, transport: Transport, prompt_le
                                        procs.live_slots(dst.config, prompt_len), prompt_len)
 
 
-def _arranged(name: str, order: str = "BLNHC", block_size: int | None = None, page: int | None = None):
-    config = procs.make_config(name, order)
-    return dataclasses.replace(config, block_size=block_size or config.block_size,
-                               kernel_page_states=page or config.kernel_page_states)
-
-
-# (cache, prefill (order, block size, kernel page), decode (...)): kpool 4 with 3 drafts (ring 8) and two
-# MLA heads, kpool 2 (states of a 128-token block fill a 64-state page; 256 tokens make two pages, or four
-# of 32), QSA ratio 4 with two heads.
-ARRANGEMENTS = {
-    "kpool-32-to-64": ("kpool-2heads", ("BLNHC", 32, None), ("BLNHC", 64, None)),
-    "kpool-128-to-32-blhnc": ("kpool-2heads", ("BLNHC", 128, None), ("BLHNC", 32, None)),
-    "kpool-64-to-128": ("kpool-2heads", ("BLHNC", 64, None), ("BLNHC", 128, None)),
-    "kpool-64-to-192": ("kpool-2heads", ("BLNHC", 64, None), ("BLNHC", 192, None)),
-    "kpool2-128-to-256-two-pages": ("kpool2", ("BLNHC", 128, None), ("BLNHC", 256, None)),
-    "kpool2-256-to-256-page32": ("kpool2", ("BLNHC", 256, 64), ("BLNHC", 256, 32)),
-    "qsa-16-to-32": ("qsa-2heads", ("BLNHC", 16, None), ("BLNHC", 32, None)),
-    "qsa-64-to-16-blhnc": ("qsa-2heads", ("BLHNC", 64, None), ("BLNHC", 16, None)),
-    "qsa-order-only": ("qsa-2heads", ("BLNHC", 32, None), ("BLHNC", 32, None)),
-    "qsa-same": ("qsa-2heads", ("BLHNC", 32, None), ("BLHNC", 32, None)),
-}
-
-
 @pytest.mark.parametrize("transport", [Transport.GRPC_STREAM, Transport.UCX], ids=["grpc", "ucx"])
 @pytest.mark.parametrize("name", list(ARRANGEMENTS))
 def test_pull_between_arrangements(name, transport):
     cache, prefill_side, decode_side = ARRANGEMENTS[name]
 
     async def main():
-        async with InProcessPair(prefill_config=_arranged(cache, *prefill_side),
-                                 decode_config=_arranged(cache, *decode_side), transports=(transport,),
+        async with InProcessPair(prefill_config=arranged(cache, *prefill_side),
+                                 decode_config=arranged(cache, *decode_side), transports=(transport,),
                                  num_blocks=48) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
@@ -161,7 +138,7 @@ def test_failed_pull_with_staging_converts_nothing_and_leaves_the_allocation_to_
     ("qsa-2heads", "BLNHC", None, None),
 ], ids=["order-and-heads", "block-size-and-heads", "other-family"])
 def test_handshake_refuses_a_difference_in_meaning(decode_name, decode_order, block_size, fields):
-    decode_config = _arranged(decode_name, decode_order, block_size)
+    decode_config = arranged(decode_name, decode_order, block_size)
 
     async def main():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads", "BLNHC"),

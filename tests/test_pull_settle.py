@@ -13,7 +13,7 @@ from connector import Transport, ucx_available
 from connector.decode import inbound
 from tests.connector_harness import InProcessPair
 from tests.pulls import pull_into
-from tests.test_connector_arrangement import ARRANGEMENTS, _arranged
+from tests.arrangements import arrangement_configs
 
 @pytest.mark.parametrize(("transport", "arrangement", "settles"), [
     (Transport.UCX, None, False),
@@ -25,9 +25,7 @@ def test_a_pull_waits_for_the_stream_only_after_writing_through_it(monkeypatch, 
         pytest.skip("needs ucxx")
     waited = []
     monkeypatch.setattr(inbound.regions, "settle", lambda views: waited.append(len(views)))
-    configs = {} if arrangement is None else dict(
-        prefill_config=_arranged(ARRANGEMENTS[arrangement][0], *ARRANGEMENTS[arrangement][1]),
-        decode_config=_arranged(ARRANGEMENTS[arrangement][0], *ARRANGEMENTS[arrangement][2]))
+    configs = {} if arrangement is None else arrangement_configs(arrangement)
 
     async def main():
         async with InProcessPair(transports=(transport,), num_blocks=48, **configs) as pair:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from connector import Transport, ucx_available
-from kvcache import CachePool
 from tests import connector_procs as procs
+from tests.arrangements import ARRANGEMENTS, arrangement_configs
+from tests.connector_bytes import host_copy
 from tests.connector_harness import InProcessPair
 from tests.pulls import pull_into
-from tests.test_connector_arrangement import ARRANGEMENTS, _arranged
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,24 +28,15 @@ TRANSPORTS = [pytest.param(Transport.GRPC_STREAM, id="grpc"),
                            marks=pytest.mark.skipif(not ucx_available(), reason="needs ucxx"))]
 
 
-def _on_host(pool: CachePool) -> CachePool:
-    """A host copy of a pool's blocks and rings, for the host-side comparison."""
-    copy = CachePool(pool.layout, num_blocks=pool.num_blocks, num_rings=pool.num_rings)
-    copy.blocks.copy_(pool.blocks)
-    copy.rings.copy_(pool.rings)
-    return copy
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("name", ["kpool-32-to-64", "kpool-128-to-32-blhnc", "kpool2-128-to-256-two-pages",
                                   "qsa-64-to-16-blhnc"])
 def test_pull_between_arrangements_on_cuda(name, transport):
-    cache, prefill_side, decode_side = ARRANGEMENTS[name]
+    _, prefill_side, decode_side = ARRANGEMENTS[name]
 
     async def main():
-        async with InProcessPair(prefill_config=_arranged(cache, *prefill_side),
-                                 decode_config=_arranged(cache, *decode_side), transports=(transport,),
-                                 num_blocks=48, device="cuda:0") as pair:
+        async with InProcessPair(transports=(transport,), num_blocks=48, device="cuda:0",
+                                 **arrangement_configs(name)) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             assert peer.repacks is True
@@ -56,7 +47,7 @@ def test_pull_between_arrangements_on_cuda(name, transport):
                 with await pull_into(pair.d_cache, peer, grant, transport=transport) as landed:
                     assert landed.repacked is True
                     src = procs.mirror_pool(pair.prefill.pool.layout, request_id, grant.num_blocks)
-                    differences = procs.state_differences(_on_host(pair.decode.pool), landed.block_ids, landed.ring_id,
+                    differences = procs.state_differences(host_copy(pair.decode.pool), landed.block_ids, landed.ring_id,
                                                           src, range(grant.num_blocks), 0,
                                                           procs.live_slots(pair.decode.pool.config, n), n)
                     assert differences == [], (n, differences)

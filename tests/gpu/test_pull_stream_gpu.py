@@ -12,10 +12,10 @@ import torch
 
 from connector import Transport, ucx_available
 from tests import connector_procs as procs
+from tests.arrangements import arrangement_configs
+from tests.connector_bytes import host_copy
 from tests.connector_harness import InProcessPair
-from tests.gpu.test_arrangement_pull_gpu import _on_host
 from tests.pulls import pull_into
-from tests.test_connector_arrangement import ARRANGEMENTS, _arranged
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,9 +37,7 @@ def _busy_stream() -> torch.cuda.Event:
 
 @pytest.mark.parametrize("arrangement", [None, "kpool-32-to-64"], ids=["same-layout", "from-32-blocks"])
 def test_a_ucx_pull_waits_for_the_stream_only_when_it_repacks(arrangement):
-    configs = {} if arrangement is None else dict(
-        prefill_config=_arranged(ARRANGEMENTS[arrangement][0], *ARRANGEMENTS[arrangement][1]),
-        decode_config=_arranged(ARRANGEMENTS[arrangement][0], *ARRANGEMENTS[arrangement][2]))
+    configs = {} if arrangement is None else arrangement_configs(arrangement)
 
     async def main():
         async with InProcessPair(transports=(Transport.UCX,), num_blocks=48, device="cuda:0", **configs) as pair:
@@ -51,7 +49,7 @@ def test_a_ucx_pull_waits_for_the_stream_only_when_it_repacks(arrangement):
                 stream_still_busy = not busy.query()
                 torch.cuda.synchronize()
                 src = procs.mirror_pool(pair.prefill.pool.layout, "busy-stream", grant.num_blocks)
-                differences = procs.state_differences(_on_host(pair.decode.pool), landed.block_ids, landed.ring_id,
+                differences = procs.state_differences(host_copy(pair.decode.pool), landed.block_ids, landed.ring_id,
                                                       src, range(grant.num_blocks), 0,
                                                       procs.live_slots(pair.decode.pool.config, PROMPT), PROMPT)
             assert differences == []
