@@ -65,11 +65,11 @@ class DcpEngine(Engine):
 
     def _own_state(self, block_ids: Sequence[int], length: int) -> torch.Tensor:
         """This rank's entries (layer by layer, local pool order), then its MLA bytes (layer by layer,
-        local position order), as one byte row on the CPU. # -> [n] uint8"""
+        local position order), as one byte row on the pool's device. # -> [n] uint8"""
         pools, tokens = self._owned_sizes(self.shard, length)
         table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         return torch.cat([self.family.entry_rows(table, pools).reshape(-1),
-                          request_mla_rows(self.family.stacks, table, tokens).reshape(-1)]).cpu()
+                          request_mla_rows(self.family.stacks, table, tokens).reshape(-1)])
 
     @_on_pool_device
     def state_digest(self, block_ids: Sequence[int], ring_id: int, length: int) -> str | None:
@@ -83,9 +83,7 @@ class DcpEngine(Engine):
         widths = [layers * (pools * FP8_ENTRY_BYTES + tokens * entry) for pools, tokens in sizes]
         mine = self._own_state(block_ids, length)
         assert mine.numel() == widths[self.shard.rank], (mine.numel(), widths)
-        padded = torch.zeros(max(widths), dtype=torch.uint8)
-        padded[:mine.numel()] = mine
-        gathered = self.group.gather_to_first(padded.to(self.device))
+        gathered = self.group.gather_to_first(torch.nn.functional.pad(mine, (0, max(widths) - mine.numel())))
         if gathered is None:
             return None
         complete = self.pool.config.complete_entries(length)
@@ -98,10 +96,7 @@ class DcpEngine(Engine):
             entries[:, where] = part[:split].view(layers, pools, FP8_ENTRY_BYTES)
             mla[:, shard.global_position(torch.arange(tokens))] = part[split:split + layers * tokens * entry].view(
                 layers, tokens, entry)
-        sha = hashlib.sha256()
-        for layer in range(layers):
-            sha.update(entries[layer].numpy().tobytes())
-        sha.update(request_ring_rows(self.family.stacks, ring_id, length).cpu().numpy().tobytes())  # layer by layer
-        for layer in range(layers):
-            sha.update(mla[layer].numpy().tobytes())
+        sha = hashlib.sha256(entries.numpy())  # each of these three is layer by layer
+        sha.update(request_ring_rows(self.family.stacks, ring_id, length).cpu().numpy())
+        sha.update(mla.numpy())
         return sha.hexdigest()
