@@ -159,7 +159,7 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
                                  config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=ucx_options),
                                  registry=CollectorRegistry(), transports=transports).start()
     peers = [await node.connect(f"127.0.0.1:{port}") for _, _, port in prefills]
-    rows = []
+    rows: list[tuple[dict, _Series]] = []
     for tokens in args["tokens"]:
         series = [_Series(f"connector {t.label}{suffix}", peers[0], t) for t in transports]
         if len(peers) > 1:
@@ -169,22 +169,20 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
                 await _pull_once(one, cache, tokens, rep)
         for one in series:
             seconds = statistics.median(one.times)
-            rows.append({"tokens": tokens, "layers": args["layers"], "bytes": one.landed.nbytes, "path": one.path,
-                         "gbps": one.landed.nbytes / seconds / 1e9, "ms": seconds * 1e3, "regions": one.landed.regions,
-                         "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in one.timelines), 3)
-                                       for name in PHASES},
-                         "starts": one.starts})
+            rows.append(({"tokens": tokens, "layers": args["layers"], "bytes": one.landed.nbytes, "path": one.path,
+                          "gbps": one.landed.nbytes / seconds / 1e9, "ms": seconds * 1e3, "regions": one.landed.regions,
+                          "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in one.timelines),
+                                                    3) for name in PHASES}}, one))
     await node.close()
     prefill_stamps = []
     for proc, conn, _ in prefills:
         conn.send("stop")
         prefill_stamps.append(conn.recv() if conn.poll(30) else {})
         proc.join(30)
-    for row in rows:
-        starts = row.pop("starts")
-        if recorder is not None:
-            row["hops_ms"] = hop_offsets(starts, recorder.stamps, *prefill_stamps)
-    return rows
+    if recorder is not None:  # the prefill nodes' stamps come once they stop
+        for row, one in rows:
+            row["hops_ms"] = hop_offsets(one.starts, recorder.stamps, *prefill_stamps)
+    return [row for row, _ in rows]
 
 
 def _decode_proc(conn, args: dict, ucx_options: tuple, transports: tuple, suffix: str) -> None:
