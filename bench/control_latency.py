@@ -1,8 +1,10 @@
-"""What a control message costs on gRPC between two processes on loopback, as the connector's Pull pays it:
-a new server-streaming call per request (the Pull RPC today) beside one message on a bidirectional stream
-that stays open (one stream per peer), both with 8-byte requests, no protobuf and nothing done in the
-handler but answering. Prints, per way, the median time from the client's request to the server's handler
-(perf_counter is one clock for both processes) and to the answer back, and the ratio of the two ways.
+"""What a control message costs between two processes on loopback, as the connector's pull request pays it:
+on gRPC, a new server-streaming call per request (the Pull RPC) beside one message on a bidirectional stream
+that stays open (the PullSession, one stream per peer); and, where ucxx imports, a ucxx tag message over the
+connector's kind of UCX endpoint (``bench.control_ucx``), the way a pull request could travel beside its
+bytes. Each with 8-byte requests, no protobuf and nothing done in the handler but answering. Prints, per
+way, the median time from the client's request to the server's handler (perf_counter is one clock for both
+processes) and to the answer back, and the ratios to the open stream.
 
     python -m bench.control_latency --requests 300     (kpool-pd bench control)
 """
@@ -20,6 +22,9 @@ from pathlib import Path
 import grpc
 
 from bench.arguments import bench_parser
+from bench.control_ucx import measure_ucx
+from connector import ucx_available
+from connector.shared.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY
 from runtime.launch import child_context, start_child
 
 _SERVICE = "bench.Control"
@@ -82,22 +87,29 @@ async def _measure(port: int, requests: int, deadline_s: float) -> dict[str, dic
             for way, (to, back) in samples.items()}
 
 
-def measure(requests: int, deadline_s: float = 60.0) -> dict[str, dict[str, float]]:
-    """Start the server process, time both ways, stop it."""
+def measure(requests: int, deadline_s: float = 60.0, *, ucx: bool = True) -> dict[str, dict[str, float]]:
+    """Start the gRPC server process, time its two ways, stop it; then the UCX way in two processes of its
+    own when ``ucx``."""
     ports = child_context().Queue()
     server = start_child(_server_proc, ports)
     try:
         port = ports.get(timeout=deadline_s)
-        return asyncio.run(_measure(port, requests, deadline_s))
+        rows = asyncio.run(_measure(port, requests, deadline_s))
     finally:
         server.kill()
         server.join(10)
+    if ucx:  # both same-host UCX configurations of the connector (ConnectorConfig.ucx_options)
+        rows["ucx tag"] = measure_ucx(requests, deadline_s, options=UCX_NO_SHARED_MEMORY)
+        rows["ucx tag shm"] = measure_ucx(requests, deadline_s, options=UCX_SAME_HOST_ZERO_COPY)
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("kpool-pd bench control", __doc__)
     parser.add_argument("--requests", type=int, default=300, help="requests each way (default 300)")
     parser.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    parser.add_argument("--no-ucx", action="store_true", help="leave the ucxx tag way out (it is left out, "
+                        "saying so, where ucxx does not import)")
     return parser
 
 
@@ -106,13 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error(f"--requests must be >= 1, got {args.requests}")
-    rows = measure(args.requests)
-    sys.stdout.write(f"{'way':<12} {'to handler ms':>14} {'round trip ms':>14}\n")
+    ucx = not args.no_ucx and ucx_available()
+    if not args.no_ucx and not ucx:
+        sys.stdout.write("ucx tag: skipped: ucxx does not import (install the ucx extra)\n")
+    rows = measure(args.requests, ucx=ucx)
+    stream = rows["open stream"]
+    sys.stdout.write(f"{'way':<12} {'to handler ms':>14} {'round trip ms':>14} {'x open stream':>14}\n")
     for way, row in rows.items():
-        sys.stdout.write(f"{way:<12} {row['to_handler_ms']:>14.3f} {row['round_trip_ms']:>14.3f}\n")
-    ratio = rows["new call"]["to_handler_ms"] / rows["open stream"]["to_handler_ms"]
+        sys.stdout.write(f"{way:<12} {row['to_handler_ms']:>14.3f} {row['round_trip_ms']:>14.3f} "
+                         f"{row['to_handler_ms'] / stream['to_handler_ms']:>14.2f}\n")
+    ratio = rows["new call"]["to_handler_ms"] / stream["to_handler_ms"]
     sys.stdout.write(f"a new call reaches the handler {ratio:.1f}x later than a message on an open stream "
                      f"(median of {args.requests})\n")
+    for way in ("ucx tag", "ucx tag shm") if ucx else ():
+        sys.stdout.write(f"a {way} message reaches the handler in {rows[way]['to_handler_ms'] / stream['to_handler_ms']:.2f}x "
+                         "the open stream's time\n")
     if args.json is not None:
         args.json.write_text(json.dumps({"requests": args.requests, "rows": rows}, indent=1) + "\n")
     return 0

@@ -32,7 +32,7 @@ class UcxxEndpoint(enum.Enum):
     WORKER_ADDRESS = "worker address"  # as the connector: endpoints from worker addresses, a forced tag
 
 
-def _ucxx():
+def import_ucxx():
     """ucxx, imported as the connector imports it (its UCX defaults applied as its libraries load)."""
     if not ucx_available():
         raise RuntimeError("ucxx does not import: no raw ucxx baseline")
@@ -40,12 +40,12 @@ def _ucxx():
     return ucxx
 
 
-def _buffer(tensor: torch.Tensor):
+def ucxx_buffer(tensor: torch.Tensor):
     """What ucxx sends from or receives into: the tensor itself on CUDA, its numpy view on the host."""
     return tensor if tensor.is_cuda else tensor.numpy()
 
 
-def _worker_address_endpoint(ucxx, address: bytes):
+def worker_address_endpoint(ucxx, address: bytes):
     """An endpoint to a peer's worker ``address``, as the connector makes them (error handling off)."""
     return ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address),
                                                     endpoint_error_handling=False)
@@ -53,7 +53,7 @@ def _worker_address_endpoint(ucxx, address: bytes):
 
 def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
             endpoint: UcxxEndpoint) -> None:
-    ucxx = _ucxx()
+    ucxx = import_ucxx()
 
     async def main() -> None:
         ucxx.init(options=dict(options))
@@ -61,18 +61,18 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
         request = torch.empty(REQUEST_BYTES, dtype=torch.uint8)
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's address in, ours out; each request names a tag
             conn.send(bytes(ucxx.get_worker_address()))
-            ep = await _worker_address_endpoint(ucxx, conn.recv())
+            ep = await worker_address_endpoint(ucxx, conn.recv())
             for _ in range(reps + 1):
-                await ucxx.recv(_buffer(request), tag=REQUEST_TAG)
-                await ep.send(_buffer(src), tag=int(request.view(torch.int64)[0]), force_tag=True)
+                await ucxx.recv(ucxx_buffer(request), tag=REQUEST_TAG)
+                await ep.send(ucxx_buffer(src), tag=int(request.view(torch.int64)[0]), force_tag=True)
             await asyncio.get_running_loop().run_in_executor(None, conn.poll, START_S)  # until the receiver is done
             return
         done = asyncio.Event()
 
         async def serve(endpoint) -> None:
             for _ in range(reps + 1):
-                await endpoint.recv(_buffer(request))
-                await endpoint.send(_buffer(src))
+                await endpoint.recv(ucxx_buffer(request))
+                await endpoint.send(ucxx_buffer(src))
             await endpoint.close()
             done.set()
 
@@ -85,7 +85,7 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
 
 def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
               endpoint: UcxxEndpoint) -> None:
-    ucxx = _ucxx()
+    ucxx = import_ucxx()
 
     async def main() -> list[float]:
         ucxx.init(options=dict(options))
@@ -94,13 +94,13 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
         times = []
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # ``peer``: the sender's worker address
             conn.send(bytes(ucxx.get_worker_address()))
-            ep = await _worker_address_endpoint(ucxx, peer)
+            ep = await worker_address_endpoint(ucxx, peer)
             for rep in range(reps + 1):
                 started = time.perf_counter()
                 tag = REQUEST_TAG + 1 + rep
-                landed = asyncio.ensure_future(ucxx.recv(_buffer(dst), tag=tag))  # posted before the request
+                landed = asyncio.ensure_future(ucxx.recv(ucxx_buffer(dst), tag=tag))  # posted before the request
                 request.view(torch.int64)[0] = tag
-                await ep.send(_buffer(request), tag=REQUEST_TAG, force_tag=True)
+                await ep.send(ucxx_buffer(request), tag=REQUEST_TAG, force_tag=True)
                 await landed
                 if dst.is_cuda:
                     torch.cuda.synchronize(dst.device)
@@ -109,8 +109,8 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
         ep = await ucxx.create_endpoint("127.0.0.1", peer)  # ``peer``: the sender's listener port
         for _ in range(reps + 1):
             started = time.perf_counter()
-            await ep.send(_buffer(request))
-            await ep.recv(_buffer(dst))
+            await ep.send(ucxx_buffer(request))
+            await ep.recv(ucxx_buffer(dst))
             if dst.is_cuda:
                 torch.cuda.synchronize(dst.device)
             times.append(time.perf_counter() - started)
