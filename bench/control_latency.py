@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("kpool-pd bench control", __doc__)
     parser.add_argument("--requests", type=int, default=300, help="requests each way (default 300)")
     parser.add_argument("--json", type=Path, default=None, help="also write the medians here")
-    parser.add_argument("--no-ucx", action="store_true", help="leave the ucxx tag way out (it is left out, "
+    parser.add_argument("--no-ucx", action="store_true", help="leave the two ucxx tag ways out (they are left out, "
                         "saying so, where ucxx does not import)")
     return parser
 
