@@ -23,8 +23,7 @@ import grpc
 
 from bench.arguments import bench_parser
 from bench.control_ucx import measure_ucx
-from connector import ucx_available
-from connector.shared.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY
+from connector import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ucx_available
 from runtime.launch import child_context, start_child
 
 _SERVICE = "bench.Control"

@@ -1,9 +1,11 @@
 """The UCX way of the control-latency bench (``bench.control_latency``): an 8-byte request as a ucxx tag
 message between two processes, as a pull request would travel if it went over the data plane's own
-endpoints instead of gRPC. The endpoints are the connector's kind (made from each other's worker address,
-endpoint error handling off, the connector's UCX options for host memory); the responder keeps one receive
-posted under a request tag on its worker and, once it completed, answers with its clock under the tag the
-request names, into a receive the requester posted before sending. Nothing is done in between but answering.
+endpoints instead of gRPC. The endpoints are the connector's kind: made from each other's worker address,
+endpoint error handling off, under one of the connector's same-host UCX configurations (as in
+``bench.ucxx_baseline``, without the host-memory thresholds the connector adds on the CPU, which concern
+messages of 16 KiB and more). The responder keeps one receive posted under a request tag on its worker
+and, once it completed, answers with its clock under the tag the request names, into a receive the
+requester posted before sending. Nothing is done in between but answering.
 """
 
 from __future__ import annotations
@@ -16,16 +18,10 @@ import torch
 
 from bench.ucxx_baseline import import_ucxx, ucxx_buffer, worker_address_endpoint
 from connector import ConnectorConfig
-from connector.shared.config import ucx_options_for
 from runtime.launch import child_context, start_child
 
 REQUEST_TAG = 11  # the requests' tag on the responder's worker
 ANSWER_TAG = 12  # the first answer's tag on the requester's worker (one more each request)
-
-
-def host_ucx_options(options: tuple[tuple[str, str], ...] = ConnectorConfig().ucx_options) -> dict[str, str]:
-    """The connector's UCX ``options`` (its default unless given) for a node whose memory is the host's."""
-    return dict(ucx_options_for(options, "cpu"))
 
 
 async def _endpoint_to_peer(ucxx, conn, deadline_s: float):
@@ -79,13 +75,13 @@ def _requester(conn, requests: int, deadline_s: float, options: dict[str, str]) 
 def measure_ucx(requests: int, deadline_s: float = 60.0, *,
                 options: tuple[tuple[str, str], ...] = ConnectorConfig().ucx_options) -> dict[str, float]:
     """{"to_handler_ms", "round_trip_ms"}: medians over ``requests`` ucxx tag requests (after one warm-up)
-    between two child processes (ucxx initialises once a process), under the connector's UCX ``options``
-    for host memory. RuntimeError when ucxx does not import or a process does not answer within ``deadline_s``."""
+    between two child processes (ucxx initialises once a process), under the connector's UCX ``options``.
+    RuntimeError when ucxx does not import or a process does not answer within ``deadline_s``."""
     import_ucxx()  # fails here, before any process starts, when ucxx does not import
     responder_conn, responder_end = child_context().Pipe()
     requester_conn, requester_end = child_context().Pipe()
-    responder = start_child(_responder, responder_end, requests, deadline_s, host_ucx_options(options))
-    requester = start_child(_requester, requester_end, requests, deadline_s, host_ucx_options(options))
+    responder = start_child(_responder, responder_end, requests, deadline_s, dict(options))
+    requester = start_child(_requester, requester_end, requests, deadline_s, dict(options))
     try:
         for here, there in ((responder_conn, requester_conn), (requester_conn, responder_conn)):
             if not here.poll(deadline_s):
