@@ -82,6 +82,8 @@ async def _measure(port: int, requests: int, deadline_s: float) -> dict[str, dic
             samples["open stream"][0].append(float(stamp) - started)
             samples["open stream"][1].append(time.perf_counter() - started)
         await stream.done_writing()
+        if await stream.read() is not grpc.aio.EOF or await stream.code() is not grpc.StatusCode.OK:
+            raise RuntimeError("the control stream did not end cleanly")  # read to its end: nothing left pending
     return {way: {"to_handler_ms": statistics.median(to[1:]) * 1e3, "round_trip_ms": statistics.median(back[1:]) * 1e3}
             for way, (to, back) in samples.items()}
 
