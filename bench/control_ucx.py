@@ -17,7 +17,6 @@ import time
 import torch
 
 from bench.ucxx_baseline import import_ucxx, ucxx_buffer, worker_address_endpoint
-from connector import ConnectorConfig
 from runtime.launch import child_context, start_child
 
 REQUEST_TAG = 11  # the requests' tag on the responder's worker
@@ -72,10 +71,9 @@ def _requester(conn, requests: int, deadline_s: float, options: dict[str, str]) 
         conn.send(RuntimeError(f"the ucxx requester failed: {type(exc).__name__}: {exc}"))
 
 
-def measure_ucx(requests: int, deadline_s: float = 60.0, *,
-                options: tuple[tuple[str, str], ...] = ConnectorConfig().ucx_options) -> dict[str, float]:
+def measure_ucx(requests: int, deadline_s: float, *, options: tuple[tuple[str, str], ...]) -> dict[str, float]:
     """{"to_handler_ms", "round_trip_ms"}: medians over ``requests`` ucxx tag requests (after one warm-up)
-    between two child processes (ucxx initialises once a process), under the connector's UCX ``options``.
+    between two child processes (ucxx initialises once a process), under one of the connector's UCX configurations, ``options``.
     RuntimeError when ucxx does not import or a process does not answer within ``deadline_s``."""
     import_ucxx()  # fails here, before any process starts, when ucxx does not import
     responder_conn, responder_end = child_context().Pipe()
