@@ -1,9 +1,9 @@
 """Generate the Python gRPC code of ``proto/kpoolpd/v1/*.proto`` into the packages that use it.
 
-Each ``.proto`` file belongs to one package: ``prefill.proto`` (the connector's control plane) to
-``connector/_generated``, ``generate.proto`` (the decode node's public API) to
-``decode_worker/_generated``. Run from the repository root after editing a ``.proto`` file, and
-commit the result::
+Each ``.proto`` file belongs to one package: ``prefill.proto`` (the connector's control plane) and
+``peer_auth.proto`` (the peer token's challenge) to ``connector/_generated``, ``generate.proto`` (the
+decode node's public API) to ``decode_worker/_generated``. Run from the repository root after
+editing a ``.proto`` file, and commit the result::
 
     python proto/generate.py            # writes connector/_generated/ and decode_worker/_generated/
     python proto/generate.py --out DIR  # writes them under DIR (the freshness test)
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 PACKAGES: dict[str, Path] = {  # proto file (relative to proto/) -> the package its code goes to
     "kpoolpd/v1/prefill.proto": Path("connector") / "_generated",
+    "kpoolpd/v1/peer_auth.proto": Path("connector") / "_generated",
     "kpoolpd/v1/generate.proto": Path("decode_worker") / "_generated",
     "kpoolpd/v1/dcp.proto": Path("decode_worker") / "_generated",
 }
