@@ -44,7 +44,9 @@ Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``
 ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a
 daemon's host; ``dial_host`` and ``dial_target``: the address a local client dials for a bound host),
 ``StatusError`` (a gRPC status and a message) and ``status_of`` (the one mapping from an exception to
-it), ``open_channel`` and the bearer-token helpers (``Credential``: the client token or the peer token);
+it), ``open_channel`` (with a peer token: every call in a session proved through PeerAuth, the token
+never sent) and the credential helpers (``Credential``: the client token or the peer token;
+``CredentialInterceptor``, ``PeerSessions`` and ``PeerAuthServicer``: a server's check of both);
 a grant's ring is a ``RingRange``. ``prefill_api``: the PrefillService wire format, for tests and tools
 that speak it directly. ``MAX_ID_CHARS`` and ``MAX_DCP_RANKS``: the longest engine id and the most
 DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start). ``HopRecorder`` and
@@ -52,7 +54,7 @@ DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start
 """
 
 from connector import prefill_api
-from connector.shared.auth import BearerTokenInterceptor, Credential, auth_metadata
+from connector.shared.auth import Credential, CredentialInterceptor, auth_metadata
 from connector.shared.channels import open_channel
 from connector.shared.config import UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, TlsConfig
 from connector.shared.dcp_plan import dcp_transfer_bytes
@@ -64,6 +66,7 @@ from connector.shared.hosts import dial_host, dial_target
 from connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from connector.decode.landed import LandedRequest
 from connector.decode.peer import PrefillPeer
+from connector.shared.peer_auth import PeerAuthServicer, PeerSessions
 from connector.shared.plan import RingRange
 from connector.prefill.connector import PrefillConnector
 from connector.prefill.handshake import MAX_ID_CHARS
@@ -73,9 +76,11 @@ from connector.shared.ucx_host import bind_ucx_options
 from connector.shared.wire import Transport
 
 __all__ = [
-    "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "BearerTokenInterceptor", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential", "DecodeConnector", "EngineUnavailable",
-    "LandedRequest", "PrefillConnector", "PrefillEngine", "PrefillGrant", "PrefillInput",
-    "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError", "TlsConfig", "TransferTimes", "Transport",
+    "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
+    "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
+    "LandedRequest", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
+    "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError",
+    "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
     "dial_host", "dial_target", "open_channel", "prefill_api", "status_of", "ucx_available", "ucx_context_info",
 ]

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector import DecodeConnector, PrefillPeer, StatusError, TlsConfig, auth_metadata, open_channel
+from connector import DecodeConnector, PrefillPeer, StatusError, TlsConfig, open_channel
 from decode_worker.diagnosis import closed_at_once, failure_reason, plaintext_to_tls_reason, speaks_tls
 
 logger = logging.getLogger(__name__)
@@ -149,9 +149,9 @@ class PrefillRouter:
             # A check may take longer than the interval on a busy node; a short deadline would
             # take a healthy node out of rotation (and, on its return, cost its pulls in flight).
             # It never waits for a connection: an unreachable node fails at once, with the reason.
+            # Health needs no credential: the peer token is never sent (the connector proves it when it connects).
             response = await stub.Check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=False,
-                                        timeout=self.check_timeout_s,
-                                        metadata=auth_metadata(self.connector.config.peer_token))
+                                        timeout=self.check_timeout_s)
             serving = response.status == health_pb2.HealthCheckResponse.SERVING
             node.reason = "" if serving else (
                 f"its health is {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}")

@@ -1,12 +1,14 @@
-"""The gRPC server of a daemon: bearer-token auth, TLS, grpc.health.v1, reflection, and an
+"""The gRPC server of a daemon: the two credentials' checks, TLS, grpc.health.v1, reflection, and an
 optional plaintext health port.
 
 Servicers are registered with ``add`` before ``start``; each is an object with a
 ``service_name`` (the full protobuf name), the ``credential`` its RPCs require (the client token
 or the peer token, ``connector.Credential``) and ``add_to_server(server)``. The server requires
-that credential's token on each of the service's RPCs when it was given one (UNAUTHENTICATED
-otherwise, a token of the other kind included); reflection takes any token the server requires,
-health none. A request whose bytes do not parse is answered INVALID_ARGUMENT
+that credential on each of the service's RPCs when it was given its token (UNAUTHENTICATED
+otherwise, a credential of the other kind included): the client token as a bearer token, the peer
+token as a session proved through ``kpoolpd.v1.PeerAuth``, which the server then serves itself
+(``connector.CredentialInterceptor``, ``connector.PeerSessions``); reflection takes any credential the
+server requires, health and PeerAuth none. A request whose bytes do not parse is answered INVALID_ARGUMENT
 (``runtime.malformed``). Ports are never shared: SO_REUSEPORT is off, so binding a port that
 another process serves fails with ``BindError`` naming it. Health is reported for
 every added service and for the server as a whole (service ``""``). Whether the daemon serves is
@@ -32,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from connector import BearerTokenInterceptor, Credential, TlsConfig, dial_host
+from connector import Credential, CredentialInterceptor, PeerAuthServicer, PeerSessions, TlsConfig, dial_host
 from runtime.health_gate import HealthGate
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.ports import bind_error, ensure_bindable
@@ -67,7 +69,9 @@ class GrpcServer:
     """One daemon's gRPC server. ``start`` once, ``stop`` is idempotent; one event loop.
 
     ``client_token`` guards the services whose credential is CLIENT, ``peer_token`` those whose
-    credential is PEER; None leaves them open (to whoever TLS lets in). The two must differ."""
+    credential is PEER; None leaves them open (to whoever TLS lets in). The two must differ. A server
+    that guards a service with the peer token serves ``kpoolpd.v1.PeerAuth`` too, from ``start``, its
+    sessions in ``peer_sessions`` (at most ``connector.shared.peer_auth.MAX_PEER_SESSIONS``)."""
 
     def __init__(self, *, client_token: str | None = None, peer_token: str | None = None,
                  tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = (),
@@ -79,8 +83,10 @@ class GrpcServer:
             raise ValueError("client_token and peer_token must differ: two credentials, never one")
         self.tls = tls
         self._tokens = {Credential.CLIENT: client_token, Credential.PEER: peer_token}
-        self._required: dict[str, tuple[Credential, str]] = {}  # service -> its credential and token
-        interceptors = [BearerTokenInterceptor(self._required), MalformedRequestInterceptor()]
+        self._required: dict[str, Credential] = {}  # service -> the credential it requires (its token is set)
+        self.peer_sessions = PeerSessions(peer_token) if peer_token is not None else None
+        interceptors = [CredentialInterceptor(self._required, client_token=client_token,
+                                              peer_sessions=self.peer_sessions), MalformedRequestInterceptor()]
         self._server = grpc.aio.server(interceptors=interceptors, options=[*options, *NO_SHARED_PORT, *PENDING_CALLS])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -102,7 +108,7 @@ class GrpcServer:
     def auth(self) -> dict[str, str]:
         """Each added service and the token it requires (``"token"``, ``"peer-token"``, or
         ``"none"``), for the ready log line."""
-        return {name: self._required[name][0].value if name in self._required else "none" for name in self._services}
+        return {name: self._required[name].value if name in self._required else "none" for name in self._services}
 
     def add(self, servicer: Servicer) -> None:
         """Register ``servicer`` (before ``start``)."""
@@ -114,9 +120,8 @@ class GrpcServer:
                             f"(credential = Credential.CLIENT or Credential.PEER), got {credential!r}")
         servicer.add_to_server(self._server)
         self._services.append(servicer.service_name)
-        token = self._tokens[credential]
-        if token is not None:
-            self._required[servicer.service_name] = (credential, token)
+        if self._tokens[credential] is not None:
+            self._required[servicer.service_name] = credential
 
     async def start(self, host: str, port: int, *, health_port: int = -1) -> int:
         """Bind ``host:port`` (0: a free port) and, when ``health_port >= 0``, the plaintext health
@@ -126,7 +131,12 @@ class GrpcServer:
             raise RuntimeError("GrpcServer.start may be called once")
         self._started = True
         self._host = host
-        reflection.enable_server_reflection((*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        extra = ()
+        if self.peer_sessions is not None and Credential.PEER in self._required.values():
+            peer_auth = PeerAuthServicer(self.peer_sessions)
+            peer_auth.add_to_server(self._server)
+            extra = (peer_auth.service_name,)
+        reflection.enable_server_reflection((*self._services, *extra, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
         address = f"{host}:{port}"
         try:

@@ -12,7 +12,7 @@ import random
 import grpc
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
+from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport, open_channel
 from connector import prefill_api as pb
 from connector.shared.wire import layout_message
 from kvcache import BlockLayout, NodeCache
@@ -170,11 +170,11 @@ def handshake_as(address: str, engine_id: str, ucx_worker_address: bytes, *, lay
 
 def call_as(address: str, method: str, request, *, timeout_s: float = 15.0) -> tuple[str, str]:
     """One call of ``method`` (Handshake, Prefill, Release, Heartbeat; Pull: read to its end) sent as an
-    attacker would, with a raw stub and the peer token; returns (status code name, details)."""
+    attacker holding the peer token would (a session proved through PeerAuth), with a raw stub; returns
+    (status code name, details)."""
     async def go():
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = getattr(pb.PrefillServiceStub(channel), method)(
-                request, timeout=timeout_s, metadata=(("authorization", f"Bearer {procs.TOKEN}"),))
+        async with open_channel(address, None, peer_token=procs.TOKEN, challenge_timeout_s=timeout_s) as channel:
+            call = getattr(pb.PrefillServiceStub(channel), method)(request, timeout=timeout_s)
             try:
                 if method == "Pull":
                     async for _ in call:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from connector import StatusError, Transport, auth_metadata
+from connector import StatusError, Transport, open_channel
 from connector import prefill_api as pb
 from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
 from connector.shared.compat import ARRANGING_FIELDS
@@ -160,10 +160,10 @@ def test_handshake_refuses_an_order_difference_whose_hash_does_not_match():
         async with InProcessPair(prefill_config=procs.make_config("kpool-2heads", "BLNHC")) as pair:
             forged = layout_message(BlockLayout(procs.make_config("kpool-2heads", "BLHNC")))
             forged.layout_hash = "0" * 64  # its fields claim an order-only difference; its hash says otherwise
-            async with grpc.aio.insecure_channel(pair.address) as channel:
+            async with open_channel(pair.address, None, peer_token=procs.TOKEN, challenge_timeout_s=5.0) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await pb.PrefillServiceStub(channel).Handshake(
-                        pb.HandshakeRequest(engine_id="forger", layout=forged), timeout=5, metadata=auth_metadata(procs.TOKEN))
+                        pb.HandshakeRequest(engine_id="forger", layout=forged), timeout=5)
             return err.value
     err = run(main())
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION

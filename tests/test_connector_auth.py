@@ -1,7 +1,8 @@
 """The prefill node's service edge as an attacker meets it, over loopback sockets: two credentials
-(the client token never opens the PrefillService, the peer token does; health needs none), the
-Bearer scheme in any case, raw junk bytes to every method (INVALID_ARGUMENT, no ERROR traceback),
-and a server that will not share its port."""
+(the client token never opens the PrefillService, nor the peer token sent in clear; a session proved
+through PeerAuth does; health and PeerAuth need none), the KpoolPd-Peer and Bearer schemes in any case,
+raw junk bytes to every method (INVALID_ARGUMENT, no ERROR traceback), and a server that will not
+share its port. ``tests/test_peer_challenge.py`` tests the challenge itself."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from prometheus_client import CollectorRegistry
 from connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
 from connector import prefill_api as pb
 from connector.shared.auth import FIRST_MESSAGE_WAIT_S, presented_token
+from connector.shared.peer_auth import presented_session
 from kvcache import NodeCache
 from runtime import GrpcServer
 from runtime.ports import BindError, ensure_bindable
 from tests.connector_procs import CONFIG, SeededFillEngine
 from tests.log_records import errors_logged, own_records
+from tests.peer_credentials import peer_metadata
 
 CLIENT_TOKEN, PEER_TOKEN = "client-secret", "peer-secret"
 SERVICE = f"/{pb.SERVICE_NAME}/"
@@ -47,8 +50,13 @@ class Served:
         await self.node.start()
         await self.server.start("127.0.0.1", 0)
         await self.server.health.open(self.server)  # SERVING, as a daemon's gate opens once it is up
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.address = f"127.0.0.1:{self.server.port}"
+        self.channel = grpc.aio.insecure_channel(self.address)
         return self
+
+    async def peer(self) -> tuple[tuple[str, str], ...]:
+        """The metadata of a new peer session with this server."""
+        return await peer_metadata(self.address, PEER_TOKEN)
 
     async def __aexit__(self, *exc) -> None:
         await self.channel.close()
@@ -77,8 +85,9 @@ def _heartbeat() -> bytes:
 
 # two credentials ---------------------------------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("presented", [CLIENT_TOKEN, None, "not-a-token"], ids=["client-token", "no-token", "wrong"])
-def test_only_the_peer_token_opens_the_prefill_service(method, presented):
+@pytest.mark.parametrize("presented", [CLIENT_TOKEN, None, "not-a-token", PEER_TOKEN],
+                         ids=["client-token", "no-token", "wrong", "peer-token-in-clear"])
+def test_only_a_peer_session_opens_the_prefill_service(method, presented):
     async def main():
         async with Served() as served:
             request = {"Handshake": pb.HandshakeRequest(engine_id="intruder"),
@@ -92,14 +101,14 @@ def test_only_the_peer_token_opens_the_prefill_service(method, presented):
             assert "needs the peer-token" in refused.details()
             assert served.node.grants_held == 0 and served.cache.free_blocks == 8
             assert "intruder" not in served.node.engines
-            # the same call with the peer token gets past auth (to the service's own answer)
-            answered = await served.raw(method, request, auth_metadata(PEER_TOKEN))
+            # the same call in a session proved through PeerAuth gets past auth (to the service's own answer)
+            answered = await served.raw(method, request, await served.peer())
             assert not isinstance(answered, grpc.aio.AioRpcError) or \
                 answered.code() is not grpc.StatusCode.UNAUTHENTICATED, answered
     run(main())
 
 
-def test_health_is_open_and_reflection_takes_the_peer_token_only():
+def test_health_is_open_and_reflection_takes_a_peer_session_only():
     async def main():
         async with Served() as served:
             health = health_pb2_grpc.HealthStub(served.channel)
@@ -111,10 +120,14 @@ def test_health_is_open_and_reflection_takes_the_peer_token_only():
                 async for _ in reflect.ServerReflectionInfo(iter(ask), timeout=5, metadata=auth_metadata(CLIENT_TOKEN)):
                     pass
             assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in reflect.ServerReflectionInfo(iter(ask), timeout=5, metadata=auth_metadata(PEER_TOKEN)):
+                    pass
+            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
             names = [s.name async for r in reflect.ServerReflectionInfo(iter(ask), timeout=5,
-                                                                        metadata=auth_metadata(PEER_TOKEN))
+                                                                        metadata=await served.peer())
                      for s in r.list_services_response.service]
-            assert pb.SERVICE_NAME in names
+            assert pb.SERVICE_NAME in names and "kpoolpd.v1.PeerAuth" in names
     run(main())
 
 
@@ -123,24 +136,42 @@ def test_one_token_for_both_credentials_is_refused():
         GrpcServer(client_token="same", peer_token="same")
 
 
-# the Bearer scheme -------------------------------------------------------------------------
+# the schemes ------------------------------------------------------------------------------
 @pytest.mark.parametrize("header,accepted", [
-    (f"Bearer {PEER_TOKEN}", True), (f"bearer {PEER_TOKEN}", True), (f"BEARER {PEER_TOKEN}", True),
-    (f"bEaReR   {PEER_TOKEN}", True), (f"Basic {PEER_TOKEN}", False), (PEER_TOKEN, False),
-    (f"Bearer {PEER_TOKEN}x", False), (f"Bearer {PEER_TOKEN[:-1]}", False), ("Bearer ", False),
+    (f"Bearer {CLIENT_TOKEN}", True), (f"bearer {CLIENT_TOKEN}", True), (f"BEARER {CLIENT_TOKEN}", True),
+    (f"bEaReR   {CLIENT_TOKEN}", True), (f"Basic {CLIENT_TOKEN}", False), (CLIENT_TOKEN, False),
+    (f"Bearer {CLIENT_TOKEN}x", False), (f"Bearer {CLIENT_TOKEN[:-1]}", False), ("Bearer ", False),
 ], ids=["canonical", "lower", "upper", "mixed-and-spaces", "basic", "no-scheme", "longer", "shorter", "empty"])
 def test_the_bearer_scheme_is_case_insensitive_and_the_token_exact(header, accepted):
-    assert (presented_token([("authorization", header)]) == PEER_TOKEN) is accepted
+    assert (presented_token([("authorization", header)]) == CLIENT_TOKEN) is accepted
 
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "KpoolPd-Peer"])
+def test_the_peer_token_is_refused_in_clear_in_any_scheme(scheme):
     async def main():
         async with Served() as served:
-            got = await served.raw("Heartbeat", _heartbeat(), (("authorization", header),))
-            if accepted:
-                assert not isinstance(got, grpc.aio.AioRpcError), got
-                assert pb.HeartbeatResponse.FromString(got[0]).lease_ms > 0
-            else:
-                assert isinstance(got, grpc.aio.AioRpcError) and got.code() is grpc.StatusCode.UNAUTHENTICATED
+            got = await served.raw("Heartbeat", _heartbeat(), (("authorization", f"{scheme} {PEER_TOKEN}"),))
+            assert isinstance(got, grpc.aio.AioRpcError) and got.code() is grpc.StatusCode.UNAUTHENTICATED, got
+            if scheme.lower() == "bearer":  # the refusal says how to get in
+                assert "PeerAuth/Challenge" in got.details() and "needs the peer-token" in got.details()
     run(main())
+
+
+SESSION = "ab" * 32 + "." + "cd" * 32
+
+
+@pytest.mark.parametrize("header,parsed", [
+    (f"KpoolPd-Peer {SESSION}", True), (f"kpoolpd-peer {SESSION}", True), (f"KPOOLPD-PEER   {SESSION}", True),
+    (f"KpoolPd-Peer {SESSION.upper()}", True), (f"Bearer {SESSION}", False), (SESSION, False),
+    (f"KpoolPd-Peer {SESSION}ab", False), (f"KpoolPd-Peer {SESSION[:-2]}", False),
+    (f"KpoolPd-Peer {SESSION.replace('.', '')}", False), (f"KpoolPd-Peer {SESSION.replace('a', 'g')}", False),
+    ("KpoolPd-Peer ", False),
+], ids=["canonical", "lower", "upper-and-spaces", "upper-hex", "bearer", "no-scheme", "longer", "shorter",
+        "no-dot", "not-hex", "empty"])
+def test_the_peer_scheme_is_case_insensitive_and_its_halves_32_bytes_of_hex(header, parsed):
+    got = presented_session([("authorization", header)])
+    assert (got == (bytes.fromhex("ab" * 32), bytes.fromhex("cd" * 32))) is parsed
+    assert parsed or got is None
 
 
 # junk bytes --------------------------------------------------------------------------------
@@ -150,15 +181,16 @@ def test_junk_request_bytes_answer_invalid_argument_without_a_traceback(method, 
 
     async def main():
         async with Served() as served:
-            got = await served.raw(method, JUNK, auth_metadata(PEER_TOKEN))
+            peer = await served.peer()
+            got = await served.raw(method, JUNK, peer)
             assert isinstance(got, grpc.aio.AioRpcError), got
             assert got.code() is grpc.StatusCode.INVALID_ARGUMENT, got
             assert f"malformed request to {SERVICE}{method}" in got.details()
-            # without the token, the bytes are not even looked at
+            # without a session, the bytes are not even looked at
             anonymous = await served.raw(method, JUNK)
             assert anonymous.code() is grpc.StatusCode.UNAUTHENTICATED
             # and the server still serves
-            fine = await served.raw("Heartbeat", _heartbeat(), auth_metadata(PEER_TOKEN))
+            fine = await served.raw("Heartbeat", _heartbeat(), peer)
             assert not isinstance(fine, grpc.aio.AioRpcError), fine
     run(main())
     errors = errors_logged(caplog.records)

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport,
-                       auth_metadata)
+                       open_channel)
 from connector import prefill_api as pb
 from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
 from connector.shared.wire import layout_message
@@ -261,8 +261,8 @@ def test_invalid_argument_names_the_field(case):
             method, request = build(grant)
             if request.engine_id == "decode-t":  # the engine's own call, malformed otherwise
                 request.engine_secret = peer._secret
-            stub = pb.PrefillServiceStub(peer._channel)
-            call = getattr(stub, method)(request, timeout=5, metadata=auth_metadata(TOKEN))
+            stub = pb.PrefillServiceStub(peer._channel)  # the peer's session goes with each call
+            call = getattr(stub, method)(request, timeout=5)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 if method == "Pull":
                     async for _ in call:
@@ -319,12 +319,15 @@ def test_health_and_reflection_answer_without_a_token():
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
                 assert err.value.code() is grpc.StatusCode.NOT_FOUND
-                reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            # reflection takes the peer credential: a channel opened with the peer token proves it
+            async with open_channel(pair.address, None, peer_token=TOKEN, challenge_timeout_s=5.0) as peer:
+                reflect = reflection_pb2_grpc.ServerReflectionStub(peer)
                 names = []
                 async for reply in reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                                timeout=5, metadata=auth_metadata(TOKEN)):
+                                                                timeout=5):
                     names = [s.name for s in reply.list_services_response.service]
                 assert PrefillConnector.service_name in names and "grpc.health.v1.Health" in names
+            async with grpc.aio.insecure_channel(pair.address) as channel:
                 # and the service itself still wants the token
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await pb.PrefillServiceStub(channel).Handshake(

@@ -1,6 +1,7 @@
 """The daemons' credentials and ports, as real processes attacked from outside: a decode daemon
 serves its Generate API to the client token (and to no other), a prefill daemon its
-PrefillService to the peer token (and never to the client token); junk request bytes get
+PrefillService to a session that proved the peer token (and never to the client token, nor to the
+peer token sent in clear); junk request bytes get
 INVALID_ARGUMENT and no traceback; an unnamed request's id says nothing of the engine; a prefill
 daemon given only the client token, or one token for both, refuses to start; and a daemon started
 on a port another one serves exits with status 2 naming the port while the first keeps serving."""
@@ -27,6 +28,7 @@ from model.colocated import make_prompts
 from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from runtime import Role, SettingsError, load_settings, model_config, model_flags
 from runtime.service_options import check_credentials
+from tests.peer_credentials import peer_metadata
 
 CLIENT_TOKEN = "credentials-test-client-token"
 PEER_TOKEN = "credentials-test-peer-token"
@@ -119,24 +121,25 @@ def test_the_client_token_never_opens_the_prefill_daemon(cluster):
         "Heartbeat": pb.HeartbeatRequest(engine_id="client-posing-as-decode", grant_ids=["0" * 32]),
     }
     for method, request in requests.items():
-        for token in (CLIENT_TOKEN, None):
+        for token in (CLIENT_TOKEN, None, PEER_TOKEN):  # the peer token in clear is refused too
             refused = asyncio.run(_raw(prefill.port, method, request.SerializeToString(), auth_metadata(token)))
             assert isinstance(refused, grpc.aio.AioRpcError), (method, token, refused)
             assert refused.code() is grpc.StatusCode.UNAUTHENTICATED, (method, token, refused)
-    # the peer token opens it: each call gets past auth to the service's own answer
+    # a session proved through PeerAuth opens it: each call gets past auth to the service's own answer
+    peer = asyncio.run(peer_metadata(f"127.0.0.1:{prefill.port}", PEER_TOKEN))
     for method, request in requests.items():
-        reply = asyncio.run(_raw(prefill.port, method, request.SerializeToString(), auth_metadata(PEER_TOKEN)))
+        reply = asyncio.run(_raw(prefill.port, method, request.SerializeToString(), peer))
         assert not isinstance(reply, grpc.aio.AioRpcError) or reply.code() is not grpc.StatusCode.UNAUTHENTICATED, \
             (method, reply)
-    reply = asyncio.run(_raw(prefill.port, "Heartbeat", requests["Heartbeat"].SerializeToString(),
-                             auth_metadata(PEER_TOKEN)))
+    reply = asyncio.run(_raw(prefill.port, "Heartbeat", requests["Heartbeat"].SerializeToString(), peer))
     assert pb.HeartbeatResponse.FromString(reply).lease_ms > 0
 
 
 def test_junk_bytes_to_the_prefill_daemon_answer_invalid_argument_without_a_traceback(cluster):
     _, prefill, _ = cluster
+    peer = asyncio.run(peer_metadata(f"127.0.0.1:{prefill.port}", PEER_TOKEN))
     for method in ("Handshake", "Prefill", "Pull", "PullSession", "Release", "Heartbeat"):
-        got = asyncio.run(_raw(prefill.port, method, JUNK, auth_metadata(PEER_TOKEN)))
+        got = asyncio.run(_raw(prefill.port, method, JUNK, peer))
         assert isinstance(got, grpc.aio.AioRpcError) and got.code() is grpc.StatusCode.INVALID_ARGUMENT, (method, got)
     assert _health(prefill.port) == health_pb2.HealthCheckResponse.SERVING
     log = prefill.log_tail(400)

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from connector import ConnectorConfig, StatusError, Transport, auth_metadata, ucx_available
+from connector import ConnectorConfig, StatusError, Transport, ucx_available
 from connector import prefill_api as pb
 from connector.prefill.connector import PrefillConnector
 from connector.shared.errors import status_code
@@ -93,7 +93,7 @@ def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(cas
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("held", [3] * 130)
             stub = pb.PrefillServiceStub(peer._channel)
-            session = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=10)
+            session = stub.PullSession(timeout=10)
             fields = dict(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=list(range(len(grant.src_block_ids))),
                           dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7, engine_secret=peer._secret) \
                 | change(grant)
@@ -208,7 +208,7 @@ def test_an_idle_session_is_ended_with_a_clear_status_and_its_state_freed():
             peer = await pair.decode.connect(pair.address)
             stub = pb.PrefillServiceStub(peer._channel)
             loop = asyncio.get_running_loop()
-            silent = stub.PullSession(metadata=auth_metadata(procs.TOKEN), timeout=30)
+            silent = stub.PullSession(timeout=30)
             began = loop.time()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await asyncio.wait_for(silent.read(), 15)

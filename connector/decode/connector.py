@@ -18,7 +18,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from connector import prefill_api as pb
-from connector.shared.auth import auth_metadata
 from connector.shared.channels import open_channel
 from connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from connector.shared.config import ConnectorConfig, ucx_options_for
@@ -73,14 +72,18 @@ class DecodeConnector:
     async def connect(self, address: str) -> PrefillPeer:
         """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION when the layouts
         differ in more than their arrangement (block size, order, kernel page; naming the fields) or the model identities differ (naming
-        what differs); UNAUTHENTICATED without the right token; INVALID_ARGUMENT or UNAVAILABLE
+        what differs); UNAUTHENTICATED without the right token, on either side: with ``peer_token`` the
+        channel's first call proves it through PeerAuth, and a node that does not prove it back is sent
+        nothing else (``open_channel``); INVALID_ARGUMENT or UNAVAILABLE
         when the prefill node refuses or cannot reach our UCX worker address. Each call opens a new
-        channel: a caller that handshakes again with the same node calls ``disconnect`` first.
+        channel: a caller that handshakes again with the same node calls ``disconnect`` first. On any
+        failure the channel is closed before this returns, and no peer (nor its keep-alive) is kept.
 
         The peer keeps itself alive (``PrefillPeer.keep_alive``): Heartbeats that renew the grants it is
         pulling, and a new Handshake on the same channel when the prefill node says it forgot this engine
         (after a long silence); this ends when the peer is closed."""
-        channel = open_channel(address, self.config.tls, self.config.grpc_options())
+        channel = open_channel(address, self.config.tls, self.config.grpc_options(), peer_token=self.config.peer_token,
+                               challenge_timeout_s=self.config.rpc_timeout_s)
         req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
                                   transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
                                   ucx_worker_address=self.ucx.address if self.ucx else b"",
@@ -88,8 +91,7 @@ class DecodeConnector:
         stub = pb.PrefillServiceStub(channel)
         warmup = self._post_warmup(req)
         try:
-            r = await stub.Handshake(req, timeout=self.config.rpc_timeout_s,
-                                     metadata=auth_metadata(self.config.peer_token))
+            r = await stub.Handshake(req, timeout=self.config.rpc_timeout_s)
             if Transport.UCX in transports_from(r.transports):
                 await self._await_warmup(warmup, address)
         except grpc.aio.AioRpcError as exc:

@@ -19,7 +19,6 @@ import grpc
 
 from connector import prefill_api as pb
 from connector.decode.engine_secrets import EngineSecrets
-from connector.shared.auth import auth_metadata
 from connector.shared.config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
@@ -63,12 +62,11 @@ class KeepAlive:
     async def beat(self) -> None:
         """One Heartbeat (renewing ``grants()``), and a Handshake if the prefill node does not know us;
         the call's AioRpcError propagates."""
-        md = auth_metadata(self.config.peer_token)
         engine_id = self.handshake.engine_id
         try:
             r = await self.stub.Heartbeat(pb.HeartbeatRequest(engine_id=engine_id, grant_ids=self.grants(),
                                                               engine_secret=self.secrets.get(self.address)),
-                                          timeout=self.config.rpc_timeout_s, metadata=md)
+                                          timeout=self.config.rpc_timeout_s)
             unknown = r.engine_unknown
         except grpc.aio.AioRpcError as exc:  # a node that refuses unknown engines outright
             if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
@@ -79,5 +77,5 @@ class KeepAlive:
             logger.info("prefill node %s does not know engine %s (any more); handshaking again", self.address,
                         engine_id)
             self.handshake.engine_secret = self.secrets.get(self.address)
-            r = await self.stub.Handshake(self.handshake, timeout=self.config.rpc_timeout_s, metadata=md)
+            r = await self.stub.Handshake(self.handshake, timeout=self.config.rpc_timeout_s)
             self.secrets.keep(self.address, r.engine_secret)

@@ -12,7 +12,6 @@ from collections import Counter
 import grpc
 
 from connector import prefill_api as pb
-from connector.shared.auth import auth_metadata
 from connector.shared.compat import arrangement
 from connector.shared.errors import StatusError, rpc_failure
 from connector.decode.grant import PrefillGrant, TransferTimes
@@ -57,7 +56,7 @@ class PrefillPeer:
         self._stub = pb.PrefillServiceStub(channel)
         self._pull = pull_method(channel)  # reads chunks without protobuf's copies
         # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
-        self._session = PullSession(lambda: self._stub.PullSession(metadata=self._md), address,
+        self._session = PullSession(self._stub.PullSession, address,
                                     idle_s=response.pull_session_idle_ms / 1000 or None) \
             if response.pull_session else None
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
@@ -85,10 +84,6 @@ class PrefillPeer:
             yield
         finally:
             self._calls -= 1
-
-    @property
-    def _md(self):
-        return auth_metadata(self.context.config.peer_token)
 
     @property
     def _secret(self) -> bytes:
@@ -141,7 +136,7 @@ class PrefillPeer:
     async def _prefill_call(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         try:
             with self._call():
-                return await self._stub.Prefill(req, timeout=self.context.config.rpc_timeout_s, metadata=self._md)
+                return await self._stub.Prefill(req, timeout=self.context.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Prefill of {req.request_id} on {self.address}") from None
 
@@ -201,7 +196,7 @@ class PrefillPeer:
             r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.context.engine_id,
                                                            engine_secret=self._secret,
                                                            dcp_rank=dcp_rank, all_ranks=all_ranks),
-                                         timeout=self.context.config.rpc_timeout_s, metadata=self._md)
+                                         timeout=self.context.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
         return r.released
@@ -212,7 +207,7 @@ class PrefillPeer:
         try:
             r = await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self.context.engine_id, grant_ids=list(grant_ids),
                                                                engine_secret=self._secret),
-                                           timeout=self.context.config.rpc_timeout_s, metadata=self._md)
+                                           timeout=self.context.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Heartbeat to {self.address}") from None
         return list(r.unknown_grant_ids)
@@ -333,7 +328,7 @@ class PrefillPeer:
         deadline_s = c.config.pull_budget_s(computing=grant.pipelined)
         session = self._session if transport is Transport.UCX and self._session is not None else None
         pull = InboundPull((lambda: session.open(req)) if session is not None else
-                           (lambda: self._pull(req, timeout=deadline_s, metadata=self._md)),
+                           (lambda: self._pull(req, timeout=deadline_s)),
                            address=self.address, grant=grant, landing=landing, ring_id=ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
                            keep=self._follow_on, dcp=dcp)

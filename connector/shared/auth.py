@@ -1,15 +1,21 @@
-"""Bearer tokens: the two credentials of a deployment, the server's check and the caller's metadata.
+"""The two credentials of a deployment: the server's check of each, and the client token's metadata.
 
 A deployment has two credentials, never one:
 
-- the **client** token (``--token``) guards a decode node's public Generate API;
-- the **peer** token (``--peer-token``) guards a prefill node's internal PrefillService, which
-  decode nodes call. (With mTLS a prefill node may rely on client certificates alone.)
+- the **client** token (``--token``) guards a decode node's public Generate API. Its callers send it
+  as ``authorization: Bearer <token>`` (``auth_metadata``); the scheme ``Bearer`` is matched
+  case-insensitively (RFC 7235), the token exactly, in constant time.
+- the **peer** token (``--peer-token``) guards a prefill node's internal PrefillService, which decode
+  nodes call. (With mTLS a prefill node may rely on client certificates alone.) It never leaves the
+  process: a caller proves it through ``kpoolpd.v1.PeerAuth/Challenge`` and has the server prove it
+  back (``connector.shared.peer_auth``), then presents the session's credential,
+  ``authorization: KpoolPd-Peer <hex server nonce>.<hex credential>``, which ``open_channel`` adds to
+  every call of a channel opened with the peer token (``connector.shared.peer_client``).
 
-Each service a server registers says which one it requires; a token of the other kind is refused
-like a wrong one (UNAUTHENTICATED). grpc.health.v1 needs none, so that orchestrator probes need no
-secret; any other service the server carries (reflection) takes any token the server requires.
-The scheme ``Bearer`` is matched case-insensitively (RFC 7235); the token exactly, in constant time.
+Each service a server registers says which credential it requires; one of the other kind is refused
+like a wrong one (UNAUTHENTICATED). grpc.health.v1 and PeerAuth need none, so that orchestrator probes
+need no secret and a caller can start its session; any other service the server carries (reflection)
+takes any credential the server requires.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from collections.abc import Mapping
 
 import grpc
 
+from connector.shared.peer_auth import SERVICE_NAME as PEER_AUTH_SERVICE
+from connector.shared.peer_auth import UNKNOWN_SESSION, PeerSessions, SessionCheck, presented_session
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+OPEN_PREFIXES = (HEALTH_PREFIX, f"/{PEER_AUTH_SERVICE}/")  # methods that need no credential
 SCHEME = "bearer"
 
 
@@ -33,7 +43,8 @@ class Credential(enum.Enum):
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata a caller sends with ``token`` (none for None or empty)."""
+    """The metadata a caller of a client-token API (Generate, a DCP rank's service) sends with ``token``
+    (none for None or empty). Never for the peer token, which is proved, not sent (``open_channel``)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
@@ -48,42 +59,69 @@ def presented_token(metadata) -> str | None:
     return None
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED unless the call presents the token its service requires.
+class CredentialInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED unless the call presents the credential its service requires.
 
-    ``required`` maps a full service name (``"kpoolpd.v1.PrefillService"``) to its credential and
-    token; a service not in it (reflection) accepts any of those tokens; health is always open.
-    The interceptor reads ``required`` at each call, so a server may fill it until it starts."""
+    ``required`` maps a full service name (``"kpoolpd.v1.PrefillService"``) to its credential: CLIENT
+    takes ``Bearer <client_token>``; PEER takes a session of ``peer_sessions`` (``KpoolPd-Peer``), and
+    a session that table does not hold is answered with ``UNKNOWN_SESSION`` exactly, on which the
+    caller challenges again. A service not in ``required`` (reflection) takes any credential that some
+    service requires; health and PeerAuth are always open. The interceptor reads ``required`` at each
+    call, so a server may fill it until it starts.
 
-    def __init__(self, required: Mapping[str, tuple[Credential, str]]) -> None:
+    The peer token itself is not taken as a bearer token, not even from decode nodes of earlier
+    releases: a server that took it would keep a token that an older node sent in clear to whatever
+    address it was given worth stealing, and a mixed fleet cannot work anyway (a decode node of this
+    release refuses a prefill node that does not serve PeerAuth). The refusal says how to get in."""
+
+    def __init__(self, required: Mapping[str, Credential], *, client_token: str | None = None,
+                 peer_sessions: PeerSessions | None = None) -> None:
         self._required = required
+        self._client_token = client_token
+        self._peer_sessions = peer_sessions
 
-    def _expected(self, method: str) -> tuple[Credential | None, list[bytes]]:
-        service = method.lstrip("/").rpartition("/")[0]
-        if service in self._required:
-            credential, token = self._required[service]
-            return credential, [token.encode()]
-        return None, sorted({token.encode() for _, token in self._required.values()})
+    def _refusal_reason(self, credential: Credential, metadata) -> str | None:
+        """None when ``metadata`` presents ``credential``, else why not."""
+        if credential is Credential.CLIENT:
+            presented = presented_token(metadata)
+            if presented is None or self._client_token is None:
+                return "missing bearer token"
+            return None if hmac.compare_digest(presented.encode(), self._client_token.encode()) else "wrong bearer token"
+        session = presented_session(metadata)
+        if session is None:
+            if presented_token(metadata) is not None:
+                return ("a bearer token is not taken for the peer token: prove it through "
+                        f"{PEER_AUTH_SERVICE}/Challenge and present the session's credential")
+            return "missing peer credential"
+        if self._peer_sessions is None:
+            return UNKNOWN_SESSION
+        check = self._peer_sessions.check(*session)
+        if check is SessionCheck.VALID:
+            return None
+        return UNKNOWN_SESSION if check is SessionCheck.UNKNOWN else "wrong peer credential"
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
+        if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
-        credential, expected = self._expected(method)
-        if not expected:
-            return handler
-        presented = presented_token(handler_call_details.invocation_metadata)
-        if presented is not None:
-            given = presented.encode()
-            matched = False
-            for token in expected:  # no early exit: the time does not say which token was close
-                matched |= hmac.compare_digest(given, token)
-            if matched:
+        metadata = handler_call_details.invocation_metadata
+        service = method.lstrip("/").rpartition("/")[0]
+        if service in self._required:
+            credential = self._required[service]
+            reason = self._refusal_reason(credential, metadata)
+            if reason is None:
                 return handler
-        needed = f" (this service needs the {credential.value})" if credential is not None else ""
-        reason = f"missing bearer token{needed}" if presented is None else f"wrong bearer token{needed}"
-        return _refusal(handler, reason)
+            if reason != UNKNOWN_SESSION:
+                reason += f" (this service needs the {credential.value})"
+            return _refusal(handler, reason)
+        kinds = sorted(set(self._required.values()), key=lambda c: c.value)
+        if not kinds:
+            return handler
+        reasons = [self._refusal_reason(credential, metadata) for credential in kinds]
+        if None in reasons:
+            return handler
+        return _refusal(handler, UNKNOWN_SESSION if UNKNOWN_SESSION in reasons else " or ".join(reasons))
 
 
 # How long the refusal of a client-streaming call waits for the caller's first message (below).

@@ -79,8 +79,9 @@ class ConnectorConfig:
     these options leave unset: regions up to 4 MiB are sent eagerly rather than by the rendezvous.
 
     ``peer_token`` is the peer credential (DESIGN section 5): a prefill node's PrefillService
-    requires it on every call (the daemon's server checks it), and a decode node sends it on every
-    call to prefill nodes. It is never the client token of a decode node's Generate API, which is
+    requires it on every call (the daemon's server checks it), and a decode node proves it on each
+    channel to a prefill node and has the node prove it back, never sending it (``open_channel``,
+    ``connector.shared.peer_auth``). It is never the client token of a decode node's Generate API, which is
     the daemon's business, not the connector's. None: no token (plaintext loopback, or mTLS
     client certificates as the peer identity).
 
