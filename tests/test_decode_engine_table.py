@@ -87,7 +87,9 @@ def test_a_ucx_record_needs_its_link():
 def test_an_engine_id_is_held_by_its_secret():
     table = DecodeEngineTable(lease_s=1.0)
     link, eps = link_to("d", b"addr")
-    assert len(table.secret_for("d", b"")) == 32  # an id nobody holds: a fresh secret, whatever is presented
+    assert len(table.secret_for("d", b"")) == 32  # an id nobody holds: a fresh secret when none is presented,
+    assert table.secret_for("d", SECRET) == SECRET  # the claimant's own when it presents one (a lost reply's retry)
+    assert len(table.secret_for("d", b"short")) == 32 and table.secret_for("d", b"short") != b"short"
     table.admit(DecodeEngine("d", frozenset({UCX}), link, SECRET))
     assert table.authenticate("d", SECRET, "Pull") is table.get("d")
     assert table.secret_for("d", SECRET) == SECRET  # a re-handshake keeps it
@@ -107,4 +109,4 @@ def test_an_engine_id_is_held_by_its_secret():
         table.authenticate("never", SECRET, "Prefill")
     assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
     table.forget("d", "test")
-    assert table.secret_for("d", SECRET) != SECRET  # a forgotten id is claimable again, under a new secret
+    assert table.secret_for("d", SECRET) == SECRET  # a forgotten id is claimable again (its engine's own comes back)

@@ -115,10 +115,14 @@ class DecodeEngineTable:
 
     def secret_for(self, engine_id: str, presented: bytes, what: str = "Handshake") -> bytes:
         """The secret a Handshake of ``engine_id`` that presents ``presented`` will hold: the engine's own for
-        a known engine (PERMISSION_DENIED unless presented), a fresh one for an id not held."""
+        a known engine (PERMISSION_DENIED unless presented); for an id not held, the claimant's own when it
+        presents one of SECRET_BYTES (a decode engine draws its secret before its first Handshake, so a
+        Handshake retried after its reply was lost, or after this node forgot the engine, presents the same
+        secret and is admitted as the same engine, where another claimant of the id, lacking it, is refused),
+        else a fresh one."""
         if engine_id in self._engines:
             return self.authenticate(engine_id, presented, what).secret
-        return new_secret()
+        return bytes(presented) if len(presented) == SECRET_BYTES else new_secret()
 
     def admit(self, record: DecodeEngine) -> None:
         """Make ``record`` the engine's, replacing its earlier record whole. The earlier record's link is
