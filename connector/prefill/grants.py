@@ -146,7 +146,14 @@ class GrantKeeper:
         """The Release RPC: the grant (a DCP rank's share, or every rank's) is released and freed once no
         pull reads it; a computation still running is stopped. False for an unknown grant; StatusError
         PERMISSION_DENIED for another engine's or without the engine's secret, FAILED_PRECONDITION from an
-        engine not handshaken."""
+        engine not handshaken.
+
+        A Release that names no engine (``engine_id`` empty) releases an offered grant no engine has claimed
+        yet (``offer``): a PD router whose decode could not happen gives the producer's blocks back at once.
+        The caller has passed the peer credential, and the grant id (128 random bits, which only the
+        request's own params carry) is the claim; a claimed grant is refused PERMISSION_DENIED."""
+        if not request.engine_id:
+            return self._release_unclaimed(request.grant_id)
         self.authenticate(request.engine_id, request.engine_secret, "Release")
         grant = self.leases.live(request.grant_id)
         if grant is None:
@@ -161,6 +168,18 @@ class GrantKeeper:
         if grant.release_requested and grant.computing:  # nobody wants the rest of the prompt: a pull still
             self.stop_computing(grant, "its grant was released")  # reading it fails at once
         self.reap()  # frees it now unless a pull still reads it (then when that pull ends)
+        return pb.ReleaseResponse(released=True)
+
+    def _release_unclaimed(self, grant_id: str) -> pb.ReleaseResponse:
+        grant = self.leases.live(grant_id)
+        if grant is None:
+            return pb.ReleaseResponse(released=False)
+        if grant.engine_id or grant.dcp_engine_ids:
+            raise self.foreign("Release", "")
+        logger.info("offered grant %s (request %s) released unclaimed; freeing %d blocks", grant.grant_id,
+                    grant.request_id, len(grant.block_ids))
+        grant.release_requested = True
+        self.reap()
         return pb.ReleaseResponse(released=True)
 
     def abandon(self, grant: Grant, why: str) -> None:
