@@ -1,19 +1,29 @@
-"""Small fake OpenAI servers for tests/test_router.py: a prefill instance that answers a one-token
-completion with ``kv_transfer_params`` as a kv_producer does, a decode instance that answers with a
-completion or a stream of server-sent events; each records what it was sent and can be told to fail."""
+"""Small fake OpenAI servers for the router's tests (tests/test_router*.py): a prefill instance that
+answers a one-token completion with ``kv_transfer_params`` as a kv_producer does, a decode instance that
+answers with a completion or a stream of server-sent events; each records what it was sent and can be
+told to fail. Also a backend that never answers, a proxy that closes idle keep-alive connections as
+vLLM's server does, and the router itself on a loopback port (``routed``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import socket
+import struct
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from kpool_pd.router.app import build_app, serving as router_serving
+from kpool_pd.router.settings import RouterSettings
+
 STREAM_EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
                  b"data: [DONE]\n\n"]
+ERROR_EVENT = b'data: {"error": {"message": "pull failed", "type": "InternalServerError", "code": 500}}\n\n'
+WAIT_S = 30.0  # the longest a fake waits on the router
 
 
 @dataclass
@@ -24,30 +34,52 @@ class Sent:
 
 @dataclass
 class FakeInstance:
-    """``name`` goes into what it answers. ``fail_status``: answer every request with it. ``hang``: answer only
-    after the client closed the connection. ``stream_gate``: a streaming decode waits on it after its first event. ``break_stream``: close the
-    connection after the first event. ``no_params``: a prefill that returns no kv_transfer_params."""
+    """``name`` goes into what it answers. ``fail_status``: answer requests with it (the first ``fail_times``
+    of them, every one when None). ``hang``: answer only after the client closed the connection (``/health``
+    too). ``stream_gate``: a streaming decode waits on it after its first event. ``break_stream``: close the
+    connection after the first event. ``stream_error``: an error event after the first event, then
+    ``[DONE]`` (as vLLM ends a stream that failed). ``hold_stream``: after the first event, wait for the
+    client to close the connection and set ``closed_mid_stream``. ``no_params``: a prefill that returns no
+    kv_transfer_params. ``health_status``: what ``GET /health`` answers (a 5xx ``fail_status`` while failing)."""
 
     name: str
     fail_status: int = 0
+    fail_times: int | None = None
     hang: bool = False
     stream_gate: asyncio.Event | None = None
     break_stream: bool = False
+    stream_error: bool = False
+    hold_stream: bool = False
     no_params: bool = False
+    health_status: int = 200
     sent: list[Sent] = field(default_factory=list)
+    closed_mid_stream: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""  # http://127.0.0.1:PORT once serving
+
+    def _failing(self) -> bool:
+        return bool(self.fail_status) and (self.fail_times is None or len(self.sent) <= self.fail_times)
+
+    async def _until_closed(self, request: web.Request) -> None:
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while request.transport is not None and not request.transport.is_closing():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{self.name}: the router kept the connection open for {WAIT_S} s")
+            await asyncio.sleep(0.02)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.hang:
+            await self._until_closed(request)
+            return web.Response(status=599)
+        failing = self.fail_status >= 500 and (self.fail_times is None or len(self.sent) < self.fail_times)
+        return web.Response(status=self.fail_status if failing else self.health_status)
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.sent.append(Sent(body, request.headers.copy()))  # case-insensitive
         if self.hang:  # until the router gives up and closes the connection
-            deadline = asyncio.get_running_loop().time() + 30
-            while request.transport is not None and not request.transport.is_closing():
-                if asyncio.get_running_loop().time() > deadline:
-                    raise AssertionError(f"{self.name}: the router kept waiting on a hung instance")
-                await asyncio.sleep(0.02)
+            await self._until_closed(request)
             return web.Response(status=599)
-        if self.fail_status:
+        if self._failing():
             return web.json_response({"error": {"message": f"{self.name} says no"}}, status=self.fail_status)
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
             params = None if self.no_params else {"do_remote_prefill": True, "remote_engine_id": self.name,
@@ -61,17 +93,28 @@ class FakeInstance:
         if self.break_stream:
             request.transport.close()
             return out
+        if self.hold_stream:
+            try:
+                await self._until_closed(request)
+            except asyncio.CancelledError:  # aiohttp cancels a handler whose client went away
+                self.closed_mid_stream.set()
+                raise
+            self.closed_mid_stream.set()
+            return out
+        if self.stream_error:
+            await out.write(ERROR_EVENT)
         if self.stream_gate is not None:
             await self.stream_gate.wait()
-        for event in STREAM_EVENTS[1:]:
+        for event in STREAM_EVENTS[2 if self.stream_error else 1:]:
             await out.write(event)
         await out.write_eof()
         return out
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._answer)
         app.router.add_post("/v1/chat/completions", self._answer)
+        app.router.add_get("/health", self._health)
         return app
 
 
@@ -83,6 +126,120 @@ async def serving(*instances: FakeInstance):
             server = await stack.enter_async_context(TestServer(instance.app(), host="127.0.0.1"))
             instance.url = str(server.make_url("")).rstrip("/")
         yield instances
+
+
+class IdleClosingProxy:
+    """A TCP proxy in front of ``target`` (a base URL) that closes its keep-alive connections after ``idle_s``
+    without a byte either way, as vLLM's server does after 5 s, the way a client meets that close in the
+    race: the client sends its next request on a connection the server has just closed, before the close
+    reached it. Here the close is made when that next request's first bytes arrive (a reset, nothing of the
+    request read), so each request sent after ``idle_s`` or more on a kept connection meets it; ``resets``
+    counts them. ``url`` while serving (``async with``)."""
+
+    def __init__(self, target: str, idle_s: float) -> None:
+        self.target, self.idle_s = target, idle_s
+        self.resets = 0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> IdleClosingProxy:
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tasks.add(asyncio.current_task())
+        host, port = self.target.removeprefix("http://").rsplit(":", 1)
+        up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), WAIT_S)
+        loop = asyncio.get_running_loop()
+        last = [loop.time()]  # the last byte either way
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, from_client: bool) -> None:
+            while data := await source.read(1 << 16):
+                if from_client and loop.time() - last[0] >= self.idle_s:
+                    self.resets += 1
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                              struct.pack("ii", 1, 0))
+                    writer.transport.abort()  # a reset: the client's request is not read
+                    return
+                sink.write(data)
+                await sink.drain()
+                last[0] = loop.time()
+
+        try:
+            done, pending = await asyncio.wait([loop.create_task(pump(reader, up_writer, True)),
+                                                loop.create_task(pump(up_reader, writer, False))],
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            up_writer.close()
+            writer.close()
+            self._tasks.discard(asyncio.current_task())
+
+
+@contextlib.asynccontextmanager
+async def silent_backend():
+    """A backend that accepts connections and reads what it is sent but never answers; yields its URL."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(1 << 16):
+                pass
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+
+
+class ReleaseRecorder:
+    """A fake grant releaser: records each call's (params, request id); answers ``answer``."""
+
+    def __init__(self, answer: bool = True) -> None:
+        self.calls: list[tuple[dict, str]] = []
+        self._answer = answer
+
+    async def __call__(self, params: dict, request_id: str) -> bool:
+        self.calls.append((params, request_id))
+        return self._answer
+
+
+@contextlib.asynccontextmanager
+async def routed(prefill: list[str], decode: list[str], *, release_grant=None, **settings):
+    """The router (as ``run_router`` serves it) on a loopback port in front of ``prefill`` and ``decode``;
+    yields (client session, base URL). Health probes are off unless ``health_check_s`` is given; grant
+    releases go to ``release_grant`` (a ReleaseRecorder by default)."""
+    settings = RouterSettings(prefill=tuple(prefill), decode=tuple(decode), port=0,
+                              **({"health_check_s": 0} | settings))
+    app = build_app(settings, release_grant=release_grant or ReleaseRecorder())
+    async with router_serving(settings, app) as base, aiohttp.ClientSession() as client:
+        yield client, base
+
+
+async def post(client: aiohttp.ClientSession, url: str, body, **headers) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with client.post(url, data=data, headers={"Content-Type": "application/json", **headers}) as answer:
+        return answer.status, await answer.read()
+
+
+async def metric_lines(client: aiohttp.ClientSession, base: str) -> list[str]:
+    async with client.get(base + "/metrics") as answer:
+        return (await answer.text()).splitlines()
 
 
 def last_body(instance: FakeInstance) -> dict:

@@ -13,14 +13,13 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'kpool-pd[router]')")
 
-from aiohttp.test_utils import TestServer  # noqa: E402
-
-from kpool_pd.router.app import build_app  # noqa: E402
 from kpool_pd.router.instances import InstancePool, Role  # noqa: E402
 from kpool_pd.router.main import main as router_main  # noqa: E402
 from kpool_pd.router.settings import RouterSettings  # noqa: E402
 from tests.ports import free_port  # noqa: E402
-from tests.router_fakes import STREAM_EVENTS, FakeInstance, as_json, last_body, serving, sse_events  # noqa: E402
+from tests.router_fakes import (STREAM_EVENTS, FakeInstance, as_json, last_body, post, serving,  # noqa: E402
+                                sse_events)
+from tests.router_fakes import routed as router  # noqa: E402
 
 DEADLINE_S = 30.0
 PROMPT = {"model": "m", "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 4, "temperature": 0}
@@ -28,21 +27,6 @@ PROMPT = {"model": "m", "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 4, "tem
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, DEADLINE_S))
-
-
-@contextlib.asynccontextmanager
-async def router(prefill: list[str], decode: list[str], **settings):
-    """A router on a loopback port in front of ``prefill`` and ``decode``; yields (client session, base URL)."""
-    server = TestServer(build_app(RouterSettings(prefill=tuple(prefill), decode=tuple(decode), **settings)),
-                        host="127.0.0.1")
-    async with server, aiohttp.ClientSession() as client:
-        yield client, str(server.make_url("")).rstrip("/")
-
-
-async def post(client, url: str, body, **headers) -> tuple[int, bytes]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with client.post(url, data=data, headers={"Content-Type": "application/json", **headers}) as answer:
-        return answer.status, await answer.read()
 
 
 def closed_url() -> str:
@@ -93,7 +77,7 @@ def test_pool_prefers_fewest_outstanding_then_not_failed_lately_then_least_recen
     with pool.outstanding(b), pool.outstanding(c):
         assert pool.choose().url == "http://a"
         assert pool.choose(skip={"http://a"}).url == "http://b"
-    pool.failed(a)
+    pool.failed(a, "HTTP 500")
     assert [pool.choose().url for _ in range(2)] == ["http://c", "http://b"] and pool.usable() == 2
     assert pool.choose(skip={"http://b", "http://c"}) is a  # failed lately, but the only one left
     now[0] += 10
@@ -149,7 +133,10 @@ def test_when_every_instance_of_a_role_fails_the_502_names_each(role):
         assert f"{hung.url} (no answer within 0.5 s)" in message
         assert f"{gone} (ClientConnectorError" in message
         assert health_status == HTTPStatus.SERVICE_UNAVAILABLE
-        assert sorted(i["url"] for i in instances if i["failed_lately"]) == sorted([broken.url, hung.url, gone])
+        failed = {i["url"]: i for i in instances if i["state"] == "failed"}
+        assert sorted(failed) == sorted([broken.url, hung.url, gone])
+        assert failed[hung.url]["last_failure"]["reason"] == "no answer within 0.5 s"
+        assert 0 <= failed[gone]["last_failure"]["seconds_ago"] < DEADLINE_S
         if role == "decode":
             assert len(good["prefill"].sent) == 1
     run(scenario())
@@ -229,8 +216,8 @@ def test_health_is_ok_with_a_usable_instance_of_each_role():
                 assert answer.status == 200
                 report = await answer.json()
         assert report["status"] == "ok"
-        assert [(i["role"], i["url"], i["outstanding"]) for i in report["instances"]] == [
-            ("prefill", prefill.url, 0), ("decode", decode.url, 0)]
+        assert [(i["role"], i["url"], i["state"], i["outstanding"], i["last_failure"]) for i in report["instances"]] == [
+            ("prefill", prefill.url, "up", 0, None), ("decode", decode.url, "up", 0, None)]
     run(scenario())
 
 

@@ -1,67 +1,116 @@
 """The router's HTTP server (aiohttp): ``/v1/completions`` and ``/v1/chat/completions`` through a prefill
-and a decode instance, ``/health`` and ``/metrics``."""
+and a decode instance, ``/health`` and ``/metrics`` (both open when the router has an API key).
+
+``build_app`` makes the application; ``serving`` serves it on its address with the client guard of
+``intake`` (header deadline, connection cap) and cancels a request's handler when its client goes away
+(which closes its decode stream); ``run_router`` serves until SIGINT or SIGTERM. A request is answered
+with OpenAI's error shape when the router refuses it: 400 for a body it cannot route, 401 without the
+router's key, 408 when its body is slower than ``body_timeout_s``, 413 over ``max_body_mb``, 502 when
+every instance of a role failed."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import resource
+import signal
 import time
-import uuid
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kpool_pd.router.bodies import InstanceRefused, RouterError, parse_request
+from kpool_pd.router.backends import Backends
+from kpool_pd.router.bodies import Endpoint, InstanceRefused, RouterError, error_response, parse_request
+from kpool_pd.router.headers import authorized, backend_headers, request_id_of
 from kpool_pd.router.instances import InstancePool, Role
+from kpool_pd.router.intake import ClientGuard
 from kpool_pd.router.metrics import Outcome, RouterMetrics
-from kpool_pd.router.pd import PdRouter
+from kpool_pd.router.pd import PdRouter, ReleaseGrant
+from kpool_pd.router.probes import HealthProber
 from kpool_pd.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
-_FORWARDED_HEADERS = ("Authorization",)
+COMPLETIONS = Endpoint.COMPLETIONS.value
+CHAT_COMPLETIONS = Endpoint.CHAT_COMPLETIONS.value
+_SETTINGS = web.AppKey("settings", RouterSettings)
 _ROUTER = web.AppKey("router", PdRouter)
 _POOLS = web.AppKey("pools", tuple)
 _METRICS = web.AppKey("metrics", RouterMetrics)
+_GUARD = web.AppKey("guard", ClientGuard)
+_ACCESS_LOG = logging.getLogger("kpool_pd.router.access")
 
 
-def _forwarded_headers(request: web.Request, request_id: str) -> dict[str, str]:
-    headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
-    return headers | {"X-Request-Id": request_id}
+async def _body(request: web.Request, settings: RouterSettings) -> bytes:
+    """The request's body within ``body_timeout_s`` and ``max_body_mb``; RouterError (408, 413) otherwise."""
+    too_large = RouterError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                            f"the request body is over the router's limit of {settings.max_body_mb:g} MiB")
+    if request.content_length is not None and request.content_length > settings.max_body_bytes:
+        raise too_large
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RouterError(HTTPStatus.REQUEST_TIMEOUT,
+                          f"the request body did not arrive within {settings.body_timeout_s:g} s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
 
 
 async def _pd(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
-    router, metrics, path = request.app[_ROUTER], request.app[_METRICS], request.path
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    app, path = request.app, request.path
+    settings, router, metrics = app[_SETTINGS], app[_ROUTER], app[_METRICS]
+    request_id = request_id_of(request.headers)
     try:
-        body = parse_request(await request.read())
-        headers = _forwarded_headers(request, request_id)
-        params = await router.prefill(path, body, headers, request_id)
-        response, outcome = await router.decode(request, path, body, params, headers, request_id, arrived)
+        body = parse_request(await _body(request, settings), Endpoint(path))
+        headers = backend_headers(request.headers, request_id, api_key=settings.api_key,
+                                  backend_api_key=settings.backend_api_key)
+        response, outcome = await router.route(request, path, body, headers, request_id, arrived)
     except RouterError as error:
         metrics.answered(path, Outcome.CLIENT_ERROR if error.status < 500 else Outcome.UPSTREAM_ERROR)
         logger.warning("request %s: %s", request_id, error.message)
-        return error.response()
+        response = error.response()
+        if error.status in (HTTPStatus.REQUEST_TIMEOUT, HTTPStatus.REQUEST_ENTITY_TOO_LARGE):
+            response.force_close()  # the rest of its body is not read
+        return response
     except InstanceRefused as refused:
         metrics.answered(path, Outcome.CLIENT_ERROR)
         return refused.response()
+    except Exception as error:  # a fault of the router's own: logged, answered in OpenAI's shape
+        logger.exception("request %s: the router failed", request_id)
+        metrics.answered(path, Outcome.UPSTREAM_ERROR)
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"the router failed: {type(error).__name__}")
     metrics.answered(path, outcome)
     logger.info("request %s: %s in %.3f s", request_id, outcome.value, time.perf_counter() - arrived)
     return response
 
 
+@web.middleware
+async def _authenticate(request: web.Request, handler) -> web.StreamResponse:
+    """With an API key, /v1/* needs ``Authorization: Bearer <key>``; 401 otherwise."""
+    api_key = request.app[_SETTINGS].api_key
+    if api_key is not None and request.path.startswith("/v1/") and not authorized(request.headers, api_key):
+        logger.warning("refused a request to %s from %s: no valid API key", request.path, request.remote)
+        response = error_response(HTTPStatus.UNAUTHORIZED, "a valid API key is required: Authorization: Bearer <key>")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+    return await handler(request)
+
+
 async def _health(request: web.Request) -> web.Response:
-    """200 while each role has an instance that has not failed lately, else 503; the instances either way."""
+    """200 while each role has an instance that is up, else 503 saying which role has none; each instance
+    with its state and its last failure (reason, seconds ago) either way."""
     pools: tuple[InstancePool, ...] = request.app[_POOLS]
-    ready = all(pool.usable() for pool in pools)
-    instances = [{"role": pool.role.value, "url": i.url, "outstanding": i.outstanding, "failed_lately": pool.cooling(i)}
-                 for pool in pools for i in pool.instances]
-    return web.json_response({"status": "ok" if ready else "unavailable", "instances": instances},
-                             status=HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE)
+    unusable = [pool.role.value for pool in pools if not pool.usable()]
+    report = {"status": "unavailable" if unusable else "ok",
+              "instances": [entry for pool in pools for entry in pool.report()]}
+    if unusable:
+        report["reason"] = "no instance is up for " + " and ".join(unusable)
+    return web.json_response(report, status=HTTPStatus.SERVICE_UNAVAILABLE if unusable else HTTPStatus.OK)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -69,19 +118,39 @@ async def _metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_app(settings: RouterSettings) -> web.Application:
-    """The router as an aiohttp application; its client session opens on start-up and closes on clean-up."""
+def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = None) -> web.Application:
+    """The router as an aiohttp application. On start-up it opens its clients to the instances, its grant
+    releaser (``grants.GrantReleaser`` unless ``release_grant`` is given) and its health probes; clean-up
+    stops them in reverse."""
     pools = (InstancePool(Role.PREFILL, settings.prefill, cooldown_s=settings.cooldown_s),
              InstancePool(Role.DECODE, settings.decode, cooldown_s=settings.cooldown_s))
-    app = web.Application(client_max_size=64 * 1024 * 1024)  # long prompts as token ids
-    app[_POOLS], app[_METRICS] = pools, RouterMetrics(pools)
+    metrics = RouterMetrics(pools)
+    guard = ClientGuard(header_timeout_s=settings.header_timeout_s, max_connections=settings.max_connections,
+                        dropped=metrics.dropped)
+    metrics.client_connections.set_function(lambda: len(guard))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[guard.middleware, _authenticate])
+    app[_SETTINGS], app[_POOLS], app[_METRICS], app[_GUARD] = settings, pools, metrics, guard
 
-    async def session(app: web.Application):
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
-            app[_ROUTER] = PdRouter(settings, client, *pools, app[_METRICS])
+    async def started(app: web.Application):
+        async with contextlib.AsyncExitStack() as stack:
+            backends = await stack.enter_async_context(Backends(keepalive_s=settings.backend_keepalive_s))
+            release = release_grant
+            if release is None:
+                from kpool_pd.router.grants import GrantReleaser  # another module's; loaded only when serving
+
+                releaser = GrantReleaser(peer_token=settings.peer_token, timeout_s=settings.connect_timeout_s)
+                stack.push_async_callback(releaser.close)
+                release = releaser.release
+            app[_ROUTER] = router = PdRouter(settings, backends, *pools, metrics, release)
+            stack.push_async_callback(router.close)
+            if settings.health_check_s > 0:
+                prober = HealthProber(pools, backends.fresh, period_s=settings.health_check_s,
+                                      timeout_s=settings.health_timeout_s)
+                probing = asyncio.get_running_loop().create_task(prober.run())
+                stack.push_async_callback(_cancelled, probing)
             yield
 
-    app.cleanup_ctx.append(session)
+    app.cleanup_ctx.append(started)
     app.router.add_post(COMPLETIONS, _pd)
     app.router.add_post(CHAT_COMPLETIONS, _pd)
     app.router.add_get("/health", _health)
@@ -89,10 +158,58 @@ def build_app(settings: RouterSettings) -> web.Application:
     return app
 
 
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: RouterSettings, app: web.Application) -> AsyncIterator[str]:
+    """Serves ``app`` (from ``build_app(settings)``) on ``settings.host``/``port`` (0: a free port) while
+    the block runs; yields its base URL. Each connection is watched by the app's client guard."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=_ACCESS_LOG)
+    await runner.setup()
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            app[_GUARD].protocol_factory(runner.server), settings.host, settings.port,
+            backlog=settings.max_connections, reuse_address=True)
+        try:
+            host, port = server.sockets[0].getsockname()[:2]
+            yield f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        finally:
+            server.close()
+    finally:
+        await runner.cleanup()
+
+
+def _raise_open_files_limit(max_connections: int) -> None:
+    """Room for each client connection and its two instance connections: the soft limit on open files is
+    raised toward the hard one when it is short; a warning when even the hard one is."""
+    needed = 3 * max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        if raised < needed:
+            logger.warning("open files limited to %d (hard limit), under the %d that --max-connections %d may use",
+                           raised, needed, max_connections)
+
+
 def run_router(settings: RouterSettings) -> int:
     """Serves until SIGINT or SIGTERM."""
-    logger.info("router on %s:%d: prefill %s, decode %s", settings.host, settings.port, ", ".join(settings.prefill),
-                ", ".join(settings.decode))
-    web.run_app(build_app(settings), host=settings.host, port=settings.port, print=None,
-                access_log=logging.getLogger("kpool_pd.router.access"))
+    _raise_open_files_limit(settings.max_connections)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        async with serving(settings, build_app(settings)) as url:
+            logger.info("router on %s: prefill %s, decode %s", url, ", ".join(settings.prefill),
+                        ", ".join(settings.decode))
+            await stop.wait()  # a signal, not a peer
+        logger.info("router stopped")
+
+    asyncio.run(serve())
     return 0

@@ -17,7 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible PD router: each /v1/completions or /v1/chat/completions request is "
                     "prefilled on a prefill vllm serve instance (max_tokens 1, kv_transfer_params do_remote_decode) "
                     "and generated on a decode instance with the kv_transfer_params the prefill returned; instances "
-                    "are chosen by fewest outstanding requests, one that fails is skipped. Also /health, /metrics.")
+                    "are chosen by fewest outstanding requests, one that fails (connect failure, timeout, 5xx) or "
+                    "whose GET /health probe fails is tried last. A request the decode cannot take releases the "
+                    "prefill's grant. Refused before any instance sees it: a batch of prompts, n, best_of above 1, "
+                    "beam search, bodies that are not JSON objects or are over --max-body-mb. Also /health (each "
+                    "instance's state and last failure) and /metrics.")
     add_router_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser

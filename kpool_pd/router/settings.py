@@ -1,9 +1,12 @@
-"""The router's settings: where its prefill and decode instances are, where it listens, its timeouts."""
+"""The router's settings: where its prefill and decode instances are, where it listens, its timeouts and
+limits, and its credentials (secrets never appear in a repr, a log line or ``/health``)."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 DEFAULT_PORT = 8000
@@ -11,6 +14,17 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_PREFILL_TIMEOUT_S = 300.0
 DEFAULT_DECODE_TIMEOUT_S = 600.0
 DEFAULT_COOLDOWN_S = 10.0
+DEFAULT_BACKEND_KEEPALIVE_S = 4.0  # under vLLM's 5 s (uvicorn's keep-alive): the backend never closes one first
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 120.0  # 64 MiB at about 5 MB/s
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_BODY_MB = 64.0  # long prompts as token ids
+DEFAULT_HEALTH_CHECK_S = 5.0
+DEFAULT_HEALTH_TIMEOUT_S = 3.0
+DEFAULT_RETRY_PAUSE_S = 0.5
+API_KEY_ENV = "KPOOLPD_ROUTER_API_KEY"
+BACKEND_API_KEY_ENV = "KPOOLPD_BACKEND_API_KEY"
+PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"
 
 
 def instance_url(text: str) -> str:
@@ -32,7 +46,19 @@ class RouterSettings:
     kv_consumer). ``connect_timeout_s`` bounds opening a connection to an instance;
     ``prefill_timeout_s`` a whole prefill request; ``decode_timeout_s`` each wait for the decode
     instance's next bytes (its whole answer when the client does not stream). An instance that failed
-    is tried last for ``cooldown_s``."""
+    is tried last for ``cooldown_s``; a role with one instance tries it once more after ``retry_pause_s``.
+
+    Toward the instances: an idle pooled connection is closed after ``backend_keepalive_s`` (keep it
+    under the instances' own idle timeout, vLLM's 5 s); each instance's ``GET /health`` is probed every
+    ``health_check_s`` (0: never), each probe given ``health_timeout_s``.
+
+    Toward clients: a request's headers must arrive within ``header_timeout_s`` of its first byte (or of
+    its connection's opening), its body within ``body_timeout_s`` of its headers; a body over
+    ``max_body_mb`` MiB is refused (413); at most ``max_connections`` client connections are held.
+
+    ``api_key``: when set, /v1/* requires ``Authorization: Bearer <api_key>`` and the client's
+    Authorization is not forwarded; ``backend_api_key`` is then what the instances get (when set).
+    ``peer_token``: what the router shows a producer to release a grant."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
@@ -42,6 +68,17 @@ class RouterSettings:
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
     decode_timeout_s: float = DEFAULT_DECODE_TIMEOUT_S
     cooldown_s: float = DEFAULT_COOLDOWN_S
+    retry_pause_s: float = DEFAULT_RETRY_PAUSE_S
+    backend_keepalive_s: float = DEFAULT_BACKEND_KEEPALIVE_S
+    health_check_s: float = DEFAULT_HEALTH_CHECK_S
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_body_mb: float = DEFAULT_MAX_BODY_MB
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    api_key: str | None = field(default=None, repr=False)
+    backend_api_key: str | None = field(default=None, repr=False)
+    peer_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -54,11 +91,25 @@ class RouterSettings:
             object.__setattr__(self, role, normal)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not in 0..65535")
-        for name in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.cooldown_s < 0:
-            raise ValueError(f"cooldown_s must not be negative, got {self.cooldown_s}")
+        for name in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s", "backend_keepalive_s",
+                     "health_timeout_s", "header_timeout_s", "body_timeout_s", "max_body_mb"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be positive and finite, got {value}")
+        for name in ("cooldown_s", "retry_pause_s", "health_check_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must not be negative, got {value}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("api_key", "backend_api_key", "peer_token"):
+            value = getattr(self, name)
+            if value is not None and (not value or not value.isascii() or not value.isprintable()):
+                raise ValueError(f"{name} must be a non-empty printable ASCII string (its value is not shown)")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,18 +119,63 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base URLs of the decode vllm serve instances (kv_consumer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
-    parser.add_argument("--connect-timeout-s", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
-                        help=f"longest wait to connect to an instance (default {DEFAULT_CONNECT_TIMEOUT_S:g})")
-    parser.add_argument("--prefill-timeout-s", type=float, default=DEFAULT_PREFILL_TIMEOUT_S,
-                        help=f"longest prefill request (default {DEFAULT_PREFILL_TIMEOUT_S:g})")
-    parser.add_argument("--decode-timeout-s", type=float, default=DEFAULT_DECODE_TIMEOUT_S,
-                        help="longest wait for the decode instance's next bytes; its whole answer when the client "
-                             f"does not stream (default {DEFAULT_DECODE_TIMEOUT_S:g})")
-    parser.add_argument("--cooldown-s", type=float, default=DEFAULT_COOLDOWN_S,
-                        help=f"an instance that failed is tried last for this long (default {DEFAULT_COOLDOWN_S:g})")
+    backends = parser.add_argument_group("toward the instances")
+    backends.add_argument("--connect-timeout-s", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
+                          help=f"longest wait to connect to an instance (default {DEFAULT_CONNECT_TIMEOUT_S:g})")
+    backends.add_argument("--prefill-timeout-s", type=float, default=DEFAULT_PREFILL_TIMEOUT_S,
+                          help=f"longest prefill request (default {DEFAULT_PREFILL_TIMEOUT_S:g})")
+    backends.add_argument("--decode-timeout-s", type=float, default=DEFAULT_DECODE_TIMEOUT_S,
+                          help="longest wait for the decode instance's next bytes; its whole answer when the client "
+                               f"does not stream (default {DEFAULT_DECODE_TIMEOUT_S:g})")
+    backends.add_argument("--cooldown-s", type=float, default=DEFAULT_COOLDOWN_S,
+                          help=f"an instance that failed is tried last for this long (default {DEFAULT_COOLDOWN_S:g})")
+    backends.add_argument("--retry-pause-s", type=float, default=DEFAULT_RETRY_PAUSE_S,
+                          help="when a role's only instance failed (not by a timeout), it is tried once more after "
+                               f"this pause (default {DEFAULT_RETRY_PAUSE_S:g})")
+    backends.add_argument("--backend-keepalive-s", type=float, default=DEFAULT_BACKEND_KEEPALIVE_S,
+                          help="an idle connection to an instance is closed after this long; keep it under the "
+                               f"instances' own idle timeout, 5 s for vllm serve (default {DEFAULT_BACKEND_KEEPALIVE_S:g})")
+    backends.add_argument("--health-check-s", type=float, default=DEFAULT_HEALTH_CHECK_S,
+                          help="each instance's GET /health is probed this often; one that does not answer 200 is "
+                               f"marked down, one that does is marked up; 0: never (default {DEFAULT_HEALTH_CHECK_S:g})")
+    backends.add_argument("--health-timeout-s", type=float, default=DEFAULT_HEALTH_TIMEOUT_S,
+                          help=f"longest wait for a probe's answer (default {DEFAULT_HEALTH_TIMEOUT_S:g})")
+    clients = parser.add_argument_group("toward clients")
+    clients.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                         help="a request's headers must arrive within this long of its first byte (or of its "
+                              f"connection's opening), else the connection is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    clients.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                         help="a request's body must arrive within this long of its headers, else 408 "
+                              f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    clients.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                         help=f"a larger request body is refused with 413 (MiB, default {DEFAULT_MAX_BODY_MB:g})")
+    clients.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                         help="client connections held at most; past it the oldest one without a complete request is "
+                              f"closed (default {DEFAULT_MAX_CONNECTIONS})")
+    keys = parser.add_argument_group("credentials (read from the environment when the flag is not given)")
+    keys.add_argument("--api-key", default=None,
+                      help="clients must send 'Authorization: Bearer KEY' on /v1/*; their Authorization is then not "
+                           f"forwarded (default: ${API_KEY_ENV}; unset: no check, the client's header is forwarded)")
+    keys.add_argument("--backend-api-key", default=None,
+                      help="sent to the instances as 'Authorization: Bearer KEY' in place of the client's "
+                           f"(default: ${BACKEND_API_KEY_ENV})")
+    keys.add_argument("--peer-token", default=None,
+                      help="shown to a producer to release a grant that no decode will pull "
+                           f"(default: ${PEER_TOKEN_ENV})")
+
+
+def _from_env(value: str | None, name: str) -> str | None:
+    return value if value is not None else (os.environ.get(name) or None)
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     return RouterSettings(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
                           connect_timeout_s=args.connect_timeout_s, prefill_timeout_s=args.prefill_timeout_s,
-                          decode_timeout_s=args.decode_timeout_s, cooldown_s=args.cooldown_s)
+                          decode_timeout_s=args.decode_timeout_s, cooldown_s=args.cooldown_s,
+                          retry_pause_s=args.retry_pause_s, backend_keepalive_s=args.backend_keepalive_s,
+                          health_check_s=args.health_check_s, health_timeout_s=args.health_timeout_s,
+                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                          max_body_mb=args.max_body_mb, max_connections=args.max_connections,
+                          api_key=_from_env(args.api_key, API_KEY_ENV),
+                          backend_api_key=_from_env(args.backend_api_key, BACKEND_API_KEY_ENV),
+                          peer_token=_from_env(args.peer_token, PEER_TOKEN_ENV))
