@@ -64,7 +64,7 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
     transport = "ucx" if connector is Connector.KPOOL_UCX else "grpc"
     kpool = vllm_engines.kpool_transfer_config
     return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport}),
-            kpool("kv_consumer", {"transport": transport}), token, token)
+            kpool("kv_consumer", {"transport": transport, "producers": [f"127.0.0.1:{ports[0]}"]}), token, token)
 
 
 def unused_port() -> int:

@@ -36,13 +36,14 @@ def start_engines(model: str):
     token = secrets.token_hex(16)
     context = multiprocessing.get_context("spawn")
     started = []
+    listen = f"127.0.0.1:{free_port()}"
     try:
-        producer = vllm_engines.EngineProcess(context, model, connector("kv_producer", {"listen": f"127.0.0.1:{free_port()}",
+        producer = vllm_engines.EngineProcess(context, model, connector("kv_producer", {"listen": listen,
                                                                   "peer_token": token, "lease_s": 60}))
         started.append(producer)
         consumers = {}
         for transport in ("ucx", "grpc"):
-            settings = {"peer_token": token, "transport": transport, "integrity": True}
+            settings = {"peer_token": token, "transport": transport, "integrity": True, "producers": [listen]}
             consumers[transport] = vllm_engines.EngineProcess(context, model, connector(
                 "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]))
             started.append(consumers[transport])
@@ -102,12 +103,15 @@ def test_hybrid_pd_equals_single_engine(hybrid_engines, transport):
     check_pd_equals_single_engine(producer, consumers[transport], seed=len(transport), groups=2)
 
 
+@pytest.mark.parametrize("model", ["engines", "hybrid_engines"], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
-def test_a_failed_load_is_recomputed_or_fails_the_request(engines, transport):
+def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transport):
     """A decode request whose grant is gone (its params sent a second time: the first pull released it)
-    does not hang: the pull fails, its blocks are reported as load errors, and vLLM recomputes the prompt
-    (kv_load_failure_policy "recompute": one engine's tokens) or ends the request with an error ("fail")."""
-    producer, consumers = engines
+    does not hang: the pull fails, the request is reported failed (by request, never by block ids: vLLM
+    cannot map those back with two KV cache groups, and its engine died of them), and vLLM recomputes the
+    prompt (kv_load_failure_policy "recompute": one engine's tokens) or ends the request with an error
+    ("fail"). The engine serves on."""
+    producer, consumers = request.getfixturevalue(model)
     consumer = consumers[transport]
     prompts = [[random.Random(7).randrange(3, 1000) for _ in range(40)]]
     prefilled = producer.run(prompts, 1, [{"do_remote_decode": True}])
@@ -121,3 +125,5 @@ def test_a_failed_load_is_recomputed_or_fails_the_request(engines, transport):
         assert (tokens, finish_reason) == (first.outputs[0][0], "length")
     else:
         assert finish_reason == "error" and len(tokens) < MAX_TOKENS
+    again = consumer.run(prompts, MAX_TOKENS)  # the engine lives on
+    assert again.outputs[0][0] == first.outputs[0][0] and again.outputs[0][1] == "length"

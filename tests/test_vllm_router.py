@@ -68,7 +68,8 @@ class Deployment:
     def start(self) -> None:
         self.producer = self.start_producer("producer", LEASE_S)
         self.consumer = self._started(vllm_servers.vllm_server("consumer", self.model, free_port(), connector(
-            "kv_consumer", {"transport": "grpc", "integrity": True}, kv_load_failure_policy="recompute"),
+            "kv_consumer", {"transport": "grpc", "integrity": True, "producers": ["127.0.0.1"]},
+            kv_load_failure_policy="recompute"),
             self.folder, **self.token))
         self.router = self._started(vllm_servers.router_server(free_port(), [self.producer.url], [self.consumer.url],
                                                                self.folder))

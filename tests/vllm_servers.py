@@ -80,15 +80,18 @@ def server_env(**extra: str) -> dict[str, str]:
     return os.environ | {"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1"} | extra
 
 
-def vllm_server(name: str, model: str, port: int, transfer: dict | None, log_dir: Path, **env: str) -> Server:
-    """A vLLM OpenAI server of ``model`` (greedy-ready: seeded, no prefix cache, prompts as token ids)."""
+def vllm_server(name: str, model: str, port: int, transfer: dict | None, log_dir: Path, *,
+                prefix_caching: bool = False, flags: tuple[str, ...] = (), **env: str) -> Server:
+    """A vLLM OpenAI server of ``model`` (greedy-ready: seeded, prompts as token ids; no prefix cache
+    unless ``prefix_caching``); ``flags``: more of the server's flags."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port),
                "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048",
-               "--max-num-batched-tokens", "2048", "--seed", "0", "--no-enable-prefix-caching",
+               "--max-num-batched-tokens", "2048", "--seed", "0",
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
                # the model runs in the engine process: a worker process of its own polls for work without
                # sleeping, which starves everything else (the producer's PrefillService) on 2 cores
-               "--distributed-executor-backend", "uni"]
+               "--distributed-executor-backend", "uni", *flags]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
     return Server(name, command, port, log_dir / f"{name}.log", server_env(**env))
@@ -104,6 +107,16 @@ def post_json(url: str, body: dict, timeout_s: float = 300) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as answer:
         return json.loads(answer.read())
+
+
+def post_raw(url: str, body: bytes, timeout_s: float = 300, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """(status, body) of a POST of ``body`` as it is, whatever the status."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
 
 
 def kv_cache_usage(metrics_text: str) -> float:

@@ -40,6 +40,14 @@ def ring_rows(caches, layers, block: int, positions) -> dict[str, list[float]]:
                    for pos in positions] for name in layers}
 
 
+def spec_digest(request_id: str, block_ids) -> str:
+    """The prompt digest both sides of a spec-level pair agree on: these engines have no prompts, so the
+    request id's bytes stand for its tokens."""
+    from kpool_pd.transfer_params import prompt_digest
+
+    return prompt_digest(list(request_id.encode()), [len(group) for group in block_ids])
+
+
 def producer_main(model: str, port: int, token: str, jobs, results) -> None:
     """Job ``(request_id, block_ids, prompt_len, ring_positions)``: write the ring rows, offer the blocks,
     answer ``(params, the whole buffer's bytes)``; job ``("ended", request_id)``: wait until the grant
@@ -72,7 +80,7 @@ def producer_main(model: str, port: int, token: str, jobs, results) -> None:
             request_id, block_ids, prompt_len, positions = job
             write_ring_rows(caches, ring_layers(kv_config), block_ids[-1][0], positions)
             offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=block_ids,
-                          prompt_len=prompt_len)
+                          prompt_len=prompt_len, prompt_digest=spec_digest(request_id, block_ids))
             worker.offer(KpoolPdMetadata(offers=[offer]))
             params = producer_params(offer, address=settings.advertise, engine_id=worker.engine_id,
                                      lease_s=settings.lease_s)
@@ -88,6 +96,7 @@ def consumer_main(model: str, token: str, jobs, results) -> None:
     errors, ring rows)``."""
     try:
         from kpool_pd.vllm.metadata import KpoolPdMetadata, Load
+        from kpool_pd.transfer_params import DecodeParams
         from kpool_pd.vllm.settings import KpoolPdSettings
         from kpool_pd.vllm.worker import ConsumerWorker
         from tests.vllm_spec_caches import backing, ring_layers
@@ -96,7 +105,8 @@ def consumer_main(model: str, token: str, jobs, results) -> None:
         for index, transport in enumerate(("ucx", "grpc")):
             kv_config, caches, pool = pool_of(model, seed=2 + index)
             settings = KpoolPdSettings.from_extra_config({"peer_token": token, "transport": transport,
-                                                          "integrity": True}, producer=False)
+                                                          "integrity": True, "producers": ["127.0.0.1"]},
+                                                         producer=False)
             worker = ConsumerWorker(settings, pool, engine_id=f"spec-consumer-{transport}", model_identity=model)
             worker.start()
             workers[transport] = (worker, caches)
@@ -110,15 +120,18 @@ def consumer_main(model: str, token: str, jobs, results) -> None:
             transport, request_id, params, block_ids, positions = job
             worker, caches = workers[transport]
             before = backing(caches).numpy().tobytes()
-            worker.load(KpoolPdMetadata(loads=[Load(request_id=request_id, params=params, block_ids=block_ids)]))
+            worker.load(KpoolPdMetadata(loads=[Load(request_id=request_id, params=DecodeParams.parse(params),
+                                                    block_ids=block_ids, digest=spec_digest(request_id, block_ids))]))
             finished: set[str] = set()
+            failed: set[str] = set()
             deadline = time.monotonic() + DONE_S
             while request_id not in finished and time.monotonic() < deadline:
                 worker.progress.wait_if_idle(KpoolPdMetadata(idle=True))
-                finished |= worker.finished_recving()
+                done, lost = worker.finished_recving()
+                finished, failed = finished | done, failed | lost
             if request_id not in finished:
                 raise TimeoutError(f"{request_id} did not finish loading within {DONE_S} s")
-            results.put((before, backing(caches).numpy().tobytes(), worker.load_errors(),
+            results.put((before, backing(caches).numpy().tobytes(), failed,
                          ring_rows(caches, rings, block_ids[-1][0], positions)))
         except Exception:
             results.put(("error", traceback.format_exc()))

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -100,17 +101,22 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(self.worker, ProducerWorker):
             self.worker.offer(self._get_connector_metadata())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's worker, every step: the grants that ended (producer) or the pulls that ended and those of
+        them that failed (consumer). A failed pull is reported by request (``failed_recving``), never by block
+        ids, which vLLM cannot map back to requests with several KV cache groups."""
         if self.worker is not None:
             self.worker.progress.wait_if_idle(self._get_connector_metadata())
         if isinstance(self.worker, ProducerWorker):
-            return self.worker.finished_sending(finished_req_ids) or None, None
+            return KVConnectorTransferResults(finished_sending=self.worker.finished_sending(finished_req_ids))
         if isinstance(self.worker, ConsumerWorker):
-            return None, self.worker.finished_recving() or None
-        return None, None
+            done, failed = self.worker.finished_recving()
+            return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if isinstance(self.worker, ConsumerWorker) else set()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from connector import PrefillGrant, RingRange
+from kpool_pd.transfer_params import DecodeParams, grant_key
 from kvcache import PlanarLayout
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of vLLM block ids per KV cache group
@@ -28,23 +29,44 @@ class Offer:
     grant_id: str
     block_ids: BlockIds
     prompt_len: int
+    prompt_digest: str  # ``kpool_pd.transfer_params.prompt_digest`` of the prompt and ``block_ids``' counts
+
+    @property
+    def key(self) -> str:
+        """The id the producer's connector holds the grant under (bound to the prompt)."""
+        return grant_key(self.grant_id, self.prompt_digest)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Load:
     """Consumer: pull the grant of ``params`` into ``block_ids`` (vLLM's blocks for request ``request_id``,
-    per group). ``error``: why the prompt cannot land in them (the load then fails, vLLM recomputes)."""
+    per group), the grant named by ``digest``, this request's own prompt digest. ``error``: why the prompt
+    cannot land in them (the load fails, as vLLM's ``kv_load_failure_policy`` says, and the grant is
+    released)."""
 
     request_id: str
-    params: dict
+    params: DecodeParams
     block_ids: BlockIds
+    digest: str
     error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release:
+    """Consumer: the producer's grant of ``params`` will not be pulled (the request was rejected, aborted,
+    or its prompt is in this engine's cache): give its blocks back now rather than at its lease's end."""
+
+    request_id: str
+    address: str  # the producer's, as the params named it (the worker checks it is allowed)
+    key: str  # the grant's key on the producer
+    why: str
 
 
 @dataclass
 class KpoolPdMetadata(KVConnectorMetadata):
     offers: list[Offer] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
     idle: bool = False  # the step schedules no token: vLLM steps only to hear about transfers
 
 
@@ -57,13 +79,13 @@ def producer_params(offer: Offer, *, address: str, engine_id: str, lease_s: floa
     """The prefill request's output ``kv_transfer_params``: what the decode request sends back."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_address": address, "remote_request_id": offer.request_id, "remote_grant_id": offer.grant_id,
-            "remote_block_ids": [list(group) for group in offer.block_ids], "remote_num_tokens": offer.prompt_len,
-            "remote_lease_ms": int(lease_s * 1000)}
+            "remote_prompt_digest": offer.prompt_digest, "remote_block_ids": [list(group) for group in offer.block_ids],
+            "remote_num_tokens": offer.prompt_len, "remote_lease_ms": int(lease_s * 1000)}
 
 
-def is_remote_prefill(params: dict | None) -> bool:
-    """A decode request whose prompt waits on a kpool-pd producer."""
-    return bool(params) and bool(params.get("do_remote_prefill")) and bool(params.get("remote_grant_id"))
+def is_remote_prefill(params) -> bool:
+    """A decode request that says its prompt waits on a producer (its params not checked yet)."""
+    return isinstance(params, dict) and params.get("do_remote_prefill") is True
 
 
 def flat_ids(layout: PlanarLayout, block_ids: BlockIds) -> tuple[int, ...]:
@@ -73,33 +95,20 @@ def flat_ids(layout: PlanarLayout, block_ids: BlockIds) -> tuple[int, ...]:
     return tuple(layout.block_id(group, b) for group, blocks in enumerate(block_ids) for b in blocks)
 
 
-def remote_block_ids(params: dict) -> BlockIds:
-    """The producer's blocks per group of ``params``; ValueError naming the key if it holds none."""
-    value = params.get("remote_block_ids")
-    if not isinstance(value, (list, tuple)) or not all(isinstance(group, (list, tuple)) for group in value):
-        raise ValueError(f"kv_transfer_params['remote_block_ids'] must be one list of block ids per KV cache "
-                         f"group, got {str(value)[:80]}")
-    return tuple(tuple(int(b) for b in group) for group in value)
-
-
-def grant_from(params: dict, layout: PlanarLayout, dst: BlockIds) -> tuple[PrefillGrant, tuple[int, ...]]:
-    """The grant the params name and the connector's ids of ``dst`` (this engine's blocks per group) it
-    lands in, one for each of the producer's. ValueError naming the key or group for params that cannot
-    be one or a group whose block counts differ."""
-    try:
-        src = remote_block_ids(params)
-        if len(src) != len(dst):
-            raise ValueError(f"the producer has {len(src)} KV cache groups, this engine {len(dst)}")
-        for group, (theirs, ours) in enumerate(zip(src, dst)):
-            if len(theirs) != len(ours):
-                raise ValueError(f"group {group}: the producer offers {len(theirs)} blocks, this engine holds "
-                                 f"{len(ours)} for them")
-        src_ids = flat_ids(layout, src)
-        grant = PrefillGrant(grant_id=str(params["remote_grant_id"]), request_id=str(params["remote_request_id"]),
-                             prompt_len=int(params["remote_num_tokens"]), num_blocks=len(src_ids),
-                             ring_live=RingRange(0, 0), first_token=0,
-                             lease_s=int(params.get("remote_lease_ms", 30000)) / 1000,
-                             src_block_ids=src_ids, src_ring_id=0)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"kv_transfer_params do not name a kpool-pd grant: {type(exc).__name__}: {exc}") from None
+def grant_from(params: DecodeParams, digest: str, layout: PlanarLayout,
+               dst: BlockIds) -> tuple[PrefillGrant, tuple[int, ...]]:
+    """The grant ``params`` name, under the key of ``digest`` (this request's own prompt digest), and the
+    connector's ids of ``dst`` (this engine's blocks per group) it lands in, one for each of the producer's.
+    ValueError naming the group for a group whose block counts differ."""
+    src = params.block_ids
+    if len(src) != len(dst):
+        raise ValueError(f"the producer has {len(src)} KV cache groups, this engine {len(dst)}")
+    for group, (theirs, ours) in enumerate(zip(src, dst)):
+        if len(theirs) != len(ours):
+            raise ValueError(f"group {group}: the producer offers {len(theirs)} blocks, this engine holds "
+                             f"{len(ours)} for them")
+    src_ids = flat_ids(layout, src)
+    grant = PrefillGrant(grant_id=grant_key(params.grant_id, digest), request_id=params.request_id or "vllm",
+                         prompt_len=params.num_tokens, num_blocks=len(src_ids), ring_live=RingRange(0, 0),
+                         first_token=0, lease_s=params.lease_s, src_block_ids=src_ids, src_ring_id=0)
     return grant, flat_ids(layout, dst)

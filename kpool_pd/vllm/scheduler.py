@@ -19,7 +19,9 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from kpool_pd.vllm.groups import GroupRule, request_blocks
-from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, is_idle, is_remote_prefill, producer_params
+from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, is_idle, is_remote_prefill,
+                                    producer_params)
+from kpool_pd.transfer_params import DecodeParams, bounded_request_id, prompt_digest, release_target
 from kpool_pd.vllm.settings import KpoolPdSettings
 
 if TYPE_CHECKING:
@@ -54,7 +56,9 @@ class ProducerScheduler:
                 except ValueError:
                     logger.exception("request %s is not offered: its blocks cannot be moved", request_id)
                     continue
-                offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=blocks, prompt_len=n)
+                digest = prompt_digest(request.prompt_token_ids[:n], [len(group) for group in blocks])
+                offer = Offer(request_id=bounded_request_id(request_id), grant_id=secrets.token_hex(16),
+                              block_ids=blocks, prompt_len=n, prompt_digest=digest)
                 self._offered[request_id] = offer
                 self._pending.append(offer)
         meta, self._pending = KpoolPdMetadata(offers=self._pending, idle=is_idle(scheduler_output)), []
@@ -73,35 +77,74 @@ class ProducerScheduler:
 
 
 class ConsumerScheduler:
+    """Decides, for each decode request, whether its prompt is pulled (a ``Load``), or computed here and the
+    producer's grant given back at once (a ``Release``): params that fail their checks, a prompt this
+    engine's prefix cache already holds, a request vLLM rejected or aborted before its load began."""
+
     def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...]) -> None:
         self.settings, self.rules = settings, rules
-        self._pending: list[Load] = []
+        self._loads: list[Load] = []
+        self._releases: list[Release] = []
+        self._loading: set[str] = set()  # requests whose Load went to the worker (the pull owns the grant)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        """The prompt's tokens, loaded asynchronously, for a decode request of a producer's grant that has
-        no locally computed tokens (a local prefix hit is computed here instead: its blocks may be shared)."""
+        """The prompt's tokens, loaded asynchronously, for a decode request whose params name a producer's
+        grant and that has no locally computed tokens. Otherwise (0, False), decided once: the params are
+        marked loaded, and a grant they name is released (a local prefix hit is computed here: its blocks
+        may be shared)."""
         params = request.kv_transfer_params
-        if not is_remote_prefill(params) or num_computed_tokens:
+        if not is_remote_prefill(params):
             return 0, False
-        count = min(int(params.get("remote_num_tokens", 0)), request.num_prompt_tokens)
-        return (count, True) if count > 0 else (0, False)
+        try:
+            decode = DecodeParams.parse(params)
+        except ValueError as exc:
+            logger.warning("request %s computes its prompt here: %s", request.request_id, exc)
+            self._release(request, f"its kv_transfer_params were refused ({exc})")
+            return 0, False
+        if num_computed_tokens:
+            self._release(request, f"{num_computed_tokens} of its tokens are in this engine's prefix cache")
+            return 0, False
+        count = min(decode.num_tokens, request.num_prompt_tokens)
+        return count, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if num_external_tokens > 0 and is_remote_prefill(params):
+            decode = DecodeParams.parse(params)  # checked by get_num_new_matched_tokens
             tables = blocks.get_block_ids()
             try:
-                load = Load(request_id=request.request_id, params=dict(params),
-                            block_ids=request_blocks(self.rules, tables, num_external_tokens))
-            except ValueError as exc:  # the worker reports the load failed: vLLM recomputes these blocks
-                load = Load(request_id=request.request_id, params=dict(params), error=str(exc),
-                            block_ids=tuple(tuple(t) for t in tables))
-            self._pending.append(load)
+                dst = request_blocks(self.rules, tables, num_external_tokens)
+                digest = prompt_digest(request.prompt_token_ids[:num_external_tokens], [len(group) for group in dst])
+                error = "" if digest == decode.prompt_digest else (
+                    f"its prompt ({num_external_tokens} tokens) is not the one the producer's grant holds (the "
+                    "prompt digests differ)")
+                load = Load(request_id=request.request_id, params=decode, block_ids=dst, digest=digest, error=error)
+            except ValueError as exc:  # the worker reports the load failed
+                load = Load(request_id=request.request_id, params=decode, block_ids=tuple(tuple(t) for t in tables),
+                            digest=decode.prompt_digest, error=str(exc))
+            self._loads.append(load)
+            self._loading.add(request.request_id)
             params["do_remote_prefill"] = False  # loaded once: a second allocation for this request loads nothing
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:
-        meta, self._pending = KpoolPdMetadata(loads=self._pending, idle=is_idle(scheduler_output)), []
+        meta = KpoolPdMetadata(loads=self._loads, releases=self._releases, idle=is_idle(scheduler_output))
+        self._loads, self._releases = [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """A request whose load began: the pull releases its grant. One that never loaded (rejected before
+        the engine, aborted while it waited, failed): its grant is released now."""
+        if request.request_id in self._loading:
+            self._loading.discard(request.request_id)
+            return False, None
+        if is_remote_prefill(request.kv_transfer_params):
+            self._release(request, f"it ended ({request.status.name}) before its load began")
         return False, None
+
+    def _release(self, request: "Request", why: str) -> None:
+        """The request loads nothing from now on; the grant its params name (if they name one) is released."""
+        params = request.kv_transfer_params
+        params["do_remote_prefill"] = False
+        target = release_target(params)
+        if target is not None:
+            self._releases.append(Release(request_id=request.request_id, address=target[0], key=target[1], why=why))

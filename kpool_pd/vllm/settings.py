@@ -9,6 +9,8 @@
 | ``lease_s`` | 30 | how long a producer keeps an unpulled request's blocks |
 | ``integrity`` | false | the consumer checks a crc32 of every region |
 | ``pull_timeout_s`` | 30 | a consumer's bound on one pull |
+| ``rpc_timeout_s`` | 30 | the bound on each control call, the handshake included (a producer: on vetting a consumer's UCX address); a consumer retries a handshake that timed out once |
+| ``producers`` | (a consumer must give it) | the producers a consumer may dial: a list of ``"host:port"`` or ``"host"`` (any port), each host an IP address or a DNS name whose addresses are allowed (``kpool_pd.transfer_params.ProducerAllowlist``); an address a request names outside it is never dialed |
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector import Transport, dial_target, ucx_available
+from kpool_pd.transfer_params import ProducerAllowlist
 
 PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"
 _TRANSPORTS = {"ucx": Transport.UCX, "grpc": Transport.GRPC_STREAM}
-_KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s"})
+_KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s",
+                   "rpc_timeout_s", "producers"})
 
 
 def split_address(value: str, key: str) -> tuple[str, int]:
@@ -42,6 +46,8 @@ class KpoolPdSettings:
     lease_s: float
     integrity: bool
     pull_timeout_s: float
+    rpc_timeout_s: float
+    producers: ProducerAllowlist | None  # a consumer's: the producers it may dial
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool,
@@ -66,14 +72,22 @@ class KpoolPdSettings:
             raise ValueError("kv_connector_extra_config['transport'] is 'ucx' but ucxx is not installed "
                              "(pip install 'kpool-pd[ucx]'), or use 'grpc'")
         numbers = {}
-        for key, default in (("lease_s", 30.0), ("pull_timeout_s", 30.0)):
+        for key, default in (("lease_s", 30.0), ("pull_timeout_s", 30.0), ("rpc_timeout_s", 30.0)):
             try:
                 numbers[key] = float(extra.get(key, default))
             except (TypeError, ValueError):
                 numbers[key] = -1.0
             if not numbers[key] > 0:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {extra.get(key)!r}")
+        producers = None
+        if not producer:
+            if "producers" not in extra:
+                raise ValueError("a kv_consumer needs kv_connector_extra_config['producers']: the producers it may "
+                                 "pull from, a list of 'host:port' or 'host' (an IP address or a DNS name, e.g. a "
+                                 "headless Service), so that a request cannot make it dial an address of its choosing")
+            producers = ProducerAllowlist(extra["producers"])
         token = extra.get("peer_token") or environ.get(PEER_TOKEN_ENV) or None
         return cls(listen=listen, advertise=advertise, peer_token=token, transport=_TRANSPORTS[name],
                    lease_s=numbers["lease_s"], integrity=bool(extra.get("integrity", False)),
-                   pull_timeout_s=numbers["pull_timeout_s"])
+                   pull_timeout_s=numbers["pull_timeout_s"], rpc_timeout_s=numbers["rpc_timeout_s"],
+                   producers=producers)

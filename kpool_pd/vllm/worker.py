@@ -5,9 +5,13 @@ The project's connector runs on an event loop in a thread of its own (``Connecto
 calls in from its thread and hands work over. vLLM owns the blocks: an offered grant holds vLLM's block
 ids as a lent allocation (``kvcache.EngineCache.lend``) whose release tells vLLM it may free them
 (``get_finished``: finished sending); a pull lands into a lent allocation of the blocks vLLM allocated
-for the decode request, and its end is reported as finished receiving (its blocks, if it failed, as
-load errors, which vLLM recomputes). A request's blocks come per KV cache group; the connector names
-each by one id (``kpool_pd.vllm.metadata.flat_ids``), and load errors go back as vLLM's block ids.
+for the decode request, and its end is reported as finished receiving (and, if it failed, as failed
+receiving: vLLM then recomputes the prompt or fails the request, as its ``kv_load_failure_policy`` says,
+for models of one KV cache group or several). A request's blocks come per KV cache group; the connector
+names each by one id (``kpool_pd.vllm.metadata.flat_ids``).
+
+A consumer dials only the producers its settings allow (``KpoolPdSettings.producers``); a grant it will
+not pull (a failed load, a Release from the scheduler side) is released on the producer at once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
+
+import grpc
 
 from prometheus_client import CollectorRegistry
 
@@ -27,9 +33,9 @@ from connector import (
     PrefillInput,
     PrefillPeer,
     PrefillProgress,
+    StatusError,
 )
-from kpool_pd.vllm.groups import NULL_BLOCK_ID
-from kpool_pd.vllm.metadata import BlockIds, KpoolPdMetadata, flat_ids, grant_from
+from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, flat_ids, grant_from
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kvcache import EngineCache, PlanarPool
 from runtime import GrpcServer
@@ -88,7 +94,7 @@ class NoPrefillCalls:
 
 def connector_config(settings: KpoolPdSettings) -> ConnectorConfig:
     return ConnectorConfig(peer_token=settings.peer_token, lease_s=settings.lease_s,
-                           transfer_timeout_s=settings.pull_timeout_s)
+                           transfer_timeout_s=settings.pull_timeout_s, rpc_timeout_s=settings.rpc_timeout_s)
 
 
 class ProducerWorker:
@@ -135,7 +141,7 @@ class ProducerWorker:
                 self._grant_ended(offer.request_id)
                 continue
             try:
-                self.node.offer(allocation, grant_id=offer.grant_id, request_id=offer.request_id,
+                self.node.offer(allocation, grant_id=offer.key, request_id=offer.request_id,
                                 prompt_len=offer.prompt_len)
             except ValueError:
                 logger.exception("request %s could not be offered; its blocks go back to vLLM", offer.request_id)
@@ -166,15 +172,19 @@ class ProducerWorker:
             self.loop.close()
 
 
+class ProducerRefused(ValueError):
+    """A request named a producer this consumer's settings do not allow."""
+
+
 class ConsumerWorker:
-    """Pulls producers' grants into vLLM's blocks."""
+    """Pulls producers' grants into vLLM's blocks; releases the grants it will not pull."""
 
     def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str) -> None:
         self.settings, self.engine_id = settings, engine_id
         self.cache = EngineCache(pool)
         self._lock = threading.Lock()
         self._received: set[str] = set()
-        self._failed_blocks: set[int] = set()
+        self._failed: set[str] = set()
         self.progress = TransferProgress()
         self.loop = ConnectorLoop("kpoolpd-consumer")
         self.node = DecodeConnector(pool, engine_id=engine_id, config=connector_config(settings),
@@ -187,46 +197,80 @@ class ConsumerWorker:
         self.loop.call(self.node.start)
 
     def load(self, metadata: KpoolPdMetadata) -> None:
-        """Start this step's pulls (they run on the loop; ``finished_recving`` reports them)."""
+        """Start this step's pulls and releases (they run on the loop; ``finished_recving`` reports pulls)."""
         for load in metadata.loads:
-            self.loop.submit(lambda load=load: self._pull(load.request_id, load.params, load.block_ids, load.error))
+            self.loop.submit(lambda load=load: self._pull(load))
+        for release in metadata.releases:
+            self.loop.submit(lambda release=release: self._release(release))
 
     async def _peer(self, address: str) -> PrefillPeer:
+        """The handshaken peer at ``address``; ProducerRefused for an address the settings do not allow (it
+        is never dialed). A peer that fails its handshake is not kept (``DecodeConnector.connect`` closed it)."""
+        if not self.settings.producers.allows(address):
+            raise ProducerRefused(f"producer {address!r} is not among this consumer's producers "
+                                  "(kv_connector_extra_config['producers'])")
         lock = self._connecting.setdefault(address, asyncio.Lock())
         async with lock:
             peer = self._peers.get(address)
             if peer is None or peer.closed:
-                peer = self._peers[address] = await self.node.connect(address)
+                peer = self._peers[address] = await self._connect(address)
             return peer
 
-    async def _pull(self, request_id: str, params: dict, block_ids: BlockIds, error: str) -> None:
-        failed = {b for group in block_ids for b in group if b != NULL_BLOCK_ID}  # vLLM's ids: all until it landed
+    async def _connect(self, address: str) -> PrefillPeer:
+        """A handshake with ``address``, retried once when it timed out or could not reach the producer (a
+        loaded producer answering late: the retry presents the same engine secret, so the producer admits
+        it as the engine its first answer was for)."""
         try:
-            if error:
-                raise ValueError(error)
-            grant, landed = grant_from(params, self.cache.layout, block_ids)
-            peer = await self._peer(str(params["remote_address"]))
-            with self.cache.lend(request_id, landed, on_release=lambda: None) as allocation:
+            return await self.node.connect(address)
+        except StatusError as exc:
+            if exc.code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise
+            logger.warning("handshake with producer %s failed (%s); trying once more", address, exc)
+        return await self.node.connect(address)
+
+    async def _pull(self, load: Load) -> None:
+        peer, grant, failed = None, None, True
+        try:
+            if load.error:
+                raise ValueError(load.error)
+            grant, landed = grant_from(load.params, load.digest, self.cache.layout, load.block_ids)
+            peer = await self._peer(load.params.address)
+            with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
                 await peer.pull(grant, into=allocation, transport=self.settings.transport,
                                 integrity=self.settings.integrity)
-            failed = set()
-        except Exception as exc:  # every failure: vLLM recomputes the blocks (reported below)
-            logger.warning("pull of request %s failed; vLLM recomputes its %d blocks: %s", request_id, len(failed), exc)
+            failed = False
+        except Exception as exc:  # every failure: vLLM recomputes or fails the request (reported below)
+            logger.warning("pull of request %s failed; the request is reported failed to vLLM (its "
+                           "kv_load_failure_policy recomputes the prompt or fails the request): %s", load.request_id, exc)
         finally:
             with self._lock:
-                self._failed_blocks |= failed
-                self._received.add(request_id)
+                self._received.add(load.request_id)
+                if failed:
+                    self._failed.add(load.request_id)
             self.progress.note()
+        if failed:  # the grant is ours to give back (a failed pull does not release it)
+            await self._release(Release(request_id=load.request_id, address=load.params.address,
+                                        key=load.params.key if grant is None else grant.grant_id,
+                                        why="its load failed"), peer)
 
-    def finished_recving(self) -> set[str]:
-        with self._lock:
-            done, self._received = self._received, set()
-        return done
+    async def _release(self, release: Release, peer: PrefillPeer | None = None) -> None:
+        """Release a grant on its producer, best effort: a failure is logged, and the lease frees it."""
+        try:
+            peer = peer if peer is not None and not peer.closed else await self._peer(release.address)
+            released = await peer.release(release.key)
+        except Exception as exc:
+            logger.warning("grant of request %s on %s not released (%s); its lease frees it: %s", release.request_id,
+                           release.address, release.why, exc)
+            return
+        logger.info("grant of request %s on %s %s: %s", release.request_id, release.address,
+                    "released" if released else "was already gone", release.why)
 
-    def load_errors(self) -> set[int]:
+    def finished_recving(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) since the last call: every ended pull, and those that failed among them."""
         with self._lock:
-            failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+            done, failed = self._received, self._failed
+            self._received, self._failed = set(), set()
+        return done, failed
 
     def close(self) -> None:
         try:
