@@ -216,8 +216,8 @@ def test_health_is_ok_with_a_usable_instance_of_each_role():
                 assert answer.status == 200
                 report = await answer.json()
         assert report["status"] == "ok"
-        assert [(i["role"], i["url"], i["state"], i["outstanding"], i["last_failure"]) for i in report["instances"]] == [
-            ("prefill", prefill.url, "up", 0, None), ("decode", decode.url, "up", 0, None)]
+        instances = [(i["role"], i["url"], i["state"], i["outstanding"], i["last_failure"]) for i in report["instances"]]
+        assert instances == [("prefill", prefill.url, "up", 0, None), ("decode", decode.url, "up", 0, None)]
     run(scenario())
 
 

@@ -96,3 +96,25 @@ def _called(releases: ReleaseRecorder):
     async def called() -> bool:
         return bool(releases.calls)
     return called
+
+
+def test_without_an_override_the_router_releases_through_grants_grant_releaser(caplog):
+    """build_app's default releaser is kpool_pd.router.grants.GrantReleaser: the fake prefill's params name
+    no producer grant, so it answers False and says so."""
+    from kpool_pd.router.app import build_app, serving as router_serving
+    from kpool_pd.router.settings import RouterSettings
+
+    async def scenario():
+        prefill = FakeInstance("p0")
+        async with serving(prefill):
+            settings = RouterSettings(prefill=(prefill.url,), decode=(f"http://127.0.0.1:{free_port()}",), port=0,
+                                      health_check_s=0, retry_pause_s=0, peer_token="fleet-secret")
+            async with router_serving(settings, build_app(settings)) as base, aiohttp.ClientSession() as client:
+                status, _ = await post(client, base + "/v1/completions", PROMPT, **{"X-Request-Id": "r3"})
+                lines = await metric_lines(client, base)
+        assert status == HTTPStatus.BAD_GATEWAY
+        assert 'kpoolpd_router_grants_released_total{released="false"} 1.0' in lines
+        assert "request r3: its kv_transfer_params name no grant to release" in caplog.text
+        assert "fleet-secret" not in caplog.text
+    with caplog.at_level("INFO"):
+        run(scenario())

@@ -58,7 +58,7 @@ class RouterSettings:
 
     ``api_key``: when set, /v1/* requires ``Authorization: Bearer <api_key>`` and the client's
     Authorization is not forwarded; ``backend_api_key`` is then what the instances get (when set).
-    ``peer_token``: what the router shows a producer to release a grant."""
+    ``peer_token``: the fleet's peer token, which the grant releaser proves to a producer to release a grant."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
@@ -134,16 +134,19 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                                f"this pause (default {DEFAULT_RETRY_PAUSE_S:g})")
     backends.add_argument("--backend-keepalive-s", type=float, default=DEFAULT_BACKEND_KEEPALIVE_S,
                           help="an idle connection to an instance is closed after this long; keep it under the "
-                               f"instances' own idle timeout, 5 s for vllm serve (default {DEFAULT_BACKEND_KEEPALIVE_S:g})")
+                               "instances' own idle timeout, 5 s for vllm serve "
+                               f"(default {DEFAULT_BACKEND_KEEPALIVE_S:g})")
     backends.add_argument("--health-check-s", type=float, default=DEFAULT_HEALTH_CHECK_S,
                           help="each instance's GET /health is probed this often; one that does not answer 200 is "
-                               f"marked down, one that does is marked up; 0: never (default {DEFAULT_HEALTH_CHECK_S:g})")
+                               "marked down, one that does is marked up; 0: never "
+                               f"(default {DEFAULT_HEALTH_CHECK_S:g})")
     backends.add_argument("--health-timeout-s", type=float, default=DEFAULT_HEALTH_TIMEOUT_S,
                           help=f"longest wait for a probe's answer (default {DEFAULT_HEALTH_TIMEOUT_S:g})")
     clients = parser.add_argument_group("toward clients")
     clients.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                          help="a request's headers must arrive within this long of its first byte (or of its "
-                              f"connection's opening), else the connection is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+                              "connection's opening), else 408 and the connection is closed "
+                              f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
     clients.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                          help="a request's body must arrive within this long of its headers, else 408 "
                               f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
@@ -160,8 +163,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sent to the instances as 'Authorization: Bearer KEY' in place of the client's "
                            f"(default: ${BACKEND_API_KEY_ENV})")
     keys.add_argument("--peer-token", default=None,
-                      help="shown to a producer to release a grant that no decode will pull "
-                           f"(default: ${PEER_TOKEN_ENV})")
+                      help="the fleet's peer token, proved to a producer (never sent) to release a grant no decode "
+                           f"will pull (default: ${PEER_TOKEN_ENV})")
 
 
 def _from_env(value: str | None, name: str) -> str | None:
