@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=_generate)
     for name, text in (("prefill", "run the prefill daemon"), ("decode", "run the decode daemon (the Generate API)")):
         commands.add_parser(name, help=f"{text}; its own flags: kpool-pd {name} --help")
+    commands.add_parser("vllm-model", help="write a small model folder vllm serve runs on a CPU (a 2-layer Llama "
+                        "with a byte-level tokenizer); its own flags: kpool-pd vllm-model --help")
     commands.add_parser("router", help="an OpenAI-compatible PD router in front of prefill and decode vllm serve "
                         "instances; its own flags: kpool-pd router --help")
     bench = commands.add_parser("bench", help="benchmarks that print a table and write JSON + PNG")
@@ -136,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
-SERVERS = {**DAEMONS, "router": "kpool_pd.router.main"}  # each parses its own flags
+SERVERS = {**DAEMONS, "router": "kpool_pd.router.main", "vllm-model": "kpool_pd.vllm_model"}  # each parses its own flags
 BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp",
            "control": "bench.control_latency", "vllm": "bench.vllm_pd",
            "decode": "bench.decode_step"}
