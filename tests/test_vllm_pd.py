@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import re
 import secrets
 
 import pytest
@@ -105,7 +106,7 @@ def test_hybrid_pd_equals_single_engine(hybrid_engines, transport):
 
 @pytest.mark.parametrize("model", ["engines", "hybrid_engines"], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
-def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transport):
+def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transport, capfd):
     """A decode request whose grant is gone (its params sent a second time: the first pull released it)
     does not hang: the pull fails, the request is reported failed (by request, never by block ids: vLLM
     cannot map those back with two KV cache groups, and its engine died of them), and vLLM recomputes the
@@ -125,5 +126,8 @@ def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transp
         assert (tokens, finish_reason) == (first.outputs[0][0], "length")
     else:
         assert finish_reason == "error" and len(tokens) < MAX_TOKENS
+    policy = FAILURE_POLICY[transport]  # the consumer's log says what vLLM did about it
+    logged = capfd.readouterr().err
+    assert re.search(rf"KV transfer of request \S+ failed, .*kv_load_failure_policy '{policy}'", logged), logged[-2000:]
     again = consumer.run(prompts, MAX_TOKENS)  # the engine lives on
     assert again.outputs[0][0] == first.outputs[0][0] and again.outputs[0][1] == "length"

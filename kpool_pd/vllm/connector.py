@@ -83,8 +83,12 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         config = self._kv_cache_config
         layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()  # the one vLLM allocated with
         pool = engine_pool(kv_caches, config, layout, transfer_rules(config), engine={"connector": "KpoolPdConnector"})
-        worker_type = ProducerWorker if self.producer else ConsumerWorker
-        self.worker = worker_type(self.settings, pool, engine_id=self.engine_id, model_identity=self.identity)
+        if self.producer:
+            self.worker = ProducerWorker(self.settings, pool, engine_id=self.engine_id, model_identity=self.identity)
+        else:
+            policy = self._vllm_config.kv_transfer_config.kv_load_failure_policy
+            self.worker = ConsumerWorker(self.settings, pool, engine_id=self.engine_id, model_identity=self.identity,
+                                         failure_policy=policy)
         self.worker.start()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

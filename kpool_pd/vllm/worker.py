@@ -176,11 +176,20 @@ class ProducerRefused(ValueError):
     """A request named a producer this consumer's settings do not allow."""
 
 
-class ConsumerWorker:
-    """Pulls producers' grants into vLLM's blocks; releases the grants it will not pull."""
+FAILURE_OUTCOMES = {"recompute": "vLLM recomputes the prompt (kv_load_failure_policy 'recompute')",
+                    "fail": "vLLM fails the request (kv_load_failure_policy 'fail')"}
 
-    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str) -> None:
+
+class ConsumerWorker:
+    """Pulls producers' grants into vLLM's blocks; releases the grants it will not pull. ``failure_policy``:
+    vLLM's ``kv_load_failure_policy``, for the log line of a failed pull (vLLM acts on it)."""
+
+    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str,
+                 failure_policy: str = "fail") -> None:
+        if failure_policy not in FAILURE_OUTCOMES:
+            raise ValueError(f"kv_load_failure_policy must be one of {sorted(FAILURE_OUTCOMES)}, got {failure_policy!r}")
         self.settings, self.engine_id = settings, engine_id
+        self.failure_outcome = FAILURE_OUTCOMES[failure_policy]
         self.cache = EngineCache(pool)
         self._lock = threading.Lock()
         self._received: set[str] = set()
@@ -240,8 +249,7 @@ class ConsumerWorker:
                                 integrity=self.settings.integrity)
             failed = False
         except Exception as exc:  # every failure: vLLM recomputes or fails the request (reported below)
-            logger.warning("pull of request %s failed; the request is reported failed to vLLM (its "
-                           "kv_load_failure_policy recomputes the prompt or fails the request): %s", load.request_id, exc)
+            logger.warning("KV transfer of request %s failed, %s: %s", load.request_id, self.failure_outcome, exc)
         finally:
             with self._lock:
                 self._received.add(load.request_id)
