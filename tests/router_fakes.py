@@ -1,7 +1,8 @@
 """Small fake OpenAI servers for the router's tests (tests/test_router*.py): a prefill instance that
 answers a one-token completion with ``kv_transfer_params`` as a kv_producer does, a decode instance that
-answers with a completion or a stream of server-sent events; each records what it was sent and can be
-told to fail. Also a backend that never answers, a proxy that closes idle keep-alive connections as
+answers with a completion or a stream of server-sent events, and either answering ``/v1/models``,
+``/version``, ``/tokenize`` and ``/detokenize`` as ``vllm serve`` does; each records what it was sent and
+can be told to fail. Also a backend that never answers, a proxy that closes idle keep-alive connections as
 vLLM's server does, and the router itself on a loopback port (``routed``)."""
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from kpool_pd.router.settings import RouterSettings
 STREAM_EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
                  b"data: [DONE]\n\n"]
 ERROR_EVENT = b'data: {"error": {"message": "pull failed", "type": "InternalServerError", "code": 500}}\n\n'
+MODEL = "tiny-llama"
+VERSION_TYPE = "application/json; charset=utf-8"  # what the fake's /version says its body is
 WAIT_S = 30.0  # the longest a fake waits on the router
 
 
 @dataclass
 class Sent:
-    body: dict
+    body: dict | None  # None: a GET
     headers: dict
+    path: str = "/v1/completions"
 
 
 @dataclass
@@ -40,7 +44,13 @@ class FakeInstance:
     connection after the first event. ``stream_error``: an error event after the first event, then
     ``[DONE]`` (as vLLM ends a stream that failed). ``hold_stream``: after the first event, wait for the
     client to close the connection and set ``closed_mid_stream``. ``no_params``: a prefill that returns no
-    kv_transfer_params. ``health_status``: what ``GET /health`` answers (a 5xx ``fail_status`` while failing)."""
+    kv_transfer_params. ``health_status``: what ``GET /health`` answers (a 5xx ``fail_status`` while failing).
+    ``error_code``: the code of the error event ``stream_error`` and ``fail_stream`` send. ``fail_stream``: a
+    stream whose first event is that error event, then ``[DONE]`` (vLLM's stream of a request the engine
+    failed before its first token, a failed KV load among the causes). ``stream_chunks``: a stream of these
+    bytes, each written on its own. ``no_tokenizer``: ``/tokenize`` and ``/detokenize`` refused with 400 as
+    vLLM refuses them without a tokenizer. ``fail_status`` and ``hang`` apply to ``/v1/models``, ``/version``,
+    ``/tokenize`` and ``/detokenize`` as to completions."""
 
     name: str
     fail_status: int = 0
@@ -52,6 +62,10 @@ class FakeInstance:
     hold_stream: bool = False
     no_params: bool = False
     health_status: int = 200
+    error_code: int = 500
+    fail_stream: bool = False
+    stream_chunks: list[bytes] | None = None
+    no_tokenizer: bool = False
     sent: list[Sent] = field(default_factory=list)
     closed_mid_stream: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""  # http://127.0.0.1:PORT once serving
@@ -89,6 +103,11 @@ class FakeInstance:
             return web.json_response({"id": "d", "served_by": self.name, "choices": [{"text": "ab"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        if self.stream_chunks is not None or self.fail_stream:
+            for chunk in self.stream_chunks or [self._error_event(), STREAM_EVENTS[2]]:
+                await out.write(chunk)
+            await out.write_eof()
+            return out
         await out.write(STREAM_EVENTS[0])
         if self.break_stream:
             request.transport.close()
@@ -102,7 +121,7 @@ class FakeInstance:
             self.closed_mid_stream.set()
             return out
         if self.stream_error:
-            await out.write(ERROR_EVENT)
+            await out.write(self._error_event())
         if self.stream_gate is not None:
             await self.stream_gate.wait()
         for event in STREAM_EVENTS[2 if self.stream_error else 1:]:
@@ -110,11 +129,45 @@ class FakeInstance:
         await out.write_eof()
         return out
 
+    def _error_event(self) -> bytes:
+        return ERROR_EVENT.replace(b'"code": 500', b'"code": %d' % self.error_code)
+
+    async def _passed(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/models``, ``/version``, ``/tokenize`` and ``/detokenize`` as vLLM answers them (the tokenizer
+        here: one token per character, its id the character's code)."""
+        body = await request.json() if request.method == "POST" else None
+        self.sent.append(Sent(body, request.headers.copy(), request.path))
+        if self.hang:
+            await self._until_closed(request)
+            return web.Response(status=599)
+        if self._failing():
+            return web.json_response({"error": {"message": f"{self.name} says no"}}, status=self.fail_status)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [
+                {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "vllm", "root": MODEL,
+                 "parent": None, "max_model_len": 2048, "permission": []}]})
+        if request.path == "/version":
+            return web.Response(body=json.dumps({"version": f"0.0.0+{self.name}"}).encode(),
+                                headers={"Content-Type": VERSION_TYPE})
+        if self.no_tokenizer:
+            return web.json_response({"object": "error", "message": "Unable to get tokenizer because "
+                                      "skip_tokenizer_init is True", "type": "BadRequestError", "param": None,
+                                      "code": 400}, status=400)
+        if request.path == "/tokenize":
+            tokens = [ord(c) for c in body["prompt"]]
+            return web.json_response({"count": len(tokens), "max_model_len": 2048, "tokens": tokens,
+                                      "token_strs": None})
+        return web.json_response({"prompt": "".join(chr(t) for t in body["tokens"])})
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._answer)
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._passed)
+        app.router.add_get("/version", self._passed)
+        app.router.add_post("/tokenize", self._passed)
+        app.router.add_post("/detokenize", self._passed)
         return app
 
 

@@ -142,6 +142,22 @@ def test_when_every_instance_of_a_role_fails_the_502_names_each(role):
     run(scenario())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_decode_5xx_after_the_prefill_is_named_as_a_likely_kv_transfer_failure(stream):
+    async def scenario():
+        prefill, decode = FakeInstance("p0"), FakeInstance("d" * 300, fail_status=500)
+        async with serving(prefill, decode), router([prefill.url], [decode.url], retry_pause_s=0.05) as (client, base):
+            status, raw = await post(client, base + "/v1/completions", PROMPT | {"stream": stream})
+        assert status == HTTPStatus.BAD_GATEWAY
+        answer = json.dumps({"error": {"message": f"{'d' * 300} says no"}})  # what the instance answered
+        why = (f"{decode.url} (HTTP 500: it failed the request after its prefill on {prefill.url}, e.g. its KV "
+               f"transfer failed or timed out; it answered {answer[:200]})")
+        message = as_json(raw)["error"]["message"]
+        assert message == f"every decode instance failed: {why}; {why}"  # its only instance, tried twice
+        assert "\n" not in message and len(prefill.sent) == 1
+    run(scenario())
+
+
 def test_a_stream_is_passed_through_as_it_arrives():
     async def scenario():
         gate = asyncio.Event()

@@ -1,12 +1,20 @@
-"""The router's HTTP server (aiohttp): ``/v1/completions`` and ``/v1/chat/completions`` through a prefill
-and a decode instance, ``/health`` and ``/metrics`` (both open when the router has an API key).
+"""The router's HTTP server (aiohttp). It serves:
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` through a prefill and a decode instance (``pd``);
+- ``GET /v1/models``, ``GET /version``, ``POST /tokenize`` and ``POST /detokenize`` passed through to one
+  decode instance, its answer as it is (``passthrough``);
+- ``GET /health`` (each instance's state) and ``GET /metrics`` (Prometheus), both open when the router has
+  an API key (which /v1/* needs).
+
+Any other path gets a 404, a served path asked with another method a 405, each in OpenAI's error shape
+naming the path and listing what the router serves.
 
 ``build_app`` makes the application; ``serving`` serves it on its address with the client guard of
 ``intake`` (header deadline, connection cap) and cancels a request's handler when its client goes away
 (which closes its decode stream); ``run_router`` serves until SIGINT or SIGTERM. A request is answered
 with OpenAI's error shape when the router refuses it: 400 for a body it cannot route, 401 without the
-router's key, 408 when its body is slower than ``body_timeout_s``, 413 over ``max_body_mb``, 502 when
-every instance of a role failed."""
+router's key, 404 and 405 for what it does not serve, 408 when its body is slower than ``body_timeout_s``,
+413 over ``max_body_mb``, 502 when every instance of a role failed."""
 
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import logging
 import resource
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 
 from aiohttp import web
@@ -28,6 +36,7 @@ from kpool_pd.router.headers import authorized, backend_headers, request_id_of
 from kpool_pd.router.instances import InstancePool, Role
 from kpool_pd.router.intake import ClientGuard
 from kpool_pd.router.metrics import Outcome, RouterMetrics
+from kpool_pd.router.passthrough import Passed, Passthrough
 from kpool_pd.router.pd import PdRouter, ReleaseGrant
 from kpool_pd.router.probes import HealthProber
 from kpool_pd.router.settings import RouterSettings
@@ -38,10 +47,13 @@ COMPLETIONS = Endpoint.COMPLETIONS.value
 CHAT_COMPLETIONS = Endpoint.CHAT_COMPLETIONS.value
 _SETTINGS = web.AppKey("settings", RouterSettings)
 _ROUTER = web.AppKey("router", PdRouter)
+_PASSTHROUGH = web.AppKey("passthrough", Passthrough)
 _POOLS = web.AppKey("pools", tuple)
 _METRICS = web.AppKey("metrics", RouterMetrics)
 _GUARD = web.AppKey("guard", ClientGuard)
 _ACCESS_LOG = logging.getLogger("kpool_pd.router.access")
+_PASSED = {passed.path: passed for passed in Passed}
+_SHOWN_PATH = 200  # characters of an unserved path quoted back
 
 
 async def _body(request: web.Request, settings: RouterSettings) -> bytes:
@@ -60,16 +72,16 @@ async def _body(request: web.Request, settings: RouterSettings) -> bytes:
         raise too_large from None
 
 
-async def _pd(request: web.Request) -> web.StreamResponse:
-    arrived = time.perf_counter()
-    app, path = request.app, request.path
-    settings, router, metrics = app[_SETTINGS], app[_ROUTER], app[_METRICS]
+Route = Callable[[str], Awaitable[tuple[web.StreamResponse, Outcome]]]  # request id -> (answer, outcome)
+
+
+async def _served(request: web.Request, arrived: float, route: Route) -> web.StreamResponse:
+    """``route``'s answer to ``request``, counted by outcome under its path; a RouterError, an instance's
+    refusal (InstanceRefused) or a fault of the router's own answered in OpenAI's error shape."""
+    path, metrics = request.path, request.app[_METRICS]
     request_id = request_id_of(request.headers)
     try:
-        body = parse_request(await _body(request, settings), Endpoint(path))
-        headers = backend_headers(request.headers, request_id, api_key=settings.api_key,
-                                  backend_api_key=settings.backend_api_key)
-        response, outcome = await router.route(request, path, body, headers, request_id, arrived)
+        response, outcome = await route(request_id)
     except RouterError as error:
         metrics.answered(path, Outcome.CLIENT_ERROR if error.status < 500 else Outcome.UPSTREAM_ERROR)
         logger.warning("request %s: %s", request_id, error.message)
@@ -87,6 +99,60 @@ async def _pd(request: web.Request) -> web.StreamResponse:
     metrics.answered(path, outcome)
     logger.info("request %s: %s in %.3f s", request_id, outcome.value, time.perf_counter() - arrived)
     return response
+
+
+def _backend_headers(request: web.Request, request_id: str) -> dict[str, str]:
+    settings = request.app[_SETTINGS]
+    return backend_headers(request.headers, request_id, api_key=settings.api_key,
+                           backend_api_key=settings.backend_api_key)
+
+
+async def _pd(request: web.Request) -> web.StreamResponse:
+    arrived, settings = time.perf_counter(), request.app[_SETTINGS]
+
+    async def route(request_id: str) -> tuple[web.StreamResponse, Outcome]:
+        body = parse_request(await _body(request, settings), Endpoint(request.path))
+        return await request.app[_ROUTER].route(request, request.path, body, _backend_headers(request, request_id),
+                                                request_id, arrived)
+    return await _served(request, arrived, route)
+
+
+async def _passthrough(request: web.Request) -> web.StreamResponse:
+    arrived, settings, passed = time.perf_counter(), request.app[_SETTINGS], _PASSED[request.path]
+
+    async def route(request_id: str) -> tuple[web.StreamResponse, Outcome]:
+        body = await _body(request, settings) if passed.method == "POST" else None
+        return await request.app[_PASSTHROUGH].forward(passed, body, _backend_headers(request, request_id),
+                                                       request_id)
+    return await _served(request, arrived, route)
+
+
+def _serves(app: web.Application) -> str:
+    """What the router serves, in the order its routes were added: ``POST /v1/completions, ...``."""
+    served = {f"{route.method} {route.resource.canonical}": None for route in app.router.routes()
+              if route.method != "HEAD" and route.resource is not None}
+    return ", ".join(served)
+
+
+@web.middleware
+async def _not_served(request: web.Request, handler) -> web.StreamResponse:
+    """A path the router does not serve (404) or a method a served path does not take (405), answered in
+    OpenAI's error shape with what the router serves, in place of aiohttp's plain-text page."""
+    refused = getattr(request.match_info, "http_exception", None)
+    if refused is None:
+        return await handler(request)
+    shown = request.path if len(request.path) <= _SHOWN_PATH else request.path[:_SHOWN_PATH] + "..."
+    if refused.status == HTTPStatus.METHOD_NOT_ALLOWED:
+        takes = " or ".join(sorted(m for m in refused.allowed_methods if m != "HEAD"))
+        response = error_response(HTTPStatus.METHOD_NOT_ALLOWED,
+                                  f"{shown} takes {takes}, not {request.method}; the router serves "
+                                  f"{_serves(request.app)}")
+        response.headers["Allow"] = ", ".join(sorted(refused.allowed_methods))
+        return response
+    if refused.status == HTTPStatus.NOT_FOUND:
+        return error_response(HTTPStatus.NOT_FOUND, f"the router does not serve {request.method} {shown}; it "
+                                                    f"serves {_serves(request.app)}")
+    return await handler(request)
 
 
 @web.middleware
@@ -128,7 +194,8 @@ def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = 
     guard = ClientGuard(header_timeout_s=settings.header_timeout_s, max_connections=settings.max_connections,
                         dropped=metrics.dropped)
     metrics.client_connections.set_function(lambda: len(guard))
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[guard.middleware, _authenticate])
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[guard.middleware, _authenticate, _not_served])
     app[_SETTINGS], app[_POOLS], app[_METRICS], app[_GUARD] = settings, pools, metrics, guard
 
     async def started(app: web.Application):
@@ -142,6 +209,7 @@ def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = 
                 stack.push_async_callback(releaser.close)
                 release = releaser.release
             app[_ROUTER] = router = PdRouter(settings, backends, *pools, metrics, release)
+            app[_PASSTHROUGH] = Passthrough(settings, backends, pools[1], metrics)
             stack.push_async_callback(router.close)
             if settings.health_check_s > 0:
                 prober = HealthProber(pools, backends.fresh, period_s=settings.health_check_s,
@@ -153,6 +221,8 @@ def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = 
     app.cleanup_ctx.append(started)
     app.router.add_post(COMPLETIONS, _pd)
     app.router.add_post(CHAT_COMPLETIONS, _pd)
+    for passed in Passed:
+        app.router.add_route(passed.method, passed.path, _passthrough)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app

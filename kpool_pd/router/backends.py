@@ -3,7 +3,7 @@ race a pool of them runs with the instance's own idle timeout.
 
 vLLM's server closes a connection idle for 5 s. A pooled connection the instance is closing as the router
 picks it fails the router's write (broken pipe, reset) or its wait for the answer (server disconnected)
-before any byte of an answer came: no request reached the instance's handler, so ``post`` sends it once
+before any byte of an answer came: no request reached the instance's handler, so ``send`` sends it once
 more, on a fresh connection, and the instance is not to blame. Keeping the pool's idle time under the
 instance's (``backend_keepalive_s``, default 4 s) makes the race rare; the retry covers what is left."""
 
@@ -61,17 +61,26 @@ class Backends:
         """The instance's answer to ``payload`` (JSON) while the block runs; on a pooled connection that
         closed before any answer, sent once more on a fresh one. Raises aiohttp.ClientError or
         TimeoutError as aiohttp does."""
-        data = json.dumps(payload).encode()
-        headers = headers | {"Content-Type": "application/json"}
+        async with self.send("POST", url, json.dumps(payload).encode(), headers, timeout, request_id) as answer:
+            yield answer
+
+    @contextlib.asynccontextmanager
+    async def send(self, method: str, url: str, data: bytes | None, headers: dict[str, str],
+                   timeout: aiohttp.ClientTimeout, request_id: str) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The instance's answer to ``method`` on ``url`` (``data``: a JSON body, or None for none) while the
+        block runs, with ``post``'s retry on a pooled connection that closed before any answer. Raises
+        aiohttp.ClientError or TimeoutError as aiohttp does."""
+        if data is not None:
+            headers = headers | {"Content-Type": "application/json"}
         attempt = SimpleNamespace(reused=False)
         try:
-            answer = await self.pooled.post(url, data=data, headers=headers, timeout=timeout,
-                                            trace_request_ctx=attempt)
+            answer = await self.pooled.request(method, url, data=data, headers=headers, timeout=timeout,
+                                               trace_request_ctx=attempt)
         except aiohttp.ClientError as error:
             if not (attempt.reused and _closed_before_answer(error)):
                 raise
             logger.info("request %s: the pooled connection to %s closed before an answer (%s); sending again on a "
                         "fresh connection", request_id, url, type(error).__name__)
-            answer = await self.fresh.post(url, data=data, headers=headers, timeout=timeout)
+            answer = await self.fresh.request(method, url, data=data, headers=headers, timeout=timeout)
         async with answer:
             yield answer

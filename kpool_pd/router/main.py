@@ -14,14 +14,18 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kpool-pd router",
-        description="An OpenAI-compatible PD router: each /v1/completions or /v1/chat/completions request is "
-                    "prefilled on a prefill vllm serve instance (max_tokens 1, kv_transfer_params do_remote_decode) "
-                    "and generated on a decode instance with the kv_transfer_params the prefill returned; instances "
-                    "are chosen by fewest outstanding requests, one that fails (connect failure, timeout, 5xx) or "
-                    "whose GET /health probe fails is tried last. A request the decode cannot take releases the "
-                    "prefill's grant. Refused before any instance sees it: a batch of prompts, n, best_of above 1, "
-                    "beam search, bodies that are not JSON objects or are over --max-body-mb. Also /health (each "
-                    "instance's state and last failure) and /metrics.")
+        description="An OpenAI-compatible PD router: each POST /v1/completions or /v1/chat/completions request "
+                    "is prefilled on a prefill vllm serve instance (max_tokens 1, kv_transfer_params "
+                    "do_remote_decode) and generated on a decode instance with the kv_transfer_params the prefill "
+                    "returned; instances are chosen by fewest outstanding requests, one that fails (connect "
+                    "failure, timeout, 5xx) or whose GET /health probe fails is tried last. A request the decode "
+                    "cannot take releases the prefill's grant; a decode instance's 5xx after the prefill is named "
+                    "to the client as a likely failed or timed-out KV transfer. Refused before any instance sees "
+                    "it: a batch of prompts, n, best_of above 1, beam search, bodies that are not JSON objects or "
+                    "are over --max-body-mb. GET /v1/models, GET /version, POST /tokenize and POST /detokenize are "
+                    "passed through to a decode instance, its answer as it is. Also GET /health (each instance's "
+                    "state and last failure) and GET /metrics. Any other path is answered 404, a wrong method 405, "
+                    "in OpenAI's error shape listing what is served.")
     add_router_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser

@@ -4,10 +4,14 @@ generates, its answer streamed back to the client as it comes.
 
 Each role's instance is the one with the fewest outstanding requests. One that cannot be reached, times
 out, answers 5xx (or, for a prefill, an answer without kv_transfer_params) is marked failed and skipped for
-the next; a role's only instance is tried once more after ``retry_pause_s`` unless it timed out. When every
-one failed the client's 502 names each with what went wrong. An instance's 4xx is the client's error: it
-reaches the client as it is and marks nothing. A pooled connection that closed under a request is not the
-instance's failure (``backends.Backends.post`` sends again).
+the next; a role's only instance is tried once more after ``retry_pause_s`` unless it timed out
+(``attempts``). When every one failed the client's 502 names each with what went wrong. An instance's 4xx
+is the client's error: it reaches the client as it is and marks nothing. A pooled connection that closed
+under a request is not the instance's failure (``backends.Backends.send`` sends again).
+
+A decode instance that fails a request after its prefill (a 5xx, or a stream's error event with a 5xx
+code: what vLLM answers when the engine fails the request, a failed or timed-out KV transfer included) is
+named to the client with that likely cause, the prefill instance, and its answer quoted (200 characters).
 
 The prefill leaves a grant on the producer until a decode pulls it. When no decode instance answered 200
 (each failed, or one refused with 4xx: a refusal comes before any pull) or the request ended otherwise
@@ -19,16 +23,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 
 import aiohttp
 from aiohttp import web
 
+from kpool_pd.router.attempts import FAILED, Attempts, quoted
 from kpool_pd.router.backends import Backends
-from kpool_pd.router.bodies import (InstanceRefused, RouterError, decode_body, kv_transfer_params_of, prefill_body,
-                                    streams)
+from kpool_pd.router.bodies import InstanceRefused, decode_body, kv_transfer_params_of, prefill_body, streams
 from kpool_pd.router.instances import Instance, InstancePool
 from kpool_pd.router.metrics import Outcome, RouterMetrics
 from kpool_pd.router.settings import RouterSettings
@@ -37,62 +41,85 @@ logger = logging.getLogger(__name__)
 
 ReleaseGrant = Callable[[dict, str], Awaitable[bool]]  # (the prefill's kv_transfer_params, request id) -> released
 
-_FAILED = (aiohttp.ClientError, TimeoutError)
 _STREAM_BROKE = b'data: {"error": {"message": "the decode instance stopped mid-answer", "type": "upstream_error", ' \
                 b'"code": 502}}\n\n'
-_SCAN_TAIL = 64 * 1024  # the longest partial event kept while scanning a stream
+_SCAN_TAIL = 64 * 1024  # the longest partial event held back; a longer one is passed on as it is
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_TRANSFER_CAUSE = "e.g. its KV transfer failed or timed out"
 
 
-def _describe(error: BaseException, timeout_s: float) -> str:
-    if isinstance(error, TimeoutError):
-        return f"no answer within {timeout_s:g} s"
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+def failed_after_prefill(status: int, answer: str, prefilled_on: str) -> str:
+    """Why a decode instance that answered ``status`` (5xx) failed: the likely cause, its answer quoted."""
+    return f"HTTP {status}: it failed the request after its prefill on {prefilled_on}, {_TRANSFER_CAUSE}; " \
+           f"it answered {answer}"
 
 
-class _Attempts:
-    """The instances one request tries in a role, each once (a role's only one twice, after a pause,
-    unless it timed out), and what went wrong on each."""
-
-    def __init__(self, pool: InstancePool, retry_pause_s: float) -> None:
-        self.pool, self.failures = pool, []
-        self.timed_out = False
-        self._tried: set[str] = set()
-        self._pause_s, self._again = retry_pause_s, len(pool.instances) == 1
-
-    async def next(self) -> Instance | None:
-        if (instance := self.pool.choose(self._tried)) is not None:
-            self._tried.add(instance.url)
-            return instance
-        if self._again and self.failures and not self.timed_out:
-            self._again = False
-            await asyncio.sleep(self._pause_s)
-            return self.pool.instances[0]
+def _error_of(event: bytes) -> dict | None:
+    """The error object of a server-sent event that carries one (OpenAI's ``{"error": {...}}`` or vLLM's
+    older ``{"object": "error", ...}``), else None."""
+    data = event.strip().removeprefix(b"data:").strip()
+    if b"error" not in data:
         return None
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    if isinstance(parsed.get("error"), dict):
+        return parsed
+    return parsed if parsed.get("object") == "error" else None
 
 
-class _EventScan:
-    """A server-sent event stream read as it passes: whether an event carried an error, whether ``[DONE]``
-    came (vLLM ends every stream with it, after an error event too)."""
+class _EventRelay:
+    """A decode instance's server-sent event stream on its way to the client, an event at a time: whether an
+    event carried an error, whether ``[DONE]`` came (vLLM ends every stream with it, after an error event
+    too). An error event with a 5xx code (vLLM's answer when a request fails in the engine, a failed KV
+    load included) is passed on with a message that names both instances and the likely cause, and quotes
+    the instance's own message; every other event is passed on as it came."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_url: str, prefilled_on: str) -> None:
         self.error: str | None = None
         self.done = False
+        self._decode_url, self._prefilled_on = decode_url, prefilled_on
         self._tail = b""
 
-    def feed(self, chunk: bytes) -> None:
-        *events, tail = (self._tail + chunk).split(b"\n\n")
-        self._tail = tail[-_SCAN_TAIL:]
-        for event in events:
-            data = event.strip().removeprefix(b"data:").strip()
-            if data == b"[DONE]":
-                self.done = True
-            elif b"error" in data and self.error is None:
-                try:
-                    parsed = json.loads(data)
-                except (ValueError, RecursionError):
-                    continue
-                if isinstance(parsed, dict) and ("error" in parsed or parsed.get("object") == "error"):
-                    self.error = data[:200].decode(errors="replace")
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete events of what arrived so far, to send on now; a partial event is held back (up to
+        64 KiB, then passed on as it is)."""
+        buffer, out, start = self._tail + chunk, [], 0
+        for end in _EVENT_END.finditer(buffer):
+            out.append(self._event(buffer[start:end.start()]) + end.group())
+            start = end.end()
+        self._tail = buffer[start:]
+        if len(self._tail) > _SCAN_TAIL:
+            out.append(self._tail)
+            self._tail = b""
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is held back at the stream's end."""
+        tail, self._tail = self._tail, b""
+        return self._event(tail) if tail.strip() else tail
+
+    def _event(self, event: bytes) -> bytes:
+        if event.strip().removeprefix(b"data:").strip() == b"[DONE]":
+            self.done = True
+            return event
+        parsed = _error_of(event)
+        if parsed is None:
+            return event
+        if self.error is None:
+            self.error = event.strip().removeprefix(b"data:").strip()[:200].decode(errors="replace")
+        error = parsed["error"] if isinstance(parsed.get("error"), dict) else parsed
+        code = error.get("code")
+        if not (isinstance(code, int) and code >= 500):
+            return event
+        said = error.get("message")
+        said = quoted(said.encode()) if isinstance(said, str) else quoted(json.dumps(error).encode())
+        error["message"] = (f"the decode instance {self._decode_url} failed the request after its prefill on "
+                            f"{self._prefilled_on}, {_TRANSFER_CAUSE}; it said: {said}")
+        return b"data: " + json.dumps(parsed).encode()
 
 
 class PdRouter:
@@ -109,31 +136,16 @@ class PdRouter:
         self._decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s,
                                                      sock_read=settings.decode_timeout_s)
 
-    def _failed(self, attempts: _Attempts, instance: Instance, error: BaseException | str, timeout_s: float,
-                request_id: str) -> None:
-        why = error if isinstance(error, str) else _describe(error, timeout_s)
-        attempts.timed_out = isinstance(error, TimeoutError)
-        attempts.pool.failed(instance, why)
-        self.metrics.instance_failures.labels(attempts.pool.role.value, instance.url).inc()
-        attempts.failures.append(f"{instance.url} ({why})")
-        logger.warning("request %s: %s instance %s failed: %s", request_id, attempts.pool.role.value, instance.url,
-                       why)
-
-    @staticmethod
-    def _exhausted(attempts: _Attempts) -> RouterError:
-        return RouterError(HTTPStatus.BAD_GATEWAY,
-                           f"every {attempts.pool.role.value} instance failed: " + "; ".join(attempts.failures))
-
     async def route(self, request: web.Request, path: str, body: dict, headers: dict[str, str], request_id: str,
                     arrived: float) -> tuple[web.StreamResponse, Outcome]:
         """The client's answer and how it went. RouterError (502) when every instance of a role failed;
         InstanceRefused when a prefill instance refused the request (4xx). Releases the prefill's grant
         whenever no decode instance answered 200, whatever the way out (cancellation included)."""
-        params = await self.prefill(path, body, headers, request_id)
+        params, prefilled_on = await self.prefill(path, body, headers, request_id)
         answered = [False]
         try:
-            response, outcome = await self.decode(request, path, body, params, headers, request_id, arrived,
-                                                  answered)
+            response, outcome = await self.decode(request, path, body, params, prefilled_on, headers, request_id,
+                                                  arrived, answered)
         except asyncio.CancelledError:
             if not answered[0]:
                 self._release(params, request_id, "the request was cancelled before a decode answered")
@@ -164,11 +176,12 @@ class PdRouter:
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.settings.connect_timeout_s * 2)
 
-    async def prefill(self, path: str, body: dict, headers: dict[str, str], request_id: str) -> dict:
-        """The ``kv_transfer_params`` of a prefill of ``body``. RouterError (502) when every prefill
-        instance failed; InstanceRefused when one refused the request (4xx)."""
-        attempts, payload, timeout_s = _Attempts(self.prefill_pool, self.settings.retry_pause_s), prefill_body(body), \
-            self.settings.prefill_timeout_s
+    async def prefill(self, path: str, body: dict, headers: dict[str, str], request_id: str) -> tuple[dict, str]:
+        """The ``kv_transfer_params`` of a prefill of ``body`` and the URL of the instance that made it.
+        RouterError (502) when every prefill instance failed; InstanceRefused when one refused the request
+        (4xx)."""
+        attempts = Attempts(self.prefill_pool, self.metrics, self.settings.retry_pause_s)
+        payload, timeout_s = prefill_body(body), self.settings.prefill_timeout_s
         pool = attempts.pool
         while (instance := await attempts.next()) is not None:
             started = time.perf_counter()
@@ -178,35 +191,36 @@ class PdRouter:
                                                   request_id) as answer:
                         raw = await answer.read()
                         status, content_type = answer.status, answer.content_type
-                except _FAILED as error:
-                    self._failed(attempts, instance, error, timeout_s, request_id)
+                except FAILED as error:
+                    attempts.failed(instance, error, timeout_s, request_id)
                     continue
             if 400 <= status < 500:
                 logger.info("request %s: prefill instance %s refused it: HTTP %d", request_id, instance.url, status)
                 raise InstanceRefused(status, raw, content_type)
             if status != 200:
-                self._failed(attempts, instance, f"HTTP {status}: {raw[:200].decode(errors='replace')}", timeout_s,
-                             request_id)
+                attempts.failed(instance, f"HTTP {status}: {quoted(raw)}", timeout_s, request_id)
                 continue
             try:
                 params = kv_transfer_params_of(raw)
             except ValueError as error:
-                self._failed(attempts, instance, str(error), timeout_s, request_id)
+                attempts.failed(instance, str(error), timeout_s, request_id)
                 continue
             pool.succeeded(instance)
             self.metrics.prefill_seconds.observe(time.perf_counter() - started)
             logger.info("request %s: prefilled on %s in %.3f s", request_id, instance.url, time.perf_counter() - started)
-            return params
-        raise self._exhausted(attempts)
+            return params, instance.url
+        raise attempts.exhausted()
 
-    async def decode(self, request: web.Request, path: str, body: dict, params: dict, headers: dict[str, str],
-                     request_id: str, arrived: float, answered: list[bool]) -> tuple[web.StreamResponse, Outcome]:
+    async def decode(self, request: web.Request, path: str, body: dict, params: dict, prefilled_on: str,
+                     headers: dict[str, str], request_id: str, arrived: float,
+                     answered: list[bool]) -> tuple[web.StreamResponse, Outcome]:
         """The decode instance's answer to the client (streamed when the client asked for a stream), and
-        how it went; ``answered[0]`` is set once a decode instance answered 200 (it pulls the KV). An
-        instance's 4xx is returned as it is. RouterError (502) when every decode instance failed before
-        answering."""
-        attempts, payload, timeout_s = _Attempts(self.decode_pool, self.settings.retry_pause_s), \
-            decode_body(body, params), self.settings.decode_timeout_s
+        how it went; ``answered[0]`` is set once a decode instance answered 200 (it pulls the KV from
+        ``prefilled_on``, the prefill instance's URL). An instance's 4xx is returned as it is. RouterError
+        (502) when every decode instance failed before answering; a 5xx is named as a failure after the
+        prefill (its KV transfer, likely), with the instance's answer quoted."""
+        attempts = Attempts(self.decode_pool, self.metrics, self.settings.retry_pause_s)
+        payload, timeout_s = decode_body(body, params), self.settings.decode_timeout_s
         pool = attempts.pool
         while (instance := await attempts.next()) is not None:
             with pool.outstanding(instance):
@@ -214,9 +228,8 @@ class PdRouter:
                     async with self.backends.post(instance.url + path, payload, headers, self._decode_timeout,
                                                   request_id) as answer:
                         if answer.status >= 500:
-                            raw = await answer.read()
-                            self._failed(attempts, instance, f"HTTP {answer.status}: "
-                                         f"{raw[:200].decode(errors='replace')}", timeout_s, request_id)
+                            why = failed_after_prefill(answer.status, quoted(await answer.read()), prefilled_on)
+                            attempts.failed(instance, why, timeout_s, request_id)
                             continue
                         if answer.status != 200:
                             raw = await answer.read()
@@ -230,30 +243,35 @@ class PdRouter:
                             self.metrics.first_byte_seconds.observe(time.perf_counter() - arrived)
                             pool.succeeded(instance)
                             return web.Response(status=200, body=raw, content_type=answer.content_type), Outcome.OK
-                        return await self._relay(request, answer, attempts, instance, request_id, arrived)
-                except _FAILED as error:
-                    self._failed(attempts, instance, error, timeout_s, request_id)
-        raise self._exhausted(attempts)
+                        return await self._relay(request, answer, attempts, instance, prefilled_on, request_id,
+                                                 arrived)
+                except FAILED as error:
+                    attempts.failed(instance, error, timeout_s, request_id)
+        raise attempts.exhausted()
 
-    async def _relay(self, request: web.Request, answer: aiohttp.ClientResponse, attempts: _Attempts,
-                     instance: Instance, request_id: str, arrived: float) -> tuple[web.StreamResponse, Outcome]:
-        """Streams ``answer`` (server-sent events) to the client as its bytes arrive. When the decode
-        instance breaks off, the client gets an error event and the stream ends (UPSTREAM_ERROR, the
-        instance marked failed); a stream that carries an error event or ends without ``[DONE]`` is
+    async def _relay(self, request: web.Request, answer: aiohttp.ClientResponse, attempts: Attempts,
+                     instance: Instance, prefilled_on: str, request_id: str,
+                     arrived: float) -> tuple[web.StreamResponse, Outcome]:
+        """Streams ``answer`` (server-sent events) to the client an event at a time as they arrive (an error
+        event of the instance's with a 5xx code reworded by ``_EventRelay``). When the decode instance breaks
+        off, the client gets an error event in place of the partial one and the stream ends (UPSTREAM_ERROR,
+        the instance marked failed); a stream that carries an error event or ends without ``[DONE]`` is
         UPSTREAM_ERROR too. When the client goes away (a failed write, or the handler cancelled), closing
         ``answer`` closes its connection, which tells the instance to stop."""
         out = web.StreamResponse(status=200, headers={"Content-Type": answer.headers.get("Content-Type",
                                                                                           "text/event-stream"),
                                                       "Cache-Control": "no-cache"})
-        scan, first = _EventScan(), True
+        scan, first = _EventRelay(instance.url, prefilled_on), True
         try:
             await out.prepare(request)
             async for chunk in answer.content.iter_any():
                 if first:
                     self.metrics.first_byte_seconds.observe(time.perf_counter() - arrived)
                     first = False
-                scan.feed(chunk)
-                await out.write(chunk)
+                if events := scan.feed(chunk):
+                    await out.write(events)
+            if rest := scan.flush():
+                await out.write(rest)
         except ConnectionResetError:  # the client went away (aiohttp's is a ClientError too)
             logger.info("request %s: the client went away mid-stream; stopping it on %s", request_id, instance.url)
             answer.close()
@@ -262,8 +280,8 @@ class PdRouter:
             logger.info("request %s: the client went away mid-stream; stopping it on %s", request_id, instance.url)
             answer.close()
             raise
-        except _FAILED as error:
-            self._failed(attempts, instance, error, self.settings.decode_timeout_s, request_id)
+        except FAILED as error:
+            attempts.failed(instance, error, self.settings.decode_timeout_s, request_id)
             await out.write(_STREAM_BROKE)
             await out.write_eof()
             return out, Outcome.UPSTREAM_ERROR

@@ -45,7 +45,8 @@ class RouterSettings:
     """``prefill`` and ``decode``: the base URLs of the ``vllm serve`` instances (kv_producer and
     kv_consumer). ``connect_timeout_s`` bounds opening a connection to an instance;
     ``prefill_timeout_s`` a whole prefill request; ``decode_timeout_s`` each wait for the decode
-    instance's next bytes (its whole answer when the client does not stream). An instance that failed
+    instance's next bytes (its whole answer when the client does not stream, and to a request passed
+    through: /v1/models, /version, /tokenize, /detokenize). An instance that failed
     is tried last for ``cooldown_s``; a role with one instance tries it once more after ``retry_pause_s``.
 
     Toward the instances: an idle pooled connection is closed after ``backend_keepalive_s`` (keep it
@@ -126,7 +127,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                           help=f"longest prefill request (default {DEFAULT_PREFILL_TIMEOUT_S:g})")
     backends.add_argument("--decode-timeout-s", type=float, default=DEFAULT_DECODE_TIMEOUT_S,
                           help="longest wait for the decode instance's next bytes; its whole answer when the client "
-                               f"does not stream (default {DEFAULT_DECODE_TIMEOUT_S:g})")
+                               "does not stream and to a request passed through (/v1/models, /version, /tokenize, "
+                               f"/detokenize) (default {DEFAULT_DECODE_TIMEOUT_S:g})")
     backends.add_argument("--cooldown-s", type=float, default=DEFAULT_COOLDOWN_S,
                           help=f"an instance that failed is tried last for this long (default {DEFAULT_COOLDOWN_S:g})")
     backends.add_argument("--retry-pause-s", type=float, default=DEFAULT_RETRY_PAUSE_S,
