@@ -12,7 +12,8 @@ the consumer's own OpenAI endpoint. Each attack once, then all of them again mix
 - grants the consumer will not pull (a request vLLM rejects before the engine, a prompt already in the
   consumer's prefix cache) free the producer's blocks at once, long before the lease;
 - a request id of 300 characters, a 100,000-deep JSON body, a batch of prompts and beam search through the
-  router: a good answer, or a 400 that marks no instance failed.
+  router: a good answer, or a 400 that marks no instance failed;
+- a router whose decode instance cannot be reached releases the producer's grant at once.
 
 Good requests equal the producer's own answer for the same prompt (the reference: it computes its prompts
 itself), and afterwards both servers serve and the producer holds no block."""
@@ -84,8 +85,9 @@ class Deployment:
         self.consumer = vllm_servers.vllm_server("consumer", model, free_port(), connector(
             "kv_consumer", {"transport": "grpc", "producers": [listen]}, kv_load_failure_policy="recompute"),
             folder, prefix_caching=True, flags=("--middleware", GUARD), **token)
-        self.router = vllm_servers.router_server(free_port(), [self.producer.url], [self.consumer.url], folder)
+        self.router = vllm_servers.router_server(free_port(), [self.producer.url], [self.consumer.url], folder, **token)
         self.servers = [self.producer, self.consumer, self.router]
+        self.folder, self.token = folder, token
 
     def start(self) -> None:
         for server in self.servers:
@@ -266,8 +268,22 @@ def router_edges(deployment: Deployment, seed: int) -> None:
         assert answer.status == 200
 
 
+def unreachable_decode(deployment: Deployment, seed: int) -> None:
+    """A router whose decode instance cannot be reached releases the producer's grant at once."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    router = vllm_servers.router_server(free_port(), [deployment.producer.url], [dead], deployment.folder,
+                                        "--health-check-s", "0", name=f"router-dead-decode-{seed}", **deployment.token)
+    try:
+        router.wait_healthy()
+        status, answer = complete(router, prompt(seed, 200))
+        assert status == 502, answer
+        assert_freed(deployment, "a prefill whose decode instance could not be reached")
+    finally:
+        router.stop()
+
+
 ATTACKS = [bad_token_counts, unlisted_producer, another_prompts_params, unknown_grant, rejected_before_the_engine,
-           consumer_prefix_hit, router_edges]
+           consumer_prefix_hit, router_edges, unreachable_decode]
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.__name__)

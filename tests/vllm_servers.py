@@ -97,10 +97,11 @@ def vllm_server(name: str, model: str, port: int, transfer: dict | None, log_dir
     return Server(name, command, port, log_dir / f"{name}.log", server_env(**env))
 
 
-def router_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, *flags: str) -> Server:
+def router_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, *flags: str, name: str = "router",
+                  **env: str) -> Server:
     command = [sys.executable, "-m", "kpool_pd", "router", "--port", str(port), "--prefill", *prefill,
                "--decode", *decode, *flags]
-    return Server("router", command, port, log_dir / "router.log", server_env())
+    return Server(name, command, port, log_dir / f"{name}.log", server_env(**env))
 
 
 def post_json(url: str, body: dict, timeout_s: float = 300) -> dict:
