@@ -242,3 +242,14 @@ def test_another_prompt_under_the_params_is_refused_before_any_byte():
     [load] = step(scheduler).loads
     assert "digest" in load.error
     assert load.digest == prompt_digest(other, [3]) != load.params.prompt_digest
+
+
+def test_a_queued_request_is_renewed_until_its_load():
+    scheduler = consumer()
+    req = request(good_params())
+    scheduler.on_new_request(req)
+    [renew] = step(scheduler).renewals
+    assert (renew.request_id, renew.key) == ("d1", DecodeParams.parse(good_params()).key)
+    scheduler.on_new_request(request(good_params() | {"remote_num_tokens": "abc"}, request_id="d2"))
+    scheduler.on_new_request(request({"do_remote_decode": True}, request_id="d3"))
+    assert step(scheduler).renewals == []  # refused params and producer-side requests: nothing to renew

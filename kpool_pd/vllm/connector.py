@@ -138,6 +138,10 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         return 0, False
 
+    def on_new_request(self, request: "Request") -> None:
+        if isinstance(self.scheduler, ConsumerScheduler):
+            self.scheduler.on_new_request(request)
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -62,11 +62,23 @@ class Release:
     why: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class Renew:
+    """Consumer: request ``request_id`` waits in vLLM's queue for the producer's grant ``key`` at ``address``:
+    keep the grant's lease alive until its load or its release begins, however long the queue."""
+
+    request_id: str
+    address: str
+    key: str
+    lease_s: float  # the producer's lease (renewed at a third of it)
+
+
 @dataclass
 class KpoolPdMetadata(KVConnectorMetadata):
     offers: list[Offer] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    renewals: list[Renew] = field(default_factory=list)
     idle: bool = False  # the step schedules no token: vLLM steps only to hear about transfers
 
 

@@ -19,7 +19,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from kpool_pd.vllm.groups import GroupRule, request_blocks
-from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, is_idle, is_remote_prefill,
+from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, Renew, is_idle, is_remote_prefill,
                                     producer_params)
 from kpool_pd.transfer_params import DecodeParams, bounded_request_id, prompt_digest, release_target
 from kpool_pd.vllm.settings import KpoolPdSettings
@@ -85,7 +85,21 @@ class ConsumerScheduler:
         self.settings, self.rules = settings, rules
         self._loads: list[Load] = []
         self._releases: list[Release] = []
+        self._renewals: list[Renew] = []
         self._loading: set[str] = set()  # requests whose Load went to the worker (the pull owns the grant)
+
+    def on_new_request(self, request: "Request") -> None:
+        """A decode request joined vLLM's queue: the worker keeps its grant's lease alive while it waits
+        (until its Load or its Release; the params are checked when the request is scheduled)."""
+        params = request.kv_transfer_params
+        if not is_remote_prefill(params):
+            return
+        try:
+            decode = DecodeParams.parse(params)
+        except ValueError:
+            return  # refused when it is scheduled
+        self._renewals.append(Renew(request_id=request.request_id, address=decode.address, key=decode.key,
+                                    lease_s=decode.lease_s))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """The prompt's tokens, loaded asynchronously, for a decode request whose params name a producer's
@@ -127,8 +141,9 @@ class ConsumerScheduler:
             params["do_remote_prefill"] = False  # loaded once: a second allocation for this request loads nothing
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:
-        meta = KpoolPdMetadata(loads=self._loads, releases=self._releases, idle=is_idle(scheduler_output))
-        self._loads, self._releases = [], []
+        meta = KpoolPdMetadata(loads=self._loads, releases=self._releases, renewals=self._renewals,
+                               idle=is_idle(scheduler_output))
+        self._loads, self._releases, self._renewals = [], [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:

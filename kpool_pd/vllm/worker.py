@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -35,7 +36,7 @@ from connector import (
     PrefillProgress,
     StatusError,
 )
-from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, flat_ids, grant_from
+from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, flat_ids, grant_from
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kvcache import EngineCache, PlanarPool
 from runtime import GrpcServer
@@ -43,7 +44,12 @@ from runtime import GrpcServer
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0  # a hand-over to the loop (start, an offer) that takes longer is a failure
+RENEW_TICK_S = 0.25  # how often the consumer looks for queued requests' grants due for renewal
 IDLE_WAIT_S = 0.02  # the longest an idle step waits for the connector's thread (a new request waits as long)
+
+
+def _now() -> float:
+    return time.monotonic()
 
 
 class TransferProgress:
@@ -201,12 +207,21 @@ class ConsumerWorker:
                                     model_identity=model_identity)
         self._peers: dict[str, PrefillPeer] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._renewing: dict[str, tuple[Renew, float]] = {}  # request id -> its renewal, when it is next due
 
     def start(self) -> None:
         self.loop.call(self.node.start)
+        self.loop.submit(self._renew_forever)
 
     def load(self, metadata: KpoolPdMetadata) -> None:
-        """Start this step's pulls and releases (they run on the loop; ``finished_recving`` reports pulls)."""
+        """Start this step's pulls and releases (they run on the loop; ``finished_recving`` reports pulls),
+        and keep the grants of the requests that joined vLLM's queue alive until their load or release."""
+        with self._lock:
+            now = _now()
+            for renew in metadata.renewals:
+                self._renewing[renew.request_id] = (renew, now + renew.lease_s / 3)
+            for ended in (*metadata.loads, *metadata.releases):
+                self._renewing.pop(ended.request_id, None)
         for load in metadata.loads:
             self.loop.submit(lambda load=load: self._pull(load))
         for release in metadata.releases:
@@ -272,6 +287,41 @@ class ConsumerWorker:
             return
         logger.info("grant of request %s on %s %s: %s", release.request_id, release.address,
                     "released" if released else "was already gone", release.why)
+
+    async def _renew_forever(self) -> None:
+        """Every RENEW_TICK_S: renew the grants of queued requests due (a third of their lease since the
+        last renewal). A grant the producer no longer holds, or holds for another engine, is dropped (its
+        load will fail and be reported); one that could not be reached is tried again at the next tick."""
+        while True:
+            await asyncio.sleep(RENEW_TICK_S)
+            with self._lock:
+                now = _now()
+                due = [renew for renew, at in self._renewing.values() if at <= now]
+                for renew in due:
+                    self._renewing[renew.request_id] = (renew, now + renew.lease_s / 3)
+            if due:
+                await asyncio.gather(*(self._renew(renew) for renew in due))
+
+    async def _renew(self, renew: Renew) -> None:
+        try:
+            peer = await self._peer(renew.address)
+            gone = await peer.heartbeat([renew.key])
+        except (StatusError, ProducerRefused) as exc:
+            if isinstance(exc, StatusError) and exc.code not in (grpc.StatusCode.PERMISSION_DENIED,
+                                                                  grpc.StatusCode.INVALID_ARGUMENT):
+                logger.debug("renewing the grant of request %s on %s: %s", renew.request_id, renew.address, exc)
+                return
+            gone = [renew.key]
+            logger.warning("the grant of queued request %s on %s is not renewed: %s", renew.request_id,
+                           renew.address, exc)
+        if gone:
+            with self._lock:
+                self._renewing.pop(renew.request_id, None)
+
+    def renewing(self) -> set[str]:
+        """The queued requests whose grants are being kept alive."""
+        with self._lock:
+            return set(self._renewing)
 
     def finished_recving(self) -> tuple[set[str], set[str]]:
         """(finished, failed) since the last call: every ended pull, and those that failed among them."""
