@@ -112,13 +112,19 @@ class PeerProver:
             raise RuntimeError(f"the peer prover of {self.address} was not bound to its channel")
         client_nonce = secrets.token_bytes(NONCE_BYTES)
         self.challenges += 1
+        failure = None
         try:
             r = await self._stub.Challenge(ChallengeRequest(client_nonce=client_nonce),
                                            timeout=self.challenge_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                raise self._unproved(f"it does not serve {SERVICE_NAME}") from None
-            raise _error(exc.code(), f"{SERVICE_NAME}/Challenge to {self.address}: {exc.details()}") from None
+            # Raised below, outside this block: an error chained to ``exc`` would keep the failed call, and with it
+            # the connection, alive past the channel's close (until the garbage collector ran).
+            failure = exc.code(), exc.details()
+        if failure is not None:
+            code, details = failure
+            if code is grpc.StatusCode.UNIMPLEMENTED:
+                raise self._unproved(f"it does not serve {SERVICE_NAME}")
+            raise _error(code, f"{SERVICE_NAME}/Challenge to {self.address}: {details}")
         expected = server_proof(self._token, client_nonce, r.server_nonce)
         if len(r.server_nonce) != NONCE_BYTES or not hmac.compare_digest(r.server_proof, expected):
             raise self._unproved("its proof is wrong: another token, or not a prefill node of this fleet")
