@@ -46,7 +46,8 @@ daemon's host; ``dial_host`` and ``dial_target``: the address a local client dia
 ``StatusError`` (a gRPC status and a message) and ``status_of`` (the one mapping from an exception to
 it), ``open_channel`` (with a peer token: every call in a session proved through PeerAuth, the token
 never sent) and the credential helpers (``Credential``: the client token or the peer token;
-``CredentialInterceptor``, ``PeerSessions`` and ``PeerAuthServicer``: a server's check of both);
+``CredentialInterceptor``, ``PeerSessions`` and ``PeerAuthServicer``: a server's check of both, at most
+``MAX_PEER_SESSIONS`` peer sessions by default);
 a grant's ring is a ``RingRange``. ``prefill_api``: the PrefillService wire format, for tests and tools
 that speak it directly. ``MAX_ID_CHARS`` and ``MAX_DCP_RANKS``: the longest engine id and the most
 DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start). ``HopRecorder`` and
@@ -66,7 +67,7 @@ from connector.shared.hosts import dial_host, dial_target
 from connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from connector.decode.landed import LandedRequest
 from connector.decode.peer import PrefillPeer
-from connector.shared.peer_auth import PeerAuthServicer, PeerSessions
+from connector.shared.peer_auth import MAX_PEER_SESSIONS, PeerAuthServicer, PeerSessions
 from connector.shared.plan import RingRange
 from connector.prefill.connector import PrefillConnector
 from connector.prefill.handshake import MAX_ID_CHARS
@@ -76,7 +77,7 @@ from connector.shared.ucx_host import bind_ucx_options
 from connector.shared.wire import Transport
 
 __all__ = [
-    "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
+    "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
     "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError",

@@ -34,7 +34,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from connector import Credential, CredentialInterceptor, PeerAuthServicer, PeerSessions, TlsConfig, dial_host
+from connector import (MAX_PEER_SESSIONS, Credential, CredentialInterceptor, PeerAuthServicer, PeerSessions, TlsConfig,
+                       dial_host)
 from runtime.health_gate import HealthGate
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.ports import bind_error, ensure_bindable
@@ -71,20 +72,22 @@ class GrpcServer:
     ``client_token`` guards the services whose credential is CLIENT, ``peer_token`` those whose
     credential is PEER; None leaves them open (to whoever TLS lets in). The two must differ. A server
     that guards a service with the peer token serves ``kpoolpd.v1.PeerAuth`` too, from ``start``, its
-    sessions in ``peer_sessions`` (at most ``connector.shared.peer_auth.MAX_PEER_SESSIONS``)."""
+    sessions in ``peer_sessions`` (at most ``max_peer_sessions``, the least recently used forgotten first)."""
 
     def __init__(self, *, client_token: str | None = None, peer_token: str | None = None,
                  tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = (),
-                 gate: HealthGate | None = None) -> None:
+                 gate: HealthGate | None = None, max_peer_sessions: int = MAX_PEER_SESSIONS) -> None:
         for name, token in (("client_token", client_token), ("peer_token", peer_token)):
             if token is not None and (not isinstance(token, str) or not token.strip()):
                 raise ValueError(f"{name} must be None (no auth) or a non-empty string")
         if client_token is not None and client_token == peer_token:
             raise ValueError("client_token and peer_token must differ: two credentials, never one")
+        if isinstance(max_peer_sessions, bool) or not isinstance(max_peer_sessions, int) or max_peer_sessions < 1:
+            raise ValueError(f"max_peer_sessions must be a positive integer, got {max_peer_sessions!r}")
         self.tls = tls
         self._tokens = {Credential.CLIENT: client_token, Credential.PEER: peer_token}
         self._required: dict[str, Credential] = {}  # service -> the credential it requires (its token is set)
-        self.peer_sessions = PeerSessions(peer_token) if peer_token is not None else None
+        self.peer_sessions = PeerSessions(peer_token, capacity=max_peer_sessions) if peer_token is not None else None
         interceptors = [CredentialInterceptor(self._required, client_token=client_token,
                                               peer_sessions=self.peer_sessions), MalformedRequestInterceptor()]
         self._server = grpc.aio.server(interceptors=interceptors, options=[*options, *NO_SHARED_PORT, *PENDING_CALLS])

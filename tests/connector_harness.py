@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, Transport
+from connector import MAX_PEER_SESSIONS, ConnectorConfig, DecodeConnector, PrefillConnector, Transport
 from kvcache import CacheConfig, NodeCache
 from runtime.launch import child_context, start_child
 from tests import connector_procs as procs
@@ -90,11 +90,13 @@ class InProcessPair:
     """A prefill node and a decode node in the test's own event loop, each with its own node cache
     (``p_cache``, ``d_cache``, both on ``device``) and registry (``async with``; the prefill node stops without
     grace).
-    The prefill engine allocates from ``p_cache`` (a test engine without a cache is given it)."""
+    The prefill engine allocates from ``p_cache`` (a test engine without a cache is given it); its server
+    keeps at most ``max_peer_sessions`` peer sessions."""
 
     def __init__(self, *, prefill_config: CacheConfig = procs.CONFIG, decode_config: CacheConfig | None = None,
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
-                 num_blocks: int = 32, num_rings: int = 4, device: str = "cpu") -> None:
+                 num_blocks: int = 32, num_rings: int = 4, device: str = "cpu",
+                 max_peer_sessions: int = MAX_PEER_SESSIONS) -> None:
         config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
         self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
         self.p_cache = NodeCache(prefill_config, num_blocks=num_blocks, num_rings=num_rings, device=device)
@@ -108,9 +110,10 @@ class InProcessPair:
         self.decode = DecodeConnector(self.d_cache.pool, engine_id="decode-t", config=config,
                                       registry=self.decode_registry, transports=transports)
         self.address = ""
+        self.max_peer_sessions = max_peer_sessions
 
     async def __aenter__(self) -> "InProcessPair":
-        self.server = await serve_prefill(self.prefill)
+        self.server = await serve_prefill(self.prefill, max_peer_sessions=self.max_peer_sessions)
         self.address = f"127.0.0.1:{self.server.port}"
         await self.decode.start()
         return self

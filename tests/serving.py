@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from connector import PrefillConnector
+from connector import MAX_PEER_SESSIONS, PrefillConnector
 from runtime import GrpcServer
 
 
 async def serve_prefill(node: PrefillConnector, *, host: str = "127.0.0.1", port: int = 0,
-                        serving: bool = True) -> GrpcServer:
+                        serving: bool = True, max_peer_sessions: int = MAX_PEER_SESSIONS) -> GrpcServer:
     """Start ``node`` and a server for it (the connector's peer token, TLS and message limits); the
     bound port is ``server.port``. ``serving``: the server's health gate opens once it started (as a
-    daemon's does after its warm-up), else it stays closed (NOT_SERVING)."""
+    daemon's does after its warm-up), else it stays closed (NOT_SERVING). ``max_peer_sessions``: the
+    server's bound on peer sessions (``GrpcServer``)."""
     await node.start()  # before the server's threads exist: it may initialise UCX (see runtime.daemon.serve)
     config = node.config
-    server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options())
+    server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options(),
+                        max_peer_sessions=max_peer_sessions)
     server.add(node)
     await server.start(host, port)
     if serving:
