@@ -35,7 +35,7 @@ def test_roundtrip_bytes_leases_and_release(prefill, transport):
 
 @pytest.mark.parametrize("what,code,needle", [
     ("mismatch", "FAILED_PRECONDITION", "kpool"),
-    ("no_token", "UNAUTHENTICATED", "missing bearer token"),
+    ("no_token", "UNAUTHENTICATED", "missing peer credential"),
 ])
 def test_handshake_refusals(prefill, what, code, needle):
     node = prefill(lease_s=LEASE_S)
