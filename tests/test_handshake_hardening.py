@@ -139,8 +139,8 @@ def test_an_engine_handshakes_again_with_its_secret_and_a_second_claimant_cannot
             with await pull_into(pair.d_cache, again, grant, transport=Transport.GRPC_STREAM) as landed:
                 assert not procs.landed_differences(pair.decode.pool, landed, "mine", 100)[0]
             pair.prefill.engines.forget("decode-t", "test")
-            await again.keep_alive.beat()  # told it is unknown: handshakes again and gets a new secret
-            assert pair.prefill.engines.get("decode-t").secret == pair.decode.secrets.get(pair.address) != secret
+            await again.keep_alive.beat()  # told it is unknown: handshakes again, presenting its own secret
+            assert pair.prefill.engines.get("decode-t").secret == pair.decode.secrets.get(pair.address) == secret
             grant = await again.prefill("after", [3] * 70)
             with await pull_into(pair.d_cache, again, grant, transport=Transport.GRPC_STREAM) as landed:
                 assert not procs.landed_differences(pair.decode.pool, landed, "after", 70)[0]
