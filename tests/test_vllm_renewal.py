@@ -77,6 +77,10 @@ def test_a_queued_requests_grant_outlives_its_lease_and_lands(workers):
     done, failed = wait_finished(consumer, "queued")
     assert "queued" in done and failed == set()
     assert "queued" not in consumer.renewing()
+    counts = consumer.take_stats().data  # what vLLM's /metrics gets (kpool_pd.vllm.stats)
+    assert counts["pulls"] == 1 and counts["pulled_bytes"] > 0 and counts["pull_failures"] == 0
+    assert counts["grants_renewed"] >= 2, counts  # four leases long, renewed at a third of one
+    assert producer.take_stats().data["grants_offered"] == 1
     block = backing(producer_caches).numel() // 24  # NUM_BLOCKS blocks of every layer, one byte range each
     src, dst = backing(producer_caches), backing(consumer_caches)
     for theirs, ours in zip(SRC, DST):
@@ -97,6 +101,13 @@ def test_a_released_requests_grant_is_no_longer_renewed(workers):
     while producer.cache.allocations_held and time.monotonic() < deadline:
         time.sleep(0.05)
     assert producer.cache.allocations_held == 0, "the released grant still holds the producer's blocks"
+    deadline = time.monotonic() + DONE_S
+    counts = {}
+    while not counts.get("grants_released") and time.monotonic() < deadline:  # counted once its answer came
+        taken = consumer.take_stats()
+        counts = taken.data if taken is not None else counts
+        time.sleep(0.05)
+    assert counts.get("grants_released") == 1, counts
 
 
 def wait_finished(consumer: ConsumerWorker, request_id: str) -> tuple[set[str], set[str]]:

@@ -149,8 +149,12 @@ def test_completions_through_the_router_equal_one_server(deployment):
     asked = prompts(25, PROMPT_LENGTHS)
 
     before = vllm_servers.prompt_tokens_by_source(consumer.metrics())
+    pulls_before = vllm_servers.counter(consumer.metrics(), "vllm:kpool_pd_pulls_total")
     pd = [complete(client(deployment.router), prompt, stream=index % 2 == 1) for index, prompt in enumerate(asked)]
     after = vllm_servers.prompt_tokens_by_source(consumer.metrics())
+    # the connector's own counters reach vLLM's /metrics (KVConnectorStats), collected at its next steps
+    assert wait_for(lambda: vllm_servers.counter(consumer.metrics(), "vllm:kpool_pd_pulls_total") - pulls_before
+                    == len(asked), FETCH_SEEN_S, period_s=0.5), consumer.metrics()[-3000:]
     single = [complete(client(consumer), prompt) for prompt in asked]
 
     grew = {source: after[source] - before.get(source, 0.0) for source in after}

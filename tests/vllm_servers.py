@@ -146,3 +146,12 @@ def kv_fetches_in_progress(metrics_text: str) -> float:
         if line.startswith("vllm:num_requests_kv_fetch_by_stage{") and 'stage="in_progress"' in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no vllm:num_requests_kv_fetch_by_stage{stage=\"in_progress\"} in the metrics")
+
+
+def counter(metrics_text: str, name: str) -> float:
+    """The sum of a counter's samples (every label set) in a /metrics page; 0 when it has none yet."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

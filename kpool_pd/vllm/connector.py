@@ -33,6 +33,7 @@ from kpool_pd.vllm.groups import transfer_rules
 from kpool_pd.vllm.planes import engine_pool
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
 from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.stats import KpoolPdPromMetrics, KpoolPdStats
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker
 
 if TYPE_CHECKING:
@@ -121,6 +122,19 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KpoolPdStats | None:
+        """vLLM's worker, every step: the counts since the last call (``kpool_pd.vllm.stats``)."""
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KpoolPdStats:
+        return KpoolPdStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KpoolPdPromMetrics:
+        return KpoolPdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -38,6 +38,7 @@ from connector import (
 )
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, flat_ids, grant_from
 from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.stats import StatsRecorder
 from kvcache import EngineCache, PlanarPool
 from runtime import GrpcServer
 
@@ -113,9 +114,12 @@ class ProducerWorker:
         self._ended: set[str] = set()  # grants ended (their blocks are vLLM's to free again)
         self._finished: set[str] = set()  # requests vLLM said finished
         self.progress = TransferProgress()
+        self.stats = StatsRecorder()
         self.loop = ConnectorLoop("kpoolpd-producer")
+        self._registry = CollectorRegistry()
+        self._expired_seen = 0.0
         self.node = PrefillConnector(pool, NoPrefillCalls(), engine_id=engine_id,
-                                     config=connector_config(settings), registry=CollectorRegistry(),
+                                     config=connector_config(settings), registry=self._registry,
                                      model_identity=model_identity)
         self.server: GrpcServer | None = None
 
@@ -152,11 +156,21 @@ class ProducerWorker:
             except ValueError:
                 logger.exception("request %s could not be offered; its blocks go back to vLLM", offer.request_id)
                 allocation.release()
+                continue
+            self.stats.count("grants_offered")
 
     def _grant_ended(self, request_id: str) -> None:
         with self._lock:
             self._ended.add(request_id)
         self.progress.note()
+
+    def take_stats(self):
+        """The counts since the last call (``KpoolPdStats``, or None), the leases that expired among them."""
+        expired = self._registry.get_sample_value("kpoolpd_prefill_leases_expired_total") or 0.0
+        if expired > self._expired_seen:
+            self.stats.count("leases_expired", int(expired - self._expired_seen))
+            self._expired_seen = expired
+        return self.stats.take()
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose grant ended: their blocks may be freed."""
@@ -201,6 +215,7 @@ class ConsumerWorker:
         self._received: set[str] = set()
         self._failed: set[str] = set()
         self.progress = TransferProgress()
+        self.stats = StatsRecorder()
         self.loop = ConnectorLoop("kpoolpd-consumer")
         self.node = DecodeConnector(pool, engine_id=engine_id, config=connector_config(settings),
                                     registry=CollectorRegistry(), transports=(settings.transport,),
@@ -260,9 +275,10 @@ class ConsumerWorker:
             grant, landed = grant_from(load.params, load.digest, self.cache.layout, load.block_ids)
             peer = await self._peer(load.params.address)
             with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
-                await peer.pull(grant, into=allocation, transport=self.settings.transport,
-                                integrity=self.settings.integrity)
+                pulled = await peer.pull(grant, into=allocation, transport=self.settings.transport,
+                                         integrity=self.settings.integrity)
             failed = False
+            self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds)
         except Exception as exc:  # every failure: vLLM recomputes or fails the request (reported below)
             logger.warning("KV transfer of request %s failed, %s: %s", load.request_id, self.failure_outcome, exc)
         finally:
@@ -270,6 +286,8 @@ class ConsumerWorker:
                 self._received.add(load.request_id)
                 if failed:
                     self._failed.add(load.request_id)
+            if failed:
+                self.stats.count("pull_failures")
             self.progress.note()
         if failed:  # the grant is ours to give back (a failed pull does not release it)
             await self._release(Release(request_id=load.request_id, address=load.params.address,
@@ -285,6 +303,8 @@ class ConsumerWorker:
             logger.warning("grant of request %s on %s not released (%s); its lease frees it: %s", release.request_id,
                            release.address, release.why, exc)
             return
+        if released:
+            self.stats.count("grants_released")
         logger.info("grant of request %s on %s %s: %s", release.request_id, release.address,
                     "released" if released else "was already gone", release.why)
 
@@ -317,11 +337,17 @@ class ConsumerWorker:
         if gone:
             with self._lock:
                 self._renewing.pop(renew.request_id, None)
+        else:
+            self.stats.count("grants_renewed")
 
     def renewing(self) -> set[str]:
         """The queued requests whose grants are being kept alive."""
         with self._lock:
             return set(self._renewing)
+
+    def take_stats(self):
+        """The counts since the last call (``KpoolPdStats``, or None)."""
+        return self.stats.take()
 
     def finished_recving(self) -> tuple[set[str], set[str]]:
         """(finished, failed) since the last call: every ended pull, and those that failed among them."""
