@@ -253,3 +253,13 @@ def test_a_queued_request_is_renewed_until_its_load():
     scheduler.on_new_request(request(good_params() | {"remote_num_tokens": "abc"}, request_id="d2"))
     scheduler.on_new_request(request({"do_remote_decode": True}, request_id="d3"))
     assert step(scheduler).renewals == []  # refused params and producer-side requests: nothing to renew
+
+
+def test_kv_both_needs_what_each_of_its_roles_needs():
+    with pytest.raises(ValueError, match="producers"):
+        KpoolPdSettings.from_extra_config({"listen": "127.0.0.1:7600"}, producer=True, consumer=True)
+    with pytest.raises(ValueError, match="listen"):
+        KpoolPdSettings.from_extra_config({"producers": ["127.0.0.1"]}, producer=True, consumer=True)
+    both = KpoolPdSettings.from_extra_config({"listen": "127.0.0.1:7600", "producers": ["127.0.0.1"]},
+                                             producer=True, consumer=True)
+    assert both.listen == ("127.0.0.1", 7600) and both.producers.allows("127.0.0.1:7601")

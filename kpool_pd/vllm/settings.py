@@ -50,9 +50,12 @@ class KpoolPdSettings:
     producers: ProducerAllowlist | None  # a consumer's: the producers it may dial
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool,
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool | None = None,
                           environ: Mapping[str, str] = os.environ) -> "KpoolPdSettings":
-        """The settings of one instance; ValueError naming the key for an unknown key or a bad value."""
+        """The settings of one instance that produces (``producer``), consumes (``consumer``: by default the
+        instance that does not produce) or both (vLLM's ``kv_both``); ValueError naming the key for an
+        unknown key, a bad value, or a key its roles need that is missing."""
+        consumer = not producer if consumer is None else consumer
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
@@ -80,7 +83,7 @@ class KpoolPdSettings:
             if not numbers[key] > 0:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {extra.get(key)!r}")
         producers = None
-        if not producer:
+        if consumer:
             if "producers" not in extra:
                 raise ValueError("a kv_consumer needs kv_connector_extra_config['producers']: the producers it may "
                                  "pull from, a list of 'host:port' or 'host' (an IP address or a DNS name, e.g. a "
