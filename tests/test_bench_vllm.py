@@ -1,14 +1,95 @@
-"""``kpool-pd bench vllm`` (bench/vllm_pd.py): its flags, and one short run of a KpoolPdConnector pair
-whose row says the consumer pulled every prompt token and gave one engine's tokens."""
+"""``kpool-pd bench vllm`` (bench/vllm_pd.py): its flags; its output (a new temporary folder unless --out,
+named first; each engine's output in its log there, the terminal left to the bench's progress and table; a
+failed engine's log tail), run with engines that print like vLLM but compute nothing (no vLLM); the
+redirection of a child process's output; and one short run of a KpoolPdConnector pair whose row says the
+consumer pulled every prompt token and gave one engine's tokens."""
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
 
 import pytest
 
-from bench import vllm_pd
+from bench import vllm_engines, vllm_pd
+
+CHATTER = "CHATTER"  # in every line a chatty engine prints
+CHATTER_LINES = 500  # about what vLLM prints for two engines
+REPO_RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+def chatty_serve(model: str, transfer: dict | None, jobs, results, max_model_len: int = 2048,
+                 env: dict[str, str] | None = None, log: Path | None = None, fail: bool = False) -> None:
+    """``vllm_engines.serve``'s part without vLLM: its output redirected to ``log`` as ``serve`` does, then
+    chatter every way a vLLM engine prints (print, logging, a warning, a write to fd 2, a child process);
+    ready, or failed with a traceback (``fail``); then each job answered with the prompt as its tokens, a
+    producer's answer carrying kv_transfer_params, a consumer's counting the prompt as pulled when given
+    them."""
+    vllm_engines.redirect_output(log)
+    for i in range(CHATTER_LINES):
+        print(f"{CHATTER} stdout {i}")
+    logging.basicConfig(level=logging.INFO)
+    logging.getLogger("vllm").warning("%s logging", CHATTER)
+    warnings.warn(f"{CHATTER} warning", stacklevel=1)
+    os.write(2, f"{CHATTER} fd 2\n".encode())
+    subprocess.run([sys.executable, "-c", f"import sys; print('{CHATTER} child'); print('{CHATTER} child 2', "
+                    "file=sys.stderr)"], check=True, timeout=60)
+    if fail:
+        try:
+            raise RuntimeError("no room for the KV cache")
+        except RuntimeError:
+            sys.stderr.write(traceback.format_exc())
+            sys.stderr.flush()
+            results.put(("error", traceback.format_exc()))
+            return
+    results.put(("ready", None))
+    producer = transfer["kv_role"] == "kv_producer"
+    while (job := jobs.get()) is not None:
+        prompts, _, params = job
+        pulled = params is not None and not producer
+        results.put(vllm_engines.Job(
+            outputs=[(prompts[0][-1:], "length", {"do_remote_prefill": True} if producer else None)],
+            prompt_tokens={"external_kv_transfer": len(prompts[0])} if pulled else {}))
+
+
+class ChattyEngineProcess(vllm_engines.EngineProcess):
+    """vllm_engines.EngineProcess (its waits, jobs and stop) running ``chatty_serve``; the engine whose role is
+    ``fail_role`` fails."""
+
+    fail_role: str | None = None
+
+    def __init__(self, context, model: str, transfer: dict | None, *, max_model_len: int = 2048,
+                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.jobs, self.results, self.log = context.Queue(), context.Queue(), log
+        fail = transfer["kv_role"] == f"kv_{self.fail_role}"
+        self.process = context.Process(target=chatty_serve, args=(model, transfer, self.jobs, self.results),
+                                       kwargs={"max_model_len": max_model_len, "env": env, "log": log, "fail": fail})
+        self.process.start()
+
+
+@pytest.fixture
+def chatty_engines(monkeypatch, tmp_path):
+    """bench vllm with ChattyEngineProcess for vLLM's engines, no model written, temporary folders under
+    ``tmp_path``."""
+    monkeypatch.setattr(vllm_pd.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(vllm_pd.vllm_engines, "EngineProcess", ChattyEngineProcess)
+    monkeypatch.setattr(vllm_pd.vllm_engines, "write_model", lambda folder, max_positions: folder)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ChattyEngineProcess, "fail_role", None)
+    return ChattyEngineProcess
+
+
+def results_in_repo() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in REPO_RESULTS.glob("*")} if REPO_RESULTS.exists() else {}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -37,6 +118,108 @@ def test_the_table_gives_each_ttft_beside_nixls():
     lines = vllm_pd.table(rows).splitlines()
     kpool = next(line for line in lines if line.startswith("kpool-grpc"))
     assert "20.0" in kpool and "0.50x" in kpool  # (10 + 10) / (10 + 30)
+
+
+def test_out_defaults_to_a_new_temporary_folder_named_on_the_first_line(chatty_engines, tmp_path, capfd):
+    before = results_in_repo()
+    assert vllm_pd.main(["--tokens", "8,16", "--reps", "2", "--connectors", "kpool-grpc,kpool-ucx"]) == 0
+    out, err = capfd.readouterr()
+    first = err.splitlines()[0]
+    assert first.startswith("kpool-pd bench vllm: writing to ")
+    folder = Path(first.removeprefix("kpool-pd bench vllm: writing to "))
+    assert folder.parent == tmp_path and folder.name.startswith(vllm_pd.OUT_PREFIX)
+    assert sorted(p.name for p in folder.iterdir()) == ["kpool-grpc-consumer.log", "kpool-grpc-producer.log",
+                                                        "kpool-ucx-consumer.log", "kpool-ucx-producer.log",
+                                                        "vllm_pd.json"]
+    rows = json.loads((folder / "vllm_pd.json").read_text())
+    assert [(r["connector"], r["tokens"], r["pulled_tokens"]) for r in rows] == [
+        ("kpool-grpc", 8, 16), ("kpool-grpc", 16, 32), ("kpool-ucx", 8, 16), ("kpool-ucx", 16, 32)]
+    assert results_in_repo() == before  # nothing written into the repository's bench/results
+    assert err.splitlines()[-1] == f"results: {folder / 'vllm_pd.json'}"
+    assert out.splitlines()[0].startswith("connector") and len(out.splitlines()) == 5  # the table
+
+
+def test_the_terminal_shows_a_line_a_phase_and_the_engines_output_goes_to_their_logs(chatty_engines, tmp_path,
+                                                                                      capfd):
+    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--connectors", "kpool-grpc", "--out",
+                         str(tmp_path / "mine" / "made")]) == 0
+    out, err = capfd.readouterr()
+    assert CHATTER not in out + err
+    assert err.splitlines() == [
+        f"kpool-pd bench vllm: writing to {tmp_path / 'mine' / 'made'}",
+        "vLLM's output goes to a log per engine there: <connector>-producer.log and <connector>-consumer.log",
+        "writing the model (a 2-layer Llama, seeded weights)",
+        "kpool-grpc: starting a producer and a consumer engine (logs kpool-grpc-producer.log, "
+        "kpool-grpc-consumer.log)",
+        err.splitlines()[4],  # engines ready in N s
+        err.splitlines()[5],  # TTFT
+        f"results: {tmp_path / 'mine' / 'made' / 'vllm_pd.json'}"]
+    assert err.splitlines()[4].startswith("kpool-grpc: engines ready in ")
+    assert err.splitlines()[5].startswith("kpool-grpc, 8 tokens: TTFT ")
+    for role in ("producer", "consumer"):
+        log = (tmp_path / "mine" / "made" / f"kpool-grpc-{role}.log").read_text()
+        for said in [f"{CHATTER} stdout 0", f"{CHATTER} stdout {CHATTER_LINES - 1}", f"{CHATTER} logging",
+                     f"{CHATTER} warning", f"{CHATTER} fd 2", f"{CHATTER} child", f"{CHATTER} child 2"]:
+            assert said in log, (role, said)
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_a_failed_engine_shows_the_tail_of_its_log_and_its_path(chatty_engines, tmp_path, capfd, role):
+    chatty_engines.fail_role = role
+    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--connectors", "kpool-ucx", "--out", str(tmp_path)]) == 1
+    out, err = capfd.readouterr()
+    log = tmp_path / f"kpool-ucx-{role}.log"
+    tail = log.read_text().splitlines()[-vllm_pd.LOG_TAIL_LINES:]
+    assert (f"error: the kpool-ucx {role} engine failed: RuntimeError: no room for the KV cache; the last "
+            f"{vllm_pd.LOG_TAIL_LINES} lines of its log, {log}:") in err.splitlines()
+    shown = err[err.index(str(log)):].splitlines()[1:1 + len(tail)]
+    assert shown == [f"  {line}" for line in tail] and "Traceback (most recent call last):" in err
+    assert f"{CHATTER} stdout 0" not in err  # the tail only
+    assert out == "" and json.loads((tmp_path / "vllm_pd.json").read_text()) == []
+
+
+def test_a_child_process_output_goes_to_its_log_and_not_the_terminal(tmp_path, capfd):
+    log = tmp_path / "engine.log"
+    context = multiprocessing.get_context("spawn")
+    jobs, results = context.Queue(), context.Queue()
+    child = context.Process(target=chatty_serve, args=("m", {"kv_role": "kv_producer"}, jobs, results),
+                            kwargs={"log": log})
+    child.start()
+    try:
+        assert results.get(timeout=120) == ("ready", None)
+        jobs.put(None)
+        child.join(60)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(60)
+    assert child.exitcode == 0
+    out, err = capfd.readouterr()
+    assert CHATTER not in out + err
+    text = log.read_text()
+    assert text.count(f"{CHATTER} stdout") == CHATTER_LINES and f"{CHATTER} child 2" in text
+
+
+def test_a_vllm_engine_that_fails_to_start_leaves_its_output_and_traceback_in_its_log(tmp_path, capfd):
+    """vLLM itself (no engine starts: the model's architecture is unknown), its output in the log."""
+    if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":
+        pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(vllm_engines.TINY_LLAMA | {"architectures": ["NoSuchForCausalLM"]}))
+    log = tmp_path / "engine.log"
+    engine = vllm_engines.EngineProcess(multiprocessing.get_context("spawn"), str(model), None,
+                                        env={"HF_HUB_OFFLINE": "1"}, log=log)
+    try:
+        with pytest.raises(AssertionError, match="NoSuchForCausalLM"):
+            engine.wait_ready(timeout_s=300)
+    finally:
+        engine.stop()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    text = log.read_text()
+    assert "Traceback (most recent call last):" in text and "NoSuchForCausalLM" in text
+    assert re.search(r"\bINFO\b", text), text  # vLLM's logging
 
 
 @pytest.mark.vllm
