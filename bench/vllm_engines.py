@@ -101,7 +101,9 @@ def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embe
 def redirect_output(log: Path) -> None:
     """Points this process's standard output and error at ``log`` (appended; made if missing) at the level
     of file descriptors 1 and 2, so that what C libraries and child processes started afterwards write goes
-    there too. For a process of its own (an engine's): the terminal it had is not given back."""
+    there too. For a process of its own (an engine's): the terminal it had is not given back. Python's
+    standard output is line-buffered from then on, as its standard error is, so the log keeps the order the
+    lines were written in (a failure's traceback comes last, where the bench shows the log's tail)."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -110,6 +112,7 @@ def redirect_output(log: Path) -> None:
         os.dup2(fd, 2)
     finally:
         os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
 
 
 def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int = 2048,
