@@ -13,6 +13,7 @@ import os
 import random
 import re
 import secrets
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from bench import vllm_engines  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 connector = vllm_engines.kpool_transfer_config  # KpoolPdConnector's kv_transfer_config
@@ -27,13 +29,15 @@ pytestmark = pytest.mark.vllm
 
 PROMPT_LENGTHS = (7, 9, 16, 17, 100, 257, 640, 1000)
 MAX_TOKENS = 8
+LOGGED_S = 30  # a consumer's log line reaching its file
 
 
 FAILURE_POLICY = {"ucx": "recompute", "grpc": "fail"}  # vLLM's kv_load_failure_policy, one of each
 
 
-def start_engines(model: str):
-    """A producer and a consumer per transport for ``model``; yields (producer, {transport: consumer})."""
+def start_engines(model: str, logs: Path):
+    """A producer and a consumer per transport for ``model``, each consumer's output in ``logs``; yields
+    (producer, {transport: consumer})."""
     token = secrets.token_hex(16)
     context = multiprocessing.get_context("spawn")
     started = []
@@ -46,7 +50,8 @@ def start_engines(model: str):
         for transport in ("ucx", "grpc"):
             settings = {"peer_token": token, "transport": transport, "integrity": True, "producers": [listen]}
             consumers[transport] = vllm_engines.EngineProcess(context, model, connector(
-                "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]))
+                "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]),
+                log=logs / f"consumer-{transport}.log")
             started.append(consumers[transport])
         for engine in started:
             engine.wait_ready()
@@ -58,14 +63,15 @@ def start_engines(model: str):
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    yield from start_engines(str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama"))))
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    yield from start_engines(str(vllm_engines.write_model(folder / "model")), folder)
 
 
 @pytest.fixture(scope="module")
 def hybrid_engines(tmp_path_factory):
     """The model with a sliding-window layer and a full-attention one: two KV cache groups."""
-    yield from start_engines(str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-hybrid"),
-                                                          layers=vllm_engines.HYBRID_LAYERS)))
+    folder = tmp_path_factory.mktemp("tiny-hybrid")
+    yield from start_engines(str(vllm_engines.write_model(folder / "model", layers=vllm_engines.HYBRID_LAYERS)), folder)
 
 
 def check_pd_equals_single_engine(producer, consumer, seed: int, groups: int) -> None:
@@ -106,7 +112,7 @@ def test_hybrid_pd_equals_single_engine(hybrid_engines, transport):
 
 @pytest.mark.parametrize("model", ["engines", "hybrid_engines"], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
-def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transport, capfd):
+def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transport):
     """A decode request whose grant is gone (its params sent a second time: the first pull released it)
     does not hang: the pull fails, the request is reported failed (by request, never by block ids: vLLM
     cannot map those back with two KV cache groups, and its engine died of them), and vLLM recomputes the
@@ -127,7 +133,8 @@ def test_a_failed_load_is_recomputed_or_fails_the_request(request, model, transp
     else:
         assert finish_reason == "error" and len(tokens) < MAX_TOKENS
     policy = FAILURE_POLICY[transport]  # the consumer's log says what vLLM did about it
-    logged = capfd.readouterr().err
-    assert re.search(rf"KV transfer of request \S+ failed, .*kv_load_failure_policy '{policy}'", logged), logged[-2000:]
+    said = re.compile(rf"KV transfer of request \S+ failed, .*kv_load_failure_policy '{policy}'")
+    assert wait_for(lambda: said.search(consumer.log.read_text(errors="replace")), LOGGED_S), \
+        consumer.log.read_text(errors="replace")[-2000:]
     again = consumer.run(prompts, MAX_TOKENS)  # the engine lives on
     assert again.outputs[0][0] == first.outputs[0][0] and again.outputs[0][1] == "length"
