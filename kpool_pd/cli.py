@@ -49,8 +49,8 @@ def _add_request_flags(parser: argparse.ArgumentParser, *, requests: int, prompt
 
 def _add_up(commands) -> None:
     from kpool_pd.up import UP_MODEL_DEFAULTS, default_transport
-    from prefill_worker.daemon import DEFAULT_MAX_BATCH_TOKENS
-    from runtime import add_model_arguments
+    from kpool_pd.prefill_worker.daemon import DEFAULT_MAX_BATCH_TOKENS
+    from kpool_pd.runtime import add_model_arguments
 
     up = commands.add_parser(
         "up", help="start a prefill and a decode daemon on loopback, run requests through them, report, stop",
@@ -137,11 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DAEMONS = {"prefill": "prefill_worker.daemon", "decode": "decode_worker.daemon"}
+DAEMONS = {"prefill": "kpool_pd.prefill_worker.daemon", "decode": "kpool_pd.decode_worker.daemon"}
 SERVERS = {**DAEMONS, "router": "kpool_pd.router.main", "vllm-model": "kpool_pd.vllm_model"}  # each parses its own flags
-BENCHES = {"kernels": "bench.kernels", "transfer": "bench.transfer", "pipeline": "bench.pipeline", "dcp": "bench.dcp",
-           "control": "bench.control_latency", "vllm": "bench.vllm_pd",
-           "decode": "bench.decode_step"}
+BENCHES = {"kernels": "kpool_pd.bench.kernels", "transfer": "kpool_pd.bench.transfer", "pipeline": "kpool_pd.bench.pipeline", "dcp": "kpool_pd.bench.dcp",
+           "control": "kpool_pd.bench.control_latency", "vllm": "kpool_pd.bench.vllm_pd",
+           "decode": "kpool_pd.bench.decode_step"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from connector import StatusError, TlsConfig, auth_metadata, open_channel
-from decode_worker import api
-from model.colocated import GenerateRequest, RequestResult
+from kpool_pd.connector import StatusError, TlsConfig, auth_metadata, open_channel
+from kpool_pd.decode_worker import api
+from kpool_pd.model.colocated import GenerateRequest, RequestResult
 
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # one request's deadline, queueing on the decode node included

@@ -8,7 +8,7 @@ import statistics
 
 from kpool_pd.client import RequestFailed
 from kpool_pd.decode_stats import DecodeSteps
-from model.colocated import RequestResult
+from kpool_pd.model.colocated import RequestResult
 
 
 def _mib(n: int) -> str:

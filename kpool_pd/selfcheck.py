@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
-from kernels.kpool_cache import pool_slots
-from kvcache import CacheConfig, NodeCache, PoolMode, complete_entries
+from kpool_pd.kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
+from kpool_pd.kernels.kpool_cache import pool_slots
+from kpool_pd.kvcache import CacheConfig, NodeCache, PoolMode, complete_entries
 
 logger = logging.getLogger(__name__)
 

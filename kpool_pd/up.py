@@ -6,7 +6,7 @@ A PD run also runs the colocated reference afterwards and says how many requests
 However a PD run ends it leaves nothing behind: SIGTERM, SIGINT or SIGHUP stops both daemons (they
 drain, at most ``INTERRUPT_GRACE_S``) and removes the run's temporary folder (logs, ready files,
 the throwaway CA and its key) before ``up`` exits with status 128 + the signal's number; and the
-daemons drain by themselves if ``up`` is killed outright (``runtime.launch``).
+daemons drain by themselves if ``up`` is killed outright (``kpool_pd.runtime.launch``).
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from connector import ucx_available
+from kpool_pd.connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
 from kpool_pd.decode_stats import DecodeSteps, read_decode_steps
-from runtime.launch import Daemon, DaemonError, start_decode, start_prefill
+from kpool_pd.runtime.launch import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, plural, summary, summary_text, table
-from kvcache import DcpConfig
-from model.colocated import make_prompts, run_colocated
-from runtime import SettingsError, client_tls, model_config, model_flags
-from runtime.options import MAX_SECONDS
-from runtime.geometry import check_kernel_page_on, check_serving_geometry
+from kpool_pd.kvcache import DcpConfig
+from kpool_pd.model.colocated import make_prompts, run_colocated
+from kpool_pd.runtime import SettingsError, client_tls, model_config, model_flags
+from kpool_pd.runtime.options import MAX_SECONDS
+from kpool_pd.runtime.geometry import check_kernel_page_on, check_serving_geometry
 
 READY_TIMEOUT_S = 120.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

@@ -1,7 +1,7 @@
 """`kpool-pd vllm-model DIR`: a small model folder that ``vllm serve`` runs on a CPU in seconds, for trying a
 vLLM PD deployment before a real model is at hand (the README's vLLM commands use it).
 
-The folder holds the 2-layer Llama of the tests and benches (``bench.vllm_engines.TINY_LLAMA``: its config
+The folder holds the 2-layer Llama of the tests and benches (``kpool_pd.bench.vllm_engines.TINY_LLAMA``: its config
 and seeded weights, ``model.safetensors``) and a byte-level tokenizer of its own (``tokenizer.json``: the
 256 bytes and ``<unk>``, ``<s>``, ``</s>``, no merges, so any text encodes, one token a byte; and
 ``tokenizer_config.json`` with a plain chat template), so completions and chat both work with text. The
@@ -43,7 +43,7 @@ def write_tokenizer(folder: Path, max_length: int) -> int:
 def write_runnable_model(folder: Path) -> Path:
     """The model folder (config, weights, tokenizer) in ``folder``, made if missing; ValueError for a
     ``folder`` that is a file or a folder holding something else."""
-    from bench.vllm_engines import TINY_LLAMA, write_model
+    from kpool_pd.bench.vllm_engines import TINY_LLAMA, write_model
 
     if folder.exists() and (not folder.is_dir() or any(p.name not in _FILES for p in folder.iterdir())):
         raise ValueError(f"{folder} is {'a file' if not folder.is_dir() else 'a folder with other files in it'}: "

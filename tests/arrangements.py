@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvcache import CacheConfig
+from kpool_pd.kvcache import CacheConfig
 from tests import connector_procs as procs
 
 # (cache, prefill (order, block size, kernel page), decode (...)): kpool 4 with 3 drafts (ring 8) and two

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kernels.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
+from kpool_pd.kernels.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
 
 if not torch.cuda.is_available():
     os.environ.setdefault(INTERPRET_ENV, "1")

@@ -9,8 +9,8 @@ import hashlib
 
 import torch
 
-from connector.shared.plan import ring_live_range
-from kvcache import BlockLayout, CacheConfig, CacheFamily, CachePool
+from kpool_pd.connector.shared.plan import ring_live_range
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CacheFamily, CachePool
 
 
 def _as_bytes(view: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from connector import PrefillInput, PrefillOutput, PrefillProgress
-from kvcache import CacheAllocation, NodeCache
+from kpool_pd.connector import PrefillInput, PrefillOutput, PrefillProgress
+from kpool_pd.kvcache import CacheAllocation, NodeCache
 from tests.connector_bytes import expected_block, expected_ring
 
 

@@ -1,4 +1,4 @@
-"""The test side of the connector tests: a prefill node in its own process (``runtime.launch``:
+"""The test side of the connector tests: a prefill node in its own process (``kpool_pd.runtime.launch``:
 forked with torch imported, one torch thread), driven through a pipe; a child process run to completion, every wait under a deadline; and a prefill
 and a decode node in the test's own event loop."""
 
@@ -9,9 +9,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import MAX_PEER_SESSIONS, ConnectorConfig, DecodeConnector, PrefillConnector, Transport
-from kvcache import CacheConfig, NodeCache
-from runtime.launch import child_context, start_child
+from kpool_pd.connector import MAX_PEER_SESSIONS, ConnectorConfig, DecodeConnector, PrefillConnector, Transport
+from kpool_pd.kvcache import CacheConfig, NodeCache
+from kpool_pd.runtime.launch import child_context, start_child
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
 

@@ -1,5 +1,5 @@
 """Process bodies for the connector tests: a prefill node and a decode node, each in its own
-process (``runtime.launch``), talking over loopback; the caches they use. The prefill engines are
+process (``kpool_pd.runtime.launch``), talking over loopback; the caches they use. The prefill engines are
 ``tests.connector_engines``'s, the bytes they write and the decode side checks ``tests.connector_bytes``'s."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import replace
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
-from connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
-from kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
+from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
 from tests.connector_bytes import expected_block, landed_differences, live_slots, mirror_pool, state_differences
 from tests.connector_engines import ChunkedFillEngine, SeededFillEngine
 from tests.pulls import pull_into

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from model import ModelConfig
-from runtime.launch import Daemon, start_decode, start_prefill
+from kpool_pd.model import ModelConfig
+from kpool_pd.runtime.launch import Daemon, start_decode, start_prefill
 from tests.test_e2e import DECODE_LIMITS, READY_S, _flags, _logs_on_failure, _ready_and_serving, _stop
 
 

@@ -4,7 +4,7 @@ for property tests with the rank count as an axis).
 
 ``decode_on_ranks`` is the model-level DCP run every test compares with the colocated one: each
 rank prefills the batch on a whole-request pool of its own (the bytes a prefill node would send;
-the same on every rank), lands its share (``model.dcp_landing``), and decodes the batch to the
+the same on every rank), lands its share (``kpool_pd.model.dcp_landing``), and decodes the batch to the
 end in step with the other ranks; rank 0 reports (tokens, output digest, state digest) per request.
 """
 
@@ -20,13 +20,13 @@ from multiprocessing.queues import Queue
 
 import torch
 
-from kvcache import DcpConfig, DcpShard, NodeCache
-from model import DecodeSequence, ModelConfig, output_digest
-from model.colocated import GenerateRequest, prefill_batch
-from model.dcp_engine import DcpEngine
-from model.dcp_group import DcpGroup
-from model.dcp_landing import land_request
-from runtime.launch import child_context, start_child
+from kpool_pd.kvcache import DcpConfig, DcpShard, NodeCache
+from kpool_pd.model import DecodeSequence, ModelConfig, output_digest
+from kpool_pd.model.colocated import GenerateRequest, prefill_batch
+from kpool_pd.model.dcp_engine import DcpEngine
+from kpool_pd.model.dcp_group import DcpGroup
+from kpool_pd.model.dcp_landing import land_request
+from kpool_pd.runtime.launch import child_context, start_child
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode_worker.daemon import SPEC as DECODE_SPEC
+from kpool_pd.decode_worker.daemon import SPEC as DECODE_SPEC
 from kpool_pd.certs import issue, make_ca
-from prefill_worker.daemon import SPEC as PREFILL_SPEC
-from runtime import load_settings
-from runtime.daemon import daemon_options
+from kpool_pd.prefill_worker.daemon import SPEC as PREFILL_SPEC
+from kpool_pd.runtime import load_settings
+from kpool_pd.runtime.daemon import daemon_options
 from tests import deploy_image as di
 from tests import deploy_launch as dl
 from tests import deploy_manifests as dm

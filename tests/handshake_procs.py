@@ -12,11 +12,11 @@ import random
 import grpc
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport, open_channel
-from connector import prefill_api as pb
-from connector.shared.wire import layout_message
-from kvcache import BlockLayout, NodeCache
-from runtime.launch import child_context, start_child
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport, open_channel
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared.wire import layout_message
+from kpool_pd.kvcache import BlockLayout, NodeCache
+from kpool_pd.runtime.launch import child_context, start_child
 from tests.pulls import pull_into
 from tests import connector_procs as procs
 from tests.serving import serve_prefill, stop_prefill
@@ -59,7 +59,7 @@ def prefill_logged_main(conn, *, log_path: str, lease_s: float, model_identity: 
 
 
 class LoggedPrefill:
-    """``prefill_logged_main`` in a child process (``runtime.launch``); ``ask(cmd)`` sends a command and returns the answer."""
+    """``prefill_logged_main`` in a child process (``kpool_pd.runtime.launch``); ``ask(cmd)`` sends a command and returns the answer."""
 
     def __init__(self, log_path, **kwargs) -> None:
         self.log_path = log_path
@@ -116,7 +116,7 @@ def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "de
 
 
 class WaitingDecode:
-    """``decode_wait_main`` in a child process (``runtime.launch``): ``engine_id`` and ``ucx_address`` once it
+    """``decode_wait_main`` in a child process (``kpool_pd.runtime.launch``): ``engine_id`` and ``ucx_address`` once it
     handshook; ``go()`` lets it pull and returns its result dict."""
 
     def __init__(self, address: str, lease_s: float, **kwargs) -> None:

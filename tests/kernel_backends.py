@@ -1,6 +1,6 @@
 """Where a kernel test body runs: one body, a ``backend`` parameter, three places.
 
-- ``reference``: CPU tensors, the ops run their torch references (``kernels.dispatch``);
+- ``reference``: CPU tensors, the ops run their torch references (``kpool_pd.kernels.dispatch``);
 - ``interpreter``: CPU tensors, the ops run their Triton kernels in Triton's interpreter (only where
   ``TRITON_INTERPRET=1``, which tests/conftest.py sets on a machine without CUDA);
 - ``cuda``: CUDA tensors, the compiled kernels (marked ``gpu``).
@@ -23,7 +23,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from kernels.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
+from kpool_pd.kernels.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
 
 REFERENCE, INTERPRETER, CUDA = "reference", "interpreter", "cuda"
 T = TypeVar("T")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
-from kvcache import BlockLayout, CacheConfig, CachePool
+from kpool_pd.kernels import kpool_decode_update, kpool_prefill, kpool_read_entries
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CachePool
 
 D = 128
 

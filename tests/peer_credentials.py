@@ -1,5 +1,5 @@
 """The peer credential for tests that speak PrefillService on the wire themselves (raw bytes, a chosen
-``authorization``): a session proved through PeerAuth, as ``connector.shared.peer_client`` proves one,
+``authorization``): a session proved through PeerAuth, as ``kpool_pd.connector.shared.peer_client`` proves one,
 the server's proof checked. A session belongs to the server that issued it, not to a connection."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import secrets
 
 import grpc
 
-from connector.shared.peer_auth import (NONCE_BYTES, ChallengeRequest, PeerAuthStub, client_credential,
+from kpool_pd.connector.shared.peer_auth import (NONCE_BYTES, ChallengeRequest, PeerAuthStub, client_credential,
                                         peer_authorization, server_proof)
 
 

@@ -3,8 +3,8 @@ connector never allocates), the pull into it, and both kept together until the t
 
 from __future__ import annotations
 
-from connector import LandedRequest, PrefillGrant, PrefillPeer
-from kvcache import CacheAllocation, DcpShard, NodeCache
+from kpool_pd.connector import LandedRequest, PrefillGrant, PrefillPeer
+from kpool_pd.kvcache import CacheAllocation, DcpShard, NodeCache
 
 
 class Pulled:

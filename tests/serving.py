@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from connector import MAX_PEER_SESSIONS, PrefillConnector
-from runtime import GrpcServer
+from kpool_pd.connector import MAX_PEER_SESSIONS, PrefillConnector
+from kpool_pd.runtime import GrpcServer
 
 
 async def serve_prefill(node: PrefillConnector, *, host: str = "127.0.0.1", port: int = 0,

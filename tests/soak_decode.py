@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import sys
 
-from decode_worker.daemon import main
-from decode_worker.scheduler import DecodeScheduler
+from kpool_pd.decode_worker.daemon import main
+from kpool_pd.decode_worker.scheduler import DecodeScheduler
 from tests.polling import wait_for
 
 HOLD_S = float(os.environ.get("KPOOLPD_SOAK_HOLD_S", "2.0"))

@@ -18,9 +18,9 @@ import asyncio
 import os
 import sys
 
-from connector import PrefillConnector
-from prefill_worker.batcher import BatchingPrefillEngine
-from prefill_worker.daemon import main
+from kpool_pd.connector import PrefillConnector
+from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
+from kpool_pd.prefill_worker.daemon import main
 
 HOLD_S = float(os.environ.get("KPOOLPD_SOAK_HOLD_S", "2.0"))
 

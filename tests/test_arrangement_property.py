@@ -14,9 +14,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import kernels
-from connector.shared.plan import PoolKind, plan_transfer, ring_live_range
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, family_spec_type
+from kpool_pd import kernels
+from kpool_pd.connector.shared.plan import PoolKind, plan_transfer, ring_live_range
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, family_spec_type
 from tests.connector_procs import live_slots, state_differences
 
 

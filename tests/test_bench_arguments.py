@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from bench import control_latency, dcp, heterogeneous_sweep, kernels, pipeline, sass_count, transfer
-from bench.arguments import count, counts
+from kpool_pd.bench import control_latency, dcp, heterogeneous_sweep, kernels, pipeline, sass_count, transfer
+from kpool_pd.bench.arguments import count, counts
 
 
 def test_counts_parse_lists_and_name_what_is_wrong():

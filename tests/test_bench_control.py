@@ -1,4 +1,4 @@
-"""The control-latency bench (bench/control_latency.py) measures every way and answers every request."""
+"""The control-latency bench (kpool_pd/bench/control_latency.py) measures every way and answers every request."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bench import control_latency
-from bench.control_latency import main, measure
-from connector import ucx_available
+from kpool_pd.bench import control_latency
+from kpool_pd.bench.control_latency import main, measure
+from kpool_pd.connector import ucx_available
 
 GRPC_WAYS = {"new call", "open stream"}
 

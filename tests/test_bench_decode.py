@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import decode_step
+from kpool_pd.bench import decode_step
 
 
 def test_cpu_run_writes_a_row_per_batch(tmp_path, capsys):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from bench import kernel_report, pipeline, transfer
-from bench.plotting import pyplot, wrote
+from kpool_pd.bench import kernel_report, pipeline, transfer
+from kpool_pd.bench.plotting import pyplot, wrote
 
 
 @pytest.fixture

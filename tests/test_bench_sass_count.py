@@ -1,4 +1,4 @@
-"""``bench.sass_count`` compiles the kpool compression for sm_90 on this (GPU-less) machine and counts
+"""``kpool_pd.bench.sass_count`` compiles the kpool compression for sm_90 on this (GPU-less) machine and counts
 its SASS; the issue floor is the warp instructions over the H200's issue rate. The tests run the
 command as a subprocess: the test process interprets the kernels (``TRITON_INTERPRET``), and then
 nothing compiles."""
@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from bench.sass_count import SassCount
-from kernels.dispatch import INTERPRET_ENV
+from kpool_pd.bench.sass_count import SassCount
+from kpool_pd.kernels.dispatch import INTERPRET_ENV
 
 
 def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
     if interpret:
         env[INTERPRET_ENV] = "1"
-    return subprocess.run([sys.executable, "-m", "bench.sass_count", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kpool_pd.bench.sass_count", *args], capture_output=True, text=True,
                           env=env, timeout=240)
 
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from connector import ucx_available
+from kpool_pd.connector import ucx_available
 
 
 def test_bench_transfer_leaves_no_grpc_log_lines_on_stderr(tmp_path):

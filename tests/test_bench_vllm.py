@@ -1,4 +1,4 @@
-"""``kpool-pd bench vllm`` (bench/vllm_pd.py): its flags; its output (a new temporary folder unless --out,
+"""``kpool-pd bench vllm`` (kpool_pd/bench/vllm_pd.py): its flags; its output (a new temporary folder unless --out,
 named first; each engine's output in its log there, the terminal left to the bench's progress and table; a
 failed engine's log tail), run with engines that print like vLLM but compute nothing (no vLLM); the
 redirection of a child process's output; and one short run of a KpoolPdConnector pair whose row says the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import vllm_engines, vllm_pd
+from kpool_pd.bench import vllm_engines, vllm_pd
 
 CHATTER = "CHATTER"  # in every line a chatty engine prints
 CHATTER_LINES = 500  # about what vLLM prints for two engines

@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 
-from connector import ConnectorConfig, PrefillConnector, Transport
-from decode_worker.jobs import JobState
+from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
+from kpool_pd.decode_worker.jobs import JobState
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until

@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import kpool_prefill
-from kvcache import BlockLayout, CacheConfig, CacheFamily, CachePool, PoolMode
-from model import Engine, ModelConfig, PrefillJob
+from kpool_pd.kernels import kpool_prefill
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CacheFamily, CachePool, PoolMode
+from kpool_pd.model import Engine, ModelConfig, PrefillJob
 from tests.kernel_backends import ALL_BACKENDS, REFERENCE, Backend, backends, make_backend, poison
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

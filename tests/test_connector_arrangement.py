@@ -13,13 +13,13 @@ import grpc
 import pytest
 import torch
 
-import kernels
-from connector import StatusError, Transport, open_channel
-from connector import prefill_api as pb
-from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
-from connector.shared.compat import ARRANGING_FIELDS
-from connector.shared.wire import layout_message
-from kvcache import BlockLayout
+from kpool_pd import kernels
+from kpool_pd.connector import StatusError, Transport, open_channel
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from kpool_pd.connector.shared.compat import ARRANGING_FIELDS
+from kpool_pd.connector.shared.wire import layout_message
+from kpool_pd.kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
 from tests.arrangements import ARRANGEMENTS, arranged

@@ -16,13 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
-from connector import prefill_api as pb
-from connector.shared.auth import FIRST_MESSAGE_WAIT_S, presented_token
-from connector.shared.peer_auth import presented_session
-from kvcache import NodeCache
-from runtime import GrpcServer
-from runtime.ports import BindError, ensure_bindable
+from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport, auth_metadata
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared.auth import FIRST_MESSAGE_WAIT_S, presented_token
+from kpool_pd.connector.shared.peer_auth import presented_session
+from kpool_pd.kvcache import NodeCache
+from kpool_pd.runtime import GrpcServer
+from kpool_pd.runtime.ports import BindError, ensure_bindable
 from tests.connector_procs import CONFIG, SeededFillEngine
 from tests.log_records import errors_logged, own_records
 from tests.peer_credentials import peer_metadata

@@ -15,8 +15,8 @@ import contextlib
 import pytest
 import torch
 
-from connector import ConnectorConfig, Transport, ucx_available
-from connector.shared.ucx import ReceiveBatch, region_tag
+from kpool_pd.connector import ConnectorConfig, Transport, ucx_available
+from kpool_pd.connector.shared.ucx import ReceiveBatch, region_tag
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until

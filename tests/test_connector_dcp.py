@@ -2,7 +2,7 @@
 tokens and pools plus the whole ring, leases and releases per rank; over both transports.
 
 The prefill node's blocks hold seeded bytes (every byte differs), so each rank's landed bytes are
-compared with the share ``model.dcp_landing`` copies in one process; and the bytes each rank
+compared with the share ``kpool_pd.model.dcp_landing`` copies in one process; and the bytes each rank
 receives add up to the request's blocks (DCP adds no byte but each rank's copy of the ring)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, StatusError, Transport
-from connector.shared.dcp_plan import plan_dcp_transfer
-from connector.shared.plan import plan_transfer, ring_live_range
-from kvcache import BlockLayout, CachePool, DcpShard, NodeCache
-from connector.shared.regions import region_view
-from model import ModelConfig
-from model.dcp_landing import land_request
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, StatusError, Transport
+from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
+from kpool_pd.connector.shared.plan import plan_transfer, ring_live_range
+from kpool_pd.kvcache import BlockLayout, CachePool, DcpShard, NodeCache
+from kpool_pd.connector.shared.regions import region_view
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.dcp_landing import land_request
 from tests import connector_procs as procs
 from tests.connector_bytes import expected_ring
 from tests.connector_harness import InProcessPair
@@ -225,8 +225,8 @@ def test_a_dcp_plan_refuses_the_wrong_number_of_rank_blocks():
 def test_dcp_adds_no_byte_but_a_ring_per_rank(ranks, tokens):
     """What ``kpool-pd bench dcp`` reports: at the default interleave (the block size) the ranks'
     plans move the single-rank plan's bytes, plus the ring once more for each rank beyond the first."""
-    from bench.dcp import transfer_bytes
-    from model import ModelConfig
+    from kpool_pd.bench.dcp import transfer_bytes
+    from kpool_pd.model import ModelConfig
 
     config = ModelConfig.build(kpool=4, num_spec=3, num_layers=4, block_size=256)
     single = transfer_bytes(config, 1, tokens)[0]
@@ -254,8 +254,8 @@ class _FailingRanks:
 
 
 def test_a_rank_failing_its_pull_gives_back_the_other_ranks_and_the_whole_grant_and_leaves_rank_0s_allocation():
-    from decode_worker.dcp_fetch import DcpLeader
-    from kvcache import DcpConfig
+    from kpool_pd.decode_worker.dcp_fetch import DcpLeader
+    from kpool_pd.kvcache import DcpConfig
 
     async def main():
         async with InProcessPair() as pair:
@@ -310,8 +310,8 @@ def test_a_step_waiting_on_a_dead_rank_fails_as_soon_as_the_instance_breaks():
     import threading
     import time
 
-    from decode_worker.dcp_fetch import DcpLeader
-    from kvcache import DcpConfig
+    from kpool_pd.decode_worker.dcp_fetch import DcpLeader
+    from kpool_pd.kvcache import DcpConfig
 
     async def main():
         ranks = _StuckRanks()

@@ -15,9 +15,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, StatusError, Transport
-from connector import prefill_api as pb
-from kvcache import BlockLayout, NodeCache
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, StatusError, Transport
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.kvcache import BlockLayout, NodeCache
 from tests import connector_procs as procs
 from tests.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
 from tests.pulls import allocation_for, pull_into

@@ -1,10 +1,10 @@
-"""The address a local client dials for a daemon's bind host (``connector.shared.hosts``)."""
+"""The address a local client dials for a daemon's bind host (``kpool_pd.connector.shared.hosts``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from connector.shared.hosts import dial_host, dial_target
+from kpool_pd.connector.shared.hosts import dial_host, dial_target
 
 
 @pytest.mark.parametrize(("bind_host", "host", "target"), [

@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector import (ConnectorConfig, EngineUnavailable, PrefillConnector, PrefillInput, PrefillOutput,
+from kpool_pd.connector import (ConnectorConfig, EngineUnavailable, PrefillConnector, PrefillInput, PrefillOutput,
                        PrefillProgress, StatusError, Transport)
-from kvcache import NodeCache
-from runtime import LIVENESS_SERVICE
+from kpool_pd.kvcache import NodeCache
+from kpool_pd.runtime import LIVENESS_SERVICE
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests import polling

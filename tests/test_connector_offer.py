@@ -15,7 +15,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import (
+from kpool_pd.connector import (
     ConnectorConfig,
     DecodeConnector,
     EngineUnavailable,
@@ -25,7 +25,7 @@ from connector import (
     StatusError,
     Transport,
 )
-from kvcache import EngineCache, PlanarCacheConfig, PlanarLayout, PlanarPool
+from kpool_pd.kvcache import EngineCache, PlanarCacheConfig, PlanarLayout, PlanarPool
 from tests.polling import until
 from tests.serving import serve_prefill, stop_prefill
 

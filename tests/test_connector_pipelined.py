@@ -11,9 +11,9 @@ import asyncio
 import grpc
 import pytest
 
-from connector import ConnectorConfig, StatusError, Transport
-from connector.shared.plan import plan_transfer, ring_live_range
-from kvcache import BlockLayout
+from kpool_pd.connector import ConnectorConfig, StatusError, Transport
+from kpool_pd.connector.shared.plan import plan_transfer, ring_live_range
+from kpool_pd.kvcache import BlockLayout
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until
@@ -203,7 +203,7 @@ def test_a_prompt_written_before_its_computation_returns_still_brings_its_first_
 
 
 def test_send_clock_counts_overlapping_sends_once_and_the_time_after_a_moment():
-    from connector.prefill.outbound import SendClock
+    from kpool_pd.connector.prefill.outbound import SendClock
 
     clock = SendClock()
     for region, start, end in [(0, 1.0, 1.5), (1, 1.2, 1.7), (2, 2.0, 2.1), (3, 2.05, 2.08)]:

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.shared.plan import PoolKind, RingRange, plan_transfer, ring_live_range
-from kvcache import BlockLayout, CacheConfig, CacheFamily
+from kpool_pd.connector.shared.plan import PoolKind, RingRange, plan_transfer, ring_live_range
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CacheFamily
 
 import pytest
 

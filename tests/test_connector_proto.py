@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("connector/_generated", "decode_worker/_generated")
+GENERATED = ("kpool_pd/connector/_generated", "kpool_pd/decode_worker/_generated")
 
 
 def _generator():
@@ -32,10 +32,10 @@ def test_generated_code_is_fresh(tmp_path):
 
 def test_each_proto_file_goes_to_the_package_that_uses_it(tmp_path):
     written = {p.relative_to(tmp_path).as_posix() for p in _generator().generate(tmp_path)}
-    assert "connector/_generated/kpoolpd/v1/prefill_pb2_grpc.py" in written
-    assert "decode_worker/_generated/kpoolpd/v1/generate_pb2_grpc.py" in written
-    assert not any("generate_pb2" in p for p in written if p.startswith("connector/"))
-    assert not any("prefill_pb2" in p for p in written if p.startswith("decode_worker/"))
+    assert "kpool_pd/connector/_generated/kpoolpd/v1/prefill_pb2_grpc.py" in written
+    assert "kpool_pd/decode_worker/_generated/kpoolpd/v1/generate_pb2_grpc.py" in written
+    assert not any("generate_pb2" in p for p in written if p.startswith("kpool_pd/connector/"))
+    assert not any("prefill_pb2" in p for p in written if p.startswith("kpool_pd/decode_worker/"))
 
 
 def test_a_proto_file_without_a_package_is_refused(tmp_path, monkeypatch):
@@ -48,9 +48,9 @@ def test_a_proto_file_without_a_package_is_refused(tmp_path, monkeypatch):
 
 
 def test_prefill_service_and_enums_match_the_connector():
-    from connector import PrefillConnector, Transport
-    from connector import prefill_api as pb
-    from connector.shared.plan import PoolKind
+    from kpool_pd.connector import PrefillConnector, Transport
+    from kpool_pd.connector import prefill_api as pb
+    from kpool_pd.connector.shared.plan import PoolKind
 
     assert [m.name for m in pb.SERVICE_DESCRIPTOR.methods] == ["Handshake", "Prefill", "Pull", "PullSession", "Release",
                                                       "Heartbeat"]
@@ -60,7 +60,7 @@ def test_prefill_service_and_enums_match_the_connector():
 
 
 def test_prefill_request_carries_the_prompt_the_asking_engine_pipelining_and_its_dcp_ranks_only():
-    from connector import prefill_api as pb
+    from kpool_pd.connector import prefill_api as pb
 
     fields = pb.PrefillRequest.DESCRIPTOR.fields_by_name
     assert sorted(fields) == ["dcp_engine_ids", "dcp_interleave", "engine_id", "engine_secret", "pipelined",
@@ -77,8 +77,8 @@ def test_prefill_request_carries_the_prompt_the_asking_engine_pipelining_and_its
 
 
 def test_generate_service_is_the_decode_workers():
-    from decode_worker import api
-    from decode_worker.service import GenerateService
+    from kpool_pd.decode_worker import api
+    from kpool_pd.decode_worker.service import GenerateService
 
     assert [m.name for m in api.SERVICE_DESCRIPTOR.methods] == ["Generate", "ModelInfo"]
     assert GenerateService.service_name == api.SERVICE_NAME == "kpoolpd.v1.GenerateService"

@@ -13,9 +13,9 @@ import grpc
 import pytest
 import torch
 
-from connector import StatusError, Transport
-from connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
-from kvcache import CacheExhaustedError, NodeCache
+from kpool_pd.connector import StatusError, Transport
+from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads and writes a region's bytes
+from kpool_pd.kvcache import CacheExhaustedError, NodeCache
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until

@@ -16,12 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector import (ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport,
+from kpool_pd.connector import (ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport,
                        open_channel)
-from connector import prefill_api as pb
-from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
-from connector.shared.wire import layout_message
-from kvcache import BlockLayout, CacheExhaustedError, NodeCache
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from kpool_pd.connector.shared.wire import layout_message
+from kpool_pd.kvcache import BlockLayout, CacheExhaustedError, NodeCache
 from tests.connector_procs import CONFIG, TOKEN, SeededFillEngine
 from tests.pulls import allocation_for, pull_into
 from tests.serving import serve_prefill, stop_prefill

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.shared.config import UCX_HOST_MEMORY, UCX_NO_SHARED_MEMORY, ucx_options_for
+from kpool_pd.connector.shared.config import UCX_HOST_MEMORY, UCX_NO_SHARED_MEMORY, ucx_options_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

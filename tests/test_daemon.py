@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_worker import api as gpb
+from kpool_pd.decode_worker import api as gpb
 from kpool_pd.client import RequestFailed, generate_all, generate_one
-from runtime.launch import start_decode, start_prefill
-from model import ModelConfig
-from model.colocated import GenerateRequest, make_prompts, run_colocated
-from runtime import model_flags
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.runtime import model_flags
 from tests.ports import free_port
 from tests.polling import wait_for
 

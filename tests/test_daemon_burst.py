@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from model.colocated import make_prompts
-from runtime import model_flags
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.model.colocated import make_prompts
+from kpool_pd.runtime import model_flags
 
 TOKEN = "burst-client-token"
 PEER_TOKEN = "burst-peer-token"

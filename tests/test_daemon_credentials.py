@@ -16,18 +16,18 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector import auth_metadata
-from connector import prefill_api as pb
-from connector.shared.wire import layout_message
-from decode_worker import api as gpb
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from kpool_pd.connector import auth_metadata
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared.wire import layout_message
+from kpool_pd.decode_worker import api as gpb
+from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from kvcache import BlockLayout
-from model.colocated import make_prompts
-from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
-from runtime import Role, SettingsError, load_settings, model_config, model_flags
-from runtime.service_options import check_credentials
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.kvcache import BlockLayout
+from kpool_pd.model.colocated import make_prompts
+from kpool_pd.prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from kpool_pd.runtime import Role, SettingsError, load_settings, model_config, model_flags
+from kpool_pd.runtime.service_options import check_credentials
 from tests.peer_credentials import peer_metadata
 
 CLIENT_TOKEN = "credentials-test-client-token"

@@ -19,14 +19,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
-from decode_worker import api
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
+from kpool_pd.decode_worker import api
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from kvcache import NodeCache
-from model import ModelConfig
-from model.colocated import make_prompts, run_colocated
-from runtime import LIVENESS_SERVICE, GrpcServer, model_flags
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.kvcache import NodeCache
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import make_prompts, run_colocated
+from kpool_pd.runtime import LIVENESS_SERVICE, GrpcServer, model_flags
 from tests.ports import free_port
 from tests.polling import until
 

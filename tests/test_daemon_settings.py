@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
-from decode_worker.router import parse_targets
-from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
-from runtime import SettingsError, load_settings, model_config
+from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from kpool_pd.decode_worker.router import parse_targets
+from kpool_pd.prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from kpool_pd.runtime import SettingsError, load_settings, model_config
 
 
 def _load(role, argv, env=None):

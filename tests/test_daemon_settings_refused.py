@@ -2,7 +2,7 @@
 warmed up: the real daemon process exits with status 2 and prints one line naming the option and where
 its value came from (flag, environment variable or YAML file), never a traceback.
 
-Each case runs ``python -m prefill_worker`` or ``python -m decode_worker`` with the bad value; the
+Each case runs ``python -m kpool_pd.prefill_worker`` or ``python -m kpool_pd.decode_worker`` with the bad value; the
 listeners are off or on any free port, so that a case that is (wrongly) accepted fails on its status
 instead of colliding with another test's ports.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from connector import MAX_DCP_RANKS, MAX_ID_CHARS
+from kpool_pd.connector import MAX_DCP_RANKS, MAX_ID_CHARS
 
 START_S = 90  # a refused daemon exits long before; one that is accepted is stopped here
 
@@ -25,7 +25,7 @@ DEEP = "a: " + "[" * 5000 + "]" * 5000 + "\n"
 
 @dataclass(frozen=True)
 class Case:
-    daemon: str  # "prefill_worker" or "decode_worker"
+    daemon: str  # "kpool_pd.prefill_worker" or "kpool_pd.decode_worker"
     flags: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     yaml: bytes | None = None  # the --config file's bytes
@@ -35,40 +35,40 @@ class Case:
 
 CASES = {
     # item 4: a flag that segfaulted torch
-    "torch-threads-100000": Case("decode_worker", ("--torch-threads", "100000"),
+    "torch-threads-100000": Case("kpool_pd.decode_worker", ("--torch-threads", "100000"),
                                  needle="torch-threads from flag --torch-threads"),
     # item 5: YAML lists, bytes and depth that ended in tracebacks
-    "yaml-layers-list": Case("prefill_worker", yaml=b"layers: [2]\n", needle="layers from config file {config}"),
-    "yaml-lease-list": Case("decode_worker", yaml=b"lease-s: [1]\n", needle="lease-s from config file {config}"),
-    "yaml-port-list": Case("prefill_worker", yaml=b"port: [1, 2]\n", needle="port from config file {config}",
+    "yaml-layers-list": Case("kpool_pd.prefill_worker", yaml=b"layers: [2]\n", needle="layers from config file {config}"),
+    "yaml-lease-list": Case("kpool_pd.decode_worker", yaml=b"lease-s: [1]\n", needle="lease-s from config file {config}"),
+    "yaml-port-list": Case("kpool_pd.prefill_worker", yaml=b"port: [1, 2]\n", needle="port from config file {config}",
                            free_port=False),
-    "yaml-not-utf8": Case("decode_worker", yaml=b"layers: \xff\xfe2\n", needle="config file {config}: not UTF-8"),
-    "yaml-nested-5000": Case("prefill_worker", yaml=DEEP.encode(), needle="config file {config}: nested too deeply"),
-    "ready-file-missing-folder": Case("prefill_worker", ("--ready-file", "/nonexistent-kpoolpd/ready.json"),
+    "yaml-not-utf8": Case("kpool_pd.decode_worker", yaml=b"layers: \xff\xfe2\n", needle="config file {config}: not UTF-8"),
+    "yaml-nested-5000": Case("kpool_pd.prefill_worker", yaml=DEEP.encode(), needle="config file {config}: nested too deeply"),
+    "ready-file-missing-folder": Case("kpool_pd.prefill_worker", ("--ready-file", "/nonexistent-kpoolpd/ready.json"),
                                       needle="ready-file /nonexistent-kpoolpd/ready.json (flag --ready-file)"),
-    "num-blocks-1e9": Case("prefill_worker", ("--num-blocks", "1000000000"),
+    "num-blocks-1e9": Case("kpool_pd.prefill_worker", ("--num-blocks", "1000000000"),
                            needle="num-blocks 1000000000 (flag --num-blocks)"),
-    "decode-num-blocks-env": Case("decode_worker", env=(("KPOOLPD_NUM_BLOCKS", "1000000000"),),
+    "decode-num-blocks-env": Case("kpool_pd.decode_worker", env=(("KPOOLPD_NUM_BLOCKS", "1000000000"),),
                                   needle="num-blocks 1000000000 (KPOOLPD_NUM_BLOCKS)"),
     # item 6: values that were accepted and could never work
-    "rpc-timeout-inf": Case("decode_worker", ("--rpc-timeout-s", "inf"), needle="rpc-timeout-s from flag --rpc-timeout-s"),
-    "engine-id-too-long": Case("decode_worker", env=(("KPOOLPD_ENGINE_ID", "e" * (MAX_ID_CHARS + 1)),),
+    "rpc-timeout-inf": Case("kpool_pd.decode_worker", ("--rpc-timeout-s", "inf"), needle="rpc-timeout-s from flag --rpc-timeout-s"),
+    "engine-id-too-long": Case("kpool_pd.decode_worker", env=(("KPOOLPD_ENGINE_ID", "e" * (MAX_ID_CHARS + 1)),),
                                needle="engine-id from KPOOLPD_ENGINE_ID"),
-    "dcp-beyond-prefill-limit": Case("decode_worker", ("--dcp", str(MAX_DCP_RANKS + 1)), needle="dcp from flag --dcp"),
-    "yaml-num-blocks-float": Case("prefill_worker", yaml=b"num-blocks: 1.7\n", needle="num-blocks from config file {config}"),
-    "yaml-layers-bool": Case("decode_worker", yaml=b"layers: true\n", needle="layers from config file {config}"),
-    "lease-inf": Case("prefill_worker", ("--lease-s", "inf"), needle="lease-s from flag --lease-s"),
-    "drain-nan-env": Case("prefill_worker", env=(("KPOOLPD_DRAIN_S", "nan"),), needle="drain-s from KPOOLPD_DRAIN_S"),
+    "dcp-beyond-prefill-limit": Case("kpool_pd.decode_worker", ("--dcp", str(MAX_DCP_RANKS + 1)), needle="dcp from flag --dcp"),
+    "yaml-num-blocks-float": Case("kpool_pd.prefill_worker", yaml=b"num-blocks: 1.7\n", needle="num-blocks from config file {config}"),
+    "yaml-layers-bool": Case("kpool_pd.decode_worker", yaml=b"layers: true\n", needle="layers from config file {config}"),
+    "lease-inf": Case("kpool_pd.prefill_worker", ("--lease-s", "inf"), needle="lease-s from flag --lease-s"),
+    "drain-nan-env": Case("kpool_pd.prefill_worker", env=(("KPOOLPD_DRAIN_S", "nan"),), needle="drain-s from KPOOLPD_DRAIN_S"),
     # the serving geometry (runtime.geometry): a block of a multiple of 128 tokens, kernel pages of at least 32 states
-    "block-size-64": Case("prefill_worker", ("--block-size", "64"),
+    "block-size-64": Case("kpool_pd.prefill_worker", ("--block-size", "64"),
                           needle="block-size from flag --block-size: a block of 64 tokens is refused: the attention "
                                  "block is a multiple of 128 tokens"),
-    "yaml-block-size-192": Case("decode_worker", yaml=b"block-size: 192\n",
+    "yaml-block-size-192": Case("kpool_pd.decode_worker", yaml=b"block-size: 192\n",
                                 needle="block-size from config file {config}: a block of 192 tokens"),
-    "kpool-16-pages-of-16": Case("decode_worker", env=(("KPOOLPD_KPOOL", "16"),),
+    "kpool-16-pages-of-16": Case("kpool_pd.decode_worker", env=(("KPOOLPD_KPOOL", "16"),),
                                  needle="kpool from KPOOLPD_KPOOL and block-size from the default: kpool 16 in "
                                         "256-token blocks makes kernel pages of 16 states"),
-    "kpool-8-in-128-pages-of-16": Case("prefill_worker", ("--kpool", "8", "--block-size", "128"),
+    "kpool-8-in-128-pages-of-16": Case("kpool_pd.prefill_worker", ("--kpool", "8", "--block-size", "128"),
                                        needle="kpool from flag --kpool and block-size from flag --block-size: kpool 8 "
                                               "in 128-token blocks makes kernel pages of 16 states: the paged-MQA "
                                               "indexer kernel takes pages of 32 or 64 states"),
@@ -91,7 +91,7 @@ def test_a_setting_that_cannot_work_exits_2_with_one_line_naming_it(tmp_path, na
     assert proc.returncode == 2, f"status {proc.returncode}\nstdout: {out[-2000:]}\nstderr: {err[-4000:]}"
     assert "Traceback" not in err + out, err
     assert len(lines) == 1 and not out.strip(), f"expected one line, got:\n{err}{out}"
-    role = "prefill" if case.daemon == "prefill_worker" else "decode"
+    role = "prefill" if case.daemon == "kpool_pd.prefill_worker" else "decode"
     assert lines[0].startswith(f"kpool-pd {role}: error: "), lines[0]
     assert case.needle.format(config=config) in lines[0], lines[0]
     assert "warmed up" not in err

@@ -14,15 +14,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector import open_channel
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from kpool_pd.connector import open_channel
+from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all, model_info
-from runtime.launch import start_decode, start_prefill
-from model import ModelConfig
-from model.colocated import make_prompts, run_colocated
-from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
-from runtime import SettingsError, client_tls, load_settings, model_flags, resolve_device, tls_config
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import make_prompts, run_colocated
+from kpool_pd.prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from kpool_pd.runtime import SettingsError, client_tls, load_settings, model_flags, resolve_device, tls_config
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=11)
 CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=11)
@@ -194,10 +194,10 @@ def test_cuda_without_a_device_fails_with_a_clear_message():
 
 
 @pytest.mark.parametrize("module,argv,needle", [
-    pytest.param("decode_worker", ["--device", "cuda:0"], "device cuda:0: CUDA is not available", id="decode-cuda"),
-    pytest.param("prefill_worker", ["--tls-key", "/nonexistent/k.pem"], "tls-key /nonexistent/k.pem given without "
+    pytest.param("kpool_pd.decode_worker", ["--device", "cuda:0"], "device cuda:0: CUDA is not available", id="decode-cuda"),
+    pytest.param("kpool_pd.prefill_worker", ["--tls-key", "/nonexistent/k.pem"], "tls-key /nonexistent/k.pem given without "
                  "tls-cert", id="prefill-key-without-cert"),
-    pytest.param("prefill_worker", ["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
+    pytest.param("kpool_pd.prefill_worker", ["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
                  "tls-cert /nonexistent/c.pem: cannot read it", id="prefill-missing-cert"),
 ])
 def test_a_daemon_with_bad_settings_exits_2_with_the_reason(module, argv, needle):

@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_worker import dcp_api as api
+from kpool_pd.decode_worker import dcp_api as api
 from kpool_pd.client import generate_all
-from model import ModelConfig
-from model.colocated import make_prompts, run_colocated
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import make_prompts, run_colocated
 from tests.dcp_daemons import dcp_instance
 from tests.test_e2e import _assert_match
 from tests.test_e2e_dcp import _children

@@ -15,12 +15,12 @@ from tests.dcp_ranks import DcpCase, decode_on_ranks, run_processes, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import kpool_indexer_topk
-from kvcache import CacheFamily, DcpConfig, DcpShard, tail_ring_size
-from model import ModelConfig
-from model.colocated import GenerateRequest, make_prompts, run_colocated
-from model.dcp_group import backend_for
-from model.dcp_topk import merge_topk
+from kpool_pd.kernels import kpool_indexer_topk
+from kpool_pd.kvcache import CacheFamily, DcpConfig, DcpShard, tail_ring_size
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.model.dcp_group import backend_for
+from kpool_pd.model.dcp_topk import merge_topk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -158,7 +158,7 @@ def test_the_union_of_per_rank_top_k_is_the_global_top_k(ranks, pools, topk, lev
 
 def test_a_pool_score_does_not_depend_on_the_other_pools_scored():
     """The reference scores pools one by one in effect: scoring a subset gives the same bits."""
-    from kernels.kpool_cache import kpool_write_entries
+    from kpool_pd.kernels.kpool_cache import kpool_write_entries
     gen = torch.Generator().manual_seed(3)
     states, blocks = 16, 6
     index_q = torch.zeros(blocks, 1, states, 128, dtype=torch.float8_e4m3fn)  # one kernel page a block

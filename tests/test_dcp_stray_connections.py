@@ -21,8 +21,8 @@ import time
 import pytest
 
 from kpool_pd.client import generate_all
-from model import ModelConfig
-from model.colocated import make_prompts, run_colocated
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import make_prompts, run_colocated
 from tests.dcp_daemons import dcp_instance
 from tests.polling import process_alive, wait_for
 from tests.test_dcp_exposure import _listening

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.capacity import WORKSPACE_BYTES, rank_cache_blocks
-from decode_worker.daemon import OPTIONS
-from kvcache import BlockLayout
-from runtime import Role, SettingsError, model_config
-from runtime.settings import load_settings
+from kpool_pd.decode_worker.capacity import WORKSPACE_BYTES, rank_cache_blocks
+from kpool_pd.decode_worker.daemon import OPTIONS
+from kpool_pd.kvcache import BlockLayout
+from kpool_pd.runtime import Role, SettingsError, model_config
+from kpool_pd.runtime.settings import load_settings
 
 GIB = 1 << 30
 CUDA = torch.device("cuda", 0)

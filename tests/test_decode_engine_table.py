@@ -7,11 +7,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from connector.prefill.decode_engines import (FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES, DecodeEngine,
+from kpool_pd.connector.prefill.decode_engines import (FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES, DecodeEngine,
                                               DecodeEngineTable, new_secret)
-from connector.shared.errors import StatusError
-from connector.prefill.ucx_link import UcxLink
-from connector.shared.wire import Transport
+from kpool_pd.connector.shared.errors import StatusError
+from kpool_pd.connector.prefill.ucx_link import UcxLink
+from kpool_pd.connector.shared.wire import Transport
 
 UCX, GRPC = Transport.UCX, Transport.GRPC_STREAM
 SECRET = b"s" * 32  # one engine's secret

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache import BlockLayout, CacheFamily, CachePool
-from model import ModelConfig
-from model.graph_capture import bucket_size, request_buckets
-from model.prefill_graphs import PrefillBucket, PrefillStepGraph, prefill_bucket, token_buckets
-from model.batch import build_batch
-from model.engine import Engine, PrefillJob
+from kpool_pd.kvcache import BlockLayout, CacheFamily, CachePool
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.graph_capture import bucket_size, request_buckets
+from kpool_pd.model.prefill_graphs import PrefillBucket, PrefillStepGraph, prefill_bucket, token_buckets
+from kpool_pd.model.batch import build_batch
+from kpool_pd.model.engine import Engine, PrefillJob
 
 
 def test_buckets_are_the_next_power_of_two():
@@ -60,7 +60,7 @@ def test_the_hoisted_prefill_forward_writes_and_hashes_what_the_per_layer_forwar
     """``Engine._hoisted_forward`` with the prefill update (what a prefill graph captures, and a CUDA engine's eager
     prefill) against ``_write`` then ``_hashes``: three chunks of which two end their prompt, one starting inside a
     pool, on two pools prefilled alike up to them; the same hashes and the same cache bytes."""
-    monkeypatch.setattr("model.engine.HOIST_TOKEN_LAYERS", token_layers)
+    monkeypatch.setattr("kpool_pd.model.engine.HOIST_TOKEN_LAYERS", token_layers)
     config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=3, kpool=4, num_spec=1, mla_entry_bytes=40)
     prompts = [[(7 * i + 1) % 1000 for i in range(n)] for n in (30, 300, 21)]
     firsts = (9, 256, 0)  # where the chunks begin; the earlier tokens are prefilled before

@@ -22,15 +22,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from connector import open_channel
-from decode_worker.diagnosis import closed_at_once, failure_reason
+from kpool_pd.connector import open_channel
+from kpool_pd.decode_worker.diagnosis import closed_at_once, failure_reason
 from kpool_pd.certs import issue, make_ca
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from model import ModelConfig
-from model.colocated import make_prompts, run_colocated
-from runtime import client_tls, model_flags
-from runtime.health_gate import HealthGate
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import make_prompts, run_colocated
+from kpool_pd.runtime import client_tls, model_flags
+from kpool_pd.runtime.health_gate import HealthGate
 from tests.polling import wait_for
 from tests.ports import free_port
 from tests.test_decode_scheduler import PROMPT, Nodes

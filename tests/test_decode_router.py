@@ -9,8 +9,8 @@ import asyncio
 import grpc
 import pytest
 
-from connector import ConnectorConfig, StatusError
-from decode_worker.router import PrefillRouter, resolve_host
+from kpool_pd.connector import ConnectorConfig, StatusError
+from kpool_pd.decode_worker.router import PrefillRouter, resolve_host
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.pulls import pull_into

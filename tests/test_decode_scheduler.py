@@ -12,15 +12,15 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
-from connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
-from decode_worker.jobs import Failed, Finished, JobState, Tokens
-from decode_worker.router import PrefillRouter
-from decode_worker.scheduler import DecodeScheduler
-from kvcache import NodeCache
-from model import Engine, ModelConfig
-from model.colocated import GenerateRequest, run_colocated
-from prefill_worker.batcher import BatchingPrefillEngine
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
+from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from kpool_pd.decode_worker.jobs import Failed, Finished, JobState, Tokens
+from kpool_pd.decode_worker.router import PrefillRouter
+from kpool_pd.decode_worker.scheduler import DecodeScheduler
+from kpool_pd.kvcache import NodeCache
+from kpool_pd.model import Engine, ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, run_colocated
+from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
 from tests.serving import serve_prefill, stop_prefill
 
 CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=5, block_size=64)  # a request spans several blocks

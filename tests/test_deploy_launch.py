@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from connector import auth_metadata, open_channel
-from connector import prefill_api as pb
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from kpool_pd.connector import auth_metadata, open_channel
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.client import RequestFailed, generate_all, model_info
-from model.colocated import make_prompts, run_colocated
-from runtime import client_tls, load_settings, model_config
+from kpool_pd.model.colocated import make_prompts, run_colocated
+from kpool_pd.runtime import client_tls, load_settings, model_config
 from tests import deploy_launch as dl
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import role_of, tls_secret, token_secret

@@ -6,7 +6,7 @@ through and the one clients balance over decode pods with, rollouts that keep ca
 
 from __future__ import annotations
 
-from runtime import LIVENESS_SERVICE
+from kpool_pd.runtime import LIVENESS_SERVICE
 from tests import deploy_image as di
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import EXTENDED_RESOURCES, all_settings, variants

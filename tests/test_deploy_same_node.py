@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import MODEL_OPTIONS
-from runtime.fabric_check import Fabric
+from kpool_pd.runtime import MODEL_OPTIONS
+from kpool_pd.runtime.fabric_check import Fabric
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import daemon_settings, local_pod, token_secret
 

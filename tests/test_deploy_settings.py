@@ -10,8 +10,8 @@ import secrets
 
 import pytest
 
-from runtime import MODEL_OPTIONS, SettingsError, load_settings, tls_config
-from runtime.fabric_check import Fabric
+from kpool_pd.runtime import MODEL_OPTIONS, SettingsError, load_settings, tls_config
+from kpool_pd.runtime.fabric_check import Fabric
 from tests import deploy_manifests as dm
 from tests.deploy_daemons import (DAEMON_OPTIONS, EXTENDED_RESOURCES, TLS_MOUNT, TLS_SECRET, TOKEN_SECRET,
                                   all_settings, local_pod, role_of, secret_bytes, tls_secret, token_secret, variants)

@@ -28,13 +28,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector import ucx_available
+from kpool_pd.connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import Daemon, start_decode, start_prefill
-from kvcache import CacheFamily, family_spec_type
-from model import ModelConfig
-from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
-from runtime import model_flags, model_settings
+from kpool_pd.runtime.launch import Daemon, start_decode, start_prefill
+from kpool_pd.kvcache import CacheFamily, family_spec_type
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+from kpool_pd.runtime import model_flags, model_settings
 from tests.polling import wait_for
 from tests.ports import free_port
 
@@ -337,12 +337,12 @@ def test_prefill_and_decode_in_two_network_namespaces(tmp_path, transport):
     flags = _flags(config)
     requests = boundary_prompts(config, 6, 12, seed=4, prefix="ns")
     with NetnsPair() as ns:
-        prefill = Daemon("prefill_worker", ["--host", ns.addresses[0], "--port", "0", "--metrics-port", "-1",
+        prefill = Daemon("kpool_pd.prefill_worker", ["--host", ns.addresses[0], "--port", "0", "--metrics-port", "-1",
                                             "--log-format", "text", *flags], tmp_path, "prefill", netns=ns.names[0])
         decode = None
         try:
             prefill.wait_ready(READY_S)
-            decode = Daemon("decode_worker", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+            decode = Daemon("kpool_pd.decode_worker", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
                                               "--prefill", f"{ns.addresses[0]}:{prefill.port}",
                                               "--transport", transport, *DECODE_LIMITS, *flags],
                             tmp_path, "decode", netns=ns.names[1])

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
-from model import ModelConfig
-from model.colocated import run_colocated
+from kpool_pd.kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import run_colocated
 from tests.test_e2e import TRANSPORTS, _flags, boundary_prompts, match_and_free, pd_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from kvcache import CacheFamily
-from model import ModelConfig
-from model.colocated import run_colocated
+from kpool_pd.kvcache import CacheFamily
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import run_colocated
 from tests.polling import wait_for
 from tests.test_e2e import (SETTLE_S, TRANSPORTS, _flags, _free_blocks, _metric, _ready_and_serving,
                             boundary_prompts, generate_and_match, pd_pair)

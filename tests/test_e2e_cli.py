@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from connector import ucx_available
+from kpool_pd.connector import ucx_available
 
 FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
           "ttft_ms", "prefill_ms", "exposed_transfer_ms"}

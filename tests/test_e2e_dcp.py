@@ -24,12 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from connector.shared.plan import ring_live_range
+from kpool_pd.connector.shared.plan import ring_live_range
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from kvcache import BlockLayout
-from model import ModelConfig
-from model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.kvcache import BlockLayout
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.dcp_daemons import dcp_instance
 from tests.polling import process_alive, wait_for
 from tests.ports import free_port
@@ -171,7 +171,7 @@ def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_t
         assert not list(scratch.iterdir()), f"rendezvous folder left behind: {list(scratch.iterdir())}"
 
 
-@pytest.mark.parametrize("command", [["decode_worker"], ["kpool_pd", "up"]], ids=["decode", "up"])
+@pytest.mark.parametrize("command", [["kpool_pd.decode_worker"], ["kpool_pd", "up"]], ids=["decode", "up"])
 def test_qsa_with_dcp_is_refused_at_start_naming_dcp(command):
     proc = subprocess.run([sys.executable, "-m", *command, "--family", "qsa", "--dcp", "2"], capture_output=True,
                           text=True, timeout=120)

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from kvcache import CacheFamily
-from model import ModelConfig
-from model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.kvcache import CacheFamily
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.test_e2e import TRANSPORTS, _flags, match_and_free, pd_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.shared.plan import PoolKind, plan_transfer, ring_live_range
-from kvcache import BlockLayout, CacheFamily, CachePool
-from model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
-from model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.connector.shared.plan import PoolKind, plan_transfer, ring_live_range
+from kpool_pd.kvcache import BlockLayout, CacheFamily, CachePool
+from kpool_pd.model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""The start-up check of the data plane's fabric (``runtime.fabric_check``): UCX's resources read
+"""The start-up check of the data plane's fabric (``kpool_pd.runtime.fabric_check``): UCX's resources read
 from its context description, the rule per profile (RDMA transports, locked memory, CUDA
 transports), this machine's UCX as the check sees it, the health gate's hold, and a daemon in the
 rdma profile on a machine without RDMA: it starts, stays NOT_SERVING and says why."""
@@ -15,12 +15,12 @@ import sys
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector import open_channel, ucx_available
-from runtime.launch import start_prefill
-from runtime import LIVENESS_SERVICE, model_flags
-from runtime.fabric_check import (MIN_RDMA_MEMLOCK, Fabric, Resource, check_fabric, loaded_library, memlock_limit,
+from kpool_pd.connector import open_channel, ucx_available
+from kpool_pd.runtime.launch import start_prefill
+from kpool_pd.runtime import LIVENESS_SERVICE, model_flags
+from kpool_pd.runtime.fabric_check import (MIN_RDMA_MEMLOCK, Fabric, Resource, check_fabric, loaded_library, memlock_limit,
                                   parse_resources)
-from runtime.health_gate import HealthGate
+from kpool_pd.runtime.health_gate import HealthGate
 from tests.polling import until
 
 # What ucp_context_print_info prints on an RDMA node with GPUs (UCX 1.22 format).

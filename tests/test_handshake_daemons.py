@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from connector.shared.ucx import ucx_available
+from kpool_pd.connector.shared.ucx import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from model.colocated import make_prompts
-from runtime import model_flags
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.model.colocated import make_prompts
+from kpool_pd.runtime import model_flags
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")

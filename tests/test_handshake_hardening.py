@@ -20,13 +20,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport
-from connector import prefill_api as pb
-from connector.shared.compat import model_differences
-from connector.prefill.decode_engines import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
-from connector.shared.ucx import ucx_available
-from connector.shared.wire import layout_message
-from kvcache import BlockLayout, NodeCache
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, TlsConfig, Transport
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared.compat import model_differences
+from kpool_pd.connector.prefill.decode_engines import FORGET_AFTER_FAILED_SEND_LEASES, FORGET_AFTER_LEASES
+from kpool_pd.connector.shared.ucx import ucx_available
+from kpool_pd.connector.shared.wire import layout_message
+from kpool_pd.kvcache import BlockLayout, NodeCache
 from tests import connector_procs as procs
 from tests import handshake_procs as hp
 from tests.connector_harness import InProcessPair, run_child
@@ -233,9 +233,9 @@ def test_refusals_are_logged_naming_the_engine_and_why(caplog):
             with pytest.raises(StatusError) as err:
                 await pair.decode.connect(pair.address)
             assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and "seed 1 vs 2" in err.value.message
-    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
+    with caplog.at_level(logging.WARNING, logger="kpool_pd.connector.prefill"):
         asyncio.run(main())
-    refusals = [r.getMessage() for r in caplog.records if r.name.startswith("connector.prefill.")]
+    refusals = [r.getMessage() for r in caplog.records if r.name.startswith("kpool_pd.connector.prefill.")]
     assert any(m.startswith("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): cache layout differs")
                and "mla_num_heads" in m for m in refusals), refusals
     assert any("handshake of engine 'decode-t' refused (FAILED_PRECONDITION): model differs" in m
@@ -243,9 +243,9 @@ def test_refusals_are_logged_naming_the_engine_and_why(caplog):
 
 
 def test_the_decode_side_refuses_a_prefill_node_of_another_model(monkeypatch):
-    import connector.prefill.handshake
+    from kpool_pd.connector.prefill import handshake
 
-    monkeypatch.setattr(connector.prefill.handshake, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
+    monkeypatch.setattr(handshake, "model_differences", lambda ours, theirs: [])  # a prefill node that checks nothing
 
     async def main():
         async with InProcessPair() as pair:
@@ -274,8 +274,8 @@ def test_model_differences(ours, theirs, want):
 def test_model_identity_covers_every_field():
     import dataclasses
 
-    from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
-    from model import ModelConfig
+    from kpool_pd.kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
+    from kpool_pd.model import ModelConfig
 
     import inspect
 
@@ -338,7 +338,7 @@ def test_tls_with_ucx_warns_that_the_cache_bytes_are_not_encrypted(caplog):
                                 registry=CollectorRegistry(), transports=(Transport.UCX,))
         await node.start()
         await node.stop()
-    with caplog.at_level(logging.WARNING, logger="connector.prefill"):
+    with caplog.at_level(logging.WARNING, logger="kpool_pd.connector.prefill"):
         asyncio.run(main())
     assert any("NOT encrypted" in r.getMessage() and "UCX" in r.getMessage() for r in caplog.records)
 
@@ -356,7 +356,7 @@ def test_the_summary_says_whether_the_cache_bytes_were_encrypted(tls, transport,
 
 
 def test_the_probe_child_takes_the_crash_and_is_replaced():
-    from connector.prefill.ucx_probe import ProbeOutcome, UcxProbe
+    from kpool_pd.connector.prefill.ucx_probe import ProbeOutcome, UcxProbe
 
     async def main():
         probe = UcxProbe({"TLS": "^posix,sysv,cma,xpmem,knem"})

@@ -14,8 +14,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
-from kvcache import EngineCache
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
+from kpool_pd.kvcache import EngineCache
 from tests.serving import serve_prefill, stop_prefill
 from tests.test_connector_offer import BLOCK_SIZE, NoPrefillCalls, block_bytes, grant_of, planes
 

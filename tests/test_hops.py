@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench.pull_hops import hop_lines, hop_offsets
-from connector.shared import hops
+from kpool_pd.bench.pull_hops import hop_lines, hop_offsets
+from kpool_pd.connector.shared import hops
 
 
 @pytest.fixture

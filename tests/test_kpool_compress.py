@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kernels import hadamard_matrix, kpool_compress
-from kernels.fp8 import pow2_ceil
-from kernels.hadamard import fwht
+from kpool_pd.kernels import hadamard_matrix, kpool_compress
+from kpool_pd.kernels.fp8 import pow2_ceil
+from kpool_pd.kernels.hadamard import fwht
 
 
 def _one_hot_pool(kpool: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

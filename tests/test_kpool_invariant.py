@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kpool_sim import RequestCache, decode_history, random_ape, random_keys
-from kvcache import CacheConfig, PoolMode, tail_ring_size
+from kpool_pd.kvcache import CacheConfig, PoolMode, tail_ring_size
 
 STATES = 16
 # (S states a block, P states a kernel page): one page; two pages of 32; two of 64; four of 32

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries, kpool_write_entries
-from kernels.kpool_compress.ref import compress_pools
-from kvcache import BlockLayout, CacheConfig, CachePool, PoolMode
+from kpool_pd.kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries, kpool_write_entries
+from kpool_pd.kernels.kpool_compress.ref import compress_pools
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CachePool, PoolMode
 
 CONFIG = CacheConfig(layer_names=("l0", "l1"), block_size=64, kpool=4, num_spec=3)
 

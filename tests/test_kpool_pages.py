@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kpool_prefill
-from kernels.kpool_compress.ref import compress_pools
-from kvcache import BlockLayout, CacheConfig, CachePool, PoolMode
+from kpool_pd.kernels import kpool_prefill
+from kpool_pd.kernels.kpool_compress.ref import compress_pools
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CachePool, PoolMode
 from tests.kernel_backends import ALL_BACKENDS, REFERENCE, Backend, make_backend, poison
 
 D, MLA_ENTRY = 128, 656

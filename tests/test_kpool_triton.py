@@ -23,15 +23,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (kpool_compress, kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries,
+from kpool_pd.kernels import (kpool_compress, kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries,
                      kpool_write_entries)
-from kernels.dispatch import use_triton
-from kernels.kpool_compress.ref import compress_pools
-from kernels.kpool_decode.ref import decode_update
-from kernels.kpool_decode.triton import decode_update_triton
-from kernels.kpool_prefill.ref import prefill_compress_write, seed_tail_ring
-from kernels.kpool_score.ref import indexer_topk
-from kvcache import BlockLayout, CacheConfig, CachePool, PoolMode
+from kpool_pd.kernels.dispatch import use_triton
+from kpool_pd.kernels.kpool_compress.ref import compress_pools
+from kpool_pd.kernels.kpool_decode.ref import decode_update
+from kpool_pd.kernels.kpool_decode.triton import decode_update_triton
+from kpool_pd.kernels.kpool_prefill.ref import prefill_compress_write, seed_tail_ring
+from kpool_pd.kernels.kpool_score.ref import indexer_topk
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CachePool, PoolMode
 from tests.kernel_backends import ALL_BACKENDS, INTERPRETER, KERNEL_BACKENDS, Backend, make_backend, poison
 
 D = 128

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import BlockAllocator, RingAllocator
+from kpool_pd.kvcache import BlockAllocator, RingAllocator
 
 
 @settings(max_examples=200, deadline=None)

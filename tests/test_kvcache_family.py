@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kvcache import (
+from kpool_pd.kvcache import (
     BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, KpoolFamilySpec, KpoolIndexerSpec, PoolMode,
     QsaCompressedKeySpec, QsaFamilySpec, QsaKeyStateRingSpec, TailRingSpec, complete_entries,
     family_spec_type, layout_hash, open_entry_start,

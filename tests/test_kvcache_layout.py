@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache import (
+from kpool_pd.kvcache import (
     BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, FieldKind, PoolMode, layout_hash,
 )
-from kvcache.layout import layout_differences
+from kpool_pd.kvcache.layout import layout_differences
 
 KPOOL = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3)
 QSA = CacheConfig(family=CacheFamily.QSA, layer_names=("l0", "l1"), block_size=64, compress_ratio=4, num_spec=3,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import CacheConfig, CacheExhaustedError, NodeCache
+from kpool_pd.kvcache import CacheConfig, CacheExhaustedError, NodeCache
 
 
 def _cache(num_blocks: int = 8, num_rings: int = 2) -> NodeCache:
@@ -93,14 +93,14 @@ def test_an_allocation_grows_and_a_released_one_cannot():
 def test_a_handle_collected_while_held_reports_the_leak(caplog):
     cache = _cache()
     allocation = cache.allocate("leaky", 2)
-    with caplog.at_level(logging.ERROR, logger="kvcache.node_cache"):
+    with caplog.at_level(logging.ERROR, logger="kpool_pd.kvcache.node_cache"):
         del allocation
         gc.collect()
     assert "'leaky' was never released: 2 blocks and a ring leak" in caplog.text
     released = cache.allocate("tidy", 1)
     released.release()
     caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="kvcache.node_cache"):
+    with caplog.at_level(logging.ERROR, logger="kpool_pd.kvcache.node_cache"):
         del released
         gc.collect()
     assert caplog.text == ""

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from connector.shared.plan import PoolKind, RingRange, plan_transfer
-from connector.shared.regions import region_view
-from kvcache import CacheAllocation, EngineCache, PlanarCacheConfig, PlanarLayout, PlanarPool
+from kpool_pd.connector.shared.plan import PoolKind, RingRange, plan_transfer
+from kpool_pd.connector.shared.regions import region_view
+from kpool_pd.kvcache import CacheAllocation, EngineCache, PlanarCacheConfig, PlanarLayout, PlanarPool
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 12

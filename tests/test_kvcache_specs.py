@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache import (
+from kpool_pd.kvcache import (
     CacheConfig, CacheDtype, CacheFamily, KpoolIndexerSpec, QsaCompressedKeySpec, TailRingSpec, qsa_ring_capacity,
     tail_ring_size,
 )

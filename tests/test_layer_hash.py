@@ -1,4 +1,4 @@
-"""The fused layer hash (``model.layer_hash``) against its torch reference, each body once, on every backend
+"""The fused layer hash (``kpool_pd.model.layer_hash``) against its torch reference, each body once, on every backend
 that runs kernels: Triton's CPU interpreter here, compiled on CUDA through tests/gpu/test_layer_hash_gpu.py
 (tests/kernel_backends.py).
 
@@ -17,12 +17,12 @@ import os
 import pytest
 import torch
 
-from kernels.dispatch import FORCE_TRITON_ENV
-from kvcache import BlockLayout, BlockOrder, CacheDtype, CacheFamily, CachePool
-from model import DecodeSequence, Engine, ModelConfig, PrefillJob
-from model.batch import ForwardBatch, build_batch
-from model.layer_hash import kpool_layer_hash, qsa_layer_hash, ref
-from model.rule import HASH_PRIME, LAYER_MULTIPLIER
+from kpool_pd.kernels.dispatch import FORCE_TRITON_ENV
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheDtype, CacheFamily, CachePool
+from kpool_pd.model import DecodeSequence, Engine, ModelConfig, PrefillJob
+from kpool_pd.model.batch import ForwardBatch, build_batch
+from kpool_pd.model.layer_hash import kpool_layer_hash, qsa_layer_hash, ref
+from kpool_pd.model.rule import HASH_PRIME, LAYER_MULTIPLIER
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

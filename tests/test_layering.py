@@ -1,8 +1,10 @@
 """Imports point one way (DESIGN section 1), read from the source of every production module with
-``ast``: kvcache <- kernels, model <- connector <- runtime <- prefill_worker, decode_worker <-
-kpool_pd (bench may import anything below kpool_pd); the workers never import each other;
-kvcache, kernels and model import no server machinery; outside the connector, only the names of
-its facade (``connector.__all__``) are imported, and generated code only by its own package."""
+``ast``. The product is one package, ``kpool_pd``; its layers are its subpackages: kvcache <- kernels,
+model <- connector <- runtime <- prefill_worker, decode_worker <- bench <- the command line, the vLLM
+connector and the router (the modules of ``kpool_pd`` itself, named ``kpool_pd`` below); the workers
+never import each other; kvcache, kernels and model import no server machinery; outside the
+connector, only the names of its facade (``kpool_pd.connector.__all__``) are imported, and
+generated code only by its own package."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = "kpool_pd"
 LEVEL = {  # a package may import its own and those of a lower level
     "kvcache": 0,
     "kernels": 1, "model": 1,
@@ -26,26 +29,34 @@ SIBLINGS_APART = {frozenset({"prefill_worker", "decode_worker"})}  # same level,
 SERVER_MACHINERY = {"grpc", "grpc_health", "grpc_reflection", "prometheus_client", "yaml"}
 NO_SERVER_MACHINERY = {"kvcache", "kernels", "model"}
 FACADE = "connector"
+FACADE_MODULE = f"{PRODUCT}.{FACADE}"
 
 
 @dataclass(frozen=True)
 class Import:
     path: str     # the importing file, relative to the repository root
     line: int
-    module: str   # the imported module, absolute ("connector.shared.plan")
+    module: str   # the imported module, absolute ("kpool_pd.connector.shared.plan")
     names: tuple[str, ...] = ()  # for ``from module import names``
 
     @property
     def top(self) -> str:
-        return self.module.split(".")[0]
+        """The layer imported: a subpackage of the product, ``kpool_pd`` for its own modules, or a library."""
+        return _layer_of(self.module.split("."))
 
     def __str__(self) -> str:
         what = f"from {self.module} import {', '.join(self.names)}" if self.names else f"import {self.module}"
         return f"{self.path}:{self.line}: {what}"
 
 
+def _layer_of(parts: list[str] | tuple[str, ...]) -> str:
+    if parts[0] != PRODUCT:
+        return parts[0]
+    return parts[1] if len(parts) > 1 and parts[1] in LEVEL else PRODUCT
+
+
 def _package_of(path: Path) -> str:
-    return path.relative_to(ROOT).parts[0]
+    return _layer_of(path.relative_to(ROOT).parts)
 
 
 def _imports_in(source: str, rel: str) -> list[Import]:
@@ -59,7 +70,10 @@ def _imports_in(source: str, rel: str) -> list[Import]:
             if node.level:  # relative: resolve against the module's own package
                 base = rel.removesuffix(".py").split("/")[:-node.level]
                 module = ".".join(base + ([module] if module else []))
-            found.append(Import(rel, node.lineno, module, tuple(alias.name for alias in node.names)))
+            if module == PRODUCT:  # ``from kpool_pd import kernels`` imports the subpackage itself
+                found += [Import(rel, node.lineno, f"{PRODUCT}.{alias.name}") for alias in node.names]
+            else:
+                found.append(Import(rel, node.lineno, module, tuple(alias.name for alias in node.names)))
     return found
 
 
@@ -68,18 +82,18 @@ def _imports(path: Path) -> list[Import]:
 
 
 def _modules() -> list[Path]:
-    return sorted(p for package in LEVEL for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for p in (ROOT / PRODUCT).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 ALL = [(path, imp) for path in _modules() for imp in _imports(path)]
 
 
 def _facade_names() -> set[str]:
-    tree = ast.parse((ROOT / FACADE / "__init__.py").read_text())
+    tree = ast.parse((ROOT / PRODUCT / FACADE / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
             return set(ast.literal_eval(node.value))
-    raise AssertionError("connector/__init__.py defines no __all__")
+    raise AssertionError("kpool_pd/connector/__init__.py defines no __all__")
 
 
 def _report(violations: list[Import]) -> str:
@@ -95,8 +109,8 @@ def test_every_production_package_is_read():
 def test_outside_the_connector_only_its_facade_names_are_imported():
     facade = _facade_names()
     bad = [imp for path, imp in ALL if _package_of(path) != FACADE and imp.top == FACADE
-           and (imp.module != FACADE or not imp.names or not set(imp.names) <= facade)]
-    assert not bad, "import these names from the connector's facade (connector.__all__):\n" + _report(bad)
+           and (imp.module != FACADE_MODULE or not imp.names or not set(imp.names) <= facade)]
+    assert not bad, "import these names from the connector's facade (kpool_pd.connector.__all__):\n" + _report(bad)
 
 
 def test_generated_code_is_imported_by_its_own_package_only():
@@ -121,18 +135,18 @@ def test_the_workers_never_import_each_other():
 
 
 def test_the_facade_exports_what_it_names():
-    import connector
-
+    from kpool_pd import connector
     missing = [name for name in connector.__all__ if not hasattr(connector, name)]
     assert not missing and set(connector.__all__) == _facade_names()
 
 
 @pytest.mark.parametrize("source,expected", [
-    ("from connector.shared.plan import plan_transfer", "connector.shared.plan"),
-    ("import connector.decode.connector as d", "connector.decode.connector"),
-    ("from connector import StatusError", "connector"),
-    ("def f():\n    from connector._generated.kpoolpd.v1 import prefill_pb2", "connector._generated.kpoolpd.v1"),
-    ("from .scheduler import DecodeScheduler", "decode_worker.scheduler"),
-], ids=["from-submodule", "import-submodule", "from-facade", "inside-a-function", "relative"])
+    ("from kpool_pd.connector.shared.plan import plan_transfer", "kpool_pd.connector.shared.plan"),
+    ("import kpool_pd.connector.decode.connector as d", "kpool_pd.connector.decode.connector"),
+    ("from kpool_pd.connector import StatusError", "kpool_pd.connector"),
+    ("def f():\n    from kpool_pd.connector._generated.kpoolpd.v1 import prefill_pb2", "kpool_pd.connector._generated.kpoolpd.v1"),
+    ("from .scheduler import DecodeScheduler", "kpool_pd.decode_worker.scheduler"),
+    ("from kpool_pd import kernels", "kpool_pd.kernels"),
+], ids=["from-submodule", "import-submodule", "from-facade", "inside-a-function", "relative", "from-the-product"])
 def test_the_reader_sees_each_import_form(source, expected):
-    assert [imp.module for imp in _imports_in(source, "decode_worker/probe.py")] == [expected]
+    assert [imp.module for imp in _imports_in(source, "kpool_pd/decode_worker/probe.py")] == [expected]

@@ -59,7 +59,7 @@ def test_a_call_answered_after_its_loop_closed_is_not_counted_as_the_next_tests_
             deadline = time.monotonic() + DEADLINE_S
             while not closed_loop_reports() and time.monotonic() < deadline:
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S)
-            logging.getLogger("connector.test").error("an error of this test's own")
+            logging.getLogger("kpool_pd.connector.test").error("an error of this test's own")
             await channel.close()
 
         asyncio.run(this_test())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_rows import write_mla_rows
-from kernels.mla_rows.ref import write_rows
-from kvcache import BlockLayout, BlockOrder, CacheFamily, CachePool
-from model import ModelConfig
+from kpool_pd.kernels.mla_rows import write_mla_rows
+from kpool_pd.kernels.mla_rows.ref import write_rows
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheFamily, CachePool
+from kpool_pd.model import ModelConfig
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 
 

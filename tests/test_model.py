@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode
-from model import ModelConfig, SyntheticWeights, default_block_size
-from model.cache_io import open_positions
+from kpool_pd.kvcache import CacheConfig, CacheDtype, CacheFamily, PoolMode
+from kpool_pd.model import ModelConfig, SyntheticWeights, default_block_size
+from kpool_pd.model.cache_io import open_positions
 
 
 @pytest.mark.parametrize("family,kpool,ratio,num_spec,expected", [

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from runtime.process import PARENT_DEATH_ENV, arm_parent_death_signal, parent_death_env
+from kpool_pd.runtime.process import PARENT_DEATH_ENV, arm_parent_death_signal, parent_death_env
 from tests.polling import process_alive, wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
@@ -21,7 +21,7 @@ GONE_WITHIN_S = 20.0
 # The child: arms, says it did on stdout (and what its own environment kept), then sleeps.
 CHILD = textwrap.dedent("""
     import os, sys, time
-    from runtime.process import PARENT_DEATH_ENV, arm_parent_death_signal
+    from kpool_pd.runtime.process import PARENT_DEATH_ENV, arm_parent_death_signal
     time.sleep(float(sys.argv[1]))
     armed = arm_parent_death_signal()
     print(os.getpid(), armed, PARENT_DEATH_ENV in os.environ, flush=True)
@@ -30,7 +30,7 @@ CHILD = textwrap.dedent("""
 # The parent: starts the child with the entry, prints its pid, then waits to be killed.
 PARENT = textwrap.dedent("""
     import os, subprocess, sys, time
-    from runtime.process import parent_death_env
+    from kpool_pd.runtime.process import parent_death_env
     child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env={**os.environ, **parent_death_env()})
     print(child.pid, flush=True)
     time.sleep(120)

@@ -1,4 +1,4 @@
-"""The peer token's challenge (``connector.shared.peer_auth``, ``connector.shared.peer_client``), over loopback
+"""The peer token's challenge (``kpool_pd.connector.shared.peer_auth``, ``kpool_pd.connector.shared.peer_client``), over loopback
 sockets: a decode node that dials a server which cannot prove the token sends it nothing but a Challenge,
 never the token, and closes the channel; a real prefill node with the token is connected and pulled from in
 one session; a wrong token on either side, and a session taken to another server, are refused; a server that
@@ -14,15 +14,15 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import (MAX_PEER_SESSIONS, ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport,
+from kpool_pd.connector import (MAX_PEER_SESSIONS, ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport,
                        auth_metadata, open_channel, ucx_available)
-from connector import prefill_api as pb
-from connector.shared.peer_auth import (CHALLENGE_METHOD, NONCE_BYTES, UNKNOWN_SESSION, ChallengeRequest,
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared.peer_auth import (CHALLENGE_METHOD, NONCE_BYTES, UNKNOWN_SESSION, ChallengeRequest,
                                         ChallengeResponse, PeerAuthStub, PeerSessions, SessionCheck,
                                         client_credential, peer_authorization, server_proof)
-from connector.shared.peer_client import PeerProver
-from kvcache import NodeCache
-from runtime import GrpcServer
+from kpool_pd.connector.shared.peer_client import PeerProver
+from kpool_pd.kvcache import NodeCache
+from kpool_pd.runtime import GrpcServer
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.peer_credentials import peer_metadata

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from connector import ConnectorConfig, StatusError, Transport
+from kpool_pd.connector import ConnectorConfig, StatusError, Transport
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import PrefillInput, PrefillProgress
-from kvcache import CacheFamily, NodeCache
-from model import Engine, ModelConfig, PrefillJob
-from prefill_worker.batcher import BatchingPrefillEngine
+from kpool_pd.connector import PrefillInput, PrefillProgress
+from kpool_pd.kvcache import CacheFamily, NodeCache
+from kpool_pd.model import Engine, ModelConfig, PrefillJob
+from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUM_BLOCKS, NUM_RINGS = 24, 6

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connector import PrefillInput, PrefillProgress
-from kvcache import NodeCache
-from model import Engine, ModelConfig, PrefillJob, check_prompt
-from prefill_worker.batcher import BatchingPrefillEngine
+from kpool_pd.connector import PrefillInput, PrefillProgress
+from kpool_pd.kvcache import NodeCache
+from kpool_pd.model import Engine, ModelConfig, PrefillJob, check_prompt
+from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
 
 
 def test_a_good_prompt_comes_back_as_a_tuple():

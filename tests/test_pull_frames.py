@@ -6,8 +6,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector import prefill_api as pb
-from connector.shared.pull_frames import ChunkFrame, deserialize_response, encode_chunk, serialize_response
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared.pull_frames import ChunkFrame, deserialize_response, encode_chunk, serialize_response
 
 regions = st.integers(0, 2**32 - 1)
 offsets = st.integers(0, 2**64 - 1)

@@ -1,4 +1,4 @@
-"""The pull session (connector/decode/pull_session.py, connector/prefill/pull_session_server.py): UCX pulls on one stream
+"""The pull session (kpool_pd/connector/decode/pull_session.py, kpool_pd/connector/prefill/pull_session_server.py): UCX pulls on one stream
 per prefill node, byte for byte as over Pull calls; what the session refuses, each pull on its own; a pull
 cancelled on it is stopped on the prefill node and both nodes are freed; a session that breaks fails its pulls with
 UNAVAILABLE and the next pull opens a new one; a prefill node that serves no session gets Pull calls."""
@@ -10,10 +10,10 @@ import asyncio
 import grpc
 import pytest
 
-from connector import ConnectorConfig, StatusError, Transport, ucx_available
-from connector import prefill_api as pb
-from connector.prefill.connector import PrefillConnector
-from connector.shared.errors import status_code
+from kpool_pd.connector import ConnectorConfig, StatusError, Transport, ucx_available
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.prefill.connector import PrefillConnector
+from kpool_pd.connector.shared.errors import status_code
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
 from tests.polling import until

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from connector import Transport, ucx_available
-from connector.decode import inbound
+from kpool_pd.connector import Transport, ucx_available
+from kpool_pd.connector.decode import inbound
 from tests.connector_harness import InProcessPair
 from tests.pulls import pull_into
 from tests.arrangements import arrangement_configs

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.qsa_compress import compress_group_keys
-from kernels.qsa_rope import mrope_axis_of_pair
+from kpool_pd.kernels.qsa_compress import compress_group_keys
+from kpool_pd.kernels.qsa_rope import mrope_axis_of_pair
 
 ROPE = {"rotary_dim": 64, "theta": 10000.0, "section": (12, 10, 10)}
 HEIGHT_PAIRS = [j for j, a in enumerate(mrope_axis_of_pair()) if a == 1]

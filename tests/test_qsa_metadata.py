@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.qsa_metadata import QsaMetadata, build_qsa_metadata, max_work_items
-from kvcache import qsa_ring_capacity
+from kpool_pd.kernels.qsa_metadata import QsaMetadata, build_qsa_metadata, max_work_items
+from kpool_pd.kvcache import qsa_ring_capacity
 
 
 def i32(values):

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.qsa_metadata import BatchSplit, split_uniform_decodes
-from kernels.qsa_metadata import ref as metadata_ref
-from kernels.qsa_metadata.builder import QsaMetadataBuilder
+from kpool_pd.kernels.qsa_metadata import BatchSplit, split_uniform_decodes
+from kpool_pd.kernels.qsa_metadata import ref as metadata_ref
+from kpool_pd.kernels.qsa_metadata.builder import QsaMetadataBuilder
 from tests.kernel_backends import ALL_BACKENDS, Backend, make_backend
 
 MAPS = ("token_to_req", "logical_positions", "visible_blocks", "ring_slot_mapping", "compressed_slot_mapping",

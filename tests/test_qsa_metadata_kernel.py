@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import build_qsa_metadata
-from kernels.qsa_metadata import ref as metadata_ref
+from kpool_pd.kernels import build_qsa_metadata
+from kpool_pd.kernels.qsa_metadata import ref as metadata_ref
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 
 
@@ -85,7 +85,7 @@ def test_metadata_pads_tokens_past_the_last_request(force_triton):
     params = {"compress_ratio": 2, "ring_capacity": 4, "block_size": 4}
     with pytest.raises(ValueError, match="num_tokens 8 != query_start_loc"):
         build_qsa_metadata(*args, **params, num_tokens=8)
-    from kernels.qsa_metadata.triton import build_qsa_metadata_triton
+    from kpool_pd.kernels.qsa_metadata.triton import build_qsa_metadata_triton
 
     padded = build_qsa_metadata_triton(*args, **params, num_tokens=8)
     exact = metadata_ref.build_qsa_metadata(*args, **params)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.qsa_ring import position_offset, read_qsa_ring_positions, write_qsa_ring
-from kvcache import BlockLayout, CacheConfig, CacheFamily, CachePool, qsa_ring_capacity
+from kpool_pd.kernels.qsa_ring import position_offset, read_qsa_ring_positions, write_qsa_ring
+from kpool_pd.kvcache import BlockLayout, CacheConfig, CacheFamily, CachePool, qsa_ring_capacity
 
 
 def poisoned_pool(*, heads=2, head_size=128, num_spec=3, cache_rope_positions=True, seed=0):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels.qsa_rope import (RopeCache, apply_neox_rotary, mrope_axis_of_pair, mrope_cos_sin, rope_inv_freq,
+from kpool_pd.kernels.qsa_rope import (RopeCache, apply_neox_rotary, mrope_axis_of_pair, mrope_cos_sin, rope_inv_freq,
                               text_positions)
 
 TIME, HEIGHT, WIDTH = 0, 1, 2

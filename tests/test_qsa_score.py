@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.qsa_score import qsa_topk
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool
+from kpool_pd.kernels.qsa_score import qsa_topk
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool
 
 
 def make_cache(*, r, block_size, heads, head_size, dtype, order, num_blocks):

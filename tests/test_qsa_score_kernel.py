@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from kernels import qsa_topk
-from kernels.qsa_score import ref as score_ref
-from kernels.qsa_score.triton import qsa_scores_triton
-from kvcache import CacheDtype
+from kpool_pd.kernels import qsa_topk
+from kpool_pd.kernels.qsa_score import ref as score_ref
+from kpool_pd.kernels.qsa_score.triton import qsa_scores_triton
+from kpool_pd.kvcache import CacheDtype
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 
 

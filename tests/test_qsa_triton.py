@@ -25,12 +25,12 @@ import math
 import pytest
 import torch
 
-from kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, write_qsa_ring
-from kernels.qsa_compress import ref as compress_ref
-from kernels.qsa_rope import RopeCache
-from kernels.qsa_ring import ref as ring_ref
-from kernels.qsa_update import ref as update_ref
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
+from kpool_pd.kernels import build_qsa_metadata, compress_group_keys, qsa_forward_update, write_qsa_ring
+from kpool_pd.kernels.qsa_compress import ref as compress_ref
+from kpool_pd.kernels.qsa_rope import RopeCache
+from kpool_pd.kernels.qsa_ring import ref as ring_ref
+from kpool_pd.kernels.qsa_update import ref as update_ref
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend, poison
 
 ROPE = {"rotary_dim": 64, "theta": 10000.0, "section": (12, 10, 10)}

@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.qsa_compress import compress_group_keys
-from kernels.qsa_metadata import build_qsa_metadata
-from kernels.qsa_ring import read_qsa_ring_positions, write_qsa_ring
-from kernels.qsa_rope import text_positions
-from kernels.qsa_update import qsa_forward_update
-from kvcache import (
+from kpool_pd.kernels.qsa_compress import compress_group_keys
+from kpool_pd.kernels.qsa_metadata import build_qsa_metadata
+from kpool_pd.kernels.qsa_ring import read_qsa_ring_positions, write_qsa_ring
+from kpool_pd.kernels.qsa_rope import text_positions
+from kpool_pd.kernels.qsa_update import qsa_forward_update
+from kpool_pd.kvcache import (
     BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool,
     qsa_ring_capacity,
 )

@@ -4,8 +4,8 @@ bad argument refused with an error that names it (the invariant: tests/test_qsa_
 import pytest
 import torch
 
-from kernels.qsa_metadata import build_qsa_metadata
-from kernels.qsa_update import qsa_forward_update
+from kpool_pd.kernels.qsa_metadata import build_qsa_metadata
+from kpool_pd.kernels.qsa_update import qsa_forward_update
 from tests.test_qsa_update import HEAD_SIZE, Caches, Storage
 
 

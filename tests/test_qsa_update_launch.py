@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import build_qsa_metadata
-from kernels.qsa_update import ref as update_ref
-from kernels.qsa_update.launch import UpdateLaunch, default_update_launch
-from kernels.qsa_update.triton import qsa_forward_update_triton
-from kvcache import BlockOrder, CacheDtype
+from kpool_pd.kernels import build_qsa_metadata
+from kpool_pd.kernels.qsa_update import ref as update_ref
+from kpool_pd.kernels.qsa_update.launch import UpdateLaunch, default_update_launch
+from kpool_pd.kernels.qsa_update.triton import qsa_forward_update_triton
+from kpool_pd.kvcache import BlockOrder, CacheDtype
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 from tests.test_qsa_triton import ROPE, TABLE_POSITIONS, qsa_pool, table_for
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from runtime import JsonFormatter, LogFormat, configure_logging
+from kpool_pd.runtime import JsonFormatter, LogFormat, configure_logging
 
 
 def _record(msg: str, *args, extra: dict | None = None, exc_info=None) -> logging.LogRecord:

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from decode_worker.daemon import OPTIONS as DECODE_OPTIONS
+from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.cli import build_parser
-from kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
-from model import ModelConfig
-from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
-from runtime import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, model_flags, model_settings,
+from kpool_pd.kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
+from kpool_pd.model import ModelConfig
+from kpool_pd.prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from kpool_pd.runtime import (MODEL_OPTIONS, Option, SettingsError, load_settings, model_config, model_flags, model_settings,
                      parse_bool, parse_port, positive_float, positive_int)
 
 CONFIGS = [
@@ -131,12 +131,12 @@ def test_a_yaml_value_of_the_wrong_kind_names_the_option_and_the_file(tmp_path):
         load_settings("decode", DECODE_OPTIONS, ["--config", str(path)], env={})
 
 
-@pytest.mark.parametrize("module,options", [("prefill_worker", PREFILL_OPTIONS), ("decode_worker", DECODE_OPTIONS)])
+@pytest.mark.parametrize("module,options", [("kpool_pd.prefill_worker", PREFILL_OPTIONS), ("kpool_pd.decode_worker", DECODE_OPTIONS)])
 def test_a_daemons_help_lists_every_option_with_its_environment_variable(module, options):
     proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
-    assert text.startswith(f"usage: kpool-pd {module.split('_')[0]} ")
+    assert text.startswith(f"usage: kpool-pd {module.rpartition('.')[2].split('_')[0]} ")
     for option in options:
         assert f"--{option.name}" in text and option.env in text, option.name
     assert "one of kpool, qsa" in text and "(default 'json'; one of json, text;" in text

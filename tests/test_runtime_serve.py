@@ -21,9 +21,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
-from connector import Credential, Transport, open_channel
-from kvcache import CacheConfig, NodeCache
-from runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
+from kpool_pd.connector import Credential, Transport, open_channel
+from kpool_pd.kvcache import CacheConfig, NodeCache
+from kpool_pd.runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
                      service_options)
 from tests.polling import until
 
@@ -238,7 +238,7 @@ def test_a_spec_needs_the_runtime_options_once_each():
 def test_a_daemon_caps_the_event_loops_wait_for_the_gil():
     import sys
 
-    from runtime.process import EVENT_LOOP_GIL_WAIT_S, keep_event_loop_responsive
+    from kpool_pd.runtime.process import EVENT_LOOP_GIL_WAIT_S, keep_event_loop_responsive
 
     before = sys.getswitchinterval()
     try:

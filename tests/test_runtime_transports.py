@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector import Transport
-from prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
-from runtime import SettingsError, Transports, load_settings, parse_pull, parse_transports, transports_of
+from kpool_pd.connector import Transport
+from kpool_pd.prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
+from kpool_pd.runtime import SettingsError, Transports, load_settings, parse_pull, parse_transports, transports_of
 
 UCX, GRPC = Transport.UCX, Transport.GRPC_STREAM
 

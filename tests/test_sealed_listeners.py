@@ -1,4 +1,4 @@
-"""A sealed listener (``model.sealed_listeners``) takes no new connection while the connections it
+"""A sealed listener (``kpool_pd.model.sealed_listeners``) takes no new connection while the connections it
 accepted before keep working, and ``seal_new_listeners`` seals only the listeners opened since its
 snapshot."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from model.sealed_listeners import listening_sockets, seal_new_listeners
+from kpool_pd.model.sealed_listeners import listening_sockets, seal_new_listeners
 
 CONNECT_S = 1.0
 

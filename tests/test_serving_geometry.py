@@ -1,4 +1,4 @@
-"""The serving geometry (``runtime.geometry``): blocks of a multiple of 128 tokens, kernel pages of at
+"""The serving geometry (``kpool_pd.runtime.geometry``): blocks of a multiple of 128 tokens, kernel pages of at
 least 32 states, and of 64 only on a GPU of compute capability 12.x. The daemons' refusals are in
 ``tests/test_daemon_settings_refused.py``; here the rules as functions of the cache and the capability."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from model import ModelConfig
-from kvcache import CacheFamily
-from runtime.geometry import GeometryError, check_kernel_page_for_capability, check_serving_geometry
+from kpool_pd.model import ModelConfig
+from kpool_pd.kvcache import CacheFamily
+from kpool_pd.runtime.geometry import GeometryError, check_kernel_page_for_capability, check_serving_geometry
 
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
 

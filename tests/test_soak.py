@@ -31,13 +31,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from connector import open_channel, ucx_available
-from decode_worker import api
+from kpool_pd.connector import open_channel, ucx_available
+from kpool_pd.decode_worker import api
 from kpool_pd.client import RequestFailed, generate_one
-from runtime.launch import Daemon, start_decode
-from model import ModelConfig
-from model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
-from runtime import model_flags, model_settings
+from kpool_pd.runtime.launch import Daemon, start_decode
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
+from kpool_pd.runtime import model_flags, model_settings
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""The state digest reads every layer's bytes of a request at once (``model.cache_io.layer_stack``): the same
+"""The state digest reads every layer's bytes of a request at once (``kpool_pd.model.cache_io.layer_stack``): the same
 bytes, in the same order, as reading them layer by layer through each layer's own views."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import hashlib
 import pytest
 import torch
 
-from kernels import kpool_read_entries
-from kernels.kpool_cache import pool_slots
-from kvcache import BlockLayout, BlockOrder, CacheDtype, CacheFamily, CachePool
-from model import DecodeSequence, Engine, ModelConfig, PrefillJob
-from model.cache_io import layer_ring_rows, layer_stack, open_positions, read_ring_rows
+from kpool_pd.kernels import kpool_read_entries
+from kpool_pd.kernels.kpool_cache import pool_slots
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheDtype, CacheFamily, CachePool
+from kpool_pd.model import DecodeSequence, Engine, ModelConfig, PrefillJob
+from kpool_pd.model.cache_io import layer_ring_rows, layer_stack, open_positions, read_ring_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import block_ids_on, repack_tokens
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool
+from kpool_pd.kernels import block_ids_on, repack_tokens
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool
 from tests.kernel_backends import ALL_BACKENDS, CUDA, INTERPRETER, REFERENCE, Backend, backends, make_backend, poison
 
 BLNHC, BLHNC = BlockOrder.BLNHC, BlockOrder.BLHNC

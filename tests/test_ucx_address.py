@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.shared.ucx import ucx_available
-from connector.prefill.ucx_address import (MAX_ADDRESS_BYTES, AddressVersion, WorkerAddressError, WorkerAddressInfo,
+from kpool_pd.connector.shared.ucx import ucx_available
+from kpool_pd.connector.prefill.ucx_address import (MAX_ADDRESS_BYTES, AddressVersion, WorkerAddressError, WorkerAddressInfo,
                                    check_worker_address)
 
 ROOT = Path(__file__).resolve().parent.parent

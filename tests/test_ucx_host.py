@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from connector.shared.ucx_host import (NET_DEVICES, bind_ucx_options, interface_addresses, net_devices_for_host,
+from kpool_pd.connector.shared.ucx_host import (NET_DEVICES, bind_ucx_options, interface_addresses, net_devices_for_host,
                                 target_hosts)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="getifaddrs layout of Linux")

@@ -9,7 +9,7 @@ import grpc
 
 from kpool_pd.client import RequestFailed
 from kpool_pd.report import json_lines, plural, summary, summary_text, table
-from model.colocated import RequestResult
+from kpool_pd.model.colocated import RequestResult
 
 MODEL = {"family": "kpool", "kpool": 4, "compress_ratio": 4, "num_spec": 3, "layers": 2, "block_size": 64}
 

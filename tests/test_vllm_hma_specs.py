@@ -18,7 +18,7 @@ import pytest
 if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
-from connector.shared.plan import RingRange, plan_transfer  # noqa: E402
+from kpool_pd.connector.shared.plan import RingRange, plan_transfer  # noqa: E402
 from kpool_pd.vllm.groups import transfer_rules  # noqa: E402
 from kpool_pd.vllm.metadata import flat_ids  # noqa: E402
 from kpool_pd.vllm.planes import engine_pool  # noqa: E402

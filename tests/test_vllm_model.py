@@ -12,7 +12,7 @@ pytest.importorskip("tokenizers", reason="the tokenizer is made with tokenizers 
 transformers = pytest.importorskip("transformers", reason="vLLM loads the tokenizer through transformers")
 pytest.importorskip("safetensors", reason="the weights are written with safetensors")
 
-from bench.vllm_engines import TINY_LLAMA  # noqa: E402
+from kpool_pd.bench.vllm_engines import TINY_LLAMA  # noqa: E402
 from kpool_pd.cli import main  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import pytest
 if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a missing vLLM fails there
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
-from bench import vllm_engines  # noqa: E402
+from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 

@@ -22,6 +22,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with vLLM")
 
 from tests import vllm_servers  # noqa: E402
+from tests.user_folders import SHADOW_MESSAGE, shadowing_folder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -51,7 +52,7 @@ def test_the_readme_names_the_ports_this_test_checks():
 def deployment(tmp_path_factory):
     """The README's commands run by bash in a fresh folder, in a session of their own; yields (folder, the
     commands' output). Every process they started is stopped afterwards."""
-    folder = tmp_path_factory.mktemp("vllm-readme")
+    folder = shadowing_folder(tmp_path_factory.mktemp("vllm-readme"))  # a user's folder: model/, runtime/, kernels/...
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     shell = subprocess.Popen(["bash", "-e", "-c", readme_commands()], cwd=folder, env=env, stdout=subprocess.PIPE,
@@ -109,6 +110,8 @@ def local_compute(port: int) -> float:
 
 def test_the_readme_commands_answer_and_every_request_equals_one_server(deployment):
     folder, output = deployment
+    for log in ("producer.log", "consumer.log", "router.log"):  # started beside model/, runtime/, kernels/...
+        assert SHADOW_MESSAGE not in (folder / log).read_text(errors="replace"), log
     answer = json.loads(output.strip().splitlines()[-1])  # the README's own curl, the pair's first request
     assert answer["choices"][0]["finish_reason"] == "length", answer
     assert answer["choices"][0]["text"] == completion(PORTS["producer"], "Hello, PD!", stream=False)

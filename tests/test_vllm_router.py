@@ -32,7 +32,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with vLLM")
 pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'kpool-pd[router]')")
 
-from bench import vllm_engines
+from kpool_pd.bench import vllm_engines
 from tests import vllm_servers  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402

@@ -3,7 +3,7 @@ happen (every decode instance unreachable, or each refused the request before it
 producer frees the prompt's blocks at once rather than when the grant's lease ends.
 
 It calls the producer connector's ``Release`` naming no decode engine, which releases an offered grant no
-engine has claimed yet (``connector.prefill.grants.GrantKeeper.release``); the grant's key (its id bound to
+engine has claimed yet (``kpool_pd.connector.prefill.grants.GrantKeeper.release``); the grant's key (its id bound to
 its prompt, ``kpool_pd.transfer_params``) is the claim, and the call proves the fleet's peer token through
 the PeerAuth challenge (``connector.open_channel``), which never sends the token itself. The address is the
 one the producer's own answer named (the router chose that producer; the client's body plays no part).
@@ -16,7 +16,7 @@ import logging
 
 import grpc
 
-from connector import open_channel, prefill_api
+from kpool_pd.connector import open_channel, prefill_api
 from kpool_pd.transfer_params import release_target
 
 logger = logging.getLogger(__name__)

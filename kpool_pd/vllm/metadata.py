@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from connector import PrefillGrant, RingRange
+from kpool_pd.connector import PrefillGrant, RingRange
 from kpool_pd.transfer_params import DecodeParams, grant_key
-from kvcache import PlanarLayout
+from kpool_pd.kvcache import PlanarLayout
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of vLLM block ids per KV cache group
 

@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor, compute_lay
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kpool_pd.vllm.groups import GroupRule, layer_spec
-from kvcache import PlanarCacheConfig, PlanarLayout, PlanarPool
+from kpool_pd.kvcache import PlanarCacheConfig, PlanarLayout, PlanarPool
 
 _DIM_L, _DIM_B = 0, 1  # vLLM's logical [L, B, H, N, C] axes
 

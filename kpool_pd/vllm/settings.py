@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from connector import Transport, dial_target, ucx_available
+from kpool_pd.connector import Transport, dial_target, ucx_available
 from kpool_pd.transfer_params import ProducerAllowlist
 
 PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"

@@ -26,7 +26,7 @@ import grpc
 
 from prometheus_client import CollectorRegistry
 
-from connector import (
+from kpool_pd.connector import (
     ConnectorConfig,
     DecodeConnector,
     EngineUnavailable,
@@ -39,8 +39,8 @@ from connector import (
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, flat_ids, grant_from
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.stats import StatsRecorder
-from kvcache import EngineCache, PlanarPool
-from runtime import GrpcServer
+from kpool_pd.kvcache import EngineCache, PlanarPool
+from kpool_pd.runtime import GrpcServer
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-240}" python3 bench/kernels.py --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} \
+  timeout "${BENCH_TIMEOUT:-240}" python3 kpool_pd/bench/kernels.py --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} \
     > "$OUT/bench.log" 2>&1
   bench_rc=$?
 fi
@@ -46,7 +46,7 @@ transfer_rc=0
 # (two processes on one GPU: cuda_ipc inside the device, the fixed cost of a pull shows the same way).
 if [ "$gpus" -ge 2 ]; then placement=(--two-gpu --machine h200x2); else placement=(--machine h200); fi
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
-  timeout "${TRANSFER_TIMEOUT:-240}" python3 -m bench.transfer --device cuda "${placement[@]}" --layers 61 \
+  timeout "${TRANSFER_TIMEOUT:-240}" python3 -m kpool_pd.bench.transfer --device cuda "${placement[@]}" --layers 61 \
     --tokens "${TRANSFER_TOKENS:-256,1024,4096,16384,32768}" --reps "${TRANSFER_REPS:-5}" ${NO_NIXL:+--no-nixl} \
     --block-size 256 --prefill-block-size "${PREFILL_BLOCK_SIZE:-128}" ${HOPS:+--hops} \
     --out "$OUT/transfer" >> "$OUT/bench.log" 2>&1
@@ -56,7 +56,7 @@ dcp_rc=0
 # The DCP bench (two GPUs): decode step time of 32k-token contexts at DCP 1 and 2, cache and transfer bytes per
 # rank; its table goes to bench.log, its JSON to bench/ (no PNG: the device tool returns 8 files at most).
 if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
-  timeout "${DCP_TIMEOUT:-300}" python3 -m bench.dcp --device cuda --ranks 1,2 --tokens "${DCP_TOKENS:-32768}" \
+  timeout "${DCP_TIMEOUT:-300}" python3 -m kpool_pd.bench.dcp --device cuda --ranks 1,2 --tokens "${DCP_TOKENS:-32768}" \
     --layers "${DCP_LAYERS:-8}" --batch 4 --no-plot --machine h200x2 --out "$OUT/bench" > "$OUT/dcp.txt" 2>&1
   dcp_rc=$?
   cat "$OUT/dcp.txt" >> "$OUT/bench.log"; rm -f "$OUT/dcp.txt"
@@ -64,14 +64,14 @@ fi
 decode_rc=0
 # The decode step bench: eager and graphed steps of 61 layers at batch 1, 16 and 64 (DECODE_BATCHES); table in decode.txt.
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
-  timeout "${DECODE_TIMEOUT:-300}" python3 -m bench.decode_step --device cuda --layers "${DECODE_LAYERS:-61}" \
+  timeout "${DECODE_TIMEOUT:-300}" python3 -m kpool_pd.bench.decode_step --device cuda --layers "${DECODE_LAYERS:-61}" \
     --batches "${DECODE_BATCHES:-1,16,64}" --kernels "${KERNELS:-0}" --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
   decode_rc=$?
 fi
 prefill_rc=0
 # The prefill step bench: one 32k prompt whole and in 2,048-token chunks, per-layer, hoisted and graphed; prefill.txt.
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
-  timeout "${PREFILL_TIMEOUT:-300}" python3 -m bench.prefill_step --device cuda --layers "${DECODE_LAYERS:-61}" \
+  timeout "${PREFILL_TIMEOUT:-300}" python3 -m kpool_pd.bench.prefill_step --device cuda --layers "${DECODE_LAYERS:-61}" \
     --prompt-len 32768 --chunk 2048 --kernels "${KERNELS:-0}" > "$OUT/prefill.txt" 2>&1
   prefill_rc=$?
 fi
@@ -90,7 +90,7 @@ if [ "$gpus" -ge 1 ] && [ -n "${UP_RUNS:-}" ]; then
   rm -f "$OUT/up-run.txt"
   if [ -z "${SKIP_PIPELINE:-}" ]; then
     echo "== kpool-pd bench pipeline --device cuda --layers 61 --prompt-len 32768 --max-batch-tokens 2048" >> "$OUT/up.txt"
-    timeout "${UP_TIMEOUT:-240}" python3 -m bench.pipeline --device cuda --layers 61 --prompt-len 32768 \
+    timeout "${UP_TIMEOUT:-240}" python3 -m kpool_pd.bench.pipeline --device cuda --layers 61 --prompt-len 32768 \
       --max-batch-tokens 2048 --runs 1 --no-timeline --machine h200 --out "$OUT/bench" > "$OUT/up-run.txt" 2>&1
     rc=$?; [ $rc -ne 0 ] && up_rc=$rc
     tail -n 6 "$OUT/up-run.txt" >> "$OUT/up.txt"; rm -f "$OUT/up-run.txt"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.launch import ChildKind, child_context, start_child
+from kpool_pd.runtime.launch import ChildKind, child_context, start_child
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,9 +30,9 @@ LENGTHS = [1, 4, 5, 64, 65, 257, 1000, 4096]
 def _prefill_proc(conn) -> None:
     from prometheus_client import CollectorRegistry
 
-    from connector import ConnectorConfig, PrefillConnector, Transport
+    from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
     from connector_procs import CONFIG, SeededFillEngine
-    from kvcache import NodeCache
+    from kpool_pd.kvcache import NodeCache
     from serving import serve_prefill, stop_prefill
 
     async def main():
@@ -58,9 +58,9 @@ def _prefill_proc(conn) -> None:
 def _decode_proc(conn, address: str, transport: str) -> None:
     from prometheus_client import CollectorRegistry
 
-    from connector import ConnectorConfig, DecodeConnector, Transport
+    from kpool_pd.connector import ConnectorConfig, DecodeConnector, Transport
     from connector_procs import CONFIG, landed_differences
-    from kvcache import NodeCache
+    from kpool_pd.kvcache import NodeCache
     from pulls import pull_into
 
     async def main():

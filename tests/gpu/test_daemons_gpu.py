@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-from connector import ucx_available
+from kpool_pd.connector import ucx_available
 from kpool_pd.client import RequestFailed, generate_all
-from runtime.launch import start_decode, start_prefill
-from kvcache import CacheFamily
-from model import ModelConfig
-from model.colocated import GenerateRequest, make_prompts, run_colocated
-from runtime import model_flags, model_settings
+from kpool_pd.runtime.launch import start_decode, start_prefill
+from kpool_pd.kvcache import CacheFamily
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.runtime import model_flags, model_settings
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from model import ModelConfig
-from model.colocated import GenerateRequest, make_prompts, run_colocated
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.dcp_ranks import DcpCase, run_processes
 
 pytestmark = [

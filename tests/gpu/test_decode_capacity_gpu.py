@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.capacity import WORKSPACE_BYTES, rank_cache_blocks
-from kvcache import BlockLayout, NodeCache
-from model import Engine
-from runtime import model_config
+from kpool_pd.decode_worker.capacity import WORKSPACE_BYTES, rank_cache_blocks
+from kpool_pd.kvcache import BlockLayout, NodeCache
+from kpool_pd.model import Engine
+from kpool_pd.runtime import model_config
 from tests.test_decode_capacity import settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 
-from kvcache import BlockLayout, CacheFamily, NodeCache
-from model import ModelConfig
-from model.colocated import GenerateRequest, run_colocated
-from model.engine import DecodeSequence, Engine, PrefillJob
+from kpool_pd.kvcache import BlockLayout, CacheFamily, NodeCache
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import GenerateRequest, run_colocated
+from kpool_pd.model.engine import DecodeSequence, Engine, PrefillJob
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

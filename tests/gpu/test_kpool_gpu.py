@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels import (kpool_compress, kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries,
+from kpool_pd.kernels import (kpool_compress, kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries,
                      kpool_write_entries)
-from kernels.kpool_decode.ref import decode_update
-from kvcache import PoolMode
+from kpool_pd.kernels.kpool_decode.ref import decode_update
+from kpool_pd.kvcache import PoolMode
 from tests.kernel_backends import Backend, make_backend
 from tests.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
 from tests.test_mla_rows import test_kernel_writes_what_the_reference_writes  # noqa: F401

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import BlockOrder, CacheDtype, CacheFamily
-from model.layer_hash import kpool_layer_hash, qsa_layer_hash, ref
-from model.rule import HASH_PRIME
+from kpool_pd.kvcache import BlockOrder, CacheDtype, CacheFamily
+from kpool_pd.model.layer_hash import kpool_layer_hash, qsa_layer_hash, ref
+from kpool_pd.model.rule import HASH_PRIME
 from tests.kernel_backends import Backend, make_backend
 from tests.test_layer_hash import build_engine, batches, test_fused_hash_equals_reference  # noqa: F401
 

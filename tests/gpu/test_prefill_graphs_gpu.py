@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from kvcache import BlockLayout, CacheFamily, NodeCache
-from model import ModelConfig
-from model.engine import Engine, PrefillJob
+from kpool_pd.kvcache import BlockLayout, CacheFamily, NodeCache
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.engine import Engine, PrefillJob
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -52,7 +52,7 @@ def steps(work: Sequence[tuple[list[int], list[int], int]], budget: int) -> Iter
 
 @pytest.mark.parametrize("kpool", [2, 4])
 def test_graphed_and_hoisted_prefill_equal_the_per_layer_prefill(monkeypatch, kpool):
-    monkeypatch.setattr("model.prefill_graphs.MIN_GRAPH_TOKENS", 32)  # token buckets of 32, 64 and 96
+    monkeypatch.setattr("kpool_pd.model.prefill_graphs.MIN_GRAPH_TOKENS", 32)  # token buckets of 32, 64 and 96
     config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=4, kpool=kpool, num_spec=3)
     caches, firsts = [], []
     for graphs in (False, True):

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from connector import Transport, ucx_available
+from kpool_pd.connector import Transport, ucx_available
 from tests import connector_procs as procs
 from tests.arrangements import arrangement_configs
 from tests.connector_bytes import host_copy

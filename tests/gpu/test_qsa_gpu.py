@@ -16,15 +16,15 @@ import math
 import pytest
 import torch
 
-from kernels import (build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, repack_tokens,
+from kpool_pd.kernels import (build_qsa_metadata, compress_group_keys, qsa_forward_update, qsa_topk, repack_tokens,
                      write_qsa_ring)
-from kernels.qsa_metadata import ref as metadata_ref
-from kernels.qsa_rope import RopeCache
-from kernels.qsa_update import ref as update_ref
-from kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
+from kpool_pd.kernels.qsa_metadata import ref as metadata_ref
+from kpool_pd.kernels.qsa_rope import RopeCache
+from kpool_pd.kernels.qsa_update import ref as update_ref
+from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import Backend, make_backend, poison
-from kernels.qsa_metadata import split_uniform_decodes
-from kernels.qsa_metadata.builder import QsaMetadataBuilder
+from kpool_pd.kernels.qsa_metadata import split_uniform_decodes
+from kpool_pd.kernels.qsa_metadata.builder import QsaMetadataBuilder
 from tests.test_qsa_metadata_builder import GEOMETRY, mixed_batch
 from tests.test_qsa_metadata_builder import (  # noqa: F401
     test_builder_matches_the_reference_forward_after_forward_in_the_same_buffers)

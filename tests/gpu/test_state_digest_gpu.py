@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import CacheFamily
-from model import ModelConfig
+from kpool_pd.kvcache import CacheFamily
+from kpool_pd.model import ModelConfig
 from tests.test_state_digest import check_state_digest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

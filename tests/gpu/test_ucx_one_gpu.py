@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.launch import ChildKind, child_context, start_child
+from kpool_pd.runtime.launch import ChildKind, child_context, start_child
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,9 +31,9 @@ LENGTHS = [1, 5, 65, 1000, 4096]
 def _prefill_proc(conn) -> None:
     from prometheus_client import CollectorRegistry
 
-    from connector import ConnectorConfig, PrefillConnector, Transport
+    from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
     from connector_procs import CONFIG, SeededFillEngine
-    from kvcache import NodeCache
+    from kpool_pd.kvcache import NodeCache
     from serving import serve_prefill, stop_prefill
 
     async def main():
@@ -54,10 +54,10 @@ def _prefill_proc(conn) -> None:
 def _decode_proc(conn, address: str) -> None:
     from prometheus_client import CollectorRegistry
 
-    from connector import ConnectorConfig, DecodeConnector, Transport
-    from connector.prefill.ucx_address import check_worker_address
+    from kpool_pd.connector import ConnectorConfig, DecodeConnector, Transport
+    from kpool_pd.connector.prefill.ucx_address import check_worker_address
     from connector_procs import CONFIG, landed_differences
-    from kvcache import NodeCache
+    from kpool_pd.kvcache import NodeCache
     from pulls import pull_into
 
     async def main():

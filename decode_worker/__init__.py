@@ -1,2 +1,0 @@
-"""The decode daemon: serves the public Generate API, pulls each request's cache from a prefill
-node and decodes with drafts (``kpool-pd decode``, ``python -m decode_worker``)."""

@@ -1,3 +1,0 @@
-from decode_worker.daemon import main
-
-raise SystemExit(main())

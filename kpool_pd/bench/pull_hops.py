@@ -1,0 +1,32 @@
+"""The transfer bench's per-pull hop timeline (``kpool_pd.bench.transfer --hops``): when each pull passed each hop
+on the decode and the prefill node (``kpool_pd.connector.shared.hops``), in ms from the bench's call of ``pull``,
+median over the timed pulls of one size and transport."""
+
+from __future__ import annotations
+
+import statistics
+
+from kpool_pd.connector import HOPS
+
+
+def hop_offsets(starts: dict[str, float], *stamps: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Median ms from each pull's start (``starts[grant_id]``, perf_counter seconds) to each hop it passed,
+    from the stamps of both processes (``HopRecorder.stamps``); the hops in ``HOPS`` order, then
+    ``end`` when ``starts`` had them."""
+    offsets: dict[str, list[float]] = {}
+    for grant_id, t0 in starts.items():
+        for process in stamps:
+            for hop, when in process.get(grant_id, {}).items():
+                offsets.setdefault(hop, []).append((when - t0) * 1e3)
+    return {hop: round(statistics.median(offsets[hop]), 3) for hop in HOPS if hop in offsets}
+
+
+def hop_lines(rows: list[dict]) -> str:
+    """One line per row that has hops: each hop's median ms from the call of ``pull``, and the pull's."""
+    lines = ["where a pull's time went, hop by hop (ms from the call of pull, median; decode: pull posted request "
+             "written landed returned; prefill: read checked lent send sent)"]
+    for r in rows:
+        if "hops_ms" in r:
+            hops = " ".join(f"{hop} {ms:.3f}" for hop, ms in r["hops_ms"].items())
+            lines.append(f"{r['tokens']:>7} {r['path']:<20} {hops}  | end {r['ms']:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""The raw ucxx baseline of the transfer benchmark: one region of the same bytes sent with a ucxx tag send
+from another process, after an 8-byte request, with the connector's UCX options, at the connector's
+placement (the sender's memory on the prefill device, the receiver's on the decode device). What a pull
+costs above it is the connector's own work (``kpool_pd.bench.transfer`` prints the ratio from the same run).
+
+Two kinds of endpoint (``UcxxEndpoint``): a listener's connection, request and bytes on it (the baseline
+the ratio is taken over), and the connector's own kind, where the sender's endpoint is made from the
+receiver's worker address (endpoint error handling off) and the bytes go under a forced tag into a
+receive posted on the receiver's worker before its request; that one shows whether the connector's
+kind of endpoint costs anything by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kpool_pd.connector import ucx_available
+from kpool_pd.runtime.launch import child_context, start_child
+
+REQUEST_BYTES = 8
+REQUEST_TAG = 7  # the worker-address kind: the requests' tag on the sender's worker
+START_S = 120.0
+
+
+class UcxxEndpoint(enum.Enum):
+    LISTENER = "listener"  # the receiver connects to the sender's listener; request and bytes on that connection
+    WORKER_ADDRESS = "worker address"  # as the connector: endpoints from worker addresses, a forced tag
+
+
+def import_ucxx():
+    """ucxx, imported as the connector imports it (its UCX defaults applied as its libraries load)."""
+    if not ucx_available():
+        raise RuntimeError("ucxx does not import: no raw ucxx baseline")
+    import ucxx  # noqa: PLC0415 (the ucx extra)
+    return ucxx
+
+
+def ucxx_buffer(tensor: torch.Tensor):
+    """What ucxx sends from or receives into: the tensor itself on CUDA, its numpy view on the host."""
+    return tensor if tensor.is_cuda else tensor.numpy()
+
+
+def worker_address_endpoint(ucxx, address: bytes):
+    """An endpoint to a peer's worker ``address``, as the connector makes them (error handling off)."""
+    return ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address),
+                                                    endpoint_error_handling=False)
+
+
+def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
+            endpoint: UcxxEndpoint) -> None:
+    ucxx = import_ucxx()
+
+    async def main() -> None:
+        ucxx.init(options=dict(options))
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        request = torch.empty(REQUEST_BYTES, dtype=torch.uint8)
+        if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's address in, ours out; each request names a tag
+            conn.send(bytes(ucxx.get_worker_address()))
+            ep = await worker_address_endpoint(ucxx, conn.recv())
+            for _ in range(reps + 1):
+                await ucxx.recv(ucxx_buffer(request), tag=REQUEST_TAG)
+                await ep.send(ucxx_buffer(src), tag=int(request.view(torch.int64)[0]), force_tag=True)
+            await asyncio.get_running_loop().run_in_executor(None, conn.poll, START_S)  # until the receiver is done
+            return
+        done = asyncio.Event()
+
+        async def serve(endpoint) -> None:
+            for _ in range(reps + 1):
+                await endpoint.recv(ucxx_buffer(request))
+                await endpoint.send(ucxx_buffer(src))
+            await endpoint.close()
+            done.set()
+
+        listener = ucxx.create_listener(serve)
+        conn.send(listener.port)
+        await asyncio.wait_for(done.wait(), START_S + 60 * (reps + 1))
+        listener.close()
+    asyncio.run(main())
+
+
+def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
+              endpoint: UcxxEndpoint) -> None:
+    ucxx = import_ucxx()
+
+    async def main() -> list[float]:
+        ucxx.init(options=dict(options))
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        request = torch.zeros(REQUEST_BYTES, dtype=torch.uint8)
+        times = []
+        if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # ``peer``: the sender's worker address
+            conn.send(bytes(ucxx.get_worker_address()))
+            ep = await worker_address_endpoint(ucxx, peer)
+            for rep in range(reps + 1):
+                started = time.perf_counter()
+                tag = REQUEST_TAG + 1 + rep
+                landed = asyncio.ensure_future(ucxx.recv(ucxx_buffer(dst), tag=tag))  # posted before the request
+                request.view(torch.int64)[0] = tag
+                await ep.send(ucxx_buffer(request), tag=REQUEST_TAG, force_tag=True)
+                await landed
+                if dst.is_cuda:
+                    torch.cuda.synchronize(dst.device)
+                times.append(time.perf_counter() - started)
+            return times
+        ep = await ucxx.create_endpoint("127.0.0.1", peer)  # ``peer``: the sender's listener port
+        for _ in range(reps + 1):
+            started = time.perf_counter()
+            await ep.send(ucxx_buffer(request))
+            await ep.recv(ucxx_buffer(dst))
+            if dst.is_cuda:
+                torch.cuda.synchronize(dst.device)
+            times.append(time.perf_counter() - started)
+        await ep.close()
+        return times
+    conn.send(asyncio.run(main()))
+
+
+def ucxx_tag_gbps(nbytes: int, reps: int, src_device: str, dst_device: str, options: Sequence[tuple[str, str]],
+                  endpoint: UcxxEndpoint = UcxxEndpoint.LISTENER) -> float:
+    """GB/s of a ucxx tag send of ``nbytes`` from one process's ``src_device`` memory into another's
+    ``dst_device`` memory over ``endpoint``'s kind, timed by the receiver from its 8-byte request to the last
+    byte; median of ``reps`` after one warm-up. Both ends are child processes (ucxx initialises once a process)."""
+    sender_conn, sender_end = child_context().Pipe()
+    receiver_conn, receiver_end = child_context().Pipe()
+    sender = start_child(_sender, sender_end, nbytes, reps, src_device, tuple(options), endpoint)
+    receiver = None
+    try:
+        if not sender_conn.poll(START_S):
+            raise RuntimeError("the ucxx sender process did not start")
+        receiver = start_child(_receiver, receiver_end, sender_conn.recv(), nbytes, reps, dst_device, tuple(options),
+                               endpoint)
+        if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's worker address, to the sender
+            if not receiver_conn.poll(START_S):
+                raise RuntimeError("the ucxx receiver process did not start")
+            sender_conn.send(receiver_conn.recv())
+        if not receiver_conn.poll(START_S + 60 * (reps + 1)):
+            raise RuntimeError(f"the ucxx receiver got no {nbytes} B within the deadline")
+        times = receiver_conn.recv()
+        if endpoint is UcxxEndpoint.WORKER_ADDRESS:
+            sender_conn.send("done")
+    finally:
+        for proc in (receiver, sender):
+            if proc is not None:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
+    return nbytes / statistics.median(times[1:]) / 1e9

@@ -1,0 +1,66 @@
+"""The records a decode node keeps of one request on its way from a prefill node: the grant a Prefill call
+returned (``PrefillGrant``), where the time to first token went (``TransferTimes``) and where one pull's
+time went (``PullTimeline``). Plain frozen records: the peer, the pull and the landed request read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kpool_pd.connector.shared.plan import RingRange
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillGrant:
+    """What a Prefill call returned: the grant to pull, what the decode node allocates, and the
+    source side of the transfer plan (the prefill node's blocks and ring), so that the decode node
+    plans and posts its receives before it pulls."""
+
+    grant_id: str
+    request_id: str
+    prompt_len: int
+    num_blocks: int
+    ring_live: RingRange
+    first_token: int
+    lease_s: float
+    src_block_ids: tuple[int, ...]
+    src_ring_id: int
+    pipelined: bool = False  # the prompt was still computing: ``first_token`` (0 here) comes with the pull
+    piece_blocks: int = 0  # the transfer plan's piece size (``kpool_pd.connector.shared.plan.plan_transfer``)
+    prefill_ms: float = 0.0  # the prompt's compute (not pipelined; a pipelined pull reports it)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferTimes:
+    """Where a request's time to first token went on its way to the decode node, in milliseconds:
+    ``prefill_ms`` the prompt on the prefill node (Prefill call to its last chunk computed),
+    ``transfer_ms`` moving all of its bytes (not pipelined: Pull to the last byte landed; pipelined: the
+    time its regions were being sent, overlapping sends counted once), ``exposed_transfer_ms`` from the end
+    of the last chunk's compute to every byte landed here (not pipelined: the whole transfer; pipelined: the
+    larger of the decode node's time from the prefill node's PrefillDone, sent as that compute ended, to
+    the last byte landed, and the prefill node's time from that end to its last send completed: each
+    clock measures its own side, and neither counts the last message's one-way latency)."""
+
+    prefill_ms: float
+    transfer_ms: float
+    exposed_transfer_ms: float
+
+
+@dataclass(frozen=True)
+class PullTimeline:
+    """Where one pull's time went, in milliseconds, from planning to the bytes in place: ``post``
+    planning and posting the receives, ``control`` from the Pull call until the prefill node's
+    grant message arrived, ``wire`` until the sender's PullDone (the gRPC stream: landing its
+    chunks too), ``completion`` until every UCX receive completed after that, ``verify`` the
+    integrity check and the conversion from the peer's block order. A UCX pull without integrity
+    waits on its receives alone: ``control`` and ``completion`` are 0, ``wire`` runs from the Pull
+    call to the last receive landed."""
+
+    control_ms: float
+    post_ms: float
+    wire_ms: float
+    completion_ms: float
+    verify_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.control_ms + self.post_ms + self.wire_ms + self.completion_ms + self.verify_ms

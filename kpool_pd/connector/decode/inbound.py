@@ -1,0 +1,322 @@
+"""The decode side of one Pull stream: from the PullRequest to the prompt's bytes verified in our blocks.
+
+The steps, in order (``InboundPull.run``): plan the regions ourselves from the Prefill response
+(which names the source blocks and ring) and post the UCX receives; then open the stream (the
+prefill node starts its UCX sends as the Pull arrives, into receives already posted) and check
+its grant against the Prefill response; land the stream's chunks (gRPC stream) until PullDone;
+verify that every byte arrived (and its crc32 when asked); convert from the peer's layout. Whatever step fails, the stream is cancelled and the
+receives posted into our memory are retired before ``run`` returns, so that the caller may free
+the blocks at once.
+
+A prefill node whose layout arranges the same cache otherwise (its block size, order or kernel
+page differ from ours) sends its blocks as they are: they land in a staging buffer sized to the
+request in the peer's layout, and ``kernels.repack_tokens`` places the prompt's positions into
+our blocks (the ring's layout does not depend on those fields: it lands directly). With equal
+layouts the bytes land in our blocks with no staging copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from kpool_pd import kernels
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
+from kpool_pd.connector.shared import hops, regions
+from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
+from kpool_pd.connector.shared.errors import StatusError, rpc_failure
+from kpool_pd.connector.shared.metrics import ConnectorMetrics
+from kpool_pd.connector.shared.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
+from kpool_pd.connector.shared.pull_frames import ChunkFrame
+from kpool_pd.connector.shared.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
+from kpool_pd.connector.shared.wire import Transport, ring_from
+from kpool_pd.kvcache import BlockLayout, CachePool, DcpShard
+
+logger = logging.getLogger(__name__)
+
+
+class Landing:
+    """Where a pull's blocks land. Equal layouts: straight into ``block_ids`` of our pool. A peer
+    layout that arranges the same cache otherwise (block size, order, kernel page; see
+    ``kpool_pd.connector.shared.compat``): the peer's blocks land as they are in staging blocks 0..n-1 (n =
+    ``source_blocks``, each of the peer's block bytes), which ``convert`` places into ``block_ids``
+    (ours: the prompt's blocks in our block size) with ``kernels.repack_tokens``. ``ids`` are what
+    the PullRequest names."""
+
+    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens", "_tables")
+
+    def __init__(self, pool: CachePool, peer_layout: BlockLayout, block_ids: tuple[int, ...], *,
+                 source_blocks: int, num_tokens: int) -> None:
+        self.pool, self.peer_layout, self.block_ids, self.num_tokens = pool, peer_layout, block_ids, num_tokens
+        repacks = peer_layout.layout_hash != pool.layout.layout_hash
+        # staging: [source_blocks, the peer's block_bytes] uint8 on the pool's device, or None
+        self.staging = (torch.empty(source_blocks, peer_layout.block_bytes, dtype=torch.uint8, device=pool.device)
+                        if repacks else None)
+        self.ids = tuple(range(source_blocks)) if repacks else block_ids
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the repack's block tables (``prepare``)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the landing ids may name (the staging buffer's, else the pool's)."""
+        return len(self.ids) if self.staging is not None else self.pool.num_blocks
+
+    def view(self, pair: RegionPair) -> torch.Tensor:
+        """uint8 [nbytes]: where the destination region of ``pair`` lands."""
+        dst = pair.dst
+        return regions.region_view(self.pool, dst, blocks=self.staging if dst.kind is PoolKind.BLOCKS else None)
+
+    def prepare(self) -> None:
+        """Put the repack's block tables on the device, so that ``convert`` only launches it: the staging blocks
+        are 0..n-1 (made on the device), ours come from pinned memory without waiting (``kernels.block_ids_on``).
+        The pull calls it once its request is under way, while the bytes travel. Nothing to do without staging,
+        or once done."""
+        if self.staging is not None and self._tables is None:
+            device = self.pool.device
+            self._tables = (torch.arange(len(self.ids), device=device), kernels.block_ids_on(self.block_ids, device))
+
+    def convert(self) -> None:
+        """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
+        if self.staging is not None:
+            self.prepare()
+            staged, ours = self._tables
+            kernels.repack_tokens(self.staging, self.peer_layout, staged, self.pool.blocks, self.pool.layout, ours,
+                                  self.num_tokens)
+
+
+class InboundPull:
+    """One Pull RPC, used once: ``await run()`` returns the plan once the bytes are verified in
+    place, or raises StatusError (INTERNAL for a stream or plan that disagrees with the grant,
+    UNAVAILABLE for a lost peer or a failed UCX receive, DATA_LOSS for missing or corrupt bytes).
+    Cancelling ``run`` (the caller's deadline) cancels the stream and retires the receives too."""
+
+    def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
+                 landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
+                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], dcp: DcpShard | None = None) -> None:
+        self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
+        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
+        self.ucx, self.metrics, self.keep = ucx, metrics, keep
+        self.dcp = dcp  # this rank's share of the prompt (``kpool_pd.connector.shared.dcp_plan``), or None: all of it
+        self.receives: ReceiveBatch | None = None  # posted and not all landed
+        self.views: list[torch.Tensor] = []  # where the regions land, once planned
+        self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
+        self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``, ``times``, ``first_token``
+        self.timeline: PullTimeline | None = None
+        self.times: TransferTimes | None = None
+        self.first_token: int = grant.first_token
+        self.prefill_done: tuple[float, pb.PrefillDone] | None = None  # a pipelined grant's, with when it arrived
+        self.last_landed = 0.0  # when the last byte landed (perf_counter)
+        self.done: pb.PullDone | None = None  # the stream's last message, once read
+
+    @staticmethod
+    def tag_base_for(transport: Transport) -> int:
+        """A fresh random nonzero tag base for UCX (0 for the gRPC stream)."""
+        return (secrets.randbits(64) | 1) if transport is Transport.UCX else 0
+
+    async def run(self) -> TransferPlan:
+        try:
+            hops.stamp(self.grant.grant_id, "pull")
+            marks = [time.perf_counter()]
+            plan, views = self._plan()
+            hops.stamp(self.grant.grant_id, "posted")
+            marks.append(time.perf_counter())
+            self.call = self.open_call()
+            asyncio.get_running_loop().call_soon(self._prepare_landing)  # once the request is handed on
+            if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
+                await self._land_on_receives(plan)
+                marks += [marks[-1], time.perf_counter()]  # no control round trip waited on
+                marks.append(marks[-1])
+            else:
+                await self._open(plan)
+                marks.append(time.perf_counter())
+                done, landed = await self._land_chunks(views)
+                marks.append(time.perf_counter())
+                await self._wait_landed(plan, views, landed)
+                marks.append(time.perf_counter())
+                self._verify(views, done)
+            self.landing.convert()
+            marks.append(time.perf_counter())
+            post, control, *rest = ((b - a) * 1000 for a, b in zip(marks, marks[1:]))
+            self.plan, self.timeline = plan, PullTimeline(control, post, *rest)
+            self.times = self._times(marks)
+            hops.stamp(self.grant.grant_id, "returned")
+            return plan
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
+        except (StatusError, asyncio.CancelledError, asyncio.TimeoutError):
+            raise
+        except Exception as exc:  # a transport failure (a UCX receive above all): the peer is gone or unreachable
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self.transport.label} transfer from {self.address} "
+                              f"failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            if self.call is not None and self.follower is None:
+                self.call.cancel()  # a prefill node still sending aborts this pull's endpoint, cancelling its sends
+            await self._retire_receives()
+            if self._wrote_on_stream():  # our writes into GPU memory have landed before the memory is used or freed
+                regions.settle(self.views)
+
+    def _wrote_on_stream(self) -> bool:
+        """Whether this pull wrote into memory through the current CUDA stream: the gRPC stream's chunks
+        (``regions.write_bytes``), or a landing in staging, which the repack reads. UCX lands the bytes itself,
+        complete once each receive completed, so a same-layout UCX pull waits for no stream: in a decode
+        daemon that stream also runs the decode steps, and waiting for it held the event loop up to a step."""
+        return self.transport is Transport.GRPC_STREAM or self.landing.staging is not None
+
+    def _prepare_landing(self) -> None:
+        """``Landing.prepare`` while the request and the bytes travel. Should it fail, ``convert`` prepares again
+        and raises there, in the pull."""
+        with contextlib.suppress(Exception):
+            self.landing.prepare()
+
+    def _times(self, marks: list[float]) -> TransferTimes:
+        """The request's TransferTimes (see there); ``marks``: ``run``'s time marks."""
+        if not self.grant.pipelined:
+            whole = (marks[-2] - marks[1]) * 1000  # Pull to the bytes verified
+            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=whole, exposed_transfer_ms=whole)
+        arrived, prefilled = self.prefill_done
+        here = (max(self.last_landed, arrived) - arrived) * 1000  # its arrival to the last byte landed
+        return TransferTimes(prefill_ms=prefilled.prefill_ms, transfer_ms=self.done.send_ms,
+                             exposed_transfer_ms=max(here, self.done.sent_after_prefill_ms))
+
+    def _landed(self, _future: asyncio.Future) -> None:
+        self.last_landed = max(self.last_landed, time.perf_counter())
+
+    async def _land_on_receives(self, plan: TransferPlan) -> None:
+        """UCX without integrity: the bytes are in place once every receive completed, and that is
+        what this waits for; the stream carries only the grant check and the prefill node's
+        failures. Whichever ends first decides: a stream that fails fails the pull; receives that
+        all landed end it, and the stream is followed to its end in the background (``keep``), not
+        cancelled: cancelling it would cancel sends whose completion the prefill node may not have
+        seen yet."""
+        follow = asyncio.ensure_future(self._follow(plan))
+        landed = asyncio.ensure_future(self.receives.wait())  # cancelling it leaves the receives posted
+        try:
+            await asyncio.wait({follow, landed}, return_when=asyncio.FIRST_COMPLETED)
+            if not landed.done():  # the stream ended first: a failure raises here, PullDone waits on
+                follow.result()
+            await landed
+            hops.stamp(self.grant.grant_id, "landed")
+        except BaseException:
+            for task in (follow, landed):
+                task.cancel()
+            await asyncio.gather(follow, landed, return_exceptions=True)
+            raise
+        self.receives = None
+        if not follow.done():
+            self.follower = follow
+            self.keep(follow)
+
+    async def _follow(self, plan: TransferPlan) -> None:
+        """The UCX stream's messages: the grant (checked), then PullDone."""
+        await self._open(plan)
+        await self._land_chunks(self.views)
+
+    async def _read(self):
+        try:
+            msg = await self.call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_failure(exc, f"Pull from {self.address}") from None
+        return None if msg is grpc.aio.EOF else msg
+
+    def _plan(self) -> tuple[TransferPlan, list[torch.Tensor]]:
+        """Our own plan from the grant's source side (ValueError for ids outside our pools); the
+        views it lands in, with the UCX receives posted on them, before the Pull is sent."""
+        pool, grant = self.landing.pool, self.grant
+        if self.dcp is not None:
+            plan = plan_dcp_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+                                     self.ring_id, grant.ring_live, self.dcp, grant.prompt_len,
+                                     dst_num_blocks=self.landing.num_blocks, dst_num_rings=pool.num_rings)
+        else:
+            if len(grant.src_block_ids) != len(self.landing.ids):
+                raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
+                                  f"{len(self.landing.ids)} destination blocks")
+            plan = plan_transfer(self.landing.peer_layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+                                 self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
+                                 dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
+        if len(plan) > MAX_REGIONS:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
+        views = self.views = [self.landing.view(pair) for pair in plan.pairs]
+        if self.transport is Transport.UCX:
+            self.receives = self.ucx.post_receives(views, self.tag_base)
+            for future in self.receives.futures:
+                future.add_done_callback(self._landed)
+        return plan, views
+
+    async def _open(self, plan: TransferPlan) -> None:
+        """The stream's first message: the source side of the plan, which must be the grant's."""
+        first = await self._read()
+        if first is None or isinstance(first, ChunkFrame) or first.WhichOneof("message") != "grant":
+            raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
+        source = first.grant
+        if ring_from(source.ring_live) != self.grant.ring_live or tuple(source.src_block_ids) != self.grant.src_block_ids \
+                or source.src_ring_id != self.grant.src_ring_id:
+            raise StatusError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
+        if source.num_regions != len(plan) or source.total_bytes != plan.total_bytes:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
+                              f"with the grant's {source.num_regions} / {source.total_bytes}")
+
+    async def _land_chunks(self, views: list[torch.Tensor]) -> tuple[pb.PullDone, list[int]]:
+        """Write each chunk where it belongs until PullDone; the bytes landed per region. A pipelined
+        grant's stream also brings PrefillDone (once, before PullDone): the first token."""
+        landed = [0] * len(views)
+        while True:
+            msg = await self._read()
+            if msg is None:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
+            kind = "chunk" if isinstance(msg, ChunkFrame) else msg.WhichOneof("message")
+            if kind == "prefilled" and self.grant.pipelined and self.prefill_done is None:
+                self.prefill_done = (time.perf_counter(), msg.prefilled)
+                self.first_token = msg.prefilled.first_token
+                continue
+            if kind == "done":
+                if self.grant.pipelined and self.prefill_done is None:
+                    raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream of a pipelined grant ended without "
+                                      "PrefillDone")
+                self.done = msg.done
+                return msg.done, landed
+            if kind != "chunk":
+                raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
+            region, offset, data = msg.region, msg.offset, msg.data
+            if self.transport is not Transport.GRPC_STREAM or region >= len(views) or offset != landed[region] \
+                    or offset + len(data) > views[region].numel():
+                raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected chunk (region {region}, offset {offset})")
+            regions.write_bytes(views[region][offset:offset + len(data)], data)
+            landed[region] += len(data)
+            self.last_landed = time.perf_counter()
+
+    async def _wait_landed(self, plan: TransferPlan, views: list[torch.Tensor], landed: list[int]) -> None:
+        """Every byte is in place: UCX, every receive completed; the gRPC stream, every chunk came."""
+        if self.receives is not None:
+            await self.receives.wait()
+            self.receives = None
+        elif landed != [v.numel() for v in views]:
+            raise StatusError(grpc.StatusCode.DATA_LOSS, f"stream ended with {sum(landed)} of {plan.total_bytes} bytes")
+
+    def _verify(self, views: list[torch.Tensor], done: pb.PullDone) -> None:
+        """With ``integrity``, every region's crc32 matches the sender's."""
+        if self.integrity:
+            got = [regions.crc32(v) for v in views]
+            bad = [i for i, (a, b) in enumerate(zip(got, done.crc32)) if a != b]
+            if len(done.crc32) != len(views) or bad:
+                raise StatusError(grpc.StatusCode.DATA_LOSS,
+                                  f"crc32 mismatch in regions {bad or 'all (none sent)'} of {self.grant.request_id}")
+
+    async def _retire_receives(self) -> None:
+        """Receives posted into our memory by a pull that failed: retire them before the caller
+        frees the blocks (no-op once every receive landed)."""
+        if self.receives is None:
+            return
+        receives, self.receives = self.receives, None
+        stuck = await self.ucx.abandon(receives)
+        if stuck:
+            self.metrics.failures.labels("ucx_receive_abandoned").inc(stuck)
+            logger.warning("pull of %s from %s: %d receives still pending after the sender went away",
+                           self.grant.request_id, self.address, stuck)

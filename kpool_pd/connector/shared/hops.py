@@ -1,0 +1,56 @@
+"""A pull's hops, stamped for the transfer bench: where a UCX pull's time goes between the two nodes.
+
+Each side stamps the moments a pull passes (``stamp(grant_id, hop)``) on the ``connector.hops`` logger at
+DEBUG level, with ``time.perf_counter()``: on one host both processes read the same CLOCK_MONOTONIC, so
+the stamps of the decode node and the prefill node line up. Off (the logger not at DEBUG, the default), a
+stamp is one cached level test. ``HopRecorder`` is the handler the bench attaches in each process to
+collect them (``kpool_pd.bench.transfer --hops``).
+
+The hops, in the order a UCX pull passes them (``HOPS``): decode ``pull`` (InboundPull.run begins),
+``posted`` (its receives posted), ``request`` (the pull's message handed to the session's writer),
+``written`` (the writer gave it to gRPC); prefill ``read`` (the session read it), ``checked`` (the pull
+checked and planned), ``lent`` (its endpoint lent), ``send`` (the first region's send handed to UCX),
+``sent`` (the last send completed); decode ``landed`` (the last receive seen complete), ``returned``
+(run returns).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("kpool_pd.connector.hops")
+
+HOPS = ("pull", "posted", "request", "written", "read", "checked", "lent", "send", "sent", "landed", "returned")
+
+
+def stamp(grant_id: str, hop: str) -> None:
+    """Record that ``grant_id``'s pull passed ``hop`` now (nothing when the hops logger is not at DEBUG)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s %s %.9f", grant_id, hop, time.perf_counter())
+
+
+class HopRecorder(logging.Handler):
+    """Collects the stamps of this process: ``stamps[grant_id][hop]`` is the first time (perf_counter
+    seconds) that pull passed that hop. ``install()`` turns the hops logger on and attaches it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.stamps: dict[str, dict[str, float]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        grant_id, hop, when = record.args
+        self.stamps.setdefault(grant_id, {}).setdefault(hop, when)
+
+    def install(self) -> "HopRecorder":
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+        logger.addHandler(self)
+        return self
+
+    def uninstall(self) -> None:
+        """Detach it and turn the hops logger off again (idempotent)."""
+        logger.removeHandler(self)
+        if not logger.handlers:
+            logger.setLevel(logging.NOTSET)
+            logger.propagate = True

@@ -1,2 +1,0 @@
-"""The prefill daemon: runs prompts into its cache and serves them to decode nodes through the
-connector's prefill side (``kpool-pd prefill``, ``python -m prefill_worker``)."""

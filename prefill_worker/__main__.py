@@ -1,3 +1,0 @@
-from prefill_worker.daemon import main
-
-raise SystemExit(main())
