@@ -5,6 +5,10 @@ event loop). The cancelled pull leaves the decode node's allocation to its calle
 it at once (no receive into it is posted any more), and the prefill node frees the grant now (a
 Release sent in the background), not when its lease runs out: no lease expires.
 
+A background Release that the prefill node fails, or answers later than a loaded node may, is sent
+again (or waited for) until it is answered, not left to the lease; one that never is ends with the
+lease.
+
 Then the same through the decode scheduler: a request cancelled while prefilling, pulling or
 releasing frees the allocation it was admitted with, and is counted by the state it was in."""
 
@@ -12,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
+from kpool_pd.connector.decode.peer import RELEASE_RETRY_S
 from kpool_pd.decode_worker.jobs import JobState
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
@@ -25,6 +31,7 @@ from tests.test_decode_scheduler import PROMPT, Nodes
 GRPC = Transport.GRPC_STREAM
 LEASE_S = 30.0  # far longer than any test here: only a Release frees a grant in time
 FREED_WITHIN_S = 3.0
+SLOW_RELEASE_S = 3.0  # a loaded prefill node's answer: within rpc_timeout_s (5 s), not within 2 s
 
 
 def run(coro):
@@ -70,8 +77,33 @@ def hold_pull_stream(prefill: PrefillConnector) -> Hold:
     return hold
 
 
-def config() -> ConnectorConfig:
-    return ConnectorConfig(peer_token=procs.TOKEN, lease_s=LEASE_S, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+def failing_release(prefill: PrefillConnector, failures: int | None) -> list[int]:
+    """The prefill node refuses its first ``failures`` Releases UNAVAILABLE (None: every one), as a
+    node too loaded to take a call may; the returned list counts the Releases that reached it."""
+    calls, real = [], prefill.Release
+
+    async def failing(request, context):
+        calls.append(1)
+        if failures is None or len(calls) <= failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "too busy")
+        return await real(request, context)
+    prefill.Release = failing
+    return calls
+
+
+def slow_release(prefill: PrefillConnector, delay_s: float) -> None:
+    """The prefill node answers each Release ``delay_s`` late (a caller that gives up first cancels it)."""
+    real = prefill.Release
+
+    async def slow(request, context):
+        await asyncio.sleep(delay_s)
+        return await real(request, context)
+    prefill.Release = slow
+
+
+def config(**kwargs) -> ConnectorConfig:
+    return ConnectorConfig(peer_token=procs.TOKEN, **{"lease_s": LEASE_S, "rpc_timeout_s": 5.0,
+                                                     "transfer_timeout_s": 5.0, **kwargs})
 
 
 async def freed(pair: InProcessPair, start) -> None:
@@ -123,6 +155,70 @@ def test_a_pull_cancelled_while_its_stream_runs_releases_the_grant():
             allocation.release()
             assert pair.free()[2:] == start[2:]
             await freed(pair, start)
+    run(main())
+
+
+async def cancel_a_pull(pair: InProcessPair, request_id: str):
+    """Prefill, start a pull whose stream the prefill node holds, cancel it (the grant's Release goes
+    in the background) and free the decode node's allocation; the peer."""
+    hold = hold_pull_stream(pair.prefill)
+    peer = await pair.decode.connect(pair.address)
+    grant = await peer.prefill(request_id, [6] * 150)
+    allocation = allocation_for(pair.d_cache, grant)
+    pull = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=GRPC))
+    await asyncio.wait_for(hold.entered.wait(), 10)
+    pull.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pull
+    allocation.release()
+    return peer
+
+
+async def idle(peer) -> None:
+    async def quiet() -> bool:
+        return not peer.busy
+    await until(quiet, "the peer idle (its background Release over)", FREED_WITHIN_S)
+
+
+def test_a_background_release_that_fails_is_sent_again_until_the_grant_is_freed():
+    async def main():
+        pair = InProcessPair(config=config())
+        calls = failing_release(pair.prefill, failures=2)
+        async with pair:
+            start = pair.free()
+            peer = await cancel_a_pull(pair, "release-fails-twice")
+            await freed(pair, start)  # by the third Release, not by the lease (30 s)
+            await idle(peer)
+            assert len(calls) == 3
+    run(main())
+
+
+def test_a_background_release_answered_late_is_waited_for():
+    """A loaded prefill node answers after the 2 s a background Release used to wait; giving up then
+    cancelled the call on the node too, which left the grant held until its lease ran out."""
+    async def main():
+        pair = InProcessPair(config=config())
+        slow_release(pair.prefill, SLOW_RELEASE_S)
+        async with pair:
+            start = pair.free()
+            await cancel_a_pull(pair, "release-answered-late")
+            await asyncio.sleep(SLOW_RELEASE_S)
+            await freed(pair, start)
+    run(main())
+
+
+def test_a_background_release_never_answered_ends_with_the_lease():
+    """Sent again until the grant's lease ran out (it cannot be held longer), then given up."""
+    lease_s = 1.0
+
+    async def main():
+        pair = InProcessPair(config=config(lease_s=lease_s))
+        calls = failing_release(pair.prefill, failures=None)
+        async with pair:
+            peer = await cancel_a_pull(pair, "release-never-answered")
+            await asyncio.sleep(lease_s)
+            await idle(peer)
+            assert 2 <= len(calls) <= 1 + lease_s / RELEASE_RETRY_S[0]  # backed off, not a busy loop
     run(main())
 
 

@@ -64,8 +64,7 @@ class DcpLeader:
             self._give_back(request_id, peer, grant)
             raise status_of(failures[0], "DCP pull")
         landed, responses = done
-        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=peer.context.config.rpc_timeout_s,
-                                               dcp_rank=0))
+        await peer.release_within(grant.grant_id, peer.context.config.rpc_timeout_s, dcp_rank=0)
         per_rank = (landed.nbytes, *(r.transfer_bytes for r in responses))
         transfer = RankTransfer(nbytes=sum(per_rank), regions=landed.regions + sum(r.transfer_regions for r in responses),
                                 ms=max([landed.seconds * 1000, *(r.transfer_ms for r in responses)]),

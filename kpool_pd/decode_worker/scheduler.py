@@ -222,9 +222,10 @@ class DecodeScheduler:
         self.own_transfer_bytes += transfer.per_rank_bytes[0]
 
     async def _release(self, peer: PrefillPeer, grant: PrefillGrant) -> None:
-        """Release ``grant`` and wait for the answer; a failure is logged (its lease frees it), and
-        a cancelled caller leaves the Release going on in the background."""
-        await asyncio.shield(peer.release_soon(grant.grant_id, timeout_s=self.connector.config.rpc_timeout_s))
+        """Release ``grant`` and wait for the answer (at most ``rpc_timeout_s``); a failed Release is
+        tried again in the background (``PrefillPeer.release_soon``), and a cancelled caller leaves the
+        Release going on there."""
+        await peer.release_within(grant.grant_id, self.connector.config.rpc_timeout_s)
 
     async def _prefill(self, job: Job) -> tuple[PrefillPeer, PrefillGrant]:
         """A grant for the job's prompt, from the first node that gives one: a node that is

@@ -26,7 +26,10 @@ from kpool_pd.kvcache import BlockLayout, CacheAllocation, DcpShard
 
 logger = logging.getLogger(__name__)
 
-RELEASE_SOON_TIMEOUT_S = 2.0  # deadline of a background Release (``release_soon``), at most rpc_timeout_s
+RELEASE_RETRY_S = (0.1, 2.0)  # a background Release that failed is sent again after 0.1 s, doubling up to 2 s
+RELEASE_GIVEN_UP = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,  # sent again, it fails
+                    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,    # the same way
+                    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.NOT_FOUND)
 
 
 class PrefillPeer:
@@ -41,7 +44,8 @@ class PrefillPeer:
 
     A caller cancelled while it waits on this node leaves the node no grant to expire: a Prefill
     is cancelled (or, if it was granted already, its grant released); a pull retires its receives
-    and releases its grant in the background (``release_soon``)."""
+    and releases its grant in the background (``release_soon``, which sends the Release again until
+    the node answers it or the grant's lease has run out)."""
 
     def __init__(self, context: PeerContext, address: str, channel: grpc.aio.Channel,
                  response: pb.HandshakeResponse, layout: BlockLayout, *, handshake: pb.HandshakeRequest) -> None:
@@ -64,6 +68,7 @@ class PrefillPeer:
         self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
         self._pulling: Counter[str] = Counter()  # grants being pulled (the keep-alive renews them)
         lease_s = response.lease_ms / 1000 or context.config.lease_s
+        self.lease_s = lease_s  # the node's lease: a grant nobody renews is freed by then
         self.keep_alive = KeepAlive(self._stub, handshake, context.config, context.secrets, address=address,
                                     period_s=min(context.config.heartbeat_interval_s, lease_s / 3),
                                     grants=lambda: list(self._pulling))
@@ -162,41 +167,73 @@ class PrefillPeer:
                     call.result().request_id, grant_id)
         self.release_soon(grant_id)
 
-    def release_soon(self, grant_id: str, *, timeout_s: float = RELEASE_SOON_TIMEOUT_S, dcp_rank: int = 0,
-                     all_ranks: bool = False) -> asyncio.Task:
+    def release_soon(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False) -> asyncio.Task:
         """Release ``grant_id`` in a task the peer keeps, and return that task; never blocks nor
-        raises. Best effort: a failure, or no answer within ``timeout_s`` (at most
-        ``rpc_timeout_s``), is logged and the lease frees the grant. For callers that cannot wait
-        (they were cancelled) or need not (a failure path); awaiting ``asyncio.shield`` of the task
-        waits for the answer without cancelling the Release if the waiter is cancelled. The peer
-        stays ``busy`` until the task ends; ``close`` cancels it."""
+        raises. A Release that fails or gets no answer (each try within ``rpc_timeout_s``) is sent
+        again after a backoff (``RELEASE_RETRY_S``) until the node answers it, refuses it for good
+        (``RELEASE_GIVEN_UP``: an unknown engine or another's grant, which holds nothing of ours) or
+        the grant's lease has run out (nobody renews it now: the node frees it by then); each is
+        logged. For callers that cannot wait (they were cancelled) or need not (a failure path);
+        ``release_within`` waits for the answer. The peer stays ``busy`` until the task ends;
+        ``close`` cancels it."""
         self._open_grants.pop(grant_id, None)
-        timeout_s = min(timeout_s, self.context.config.rpc_timeout_s)
-        task = asyncio.ensure_future(self._release_quietly(grant_id, timeout_s, dcp_rank, all_ranks))
+        deadline = time.monotonic() + self.lease_s
+        task = asyncio.ensure_future(self._release_until(grant_id, deadline, dcp_rank, all_ranks))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _release_quietly(self, grant_id: str, timeout_s: float, dcp_rank: int, all_ranks: bool) -> None:
-        with self._call():
-            try:
-                await asyncio.wait_for(self.release(grant_id, dcp_rank=dcp_rank, all_ranks=all_ranks), timeout_s)
-            except StatusError as exc:
-                logger.warning("release of %s failed (%s); its lease will free it", grant_id, exc)
-            except asyncio.TimeoutError:
-                logger.warning("release of %s got no answer within %.1f s; its lease will free it", grant_id,
-                               timeout_s)
+    async def release_within(self, grant_id: str, wait_s: float, *, dcp_rank: int = 0) -> None:
+        """``release_soon``, waiting at most ``wait_s`` for it to end: a caller whose bytes have
+        landed waits for the Release's answer (the grant is freed when it returns, on a node that
+        answers in time) but not for the tries after ``wait_s``; cancelling the caller leaves the
+        Release going on. Never raises but CancelledError."""
+        task = self.release_soon(grant_id, dcp_rank=dcp_rank)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
 
-    async def release(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False) -> bool:
+    async def _release_until(self, grant_id: str, deadline: float, dcp_rank: int, all_ranks: bool) -> None:
+        """The tries of ``release_soon``, ``RELEASE_RETRY_S`` apart, until one is over (``_try_release``);
+        ``deadline``: the grant's lease end (monotonic)."""
+        backoff_s, tries = RELEASE_RETRY_S[0], 1
+        with self._call():
+            while not await self._try_release(grant_id, deadline, tries, backoff_s, dcp_rank, all_ranks):
+                await asyncio.sleep(backoff_s)
+                backoff_s, tries = min(backoff_s * 2, RELEASE_RETRY_S[1]), tries + 1
+
+    async def _try_release(self, grant_id: str, deadline: float, tries: int, backoff_s: float, dcp_rank: int,
+                           all_ranks: bool) -> bool:
+        """One Release, answered by ``deadline`` at the latest; False when it failed and another try
+        may follow in ``backoff_s``. Not so (True) when it was answered, refused for good
+        (``RELEASE_GIVEN_UP``), the peer closed or the lease ends first; a failure is logged."""
+        timeout_s = min(self.context.config.rpc_timeout_s, max(deadline - time.monotonic(), 0.001))
+        try:
+            await self.release(grant_id, dcp_rank=dcp_rank, all_ranks=all_ranks, timeout_s=timeout_s)
+        except StatusError as exc:
+            left_s = deadline - time.monotonic()
+            if exc.code in RELEASE_GIVEN_UP or self.closed or left_s <= backoff_s:
+                logger.warning("release of %s failed at try %d (%s); its lease will free it", grant_id, tries, exc)
+                return True
+            log = logger.warning if tries == 1 else logger.debug  # one warning per grant, not one per try
+            log("release of %s failed at try %d (%s); trying again in %.1f s, for %.1f s more", grant_id, tries,
+                exc, backoff_s, left_s)
+            return False
+        if tries > 1:
+            logger.info("release of %s on %s answered at try %d", grant_id, self.address, tries)
+        return True
+
+    async def release(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False,
+                      timeout_s: float | None = None) -> bool:
         """Idempotent: False when the grant was already released or expired. A DCP rank releases its
-        own share (``dcp_rank``); rank 0 may release every rank's at once (``all_ranks``)."""
+        own share (``dcp_rank``); rank 0 may release every rank's at once (``all_ranks``). StatusError
+        (DEADLINE_EXCEEDED: no answer within ``timeout_s``, by default ``rpc_timeout_s``)."""
         self._open_grants.pop(grant_id, None)
         self._check_open(f"Release of {grant_id}")
         try:
             r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.context.engine_id,
                                                            engine_secret=self._secret,
                                                            dcp_rank=dcp_rank, all_ranks=all_ranks),
-                                         timeout=self.context.config.rpc_timeout_s)
+                                         timeout=timeout_s or self.context.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
         return r.released
@@ -296,9 +333,8 @@ class PrefillPeer:
         c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
-        if release:  # a failed Release is logged (the lease frees it): the data has landed
-            await asyncio.shield(self.release_soon(grant.grant_id, timeout_s=c.config.rpc_timeout_s,
-                                                   dcp_rank=dcp.rank if dcp else 0))
+        if release:  # a failed Release is tried again in the background: the data has landed
+            await self.release_within(grant.grant_id, c.config.rpc_timeout_s, dcp_rank=dcp.rank if dcp else 0)
         return landed
 
     def _landed_blocks(self, grant: PrefillGrant, dcp: DcpShard | None) -> int:
