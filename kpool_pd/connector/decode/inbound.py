@@ -34,7 +34,7 @@ from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
-from kpool_pd.connector.shared.plan import PoolKind, RegionPair, TransferPlan, plan_transfer
+from kpool_pd.connector.shared.plan import PoolKind, RegionPair, TransferPlan, plan_transfer, without_held
 from kpool_pd.connector.shared.pull_frames import ChunkFrame
 from kpool_pd.connector.shared.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
 from kpool_pd.connector.shared.wire import Transport, ring_from
@@ -99,12 +99,14 @@ class InboundPull:
 
     def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
                  landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
-                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], dcp: DcpShard | None = None) -> None:
+                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], dcp: DcpShard | None = None,
+                 held: tuple[int, ...] = ()) -> None:
         self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
         self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
         self.ucx, self.metrics, self.keep = ucx, metrics, keep
         self.dcp = dcp  # this rank's share of the prompt (``kpool_pd.connector.shared.dcp_plan``), or None: all of it
+        self.held = held  # block-table indices we hold already (a prefix hit): not pulled
         self.receives: ReceiveBatch | None = None  # posted and not all landed
         self.views: list[torch.Tensor] = []  # where the regions land, once planned
         self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
@@ -238,7 +240,8 @@ class InboundPull:
             if len(grant.src_block_ids) != len(self.landing.ids):
                 raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
                                   f"{len(self.landing.ids)} destination blocks")
-            plan = plan_transfer(self.landing.peer_layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
+            src, dst = without_held(grant.src_block_ids, self.landing.ids, self.held)
+            plan = plan_transfer(self.landing.peer_layout, src, dst, grant.src_ring_id,
                                  self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
                                  dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
         if len(plan) > MAX_REGIONS:

@@ -17,7 +17,8 @@ class LandedRequest:
     nothing and holds nothing): ``nbytes`` in ``regions`` regions over ``transport`` in
     ``seconds``, ``repacked`` when they landed in staging and were converted from the peer's
     arrangement, ``timeline`` where the pull's time went (``PullTimeline``), and the
-    prompt's next token."""
+    prompt's next token. ``held_blocks``: the prompt's blocks the allocation held already (a prefix
+    hit), which were not pulled."""
 
     grant: PrefillGrant
     transport: Transport
@@ -29,6 +30,7 @@ class LandedRequest:
     times: TransferTimes
     repacked: bool = False
     timeline: PullTimeline | None = None
+    held_blocks: int = 0
 
     def __repr__(self) -> str:
         return (f"LandedRequest({self.grant.request_id!r}, {self.prompt_blocks} blocks landed, "

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import grpc
 
@@ -251,7 +252,8 @@ class PrefillPeer:
 
     # the pull --------------------------------------------------------------------------------
     async def pull(self, grant: PrefillGrant, *, into: CacheAllocation, transport: Transport | None = None,
-                   integrity: bool = False, release: bool = True, dcp: DcpShard | None = None) -> LandedRequest:
+                   integrity: bool = False, release: bool = True, dcp: DcpShard | None = None,
+                   held: Sequence[int] = ()) -> LandedRequest:
         """Land the request's prompt into the first blocks of ``into`` (an allocation of this node's cache
         that the caller made and keeps: the connector never allocates) and its ring into ``into``'s ring,
         through staging when the peer's layout is arranged otherwise (block size, order, kernel page),
@@ -272,8 +274,16 @@ class PrefillPeer:
 
         ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
         it pulls its own share of the prompt (``kpool_pd.connector.shared.dcp_plan``) into the first blocks of its
-        allocation, and the Release releases its share only. Needs the peer's layout equal to ours."""
+        allocation, and the Release releases its share only. Needs the peer's layout equal to ours.
+
+        ``held``: block-table indices (increasing) of the grant's blocks whose bytes ``into`` holds already at
+        the same index (a prefix-cache hit): they are not pulled; the rest and the ring are. Needs the peer's
+        layout equal to ours, a computed prompt and no DCP (ValueError otherwise)."""
         landed = self._landed_blocks(grant, dcp)  # the prompt's (a rank's share)
+        held = tuple(held)
+        if held and (dcp is not None or grant.pipelined or self.repacks):
+            raise ValueError(f"pull of {grant.request_id}: held blocks are skipped only in a pull of a computed "
+                             f"prompt from a prefill node of our layout, without DCP")
         ringless = isinstance(into, CacheAllocation) and into.ring_id is None and self.context.pool.layout.ring_slots > 0
         if not isinstance(into, CacheAllocation) or into.released or ringless \
                 or into.pool is not self.context.pool or into.num_blocks < landed:
@@ -281,7 +291,7 @@ class PrefillPeer:
                              f"and at least {landed} blocks, got {into!r}")
         with self._call():
             try:
-                return await self._pull_and_release(grant, into, transport, integrity, release, dcp)
+                return await self._pull_and_release(grant, into, transport, integrity, release, dcp, held)
             finally:
                 self._open_grants.pop(grant.grant_id, None)
 
@@ -296,7 +306,8 @@ class PrefillPeer:
         return transport
 
     async def _pull_and_release(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport | None,
-                                integrity: bool, release: bool, dcp: DcpShard | None) -> LandedRequest:
+                                integrity: bool, release: bool, dcp: DcpShard | None,
+                                held: tuple[int, ...]) -> LandedRequest:
         c = self.context
         self._check_open(f"Pull of {grant.request_id}")
         if dcp is not None and self.repacks:
@@ -308,7 +319,7 @@ class PrefillPeer:
         self._pulling[grant.grant_id] += 1  # the keep-alive renews its lease while it is pulled
         budget = c.config.pull_budget_s(computing=grant.pipelined)
         try:
-            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, dcp), budget)
+            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, dcp, held), budget)
         except BaseException as exc:
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
             c.metrics.failures.labels(cause).inc()
@@ -329,7 +340,7 @@ class PrefillPeer:
         landed = LandedRequest(grant=grant, transport=transport, nbytes=pull.plan.total_bytes, regions=len(pull.plan),
                                seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
                                first_token=grant.first_token if pull.first_token is None else pull.first_token,
-                               times=times, prompt_blocks=len(pull.landing.block_ids))
+                               times=times, prompt_blocks=len(pull.landing.block_ids), held_blocks=len(held))
         c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
@@ -348,7 +359,7 @@ class PrefillPeer:
         return self.context.pool.config.blocks_for_tokens(grant.prompt_len)
 
     async def _land(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport,
-                    integrity: bool, dcp: DcpShard | None) -> InboundPull:
+                    integrity: bool, dcp: DcpShard | None, held: tuple[int, ...]) -> InboundPull:
         """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
         the allocation; the finished pull (its plan and timeline)."""
         c = self.context
@@ -360,14 +371,14 @@ class PrefillPeer:
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, engine_secret=self._secret,
                              dst_block_ids=landing.ids,
                              dst_ring_id=ring_id, transport=transport.value, integrity=integrity,
-                             ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0)
+                             ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0, held_block_indices=held)
         deadline_s = c.config.pull_budget_s(computing=grant.pipelined)
         session = self._session if transport is Transport.UCX and self._session is not None else None
         pull = InboundPull((lambda: session.open(req)) if session is not None else
                            (lambda: self._pull(req, timeout=deadline_s)),
                            address=self.address, grant=grant, landing=landing, ring_id=ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
-                           keep=self._follow_on, dcp=dcp)
+                           keep=self._follow_on, dcp=dcp, held=held)
         await pull.run()
         return pull
 

@@ -30,7 +30,7 @@ from kpool_pd.connector.shared.config import ConnectorConfig
 from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
 from kpool_pd.connector.shared.errors import StatusError
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
-from kpool_pd.connector.shared.plan import TransferPlan, plan_transfer, ready_at
+from kpool_pd.connector.shared.plan import TransferPlan, plan_transfer, ready_at, without_held
 from kpool_pd.connector.shared.ucx import MAX_REGIONS
 from kpool_pd.connector.shared.wire import Transport
 from kpool_pd.kvcache import BlockLayout, CachePool, DcpShard
@@ -39,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 
 def plan_pull(layout: BlockLayout, grant: Grant, request: pb.PullRequest) -> tuple[TransferPlan, list[int]]:
-    """The one plan of a pull of ``grant`` into ``request``'s blocks and ring (a DCP rank: its share), and for
-    each region how many prompt tokens must be written before it may move (``ready_at``). StatusError
-    INVALID_ARGUMENT for a wrong number of blocks, ids out of range, or too many regions."""
+    """The one plan of a pull of ``grant`` into ``request``'s blocks and ring (a DCP rank: its share; without
+    the blocks the puller holds, ``held_block_indices``), and for each region how many prompt tokens must be
+    written before it may move (``ready_at``). StatusError INVALID_ARGUMENT for a wrong number of blocks, ids
+    or held indices out of range, or too many regions; FAILED_PRECONDITION for held blocks with DCP or a
+    prompt still computing."""
     shard = DcpShard(size=len(grant.dcp_engine_ids), rank=request.dcp_rank, interleave=grant.dcp_interleave) \
         if grant.dcp_engine_ids else None
     want = shard.blocks_for_tokens(layout.config, grant.prompt_len) if shard else len(grant.block_ids)
@@ -49,10 +51,14 @@ def plan_pull(layout: BlockLayout, grant: Grant, request: pb.PullRequest) -> tup
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"
                           + (f" (rank {shard.rank} of {shard.size})" if shard else ""))
+    if request.held_block_indices and (shard is not None or grant.computing):
+        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, "held blocks (a prefix hit) are skipped only by a "
+                          "pull of a computed prompt without DCP")
     try:
         if shard is None:
-            plan = plan_transfer(layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
-                                 request.dst_ring_id, grant.live, piece_blocks=grant.piece_blocks)
+            src, dst = without_held(grant.block_ids, list(request.dst_block_ids), list(request.held_block_indices))
+            plan = plan_transfer(layout, src, dst, grant.ring_id, request.dst_ring_id, grant.live,
+                                 piece_blocks=grant.piece_blocks)
         else:
             plan = plan_dcp_transfer(layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
                                      request.dst_ring_id, grant.live, shard, grant.prompt_len)

@@ -94,6 +94,21 @@ def check_ids(name: str, ids: Sequence[int], limit: int | None) -> None:
         seen.add(i)
 
 
+def without_held(src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                 held: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(src, dst)`` without the block-table indices ``held`` (blocks the destination already holds: a
+    prefix-cache hit). ValueError naming the index for one out of order, repeated or beyond the blocks."""
+    last = -1
+    for index in held:
+        if not isinstance(index, int) or not last < index < len(src_blocks):
+            raise ValueError(f"held block index {index!r}: indices must increase and lie below the "
+                             f"{len(src_blocks)} blocks of the grant")
+        last = index
+    skip = set(held)
+    keep = [i for i in range(len(src_blocks)) if i not in skip]
+    return [src_blocks[i] for i in keep], [dst_blocks[i] for i in keep]
+
+
 def plan_transfer(
     layout: BlockLayout,
     src_blocks: Sequence[int],

@@ -136,7 +136,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., pipelined: _Optional[bool] = ..., piece_blocks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base", "dcp_rank", "engine_secret")
+    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base", "dcp_rank", "engine_secret", "held_block_indices")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PullRequest(_message.Message):
     UCX_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
     DCP_RANK_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     engine_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -155,7 +156,8 @@ class PullRequest(_message.Message):
     ucx_tag_base: int
     dcp_rank: int
     engine_secret: bytes
-    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
+    held_block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., held_block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("kind", "offset", "nbytes")
