@@ -45,8 +45,8 @@ def prompt_tokens_by_source(llm) -> dict[str, int]:
             if m.name == "vllm:prompt_tokens_by_source"}
 
 
-def tiny_llama_weights(seed: int = 0) -> dict:
-    """TINY_LLAMA's weights under their Hugging Face names, bf16, seeded."""
+def tiny_llama_weights(seed: int = 0, num_layers: int = TINY_LLAMA["num_hidden_layers"]) -> dict:
+    """TINY_LLAMA's weights (of ``num_layers`` layers) under their Hugging Face names, bf16, seeded."""
     import torch
 
     c = TINY_LLAMA
@@ -59,7 +59,7 @@ def tiny_llama_weights(seed: int = 0) -> dict:
     tensors = {"model.embed_tokens.weight": weight(c["vocab_size"], hidden, hidden ** 0.5),
                "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
                "lm_head.weight": weight(c["vocab_size"], hidden)}
-    for i in range(c["num_hidden_layers"]):
+    for i in range(num_layers):
         layer = f"model.layers.{i}"
         tensors |= {f"{layer}.self_attn.q_proj.weight": weight(heads * head_dim, hidden, 4.0),
                     f"{layer}.self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden, 4.0),
@@ -94,7 +94,7 @@ def write_model(folder: Path, max_positions: int = TINY_LLAMA["max_position_embe
     folder.mkdir(parents=True, exist_ok=True)
     config = TINY_LLAMA | {"max_position_embeddings": max_positions} | (layers or {})
     (folder / "config.json").write_text(json.dumps(config))
-    save_file(tiny_llama_weights(), str(folder / "model.safetensors"))
+    save_file(tiny_llama_weights(num_layers=config["num_hidden_layers"]), str(folder / "model.safetensors"))
     return folder
 
 
@@ -116,8 +116,9 @@ def redirect_output(log: Path) -> None:
 
 
 def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int = 2048,
-          env: dict[str, str] | None = None, log: Path | None = None) -> None:
-    """One engine: ``transfer`` is the kv_transfer_config (None: no connector); ``log``: where everything
+          env: dict[str, str] | None = None, log: Path | None = None, engine_args: dict | None = None) -> None:
+    """One engine: ``transfer`` is the kv_transfer_config (None: no connector); ``engine_args``: more of
+    vLLM's engine arguments (e.g. ``tensor_parallel_size``); ``log``: where everything
     the process prints goes (``redirect_output``; a failure's traceback too), None: the terminal. A job is
     ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
     ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
@@ -135,7 +136,7 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
         kwargs = {"kv_transfer_config": transfer} if transfer else {}
         llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
                   enable_prefix_caching=False, disable_log_stats=False, max_model_len=max_model_len,
-                  max_num_batched_tokens=max_model_len, seed=0, **kwargs)
+                  max_num_batched_tokens=max_model_len, seed=0, **kwargs, **(engine_args or {}))
     except Exception:
         _failed(results, log is not None)
         return
@@ -172,14 +173,15 @@ JOB_S = 300
 class EngineProcess:
     """``serve`` in a process of its own (``context``: a multiprocessing context; spawn, as vLLM needs);
     ``run`` sends a job and waits for its ``Job``; AssertionError with the engine's traceback if it failed.
-    ``log``: the file the engine's output goes to (None: the terminal)."""
+    ``log``: the file the engine's output goes to (None: the terminal); ``engine_args``: ``serve``'s."""
 
     def __init__(self, context, model: str, transfer: dict | None, *, max_model_len: int = 2048,
-                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, log: Path | None = None, engine_args: dict | None = None) -> None:
         self.jobs, self.results = context.Queue(), context.Queue()
         self.log = log
         self.process = context.Process(target=serve, args=(model, transfer, self.jobs, self.results),
-                                       kwargs={"max_model_len": max_model_len, "env": env, "log": log})
+                                       kwargs={"max_model_len": max_model_len, "env": env, "log": log,
+                                               "engine_args": engine_args})
         self.process.start()
 
     def _answer(self, timeout_s: float):

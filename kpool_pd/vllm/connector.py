@@ -13,12 +13,21 @@ the blocks in the window, per-request rings (``CircularBufferSpec``: GLM-5-Next'
 ring, drafts' slots included) whole (``kpool_pd.vllm.groups``). A model with a group it cannot move
 (e.g. Mamba state, chunked-local attention, a host-resident group) is refused with a ValueError naming
 the group and why, when the scheduler side is made and when the worker side registers the caches.
+
+**Ranks** (``kpool_pd.vllm.ranks``). Every worker rank serves its own pulls: TP rank ``r`` of DP rank
+``d`` serves on the ``listen`` port plus ``d * tp_size + r``, and reports the address consumers dial
+(``get_handshake_metadata``) to the scheduler side (``set_xfer_handshake_metadata``), whose
+``kv_transfer_params`` then name every rank (``kpool_pd.vllm.rank_params``). A consumer's ranks read
+the producer's by vLLM's rules for heterogeneous TP; it asks vLLM for the ``LBHNC`` KV cache layout
+(``get_required_kvcache_layout``), as NixlConnector does, in which each head slot of a block moves on its
+own. Pipeline parallelism is refused (a rank would hold some layers only).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from dataclasses import dataclass
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -26,18 +35,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
 )
 
-from kpool_pd.vllm.groups import transfer_rules
-from kpool_pd.vllm.planes import engine_pool
+from kpool_pd.vllm.groups import sharding_of, transfer_rules
+from kpool_pd.vllm.planes import engine_pool, head_units
+from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Sharding
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.stats import KpoolPdPromMetrics, KpoolPdStats
-from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker
+from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker, rank_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,6 +75,26 @@ def model_identity(vllm_config: "VllmConfig") -> str:
 
 
 ROLES = {"kv_producer": (True, False), "kv_consumer": (False, True), "kv_both": (True, True)}  # produces, consumes
+LAYOUT = "LBHNC"  # vLLM's KV cache layout in which a block's head slots are runs of their own
+
+
+@dataclass(frozen=True)
+class KpoolPdRankInfo(KVConnectorHandshakeMetadata):
+    """What a producer's worker rank tells its scheduler side: the address consumers dial for it."""
+
+    address: str
+
+
+def engine_ranks(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineRanks:
+    """The engine's TP size, its model's KV heads and how its moved caches lie across ranks. ValueError
+    for pipeline parallelism."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"KpoolPdConnector moves the KV of engines without pipeline parallelism; this one has "
+                         f"pipeline_parallel_size {parallel.pipeline_parallel_size}")
+    return EngineRanks(tp_size=parallel.tensor_parallel_size,
+                       total_heads=max(1, vllm_config.model_config.get_total_num_kv_heads()),
+                       sharding=sharding_of(kv_cache_config, transfer_rules(kv_cache_config)))
 
 
 class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -83,10 +114,22 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         self.consumer_worker: ConsumerWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             rules = transfer_rules(kv_cache_config)
+            self.ranks = engine_ranks(vllm_config, kv_cache_config)
             if self.produces:
                 self.producer_scheduler = ProducerScheduler(self.settings, rules, engine_id=self.engine_id)
+                dp = vllm_config.parallel_config.data_parallel_index
+                self.producer_scheduler.rank_addresses = tuple(  # until the workers report theirs
+                    rank_address(self.settings.advertise, RankSeat(tp_rank=r, tp_size=self.ranks.tp_size, dp_index=dp))
+                    for r in range(self.ranks.tp_size))
             if self.consumes:
-                self.consumer_scheduler = ConsumerScheduler(self.settings, rules)
+                self.consumer_scheduler = ConsumerScheduler(self.settings, rules, self.ranks)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """``LBHNC`` for a model whose caches TP splits by head (a consumer rank reads just its heads), as
+        NixlConnector asks; none for MLA (its cache is whole on every rank)."""
+        model = vllm_config.model_config
+        return None if model is None or model.use_mla else LAYOUT
 
     @property
     def _workers(self) -> list[ProducerWorker | ConsumerWorker]:
@@ -96,18 +139,35 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's worker, once, after it allocated the caches: every group that moves becomes planes of one
         pool. ValueError naming the group for a model whose groups cannot be moved (nothing started)."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         config = self._kv_cache_config
         layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()  # the one vLLM allocated with
-        pool = engine_pool(kv_caches, config, layout, transfer_rules(config), engine={"connector": "KpoolPdConnector"})
+        rules = transfer_rules(config)
+        ranks = engine_ranks(self._vllm_config, config)
+        seat = RankSeat(tp_rank=get_tensor_model_parallel_rank(), tp_size=ranks.tp_size,
+                        dp_index=self._vllm_config.parallel_config.data_parallel_index)
+        units = head_units(config, layout, rules) if ranks.sharding is Sharding.BY_HEAD else 0
+        if units and units != ranks.units(seat.tp_rank):
+            units = 0  # a head count the model's does not explain: whole blocks (equal TP only)
+        if not units and ranks.sharding is Sharding.BY_HEAD:
+            logger.info("KpoolPdConnector moves whole blocks of the %s KV cache layout: caches split by head move "
+                        "between engines of equal TP only (%s moves each head slot)", layout.name, LAYOUT)
+        pool = engine_pool(kv_caches, config, layout, rules, engine={"connector": "KpoolPdConnector"}, units=units)
         if self.produces:
             self.producer_worker = ProducerWorker(self.settings, pool, engine_id=self.engine_id,
-                                                  model_identity=self.identity)
+                                                  model_identity=self.identity, seat=seat, units=units)
             self.producer_worker.start()
         if self.consumes:
             policy = self._vllm_config.kv_transfer_config.kv_load_failure_policy
             self.consumer_worker = ConsumerWorker(self.settings, pool, engine_id=self.engine_id,
-                                                  model_identity=self.identity, failure_policy=policy)
+                                                  model_identity=self.identity, failure_policy=policy, ranks=ranks,
+                                                  seat=seat, units=units)
             self.consumer_worker.start()
+
+    def get_handshake_metadata(self) -> KpoolPdRankInfo | None:
+        """vLLM's worker, once its caches are registered: a producer rank's address, for the scheduler side."""
+        return None if self.producer_worker is None else KpoolPdRankInfo(self.producer_worker.address)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.consumer_worker is not None:
@@ -161,6 +221,23 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
             worker.close()
 
     # scheduler side ---------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """vLLM's engine core, once: every producer rank's address (by TP rank), for the params it hands out.
+        ValueError naming the ranks when one is missing."""
+        if self.producer_scheduler is None or not metadata:
+            return
+        ranks = self.ranks.tp_size
+        if sorted(metadata) != list(range(ranks)) or not all(isinstance(m, KpoolPdRankInfo) for m in metadata.values()):
+            raise ValueError(f"KpoolPdConnector: TP ranks {sorted(metadata)} reported their addresses, "
+                             f"expected 0..{ranks - 1}")
+        self.producer_scheduler.rank_addresses = tuple(metadata[r].address for r in range(ranks))
+        logger.info("KpoolPdConnector producer %s: ranks serve on %s", self.engine_id,
+                    ", ".join(self.producer_scheduler.rank_addresses))
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.consumer_scheduler is not None:
+            self.consumer_scheduler.update_connector_output(connector_output)
+
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.producer_scheduler is not None:

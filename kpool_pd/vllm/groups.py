@@ -30,11 +30,14 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MLAAttentionSpec,
     RSWASpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+
+from kpool_pd.vllm.ranks import Sharding
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool takes block 0 as its null block
 
@@ -132,3 +135,21 @@ def request_blocks(rules: Sequence[GroupRule], block_ids: Sequence[Sequence[int]
             raise ValueError(f"a request with {len(block_ids)} block tables has no group {rule.group}")
         chosen[rule.group] = rule.prompt_blocks(block_ids[rule.group], num_tokens)
     return tuple(chosen)
+
+
+def splits_by_head(spec: KVCacheSpec) -> bool:
+    """Whether TP splits a layer's cache of ``spec`` by KV head (full and sliding-window attention), rather
+    than keeping it whole on every rank (MLA and its indexer pages, per-request rings)."""
+    if isinstance(spec, (MLAAttentionSpec, CircularBufferSpec)) or "MLA" in type(spec).__name__:
+        return False
+    return isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
+
+
+def sharding_of(config: KVCacheConfig, rules: Sequence[GroupRule]) -> Sharding:
+    """How the groups of ``rules`` (those moved) lie across TP ranks: all split by head, all replicated,
+    or mixed."""
+    kinds = {splits_by_head(layer_spec(config.kv_cache_groups[rule.group].kv_cache_spec, layer))
+             for rule in rules for layer in config.kv_cache_groups[rule.group].layer_names}
+    if kinds == {True}:
+        return Sharding.BY_HEAD
+    return Sharding.REPLICATED if kinds == {False} else Sharding.MIXED

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kpool_pd.transfer_params import DecodeParams
+from kpool_pd.vllm.rank_params import RankParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def params_error(body: bytes) -> str | None:
         return None
     try:
         DecodeParams.parse(params)
+        RankParams.parse(params)
     except ValueError as exc:
         return str(exc)
     return None

@@ -4,11 +4,13 @@
 Block ids travel per KV cache group, as vLLM keeps them (one tuple per group, vLLM's group order; the
 groups not moved are empty); ``remote_block_ids`` is a list of lists, as NixlConnector's. The connector
 names a block by one id (``kvcache.PlanarLayout.block_id``): ``flat_ids`` lists a request's blocks that
-way, group by group.
+way, group by group. With TP ranks, a Load names the producer's ranks (``RankParams``) and each worker
+pulls its own reads (``kpool_pd.vllm.ranks``); a Release or a Renew names the worker rank that sends it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -16,6 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kpool_pd.connector import PrefillGrant, RingRange
 from kpool_pd.transfer_params import DecodeParams, grant_key
 from kpool_pd.kvcache import PlanarLayout
+from kpool_pd.vllm.rank_params import ADDRESSES_FIELD, TP_FIELD, RankParams
+from kpool_pd.vllm.ranks import Read, slot_key
+from kpool_pd.vllm.units import unit_ids
 
 BlockIds = tuple[tuple[int, ...], ...]  # one tuple of vLLM block ids per KV cache group
 
@@ -49,6 +54,11 @@ class Load:
     block_ids: BlockIds
     digest: str
     error: str = ""
+    ranks: RankParams | None = None  # the producer's ranks (None: one, at ``params.address``)
+
+    @property
+    def producer_ranks(self) -> RankParams:
+        return self.ranks or RankParams(tp_size=1, addresses=(self.params.address,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +70,7 @@ class Release:
     address: str  # the producer's, as the params named it (the worker checks it is allowed)
     key: str  # the grant's key on the producer
     why: str
+    rank: int = 0  # the worker rank that sends it (the one that reads the grant, or rank 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +82,7 @@ class Renew:
     address: str
     key: str
     lease_s: float  # the producer's lease (renewed at a third of it)
+    rank: int = 0  # the worker rank that renews it (the one that will pull it)
 
 
 @dataclass
@@ -87,12 +99,17 @@ def is_idle(scheduler_output) -> bool:
     return scheduler_output.total_num_scheduled_tokens == 0
 
 
-def producer_params(offer: Offer, *, address: str, engine_id: str, lease_s: float) -> dict:
-    """The prefill request's output ``kv_transfer_params``: what the decode request sends back."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-            "remote_address": address, "remote_request_id": offer.request_id, "remote_grant_id": offer.grant_id,
-            "remote_prompt_digest": offer.prompt_digest, "remote_block_ids": [list(group) for group in offer.block_ids],
-            "remote_num_tokens": offer.prompt_len, "remote_lease_ms": int(lease_s * 1000)}
+def producer_params(offer: Offer, *, address: str, engine_id: str, lease_s: float,
+                    rank_addresses: Sequence[str] | None = None) -> dict:
+    """The prefill request's output ``kv_transfer_params``: what the decode request sends back.
+    ``rank_addresses``: every TP rank's address, rank 0's first (``kpool_pd.vllm.rank_params``)."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+              "remote_address": address, "remote_request_id": offer.request_id, "remote_grant_id": offer.grant_id,
+              "remote_prompt_digest": offer.prompt_digest, "remote_block_ids": [list(group) for group in offer.block_ids],
+              "remote_num_tokens": offer.prompt_len, "remote_lease_ms": int(lease_s * 1000)}
+    if rank_addresses is not None:
+        params |= {TP_FIELD: len(rank_addresses), ADDRESSES_FIELD: list(rank_addresses)}
+    return params
 
 
 def is_remote_prefill(params) -> bool:
@@ -124,3 +141,28 @@ def grant_from(params: DecodeParams, digest: str, layout: PlanarLayout,
                          prompt_len=params.num_tokens, num_blocks=len(src_ids), ring_live=RingRange(0, 0),
                          first_token=0, lease_s=params.lease_s, src_block_ids=src_ids, src_ring_id=0)
     return grant, flat_ids(layout, dst)
+
+
+def read_key(key: str, read: Read) -> str:
+    """The key of the grant ``read`` pulls from a producer rank that holds the request as ``key``."""
+    return key if read.whole else slot_key(key, read.remote_slots[0])
+
+
+def rank_grant(params: DecodeParams, digest: str, layout: PlanarLayout, dst: BlockIds, read: Read, *,
+               local_units: int, remote_units: int) -> tuple[PrefillGrant, tuple[int, ...]]:
+    """``grant_from`` for one read of a TP rank: the producer rank's grant ``read`` names (its whole grant or
+    one slot's), its ids (``remote_units`` head slots a block) and the ids of this rank's slots they land in
+    (``local_units`` a block). ValueError naming the group for a group whose block counts differ."""
+    src = params.block_ids
+    if len(src) != len(dst):
+        raise ValueError(f"the producer has {len(src)} KV cache groups, this engine {len(dst)}")
+    for group, (theirs, ours) in enumerate(zip(src, dst)):
+        if len(theirs) != len(ours):
+            raise ValueError(f"group {group}: the producer offers {len(theirs)} blocks, this engine holds "
+                             f"{len(ours)} for them")
+    src_ids = unit_ids(layout, src, units=remote_units, slots=read.remote_slots)
+    key = read_key(grant_key(params.grant_id, digest), read)
+    grant = PrefillGrant(grant_id=key, request_id=params.request_id or "vllm", prompt_len=params.num_tokens,
+                         num_blocks=len(src_ids), ring_live=RingRange(0, 0), first_token=0, lease_s=params.lease_s,
+                         src_block_ids=src_ids, src_ring_id=0)
+    return grant, unit_ids(layout, dst, units=local_units, slots=read.local_slots)

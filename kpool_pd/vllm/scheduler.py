@@ -10,6 +10,12 @@ decode request sends back. Consumer (``kv_consumer``): a request whose params sa
 
 Both take a request's blocks in every KV cache group that moves (``kpool_pd.vllm.groups``: the prompt's
 blocks of a full-attention or MLA group, the in-window ones of a sliding-window group, the ring's one).
+
+**Ranks.** A producer's params name every TP rank's address (``kpool_pd.vllm.rank_params``); a consumer
+plans which producer ranks' grants each of its ranks pulls (``kpool_pd.vllm.ranks``). Each read grant is
+renewed and, when it is not pulled, released by the consumer rank that reads it; a producer rank whose
+whole grant no consumer rank pulls is released by rank 0 once the request's load ended on every rank
+(vLLM's finished receiving), or at once when the request will not load.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from kpool_pd.vllm.groups import GroupRule, request_blocks
 from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, Renew, is_idle, is_remote_prefill,
-                                    producer_params)
+                                    producer_params, read_key)
+from kpool_pd.vllm.rank_params import RankParams
+from kpool_pd.vllm.ranks import EngineRanks, RankPlan
 from kpool_pd.transfer_params import DecodeParams, bounded_request_id, prompt_digest, release_target
 from kpool_pd.vllm.settings import KpoolPdSettings
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -36,6 +45,7 @@ class ProducerScheduler:
     def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...], *, engine_id: str) -> None:
         self.settings, self.rules, self.engine_id = settings, rules, engine_id
         self.kv_cache_manager: "KVCacheManager | None" = None
+        self.rank_addresses: tuple[str, ...] | None = None  # every TP rank's, as its worker reported it
         self._prefilling: dict[str, "Request"] = {}  # do_remote_decode requests whose prompt is not computed
         self._offered: dict[str, Offer] = {}  # offered in a step's metadata, not finished yet
         self._pending: list[Offer] = []
@@ -72,8 +82,9 @@ class ProducerScheduler:
         offer = self._offered.pop(request.request_id, None)
         if offer is None:
             return False, None
-        return True, producer_params(offer, address=self.settings.advertise, engine_id=self.engine_id,
-                                     lease_s=self.settings.lease_s)
+        addresses = self.rank_addresses or (self.settings.advertise,)
+        return True, producer_params(offer, address=addresses[0], engine_id=self.engine_id,
+                                     lease_s=self.settings.lease_s, rank_addresses=addresses)
 
 
 class ConsumerScheduler:
@@ -81,8 +92,10 @@ class ConsumerScheduler:
     producer's grant given back at once (a ``Release``): params that fail their checks, a prompt this
     engine's prefix cache already holds, a request vLLM rejected or aborted before its load began."""
 
-    def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...]) -> None:
-        self.settings, self.rules = settings, rules
+    def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...],
+                 ranks: EngineRanks = EngineRanks()) -> None:
+        self.settings, self.rules, self.ranks = settings, rules, ranks
+        self._after_load: dict[str, list[Release]] = {}  # releases due once a request's load ended on every rank
         self._loads: list[Load] = []
         self._releases: list[Release] = []
         self._renewals: list[Renew] = []
@@ -95,11 +108,20 @@ class ConsumerScheduler:
         if not is_remote_prefill(params):
             return
         try:
-            decode = DecodeParams.parse(params)
+            decode, ranks, plan = self._parse(params)
         except ValueError:
             return  # refused when it is scheduled
-        self._renewals.append(Renew(request_id=request.request_id, address=decode.address, key=decode.key,
-                                    lease_s=decode.lease_s))
+        for rank, reads in enumerate(plan.reads):
+            self._renewals += [Renew(request_id=request.request_id, address=ranks.addresses[read.remote_rank],
+                                     key=read_key(decode.key, read), lease_s=decode.lease_s, rank=rank)
+                               for read in reads]
+
+    def _parse(self, params) -> tuple[DecodeParams, RankParams, RankPlan]:
+        """The checked params, the producer's ranks and what this engine's ranks read of them; ValueError
+        naming the field or the sizes."""
+        decode = DecodeParams.parse(params)
+        ranks = RankParams.parse(params)
+        return decode, ranks, self.ranks.plan(ranks.tp_size)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """The prompt's tokens, loaded asynchronously, for a decode request whose params name a producer's
@@ -110,7 +132,7 @@ class ConsumerScheduler:
         if not is_remote_prefill(params):
             return 0, False
         try:
-            decode = DecodeParams.parse(params)
+            decode, _, _ = self._parse(params)
         except ValueError as exc:
             logger.warning("request %s computes its prompt here: %s", request.request_id, exc)
             self._release(request, f"its kv_transfer_params were refused ({exc})")
@@ -124,7 +146,7 @@ class ConsumerScheduler:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if num_external_tokens > 0 and is_remote_prefill(params):
-            decode = DecodeParams.parse(params)  # checked by get_num_new_matched_tokens
+            decode, ranks, plan = self._parse(params)  # checked by get_num_new_matched_tokens
             tables = blocks.get_block_ids()
             try:
                 dst = request_blocks(self.rules, tables, num_external_tokens)
@@ -132,13 +154,23 @@ class ConsumerScheduler:
                 error = "" if digest == decode.prompt_digest else (
                     f"its prompt ({num_external_tokens} tokens) is not the one the producer's grant holds (the "
                     "prompt digests differ)")
-                load = Load(request_id=request.request_id, params=decode, block_ids=dst, digest=digest, error=error)
+                load = Load(request_id=request.request_id, params=decode, block_ids=dst, digest=digest, error=error,
+                            ranks=ranks)
             except ValueError as exc:  # the worker reports the load failed
                 load = Load(request_id=request.request_id, params=decode, block_ids=tuple(tuple(t) for t in tables),
-                            digest=decode.prompt_digest, error=str(exc))
+                            digest=decode.prompt_digest, error=str(exc), ranks=ranks)
             self._loads.append(load)
+            self._after_load[request.request_id] = [
+                Release(request_id=request.request_id, address=ranks.addresses[rank], key=decode.key,
+                        why="no rank of this engine pulls its whole grant") for rank in plan.unread]
             self._loading.add(request.request_id)
             params["do_remote_prefill"] = False  # loaded once: a second allocation for this request loads nothing
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """vLLM's scheduler, every step: the requests whose load ended on every rank release the producer
+        ranks no rank of this engine pulled whole."""
+        for request_id in output.finished_recving or ():
+            self._releases += self._after_load.pop(request_id, [])
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KpoolPdMetadata:
         meta = KpoolPdMetadata(loads=self._loads, releases=self._releases, renewals=self._renewals,
@@ -157,9 +189,20 @@ class ConsumerScheduler:
         return False, None
 
     def _release(self, request: "Request", why: str) -> None:
-        """The request loads nothing from now on; the grant its params name (if they name one) is released."""
+        """The request loads nothing from now on; the grants its params name (if they name any) are released:
+        each rank's read grants by that rank, the producer ranks none of them pulls whole by rank 0."""
         params = request.kv_transfer_params
+        try:
+            decode, ranks, plan = self._parse(params)
+        except ValueError:
+            target = release_target(params)
+            if target is not None:
+                self._releases.append(Release(request_id=request.request_id, address=target[0], key=target[1], why=why))
+        else:
+            rid = request.request_id
+            self._releases += [Release(request_id=rid, address=ranks.addresses[read.remote_rank],
+                                       key=read_key(decode.key, read), why=why, rank=rank)
+                               for rank, reads in enumerate(plan.reads) for read in reads]
+            self._releases += [Release(request_id=rid, address=ranks.addresses[p], key=decode.key, why=why)
+                               for p in plan.unread]
         params["do_remote_prefill"] = False
-        target = release_target(params)
-        if target is not None:
-            self._releases.append(Release(request_id=request.request_id, address=target[0], key=target[1], why=why))

@@ -12,6 +12,13 @@ names each by one id (``kpool_pd.vllm.metadata.flat_ids``).
 
 A consumer dials only the producers its settings allow (``KpoolPdSettings.producers``); a grant it will
 not pull (a failed load, a Release from the scheduler side) is released on the producer at once.
+
+**Ranks.** Each TP rank's worker serves and pulls on its own (``kpool_pd.vllm.ranks``): a producer rank
+serves on its own port (``RankSeat.port``) and holds each request as its whole grant and, in a pool of
+head units with several slots a block, one grant per slot (``slot_key``); the request's blocks go back to
+vLLM once all of them ended, and the whole grant's end releases the slot grants no consumer rank claimed.
+A consumer rank pulls the reads its plan gives it, each into the slots it holds, and acts only on the
+Releases and Renews addressed to its rank.
 """
 
 from __future__ import annotations
@@ -36,11 +43,15 @@ from kpool_pd.connector import (
     PrefillProgress,
     StatusError,
 )
-from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, flat_ids, grant_from
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, rank_grant, read_key
+from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Read, slot_key
+from kpool_pd.vllm.units import unit_ids
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.stats import StatsRecorder
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.runtime import GrpcServer
+from kpool_pd.transfer_params import grant_key, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -104,21 +115,33 @@ def connector_config(settings: KpoolPdSettings) -> ConnectorConfig:
                            transfer_timeout_s=settings.pull_timeout_s, rpc_timeout_s=settings.rpc_timeout_s)
 
 
-class ProducerWorker:
-    """Serves vLLM's blocks on ``settings.listen`` once ``start`` ran."""
+def rank_address(address: str, seat: RankSeat) -> str:
+    """``address`` (``"host:port"``, the engine's) with the port of ``seat``'s rank."""
+    host, port = split_host_port(address, "the producer's address")
+    return f"[{host}]:{seat.port(port)}" if ":" in host else f"{host}:{seat.port(port)}"
 
-    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str) -> None:
-        self.settings, self.engine_id = settings, engine_id
+
+class ProducerWorker:
+    """Serves vLLM's blocks on ``settings.listen`` (its rank's port of it) once ``start`` ran. ``units``:
+    the head slots a block holds in a pool of head units (0: whole blocks)."""
+
+    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str,
+                 seat: RankSeat = RankSeat(), units: int = 0) -> None:
+        self.settings, self.seat, self.units = settings, seat, units
+        self.engine_id = seat.engine_id(engine_id)
+        self.listen = (settings.listen[0], seat.port(settings.listen[1]))
+        self.address = rank_address(settings.advertise, seat)  # what the scheduler hands consumers for this rank
         self.cache = EngineCache(pool)
         self._lock = threading.Lock()
-        self._ended: set[str] = set()  # grants ended (their blocks are vLLM's to free again)
+        self._holding: dict[str, int] = {}  # request -> its grants on this rank not ended yet (the loop's)
+        self._ended: set[str] = set()  # requests whose grants all ended (their blocks are vLLM's to free again)
         self._finished: set[str] = set()  # requests vLLM said finished
         self.progress = TransferProgress()
         self.stats = StatsRecorder()
         self.loop = ConnectorLoop("kpoolpd-producer")
         self._registry = CollectorRegistry()
         self._expired_seen = 0.0
-        self.node = PrefillConnector(pool, NoPrefillCalls(), engine_id=engine_id,
+        self.node = PrefillConnector(pool, NoPrefillCalls(), engine_id=self.engine_id,
                                      config=connector_config(settings), registry=self._registry,
                                      model_identity=model_identity)
         self.server: GrpcServer | None = None
@@ -129,40 +152,78 @@ class ProducerWorker:
             config = self.node.config
             self.server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options())
             self.server.add(self.node)
-            host, port = self.settings.listen
+            host, port = self.listen
             await self.server.start(host, port)
             await self.server.health.open(self.server)
         self.loop.call(start)
-        logger.info("kpool-pd producer %s serves vLLM's blocks on %s:%d", self.engine_id, *self.settings.listen)
+        logger.info("kpool-pd producer %s (TP rank %d of %d, DP rank %d) serves vLLM's blocks on %s:%d, advertised "
+                    "as %s", self.engine_id, self.seat.tp_rank, self.seat.tp_size, self.seat.dp_index, *self.listen,
+                    self.address)
 
     def offer(self, metadata: KpoolPdMetadata) -> None:
         """Hold this step's computed prompts as grants (before the step's output leaves the engine)."""
         if metadata.offers:
             self.loop.call(lambda: self._offer_all(metadata))
 
+    def _grants_of(self, offer) -> list[tuple[str, tuple[int, ...]]]:
+        """(key, the connector's ids) of each grant this rank holds ``offer`` as: the whole grant (every
+        slot of every block) first, then one grant per head slot when a block holds several."""
+        units = max(self.units, 1)
+        grants = [(offer.key, unit_ids(self.cache.layout, offer.block_ids, units=units, slots=range(units)))]
+        if units > 1:
+            grants += [(slot_key(offer.key, slot), unit_ids(self.cache.layout, offer.block_ids, units=units,
+                                                            slots=(slot,))) for slot in range(units)]
+        return grants
+
     async def _offer_all(self, metadata: KpoolPdMetadata) -> None:
         for offer in metadata.offers:
+            rid = offer.request_id
             try:
-                ids = flat_ids(self.cache.layout, offer.block_ids)
-                allocation = self.cache.lend(offer.request_id, ids,
-                                             on_release=lambda rid=offer.request_id: self._grant_ended(rid))
+                grants = self._grants_of(offer)
             except ValueError:
-                logger.exception("request %s could not be offered: its blocks are not this engine's", offer.request_id)
-                self._grant_ended(offer.request_id)
+                logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
+                self._holding[rid] = 1
+                self._grant_ended(rid)
                 continue
-            try:
-                self.node.offer(allocation, grant_id=offer.key, request_id=offer.request_id,
-                                prompt_len=offer.prompt_len)
-            except ValueError:
-                logger.exception("request %s could not be offered; its blocks go back to vLLM", offer.request_id)
-                allocation.release()
-                continue
+            self._holding[rid] = len(grants)
+            slot_keys = [key for key, _ in grants[1:]]
+            for index, (key, ids) in enumerate(grants):
+                whole = index == 0
+                try:
+                    allocation = self.cache.lend(rid, ids, on_release=lambda rid=rid, whole=whole: self._grant_ended(
+                        rid, slot_keys if whole else ()))
+                except ValueError:
+                    logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
+                    self._grant_ended(rid)
+                    continue
+                try:
+                    self.node.offer(allocation, grant_id=key, request_id=rid, prompt_len=offer.prompt_len)
+                except ValueError:
+                    logger.exception("request %s could not be offered; its blocks go back to vLLM", rid)
+                    allocation.release()
+                    continue
             self.stats.count("grants_offered")
 
-    def _grant_ended(self, request_id: str) -> None:
-        with self._lock:
-            self._ended.add(request_id)
-        self.progress.note()
+    def _grant_ended(self, request_id: str, slot_keys=()) -> None:
+        """One of the request's grants ended (on the loop): once all did, its blocks are vLLM's again. The
+        whole grant's end releases the slot grants no consumer rank claimed (none will pull them now)."""
+        left = self._holding.get(request_id, 1) - 1
+        if left > 0:
+            self._holding[request_id] = left
+        else:
+            self._holding.pop(request_id, None)
+            with self._lock:
+                self._ended.add(request_id)
+            self.progress.note()
+        if slot_keys:
+            self.loop.loop.call_soon(self._release_unclaimed, tuple(slot_keys))
+
+    def _release_unclaimed(self, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            try:
+                self.node.grants.release(pb.ReleaseRequest(grant_id=key))
+            except StatusError:
+                pass  # a consumer rank claimed it: it pulls or releases it
 
     def take_stats(self):
         """The counts since the last call (``KpoolPdStats``, or None), the leases that expired among them."""
@@ -202,13 +263,21 @@ FAILURE_OUTCOMES = {"recompute": "vLLM recomputes the prompt (kv_load_failure_po
 
 class ConsumerWorker:
     """Pulls producers' grants into vLLM's blocks; releases the grants it will not pull. ``failure_policy``:
-    vLLM's ``kv_load_failure_policy``, for the log line of a failed pull (vLLM acts on it)."""
+    vLLM's ``kv_load_failure_policy``, for the log line of a failed pull (vLLM acts on it). ``ranks`` and
+    ``seat``: the engine's ranks and this worker's; ``units`` the head slots a block holds in a pool of
+    head units (0: whole blocks)."""
 
     def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str,
-                 failure_policy: str = "fail") -> None:
+                 failure_policy: str = "fail", ranks: EngineRanks = EngineRanks(), seat: RankSeat = RankSeat(),
+                 units: int = 0) -> None:
         if failure_policy not in FAILURE_OUTCOMES:
             raise ValueError(f"kv_load_failure_policy must be one of {sorted(FAILURE_OUTCOMES)}, got {failure_policy!r}")
-        self.settings, self.engine_id = settings, engine_id
+        if units and units != ranks.units(seat.tp_rank):
+            raise ValueError(f"a pool of {units} head slots a block on TP rank {seat.tp_rank} of {seat.tp_size}, "
+                             f"where the model's {ranks.total_heads} KV heads give {ranks.units(seat.tp_rank)}")
+        self.settings, self.ranks, self.seat, self.units = settings, ranks, seat, units
+        engine_id = seat.engine_id(engine_id)
+        self.engine_id = engine_id
         self.failure_outcome = FAILURE_OUTCOMES[failure_policy]
         self.cache = EngineCache(pool)
         self._lock = threading.Lock()
@@ -222,7 +291,8 @@ class ConsumerWorker:
                                     model_identity=model_identity)
         self._peers: dict[str, PrefillPeer] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
-        self._renewing: dict[str, tuple[Renew, float]] = {}  # request id -> its renewal, when it is next due
+        self._renewing: dict[tuple[str, str, str], tuple[Renew, float]] = {}  # (request, address, key) -> its
+        # renewal, when it is next due
 
     def start(self) -> None:
         self.loop.call(self.node.start)
@@ -231,15 +301,19 @@ class ConsumerWorker:
     def load(self, metadata: KpoolPdMetadata) -> None:
         """Start this step's pulls and releases (they run on the loop; ``finished_recving`` reports pulls),
         and keep the grants of the requests that joined vLLM's queue alive until their load or release."""
+        rank = self.seat.tp_rank
+        releases = [release for release in metadata.releases if release.rank == rank]
         with self._lock:
             now = _now()
             for renew in metadata.renewals:
-                self._renewing[renew.request_id] = (renew, now + renew.lease_s / 3)
-            for ended in (*metadata.loads, *metadata.releases):
-                self._renewing.pop(ended.request_id, None)
+                if renew.rank == rank:
+                    self._renewing[(renew.request_id, renew.address, renew.key)] = (renew, now + renew.lease_s / 3)
+            ended = {e.request_id for e in (*metadata.loads, *metadata.releases)}
+            if ended:
+                self._renewing = {k: v for k, v in self._renewing.items() if k[0] not in ended}
         for load in metadata.loads:
             self.loop.submit(lambda load=load: self._pull(load))
-        for release in metadata.releases:
+        for release in releases:
             self.loop.submit(lambda release=release: self._release(release))
 
     async def _peer(self, address: str) -> PrefillPeer:
@@ -267,18 +341,35 @@ class ConsumerWorker:
             logger.warning("handshake with producer %s failed (%s); trying once more", address, exc)
         return await self.node.connect(address)
 
+    def _reads(self, load: Load) -> tuple[tuple[Read, ...], int, int]:
+        """(this rank's reads of ``load``, head slots a block holds here, in the producer's ranks) in this
+        pool's ids. ValueError naming the sizes for a plan this pool cannot pull (heterogeneous TP of caches
+        split by head needs a pool of head units)."""
+        plan = self.ranks.plan(load.producer_ranks.tp_size)
+        reads = plan.reads[self.seat.tp_rank]
+        if self.units:
+            return reads, plan.local_units, plan.remote_units
+        whole = tuple(range(plan.local_units))
+        if plan.local_units != plan.remote_units or any(not r.whole or r.local_slots != whole for r in reads):
+            raise ValueError(f"producer TP {plan.remote_tp} and consumer TP {plan.local_tp}: caches split by head "
+                             "move between engines of other TP sizes only in vLLM's LBHNC KV cache layout "
+                             "(head slots of their own), and this engine's moves whole blocks")
+        return tuple(Read(remote_rank=r.remote_rank, remote_slots=(0,), local_slots=(0,), whole=True)
+                     for r in reads), 1, 1
+
     async def _pull(self, load: Load) -> None:
-        peer, grant, failed = None, None, True
+        outcomes: list = []
+        failed = True
         try:
             if load.error:
                 raise ValueError(load.error)
-            grant, landed = grant_from(load.params, load.digest, self.cache.layout, load.block_ids)
-            peer = await self._peer(load.params.address)
-            with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
-                pulled = await peer.pull(grant, into=allocation, transport=self.settings.transport,
-                                         integrity=self.settings.integrity)
+            reads, local_units, remote_units = self._reads(load)
+            outcomes = await asyncio.gather(*(self._pull_read(load, read, local_units, remote_units)
+                                              for read in reads), return_exceptions=True)
+            failures = [o for o in outcomes if isinstance(o, BaseException)]
+            if failures:
+                raise failures[0]
             failed = False
-            self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds)
         except Exception as exc:  # every failure: vLLM recomputes or fails the request (reported below)
             logger.warning("KV transfer of request %s failed, %s: %s", load.request_id, self.failure_outcome, exc)
         finally:
@@ -289,10 +380,35 @@ class ConsumerWorker:
             if failed:
                 self.stats.count("pull_failures")
             self.progress.note()
-        if failed:  # the grant is ours to give back (a failed pull does not release it)
-            await self._release(Release(request_id=load.request_id, address=load.params.address,
-                                        key=load.params.key if grant is None else grant.grant_id,
-                                        why="its load failed"), peer)
+        if failed:  # the grants this rank did not pull are its to give back (a failed pull does not release one)
+            await asyncio.gather(*(self._release(release) for release in self._unpulled(load, outcomes)))
+
+    def _unpulled(self, load: Load, outcomes: list) -> list[Release]:
+        """Releases of the grants this rank reads of ``load`` and did not pull (``outcomes``: each read's
+        pull or its exception; empty when none ran), under the key it pulls with (its own prompt digest's;
+        the producer's when the prompts differ)."""
+        key = load.params.key if load.error else grant_key(load.params.grant_id, load.digest)
+        try:
+            reads = self.ranks.plan(load.producer_ranks.tp_size).reads[self.seat.tp_rank]
+        except ValueError:  # sizes no plan serves: the one grant the params name
+            return [Release(request_id=load.request_id, address=load.params.address, key=load.params.key,
+                            why="its load failed")]
+        if outcomes:
+            reads = tuple(read for read, outcome in zip(reads, outcomes) if isinstance(outcome, BaseException))
+        addresses = load.producer_ranks.addresses
+        return [Release(request_id=load.request_id, address=addresses[read.remote_rank], key=read_key(key, read),
+                        why="its load failed") for read in reads]
+
+    async def _pull_read(self, load: Load, read: Read, local_units: int, remote_units: int):
+        """One read of this rank: the producer rank's grant it names into this rank's slots."""
+        grant, landed = rank_grant(load.params, load.digest, self.cache.layout, load.block_ids, read,
+                                   local_units=local_units, remote_units=remote_units)
+        peer = await self._peer(load.producer_ranks.addresses[read.remote_rank])
+        with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
+            pulled = await peer.pull(grant, into=allocation, transport=self.settings.transport,
+                                     integrity=self.settings.integrity)
+        self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds)
+        return pulled
 
     async def _release(self, release: Release, peer: PrefillPeer | None = None) -> None:
         """Release a grant on its producer, best effort: a failure is logged, and the lease frees it."""
@@ -316,9 +432,10 @@ class ConsumerWorker:
             await asyncio.sleep(RENEW_TICK_S)
             with self._lock:
                 now = _now()
-                due = [renew for renew, at in self._renewing.values() if at <= now]
-                for renew in due:
-                    self._renewing[renew.request_id] = (renew, now + renew.lease_s / 3)
+                due = [(key, renew) for key, (renew, at) in self._renewing.items() if at <= now]
+                for key, renew in due:
+                    self._renewing[key] = (renew, now + renew.lease_s / 3)
+                due = [renew for _, renew in due]
             if due:
                 await asyncio.gather(*(self._renew(renew) for renew in due))
 
@@ -336,14 +453,14 @@ class ConsumerWorker:
                            renew.address, exc)
         if gone:
             with self._lock:
-                self._renewing.pop(renew.request_id, None)
+                self._renewing.pop((renew.request_id, renew.address, renew.key), None)
         else:
             self.stats.count("grants_renewed")
 
     def renewing(self) -> set[str]:
         """The queued requests whose grants are being kept alive."""
         with self._lock:
-            return set(self._renewing)
+            return {request_id for request_id, _, _ in self._renewing}
 
     def take_stats(self):
         """The counts since the last call (``KpoolPdStats``, or None)."""
