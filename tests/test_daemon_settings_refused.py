@@ -59,7 +59,7 @@ CASES = {
     "yaml-layers-bool": Case("kpool_pd.decode_worker", yaml=b"layers: true\n", needle="layers from config file {config}"),
     "lease-inf": Case("kpool_pd.prefill_worker", ("--lease-s", "inf"), needle="lease-s from flag --lease-s"),
     "drain-nan-env": Case("kpool_pd.prefill_worker", env=(("KPOOLPD_DRAIN_S", "nan"),), needle="drain-s from KPOOLPD_DRAIN_S"),
-    # the serving geometry (runtime.geometry): a block of a multiple of 128 tokens, kernel pages of at least 32 states
+    # the serving geometry (runtime.geometry): a block of a multiple of 128 tokens, kernel pages of exactly 32 or 64 states
     "block-size-64": Case("kpool_pd.prefill_worker", ("--block-size", "64"),
                           needle="block-size from flag --block-size: a block of 64 tokens is refused: the attention "
                                  "block is a multiple of 128 tokens"),
@@ -72,6 +72,10 @@ CASES = {
                                        needle="kpool from flag --kpool and block-size from flag --block-size: kpool 8 "
                                               "in 128-token blocks makes kernel pages of 16 states: the paged-MQA "
                                               "indexer kernel takes pages of 32 or 64 states"),
+    "kpool-8-in-384-pages-of-48": Case("kpool_pd.decode_worker", ("--kpool", "8", "--block-size", "384"),
+                                       needle="kpool from flag --kpool and block-size from flag --block-size: kpool 8 "
+                                              "in 384-token blocks makes kernel pages of 48 states: the paged-MQA "
+                                              "indexer kernel takes pages of 32 or 64 states and no other"),
 }
 
 

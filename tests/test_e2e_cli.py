@@ -71,7 +71,9 @@ def test_up_refuses_a_bad_configuration_before_starting_anything():
     (("--prefill-block-size", "192"), "a block of 192 tokens is refused"),
     (("--kpool", "8", "--block-size", "128", "--colocated"), "kpool 8 in 128-token blocks makes kernel pages of 16 "
                                                               "states"),
-], ids=["block-64", "prefill-block-192", "kpool8-pages-of-16-colocated"])
+    (("--kpool", "8", "--block-size", "384"), "kpool 8 in 384-token blocks makes kernel pages of 48 states: the "
+                                              "paged-MQA indexer kernel takes pages of 32 or 64 states and no other"),
+], ids=["block-64", "prefill-block-192", "kpool8-pages-of-16-colocated", "kpool8-384-pages-of-48"])
 def test_up_refuses_the_geometry_the_daemons_refuse_naming_the_rule(flags, rule):
     proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", *flags], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr

@@ -1,5 +1,5 @@
-"""The serving geometry (``kpool_pd.runtime.geometry``): blocks of a multiple of 128 tokens, kernel pages of at
-least 32 states, and of 64 only on a GPU of compute capability 12.x. The daemons' refusals are in
+"""The serving geometry (``kpool_pd.runtime.geometry``): blocks of a multiple of 128 tokens, kernel pages of exactly
+32 or 64 states (a block of more states split into pages), and of 64 only on a GPU of compute capability 12.x. The daemons' refusals are in
 ``tests/test_daemon_settings_refused.py``; here the rules as functions of the cache and the capability."""
 
 from __future__ import annotations
@@ -24,10 +24,17 @@ def _cache(family=KPOOL, *, kpool=4, block_size=256, page=64, ratio=4):
     pytest.param(KPOOL, 8, 256, 64, id="kpool8-256-one-page-of-32"),
     pytest.param(KPOOL, 4, 128, 64, id="kpool4-128-one-page-of-32"),
     pytest.param(KPOOL, 2, 256, 32, id="kpool2-256-four-pages-of-32"),
+    pytest.param(KPOOL, 8, 1536, 64, id="kpool8-1536-three-pages-of-64"),
+    pytest.param(KPOOL, 8, 768, 32, id="kpool8-768-three-pages-of-32"),
     pytest.param(QSA, 8, 128, 64, id="qsa8-128"),
 ])
-def test_the_serving_geometry_accepts_blocks_of_128_and_pages_of_32_or_more(family, kpool, block_size, page):
-    check_serving_geometry(_cache(family, kpool=kpool, ratio=kpool, block_size=block_size, page=page))
+def test_the_serving_geometry_accepts_blocks_of_128_and_pages_of_32_or_64(family, kpool, block_size, page):
+    cache = _cache(family, kpool=kpool, ratio=kpool, block_size=block_size, page=page)
+    check_serving_geometry(cache)
+    if family is KPOOL:
+        indexer = cache.kpool_indexer
+        assert indexer.states_per_page in (32, 64)
+        assert indexer.pages_per_block * indexer.states_per_page == block_size // kpool
 
 
 @pytest.mark.parametrize("family,kpool,block_size,options,words", [
@@ -36,6 +43,10 @@ def test_the_serving_geometry_accepts_blocks_of_128_and_pages_of_32_or_more(fami
     pytest.param(QSA, 4, 64, ("block_size",), "a block of 64 tokens", id="qsa-block-64"),
     pytest.param(KPOOL, 16, 256, ("kpool", "block_size"), "kernel pages of 16 states", id="kpool16-256"),
     pytest.param(KPOOL, 8, 128, ("kpool", "block_size"), "at least 32", id="kpool8-128"),
+    pytest.param(KPOOL, 8, 384, ("kpool", "block_size"), "kernel pages of 48 states: the paged-MQA indexer kernel "
+                 "takes pages of 32 or 64 states and no other", id="kpool8-384-pages-of-48"),
+    pytest.param(KPOOL, 16, 768, ("kpool", "block_size"), r"768 / 16 = 48\) must be 32 or 64, or a multiple of the "
+                 "64-state page", id="kpool16-768-pages-of-48"),
 ])
 def test_the_serving_geometry_refuses_small_blocks_and_pages_naming_the_rule(family, kpool, block_size, options, words):
     cache = ModelConfig.build(family=family, kpool=kpool, compress_ratio=kpool, block_size=block_size).cache

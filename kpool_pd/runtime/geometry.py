@@ -2,9 +2,11 @@
 library and its unit tests keep smaller blocks and pages for their cases):
 
 - the attention block is a multiple of 128 tokens (``BLOCK_SIZE_QUANTUM``);
-- a kernel page of the kpool family holds at least 32 states (``MIN_SERVING_PAGE_STATES``): DeepGEMM's
-  paged-MQA indexer kernel takes pages of 32 or 64 states, so kpool 16 in a 256-token block (16 states)
-  or kpool 8 in a 128-token block has no kernel to read it;
+- a kernel page of the kpool family holds exactly 32 or 64 states (``KERNEL_PAGE_STATES``): DeepGEMM's
+  paged-MQA indexer kernel takes pages of those sizes and no other. A block of S states is one page when
+  S is 32 or 64, or S / P pages of P states (``kernel_page_states``) when S is a multiple of P; any other
+  S is refused: kpool 16 in a 256-token block (16 states), kpool 8 in a 128-token block (16) and kpool 8
+  in a 384-token block (48) have no kernel to read them;
 - on a GPU of compute capability 12.x (SM120) the kernel takes only pages of 64 states.
 
 Each check raises ``GeometryError``: a ``ValueError`` naming the rule, with the settings keys it
@@ -32,20 +34,25 @@ class GeometryError(ValueError):
 
 
 def check_serving_geometry(cache: CacheConfig) -> None:
-    """The block is a multiple of 128 tokens and (kpool family) a kernel page holds at least 32
+    """The block is a multiple of 128 tokens and (kpool family) its states fill kernel pages of exactly 32 or 64
     states; ``GeometryError`` naming the rule otherwise."""
     if cache.block_size % BLOCK_SIZE_QUANTUM:
         raise GeometryError(f"a block of {cache.block_size} tokens is refused: the attention block is a multiple of "
                             f"{BLOCK_SIZE_QUANTUM} tokens", options=("block_size",))
     if cache.family is not CacheFamily.KPOOL:
         return
-    states = cache.kpool_indexer.states_per_page
-    if states < MIN_SERVING_PAGE_STATES:
+    indexer = cache.kpool_indexer
+    page, states = indexer.states_per_page, indexer.states_per_block
+    if page not in KERNEL_PAGE_STATES:
+        sizes = " or ".join(map(str, KERNEL_PAGE_STATES))
         raise GeometryError(
-            f"kpool {cache.kpool} in {cache.block_size}-token blocks makes kernel pages of {states} states: the "
-            f"paged-MQA indexer kernel takes pages of {' or '.join(map(str, KERNEL_PAGE_STATES))} states, so a kernel "
-            f"page holds at least {MIN_SERVING_PAGE_STATES} (a block of at least {MIN_SERVING_PAGE_STATES * cache.kpool} "
-            f"tokens for kpool {cache.kpool})", options=("kpool", "block_size"))
+            f"kpool {cache.kpool} in {cache.block_size}-token blocks makes kernel pages of {page} states: the paged-MQA "
+            f"indexer kernel takes pages of {sizes} states and no other, so a block's states (here "
+            f"{cache.block_size} / {cache.kpool} = {states}) must be {sizes}, or a multiple of the "
+            f"{indexer.kernel_page_states}-state page it is split into (for kpool {cache.kpool}: a block of "
+            f"{MIN_SERVING_PAGE_STATES * cache.kpool} tokens or a multiple of "
+            f"{indexer.kernel_page_states * cache.kpool}); a kernel page holds at least {MIN_SERVING_PAGE_STATES}",
+            options=("kpool", "block_size"))
 
 
 def check_kernel_page_for_capability(cache: CacheConfig, capability: tuple[int, int]) -> None:
