@@ -9,8 +9,9 @@ the consumer's own OpenAI endpoint. Each attack once, then all of them again mix
 - one prompt's params sent with another prompt are refused before any byte lands (the prompt digests
   differ): the request is recomputed, and a later victim whose prompt starts with it gets its own answer;
 - a grant the producer does not hold fails the load without killing the two-group engine;
-- grants the consumer will not pull (a request vLLM rejects before the engine, a prompt already in the
-  consumer's prefix cache) free the producer's blocks at once, long before the lease;
+- a grant the consumer will not pull (a request vLLM rejects before the engine) frees the producer's blocks at
+  once, long before the lease; a prompt mostly in the consumer's prefix cache pulls only the blocks beyond the
+  hit (both groups' and the ring), and frees them all on the producer;
 - a request id of 300 characters, a 100,000-deep JSON body, a batch of prompts and beam search through the
   router: a good answer, or a 400 that marks no instance failed;
 - a router whose decode instance cannot be reached releases the producer's grant at once.
@@ -153,6 +154,11 @@ def pulled_tokens(consumer: vllm_servers.Server) -> float:
     return vllm_servers.prompt_tokens_by_source(consumer.metrics()).get("external_kv_transfer", 0.0)
 
 
+def held_blocks(consumer: vllm_servers.Server) -> float:
+    """Prompt blocks the consumer did not pull as its prefix cache held them (its KVConnectorStats)."""
+    return vllm_servers.counter(consumer.metrics(), "vllm:kpool_pd_held_blocks_total")
+
+
 def producer_holds_nothing(deployment: Deployment) -> bool:
     return vllm_servers.kv_cache_usage(deployment.producer.metrics()) == 0.0
 
@@ -249,11 +255,14 @@ def consumer_prefix_hit(deployment: Deployment, seed: int) -> None:
     assert status == 200 and tokens_of(answer) == reference(deployment, tokens)
     assert_freed(deployment, "a pull")
     params = prefill(deployment, tokens)
-    before = pulled_tokens(deployment.consumer)
+    before, held_before = pulled_tokens(deployment.consumer), held_blocks(deployment.consumer)
     status, answer = complete(deployment.consumer, tokens, params)
     assert status == 200 and tokens_of(answer) == reference(deployment, tokens)
-    assert pulled_tokens(deployment.consumer) == before, "a prompt in the consumer's cache was pulled again"
-    assert_freed(deployment, "a decode request that found its prompt in the consumer's prefix cache")
+    pulled = pulled_tokens(deployment.consumer) - before
+    assert 0 < pulled < len(tokens) / 2, f"{pulled} of the {len(tokens)} tokens pulled: the cached prefix again?"
+    assert wait_for(lambda: held_blocks(deployment.consumer) > held_before, RELEASED_S, period_s=0.5), \
+        "the consumer's stats count no held block"
+    assert_freed(deployment, "a decode request that found most of its prompt in the consumer's prefix cache")
 
 
 def router_edges(deployment: Deployment, seed: int) -> None:

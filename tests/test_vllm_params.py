@@ -1,7 +1,8 @@
 """A decode request's kv_transfer_params as a hostile client sends them (``kpool_pd.transfer_params``,
 ``kpool_pd.vllm.guard``, ``kpool_pd.vllm.scheduler.ConsumerScheduler``), without engines: every field
 checked and named, producers outside the allowlist refused without a lookup, the grant bound to its
-prompt, and the grants a consumer will not pull handed back (a rejected, aborted or prefix-hit request)."""
+prompt, a prefix hit loading only the blocks it lacks, and the grants a consumer will not pull handed back
+(a rejected or aborted request, or one whose whole prompt this engine holds)."""
 
 from __future__ import annotations
 
@@ -183,8 +184,11 @@ def request(params, prompt=PROMPT, request_id="d1", status="WAITING"):
                            num_prompt_tokens=len(prompt), status=SimpleNamespace(name=status))
 
 
-def blocks(*ids):
-    return SimpleNamespace(get_block_ids=lambda: ([*ids],))
+def blocks(*ids, cached=0):
+    """A request's ``KVCacheBlocks`` of one group: its first ``cached`` blocks from the prefix cache (hashed)."""
+    group = [SimpleNamespace(block_id=b, block_hash=f"h{b}" if i < cached else None, is_null=False)
+             for i, b in enumerate(ids)]
+    return SimpleNamespace(get_block_ids=lambda: ([*ids],), blocks=(group,))
 
 
 def step(scheduler):
@@ -202,11 +206,28 @@ def test_bad_params_compute_here_and_release_the_grant(bad):
     assert step(scheduler).releases == []
 
 
-def test_a_prefix_hit_releases_the_grant_at_once():
+def test_a_prefix_hit_loads_only_the_blocks_it_lacks():
+    """Two of the prompt's three blocks (32 of 37 tokens) in this engine's prefix cache: 5 tokens load, the
+    load holds the whole prompt's blocks and names the two held (not pulled), and the grant is the pull's."""
     scheduler = consumer()
-    params = good_params()
-    assert scheduler.get_num_new_matched_tokens(request(params), 32) == (0, False)
+    req = request(good_params())
+    assert scheduler.get_num_new_matched_tokens(req, 32) == (5, True)
+    scheduler.update_state_after_alloc(req, blocks(5, 6, 7, cached=2), 5)
+    meta = step(scheduler)
+    [load] = meta.loads
+    assert load.error == "" and load.block_ids == ((5, 6, 7),) and load.held == (0, 1) and meta.releases == []
+
+
+def test_a_prefix_hit_of_the_whole_prompt_releases_the_grant_at_once():
+    scheduler = consumer()
+    assert scheduler.get_num_new_matched_tokens(request(good_params()), 37) == (0, False)
     assert [r.key for r in step(scheduler).releases] == [DecodeParams.parse(good_params()).key]
+
+
+def test_the_ring_is_never_held():
+    from kpool_pd.vllm.groups import held_indices
+    rules = (RULES[0], GroupRule(group=1, kind=GroupKind.RING, block_size=8))
+    assert held_indices(rules, ((5, 6, 7), (9,)), (frozenset({5, 6}), frozenset({9}))) == (0, 1)
 
 
 def test_a_request_that_never_loaded_releases_its_grant_when_it_ends():

@@ -19,15 +19,16 @@ from kpool_pd.vllm.stats import KpoolPdPromMetrics, KpoolPdStats, StatsRecorder 
 def test_counts_are_taken_once_and_summed_across_workers():
     one, two = StatsRecorder(), StatsRecorder()
     assert one.take() is None  # nothing counted: nothing for vLLM to log
-    one.pulled(nbytes=3 * 2**20, regions=4, seconds=0.010)
+    one.pulled(nbytes=3 * 2**20, regions=4, seconds=0.010, blocks=3, held=2)
     one.count("grants_released")
     two.pulled(nbytes=2**20, regions=2, seconds=0.030)
     two.count("pull_failures", 2)
     first, second = one.take(), two.take()
     assert one.take() is None
     total = KpoolPdConnector.build_kv_connector_stats(first.to_dict()).aggregate(second)
-    assert total.reduce() == {"pulls": 2, "pull_failures": 2, "grants_released": 1, "grants_renewed": 0,
-                              "grants_offered": 0, "leases_expired": 0, "pulled_MiB": 4.0, "avg_pull_ms": 20.0}
+    assert total.reduce() == {"pulls": 2, "pull_failures": 2, "pulled_blocks": 3, "held_blocks": 2,
+                              "grants_released": 1, "grants_renewed": 0, "grants_offered": 0, "leases_expired": 0,
+                              "pulled_MiB": 4.0, "avg_pull_ms": 20.0}
     assert not total.is_empty() and KpoolPdStats().is_empty()
     with pytest.raises(ValueError, match="no count"):
         one.count("pulls_of_the_moon")

@@ -137,6 +137,29 @@ def request_blocks(rules: Sequence[GroupRule], block_ids: Sequence[Sequence[int]
     return tuple(chosen)
 
 
+def cached_block_ids(blocks) -> tuple[frozenset[int], ...]:
+    """Per group, the ids of a request's blocks that vLLM's prefix cache filled (hashed, not the null
+    block): its local hit. ``blocks``: the request's ``KVCacheBlocks``; blocks allocated for an asynchronous
+    load are hashed only once it lands, so they are not among them."""
+    return tuple(frozenset(b.block_id for b in group if b.block_hash is not None and not b.is_null)
+                 for group in blocks.blocks)
+
+
+def held_indices(rules: Sequence[GroupRule], chosen: Sequence[Sequence[int]],
+                 cached: Sequence[frozenset[int]]) -> tuple[int, ...]:
+    """Indices into ``chosen`` flattened group by group (``request_blocks``' result, as the connector names
+    a request's blocks) of the blocks this engine's prefix cache holds: they are not pulled. A ring is
+    never held: it is the producer's (a prefix hit covers whole blocks of the prompt, never its open pool)."""
+    ring_groups = {rule.group for rule in rules if rule.kind is GroupKind.RING}
+    held, index = [], 0
+    for group, block_ids in enumerate(chosen):
+        for block_id in block_ids:
+            if group not in ring_groups and group < len(cached) and block_id in cached[group]:
+                held.append(index)
+            index += 1
+    return tuple(held)
+
+
 def splits_by_head(spec: KVCacheSpec) -> bool:
     """Whether TP splits a layer's cache of ``spec`` by KV head (full and sliding-window attention), rather
     than keeping it whole on every rank (MLA and its indexer pages, per-request rings)."""

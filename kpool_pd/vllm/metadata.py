@@ -45,7 +45,8 @@ class Offer:
 @dataclass(frozen=True, kw_only=True)
 class Load:
     """Consumer: pull the grant of ``params`` into ``block_ids`` (vLLM's blocks for request ``request_id``,
-    per group), the grant named by ``digest``, this request's own prompt digest. ``error``: why the prompt
+    per group; those at the indices ``held`` are this engine's prefix-cache hit and are not pulled), the grant
+    named by ``digest``, this request's own prompt digest. ``error``: why the prompt
     cannot land in them (the load fails, as vLLM's ``kv_load_failure_policy`` says, and the grant is
     released)."""
 
@@ -54,6 +55,7 @@ class Load:
     block_ids: BlockIds
     digest: str
     error: str = ""
+    held: tuple[int, ...] = ()  # indices into ``flat_ids(block_ids)`` of the blocks this engine's prefix cache holds
     ranks: RankParams | None = None  # the producer's ranks (None: one, at ``params.address``)
 
     @property

@@ -24,7 +24,7 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from kpool_pd.vllm.groups import GroupRule, request_blocks
+from kpool_pd.vllm.groups import GroupRule, cached_block_ids, held_indices, request_blocks
 from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, Renew, is_idle, is_remote_prefill,
                                     producer_params, read_key)
 from kpool_pd.vllm.rank_params import RankParams
@@ -124,10 +124,10 @@ class ConsumerScheduler:
         return decode, ranks, self.ranks.plan(ranks.tp_size)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        """The prompt's tokens, loaded asynchronously, for a decode request whose params name a producer's
-        grant and that has no locally computed tokens. Otherwise (0, False), decided once: the params are
-        marked loaded, and a grant they name is released (a local prefix hit is computed here: its blocks
-        may be shared)."""
+        """The prompt's tokens beyond this engine's prefix-cache hit (``num_computed_tokens``, whole blocks),
+        loaded asynchronously, for a decode request whose params name a producer's grant: the load pulls
+        only the blocks the hit lacks, and the ring. Otherwise (0, False), decided once: the params are
+        marked loaded, and a grant they name is released."""
         params = request.kv_transfer_params
         if not is_remote_prefill(params):
             return 0, False
@@ -137,25 +137,26 @@ class ConsumerScheduler:
             logger.warning("request %s computes its prompt here: %s", request.request_id, exc)
             self._release(request, f"its kv_transfer_params were refused ({exc})")
             return 0, False
-        if num_computed_tokens:
-            self._release(request, f"{num_computed_tokens} of its tokens are in this engine's prefix cache")
-            return 0, False
         count = min(decode.num_tokens, request.num_prompt_tokens)
-        return count, True
+        if num_computed_tokens >= count:
+            self._release(request, f"all {count} of its tokens are in this engine's prefix cache")
+            return 0, False
+        return count - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if num_external_tokens > 0 and is_remote_prefill(params):
             decode, ranks, plan = self._parse(params)  # checked by get_num_new_matched_tokens
             tables = blocks.get_block_ids()
+            count = min(decode.num_tokens, request.num_prompt_tokens)  # the hit's tokens and num_external_tokens
             try:
-                dst = request_blocks(self.rules, tables, num_external_tokens)
-                digest = prompt_digest(request.prompt_token_ids[:num_external_tokens], [len(group) for group in dst])
+                dst = request_blocks(self.rules, tables, count)
+                digest = prompt_digest(request.prompt_token_ids[:count], [len(group) for group in dst])
                 error = "" if digest == decode.prompt_digest else (
-                    f"its prompt ({num_external_tokens} tokens) is not the one the producer's grant holds (the "
+                    f"its prompt ({count} tokens) is not the one the producer's grant holds (the "
                     "prompt digests differ)")
                 load = Load(request_id=request.request_id, params=decode, block_ids=dst, digest=digest, error=error,
-                            ranks=ranks)
+                            held=held_indices(self.rules, dst, cached_block_ids(blocks)), ranks=ranks)
             except ValueError as exc:  # the worker reports the load failed
                 load = Load(request_id=request.request_id, params=decode, block_ids=tuple(tuple(t) for t in tables),
                             digest=decode.prompt_digest, error=str(exc), ranks=ranks)

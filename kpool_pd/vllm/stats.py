@@ -25,8 +25,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-COUNTS = ("pulls", "pull_failures", "pulled_bytes", "pulled_regions", "grants_released", "grants_renewed",
-          "grants_offered", "leases_expired")
+COUNTS = ("pulls", "pull_failures", "pulled_bytes", "pulled_regions", "pulled_blocks", "held_blocks",
+          "grants_released", "grants_renewed", "grants_offered", "leases_expired")
 SECONDS = "pull_seconds"  # one value a pull
 PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -79,12 +79,14 @@ class StatsRecorder:
         with self._lock:
             self._stats.data[name] += amount
 
-    def pulled(self, nbytes: int, regions: int, seconds: float) -> None:
+    def pulled(self, nbytes: int, regions: int, seconds: float, *, blocks: int = 0, held: int = 0) -> None:
         with self._lock:
             data = self._stats.data
             data["pulls"] += 1
             data["pulled_bytes"] += nbytes
             data["pulled_regions"] += regions
+            data["pulled_blocks"] += blocks
+            data["held_blocks"] += held
             data[SECONDS].append(seconds)
 
     def take(self) -> KpoolPdStats | None:
@@ -102,6 +104,8 @@ class KpoolPdPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         about = {"pulls": "Pulls that landed a request's KV", "pull_failures": "Pulls that failed",
                  "pulled_bytes": "Bytes pulls landed", "pulled_regions": "Contiguous regions pulls moved",
+                 "pulled_blocks": "Blocks pulls landed (every KV cache group's, the ring's included)",
+                 "held_blocks": "Prompt blocks not pulled: this engine's prefix cache held them",
                  "grants_released": "Producer grants given back unpulled",
                  "grants_renewed": "Lease renewals of queued requests' grants",
                  "grants_offered": "Prompts held as grants for consumers",

@@ -404,10 +404,13 @@ class ConsumerWorker:
         grant, landed = rank_grant(load.params, load.digest, self.cache.layout, load.block_ids, read,
                                    local_units=local_units, remote_units=remote_units)
         peer = await self._peer(load.producer_ranks.addresses[read.remote_rank])
+        slots = len(read.local_slots)  # ids a block: a held block's slots are not pulled either
+        held = tuple(index * slots + k for index in load.held for k in range(slots))
         with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
             pulled = await peer.pull(grant, into=allocation, transport=self.settings.transport,
-                                     integrity=self.settings.integrity)
-        self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds)
+                                     integrity=self.settings.integrity, held=held)
+        self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds, blocks=(len(landed) - len(held)) // slots,
+                          held=len(load.held))
         return pulled
 
     async def _release(self, release: Release, peer: PrefillPeer | None = None) -> None:
