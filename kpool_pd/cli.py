@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("pipeline", "time to first token with whole and chunked prefill; exposed transfer"),
                        ("dcp", "decode step time, cache and transfer bytes per rank at DCP 1, 2, ..."),
                        ("control", "a control message on gRPC: a new call beside a message on an open stream"),
-                       ("vllm", "TTFT of a vLLM PD pair with KpoolPdConnector and with NixlConnector"),
+                       ("vllm", "a vLLM PD pair's phases with KpoolPdConnector beside NixlConnector, "
+                                "MooncakeConnector and the prefix-cache floor"),
                        ("decode", "the engine's decode step, eager and from CUDA graphs: host and GPU time, launches")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser

@@ -57,8 +57,8 @@ def chatty_serve(model: str, transfer: dict | None, jobs, results, max_model_len
         prompts, _, params = job
         pulled = params is not None and not producer
         results.put(vllm_engines.Job(
-            outputs=[(prompts[0][-1:], "length", {"do_remote_prefill": True} if producer else None)],
-            prompt_tokens={"external_kv_transfer": len(prompts[0])} if pulled else {}))
+            outputs=[(prompt[-1:], "length", {"do_remote_prefill": True} if producer else None) for prompt in prompts],
+            prompt_tokens={"external_kv_transfer": sum(map(len, prompts))} if pulled else {}))
 
 
 class ChattyEngineProcess(vllm_engines.EngineProcess):
@@ -93,7 +93,8 @@ def results_in_repo() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--connectors", "kpool-grpc,mooncake"], "--connectors: expected names among"),
+    (["--connectors", "kpool-grpc,lmcache"], "--connectors: expected names among"),
+    (["--concurrent", "8,0"], "must be >= 1, got 0"),
     (["--tokens", "0"], "must be >= 1, got 0"),
     (["--reps", "x"], "expected an integer >= 1, got 'x'"),
 ])
@@ -122,7 +123,8 @@ def test_the_table_gives_each_ttft_beside_nixls():
 
 def test_out_defaults_to_a_new_temporary_folder_named_on_the_first_line(chatty_engines, tmp_path, capfd):
     before = results_in_repo()
-    assert vllm_pd.main(["--tokens", "8,16", "--reps", "2", "--connectors", "kpool-grpc,kpool-ucx"]) == 0
+    assert vllm_pd.main(["--tokens", "8,16", "--reps", "2", "--concurrent", "none",
+                         "--connectors", "kpool-grpc,kpool-ucx"]) == 0
     out, err = capfd.readouterr()
     first = err.splitlines()[0]
     assert first.startswith("kpool-pd bench vllm: writing to ")
@@ -141,8 +143,8 @@ def test_out_defaults_to_a_new_temporary_folder_named_on_the_first_line(chatty_e
 
 def test_the_terminal_shows_a_line_a_phase_and_the_engines_output_goes_to_their_logs(chatty_engines, tmp_path,
                                                                                       capfd):
-    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--connectors", "kpool-grpc", "--out",
-                         str(tmp_path / "mine" / "made")]) == 0
+    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--concurrent", "none", "--connectors", "kpool-grpc",
+                         "--out", str(tmp_path / "mine" / "made")]) == 0
     out, err = capfd.readouterr()
     assert CHATTER not in out + err
     assert err.splitlines() == [
@@ -155,7 +157,7 @@ def test_the_terminal_shows_a_line_a_phase_and_the_engines_output_goes_to_their_
         err.splitlines()[5],  # TTFT
         f"results: {tmp_path / 'mine' / 'made' / 'vllm_pd.json'}"]
     assert err.splitlines()[4].startswith("kpool-grpc: engines ready in ")
-    assert err.splitlines()[5].startswith("kpool-grpc, 8 tokens: TTFT ")
+    assert err.splitlines()[5].startswith("kpool-grpc, 8 tokens: consumer phase ")
     for role in ("producer", "consumer"):
         log = (tmp_path / "mine" / "made" / f"kpool-grpc-{role}.log").read_text()
         for said in [f"{CHATTER} stdout 0", f"{CHATTER} stdout {CHATTER_LINES - 1}", f"{CHATTER} logging",
@@ -166,7 +168,8 @@ def test_the_terminal_shows_a_line_a_phase_and_the_engines_output_goes_to_their_
 @pytest.mark.parametrize("role", ["producer", "consumer"])
 def test_a_failed_engine_shows_the_tail_of_its_log_and_its_path(chatty_engines, tmp_path, capfd, role):
     chatty_engines.fail_role = role
-    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--connectors", "kpool-ucx", "--out", str(tmp_path)]) == 1
+    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--concurrent", "none", "--connectors", "kpool-ucx",
+                         "--out", str(tmp_path)]) == 1
     out, err = capfd.readouterr()
     log = tmp_path / f"kpool-ucx-{role}.log"
     assert (f"error: the kpool-ucx {role} engine failed: RuntimeError: no room for the KV cache; the last "
@@ -178,6 +181,36 @@ def test_a_failed_engine_shows_the_tail_of_its_log_and_its_path(chatty_engines, 
     assert "Traceback (most recent call last):" in err
     assert f"{CHATTER} stdout 0" not in err  # the tail only
     assert out == "" and json.loads((tmp_path / "vllm_pd.json").read_text()) == []
+
+
+def test_mooncake_rows_are_skipped_with_the_reason_and_concurrent_rows_appear(chatty_engines, tmp_path, monkeypatch,
+                                                                             capfd):
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # its import fails, as without the wheel
+    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--concurrent", "3", "--new-tokens", "2",
+                         "--connectors", "kpool-grpc,mooncake", "--out", str(tmp_path)]) == 0
+    out, err = capfd.readouterr()
+    skipped = "mooncake: skipped: the Mooncake Transfer Engine cannot be imported (ModuleNotFoundError"
+    assert any(line.startswith(skipped) for line in err.splitlines())
+    assert out.splitlines()[-1].startswith(skipped) and "apt-get install -y libibverbs1" in out.splitlines()[-1]
+    rows = json.loads((tmp_path / "vllm_pd.json").read_text())
+    lengths = vllm_pd.mixed_lengths(3)
+    assert [(r["connector"], r["requests"], r["tokens"], r["new_tokens"], r["pulled_tokens"]) for r in rows] == [
+        ("kpool-grpc", 1, 8, 1, 8), ("kpool-grpc", 3, sum(lengths), 2, sum(lengths))]
+    assert min(lengths) == vllm_pd.MIXED_SHORTEST and max(lengths) == vllm_pd.MIXED_LONGEST
+    assert not list(tmp_path.glob("mooncake-*.log"))
+
+
+def test_the_ratio_is_to_the_fastest_of_vllms_connectors_and_the_floor_has_no_prefill():
+    def row(name: str, consumer: float, prefill: float | None = 10.0) -> vllm_pd.Row:
+        return vllm_pd.Row(connector=name, tokens=100, reps=3, prefill_ms=prefill, decode_first_token_ms=consumer,
+                           ttft_ms=None if prefill is None else prefill + consumer, same_tokens=True,
+                           pulled_tokens=300, requests=8, new_tokens=12)
+    lines = vllm_pd.table([row("nixl", 40.0), row("mooncake", 20.0), row("kpool-ucx", 10.0),
+                           row("floor", 5.0, prefill=None)]).splitlines()
+    by_name = {line.split()[0]: line.split() for line in lines[1:]}
+    assert by_name["kpool-ucx"][7:9] == ["0.50x", "0.67x"]  # 10 / 20, (10 + 10) / (10 + 20)
+    assert by_name["mooncake"][7] == "0.50x" and by_name["nixl"][7] == "2.00x"  # each against the other
+    assert by_name["floor"][4:9] == ["-", "5.0", "-", "0.25x", "-"]
 
 
 def test_a_child_process_output_goes_to_its_log_and_not_the_terminal(tmp_path, capfd):
@@ -228,8 +261,12 @@ def test_a_vllm_engine_that_fails_to_start_leaves_its_output_and_traceback_in_it
 def test_a_short_run_pulls_every_prompt_token_and_matches_one_engine(tmp_path):
     if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":
         pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
-    assert vllm_pd.main(["--tokens", "40", "--reps", "2", "--connectors", "kpool-grpc", "--out", str(tmp_path)]) == 0
-    [row] = json.loads((tmp_path / "vllm_pd.json").read_text())
+    assert vllm_pd.main(["--tokens", "40", "--reps", "2", "--concurrent", "2", "--new-tokens", "2",
+                         "--connectors", "kpool-grpc", "--out", str(tmp_path)]) == 0
+    row, concurrent = json.loads((tmp_path / "vllm_pd.json").read_text())
     assert row["connector"] == "kpool-grpc" and row["tokens"] == 40 and row["same_tokens"] is True
     assert row["pulled_tokens"] == 2 * 40  # both reps' prompts came over the connector
     assert 0 < row["prefill_ms"] < row["ttft_ms"]
+    mixed = sum(vllm_pd.mixed_lengths(2))  # 7 and 2,000 tokens at once
+    assert (concurrent["requests"], concurrent["tokens"], concurrent["new_tokens"]) == (2, mixed, 2)
+    assert concurrent["same_tokens"] is True and concurrent["pulled_tokens"] == 2 * mixed

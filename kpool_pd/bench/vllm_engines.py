@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,10 +118,12 @@ def redirect_output(log: Path) -> None:
 
 
 def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int = 2048,
-          env: dict[str, str] | None = None, log: Path | None = None, engine_args: dict | None = None) -> None:
+          env: dict[str, str] | None = None, log: Path | None = None, prefix_caching: bool = False,
+          engine_args: dict | None = None) -> None:
     """One engine: ``transfer`` is the kv_transfer_config (None: no connector); ``engine_args``: more of
     vLLM's engine arguments (e.g. ``tensor_parallel_size``); ``log``: where everything
-    the process prints goes (``redirect_output``; a failure's traceback too), None: the terminal. A job is
+    the process prints goes (``redirect_output``; a failure's traceback too), None: the terminal;
+    ``prefix_caching``: vLLM's prefix cache on (off by default, so that every prompt is computed or pulled). A job is
     ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
     ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
     ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
@@ -135,13 +139,13 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
 
         kwargs = {"kv_transfer_config": transfer} if transfer else {}
         llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True,
-                  enable_prefix_caching=False, disable_log_stats=False, max_model_len=max_model_len,
+                  enable_prefix_caching=prefix_caching, disable_log_stats=False, max_model_len=max_model_len,
                   max_num_batched_tokens=max_model_len, seed=0, **kwargs, **(engine_args or {}))
     except Exception:
         _failed(results, log is not None)
         return
     results.put(("ready", None))
-    while (job := jobs.get()) is not None:
+    while (job := next_job(llm, jobs)) is not None:
         prompts, max_tokens, params = job
         try:
             sampling = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
@@ -155,6 +159,26 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
                             prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
         except Exception:
             _failed(results, log is not None)
+
+
+def next_job(llm, jobs):
+    """The next job from ``jobs``. Until it comes, the engine steps as vLLM's engine core loop does in a
+    server, while its scheduler has work left: finished requests whose blocks a connector still holds (a
+    producer's, until the consumer has them), which ``LLM.generate`` leaves unstepped once its requests'
+    outputs are out. MooncakeConnector's producer needs those steps: it learns a finished request's blocks
+    from the step's connector metadata, and only then writes them to the consumer. A step that ran no model
+    yields 1 ms, as the engine core loop does."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    while core is not None and core.scheduler.has_requests():
+        try:
+            return jobs.get_nowait()
+        except queue.Empty:
+            pass
+        outputs, executed = core.step_fn()
+        core.post_step(model_executed=executed)
+        if not executed:
+            time.sleep(0.001)
+    return jobs.get()
 
 
 def _failed(results, logged: bool) -> None:
@@ -173,15 +197,17 @@ JOB_S = 300
 class EngineProcess:
     """``serve`` in a process of its own (``context``: a multiprocessing context; spawn, as vLLM needs);
     ``run`` sends a job and waits for its ``Job``; AssertionError with the engine's traceback if it failed.
-    ``log``: the file the engine's output goes to (None: the terminal); ``engine_args``: ``serve``'s."""
+    ``log``: the file the engine's output goes to (None: the terminal); ``prefix_caching`` and ``engine_args``:
+    as ``serve``'s."""
 
     def __init__(self, context, model: str, transfer: dict | None, *, max_model_len: int = 2048,
-                 env: dict[str, str] | None = None, log: Path | None = None, engine_args: dict | None = None) -> None:
+                 env: dict[str, str] | None = None, log: Path | None = None, prefix_caching: bool = False,
+                 engine_args: dict | None = None) -> None:
         self.jobs, self.results = context.Queue(), context.Queue()
         self.log = log
         self.process = context.Process(target=serve, args=(model, transfer, self.jobs, self.results),
                                        kwargs={"max_model_len": max_model_len, "env": env, "log": log,
-                                               "engine_args": engine_args})
+                                               "prefix_caching": prefix_caching, "engine_args": engine_args})
         self.process.start()
 
     def _answer(self, timeout_s: float):

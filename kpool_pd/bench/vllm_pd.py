@@ -1,20 +1,26 @@
 """Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer
-Llama of seeded weights on the CPU) with KpoolPdConnector over UCX and over the gRPC stream and with vLLM's
-NixlConnector (kv_buffer_device cpu), one connector after the other in one run, at each prompt length.
-Prints per connector and length the median prefill time (the producer's one-token prefill), the median
-time the consumer takes from the decode request to its first token (the pull of the prompt's KV plus one
-token's compute: the compute is the same whatever the connector, so the difference between connectors is
-the transfer), their sum (TTFT), its ratio to NixlConnector's, and whether the consumer's first token
-equals one engine's.
+Llama of seeded weights on the CPU) with KpoolPdConnector over UCX and over the gRPC stream, with vLLM's
+NixlConnector (kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other
+in one run, each with both engines up before its first request; and the floor: the same generate served
+from one engine's own prefix cache (no transfer). Each scenario sends its requests at once: one request per
+prompt length (--tokens; the consumer makes one token, so the sum is TTFT), and --concurrent N requests of
+mixed lengths (7 to 2,000 tokens, the consumer makes --new-tokens each). Every connector gets the same
+prompts. Prints per connector and scenario the median prefill phase (the producer's generate of one token),
+the median consumer phase (the pull of the prompts' KV plus the new tokens' compute: the compute is the same
+whatever the connector, so the difference between connectors is the transfer), their sum, the consumer
+phase's and the sum's ratio to the fastest of vLLM's connectors in the run (for vLLM's own: the fastest
+other one), and whether the consumer's tokens equal one engine's.
 
-    python -m kpool_pd.bench.vllm_pd --tokens 1024,8192 --reps 5     (kpool-pd bench vllm)
+    python -m kpool_pd.bench.vllm_pd --tokens 1024,8192 --reps 3     (kpool-pd bench vllm)
 
 Its first line names the folder it writes to (--out DIR, else a new temporary folder): vllm_pd.json, and
-each engine's log (<connector>-producer.log, <connector>-consumer.log), which takes everything the engine
-prints (vLLM's logging and warnings included). The terminal shows the bench's progress, a line a phase,
-and its table; an engine that fails shows the end of its log and the log's path.
+each engine's log (<connector>-producer.log, <connector>-consumer.log; the floor's floor-engine.log), which
+takes everything the engine prints (vLLM's logging and warnings included). The terminal shows the bench's
+progress, a line a phase, and its table; an engine that fails shows the end of its log and the log's path.
 
-Needs vLLM (pip install -e '.[vllm]', see README) and, for the NixlConnector rows, nixl (pip install nixl).
+Needs vLLM (pip install -e '.[vllm]', see README); for the NixlConnector rows nixl (pip install nixl); for
+the MooncakeConnector rows the Mooncake Transfer Engine (kpool_pd/bench/vllm_mooncake.py says how to
+install it): without it they are skipped, with the reason printed.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from kpool_pd.bench import vllm_engines
+from kpool_pd.bench import vllm_engines, vllm_mooncake
 from kpool_pd.bench.arguments import bench_parser, count, counts
 
 logger = logging.getLogger("kpool_pd.bench.vllm_pd")
@@ -44,24 +50,81 @@ logger = logging.getLogger("kpool_pd.bench.vllm_pd")
 OUT_PREFIX = "kpoolpd-bench-vllm-"  # a default output folder's name starts so
 LOG_TAIL_LINES = 40  # of a failed engine's log, shown on the terminal
 READY_POLL_S = 2.0  # how often a starting engine's process is checked for life
+MIXED_SHORTEST, MIXED_LONGEST = 7, 2000  # the prompt lengths of a concurrent scenario span these
 
 
 class Connector(Enum):
     KPOOL_UCX = "kpool-ucx"
     KPOOL_GRPC = "kpool-grpc"
     NIXL = "nixl"
+    MOONCAKE = "mooncake"
+    FLOOR = "floor"  # no connector: one engine, the prompts served from its own prefix cache
+
+
+VLLM_CONNECTORS = (Connector.NIXL, Connector.MOONCAKE)  # the connectors each row is compared with
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests sent at once: one prompt length each; the consumer makes ``new_tokens`` for each."""
+
+    lengths: tuple[int, ...]
+    new_tokens: int
+
+    @property
+    def requests(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def prompts(self, rep: int) -> list[list[int]]:
+        """Rep ``rep``'s prompts: random tokens, the same for every connector (seeded by the scenario and rep)."""
+        rng = random.Random(f"{self.requests}:{self.tokens}:{rep}")
+        return [[rng.randrange(3, vllm_engines.TINY_LLAMA["vocab_size"]) for _ in range(n)] for n in self.lengths]
+
+
+def mixed_lengths(requests: int, shortest: int = MIXED_SHORTEST, longest: int = MIXED_LONGEST) -> tuple[int, ...]:
+    """``requests`` prompt lengths spread evenly on a log scale from ``shortest`` to ``longest`` (both
+    included), in a fixed shuffled order."""
+    if requests == 1:
+        return (longest,)
+    lengths = [round(shortest * (longest / shortest) ** (i / (requests - 1))) for i in range(requests)]
+    random.Random(requests).shuffle(lengths)
+    return tuple(lengths)
 
 
 @dataclass(frozen=True)
 class Row:
     connector: str
-    tokens: int
+    tokens: int  # prompt tokens of one rep, every request's together
     reps: int
-    prefill_ms: float  # median, the producer's one-token prefill
-    decode_first_token_ms: float  # median, the consumer's pull plus one token
-    ttft_ms: float  # prefill_ms + decode_first_token_ms
-    same_tokens: bool  # the consumer's first token equals one engine's, every rep
-    pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the rest it computed)
+    prefill_ms: float | None  # median, the producer's generate of one token a request (None: the floor)
+    decode_first_token_ms: float  # median, the consumer phase: the pull plus new_tokens a request
+    ttft_ms: float | None  # prefill_ms + decode_first_token_ms (TTFT when new_tokens is 1)
+    same_tokens: bool  # the consumer's tokens equal one engine's, every request of every rep
+    pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the floor: found in its cache)
+    requests: int = 1  # sent at once
+    new_tokens: int = 1  # the consumer makes for each request
+
+
+@dataclass(frozen=True)
+class Handover:
+    """The PD proxy's part: the prefill requests' params, and the decode requests' from them and the
+    producer's answers. NixlConnector's protocol (KpoolPdConnector speaks it) unless ``mooncake``."""
+
+    mooncake: vllm_mooncake.MooncakeProxy | None = None
+
+    def prefill_params(self, requests: int) -> list[dict]:
+        if self.mooncake is None:
+            return [{"do_remote_decode": True} for _ in range(requests)]
+        return [self.mooncake.prefill_params(self.mooncake.new_transfer_id()) for _ in range(requests)]
+
+    def decode_params(self, prefill: list[dict], answers: list[dict | None]) -> list[dict | None]:
+        if self.mooncake is None:
+            return answers
+        return [self.mooncake.decode_params(p["transfer_id"]) for p in prefill]
 
 
 def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict, dict, dict]:
@@ -71,6 +134,9 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
             return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
         return (nixl("kv_producer"), nixl("kv_consumer"), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[0])},
                 {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[1])})
+    if connector is Connector.MOONCAKE:
+        return (vllm_mooncake.transfer_config("kv_producer"), vllm_mooncake.transfer_config("kv_consumer"),
+                vllm_mooncake.engine_env(ports[0]), vllm_mooncake.engine_env(ports[1]))
     token = {"KPOOLPD_PEER_TOKEN": secrets.token_hex(16)}
     transport = "ucx" if connector is Connector.KPOOL_UCX else "grpc"
     kpool = vllm_engines.kpool_transfer_config
@@ -151,67 +217,161 @@ class _Engine:
             raise self._failed(f"no answer to a job within {vllm_engines.JOB_S} s") from None
 
 
-def measure(connector: Connector, model: str, lengths: list[int], reps: int, max_model_len: int, out: Path,
-            progress: Callable[[str], None] = logger.info) -> list[Row]:
-    """One producer and one consumer engine of ``connector``, their output in their logs in ``out``
-    (``engine_log``); ``reps`` PD requests of each length, one at a time, after one warm-up request (the
-    connections, the first pull); each rep a new random prompt. ``progress`` gets a line per phase.
-    EngineFailed when an engine fails."""
-    ports = [unused_port(), unused_port()]
-    producer_config, consumer_config, producer_env, consumer_env = transfer_configs(connector, ports)
+@dataclass(frozen=True)
+class Rep:
+    """One rep of a scenario: its phases in seconds, whether every token equalled one engine's, and the
+    prompt tokens pulled (or found in the floor engine's cache)."""
+
+    prefill_s: float | None
+    consumer_s: float
+    same_tokens: bool
+    pulled_tokens: int
+
+
+def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
+    """The medians of ``reps`` as a Row."""
+    first = statistics.median(r.consumer_s for r in reps)
+    prefill = None if reps[0].prefill_s is None else statistics.median(r.prefill_s for r in reps)
+    return Row(connector=connector.value, tokens=scenario.tokens, reps=len(reps),
+               prefill_ms=None if prefill is None else prefill * 1e3, decode_first_token_ms=first * 1e3,
+               ttft_ms=None if prefill is None else (prefill + first) * 1e3,
+               same_tokens=all(r.same_tokens for r in reps), pulled_tokens=sum(r.pulled_tokens for r in reps),
+               requests=scenario.requests, new_tokens=scenario.new_tokens)
+
+
+def _start(connector: Connector, roles: list[tuple[str, dict | None, dict]], model: str, max_model_len: int,
+           out: Path, **engine) -> list[_Engine]:
+    """One engine per (role, kv_transfer_config, env), its output in ``engine_log``."""
     context = multiprocessing.get_context("spawn")
     engines = []
-    for role, config, env in (("producer", producer_config, producer_env),
-                              ("consumer", consumer_config, consumer_env)):
+    for role, config, env in roles:
         log = engine_log(out, connector, role)
         log.write_text("")  # this run's output only
         engines.append(_Engine(f"{connector.value} {role}", log, vllm_engines.EngineProcess(
-            context, model, config, max_model_len=max_model_len, env=env, log=log)))
-    producer, consumer = engines
-    rng = random.Random(0)
+            context, model, config, max_model_len=max_model_len, env=env, log=log, **engine)))
+    return engines
 
-    def pd_once(tokens: int) -> tuple[float, float, bool, int]:
-        """One PD request: (prefill s, consumer's first token s, same tokens as one engine, pulled tokens)."""
-        prompt = [rng.randrange(3, vllm_engines.TINY_LLAMA["vocab_size"]) for _ in range(tokens)]
+
+def _label(scenario: Scenario) -> str:
+    if scenario.requests == 1:
+        return f"{scenario.tokens} tokens"
+    return f"{scenario.requests} requests at once ({scenario.tokens} tokens)"
+
+
+def measure(connector: Connector, model: str, scenarios: list[Scenario], reps: int, max_model_len: int, out: Path,
+            progress: Callable[[str], None] = logger.info) -> list[Row]:
+    """One producer and one consumer engine of ``connector``, their output in their logs in ``out``
+    (``engine_log``); ``reps`` reps of each scenario, each after both engines are up and one warm-up rep (the
+    connections, the first pull). A rep: the scenario's prompts to the producer at once, then to the
+    consumer at once with the params the proxy makes of the producer's answers, then to the consumer alone
+    (no params: it computes them) to compare tokens. ``progress`` gets a line per phase. EngineFailed when an
+    engine fails. The floor (Connector.FLOOR) is ``measure_floor``."""
+    if connector is Connector.FLOOR:
+        return measure_floor(model, scenarios, reps, max_model_len, out, progress)
+    ports = [unused_port(), unused_port()]
+    producer_config, consumer_config, producer_env, consumer_env = transfer_configs(connector, ports)
+    producer, consumer = _start(connector, [("producer", producer_config, producer_env),
+                                            ("consumer", consumer_config, consumer_env)], model, max_model_len, out)
+
+    def rep(scenario: Scenario, handover: Handover, number: int) -> Rep:
+        prompts = scenario.prompts(number)
+        prefill = handover.prefill_params(len(prompts))
         started = time.perf_counter()
-        params = producer.run([prompt], 1, [{"do_remote_decode": True}]).outputs[0][2]
+        answers = producer.run(prompts, 1, prefill).outputs
         prefilled = time.perf_counter()
-        decoded = consumer.run([prompt], 1, [params])  # the pull, then the prompt's last token: the first token
+        decoded = consumer.run(prompts, scenario.new_tokens, handover.decode_params(prefill, [a[2] for a in answers]))
         done = time.perf_counter()
-        alone = consumer.run([prompt], 1)  # no params: the consumer computes the prompt itself
-        return (prefilled - started, done - prefilled, decoded.outputs[0][0] == alone.outputs[0][0],
-                decoded.prompt_tokens.get("external_kv_transfer", 0))
+        alone = consumer.run(prompts, scenario.new_tokens)  # no params: the consumer computes the prompts itself
+        return Rep(prefill_s=prefilled - started, consumer_s=done - prefilled,
+                   same_tokens=[o[0] for o in decoded.outputs] == [o[0] for o in alone.outputs],
+                   pulled_tokens=decoded.prompt_tokens.get("external_kv_transfer", 0))
 
     try:
         started = time.perf_counter()
         producer.wait_ready()
         consumer.wait_ready()
+        handover = Handover()
+        if connector is Connector.MOONCAKE:
+            handover = Handover(mooncake=vllm_mooncake.MooncakeProxy.query("127.0.0.1", ports[0]))
         progress(f"{connector.value}: engines ready in {time.perf_counter() - started:.0f} s; a warm-up request")
-        pd_once(min(lengths))  # warm-up: the connections, the first pull
-        rows = []
-        for tokens in lengths:
-            runs = [pd_once(tokens) for _ in range(reps)]
-            prefill = statistics.median(r[0] for r in runs)
-            first = statistics.median(r[1] for r in runs)
-            rows.append(Row(connector=connector.value, tokens=tokens, reps=reps, prefill_ms=prefill * 1e3,
-                            decode_first_token_ms=first * 1e3, ttft_ms=(prefill + first) * 1e3,
-                            same_tokens=all(r[2] for r in runs), pulled_tokens=sum(r[3] for r in runs)))
-            progress(f"{connector.value}, {tokens} tokens: TTFT {rows[-1].ttft_ms:.1f} ms")
-        return rows
+        return _scenarios(connector, scenarios, reps, lambda scenario, number: rep(scenario, handover, number),
+                          progress)
     finally:
         consumer.process.stop()
         producer.process.stop()
 
 
+def _scenarios(connector: Connector, scenarios: list[Scenario], reps: int, rep: Callable[[Scenario, int], Rep],
+               progress: Callable[[str], None]) -> list[Row]:
+    """A warm-up rep of the shortest single request (and of the first concurrent scenario), then ``reps``
+    reps of each scenario, as rows."""
+    warm = [min(scenarios, key=lambda s: (s.requests, s.tokens))]
+    warm += [s for s in scenarios if s.requests > 1][:1]
+    for scenario in warm:
+        rep(scenario, -1)
+    rows = []
+    for scenario in scenarios:
+        rows.append(row_of(connector, scenario, [rep(scenario, number) for number in range(reps)]))
+        progress(f"{connector.value}, {_label(scenario)}: consumer phase {rows[-1].decode_first_token_ms:.1f} ms"
+                 + ("" if rows[-1].ttft_ms is None else f", TTFT {rows[-1].ttft_ms:.1f} ms"))
+    return rows
+
+
+def measure_floor(model: str, scenarios: list[Scenario], reps: int, max_model_len: int, out: Path,
+                  progress: Callable[[str], None] = logger.info) -> list[Row]:
+    """The floor: one engine with no connector and its prefix cache on. A rep sends the scenario's prompts
+    (it computes them), then the same generate again, timed: the prompts' KV comes from its own cache (a
+    prompt's last token, and any tail short of a block, are computed again, as after a pull). Its tokens
+    must equal the first generate's."""
+    [engine] = _start(Connector.FLOOR, [("engine", None, {})], model, max_model_len, out, prefix_caching=True)
+
+    def rep(scenario: Scenario, number: int) -> Rep:
+        prompts = scenario.prompts(number)
+        computed = engine.run(prompts, scenario.new_tokens)
+        started = time.perf_counter()
+        cached = engine.run(prompts, scenario.new_tokens)
+        done = time.perf_counter()
+        return Rep(prefill_s=None, consumer_s=done - started,
+                   same_tokens=[o[0] for o in cached.outputs] == [o[0] for o in computed.outputs],
+                   pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0))
+
+    try:
+        started = time.perf_counter()
+        engine.wait_ready()
+        progress(f"floor: engine ready in {time.perf_counter() - started:.0f} s; a warm-up request")
+        return _scenarios(Connector.FLOOR, scenarios, reps, rep, progress)
+    finally:
+        engine.process.stop()
+
+
+def _ratio(value: float | None, best: float | None) -> str:
+    return "-" if value is None or not best else f"{value / best:.2f}x"
+
+
 def table(rows: list[Row]) -> str:
-    """The rows side by side, with each TTFT's ratio to NixlConnector's at the same length."""
-    nixl = {r.tokens: r.ttft_ms for r in rows if r.connector == Connector.NIXL.value}
-    lines = [f"{'connector':<11} {'tokens':>6} {'prefill ms':>10} {'pull+1 tok ms':>13} {'TTFT ms':>8} "
-             f"{'vs NIXL':>7} {'pulled':>7} same tokens"]
-    for r in sorted(rows, key=lambda r: (r.tokens, r.connector)):
-        ratio = f"{r.ttft_ms / nixl[r.tokens]:.2f}x" if r.tokens in nixl else "-"
-        lines.append(f"{r.connector:<11} {r.tokens:>6} {r.prefill_ms:>10.1f} {r.decode_first_token_ms:>13.1f} "
-                     f"{r.ttft_ms:>8.1f} {ratio:>7} {r.pulled_tokens:>7} {'yes' if r.same_tokens else 'NO'}")
+    """The rows side by side, per scenario (requests at once, prompt tokens), each with the ratio of its
+    consumer phase and of its prefill + consumer phase to the fastest of vLLM's connectors (NixlConnector,
+    MooncakeConnector) in the same scenario, for vLLM's own the fastest other one ("-": none in the run)."""
+    order = {c.value: i for i, c in enumerate(Connector)}
+    vllm_names = {c.value for c in VLLM_CONNECTORS}
+
+    def best(row: Row, field: str) -> float | None:
+        values = [getattr(r, field) for r in rows if r.connector in vllm_names and r.connector != row.connector
+                  and (r.requests, r.tokens, r.new_tokens) == (row.requests, row.tokens, row.new_tokens)
+                  and getattr(r, field) is not None]
+        return min(values, default=None)
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [f"{'connector':<11} {'requests':>8} {'tokens':>6} {'new tok':>7} {'prefill ms':>10} {'consumer ms':>11} "
+             f"{'sum ms':>8} {'consumer vs best':>16} {'sum vs best':>11} {'pulled':>7} same tokens"]
+    for r in sorted(rows, key=lambda r: (r.requests, r.tokens, order.get(r.connector, len(order)))):
+        lines.append(f"{r.connector:<11} {r.requests:>8} {r.tokens:>6} {r.new_tokens:>7} {ms(r.prefill_ms):>10} "
+                     f"{ms(r.decode_first_token_ms):>11} {ms(r.ttft_ms):>8} "
+                     f"{_ratio(r.decode_first_token_ms, best(r, 'decode_first_token_ms')):>16} "
+                     f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {r.pulled_tokens:>7} "
+                     f"{'yes' if r.same_tokens else 'NO'}")
     return "\n".join(lines)
 
 
@@ -220,14 +380,25 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def request_counts(text: str) -> list[int]:
+    """``--concurrent``: integers >= 1 separated by commas, or ``none``."""
+    return [] if text.strip().lower() == "none" else counts(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("kpool-pd bench vllm", __doc__)
     parser.add_argument("--tokens", type=counts, default=[1024, 8192], metavar="N,N",
-                        help="prompt lengths in tokens (default 1024,8192)")
-    parser.add_argument("--reps", type=count, default=5, help="PD requests per length and connector (default 5)")
+                        help="prompt lengths in tokens, one request of each at a time (default 1024,8192)")
+    parser.add_argument("--concurrent", type=request_counts, default=[8, 64], metavar="N,N",
+                        help=f"requests sent at once, of mixed lengths ({MIXED_SHORTEST} to {MIXED_LONGEST:,} "
+                             "tokens), a scenario per count; none for no such scenario (default 8,64)")
+    parser.add_argument("--new-tokens", type=count, default=12,
+                        help="tokens the consumer makes for each request of a concurrent scenario (default 12)")
+    parser.add_argument("--reps", type=count, default=3, help="reps of each scenario per connector (default 3)")
     parser.add_argument("--connectors", default=",".join(c.value for c in Connector), metavar="NAME,NAME",
                         help="which connectors, in order (default: all of " +
-                             ", ".join(c.value for c in Connector) + ")")
+                             ", ".join(c.value for c in Connector) + "; floor: no connector, one engine's "
+                             "prefix cache)")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="folder for vllm_pd.json and the engines' logs, made if missing (default: a new "
                              f"temporary folder, {OUT_PREFIX}*, named on the first line)")
@@ -243,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: kpool-pd bench vllm needs {' and '.join(missing)}", file=sys.stderr)
         return 2
+    skipped: dict[Connector, str] = {}
+    if Connector.MOONCAKE in connectors and (why := vllm_mooncake.unavailable()) is not None:
+        skipped[Connector.MOONCAKE] = f"{why}; {vllm_mooncake.ENABLE_HINT}"
+        connectors.remove(Connector.MOONCAKE)
     if args.out is None:
         out = Path(tempfile.mkdtemp(prefix=OUT_PREFIX))
     else:
@@ -250,17 +425,24 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     _say(f"kpool-pd bench vllm: writing to {out}")
     _say("vLLM's output goes to a log per engine there: <connector>-producer.log and <connector>-consumer.log")
-    max_model_len = max(args.tokens) + 16
+    for connector, why in skipped.items():
+        _say(f"{connector.value}: skipped: {why}")
+    scenarios = [Scenario(lengths=(n,), new_tokens=1) for n in args.tokens]
+    scenarios += [Scenario(lengths=mixed_lengths(n), new_tokens=args.new_tokens) for n in args.concurrent]
+    max_model_len = max(max(s.lengths) for s in scenarios) + 16 + args.new_tokens
     rows: list[Row] = []
     failure: EngineFailed | None = None
     with tempfile.TemporaryDirectory(prefix="kpoolpd-bench-vllm-model-") as folder:
         _say("writing the model (a 2-layer Llama, seeded weights)")
         model = str(vllm_engines.write_model(Path(folder) / "model", max_positions=max_model_len))
         for connector in connectors:
-            _say(f"{connector.value}: starting a producer and a consumer engine (logs "
-                 f"{engine_log(out, connector, 'producer').name}, {engine_log(out, connector, 'consumer').name})")
+            if connector is Connector.FLOOR:
+                _say(f"floor: starting one engine, its prefix cache on (log {engine_log(out, connector, 'engine').name})")
+            else:
+                _say(f"{connector.value}: starting a producer and a consumer engine (logs "
+                     f"{engine_log(out, connector, 'producer').name}, {engine_log(out, connector, 'consumer').name})")
             try:
-                rows += measure(connector, model, args.tokens, args.reps, max_model_len, out, progress=_say)
+                rows += measure(connector, model, scenarios, args.reps, max_model_len, out, progress=_say)
             except EngineFailed as failed:
                 failure = failed
                 break
@@ -272,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"  {line}" for line in tail), file=sys.stderr, flush=True)
     if rows:
         print(table(rows))
+    for connector, why in skipped.items():
+        print(f"{connector.value}: skipped: {why}")
     _say(f"results: {results}")
     return 0 if failure is None and all(r.same_tokens for r in rows) else 1
 
