@@ -51,7 +51,7 @@ def test_ucxx_import_defaults_leave_the_environment_for_the_options():
     """ucxx puts its own UCX_* defaults into the environment when it is imported; the connector takes them
     out (child processes would read them as an operator's) and hands them to ucxx.init as options."""
     code = ("import os\n"
-            "from connector.shared.ucx import _import_ucxx, _ucxx_defaults\n"
+            "from kpool_pd.connector.shared.ucx import _import_ucxx, _ucxx_defaults\n"
             "_import_ucxx()\n"
             "print(sorted(k for k in os.environ if k.startswith('UCX_')), sorted(_ucxx_defaults))\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}

@@ -351,7 +351,7 @@ def test_prefill_and_decode_in_two_network_namespaces(tmp_path, transport):
             proc = subprocess.run(
                 ["ip", "netns", "exec", ns.names[1], sys.executable, "-c",
                  "import asyncio, json, sys; from kpool_pd.client import generate_all; "
-                 "from model.colocated import GenerateRequest; "
+                 "from kpool_pd.model.colocated import GenerateRequest; "
                  "reqs = [GenerateRequest(**r) for r in json.loads(sys.argv[2])]; "
                  "out = asyncio.run(generate_all(sys.argv[1], reqs)); "
                  "print(json.dumps([r.as_json() for r in out]))",

@@ -141,7 +141,7 @@ def test_this_machines_ucx_as_the_check_reads_it():
     """The PyPI UCX here, read from a real UCX context: tcp, and no RDMA transport (its wheel is built
     without verbs), which the rdma profile refuses; the library is the wheel's."""
     probe = ("import json, ucxx; ucxx.init(options={}, env_takes_precedence=True); "
-             "from runtime.fabric_check import fabric_report; "
+             "from kpool_pd.runtime.fabric_check import fabric_report; "
              "r = fabric_report('rdma', ucx=True, device_type='cpu'); "
              "print(json.dumps({'resources': [str(x) for x in r.resources], 'problems': r.problems, "
              "'library': r.ucx_library}))")

@@ -318,7 +318,7 @@ def test_a_connection_reset_during_a_pull_is_a_warning(tmp_path, nodes, monkeypa
 
 def test_ucx_starts_without_a_warning_about_its_options():
     code = ("import asyncio, os\n"
-            "from connector.shared.ucx import UcxNode\n"
+            "from kpool_pd.connector.shared.ucx import UcxNode\n"
             "async def main():\n"
             "    node = UcxNode((('TLS', '^posix,sysv,cma,xpmem,knem'),))\n"
             "    print('TRANSPORTS', sorted(node.active_transports()), os.environ['UCX_MEMTYPE_CACHE'], flush=True)\n"
