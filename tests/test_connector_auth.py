@@ -231,12 +231,19 @@ def test_a_second_server_on_a_served_port_fails_naming_it_and_the_first_still_se
 
 
 def test_ensure_bindable_passes_a_free_port_and_skips_any_and_off():
+    """A free port passes and stays free (the check binds and lets go); 0 (any port) and -1 (off) are not
+    checked, even while a port is in use: only a real port in use is refused."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
-    ensure_bindable("port", "127.0.0.1", free)
-    ensure_bindable("port", "127.0.0.1", 0)
-    ensure_bindable("metrics-port", "127.0.0.1", -1)
+    assert ensure_bindable("port", "127.0.0.1", free) is None
+    with socket.socket() as again:  # the check left it free
+        again.bind(("127.0.0.1", free))
+        again.listen()
+        assert ensure_bindable("port", "127.0.0.1", 0) is None
+        assert ensure_bindable("metrics-port", "127.0.0.1", -1) is None
+        with pytest.raises(BindError, match=f"port {free} on 127.0.0.1 is in use"):
+            ensure_bindable("port", "127.0.0.1", free)
 
 
 @pytest.mark.parametrize("presented", [CLIENT_TOKEN, None], ids=["client-token", "no-token"])

@@ -347,11 +347,19 @@ def test_rejects_bad_ids_on_cpu(backend, case):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS, indirect=True)
 def test_valid_arguments_pass_and_unread_ids_are_not_checked(backend):
-    """The validation cases start from arguments that pass; ids past what the tokens need are not read."""
+    """The validation cases start from arguments that pass (and move bytes); ids past what the tokens need are
+    not read: 16 tokens with junk after the first id of each side land as with those first ids alone."""
     args = _args(backend.device)
+    args["src_blocks"] = torch.randint(0, 256, args["src_blocks"].shape, dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(3)).to(backend.device)
     repack_tokens(**args)
-    args.update(num_tokens=16, src_block_ids=[2, 99, -5], dst_block_ids=[1, 1])  # one block each side is read
-    repack_tokens(**args)
+    assert bool(args["dst_blocks"][[1, 2]].any()), "the valid arguments moved nothing"
+    results = []
+    for src_ids, dst_ids in (([2], [1]), ([2, 99, -5], [1, 1])):  # one block each side is read
+        dst = torch.zeros_like(args["dst_blocks"])
+        repack_tokens(**(args | {"num_tokens": 16, "src_block_ids": src_ids, "dst_block_ids": dst_ids, "dst_blocks": dst}))
+        results.append(dst.cpu())
+    assert bool(results[0][1].any()) and torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("backend", backends(REFERENCE, CUDA), indirect=True)
