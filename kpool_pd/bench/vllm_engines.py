@@ -144,6 +144,7 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
     except Exception:
         _failed(results, log is not None)
         return
+    step_as_a_server_does(llm)
     results.put(("ready", None))
     while (job := next_job(llm, jobs)) is not None:
         prompts, max_tokens, params = job
@@ -161,23 +162,46 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
             _failed(results, log is not None)
 
 
+def _in_process_core(llm):
+    """The engine's EngineCore when it runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
+
+
+def step_as_a_server_does(llm) -> None:
+    """``LLM.generate`` steps the in-process engine core back to back; vLLM's engine core loop in a server
+    yields 1 ms after a step that ran no model while its scheduler has work (requests waiting for remote
+    KV, blocks a connector still holds), so that the connectors' own threads get the GIL. The engine's
+    steps here do the same, so that a connector whose transfer runs on a Python thread (NixlConnector's
+    and MooncakeConnector's handshakes and notifications, MooncakeConnector's receiver) is not starved by
+    a loop no server runs."""
+    core = _in_process_core(llm)
+    if core is None:
+        return
+    step = core.step_fn
+
+    def step_and_yield():
+        outputs, executed = step()
+        if not executed and core.scheduler.has_requests():
+            time.sleep(0.001)
+        return outputs, executed
+    core.step_fn = step_and_yield
+
+
 def next_job(llm, jobs):
     """The next job from ``jobs``. Until it comes, the engine steps as vLLM's engine core loop does in a
     server, while its scheduler has work left: finished requests whose blocks a connector still holds (a
     producer's, until the consumer has them), which ``LLM.generate`` leaves unstepped once its requests'
     outputs are out. MooncakeConnector's producer needs those steps: it learns a finished request's blocks
     from the step's connector metadata, and only then writes them to the consumer. A step that ran no model
-    yields 1 ms, as the engine core loop does."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    yields 1 ms (``step_as_a_server_does``)."""
+    core = _in_process_core(llm)
     while core is not None and core.scheduler.has_requests():
         try:
             return jobs.get_nowait()
         except queue.Empty:
             pass
-        outputs, executed = core.step_fn()
+        _, executed = core.step_fn()
         core.post_step(model_executed=executed)
-        if not executed:
-            time.sleep(0.001)
     return jobs.get()
 
 
