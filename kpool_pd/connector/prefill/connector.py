@@ -40,6 +40,7 @@ from kpool_pd.connector.prefill.outbound import OutboundPull
 from kpool_pd.connector.prefill.prefills import PrefillDesk
 from kpool_pd.connector.prefill.pull_session_server import serve_pull_session
 from kpool_pd.connector.prefill.pulls import PullDesk
+from kpool_pd.connector.prefill.ucx_vetting import AddressVetting
 from kpool_pd.connector.shared import pull_frames
 from kpool_pd.connector.shared.auth import Credential
 from kpool_pd.connector.shared.compat import MAX_MODEL_IDENTITY_CHARS
@@ -80,6 +81,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self.pulls = PullDesk(pool=pool, config=config, transports=self.transports, engines=self.engines,
                               grants=self.grants, metrics=self.metrics)
         self._ucx: UcxNode | None = None
+        self._vetting: AddressVetting | None = None
         self.pull_sessions_open = 0  # PullSession calls being served now
 
     @property
@@ -118,8 +120,9 @@ class PrefillConnector(pb.PrefillServiceServicer):
         event loop that will serve the RPCs, before the server starts. Idempotent."""
         if Transport.UCX in self.transports and self._ucx is None:
             self._ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type))
-            self._ucx.start_vetting()
-            self.handshakes.ucx = self._ucx
+            self._vetting = AddressVetting(self._ucx.options, unified_mode=self._ucx.unified_mode)
+            self._vetting.start()
+            self.handshakes.ucx, self.handshakes.vetting = self._ucx, self._vetting
             if self.config.tls is not None:
                 logger.warning(NOT_ENCRYPTED)
         self.grants.start_reaper()
@@ -131,10 +134,10 @@ class PrefillConnector(pb.PrefillServiceServicer):
         await self.grants.stop()
         self.engines.close()
         if self._ucx is not None:
-            self.handshakes.ucx = None
-            await self._ucx.stop_vetting()
+            self.handshakes.ucx = self.handshakes.vetting = None
+            await self._vetting.stop()
             self._ucx.close()
-            self._ucx = None
+            self._ucx = self._vetting = None
 
     async def __aenter__(self) -> "PrefillConnector":
         return self

@@ -24,6 +24,7 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.prefill.decode_engines import MAX_ID_CHARS, DecodeEngine, DecodeEngineTable
 from kpool_pd.connector.prefill.ucx_address import WorkerAddressError
 from kpool_pd.connector.prefill.ucx_link import UcxLink
+from kpool_pd.connector.prefill.ucx_vetting import AddressVetting
 from kpool_pd.connector.shared.errors import StatusError
 from kpool_pd.connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, arrangement, model_differences, peer_layout
 from kpool_pd.connector.shared.config import ConnectorConfig
@@ -39,13 +40,15 @@ VET_SHARE = 0.75  # of rpc_timeout_s, what vetting a new UCX worker address may 
 
 class HandshakeDesk:
     """Answers Handshakes for the prefill node ``engine_id`` and admits the engines that pass into
-    ``engines``. ``ucx`` is the node's UCX worker once the connector started (None without UCX)."""
+    ``engines``. ``ucx`` is the node's UCX worker once the connector started, ``vetting`` what checks a
+    decode engine's worker address before an endpoint is made to it (both None without UCX)."""
 
     def __init__(self, *, engine_id: str, layout: BlockLayout, model_identity: str, config: ConnectorConfig,
                  transports: tuple[Transport, ...], engines: DecodeEngineTable, metrics: ConnectorMetrics) -> None:
         self.engine_id, self.layout, self.model_identity = engine_id, layout, model_identity
         self.config, self.transports, self.engines, self.metrics = config, transports, engines, metrics
         self.ucx: UcxNode | None = None
+        self.vetting: AddressVetting | None = None
 
     async def answer(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         """Check the decode engine's id, layout, model and UCX worker address, then (only if all pass)
@@ -112,7 +115,7 @@ class HandshakeDesk:
         started = time.monotonic()
         try:
             if link is None:
-                await self.ucx.vet(address, VET_SHARE * self.config.rpc_timeout_s)
+                await self.vetting.vet(address, VET_SHARE * self.config.rpc_timeout_s)
                 left = max(self.config.rpc_timeout_s - (time.monotonic() - started), 0.1)
                 link = made = await asyncio.wait_for(UcxLink.open(self.ucx, engine_id, address), left)
             if warmup_tag:

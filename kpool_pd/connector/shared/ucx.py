@@ -17,9 +17,9 @@ i of a pull travels under ``tag_base + i``, where the decode node draws ``tag_ba
 each pull.
 
 A worker address comes from the wire, and UCX trusts it: a malformed one aborts the process. So a
-peer's address reaches ``endpoint_to`` only after ``vet``: a structural check of its bytes
-(``kpool_pd.connector.prefill.ucx_address``), then a first endpoint made in a child process (``kpool_pd.connector.prefill.ucx_probe``),
-which UCX may take down instead of the daemon.
+peer's address reaches ``endpoint_to`` only after the sending role vetted it
+(``kpool_pd.connector.prefill.ucx_vetting``: a structural check of its bytes, then a first endpoint made in a
+child process, which UCX may take down instead of the daemon).
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from kpool_pd.connector.prefill.ucx_address import WorkerAddressError, check_worker_address
-from kpool_pd.connector.prefill.ucx_probe import ProbeOutcome, UcxProbe
 from kpool_pd.connector.shared.regions import ucx_buffer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +39,6 @@ logger = logging.getLogger(__name__)
 MAX_REGIONS = 1 << 16  # region index fits in the low 16 bits of the tag
 TAG_MASK = (1 << 64) - 1
 ABANDON_GRACE_S = 1.0  # how long abandoned receives may take to settle before their memory is reused
-VETTED_MEMORY = 1024  # worker addresses whose verdict is remembered (each way), so a reconnect costs no probe
 NOT_ENCRYPTED = ("TLS protects the gRPC connections only: the cache bytes sent over UCX are NOT encrypted (UCX has "
                  "no TLS); offer only the gRPC stream (--transports grpc) where the data plane must be encrypted")
 
@@ -125,8 +121,8 @@ class UcxNode:
     """The process's ucxx worker (ucxx keeps one per process) and our endpoints to the peers we
     send to. Create it inside the running event loop that will await its transfers.
 
-    Sender side: ``vet`` a peer's worker address from the wire, make endpoints to it (``endpoint_to``)
-    and ``send_on`` them; which endpoints a peer has, and which pull holds each, is its link's
+    Sender side: make endpoints to a peer's vetted worker address (``endpoint_to``; the prefill role vets an
+    address from the wire first, ``kpool_pd.connector.prefill.ucx_vetting``) and ``send_on`` them; which endpoints a peer has, and which pull holds each, is its link's
     (``kpool_pd.connector.prefill.ucx_link.UcxLink``).
     Receiver side: ``post_receives`` on the worker, and ``abandon`` the receives of a pull that
     failed, so that nothing lands in its memory once it is reused.
@@ -142,11 +138,8 @@ class UcxNode:
         self.address: bytes = bytes(self._ucxx.get_worker_address())
         self._lock = asyncio.Lock()
         self._self_endpoint = None
-        self._probe: UcxProbe | None = None
-        self._vetted: OrderedDict[bytes, None] = OrderedDict()
-        self._refused: OrderedDict[bytes, str] = OrderedDict()
         config = self.ucx_config()
-        self._unified = config.get("UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1")
+        self.unified_mode = config.get("UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1")
         logger.debug("UCX worker up: transports %s, network devices %s", ",".join(sorted(self.active_transports())),
                     config.get("NET_DEVICES", "all"))
 
@@ -159,50 +152,6 @@ class UcxNode:
         return dict(self._ucxx.get_config())
 
     # sender side -------------------------------------------------------------------------
-    def start_vetting(self) -> None:
-        """Start the probe child in the background, so that the first ``vet`` does not wait for
-        it (a sending node calls it once UCX is up; idempotent)."""
-        if self._probe is None:
-            self._probe = UcxProbe(self.options)
-        self._probe.start()
-
-    async def vet(self, address: bytes, timeout_s: float) -> None:
-        """Check a worker address from the wire before ``endpoint_to`` may hand it to UCX here.
-
-        First its bytes (``check_worker_address``), then, for an address not vetted before, a first
-        endpoint made by the probe child. Returns when UCX reached it there. Raises
-        ``WorkerAddressError`` (a ValueError naming why) when the bytes are malformed or took the
-        probe down, ``UcxUnreachableError`` when UCX refused the endpoint or the probe did not answer
-        within ``timeout_s``. Verdicts are remembered (the last ``VETTED_MEMORY`` each way), a time-out
-        excepted. Called on this node's event loop; probes run one at a time."""
-        known = bytes(address) if isinstance(address, (bytes, bytearray, memoryview)) else None
-        if known in self._vetted:  # a verdict is only ever kept for an address whose bytes passed
-            self._vetted.move_to_end(known)
-            return
-        if known in self._refused:
-            raise WorkerAddressError(self._refused[known])
-        check_worker_address(address, unified_mode=self._unified)
-        address = bytes(address)
-        self.start_vetting()
-        result = await self._probe.probe(address, timeout_s)
-        if result.outcome is ProbeOutcome.REACHED:
-            _remember(self._vetted, address, None)
-            logger.info("UCX worker address of %d bytes vetted in %.0f ms (%s)", len(address), result.seconds * 1000,
-                        result.detail)
-            return
-        if result.outcome is ProbeOutcome.CRASHED:
-            reason = f"making an endpoint to it crashed UCX: {result.detail}"
-            _remember(self._refused, address, reason)
-            raise WorkerAddressError(reason)
-        if result.outcome is ProbeOutcome.UNREACHABLE:
-            raise UcxUnreachableError(f"UCX cannot make an endpoint to it: {result.detail}")
-        raise UcxUnreachableError(f"it could not be checked in time: {result.detail}")
-
-    async def stop_vetting(self) -> None:
-        """End the probe child and wait until it is gone (idempotent); ``close`` only kills it."""
-        if self._probe is not None:
-            await self._probe.close()
-
     async def endpoint_to(self, address: bytes):
         """A new ucxx endpoint to a vetted worker ``address`` (endpoint error handling off). Endpoints are
         made one at a time; the caller owns it (``kpool_pd.connector.prefill.ucx_link`` keeps a decode engine's)."""
@@ -260,17 +209,9 @@ class UcxNode:
             return self._self_endpoint
 
     def close(self) -> None:
-        """Abort the loopback endpoint and end the probe child (idempotent); the endpoints to peers are
-        their links' (``kpool_pd.connector.prefill.ucx_link``), closed with them."""
-        if self._probe is not None:
-            self._probe.kill()
+        """Abort the loopback endpoint (idempotent); the endpoints to peers are their links'
+        (``kpool_pd.connector.prefill.ucx_link``), closed with them."""
         if self._self_endpoint is not None:
             self._self_endpoint.abort(period=10**9)
             self._self_endpoint = None
 
-
-def _remember(memory: OrderedDict, key: bytes, value) -> None:
-    memory[key] = value
-    memory.move_to_end(key)
-    while len(memory) > VETTED_MEMORY:
-        memory.popitem(last=False)
