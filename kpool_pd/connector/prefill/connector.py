@@ -121,7 +121,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         if Transport.UCX in self.transports and self._ucx is None:
             self._ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type))
             self._vetting = AddressVetting(self._ucx.options, unified_mode=self._ucx.unified_mode)
-            self._vetting.start()
+            await self._vetting.ready()  # before the server serves: no Handshake waits for the probe's start
             self.handshakes.ucx, self.handshakes.vetting = self._ucx, self._vetting
             if self.config.tls is not None:
                 logger.warning(NOT_ENCRYPTED)

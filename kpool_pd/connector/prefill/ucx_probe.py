@@ -98,6 +98,17 @@ class UcxProbe:
         if self._ready is None:
             self._ready = asyncio.ensure_future(self._spawn())
 
+    async def ready(self) -> None:
+        """Start the child (if it is not started) and wait until it is ready to answer, within its start's own
+        deadline (``START_TIMEOUT_S``), so that the first ``probe``'s deadline is spent on the question alone.
+        RuntimeError when the child cannot start (a later ``probe`` starts another)."""
+        self.start()
+        try:
+            await asyncio.shield(self._ready)
+        except Exception:
+            self._ready = None
+            raise
+
     async def _spawn(self) -> asyncio.subprocess.Process:
         self.starts += 1
         proc = await asyncio.create_subprocess_exec(

@@ -39,6 +39,17 @@ class AddressVetting:
             self._probe = UcxProbe(self.options)
         self._probe.start()
 
+    async def ready(self) -> None:
+        """``start``, then wait until the probe child is ready (a loaded machine may take seconds to start it,
+        which a Handshake's share of its deadline would otherwise pay). A child that cannot start is logged
+        and left to the first ``vet``, which starts another."""
+        self.start()
+        try:
+            await self._probe.ready()
+        except Exception as exc:
+            logger.warning("the UCX address probe did not start (%s); the first handshake over UCX starts it again",
+                           exc)
+
     async def vet(self, address: bytes, timeout_s: float) -> None:
         """Check a worker address from the wire before ``UcxNode.endpoint_to`` may hand it to UCX here.
 
