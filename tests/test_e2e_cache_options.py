@@ -26,10 +26,10 @@ OPTIONS = [  # family, the cache options (ModelConfig.build's names), alone and 
     (KPOOL, dict(block_order=BlockOrder.BLHNC), "kpool-hnc"),
     (KPOOL, dict(kpool=2, kernel_page_states=32), "kpool2-pages-of-32"),
     (QSA, dict(qsa_dtype=CacheDtype.FP8), "qsa-fp8"),
-    (QSA, dict(cache_rope_positions=False), "qsa-no-rope-positions"),
+    (QSA, dict(cache_rope_positions=True), "qsa-rope-positions"),
     (KPOOL, dict(kpool=2, pool_mode=PoolMode.KEEP_LAST, round_scale=False, block_order=BlockOrder.BLHNC,
                  kernel_page_states=32), "kpool-all-options"),
-    (QSA, dict(qsa_dtype=CacheDtype.FP8, block_order=BlockOrder.BLHNC, cache_rope_positions=False),
+    (QSA, dict(qsa_dtype=CacheDtype.FP8, block_order=BlockOrder.BLHNC, cache_rope_positions=True),
      "qsa-all-options"),
 ]
 CASES = [pytest.param(family, num_spec, options, id=f"{name}-spec{num_spec}")
@@ -50,7 +50,7 @@ def test_pd_with_a_cache_option_equals_colocated(tmp_path, family, num_spec, opt
 UP_CASES = [
     pytest.param(("--family", "kpool", "--kpool", "2", "--pool-mode", "keep-last", "--round-scale", "false",
                   "--block-order", "hnc", "--kernel-page-states", "32"), TRANSPORTS[0], id=f"kpool-{TRANSPORTS[0]}"),
-    pytest.param(("--family", "qsa", "--qsa-dtype", "fp8", "--block-order", "hnc", "--cache-rope-positions", "false"),
+    pytest.param(("--family", "qsa", "--qsa-dtype", "fp8", "--block-order", "hnc", "--cache-rope-positions", "true"),
                  TRANSPORTS[-1], id=f"qsa-{TRANSPORTS[-1]}"),
 ]
 

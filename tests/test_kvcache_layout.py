@@ -14,7 +14,7 @@ from kpool_pd.kvcache.layout import layout_differences
 
 KPOOL = CacheConfig(layer_names=("l0", "l1", "l2"), block_size=64, kpool=4, num_spec=3)
 QSA = CacheConfig(family=CacheFamily.QSA, layer_names=("l0", "l1"), block_size=64, compress_ratio=4, num_spec=3,
-                  qsa_num_heads=2)
+                  qsa_num_heads=2, cache_rope_positions=True)
 
 
 def _pool(config: CacheConfig) -> CachePool:
@@ -125,7 +125,7 @@ _CHANGES = {
     "layer_names": ("l0", "l1", "lx"), "block_size": 128, "num_spec": 1, "mla_entry_bytes": 600, "mla_num_heads": 2,
     "order": BlockOrder.BLHNC, "kpool": 2, "pool_mode": PoolMode.KEEP_LAST, "round_scale": False,
     "compress_ratio": 8, "qsa_head_size": 64, "qsa_num_heads": 1, "qsa_dtype": CacheDtype.FP8_E4M3,
-    "cache_rope_positions": False, "format_version": 2, "family": CacheFamily.QSA, "kernel_page_states": 32,
+    "cache_rope_positions": True, "format_version": 2, "family": CacheFamily.QSA, "kernel_page_states": 32,
 }
 _KPOOL_ONLY = {"kpool", "pool_mode", "round_scale", "kernel_page_states"}
 _QSA_ONLY = {"compress_ratio", "qsa_head_size", "qsa_num_heads", "qsa_dtype", "cache_rope_positions"}
@@ -141,6 +141,8 @@ def test_layout_hash_changes_with_every_field(field):
         value = _CHANGES[field]
         if field == "family":
             value = CacheFamily.KPOOL if base.family is CacheFamily.QSA else CacheFamily.QSA
+        if field == "cache_rope_positions":
+            value = not base.cache_rope_positions
         if field == "kernel_page_states":
             base = dataclasses.replace(base, block_size=256)  # S = 64: one page of 64, or two of 32
         changed = dataclasses.replace(base, **{field: value})

@@ -61,7 +61,7 @@ def test_a_model_holds_its_cache_and_build_fills_the_common_case():
     assert json.loads(config.identity()) == {
         "family": "qsa", "layers": 3, "kpool": 4, "compress_ratio": 2, "num_spec": 1, "seed": 5, "vocab_size": 1024,
         "index_heads": 4, "topk": 6, "mla_entry_bytes": 656, "pool_mode": PoolMode.SOFTMAX.value, "qsa_dtype": "fp8",
-        "round_scale": True, "cache_rope_positions": True}
+        "round_scale": True, "cache_rope_positions": False}
     with pytest.raises(ValueError, match="cache must be a CacheConfig, got dict"):
         ModelConfig(cache={})
     with pytest.raises(ValueError, match="vocab_size must be in"):

@@ -52,7 +52,7 @@ class CacheConfig:
     qsa_head_size: int = 128
     qsa_num_heads: int = 1
     qsa_dtype: CacheDtype = CacheDtype.BFLOAT16
-    cache_rope_positions: bool = True
+    cache_rope_positions: bool = False  # the seed's default (its models turn it on where they use MRoPE)
     format_version: int = field(default=LAYOUT_FORMAT_VERSION)
 
     def __post_init__(self) -> None:

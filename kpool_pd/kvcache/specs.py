@@ -257,7 +257,7 @@ class QsaKeyStateRingSpec:
     block_size: int
     head_size: int = INDEX_HEAD_DIM
     num_heads: int = 1
-    cache_rope_positions: bool = True
+    cache_rope_positions: bool = False  # the seed's default (QSAKeyStateCache)
 
     def __post_init__(self) -> None:
         _require_positive(block_size=self.block_size, head_size=self.head_size, num_heads=self.num_heads)

@@ -68,7 +68,7 @@ class ModelConfig:
               compress_ratio: int = 4, num_spec: int = 0, block_size: int | None = None,
               mla_entry_bytes: int = DEFAULT_MLA_ENTRY_BYTES, pool_mode: PoolMode = PoolMode.SOFTMAX,
               qsa_dtype: CacheDtype = CacheDtype.BFLOAT16, kernel_page_states: int = DEFAULT_KERNEL_PAGE_STATES,
-              round_scale: bool = True, block_order: BlockOrder = BlockOrder.BLNHC, cache_rope_positions: bool = True,
+              round_scale: bool = True, block_order: BlockOrder = BlockOrder.BLNHC, cache_rope_positions: bool = False,
               seed: int = 0, vocab_size: int = 1024, index_heads: int = 4, topk: int = 8) -> ModelConfig:
         """The model of ``num_layers`` layers (``layer.0`` on) over a cache of these parameters; ``block_size``
         None picks ``default_block_size``. ValueError naming the value for one the cache or the model refuses."""

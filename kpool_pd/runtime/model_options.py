@@ -75,8 +75,9 @@ CACHE_OPTION_TABLE: tuple[Option, ...] = (  # the cache's options: each takes it
            "channels (nhc, BLNHC) or heads first (hnc, BLHNC)", choices=tuple(BLOCK_ORDERS)),
     Option("kernel-page-states", _page_states, 64, "states of one kpool kernel page (a block of more holds several)",
            choices=tuple(str(p) for p in sorted(KERNEL_PAGE_STATES, reverse=True))),
-    Option("cache-rope-positions", _flag_bool, "true", "keep each QSA ring row's packed MRoPE position (false: the "
-           "text position stands for it)", choices=("true", "false")),
+    Option("cache-rope-positions", _flag_bool, "false", "keep each QSA ring row's packed MRoPE position (false, the "
+           "seed's default: the text position stands for it; true: prompts may carry MRoPE positions)",
+           choices=("false", "true")),
 )
 MODEL_OPTIONS: tuple[Option, ...] = BASE_MODEL_OPTIONS + CACHE_OPTION_TABLE
 MODEL_KEYS = frozenset(option.key for option in MODEL_OPTIONS)

@@ -140,7 +140,7 @@ def _qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec
     cap = qsa_ring_capacity(r, num_spec)
     config = CacheConfig(family=CacheFamily.QSA, layer_names=("l0", "l1"), block_size=math.lcm(r, cap, 64),
                          num_spec=num_spec, mla_entry_bytes=16, order=order, compress_ratio=r, qsa_num_heads=heads,
-                         qsa_dtype=dtype)
+                         qsa_dtype=dtype, cache_rope_positions=True)
     pool = CachePool(BlockLayout(config), num_blocks=blocks, num_rings=rings, device="cuda")
     poison(pool.blocks, seed)
     poison(pool.rings, seed + 1)
