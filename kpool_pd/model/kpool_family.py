@@ -6,6 +6,7 @@ import torch
 
 from kpool_pd.kernels import kpool_decode_update, kpool_indexer_topk, kpool_prefill
 from kpool_pd.kernels.kpool_cache import pool_slots
+from kpool_pd.kernels.kpool_metadata import KpoolMetadata, build_kpool_metadata
 from kpool_pd.kvcache import FP8_ENTRY_BYTES, CachePool
 from kpool_pd.model.batch import ForwardBatch
 from kpool_pd.model.cache_io import LayerStacks, layer_ring_rows
@@ -26,6 +27,7 @@ class KpoolFamily:
         self.kpool = self.cache.kpool
         self.states = self.cache.family_spec.entries_per_block
         self.stacks = LayerStacks(pool)  # every layer's views at once, for reads of a whole request
+        self._metadata: tuple[ForwardBatch, KpoolMetadata] | None = None
 
     @property
     def feature_width(self) -> int:
@@ -48,13 +50,25 @@ class KpoolFamily:
             return self.weights.keys(layer, batch.tokens, batch.positions)
         return inputs.keys, inputs.gates
 
+    def metadata(self, batch: ForwardBatch) -> KpoolMetadata:
+        """The step's pool-granular metadata (slot mapping, complete pools, kernel pages), built on the first
+        layer's call and read by every layer's op; on CUDA without a host synchronisation (a graph captures it)."""
+        if self._metadata is None or self._metadata[0] is not batch:
+            indexer = self.cache.kpool_indexer
+            built = build_kpool_metadata(batch.query_start_loc, batch.start_pos, batch.seq_lens, batch.block_table,
+                                         kpool=self.kpool, block_size=self.cache.block_size,
+                                         pages_per_block=indexer.pages_per_block, num_tokens=batch.tokens.shape[0])
+            self._metadata = (batch, built)
+        return self._metadata[1]
+
     def decode(self, layer: int, batch: ForwardBatch, inputs: LayerInputs | None = None) -> None:
-        """The layer's decode update (``inputs``: the layer's keys, computed with other layers')."""
+        """The layer's decode update (``inputs``: the layer's keys, computed with other layers'), its pools'
+        slots from the step's ``metadata``."""
         k, gate = self._keys(layer, batch, inputs)
         kpool_decode_update(k, gate, batch.start_pos, batch.query_start_loc, batch.ring_ids, batch.block_table,
                             self.weights.ape[layer], self.pool.tail_ring(layer), self.pool.indexer_q(layer),
                             self.pool.indexer_scale(layer), mode=self.cache.pool_mode,
-                            round_scale=self.cache.round_scale)
+                            round_scale=self.cache.round_scale, metadata=self.metadata(batch))
 
     def _slots(self, block_table: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
         """Indexer slots of pools to read; pool -1 reads slot 0 (its bytes are masked out later).

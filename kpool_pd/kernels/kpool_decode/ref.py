@@ -20,8 +20,11 @@ def decode_update(
     k: torch.Tensor, gate: torch.Tensor, start_pos: torch.Tensor, query_start_loc: torch.Tensor,
     ring_ids: torch.Tensor, block_table: torch.Tensor, ape: torch.Tensor, tail_ring: torch.Tensor,
     indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, mode: PoolMode, round_scale: bool,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """# k, gate: [T, 128] bf16; start_pos: [B] int; query_start_loc: [B+1] int; ring_ids: [B] int
+    # slot_mapping: [T] int64 or None: the indexer slot of the pool each token closes (-1 = none), from
+    #   ``KpoolMetadata``; None locates each pool from the block table
     # block_table: [B, M] int; ape: [kpool, 128] fp32; tail_ring: [num_rings, 2, R, 128] bf16
     # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages,
     #   states_per_page] fp32 (all written in place)
@@ -39,6 +42,9 @@ def decode_update(
             pool_k = tail_ring[ring_id, 0, ring_slots][None]
             pool_gate = tail_ring[ring_id, 1, ring_slots][None]
             q, scale = compress_pools(pool_k, pool_gate, ape, mode=mode, round_scale=round_scale)
-            pool = torch.tensor([[pos // kpool]], device=k.device)
-            slots = pool_slots(block_table[b:b + 1], pool, kpool=kpool, states=states)[0]
+            if slot_mapping is not None:
+                slots = slot_mapping[token:token + 1]
+            else:
+                pool = torch.tensor([[pos // kpool]], device=k.device)
+                slots = pool_slots(block_table[b:b + 1], pool, kpool=kpool, states=states)[0]
             write_entries(indexer_q, indexer_scale, q, scale, slots)

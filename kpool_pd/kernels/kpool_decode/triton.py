@@ -59,22 +59,31 @@ def _stash_chunks(k_ptr, g_ptr, ring_ptr, gate_half, slot_stride, ring_row0, fir
 
 @triton.jit
 def _compress_and_write(j, completed, first_pool, start, first_token, ring_row0, table_row, k_ptr, g_ptr, ape_ptr,
-                        ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block, iq_page,
-                        iq_entry, is_block, is_page, is_entry, BLOCK_R: tl.constexpr, KPOOL: tl.constexpr,
+                        ring_ptr, table_ptr, slot_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block,
+                        iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R: tl.constexpr, KPOOL: tl.constexpr,
                         RING: tl.constexpr, STATES: tl.constexpr, PAGE: tl.constexpr, SOFTMAX: tl.constexpr,
-                        ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr):
+                        ROUND_SCALE: tl.constexpr, PRECISE_EXP: tl.constexpr, SLOT_MAPPED: tl.constexpr):
     """Compress the j-th pool that each request's step completes and write its entry (skipped where the block
-    table holds -1). # -> nothing; first_pool, start, completed: [BLOCK_R] int32"""
+    table holds -1). With SLOT_MAPPED the entry's slot is the metadata's, read at the token that closes the pool
+    (-1 skips); else it is located from the block table. # -> nothing; first_pool, start, completed: [BLOCK_R] int32"""
     live = j < completed
     pool = first_pool + j
     pos0 = pool * KPOOL
-    column = pool // STATES
-    block = tl.load(table_ptr + table_row + column, mask=live & (column < table_width), other=-1).to(tl.int64)
+    if SLOT_MAPPED:
+        closing = first_token + (pos0 + KPOOL - 1 - start)
+        mapped = tl.load(slot_ptr + closing, mask=live, other=-1).to(tl.int64)
+        block = tl.where(mapped >= 0, mapped // STATES, -1)
+    else:
+        column = pool // STATES
+        block = tl.load(table_ptr + table_row + column, mask=live & (column < table_width), other=-1).to(tl.int64)
     row0 = (first_token + (pos0 - start)) * 128
     codes, scale = compress_tile(k_ptr, g_ptr, ape_ptr, ring_ptr, gate_half, row0, 128, pos0, start, ring_row0,
                                  RING, slot_stride, live, BLOCK_R, KPOOL, SOFTMAX, ROUND_SCALE, PRECISE_EXP, True)
     write = live & (block >= 0)
-    state = (pool % STATES).to(tl.int64)
+    if SLOT_MAPPED:
+        state = tl.where(mapped >= 0, mapped % STATES, 0)
+    else:
+        state = (pool % STATES).to(tl.int64)
     q_at, scale_at = entry_offsets(block, state, PAGE, iq_block, iq_page, iq_entry, is_block, is_page, is_entry)
     dims = tl.arange(0, 128)
     tl.store(iq_ptr + q_at[:, None] + dims[None, :], codes, mask=write[:, None])
@@ -83,11 +92,11 @@ def _compress_and_write(j, completed, first_pool, start, first_token, ring_row0,
 
 @triton.jit
 def _decode_update_kernel(
-    k_ptr, g_ptr, start_pos_ptr, qsl_ptr, ring_ids_ptr, table_ptr, ape_ptr, ring_ptr, iq_ptr, is_ptr,
+    k_ptr, g_ptr, start_pos_ptr, qsl_ptr, ring_ids_ptr, table_ptr, slot_ptr, ape_ptr, ring_ptr, iq_ptr, is_ptr,
     batch, table_stride, table_width, ring_stride, gate_half, slot_stride, iq_block, iq_page, iq_entry, is_block,
     is_page, is_entry, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, KPOOL: tl.constexpr, RING: tl.constexpr,
     STATES: tl.constexpr, PAGE: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_SCALE: tl.constexpr,
-    PRECISE_EXP: tl.constexpr, PDL: tl.constexpr,
+    PRECISE_EXP: tl.constexpr, PDL: tl.constexpr, SLOT_MAPPED: tl.constexpr,
 ):
     # k, gate: [T, 128] bf16; ring: [num_rings, 2, RING, 128] bf16 (strides ring_stride, gate_half, slot_stride, 1)
     # table: [B, M] int; indexer q: [num_blocks, STATES / PAGE, PAGE, 128] uint8, scale: [num_blocks, STATES / PAGE,
@@ -122,14 +131,14 @@ def _decode_update_kernel(
     most = tl.max(completed, axis=0)
     if most > 0:  # the first pool of each request: straight-line code, its loads issued with the stash's
         _compress_and_write(0, completed, first_pool, start, first_token, ring_row0, table_row, k_ptr, g_ptr, ape_ptr,
-                            ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block,
-                            iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R, KPOOL, RING, STATES, PAGE, SOFTMAX,
-                            ROUND_SCALE, PRECISE_EXP)
+                            ring_ptr, table_ptr, slot_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride,
+                            iq_block, iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R, KPOOL, RING, STATES,
+                            PAGE, SOFTMAX, ROUND_SCALE, PRECISE_EXP, SLOT_MAPPED)
     for j in range(1, most):  # steps that complete several pools (more tokens than kpool)
         _compress_and_write(j, completed, first_pool, start, first_token, ring_row0, table_row, k_ptr, g_ptr, ape_ptr,
-                            ring_ptr, table_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride, iq_block,
-                            iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R, KPOOL, RING, STATES, PAGE, SOFTMAX,
-                            ROUND_SCALE, PRECISE_EXP)
+                            ring_ptr, table_ptr, slot_ptr, iq_ptr, is_ptr, table_width, gate_half, slot_stride,
+                            iq_block, iq_page, iq_entry, is_block, is_page, is_entry, BLOCK_R, KPOOL, RING, STATES,
+                            PAGE, SOFTMAX, ROUND_SCALE, PRECISE_EXP, SLOT_MAPPED)
 
     # A request's pools read positions from first_pool * KPOOL >= start - KPOOL + 1 on; the ring slots of the older
     # ones are rewritten by this step only when a token lies RING or more positions after one of them, i.e. when
@@ -153,8 +162,10 @@ def decode_update_triton(
     ring_ids: torch.Tensor, block_table: torch.Tensor, ape: torch.Tensor, tail_ring: torch.Tensor,
     indexer_q: torch.Tensor, indexer_scale: torch.Tensor, *, mode: PoolMode, round_scale: bool,
     block_r: int | None = None, num_warps: int | None = None, pdl: bool | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """# k, gate: [T, 128] bf16; start_pos, ring_ids: [B] int; query_start_loc: [B+1] int; block_table: [B, M] int
+    # slot_mapping: [T] int64 or None, the pool-granular slots of ``KpoolMetadata`` (None: from the block table)
     # ape: [kpool, 128] fp32; tail_ring: [num_rings, 2, R, 128] bf16
     # indexer_q: [num_blocks, pages, states_per_page, 128] fp8; indexer_scale: [num_blocks, pages, states_per_page]
     #   fp32 (all written in place)
@@ -171,12 +182,14 @@ def decode_update_triton(
     pdl = (DEFAULT_PDL if pdl is None else pdl) and k.is_cuda and pdl_available()
     extra = {"launch_pdl": True} if pdl else {}
     _decode_update_kernel[(triton.cdiv(batch, block_r),)](
-        k, gate, start_pos, query_start_loc, ring_ids, block_table, ape.contiguous(), tail_ring,
+        k, gate, start_pos, query_start_loc, ring_ids, block_table,
+        block_table if slot_mapping is None else slot_mapping, ape.contiguous(), tail_ring,
         indexer_q.view(torch.uint8), indexer_scale, batch, block_table.stride(0), block_table.shape[1],
         tail_ring.stride(0), tail_ring.stride(1), tail_ring.stride(2), *page_strides(indexer_q, indexer_scale),
         BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(ring_size), KPOOL=kpool, RING=ring_size, STATES=states,
         PAGE=page,
         SOFTMAX=mode is PoolMode.SOFTMAX, ROUND_SCALE=round_scale, PRECISE_EXP=not interpreting(), PDL=pdl,
+        SLOT_MAPPED=slot_mapping is not None,
         num_warps=num_warps or _default_warps(k.device, triton.cdiv(batch, block_r)), **launch_options(), **extra,
     )
 
