@@ -22,6 +22,8 @@ class ForwardBatch:
     # tokens, positions: [T] int64; query_start_loc: [B+1] int32; start_pos, seq_lens: [B] int32
     # block_table: [B, M] int32 (-1 padded); ring_ids: [B] int32; rows: [Q] int64 indices into tokens
     # token_request: [T] int64, the request of each token
+    # query_start_loc_cpu: [B+1] int32, seq_lens_cpu: [B] int32 on the host, or None (the batch's host copies, for a
+    #   metadata builder's host counts without a device read)
     """
 
     tokens: torch.Tensor
@@ -34,6 +36,8 @@ class ForwardBatch:
     rows: torch.Tensor
     token_request: torch.Tensor
     from_zero: bool = False  # every request starts at position 0 (whole prompts), known without reading start_pos
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
     _pool_offsets: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -106,4 +110,5 @@ def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]],
         ring_ids=torch.tensor([ring for *_, ring in chunks], **as_int), rows=torch.tensor(rows, **as_long),
         token_request=torch.tensor(token_request, **as_long),
         from_zero=not any(first),
+        query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32), seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
     )

@@ -1,14 +1,21 @@
 """The QSA family through the public QSA ops: metadata, forward update, top-k, compressed rows.
 
+Every forward's metadata comes from the family's one ``QsaMetadataBuilder`` (buffers allocated once, the
+host counts from the batch's host copies); a forward larger than its buffers gets a builder of twice the
+room it needs, once, as vLLM sizes its builders from the largest batch it schedules.
+
 Text tokens only: every MRoPE position is (pos, pos, pos); the ring still stores it packed, as
 a multimodal request would need.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from kpool_pd.kernels.qsa_metadata import QsaMetadata, build_qsa_metadata
+from kpool_pd.kernels.qsa_metadata import QsaMetadata
+from kpool_pd.kernels.qsa_metadata.builder import QsaMetadataBuilder
 from kpool_pd.kernels.qsa_rope import text_positions
 from kpool_pd.kernels.qsa_score import qsa_topk
 from kpool_pd.kernels.qsa_update import qsa_forward_update
@@ -21,6 +28,13 @@ from kpool_pd.model.layer_hash.ref import qsa_features
 from kpool_pd.model.rule import TokenRule
 from kpool_pd.model.weights import SyntheticWeights
 
+logger = logging.getLogger(__name__)
+
+# the builder's first buffers: a forward of this many tokens of this many requests (vLLM's max_num_batched_tokens
+# and max_num_seqs); a larger forward grows them once to twice what it needs
+BUILDER_TOKENS = 8192
+BUILDER_REQUESTS = 256
+
 
 class QsaFamily:
     """Per forward one metadata build; per layer one forward update and one top-k launch."""
@@ -31,6 +45,7 @@ class QsaFamily:
         self.keys_spec = self.cache.qsa_keys
         self.ratio = self.cache.compress_ratio
         self._metadata: tuple[ForwardBatch, QsaMetadata] | None = None
+        self.builder = self._builder(BUILDER_TOKENS, BUILDER_REQUESTS)
         self.stacks = LayerStacks(pool)  # every layer's views at once, for reads of a whole request
 
     @property
@@ -45,11 +60,25 @@ class QsaFamily:
         return (c.topk + c.topk * self.row_bytes + (r - 1) * self.pool.layout.ring_row_bytes
                 + attended * self.pool.layout.mla_page_bytes // self.cache.block_size)
 
+    def _builder(self, tokens: int, requests: int) -> QsaMetadataBuilder:
+        return QsaMetadataBuilder(compress_ratio=self.ratio, ring_capacity=self.cache.ring_slots,
+                                  block_size=self.cache.block_size, num_spec=self.cache.num_spec,
+                                  max_num_batched_tokens=tokens, max_num_seqs=requests, device=self.pool.device)
+
     def _metadata_of(self, batch: ForwardBatch) -> QsaMetadata:
+        """The forward's metadata from the builder's buffers, built on the first layer's call (valid until the next
+        forward's build: every layer of this forward reads it)."""
         if self._metadata is None or self._metadata[0] is not batch:
-            metadata = build_qsa_metadata(batch.query_start_loc, batch.seq_lens, batch.block_table, batch.ring_ids,
-                                          compress_ratio=self.ratio, ring_capacity=self.cache.ring_slots,
-                                          block_size=self.cache.block_size)
+            qsl_cpu = batch.query_start_loc_cpu if batch.query_start_loc_cpu is not None else batch.query_start_loc.cpu()
+            seq_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+            tokens, requests = batch.tokens.shape[0], batch.num_requests
+            if tokens > self.builder.max_num_batched_tokens or requests > self.builder.max_num_seqs:
+                grown = (max(2 * tokens, self.builder.max_num_batched_tokens),
+                         max(2 * requests, self.builder.max_num_seqs))
+                logger.debug("QSA metadata buffers grow to %d tokens and %d requests", *grown)
+                self.builder = self._builder(*grown)
+            metadata = self.builder.build(batch.query_start_loc, batch.seq_lens, batch.block_table, batch.ring_ids,
+                                          query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, num_tokens=tokens)
             self._metadata = (batch, metadata)
         return self._metadata[1]
 
