@@ -20,12 +20,14 @@ from triton.language.extra import libdevice
 from kpool_pd.kernels import (kpool_compress, kpool_decode_update, kpool_indexer_topk, kpool_prefill, kpool_read_entries,
                      kpool_write_entries)
 from kpool_pd.kernels.kpool_decode.ref import decode_update
+from kpool_pd.kernels.kpool_metadata import build_kpool_metadata
 from kpool_pd.kvcache import PoolMode
 from tests.kernel_backends import Backend, make_backend
 from tests.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
 from tests.test_mla_rows import test_kernel_writes_what_the_reference_writes  # noqa: F401
 from tests.test_chunked_prefill import test_kernel_chunks_equal_one_whole_prefill  # noqa: F401
 from tests.test_kpool_pages import test_prefill_writes_each_entry_where_design_says  # noqa: F401
+from tests.test_kpool_metadata import test_the_decode_update_writes_each_pool_at_the_metadatas_slot  # noqa: F401
 from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, keys, make_pool,  # noqa: F401
                                      test_compress,
                                      test_compress_encodes_rounding_edges_like_torch, test_decode_step_with_drafts,
@@ -106,6 +108,61 @@ def test_decode_is_graph_capturable_and_never_syncs(entry_rule, geometry):
     for step_k, step_gate in ((first_k, first_gate), (first_k, first_gate), (new_k, new_gate)):
         decode_update(step_k, step_gate, starts, qsl, ring_ids, tables, ape, *ref_views, mode=PoolMode.SOFTMAX,
                       round_scale=True)
+    assert_pools_match(pool, ref_pool, 0, PoolMode.SOFTMAX, entry_rule)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("geometry", ["S16-one-page", "S128-two-pages-of-64"])
+def test_the_step_metadata_and_the_update_that_takes_it_replay_from_a_graph(entry_rule, geometry):
+    """The decode step as the engine runs it: the step's KpoolMetadata built once, on the device, and the update
+    writing each pool at its slot, without a host synchronisation, captured in one graph and replayed for the next
+    step's keys; the bytes are the reference's, fed the same slot mapping."""
+    config = GEOMETRIES[geometry]
+    gen = torch.Generator().manual_seed(9)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    batch, tokens = 64, 4
+    pool, ref_pool = make_pool(config, 3 * batch, batch, 3, cuda), make_pool(config, 3 * batch, batch, 3, cpu)
+    k, gate = keys(batch * tokens, gen, cuda)
+    starts = torch.randint(0, 180, (batch,), generator=gen).to(torch.int32)
+    qsl = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32)
+    seq = starts + tokens
+    ring_ids = torch.randperm(batch, generator=gen).to(torch.int32)
+    tables = torch.randperm(3 * batch, generator=gen).view(batch, 3).to(torch.int32)
+    ape = torch.randn(config.kpool, D, generator=gen)
+    earlier = torch.randn(pool.tail_ring(0).shape, generator=gen).to(torch.bfloat16)
+    pool.tail_ring(0).copy_(earlier)
+    ref_pool.tail_ring(0).copy_(earlier)
+    on = [t.cuda() for t in (starts, qsl, seq, ring_ids, tables, ape)]
+    views = (pool.tail_ring(0), pool.indexer_q(0), pool.indexer_scale(0))
+    pages = config.kpool_indexer.pages_per_block
+
+    def step() -> None:
+        meta = build_kpool_metadata(on[1], on[0], on[2], on[4], kpool=config.kpool, block_size=config.block_size,
+                                    pages_per_block=pages, num_tokens=batch * tokens)
+        kpool_decode_update(k, gate, on[0], on[1], on[3], on[4], on[5], *views, metadata=meta)
+
+    first_k, first_gate = k.cpu(), gate.cpu()
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_k, new_gate = keys(batch * tokens, gen, cpu)
+    k.copy_(new_k)
+    gate.copy_(new_gate)
+    graph.replay()
+    slots = build_kpool_metadata(qsl, starts, seq, tables, kpool=config.kpool, block_size=config.block_size,
+                                 pages_per_block=pages).slot_mapping
+    ref_views = (ref_pool.tail_ring(0), ref_pool.indexer_q(0), ref_pool.indexer_scale(0))
+    for step_k, step_gate in ((first_k, first_gate), (first_k, first_gate), (new_k, new_gate)):
+        decode_update(step_k, step_gate, starts, qsl, ring_ids, tables, ape, *ref_views, mode=PoolMode.SOFTMAX,
+                      round_scale=True, slot_mapping=slots)
     assert_pools_match(pool, ref_pool, 0, PoolMode.SOFTMAX, entry_rule)
 
 
