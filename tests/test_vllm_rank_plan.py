@@ -138,13 +138,20 @@ def test_a_producers_ranks_travel_in_its_params():
     ({"remote_rank_addresses": "127.0.0.1:7600"}, "remote_rank_addresses"),
     ({"remote_rank_addresses": [ADDRESSES[0], 7601]}, r"remote_rank_addresses'\]\[1\]"),
     ({"remote_rank_addresses": [ADDRESSES[0], "10.0.0.1"]}, r"remote_rank_addresses'\]\[1\]"),
-    ({"remote_rank_addresses": [ADDRESSES[1], ADDRESSES[0]]}, r"remote_rank_addresses'\]\[0\]"),
+    ({"remote_rank_addresses": ["unix:/tmp/kpoolpd.sock", ADDRESSES[1]]}, r"remote_rank_addresses'\]\[0\]"),
 ], ids=str)
 def test_a_bad_rank_field_is_named(change, field):
     params = tp2_params() | change
     with pytest.raises(ValueError, match=field):
         RankParams.parse(params)
     assert "remote_" in params_error(b'{"kv_transfer_params": %s}' % __import__("json").dumps(params).encode())
+
+
+def test_rank_0_is_dialed_at_remote_address():
+    """A proxy that rewrites remote_address is followed for rank 0 (as with one rank); the allowlist still
+    decides whether any rank's address is dialed."""
+    params = tp2_params() | {"remote_address": "127.0.0.1:9000"}
+    assert RankParams.parse(params).addresses == ("127.0.0.1:9000", ADDRESSES[1])
 
 
 def test_missing_rank_addresses_are_named():
@@ -192,7 +199,7 @@ def test_a_producer_rank_nobody_pulls_whole_is_released_once_the_load_ended():
     scheduler.on_new_request(req)
     assert [(r.rank, r.key) for r in step(scheduler).renewals] == [(0, slot_key(key, 0)), (1, slot_key(key, 1))]
     assert scheduler.get_num_new_matched_tokens(req, 0) == (len(PROMPT), True)
-    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), len(PROMPT))
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), blocks=((),)), len(PROMPT))
     meta = step(scheduler)
     assert len(meta.loads) == 1 and meta.releases == []
     scheduler.update_connector_output(SimpleNamespace(finished_recving={"d1"}))

@@ -5,11 +5,12 @@ A producer of TP ``T`` hands out, besides the fields ``kpool_pd.transfer_params.
 | field | meaning |
 |---|---|
 | ``remote_tp_size`` | ``T``, the producer's TP size (absent: 1) |
-| ``remote_rank_addresses`` | ``T`` ``"host:port"`` strings, rank ``r``'s PrefillService at index ``r`` (absent with ``T`` 1: ``[remote_address]``); the first is ``remote_address`` |
+| ``remote_rank_addresses`` | ``T`` ``"host:port"`` strings, rank ``r``'s PrefillService at index ``r`` (absent with ``T`` 1: ``[remote_address]``); rank 0's is ``remote_address`` |
 
 Each address is one the consumer's ``producers`` must allow before it is dialed, as ``remote_address`` is.
-A field of the wrong type or out of range, a list of another length than ``remote_tp_size`` or whose first
-address is not ``remote_address``, is a ValueError naming the field (``kpool_pd.vllm.guard`` answers it
+Rank 0 is dialed at ``remote_address`` (a proxy that rewrites it is followed, as with one rank), whatever
+the list's first entry says. A field of the wrong type or out of range, or a list of another length than
+``remote_tp_size``, is a ValueError naming the field (``kpool_pd.vllm.guard`` answers it
 HTTP 400; inside the engine the request computes its prompt itself).
 """
 
@@ -60,7 +61,4 @@ class RankParams:
                 raise ValueError(f"{where} must be a 'host:port' string of at most {MAX_ADDRESS_CHARS} "
                                  f"characters, got {_shown(value)}")
             split_host_port(value, where)
-        if addresses[0] != address:
-            raise ValueError(f"kv_transfer_params[{ADDRESSES_FIELD!r}][0] must be remote_address "
-                             f"{_shown(address)} (rank 0's), got {_shown(addresses[0])}")
-        return cls(tp_size=tp_size, addresses=tuple(addresses))
+        return cls(tp_size=tp_size, addresses=(address, *addresses[1:]))  # rank 0: remote_address
