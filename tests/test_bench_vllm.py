@@ -1,8 +1,9 @@
 """``kpool-pd bench vllm`` (kpool_pd/bench/vllm_pd.py): its flags; its output (a new temporary folder unless --out,
 named first; each engine's output in its log there, the terminal left to the bench's progress and table; a
-failed engine's log tail), run with engines that print like vLLM but compute nothing (no vLLM); the
-redirection of a child process's output; and one short run of a KpoolPdConnector pair whose row says the
-consumer pulled every prompt token and gave one engine's tokens."""
+failed engine's log tail; MooncakeConnector's rows skipped with the reason when its engine does not import;
+concurrent rows), run with engines that print like vLLM but compute nothing (no vLLM); the table's ratios;
+the redirection of a child process's output; and one short run of a KpoolPdConnector pair, a single request
+and two at once, whose rows say the consumer pulled every prompt token and gave one engine's tokens."""
 
 from __future__ import annotations
 
