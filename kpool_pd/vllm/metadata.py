@@ -126,25 +126,6 @@ def flat_ids(layout: PlanarLayout, block_ids: BlockIds) -> tuple[int, ...]:
     return tuple(layout.block_id(group, b) for group, blocks in enumerate(block_ids) for b in blocks)
 
 
-def grant_from(params: DecodeParams, digest: str, layout: PlanarLayout,
-               dst: BlockIds) -> tuple[PrefillGrant, tuple[int, ...]]:
-    """The grant ``params`` name, under the key of ``digest`` (this request's own prompt digest), and the
-    connector's ids of ``dst`` (this engine's blocks per group) it lands in, one for each of the producer's.
-    ValueError naming the group for a group whose block counts differ."""
-    src = params.block_ids
-    if len(src) != len(dst):
-        raise ValueError(f"the producer has {len(src)} KV cache groups, this engine {len(dst)}")
-    for group, (theirs, ours) in enumerate(zip(src, dst)):
-        if len(theirs) != len(ours):
-            raise ValueError(f"group {group}: the producer offers {len(theirs)} blocks, this engine holds "
-                             f"{len(ours)} for them")
-    src_ids = flat_ids(layout, src)
-    grant = PrefillGrant(grant_id=grant_key(params.grant_id, digest), request_id=params.request_id or "vllm",
-                         prompt_len=params.num_tokens, num_blocks=len(src_ids), ring_live=RingRange(0, 0),
-                         first_token=0, lease_s=params.lease_s, src_block_ids=src_ids, src_ring_id=0)
-    return grant, flat_ids(layout, dst)
-
-
 def read_key(key: str, read: Read) -> str:
     """The key of the grant ``read`` pulls from a producer rank that holds the request as ``key``."""
     return key if read.whole else slot_key(key, read.remote_slots[0])
@@ -152,9 +133,11 @@ def read_key(key: str, read: Read) -> str:
 
 def rank_grant(params: DecodeParams, digest: str, layout: PlanarLayout, dst: BlockIds, read: Read, *,
                local_units: int, remote_units: int) -> tuple[PrefillGrant, tuple[int, ...]]:
-    """``grant_from`` for one read of a TP rank: the producer rank's grant ``read`` names (its whole grant or
-    one slot's), its ids (``remote_units`` head slots a block) and the ids of this rank's slots they land in
-    (``local_units`` a block). ValueError naming the group for a group whose block counts differ."""
+    """The grant ``params`` name for one read of a TP rank, under the key of ``digest`` (this request's own
+    prompt digest): the producer rank's grant ``read`` names (its whole grant or one slot's), its ids
+    (``remote_units`` head slots a block) and the ids of this rank's slots of ``dst`` (this engine's blocks per
+    group, ``local_units`` slots a block) they land in, one for each of the producer's. ValueError naming the
+    group for a group whose block counts differ."""
     src = params.block_ids
     if len(src) != len(dst):
         raise ValueError(f"the producer has {len(src)} KV cache groups, this engine {len(dst)}")
