@@ -28,8 +28,8 @@ from pathlib import Path
 from kpool_pd.bench import vllm_engines
 from kpool_pd.bench.arguments import bench_parser, count
 from kpool_pd.bench.vllm_pd import Scenario, _Engine, mixed_lengths, unused_port
-from kpool_pd.bench.vllm_trace import TRACE_ENV
 
+TRACE_ENV = "KPOOLPD_TRACE"  # where the engines' traced connector (kpool_pd.bench.vllm_trace) writes its stamps
 logger = logging.getLogger("kpool_pd.bench.vllm_profile")
 
 

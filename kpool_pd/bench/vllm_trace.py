@@ -32,8 +32,8 @@ from kpool_pd.connector.shared import hops
 from kpool_pd.connector.shared.pull_frames import ChunkFrame
 from kpool_pd.vllm import connector as kpool_connector
 from kpool_pd.vllm import worker as kpool_worker
+from kpool_pd.bench.vllm_profile import TRACE_ENV
 
-TRACE_ENV = "KPOOLPD_TRACE"
 _request = contextvars.ContextVar("kpoolpd_trace_request", default="")  # the vLLM request a pull task serves
 
 
