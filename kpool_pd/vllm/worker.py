@@ -177,32 +177,42 @@ class ProducerWorker:
 
     async def _offer_all(self, metadata: KpoolPdMetadata) -> None:
         for offer in metadata.offers:
-            rid = offer.request_id
-            try:
-                grants = self._grants_of(offer)
-            except ValueError:
-                logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
-                self._holding[rid] = 1
-                self._grant_ended(rid)
-                continue
-            self._holding[rid] = len(grants)
-            slot_keys = [key for key, _ in grants[1:]]
-            for index, (key, ids) in enumerate(grants):
-                whole = index == 0
-                try:
-                    allocation = self.cache.lend(rid, ids, on_release=lambda rid=rid, whole=whole: self._grant_ended(
-                        rid, slot_keys if whole else ()))
-                except ValueError:
-                    logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
-                    self._grant_ended(rid)
-                    continue
-                try:
-                    self.node.offer(allocation, grant_id=key, request_id=rid, prompt_len=offer.prompt_len)
-                except ValueError:
-                    logger.exception("request %s could not be offered; its blocks go back to vLLM", rid)
-                    allocation.release()
-                    continue
+            self._offer_one(offer)
             self.stats.count("grants_offered")
+
+    def _offer_one(self, offer) -> None:
+        """Hold ``offer`` as this rank's grants (on the loop). The whole grant's end releases this request's
+        own unclaimed slot grants: the keys are bound here, per offer, so that offers of one step (several
+        requests' prompts computed together) never hand each other's keys to their releases."""
+        rid = offer.request_id
+        try:
+            grants = self._grants_of(offer)
+        except ValueError:
+            logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
+            self._holding[rid] = 1
+            self._grant_ended(rid)
+            return
+        self._holding[rid] = len(grants)
+        slot_keys = tuple(key for key, _ in grants[1:])
+        for index, (key, ids) in enumerate(grants):
+            self._lend(offer, key, ids, slot_keys if index == 0 else ())
+
+    def _lend(self, offer, key: str, ids: tuple[int, ...], slot_keys: tuple[str, ...]) -> None:
+        """Offer one grant of ``offer`` (``key`` over the connector's ``ids``); its end counts down the
+        request's grants and releases ``slot_keys`` (the whole grant's own slot grants; none for a slot
+        grant). A grant that cannot be held counts as ended at once."""
+        rid = offer.request_id
+        try:
+            allocation = self.cache.lend(rid, ids, on_release=lambda: self._grant_ended(rid, slot_keys))
+        except ValueError:
+            logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
+            self._grant_ended(rid)
+            return
+        try:
+            self.node.offer(allocation, grant_id=key, request_id=rid, prompt_len=offer.prompt_len)
+        except ValueError:
+            logger.exception("request %s could not be offered; its blocks go back to vLLM", rid)
+            allocation.release()
 
     def _grant_ended(self, request_id: str, slot_keys=()) -> None:
         """One of the request's grants ended (on the loop): once all did, its blocks are vLLM's again. The
