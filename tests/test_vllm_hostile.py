@@ -16,11 +16,16 @@ the consumer's own OpenAI endpoint. Each attack once, then all of them again mix
   router: a good answer, or a 400 that marks no instance failed;
 - a router whose decode instance cannot be reached releases the producer's grant at once.
 
+Then 100 requests, 8 at a time, sharing heads (delta pulls) with every fifth abandoned mid-stream: the
+producer holds no block afterwards.
+
 Good requests equal the producer's own answer for the same prompt (the reference: it computes its prompts
 itself), and afterwards both servers serve and the producer holds no block."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import http.client
 import json
 import os
 import random
@@ -310,3 +315,52 @@ def test_a_mixed_run_leaves_both_serving_right_and_the_producer_holding_nothing(
         good_request(deployment, 9000 + round_)
     assert deployment.consumer.healthy() and deployment.producer.healthy()
     assert_freed(deployment, "the mixed run")
+
+
+HUNDRED = 100
+ABORT_EVERY = 5  # every fifth request's client goes away after the stream's first chunk
+PREFIXES = 8  # shared prompt heads: most requests find blocks of theirs in the consumer's prefix cache
+
+
+def abandoned_stream(deployment: Deployment, tokens: list[int]) -> None:
+    """A streamed completion through the router whose client reads one chunk and hangs up."""
+    host, port = deployment.router.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": vllm_servers.SERVED_MODEL, "prompt": tokens, "max_tokens": 64, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True}).encode()
+    connection = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        response.readline()
+    finally:
+        connection.close()
+
+
+def test_a_hundred_requests_with_prefix_hits_and_aborts_leave_the_producer_as_it_was(deployment):
+    """100 requests through the router, 8 at a time: heads shared among them (prefix hits on the consumer:
+    delta pulls), every fifth abandoned by its client mid-stream. Every answer read equals the producer's own,
+    the consumer counts held blocks, and afterwards the producer holds no block (its usage as before: 0)."""
+    assert_freed(deployment, "the earlier tests")
+    rng = random.Random(77)
+    heads = [prompt(7000 + i, rng.randrange(100, 220)) for i in range(PREFIXES)]
+    prompts = [heads[i % PREFIXES] + prompt(8000 + i, rng.randrange(5, 40)) for i in range(HUNDRED)]
+    held_before = held_blocks(deployment.consumer)
+
+    def one(index: int) -> tuple[int, list[int] | None]:
+        if index % ABORT_EVERY == ABORT_EVERY - 1:
+            abandoned_stream(deployment, prompts[index])
+            return index, None
+        status, answer = complete(deployment.router, prompts[index])
+        assert status == 200, answer
+        return index, tokens_of(answer)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = dict(pool.map(one, range(HUNDRED)))
+    checked = [i for i, tokens in answers.items() if tokens is not None][::4]  # a quarter against the producer
+    for index in checked:
+        assert answers[index] == reference(deployment, prompts[index]), index
+    assert wait_for(lambda: held_blocks(deployment.consumer) > held_before, RELEASED_S, period_s=0.5), \
+        "no request pulled less than its prompt: no prefix hit was used"
+    assert_freed(deployment, "a hundred requests with prefix hits and aborts")
+    assert deployment.consumer.healthy() and deployment.producer.healthy()
