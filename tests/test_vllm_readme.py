@@ -22,7 +22,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with vLLM")
 
 from tests import vllm_servers  # noqa: E402
-from tests.user_folders import SHADOW_MESSAGE, shadowing_folder  # noqa: E402
+from tests.user_folders import shadowed, shadowing_folder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -111,7 +111,7 @@ def local_compute(port: int) -> float:
 def test_the_readme_commands_answer_and_every_request_equals_one_server(deployment):
     folder, output = deployment
     for log in ("producer.log", "consumer.log", "router.log"):  # started beside model/, runtime/, kernels/...
-        assert SHADOW_MESSAGE not in (folder / log).read_text(errors="replace"), log
+        assert not shadowed((folder / log).read_text(errors="replace")), log
     answer = json.loads(output.strip().splitlines()[-1])  # the README's own curl, the pair's first request
     assert answer["choices"][0]["finish_reason"] == "length", answer
     assert answer["choices"][0]["text"] == completion(PORTS["producer"], "Hello, PD!", stream=False)
