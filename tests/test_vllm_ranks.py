@@ -95,7 +95,7 @@ def check_pd(producer, consumer, *, producer_tp: int, seed: int, loaded_all: boo
 
 class TestKpoolPd:
     """KpoolPdConnector: p1 (TP 1, kv_both, pulls over gRPC), u1 (TP 1 consumer, UCX), p2 (TP 2 producer),
-    d2 (TP 2 consumer, gRPC)."""
+    d2 (TP 2 consumer, gRPC), u2 (TP 2 consumer, UCX)."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -111,13 +111,15 @@ class TestKpoolPd:
             "u1": (config("kv_consumer", consumer("ucx")), {}),
             "p2": (config("kv_producer", {"listen": f"127.0.0.1:{p2[0]}", "peer_token": token, "lease_s": 60}), TP2),
             "d2": (config("kv_consumer", consumer("grpc")), TP2),
+            "u2": (config("kv_consumer", consumer("ucx")), TP2),
         }, model)
         yield engines | {"p2_ports": p2}
         stop(engines)
 
     @pytest.mark.parametrize("producer,consumer,producer_tp", [
-        ("p2", "p1", 2), ("p2", "u1", 2), ("p1", "d2", 1), ("p2", "d2", 2),
-    ], ids=["tp2-to-tp1-grpc", "tp2-to-tp1-ucx", "tp1-to-tp2-grpc", "tp2-to-tp2-grpc"])
+        ("p2", "p1", 2), ("p2", "u1", 2), ("p1", "d2", 1), ("p1", "u2", 1), ("p2", "d2", 2), ("p2", "u2", 2),
+    ], ids=["tp2-to-tp1-grpc", "tp2-to-tp1-ucx", "tp1-to-tp2-grpc", "tp1-to-tp2-ucx", "tp2-to-tp2-grpc",
+            "tp2-to-tp2-ucx"])
     def test_pd_equals_single_engine(self, engines, producer, consumer, producer_tp):
         params = check_pd(engines[producer], engines[consumer], producer_tp=producer_tp,
                           seed=hash((producer, consumer)) % 1000)
