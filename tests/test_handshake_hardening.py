@@ -284,7 +284,7 @@ def test_model_identity_covers_every_field():
                "seed": 1, "vocab_size": 512, "index_heads": 2, "topk": 4, "mla_entry_bytes": 64,
                "pool_mode": next(m for m in PoolMode if m is not base.cache.pool_mode),
                "qsa_dtype": next(d for d in CacheDtype if d is not base.cache.qsa_dtype), "kernel_page_states": 32,
-               "round_scale": False, "block_order": BlockOrder.BLHNC, "cache_rope_positions": False}
+               "round_scale": False, "block_order": BlockOrder.BLHNC, "cache_rope_positions": True}
     assert set(changed) == set(inspect.signature(ModelConfig.build).parameters)
     assert {f.name for f in dataclasses.fields(ModelConfig)} - {"cache"} < set(changed)
     arranging = {"block_size", "kernel_page_states", "block_order"}  # arrange the cache's bytes only: peers may differ in them
