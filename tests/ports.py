@@ -43,3 +43,12 @@ def free_port() -> int:
         if _bindable(port):
             return port
     raise RuntimeError(f"no free port in {FIRST_PORT + _worker_index() * SPAN}..+{SPAN} on {LOOPBACK}")
+
+
+def consecutive_ports(count: int) -> list[int]:
+    """``count`` consecutive free ports (a producer of TP ``count`` serves on its ``listen`` port and the next)."""
+    ports = [free_port()]
+    while len(ports) < count:
+        port = free_port()
+        ports = [*ports, port] if port == ports[-1] + 1 else [port]
+    return ports

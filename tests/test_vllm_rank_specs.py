@@ -24,7 +24,7 @@ from kpool_pd.vllm.rank_params import RankParams  # noqa: E402
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Sharding  # noqa: E402
 from kpool_pd.vllm.settings import KpoolPdSettings  # noqa: E402
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
-from tests.ports import free_port  # noqa: E402
+from tests.ports import consecutive_ports  # noqa: E402
 from tests.vllm_spec_caches import backing  # noqa: E402
 from tests.vllm_spec_procs import NUM_BLOCKS, pool_of, spec_digest  # noqa: E402
 
@@ -34,13 +34,6 @@ DONE_S = 60.0
 SRC, DST = ((3, 4), (5,)), ((9, 10), (11,))  # a full group's two blocks and the ring's one
 SEATS = [RankSeat(tp_rank=r, tp_size=2, dp_index=dp) for dp in range(2) for r in range(2)]
 
-
-def consecutive_ports(count: int) -> list[int]:
-    ports = [free_port()]
-    while len(ports) < count:
-        port = free_port()
-        ports = [*ports, port] if port == ports[-1] + 1 else [port]
-    return ports
 
 
 @pytest.fixture

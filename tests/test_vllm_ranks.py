@@ -21,7 +21,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
-from tests.ports import free_port  # noqa: E402
+from tests.ports import consecutive_ports, free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -30,14 +30,6 @@ MAX_TOKENS = 8
 ONE_LAYER = {"num_hidden_layers": 1}
 TP2 = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
-
-def consecutive_ports(count: int) -> list[int]:
-    """``count`` consecutive free ports (a producer of TP ``count`` serves on its ``listen`` port and the next)."""
-    ports = [free_port()]
-    while len(ports) < count:
-        port = free_port()
-        ports = [*ports, port] if port == ports[-1] + 1 else [port]
-    return ports
 
 
 def start(engines: dict[str, tuple[dict, dict]], model: Path) -> dict[str, vllm_engines.EngineProcess]:
