@@ -189,10 +189,12 @@ class ProducerWorker:
             grants = self._grants_of(offer)
         except ValueError:
             logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
-            self._holding[rid] = 1
+            with self._lock:
+                self._holding[rid] = 1
             self._grant_ended(rid)
             return
-        self._holding[rid] = len(grants)
+        with self._lock:
+            self._holding[rid] = len(grants)
         slot_keys = tuple(key for key, _ in grants[1:])
         for index, (key, ids) in enumerate(grants):
             self._lend(offer, key, ids, slot_keys if index == 0 else ())
@@ -217,13 +219,14 @@ class ProducerWorker:
     def _grant_ended(self, request_id: str, slot_keys=()) -> None:
         """One of the request's grants ended (on the loop): once all did, its blocks are vLLM's again. The
         whole grant's end releases the slot grants no consumer rank claimed (none will pull them now)."""
-        left = self._holding.get(request_id, 1) - 1
-        if left > 0:
-            self._holding[request_id] = left
-        else:
-            self._holding.pop(request_id, None)
-            with self._lock:
+        with self._lock:  # a request is in _holding or in _ended until vLLM frees it (finished_sending reads both)
+            left = self._holding.get(request_id, 1) - 1
+            if left > 0:
+                self._holding[request_id] = left
+            else:
+                self._holding.pop(request_id, None)
                 self._ended.add(request_id)
+        if left <= 0:
             self.progress.note()
         if slot_keys:
             self.loop.loop.call_soon(self._release_unclaimed, tuple(slot_keys))
@@ -244,9 +247,11 @@ class ProducerWorker:
         return self.stats.take()
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests vLLM finished whose grant ended: their blocks may be freed."""
+        """Requests vLLM finished whose grant ended: their blocks may be freed. Only offered requests are kept
+        waiting (a request offered is in ``_holding`` or ``_ended`` from its offer, before vLLM can finish it,
+        until it is reported here); the others vLLM finished are not this rank's to wait for."""
         with self._lock:
-            self._finished |= finished_req_ids
+            self._finished |= {rid for rid in finished_req_ids if rid in self._holding or rid in self._ended}
             done = self._ended & self._finished
             self._ended -= done
             self._finished -= done
