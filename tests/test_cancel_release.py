@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
-from kpool_pd.connector.decode.peer import RELEASE_RETRY_S
+from kpool_pd.connector.decode.releases import RELEASE_RETRY_S
 from kpool_pd.decode_worker.jobs import JobState
 from tests import connector_procs as procs
 from tests.connector_harness import InProcessPair
@@ -190,6 +190,38 @@ def test_a_background_release_that_fails_is_sent_again_until_the_grant_is_freed(
             await freed(pair, start)  # by the third Release, not by the lease (30 s)
             await idle(peer)
             assert len(calls) == 3
+    run(main())
+
+
+def test_a_background_release_outlives_its_closed_peer_and_goes_through_the_node_handshaken_again():
+    """The peer a background Release was queued on is closed (a failed pull disconnects it) and the node
+    is handshaken again: the Release goes on through the new peer and the grant is freed well before its
+    lease (30 s) ends, not left to it."""
+    async def main():
+        pair = InProcessPair(config=config())
+        calls, refusing, real = [], [True], pair.prefill.Release
+
+        async def refused_until_reconnected(request, context):
+            calls.append(1)
+            if refusing[0]:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "too busy")
+            return await real(request, context)
+        pair.prefill.Release = refused_until_reconnected
+        async with pair:
+            start = pair.free()
+            old = await cancel_a_pull(pair, "release-outlives-its-peer")
+
+            async def tried() -> bool:
+                return len(calls) >= 1
+            await until(tried, "the background Release refused once", FREED_WITHIN_S)
+            assert await pair.decode.disconnect(old) == 1 and old.closed
+            new = await pair.decode.connect(pair.address)
+            refusing[0] = False
+            await freed(pair, start)
+
+            async def over() -> bool:
+                return len(pair.decode.releases) == 0 and not old.busy and not new.busy
+            await until(over, "the background Release over", FREED_WITHIN_S)
     run(main())
 
 

@@ -26,6 +26,7 @@ from kpool_pd.connector.shared.metrics import ConnectorMetrics
 from kpool_pd.connector.decode.engine_secrets import EngineSecrets
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.peer_context import PeerContext
+from kpool_pd.connector.decode.releases import BackgroundReleases
 from kpool_pd.connector.shared.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
 from kpool_pd.connector.shared.wire import Transport, layout_message, transports_from
 from kpool_pd.kvcache import CachePool
@@ -55,6 +56,7 @@ class DecodeConnector:
         self.ucx: UcxNode | None = None
         self.secrets = EngineSecrets()  # this engine's secret on each prefill node (its Handshakes')
         self._peers: list[PrefillPeer] = []
+        self.releases = BackgroundReleases(lambda: self._peers, rpc_timeout_s=config.rpc_timeout_s)
 
     async def start(self) -> "DecodeConnector":
         """Make the UCX worker when UCX is among ``transports`` (idempotent); returns self."""
@@ -121,7 +123,7 @@ class DecodeConnector:
     def peer_context(self) -> PeerContext:
         """What this node's peers need of it (its UCX worker as ``start`` made it)."""
         return PeerContext(pool=self.pool, engine_id=self.engine_id, config=self.config, metrics=self.metrics,
-                           ucx=self.ucx, secrets=self.secrets)
+                           ucx=self.ucx, secrets=self.secrets, releases=self.releases)
 
     def _post_warmup(self, req: pb.HandshakeRequest) -> ReceiveBatch | None:
         """With UCX: draw the Handshake's warm-up tag and post its (empty) receive."""
@@ -168,7 +170,9 @@ class DecodeConnector:
 
     async def close(self) -> None:
         """At shutdown: close every peer's channel (calls in flight on them fail) and the UCX
-        worker. Requests already landed keep their blocks until released."""
+        worker. Requests already landed keep their blocks until released; background Releases still
+        going on are cancelled (their grants end with their leases)."""
+        await self.releases.close()
         for peer in self._peers:
             await peer.close()
         self._peers.clear()

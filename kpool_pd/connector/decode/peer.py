@@ -27,11 +27,6 @@ from kpool_pd.kvcache import BlockLayout, CacheAllocation, DcpShard
 
 logger = logging.getLogger(__name__)
 
-RELEASE_RETRY_S = (0.1, 2.0)  # a background Release that failed is sent again after 0.1 s, doubling up to 2 s
-RELEASE_GIVEN_UP = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,  # sent again, it fails
-                    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,    # the same way
-                    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.NOT_FOUND)
-
 
 class PrefillPeer:
     """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect`` with the
@@ -67,6 +62,7 @@ class PrefillPeer:
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)
         self._background: set[asyncio.Task] = set()  # calls whose caller was cancelled; ``close`` cancels them
+        self._releasing: set[asyncio.Task] = set()  # background Releases queued here (the connector's: see release_soon)
         self._pulling: Counter[str] = Counter()  # grants being pulled (the keep-alive renews them)
         lease_s = response.lease_ms / 1000 or context.config.lease_s
         self.lease_s = lease_s  # the node's lease: a grant nobody renews is freed by then
@@ -81,7 +77,7 @@ class PrefillPeer:
         released (until that grant's lease ran out): the peer should not be closed yet."""
         now = time.monotonic()
         self._open_grants = {g: end for g, end in self._open_grants.items() if end > now}
-        return self._calls > 0 or bool(self._open_grants)
+        return self._calls > 0 or bool(self._releasing) or bool(self._open_grants)
 
     @contextlib.contextmanager
     def _call(self):
@@ -169,19 +165,19 @@ class PrefillPeer:
         self.release_soon(grant_id)
 
     def release_soon(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False) -> asyncio.Task:
-        """Release ``grant_id`` in a task the peer keeps, and return that task; never blocks nor
-        raises. A Release that fails or gets no answer (each try within ``rpc_timeout_s``) is sent
-        again after a backoff (``RELEASE_RETRY_S``) until the node answers it, refuses it for good
-        (``RELEASE_GIVEN_UP``: an unknown engine or another's grant, which holds nothing of ours) or
-        the grant's lease has run out (nobody renews it now: the node frees it by then); each is
-        logged. For callers that cannot wait (they were cancelled) or need not (a failure path);
-        ``release_within`` waits for the answer. The peer stays ``busy`` until the task ends;
-        ``close`` cancels it."""
+        """Release ``grant_id`` in the background and return the task; never blocks nor raises. The
+        task is the connector's (``kpool_pd.connector.decode.releases``), not this peer's: a Release that
+        fails or gets no answer (each try within ``rpc_timeout_s``) is sent again after a backoff until the
+        node answers it, refuses it for good (an unknown engine or another's grant, which holds nothing of
+        ours) or the grant's lease has run out (nobody renews it now: the node frees it by then), and once
+        this peer is closed it goes on through the connector's newest open peer of this address (the node
+        handshaken again). For callers that cannot wait (they were cancelled) or need not (a failure path);
+        ``release_within`` waits for the answer. The peer stays ``busy`` until the task ends."""
         self._open_grants.pop(grant_id, None)
-        deadline = time.monotonic() + self.lease_s
-        task = asyncio.ensure_future(self._release_until(grant_id, deadline, dcp_rank, all_ranks))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task = self.context.releases.start(self, grant_id, lease_s=self.lease_s, dcp_rank=dcp_rank,
+                                           all_ranks=all_ranks)
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
         return task
 
     async def release_within(self, grant_id: str, wait_s: float, *, dcp_rank: int = 0) -> None:
@@ -192,36 +188,6 @@ class PrefillPeer:
         task = self.release_soon(grant_id, dcp_rank=dcp_rank)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(task), wait_s)
-
-    async def _release_until(self, grant_id: str, deadline: float, dcp_rank: int, all_ranks: bool) -> None:
-        """The tries of ``release_soon``, ``RELEASE_RETRY_S`` apart, until one is over (``_try_release``);
-        ``deadline``: the grant's lease end (monotonic)."""
-        backoff_s, tries = RELEASE_RETRY_S[0], 1
-        with self._call():
-            while not await self._try_release(grant_id, deadline, tries, backoff_s, dcp_rank, all_ranks):
-                await asyncio.sleep(backoff_s)
-                backoff_s, tries = min(backoff_s * 2, RELEASE_RETRY_S[1]), tries + 1
-
-    async def _try_release(self, grant_id: str, deadline: float, tries: int, backoff_s: float, dcp_rank: int,
-                           all_ranks: bool) -> bool:
-        """One Release, answered by ``deadline`` at the latest; False when it failed and another try
-        may follow in ``backoff_s``. Not so (True) when it was answered, refused for good
-        (``RELEASE_GIVEN_UP``), the peer closed or the lease ends first; a failure is logged."""
-        timeout_s = min(self.context.config.rpc_timeout_s, max(deadline - time.monotonic(), 0.001))
-        try:
-            await self.release(grant_id, dcp_rank=dcp_rank, all_ranks=all_ranks, timeout_s=timeout_s)
-        except StatusError as exc:
-            left_s = deadline - time.monotonic()
-            if exc.code in RELEASE_GIVEN_UP or self.closed or left_s <= backoff_s:
-                logger.warning("release of %s failed at try %d (%s); its lease will free it", grant_id, tries, exc)
-                return True
-            log = logger.warning if tries == 1 else logger.debug  # one warning per grant, not one per try
-            log("release of %s failed at try %d (%s); trying again in %.1f s, for %.1f s more", grant_id, tries,
-                exc, backoff_s, left_s)
-            return False
-        if tries > 1:
-            logger.info("release of %s on %s answered at try %d", grant_id, self.address, tries)
-        return True
 
     async def release(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False,
                       timeout_s: float | None = None) -> bool:
@@ -383,8 +349,8 @@ class PrefillPeer:
         return pull
 
     async def close(self) -> None:
-        """Close the channel (idempotent); calls in flight on it fail with CANCELLED, background
-        ones (``release_soon``, abandoned Prefills) are cancelled."""
+        """Close the channel (idempotent); calls in flight on it fail with CANCELLED, abandoned
+        Prefills are cancelled. Background Releases go on through the connector (``release_soon``)."""
         self.closed = True
         await self.keep_alive.stop()
         for task in list(self._background):
