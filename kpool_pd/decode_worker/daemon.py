@@ -24,7 +24,8 @@ from kpool_pd.decode_worker.capacity import largest_request_blocks, rank_cache_b
 from kpool_pd.decode_worker.dcp_fetch import DcpLeader
 from kpool_pd.decode_worker.dcp_options import DCP_OPTIONS, check_dcp, dcp_config
 from kpool_pd.decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
-from kpool_pd.decode_worker.router import PrefillRouter, parse_targets
+from kpool_pd.decode_worker.prefill_choice import PrefillPolicy
+from kpool_pd.decode_worker.router import NO_NODE_WAIT_S, PrefillRouter, parse_targets
 from kpool_pd.decode_worker.scheduler import DecodeScheduler
 from kpool_pd.decode_worker.service import GenerateService
 from kpool_pd.kvcache import BlockLayout, NodeCache
@@ -71,7 +72,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu-memory-fraction", memory_fraction, 0.0, "share of the GPU's memory this daemon may take, like vLLM's "
            "gpu_memory_utilization: the cache gets what is left after the memory in use, the rings and 1 GiB for the "
            "model and its graphs (0: the cache is sized from max-running; num-blocks wins)"),
-    Option("health-interval-s", seconds, 2.0, "how often prefill nodes are health-checked and re-resolved"),
+    Option("health-interval-s", seconds, 2.0, "how often prefill nodes are health-checked and re-resolved (their "
+           "load comes back on each check)"),
+    Option("prefill-policy", PrefillPolicy.parse, PrefillPolicy.LEAST_LOADED, "how a request's prefill node is "
+           "picked among the healthy ones: least-loaded (queued prompt tokens and free blocks as their health checks "
+           "report, plus this node's picks since) or round-robin", choices=tuple(p.value for p in PrefillPolicy)),
+    Option("prefill-wait-s", seconds, NO_NODE_WAIT_S, "how long a request waits for a usable prefill node before it "
+           "fails UNAVAILABLE"),
     *DCP_OPTIONS,
 )
 
@@ -127,7 +134,9 @@ class DecodeNode:
                                          transports=context.transports.offered, model_identity=self.config.identity())
         self.router = PrefillRouter(self.connector, parse_targets(settings["prefill"]),
                                     health_interval_s=settings["health_interval_s"],
-                                    rpc_timeout_s=settings["rpc_timeout_s"], tls=context.tls)
+                                    rpc_timeout_s=settings["rpc_timeout_s"], tls=context.tls,
+                                    no_node_wait_s=settings["prefill_wait_s"], policy=settings["prefill_policy"],
+                                    registry=context.registry)
         self.scheduler = DecodeScheduler(self.engine, self.cache, self.connector, self.router,
                                          max_running=max_running, max_queue=settings["max_queue"],
                                          transport=context.transports.pull, integrity=settings["integrity"],

@@ -1,4 +1,5 @@
-"""Choosing a prefill node: round robin over the healthy ones.
+"""Choosing a prefill node among the healthy ones: the least loaded (by the load their health checks
+report, plus this node's picks since), or round robin (``PrefillPolicy``; ``prefill_choice`` says how).
 
 Targets are ``host:port`` (one node) or ``dns:///name:port`` (every address the name resolves
 to, re-resolved at each refresh, as a headless Kubernetes Service gives one per pod). A node is
@@ -13,7 +14,8 @@ handshake failed: ...``, a Handshake refused for its layout or token; see
 ``kpool_pd.decode_worker.diagnosis``). A request that finds no node healthy asks for refreshes at once
 and waits at most ``NO_NODE_WAIT_S`` for one, then fails with UNAVAILABLE naming every node and
 its reason. ``on_change(usable)`` hears each time the router gains its first usable node or
-loses its last (the decode node's health follows it).
+loses its last (the decode node's health follows it). Each node's load comes back on its health
+check's answer (``kpool_pd.runtime.load_report``): no call is added per request.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
 
 from kpool_pd.connector import DecodeConnector, PrefillPeer, StatusError, TlsConfig, open_channel
 from kpool_pd.decode_worker.diagnosis import closed_at_once, failure_reason, plaintext_to_tls_reason, speaks_tls
+from kpool_pd.decode_worker.prefill_choice import LoadView, PrefillChooser, PrefillPolicy
+from kpool_pd.runtime.load_report import NodeLoad
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 
 class _Node:
-    __slots__ = ("address", "peer", "healthy", "health_channel", "reason")
+    __slots__ = ("address", "peer", "healthy", "health_channel", "reason", "load")
 
     def __init__(self, address: str, reconnect_ms: int, tls: TlsConfig | None) -> None:
         self.address = address
@@ -70,6 +75,7 @@ class _Node:
             ("grpc.max_reconnect_backoff_ms", reconnect_ms),
         ])
         self.reason = "not checked yet"
+        self.load = LoadView()
 
 
 async def resolve_host(host: str, port: int) -> list[str]:
@@ -88,12 +94,15 @@ class PrefillRouter:
     """``resolver(host, port)`` turns a ``dns:///`` target into addresses (``resolve_host`` by
     default). A node gone from DNS leaves the rotation at once; its channel closes once no pull
     or grant needs it. ``on_change(usable)`` is called on the event loop, first by ``start``, then
-    whenever ``usable`` flips; ``no_node_wait_s`` bounds how long ``pick`` waits for a node."""
+    whenever ``usable`` flips; ``no_node_wait_s`` bounds how long ``pick`` waits for a node; ``policy``
+    is how ``pick`` chooses (the least loaded node by default). With ``registry``, each node's picks are
+    counted there (``kpoolpd_decode_prefill_picks``)."""
 
     def __init__(self, connector: DecodeConnector, targets: tuple[str, ...], *, health_interval_s: float,
                  rpc_timeout_s: float, tls: TlsConfig | None = None,
                  resolver: Callable[[str, int], Awaitable[list[str]]] = resolve_host,
-                 on_change: Callable[[bool], None] | None = None, no_node_wait_s: float = NO_NODE_WAIT_S) -> None:
+                 on_change: Callable[[bool], None] | None = None, no_node_wait_s: float = NO_NODE_WAIT_S,
+                 policy: PrefillPolicy = PrefillPolicy.LEAST_LOADED, registry: CollectorRegistry | None = None) -> None:
         self.connector = connector
         self._resolver = resolver
         self._resolved: dict[str, list[str]] = {}  # dns target -> its last answer
@@ -104,7 +113,9 @@ class PrefillRouter:
         self.check_timeout_s = max(health_interval_s, min(rpc_timeout_s, HEALTH_CHECK_TIMEOUT_S))
         self._nodes: dict[str, _Node] = {}
         self._retiring: list[PrefillPeer] = []  # replaced or gone from DNS; closed once no call or grant needs them
-        self._next = 0
+        self.chooser = PrefillChooser(policy)
+        self._picks = None if registry is None else Counter(
+            "kpoolpd_decode_prefill_picks", "Requests sent to each prefill node", ["prefill"], registry=registry)
         self._task: asyncio.Task | None = None
         self._refresh_lock = asyncio.Lock()
         self.on_change = on_change
@@ -145,14 +156,17 @@ class PrefillRouter:
 
     async def _check(self, node: _Node) -> None:
         stub = health_pb2_grpc.HealthStub(node.health_channel)
+        covers = self.chooser.picks  # the picks this check's load report will include
         try:
             # A check may take longer than the interval on a busy node; a short deadline would
             # take a healthy node out of rotation (and, on its return, cost its pulls in flight).
             # It never waits for a connection: an unreachable node fails at once, with the reason.
             # Health needs no credential: the peer token is never sent (the connector proves it when it connects).
-            response = await stub.Check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=False,
-                                        timeout=self.check_timeout_s)
+            call = stub.Check(health_pb2.HealthCheckRequest(service=""), wait_for_ready=False,
+                              timeout=self.check_timeout_s)
+            response = await call
             serving = response.status == health_pb2.HealthCheckResponse.SERVING
+            node.load.reported(self._load_of(node, await call.trailing_metadata()), covers)
             node.reason = "" if serving else (
                 f"its health is {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}")
         except grpc.aio.AioRpcError as exc:
@@ -169,10 +183,20 @@ class PrefillRouter:
                 serving, node.reason = False, str(exc)
         if not serving:
             node.peer = None  # handshake again once it is back: it may be a new process
+            node.load.forget()
         if serving != node.healthy:
             logger.info("prefill node %s is %s", node.address, "healthy" if serving else f"unhealthy: {node.reason}")
         node.healthy = serving
         self._changed()
+
+    @staticmethod
+    def _load_of(node: _Node, metadata: grpc.aio.Metadata | None) -> NodeLoad | None:
+        """The load report in a check's trailing metadata; None (logged) when it is malformed."""
+        try:
+            return NodeLoad.from_metadata(metadata)
+        except ValueError as exc:
+            logger.warning("prefill node %s: %s; counting only this node's picks", node.address, exc)
+            return None
 
     async def _failure_reason(self, node: _Node, exc: grpc.aio.AioRpcError) -> str:
         """Why ``node``'s check failed. A connection closed at once is what a TLS server does to a
@@ -262,10 +286,15 @@ class PrefillRouter:
                     if not (n.healthy and n.peer is not None)]
         return "; ".join(unusable) or f"no address resolved for {', '.join(self.targets)}"
 
-    async def pick(self) -> PrefillPeer:
-        """The next healthy node's peer (round robin). With none healthy, refreshes at once (and
-        every ``KICK_GAP_S``) and waits at most ``no_node_wait_s`` for one; then UNAVAILABLE
-        naming every node and why it cannot be used."""
+    def loads(self) -> dict[str, dict[str, int | None]]:
+        """Each usable node's load as this node estimates it (``LoadView.describe``)."""
+        return {n.address: n.load.describe() for n in self._usable_nodes()}
+
+    async def pick(self, prompt_tokens: int = 0) -> PrefillPeer:
+        """The peer of the healthy node a prompt of ``prompt_tokens`` tokens goes to (by ``policy``); the
+        pick counts on that node's load at once. With none healthy, refreshes at once (and every
+        ``KICK_GAP_S``) and waits at most ``no_node_wait_s`` for one; then UNAVAILABLE naming every node
+        and why it cannot be used."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.no_node_wait_s
         while not (nodes := self._usable_nodes()):
@@ -275,8 +304,9 @@ class PrefillRouter:
             self._kick.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._some_healthy.wait(), min(remaining, 3 * KICK_GAP_S))
-        node = nodes[self._next % len(nodes)]
-        self._next += 1
+        node = nodes[self.chooser.choose([n.load for n in nodes], prompt_tokens)]
+        if self._picks is not None:
+            self._picks.labels(node.address).inc()
         return node.peer
 
     def mark_failed(self, peer: PrefillPeer, reason: str) -> None:
@@ -284,6 +314,7 @@ class PrefillRouter:
         node = self._nodes.get(peer.address)
         if node is not None and node.healthy:
             node.healthy, node.reason, node.peer = False, reason, None
+            node.load.forget()
             logger.warning("prefill node %s failed a call (%s); skipping it until its next health check",
                            peer.address, reason)
             self._changed()

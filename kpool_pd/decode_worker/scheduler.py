@@ -234,7 +234,7 @@ class DecodeScheduler:
         attempts = max(2, len(self.router.healthy()))
         last: StatusError | None = None
         for _ in range(attempts):
-            peer = await self.router.pick()  # UNAVAILABLE, with each node's reason, when none is usable
+            peer = await self.router.pick(len(job.prompt))  # UNAVAILABLE, with each node's reason, when none is usable
             try:
                 if self.dcp is None:
                     return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined)

@@ -78,6 +78,16 @@ class BatchingPrefillEngine:
     def idle(self) -> bool:
         return not self._pending and not self._busy
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens admitted and not yet computed (the chunks of the step now running included)."""
+        return sum(len(q.prompt) - q.done for q in self._pending)
+
+    @property
+    def steps_running(self) -> int:
+        """Prefill steps running now (this engine runs one at a time)."""
+        return int(self._busy)
+
     async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         config = self.engine.config
         prompt = request.prompt_token_ids

@@ -20,6 +20,7 @@ from kpool_pd.model import Engine, PrefillJob
 from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
 from kpool_pd.runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Option, Role, cuda_graphs_serve,
                      model_config, parse_bool, positive_int, run_daemon, service_options)
+from kpool_pd.runtime.load_report import NodeLoad
 from kpool_pd.runtime.preflight import check_cache_memory
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -105,6 +106,13 @@ class PrefillNode:
             self._batches.cancel()
             await asyncio.gather(self._batches, return_exceptions=True)
             self._batches = None
+
+    def load(self) -> NodeLoad:
+        """What the health checks of decode nodes carry back (``runtime.load_report``): they send to the least
+        loaded prefill node."""
+        return NodeLoad(queued_prompt_tokens=self.batcher.queued_tokens, free_blocks=self.cache.free_blocks,
+                        block_tokens=self.config.cache.block_size, steps_in_flight=self.batcher.steps_running,
+                        grants_held=self.connector.grants_held)
 
     def describe(self) -> dict[str, object]:
         return {"model": self.config.describe(), "layout_hash": self.layout.layout_hash}

@@ -118,7 +118,8 @@ async def serve(spec: DaemonSpec, settings: Mapping[str, Any], *, device: torch.
         connector_config = context.connector_config
         local = spec.loopback_only
         server = GrpcServer(client_token=settings["token"] or None, peer_token=connector_config.peer_token,
-                            tls=None if local else tls, options=connector_config.grpc_options(), gate=context.health)
+                            tls=None if local else tls, options=connector_config.grpc_options(), gate=context.health,
+                            load=getattr(node, "load", None))
         server.add(node.servicer)
         grpc_port = await server.start(LOOPBACK if local else settings["host"], settings["port"],
                                        health_port=-1 if local else settings["health_port"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from kpool_pd.connector import (MAX_PEER_SESSIONS, Credential, CredentialInterceptor, PeerAuthServicer, PeerSessions, TlsConfig,
                        dial_host)
 from kpool_pd.runtime.health_gate import HealthGate
+from kpool_pd.runtime.load_report import LoadReportingHealth, NodeLoad
 from kpool_pd.runtime.malformed import MalformedRequestInterceptor
 from kpool_pd.runtime.ports import bind_error, ensure_bindable
 
@@ -72,11 +73,13 @@ class GrpcServer:
     ``client_token`` guards the services whose credential is CLIENT, ``peer_token`` those whose
     credential is PEER; None leaves them open (to whoever TLS lets in). The two must differ. A server
     that guards a service with the peer token serves ``kpoolpd.v1.PeerAuth`` too, from ``start``, its
-    sessions in ``peer_sessions`` (at most ``max_peer_sessions``, the least recently used forgotten first)."""
+    sessions in ``peer_sessions`` (at most ``max_peer_sessions``, the least recently used forgotten first).
+    ``load``: the node's load, attached to every health Check answer (``runtime.load_report``)."""
 
     def __init__(self, *, client_token: str | None = None, peer_token: str | None = None,
                  tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = (),
-                 gate: HealthGate | None = None, max_peer_sessions: int = MAX_PEER_SESSIONS) -> None:
+                 gate: HealthGate | None = None, max_peer_sessions: int = MAX_PEER_SESSIONS,
+                 load: Callable[[], NodeLoad] | None = None) -> None:
         for name, token in (("client_token", client_token), ("peer_token", peer_token)):
             if token is not None and (not isinstance(token, str) or not token.strip()):
                 raise ValueError(f"{name} must be None (no auth) or a non-empty string")
@@ -91,7 +94,7 @@ class GrpcServer:
         interceptors = [CredentialInterceptor(self._required, client_token=client_token,
                                               peer_sessions=self.peer_sessions), MalformedRequestInterceptor()]
         self._server = grpc.aio.server(interceptors=interceptors, options=[*options, *NO_SHARED_PORT, *PENDING_CALLS])
-        self._health = health.aio.HealthServicer()
+        self._health = LoadReportingHealth(load)  # its Check answers carry load() (kpool_pd.runtime.load_report)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._services: list[str] = []
         self.health = gate if gate is not None else HealthGate()  # the one serving state

@@ -96,6 +96,10 @@ class Node(Protocol):
     def describe(self) -> dict[str, object]:
         """Fields of the ``<role> node ready`` log line (model, layout hash, peers)."""
 
+    # Optional: its load now (``kpool_pd.runtime.load_report.NodeLoad``), which its health Check answers carry
+    # to the peers that check it (a prefill node: decode nodes pick the least loaded). Called on the event loop.
+    # def load(self) -> NodeLoad: ...
+
     # Optional: why the node stopped by itself, if it broke (empty: it did not). A node that sets it
     # has the process exit with status 1, so that a supervisor restarts it.
     # failure: str
