@@ -6,6 +6,9 @@
 - ``GET /health`` (each instance's state) and ``GET /metrics`` (Prometheus), both open when the router has
   an API key (which /v1/* needs).
 
+Instances given as ``dns:///NAME:PORT`` are resolved once at start-up and every ``discovery_s`` after
+(``discovery``).
+
 Any other path gets a 404, a served path asked with another method a 405, each in OpenAI's error shape
 naming the path and listing what the router serves.
 
@@ -32,11 +35,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kpool_pd.router.backends import Backends
 from kpool_pd.router.bodies import Endpoint, InstanceRefused, RouterError, error_response, parse_request
+from kpool_pd.router.discovery import Discovery, Resolver, resolve_addresses
 from kpool_pd.router.headers import authorized, backend_headers, request_id_of
 from kpool_pd.router.instances import InstancePool, Role
 from kpool_pd.router.intake import ClientGuard
 from kpool_pd.router.metrics import Outcome, RouterMetrics
 from kpool_pd.router.passthrough import Passed, Passthrough
+from kpool_pd.router.prefix import PrefixTable
 from kpool_pd.router.pd import PdRouter, ReleaseGrant
 from kpool_pd.router.probes import HealthProber
 from kpool_pd.router.settings import RouterSettings
@@ -184,12 +189,15 @@ async def _metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = None) -> web.Application:
-    """The router as an aiohttp application. On start-up it opens its clients to the instances, its grant
-    releaser (``grants.GrantReleaser`` unless ``release_grant`` is given) and its health probes; clean-up
-    stops them in reverse."""
-    pools = (InstancePool(Role.PREFILL, settings.prefill, cooldown_s=settings.cooldown_s),
-             InstancePool(Role.DECODE, settings.decode, cooldown_s=settings.cooldown_s))
+def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = None,
+              resolver: Resolver = resolve_addresses) -> web.Application:
+    """The router as an aiohttp application. On start-up it resolves its DNS targets (with ``resolver``),
+    opens its clients to the instances, its grant releaser (``grants.GrantReleaser`` unless ``release_grant``
+    is given), its health probes and its re-resolves; clean-up stops them in reverse."""
+    pools = tuple(InstancePool(role, settings.listed(role.value), cooldown_s=settings.cooldown_s,
+                               prefix=PrefixTable(settings.prefix_table_size),
+                               affinity_margin_tokens=settings.affinity_margin_tokens)
+                  for role in (Role.PREFILL, Role.DECODE))
     metrics = RouterMetrics(pools)
     guard = ClientGuard(header_timeout_s=settings.header_timeout_s, max_connections=settings.max_connections,
                         dropped=metrics.dropped)
@@ -200,6 +208,13 @@ def build_app(settings: RouterSettings, *, release_grant: ReleaseGrant | None = 
 
     async def started(app: web.Application):
         async with contextlib.AsyncExitStack() as stack:
+            if settings.discovered("prefill") or settings.discovered("decode"):
+                discovery = Discovery({pool: (settings.listed(pool.role.value), settings.discovered(pool.role.value))
+                                       for pool in pools}, period_s=settings.discovery_s,
+                                      timeout_s=settings.connect_timeout_s, resolver=resolver)
+                await discovery.refresh()
+                resolving = asyncio.get_running_loop().create_task(discovery.run())
+                stack.push_async_callback(_cancelled, resolving)
             backends = await stack.enter_async_context(Backends(keepalive_s=settings.backend_keepalive_s))
             release = release_grant
             if release is None:

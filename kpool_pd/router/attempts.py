@@ -1,5 +1,5 @@
 """The instances one request tries in a role, and what went wrong on each: each instance once, fewest
-outstanding requests first (``InstancePool.choose``); a role's only instance once more after
+least loaded first, or where the prompt's prefix went before (``InstancePool.choose``); a role's only instance once more after
 ``retry_pause_s`` unless it timed out. An instance that fails is marked failed in its pool (tried last for
 the pool's cooldown), counted in the router's metrics and logged; when none is left the client's 502
 names each with what went wrong. Used by the PD path (``pd``) and the passthrough (``passthrough``)."""
@@ -15,6 +15,7 @@ import aiohttp
 from kpool_pd.router.bodies import RouterError
 from kpool_pd.router.instances import Instance, InstancePool
 from kpool_pd.router.metrics import RouterMetrics
+from kpool_pd.router.prefix import PromptShape
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +37,22 @@ def quoted(raw: bytes) -> str:
 class Attempts:
     """One request's tries in ``pool``. ``next`` gives the instance to try (None: none left; it may pause
     ``retry_pause_s`` before a role's only instance's second try); ``failed`` records a failure;
-    ``exhausted`` is the 502 naming each. One event loop; one request."""
+    ``exhausted`` is the 502 naming each. ``shape``: the request's prompt, for the choice by load and
+    prefix. One event loop; one request."""
 
-    def __init__(self, pool: InstancePool, metrics: RouterMetrics, retry_pause_s: float) -> None:
-        self.pool, self.failures = pool, []
+    def __init__(self, pool: InstancePool, metrics: RouterMetrics, retry_pause_s: float,
+                 shape: PromptShape | None = None) -> None:
+        self.pool, self.failures, self.shape = pool, [], shape
         self.timed_out = False
         self._metrics = metrics
         self._tried: set[str] = set()
         self._pause_s, self._again = retry_pause_s, len(pool.instances) == 1
 
     async def next(self) -> Instance | None:
-        if (instance := self.pool.choose(self._tried)) is not None:
+        if (instance := self.pool.choose(self._tried, self.shape)) is not None:
             self._tried.add(instance.url)
             return instance
-        if self._again and self.failures and not self.timed_out:
+        if self._again and self.failures and not self.timed_out and self.pool.instances:
             self._again = False
             await asyncio.sleep(self._pause_s)
             return self.pool.instances[0]
@@ -68,4 +71,8 @@ class Attempts:
         """The client's 502: ``every <role> instance failed: URL (why); ...``, or ``what`` in place of
         ``every <role> instance failed``."""
         lead = what or f"every {self.pool.role.value} instance failed"
+        if not self.failures and not self.pool.instances:
+            return RouterError(HTTPStatus.BAD_GATEWAY, f"{what + ': ' if what else ''}no {self.pool.role.value} "
+                                                       "instance is known (none listed, or its DNS name resolved to "
+                                                       "no address yet)")
         return RouterError(HTTPStatus.BAD_GATEWAY, f"{lead}: " + "; ".join(self.failures))

@@ -1,10 +1,13 @@
-"""The router's Prometheus metrics, in a registry of its own (served on ``/metrics``)."""
+"""The router's Prometheus metrics, in a registry of its own (served on ``/metrics``). Each instance's picks,
+picks by prefix affinity, outstanding requests and tokens, and failures are read from the pools at each
+scrape, so instances found through DNS while the router runs appear (and those gone disappear) at once."""
 
 from __future__ import annotations
 
 import enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kpool_pd.router.instances import InstancePool
 from kpool_pd.router.intake import DropReason
@@ -36,14 +39,42 @@ class RouterMetrics:
                                         registry=self.registry)
         self._dropped = Counter("kpoolpd_router_client_connections_dropped",
                                 "Client connections the router closed, by reason", ["reason"], registry=self.registry)
-        outstanding = Gauge("kpoolpd_router_outstanding_requests", "Requests an instance has now",
-                            ["role", "instance"], registry=self.registry)
-        for pool in pools:
-            for instance in pool.instances:
-                outstanding.labels(pool.role.value, instance.url).set_function(lambda i=instance: i.outstanding)
+        self.registry.register(InstanceCollector(pools))
 
     def answered(self, endpoint: str, outcome: Outcome) -> None:
         self.requests.labels(endpoint, outcome.value).inc()
 
     def dropped(self, reason: DropReason) -> None:
         self._dropped.labels(reason.value).inc()
+
+
+class InstanceCollector:
+    """Each instance's counts, read from ``pools`` at each scrape (a custom collector: the instance set
+    changes while the router runs)."""
+
+    def __init__(self, pools: tuple[InstancePool, ...]) -> None:
+        self._pools = pools
+
+    def collect(self):
+        labels = ["role", "instance"]
+        families = {
+            "picks": CounterMetricFamily("kpoolpd_router_instance_picks", "Requests sent to an instance",
+                                         labels=labels),
+            "affinity_picks": CounterMetricFamily("kpoolpd_router_instance_affinity_picks",
+                                                  "Requests sent to an instance because their prompt's prefix went "
+                                                  "there before", labels=labels),
+            "outstanding": GaugeMetricFamily("kpoolpd_router_outstanding_requests", "Requests an instance has now",
+                                             labels=labels),
+            "outstanding_tokens": GaugeMetricFamily("kpoolpd_router_outstanding_tokens",
+                                                    "Tokens of the requests an instance has now (prefill: prompt "
+                                                    "tokens; decode: prompt and max_tokens)", labels=labels),
+            "up": GaugeMetricFamily("kpoolpd_router_instance_up", "1 while an instance is up (not failed lately, "
+                                    "not down)", labels=labels),
+        }
+        for pool in self._pools:
+            for instance in pool.instances:
+                values = [pool.role.value, instance.url]
+                for name in ("picks", "affinity_picks", "outstanding", "outstanding_tokens"):
+                    families[name].add_metric(values, getattr(instance, name))
+                families["up"].add_metric(values, 0 if pool.cooling(instance) else 1)
+        yield from families.values()

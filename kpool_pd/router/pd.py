@@ -2,7 +2,9 @@
 then a decode instance pulls that KV (``do_remote_prefill``, the prefill's ``kv_transfer_params``) and
 generates, its answer streamed back to the client as it comes.
 
-Each role's instance is the one with the fewest outstanding requests. One that cannot be reached, times
+Each role's instance is chosen by load and by prefix (``instances.InstancePool.choose``): a prefill
+instance by its outstanding prompt tokens, a decode instance by its outstanding requests and tokens, and
+either where the prompt's longest block-aligned prefix went before unless it is loaded past the margin. One that cannot be reached, times
 out, answers 5xx (or, for a prefill, an answer without kv_transfer_params) is marked failed and skipped for
 the next; a role's only instance is tried once more after ``retry_pause_s`` unless it timed out
 (``attempts``). When every one failed the client's 502 names each with what went wrong. An instance's 4xx
@@ -35,6 +37,7 @@ from kpool_pd.router.backends import Backends
 from kpool_pd.router.bodies import InstanceRefused, decode_body, kv_transfer_params_of, prefill_body, streams
 from kpool_pd.router.instances import Instance, InstancePool
 from kpool_pd.router.metrics import Outcome, RouterMetrics
+from kpool_pd.router.prefix import PromptShape, prompt_shape
 from kpool_pd.router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
@@ -141,11 +144,12 @@ class PdRouter:
         """The client's answer and how it went. RouterError (502) when every instance of a role failed;
         InstanceRefused when a prefill instance refused the request (4xx). Releases the prefill's grant
         whenever no decode instance answered 200, whatever the way out (cancellation included)."""
-        params, prefilled_on = await self.prefill(path, body, headers, request_id)
+        shape = prompt_shape(body, self.settings.prefix_block_tokens)
+        params, prefilled_on = await self.prefill(path, body, headers, request_id, shape)
         answered = [False]
         try:
             response, outcome = await self.decode(request, path, body, params, prefilled_on, headers, request_id,
-                                                  arrived, answered)
+                                                  arrived, answered, shape)
         except asyncio.CancelledError:
             if not answered[0]:
                 self._release(params, request_id, "the request was cancelled before a decode answered")
@@ -176,16 +180,17 @@ class PdRouter:
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.settings.connect_timeout_s * 2)
 
-    async def prefill(self, path: str, body: dict, headers: dict[str, str], request_id: str) -> tuple[dict, str]:
-        """The ``kv_transfer_params`` of a prefill of ``body`` and the URL of the instance that made it.
-        RouterError (502) when every prefill instance failed; InstanceRefused when one refused the request
-        (4xx)."""
-        attempts = Attempts(self.prefill_pool, self.metrics, self.settings.retry_pause_s)
+    async def prefill(self, path: str, body: dict, headers: dict[str, str], request_id: str,
+                      shape: PromptShape) -> tuple[dict, str]:
+        """The ``kv_transfer_params`` of a prefill of ``body`` (its prompt's ``shape``) and the URL of the
+        instance that made it. RouterError (502) when every prefill instance failed; InstanceRefused when one
+        refused the request (4xx)."""
+        attempts = Attempts(self.prefill_pool, self.metrics, self.settings.retry_pause_s, shape)
         payload, timeout_s = prefill_body(body), self.settings.prefill_timeout_s
         pool = attempts.pool
         while (instance := await attempts.next()) is not None:
             started = time.perf_counter()
-            with pool.outstanding(instance):
+            with pool.outstanding(instance, shape.prompt_tokens):
                 try:
                     async with self.backends.post(instance.url + path, payload, headers, self._prefill_timeout,
                                                   request_id) as answer:
@@ -213,17 +218,17 @@ class PdRouter:
 
     async def decode(self, request: web.Request, path: str, body: dict, params: dict, prefilled_on: str,
                      headers: dict[str, str], request_id: str, arrived: float,
-                     answered: list[bool]) -> tuple[web.StreamResponse, Outcome]:
+                     answered: list[bool], shape: PromptShape) -> tuple[web.StreamResponse, Outcome]:
         """The decode instance's answer to the client (streamed when the client asked for a stream), and
         how it went; ``answered[0]`` is set once a decode instance answered 200 (it pulls the KV from
         ``prefilled_on``, the prefill instance's URL). An instance's 4xx is returned as it is. RouterError
         (502) when every decode instance failed before answering; a 5xx is named as a failure after the
         prefill (its KV transfer, likely), with the instance's answer quoted."""
-        attempts = Attempts(self.decode_pool, self.metrics, self.settings.retry_pause_s)
+        attempts = Attempts(self.decode_pool, self.metrics, self.settings.retry_pause_s, shape)
         payload, timeout_s = decode_body(body, params), self.settings.decode_timeout_s
         pool = attempts.pool
         while (instance := await attempts.next()) is not None:
-            with pool.outstanding(instance):
+            with pool.outstanding(instance, shape.total_tokens):
                 try:
                     async with self.backends.post(instance.url + path, payload, headers, self._decode_timeout,
                                                   request_id) as answer:

@@ -22,14 +22,25 @@ DEFAULT_MAX_BODY_MB = 64.0  # long prompts as token ids
 DEFAULT_HEALTH_CHECK_S = 5.0
 DEFAULT_HEALTH_TIMEOUT_S = 3.0
 DEFAULT_RETRY_PAUSE_S = 0.5
+DEFAULT_PREFIX_BLOCK_TOKENS = 16  # vLLM's default block size: its prefix cache keeps whole blocks
+DEFAULT_PREFIX_TABLE_SIZE = 100_000  # prefix hashes kept (8 bytes each, with the URL it went to)
+DEFAULT_AFFINITY_MARGIN_TOKENS = 8192
+DEFAULT_DISCOVERY_S = 5.0
+DNS_PREFIX = "dns:///"
 API_KEY_ENV = "KPOOLPD_ROUTER_API_KEY"
 BACKEND_API_KEY_ENV = "KPOOLPD_BACKEND_API_KEY"
 PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"
 
 
 def instance_url(text: str) -> str:
-    """``text`` as a base URL (``http://host:port``, no trailing slash); ValueError naming it otherwise."""
+    """``text`` as a base URL (``http://host:port``, no trailing slash), or a DNS target
+    (``dns:///name:port``, every address the name resolves to, over http); ValueError naming it otherwise."""
     url = text.strip().rstrip("/")
+    if url.startswith(DNS_PREFIX):
+        host, sep, port = url.removeprefix(DNS_PREFIX).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"instance {text!r}: a DNS target is {DNS_PREFIX}NAME:PORT")
+        return url
     if "://" not in url:
         url = f"http://{url}"
     parts = urlsplit(url)
@@ -59,7 +70,13 @@ class RouterSettings:
 
     ``api_key``: when set, /v1/* requires ``Authorization: Bearer <api_key>`` and the client's
     Authorization is not forwarded; ``backend_api_key`` is then what the instances get (when set).
-    ``peer_token``: the fleet's peer token, which the grant releaser proves to a producer to release a grant."""
+    ``peer_token``: the fleet's peer token, which the grant releaser proves to a producer to release a grant.
+
+    Choice (``instances``): prompts are hashed in blocks of ``prefix_block_tokens`` tokens (text: 4 bytes a
+    token), at most ``prefix_table_size`` hashes are kept per role, and a prompt goes where its longest known
+    prefix went unless that instance's outstanding tokens exceed the least loaded one's by more than
+    ``affinity_margin_tokens``. An instance given as ``dns:///NAME:PORT`` stands for every address NAME
+    resolves to, re-resolved every ``discovery_s`` (a Kubernetes headless Service)."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
@@ -80,6 +97,10 @@ class RouterSettings:
     api_key: str | None = field(default=None, repr=False)
     backend_api_key: str | None = field(default=None, repr=False)
     peer_token: str | None = field(default=None, repr=False)
+    prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
+    prefix_table_size: int = DEFAULT_PREFIX_TABLE_SIZE
+    affinity_margin_tokens: int = DEFAULT_AFFINITY_MARGIN_TOKENS
+    discovery_s: float = DEFAULT_DISCOVERY_S
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -101,12 +122,27 @@ class RouterSettings:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must not be negative, got {value}")
+        for name in ("prefix_block_tokens", "prefix_table_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.affinity_margin_tokens < 0:
+            raise ValueError(f"affinity_margin_tokens must not be negative, got {self.affinity_margin_tokens}")
+        if not (self.discovery_s > 0 and math.isfinite(self.discovery_s)):
+            raise ValueError(f"discovery_s must be positive and finite, got {self.discovery_s}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         for name in ("api_key", "backend_api_key", "peer_token"):
             value = getattr(self, name)
             if value is not None and (not value or not value.isascii() or not value.isprintable()):
                 raise ValueError(f"{name} must be a non-empty printable ASCII string (its value is not shown)")
+
+    def listed(self, role: str) -> tuple[str, ...]:
+        """The URLs of ``role`` ("prefill" or "decode") given as URLs."""
+        return tuple(u for u in getattr(self, role) if not u.startswith(DNS_PREFIX))
+
+    def discovered(self, role: str) -> tuple[str, ...]:
+        """The DNS targets of ``role`` (``dns:///NAME:PORT``)."""
+        return tuple(u for u in getattr(self, role) if u.startswith(DNS_PREFIX))
 
     @property
     def max_body_bytes(self) -> int:
@@ -115,9 +151,10 @@ class RouterSettings:
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                        help="base URLs of the prefill vllm serve instances (kv_producer), e.g. http://10.0.0.1:8100")
+                        help="base URLs of the prefill vllm serve instances (kv_producer), e.g. http://10.0.0.1:8100, "
+                             f"or {DNS_PREFIX}NAME:PORT for every address NAME resolves to (a headless Service)")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                        help="base URLs of the decode vllm serve instances (kv_consumer)")
+                        help=f"base URLs of the decode vllm serve instances (kv_consumer), or {DNS_PREFIX}NAME:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     backends = parser.add_argument_group("toward the instances")
@@ -144,6 +181,20 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                                f"(default {DEFAULT_HEALTH_CHECK_S:g})")
     backends.add_argument("--health-timeout-s", type=float, default=DEFAULT_HEALTH_TIMEOUT_S,
                           help=f"longest wait for a probe's answer (default {DEFAULT_HEALTH_TIMEOUT_S:g})")
+    choice = parser.add_argument_group("choosing instances (by load and by prefix)")
+    choice.add_argument("--discovery-s", type=float, default=DEFAULT_DISCOVERY_S,
+                        help=f"{DNS_PREFIX}NAME:PORT instances are re-resolved this often (default "
+                             f"{DEFAULT_DISCOVERY_S:g})")
+    choice.add_argument("--prefix-block-tokens", type=int, default=DEFAULT_PREFIX_BLOCK_TOKENS,
+                        help="prompts are hashed in prefixes of whole blocks of this many tokens (text: 4 bytes a "
+                             f"token) (default {DEFAULT_PREFIX_BLOCK_TOKENS})")
+    choice.add_argument("--prefix-table-size", type=int, default=DEFAULT_PREFIX_TABLE_SIZE,
+                        help="prefix hashes remembered per role, the least recently used forgotten first "
+                             f"(default {DEFAULT_PREFIX_TABLE_SIZE})")
+    choice.add_argument("--affinity-margin-tokens", type=int, default=DEFAULT_AFFINITY_MARGIN_TOKENS,
+                        help="a prompt goes where its prefix went before unless that instance has more than this "
+                             "many outstanding tokens over the least loaded one "
+                             f"(default {DEFAULT_AFFINITY_MARGIN_TOKENS})")
     clients = parser.add_argument_group("toward clients")
     clients.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                          help="a request's headers must arrive within this long of its first byte (or of its "
@@ -183,4 +234,6 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           max_body_mb=args.max_body_mb, max_connections=args.max_connections,
                           api_key=_from_env(args.api_key, API_KEY_ENV),
                           backend_api_key=_from_env(args.backend_api_key, BACKEND_API_KEY_ENV),
-                          peer_token=_from_env(args.peer_token, PEER_TOKEN_ENV))
+                          peer_token=_from_env(args.peer_token, PEER_TOKEN_ENV),
+                          discovery_s=args.discovery_s, prefix_block_tokens=args.prefix_block_tokens,
+                          prefix_table_size=args.prefix_table_size, affinity_margin_tokens=args.affinity_margin_tokens)
