@@ -80,14 +80,18 @@ def test_metadata(backend, case):
 
 
 def test_metadata_pads_tokens_past_the_last_request(force_triton):
-    # A caller padding the batch to a captured size on CUDA; on CPU tensors num_tokens must match.
+    # A caller padding the batch to a captured size (a CUDA graph's bucket): the kernel and the reference pad alike;
+    # fewer tokens than the requests bring is refused.
     args = _metadata_args([3, 2], [3, 6], 4, seed=1)
     params = {"compress_ratio": 2, "ring_capacity": 4, "block_size": 4}
-    with pytest.raises(ValueError, match="num_tokens 8 != query_start_loc"):
-        build_qsa_metadata(*args, **params, num_tokens=8)
+    with pytest.raises(ValueError, match="num_tokens 4 < query_start_loc"):
+        build_qsa_metadata(*args, **params, num_tokens=4)
     from kpool_pd.kernels.qsa_metadata.triton import build_qsa_metadata_triton
 
     padded = build_qsa_metadata_triton(*args, **params, num_tokens=8)
+    reference = metadata_ref.build_qsa_metadata(*args, **params, num_tokens=8)
+    for name in FIELDS:
+        assert torch.equal(getattr(padded, name), getattr(reference, name)), name
     exact = metadata_ref.build_qsa_metadata(*args, **params)
     assert padded.token_to_req.tolist() == exact.token_to_req.tolist() + [-1] * 3
     assert padded.logical_positions.tolist() == exact.logical_positions.tolist() + [-1] * 3

@@ -27,7 +27,8 @@ def build_qsa_metadata(
     ``num_tokens`` (T, the tokens of the forward) fixes every output size; when given on CUDA tensors
     the build never waits on the device and can be captured in a CUDA graph (``k_work`` is padded to
     ``max_work_items(T, B, r)``, ``num_work`` stays on the device). When omitted it is read from
-    ``query_start_loc[-1]``, one host synchronisation. Both paths check ranks, dtypes and sizes; the
+    ``query_start_loc[-1]``, one host synchronisation. A T above ``query_start_loc[-1]`` pads the forward:
+    its last tokens belong to no request (``ref``), on both paths. Both paths check ranks, dtypes and sizes; the
     values (offsets, lengths, blocks that receive a group) are checked on CPU tensors only. ``out``
     (``ref.metadata_outputs``' names and shapes for ``num_tokens``) receives the maps instead of fresh
     tensors: a builder's preallocated buffers (``QsaMetadataBuilder``).
@@ -44,12 +45,13 @@ def build_qsa_metadata(
     if not query_start_loc.is_cuda:
         qsa_checks.check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio,
                                          block_size)
-        if num_tokens is not None and num_tokens != int(query_start_loc[-1]):
-            raise ValueError(f"num_tokens {num_tokens} != query_start_loc[-1] = {int(query_start_loc[-1])}")
+        if num_tokens is not None and num_tokens < int(query_start_loc[-1]):
+            raise ValueError(f"num_tokens {num_tokens} < query_start_loc[-1] = {int(query_start_loc[-1])}, the "
+                             "forward's real tokens")
     if not use_triton(query_start_loc):
         built = ref.build_qsa_metadata(query_start_loc, seq_lens, block_table, ring_blocks,
                                        compress_ratio=compress_ratio, ring_capacity=ring_capacity,
-                                       block_size=block_size)
+                                       block_size=block_size, num_tokens=num_tokens)
         return built if out is None else _copied_into(built, out)
     if num_tokens is None:
         num_tokens = int(query_start_loc[-1])

@@ -18,6 +18,10 @@ and a decode step (the last committed token plus drafts) look the same here. Wit
   the chunk boundary). ``k_work`` is padded with -1 to the static bound
   ``max_work = (T + (r - 1) * B) // r`` (a request's chunk completes at most
   ``(q_len + r - 1) // r`` groups); ``num_work[0]`` counts the real items.
+
+A forward padded to ``num_tokens`` tokens (a CUDA graph's bucket) has tokens past
+``query_start_loc[B]``: they belong to no request (request -1, position -1, no visible rows, no
+slots) and ``k_work`` is padded to the bound of ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -95,23 +99,27 @@ def build_qsa_metadata(
     compress_ratio: int,
     ring_capacity: int,
     block_size: int,
+    num_tokens: int | None = None,
 ) -> QsaMetadata:
     # query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_table: [B, M] int32; ring_blocks: [B] int32
-    """The metadata of one forward (see the module docstring). The math alone: the public op
+    """The metadata of one forward (see the module docstring), of ``num_tokens`` tokens (None: the real ones,
+    ``query_start_loc[B]``; more: the rest are padding). The math alone: the public op
     (``kpool_pd.kernels.qsa_metadata``) checks the arguments (``kpool_pd.kernels.qsa_checks``) before calling it."""
     r, cap = compress_ratio, ring_capacity
     rows_per_block = block_size // r
     device = seq_lens.device
     num_requests = seq_lens.shape[0]
-    num_tokens = int(query_start_loc[-1])
+    real_tokens = int(query_start_loc[-1])
+    num_tokens = real_tokens if num_tokens is None else num_tokens
+    assert num_tokens >= real_tokens, (num_tokens, real_tokens)
 
     q_start = query_start_loc.to(torch.int64)
     q_lens = q_start[1:] - q_start[:-1]  # [B]
     seq = seq_lens.to(torch.int64)
     chunk_start = seq - q_lens  # [B] first position of each chunk
 
-    req = torch.repeat_interleave(torch.arange(num_requests, device=device), q_lens, output_size=num_tokens)
-    index_in_chunk = torch.arange(num_tokens, device=device) - q_start[req]
+    req = torch.repeat_interleave(torch.arange(num_requests, device=device), q_lens, output_size=real_tokens)
+    index_in_chunk = torch.arange(real_tokens, device=device) - q_start[req]
     pos = chunk_start[req] + index_in_chunk  # [T]
     req_seq = seq[req]
 
@@ -138,16 +146,21 @@ def build_qsa_metadata(
     k_work[:num_work, 0] = work_req.to(torch.int32)
     k_work[:num_work, 1] = work_group.to(torch.int32)
 
+    padding = num_tokens - real_tokens  # tokens of no request: -1 everywhere, no visible rows
+
+    def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([values, torch.full((padding,), fill, dtype=values.dtype, device=device)])
+
     return QsaMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         block_table=block_table,
         ring_blocks=ring_blocks,
-        token_to_req=req.to(torch.int32),
-        logical_positions=pos,
-        visible_blocks=visible.to(torch.int32),
-        ring_slot_mapping=ring_slot,
-        compressed_slot_mapping=compressed_slot,
+        token_to_req=padded(req.to(torch.int32), -1),
+        logical_positions=padded(pos, -1),
+        visible_blocks=padded(visible.to(torch.int32), 0),
+        ring_slot_mapping=padded(ring_slot, -1),
+        compressed_slot_mapping=padded(compressed_slot, -1),
         k_work=k_work,
         num_work=torch.tensor([num_work], dtype=torch.int32, device=device),
         compress_ratio=r,
