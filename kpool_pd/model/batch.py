@@ -24,6 +24,7 @@ class ForwardBatch:
     # token_request: [T] int64, the request of each token
     # query_start_loc_cpu: [B+1] int32, seq_lens_cpu: [B] int32 on the host, or None (the batch's host copies, for a
     #   metadata builder's host counts without a device read)
+    # mrope_positions: [T, 3] int64 (time, height, width) or None: text, every axis the token's position
     """
 
     tokens: torch.Tensor
@@ -38,6 +39,7 @@ class ForwardBatch:
     from_zero: bool = False  # every request starts at position 0 (whole prompts), known without reading start_pos
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
     _pool_offsets: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -57,9 +59,10 @@ class ForwardBatch:
 
     @functools.cached_property
     def row_request(self) -> torch.Tensor:
-        """# -> [Q] int64: the request of each row."""
+        """# -> [Q] int64: the request of each row (a row past the last request's tokens, a graph's padding that
+        belongs to no request, reads the last request, which is then padding too)."""
         starts = self.query_start_loc.to(torch.int64)
-        return torch.searchsorted(starts[1:], self.rows, right=True)
+        return torch.searchsorted(starts[1:], self.rows, right=True).clamp_(max=self.num_requests - 1)
 
     @functools.cached_property
     def row_seq_lens(self) -> torch.Tensor:
@@ -78,8 +81,9 @@ class ForwardBatch:
 
 
 def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]], *, last_only: bool,
-                device: torch.device) -> ForwardBatch:
-    """``chunks``: per request (token ids, first position, block ids, ring id)."""
+                device: torch.device, mrope_positions: Sequence[torch.Tensor | None] | None = None) -> ForwardBatch:
+    """``chunks``: per request (token ids, first position, block ids, ring id). ``mrope_positions``: per request its
+    tokens' MRoPE positions (``[n, 3]`` int64, None: text), or None: every request text."""
     if not chunks:
         raise ValueError("a forward needs at least one request")
     tokens, positions, starts, first, lens = [], [], [0], [], []
@@ -101,6 +105,14 @@ def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]],
         first.append(start)
         lens.append(start + len(ids))
         table[b, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    mrope = None
+    if mrope_positions is not None and any(p is not None for p in mrope_positions):
+        if len(mrope_positions) != len(chunks):
+            raise ValueError(f"mrope_positions names {len(mrope_positions)} requests, the batch has {len(chunks)}")
+        mrope = torch.cat([torch.arange(start, start + len(ids))[:, None].expand(-1, 3) if p is None else p
+                           for (ids, start, *_), p in zip(chunks, mrope_positions)]).to(device)
+        if mrope.shape != (len(tokens), 3):
+            raise ValueError(f"mrope_positions hold {list(mrope.shape)} for {len(tokens)} tokens (want [tokens, 3])")
     as_long = dict(dtype=torch.int64, device=device)
     as_int = dict(dtype=torch.int32, device=device)
     return ForwardBatch(
@@ -111,4 +123,5 @@ def build_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int], int]],
         token_request=torch.tensor(token_request, **as_long),
         from_zero=not any(first),
         query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32), seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+        mrope_positions=mrope,
     )

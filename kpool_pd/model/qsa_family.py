@@ -2,10 +2,14 @@
 
 Every forward's metadata comes from the family's one ``QsaMetadataBuilder`` (buffers allocated once, the
 host counts from the batch's host copies); a forward larger than its buffers gets a builder of twice the
-room it needs, once, as vLLM sizes its builders from the largest batch it schedules.
+room it needs, once, as vLLM sizes its builders from the largest batch it schedules. A decode step replayed
+from a CUDA graph (``kpool_pd.model.decode_graphs``) builds its metadata inside the graph, into the same
+buffers: the engine ``reserve``s room for its largest bucket before it captures, and a builder outgrown
+later keeps its buffers while the family lives (a graph captured over them writes them on every replay).
 
-Text tokens only: every MRoPE position is (pos, pos, pos); the ring still stores it packed, as
-a multimodal request would need.
+MRoPE: a batch's ``mrope_positions`` (time, height, width per token: an image's tokens share a time and vary
+in height and width) give the compressed rows' rotary and the positions the ring stores packed
+(``cache_rope_positions``); a batch without them is text, every axis the token's position.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class QsaFamily:
         self.ratio = self.cache.compress_ratio
         self._metadata: tuple[ForwardBatch, QsaMetadata] | None = None
         self.builder = self._builder(BUILDER_TOKENS, BUILDER_REQUESTS)
+        self._outgrown: list[QsaMetadataBuilder] = []  # their buffers may be a captured graph's
         self.stacks = LayerStacks(pool)  # every layer's views at once, for reads of a whole request
 
     @property
@@ -65,6 +70,15 @@ class QsaFamily:
                                   block_size=self.cache.block_size, num_spec=self.cache.num_spec,
                                   max_num_batched_tokens=tokens, max_num_seqs=requests, device=self.pool.device)
 
+    def reserve(self, tokens: int, requests: int) -> None:
+        """Make the builder hold forwards of ``tokens`` tokens of ``requests`` requests without growing (the engine
+        calls it for its largest decode graph, before capturing any)."""
+        if tokens > self.builder.max_num_batched_tokens or requests > self.builder.max_num_seqs:
+            grown = (max(2 * tokens, self.builder.max_num_batched_tokens), max(2 * requests, self.builder.max_num_seqs))
+            logger.debug("QSA metadata buffers grow to %d tokens and %d requests", *grown)
+            self._outgrown.append(self.builder)
+            self.builder = self._builder(*grown)
+
     def _metadata_of(self, batch: ForwardBatch) -> QsaMetadata:
         """The forward's metadata from the builder's buffers, built on the first layer's call (valid until the next
         forward's build: every layer of this forward reads it)."""
@@ -72,11 +86,7 @@ class QsaFamily:
             qsl_cpu = batch.query_start_loc_cpu if batch.query_start_loc_cpu is not None else batch.query_start_loc.cpu()
             seq_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
             tokens, requests = batch.tokens.shape[0], batch.num_requests
-            if tokens > self.builder.max_num_batched_tokens or requests > self.builder.max_num_seqs:
-                grown = (max(2 * tokens, self.builder.max_num_batched_tokens),
-                         max(2 * requests, self.builder.max_num_seqs))
-                logger.debug("QSA metadata buffers grow to %d tokens and %d requests", *grown)
-                self.builder = self._builder(*grown)
+            self.reserve(tokens, requests)
             metadata = self.builder.build(batch.query_start_loc, batch.seq_lens, batch.block_table, batch.ring_ids,
                                           query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, num_tokens=tokens)
             self._metadata = (batch, metadata)
@@ -86,7 +96,7 @@ class QsaFamily:
         k, _ = self.weights.keys(layer, batch.tokens, batch.positions)
         spec = self.keys_spec
         qsa_forward_update(
-            k[:, None, :].expand(-1, spec.num_heads, -1).contiguous(), text_positions(batch.positions),
+            k[:, None, :].expand(-1, spec.num_heads, -1).contiguous(), self._mrope_positions(batch),
             self._metadata_of(batch), self.pool.qsa_ring(layer), self.pool.qsa_keys(layer),
             self.weights.norm_weight[layer], compress_ratio=self.ratio, block_size=self.cache.block_size,
             eps=spec.norm_eps, rotary_dim=spec.rotary_dim, theta=spec.rope_theta, section=spec.mrope_section,
@@ -95,6 +105,11 @@ class QsaFamily:
 
     prefill = _update
     decode = _update
+
+    @staticmethod
+    def _mrope_positions(batch: ForwardBatch) -> torch.Tensor:
+        """# -> [T, 3] int64: the batch's MRoPE positions, text where it has none"""
+        return batch.mrope_positions if batch.mrope_positions is not None else text_positions(batch.positions)
 
     def select(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Each row's top-k groups, the tokens they expand to, and what locates its bytes.
