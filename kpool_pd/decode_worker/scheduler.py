@@ -231,7 +231,9 @@ class DecodeScheduler:
         """A grant for the job's prompt, from the first node that gives one: a node that is
         unavailable, full or draining is retried on another (as many tries as healthy nodes, at
         least two). StatusError with the last node's status, or the router's (no node usable)."""
-        attempts = max(2, len(self.router.healthy()))
+        # One more try than healthy nodes: when every node failed its call (they all went down at once), the last
+        # pick waits up to the router's no_node_wait_s for one to come back instead of failing the request.
+        attempts = max(2, len(self.router.healthy()) + 1)
         last: StatusError | None = None
         for _ in range(attempts):
             peer = await self.router.pick(len(job.prompt))  # UNAVAILABLE, with each node's reason, when none is usable
