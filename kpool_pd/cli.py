@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("control", "a control message on gRPC: a new call beside a message on an open stream"),
                        ("vllm", "a vLLM PD pair's phases with KpoolPdConnector beside NixlConnector, "
                                 "MooncakeConnector and the prefix-cache floor"),
-                       ("decode", "the engine's decode step, eager and from CUDA graphs: host and GPU time, launches")):
+                       ("decode", "the engine's decode step, eager and from CUDA graphs: host and GPU time, launches"),
+                       ("fleet", "N prefill and M decode daemons on one host: least-loaded beside round-robin prefill "
+                                 "choice, skewed beside balanced prompts, a restart of every prefill daemon")):
         benches.add_parser(name, help=f"{text}; its own flags: kpool-pd bench {name} --help")
     return parser
 
@@ -142,7 +144,7 @@ DAEMONS = {"prefill": "kpool_pd.prefill_worker.daemon", "decode": "kpool_pd.deco
 SERVERS = {**DAEMONS, "router": "kpool_pd.router.main", "vllm-model": "kpool_pd.vllm_model"}  # each parses its own flags
 BENCHES = {"kernels": "kpool_pd.bench.kernels", "transfer": "kpool_pd.bench.transfer", "pipeline": "kpool_pd.bench.pipeline", "dcp": "kpool_pd.bench.dcp",
            "control": "kpool_pd.bench.control_latency", "vllm": "kpool_pd.bench.vllm_pd",
-           "decode": "kpool_pd.bench.decode_step"}
+           "decode": "kpool_pd.bench.decode_step", "fleet": "kpool_pd.bench.fleet"}
 
 
 def main(argv: list[str] | None = None) -> int:
