@@ -114,6 +114,7 @@ class PrefillRouter:
         self._nodes: dict[str, _Node] = {}
         self._retiring: list[PrefillPeer] = []  # replaced or gone from DNS; closed once no call or grant needs them
         self.chooser = PrefillChooser(policy)
+        self.checks = 0  # health checks sent (each carries a load report back)
         self._picks = None if registry is None else Counter(
             "kpoolpd_decode_prefill_picks", "Requests sent to each prefill node", ["prefill"], registry=registry)
         self._task: asyncio.Task | None = None
@@ -157,6 +158,7 @@ class PrefillRouter:
     async def _check(self, node: _Node) -> None:
         stub = health_pb2_grpc.HealthStub(node.health_channel)
         covers = self.chooser.picks  # the picks this check's load report will include
+        self.checks += 1
         try:
             # A check may take longer than the interval on a busy node; a short deadline would
             # take a healthy node out of rotation (and, on its return, cost its pulls in flight).
