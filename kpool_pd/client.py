@@ -48,8 +48,9 @@ async def generate_one(stub: api.GenerateServiceStub, request: GenerateRequest, 
     started = finished = None
     ttft_ms = 0.0
     call = stub.Generate(api.GenerateRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt),
-                                             max_tokens=request.max_tokens), timeout=timeout_s,
-                         metadata=auth_metadata(token))
+                                             max_tokens=request.max_tokens,
+                                             mrope_positions=[v for p in request.mrope_positions for v in p]),
+                         timeout=timeout_s, metadata=auth_metadata(token))
     try:
         async for response in call:
             kind = response.WhichOneof("event")

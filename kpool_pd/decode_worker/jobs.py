@@ -65,6 +65,7 @@ class Job:
     prompt: tuple[int, ...]
     max_tokens: int
     need_blocks: int
+    mrope_positions: tuple[tuple[int, int, int], ...] = ()  # the prompt's, checked; (): text
     arrived: float = field(default_factory=time.perf_counter)
     state: JobState = JobState.WAITING
     admitted: asyncio.Future | None = None

@@ -22,20 +22,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kpool_pd.connector import CacheExhaustedError, EngineUnavailable, PrefillInput, PrefillOutput, PrefillProgress
 from kpool_pd.kvcache import CacheAllocation, NodeCache
-from kpool_pd.model import Engine, PrefillJob, check_prompt
+from kpool_pd.model import Engine, PrefillJob, check_mrope_positions, check_prompt, mrope_from_flat
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class _Queued:
-    """A request in the schedule: its prompt, where its blocks are, how far it got."""
+    """A request in the schedule: its prompt (and its MRoPE positions, () for text), where its blocks are, how far it
+    got."""
 
     prompt: tuple[int, ...]
     allocation: CacheAllocation
     progress: PrefillProgress
     request_id: str
     future: asyncio.Future
+    mrope_positions: tuple[tuple[int, int, int], ...] = ()
     done: int = 0  # prompt tokens prefilled so far
     running: bool = False  # a chunk of it is in the step now running
     abandoned: bool = False  # its caller left while a chunk ran: roll back once the step ends
@@ -43,7 +45,7 @@ class _Queued:
     def chunk(self, budget: int) -> PrefillJob:
         end = min(len(self.prompt), self.done + budget)
         return PrefillJob(prompt=self.prompt, block_ids=self.allocation.block_ids, ring_id=self.allocation.ring_id,
-                          start=self.done, end=end)
+                          start=self.done, end=end, mrope_positions=self.mrope_positions)
 
 
 class BatchingPrefillEngine:
@@ -96,6 +98,8 @@ class BatchingPrefillEngine:
             raise EngineUnavailable("prefill node is draining; try another")
         try:
             prompt = check_prompt(prompt, vocab_size=config.vocab_size)  # its length: the connector's limit
+            positions = check_mrope_positions(mrope_from_flat(request.mrope_positions, prompt_len=len(prompt)),
+                                              prompt_len=len(prompt), cache=config.cache)
         except ValueError:
             self.requests.labels("invalid").inc()
             raise
@@ -105,7 +109,7 @@ class BatchingPrefillEngine:
         allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(len(prompt)))
         progress.serve_from(allocation)  # the grant's from now on: the connector releases it when the grant ends
         queued = _Queued(tuple(prompt), allocation, progress, request.request_id,
-                         asyncio.get_running_loop().create_future())
+                         asyncio.get_running_loop().create_future(), mrope_positions=positions)
         self._pending.append(queued)
         self._wake.set()
         try:

@@ -105,13 +105,17 @@ def model_config(settings: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def cuda_graphs_serve(settings: Mapping[str, Any], device: Any) -> bool:
-    """Whether a daemon's engine replays steps from CUDA graphs: ``cuda-graphs`` on, a CUDA device and the
-    kpool family (the graphs serve no other; a daemon of another family runs eagerly, and says so)."""
+def cuda_graphs_serve(settings: Mapping[str, Any], device: Any,
+                      families: tuple[CacheFamily, ...] = (CacheFamily.KPOOL,)) -> bool:
+    """Whether a daemon's engine replays steps from CUDA graphs: ``cuda-graphs`` on, a CUDA device and a family
+    of ``families``, those the daemon's graphs serve (prefill graphs: kpool; decode graphs: both; a daemon of
+    another family runs eagerly, and says so)."""
     if not settings["cuda_graphs"] or torch.device(device).type != "cuda":
         return False
-    if model_config(settings).cache.family is not CacheFamily.KPOOL:
-        logger.info("steps run eagerly: CUDA graphs serve the kpool family")
+    family = model_config(settings).cache.family
+    if family not in families:
+        logger.info("steps run eagerly: these CUDA graphs serve the %s family, not %s",
+                    " and ".join(f.value for f in families), family.value)
         return False
     return True
 

@@ -31,10 +31,13 @@ from kpool_pd.kvcache import CacheAllocation
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillInput:
-    """One Prefill call: the decode node's request id and the prompt (1 to ``max_prompt_tokens`` ids)."""
+    """One Prefill call: the decode node's request id and the prompt (1 to ``max_prompt_tokens`` ids), and the prompt's
+    MRoPE positions as the wire carries them (time, height, width of each token in turn; empty: text), which the
+    engine checks (a ValueError: INVALID_ARGUMENT)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
+    mrope_positions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n;kpool_pd/decode_worker/_generated/kpoolpd/v1/generate.proto\x12\nkpoolpd.v1\"S\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"\xf6\x01\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_regions\x18\x06 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x12\n\nprefill_ms\x18\t \x01(\x01\x12\x1b\n\x13\x65xposed_transfer_ms\x18\n \x01(\x01\"#\n\x0eGenerateTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xb7\x01\n\x10GenerateFinished\x12\x15\n\routput_digest\x18\x01 \x01(\t\x12\x14\n\x0cstate_digest\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05steps\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafts_proposed\x18\x05 \x01(\r\x12\x17\n\x0f\x64rafts_accepted\x18\x06 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"\xab\x01\n\x10GenerateResponse\x12.\n\x07started\x18\x01 \x01(\x0b\x32\x1b.kpoolpd.v1.GenerateStartedH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.kpoolpd.v1.GenerateTokensH\x00\x12\x30\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1c.kpoolpd.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10ModelInfoRequest\"\x83\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_json\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r2\xa4\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.kpoolpd.v1.GenerateRequest\x1a\x1c.kpoolpd.v1.GenerateResponse0\x01\x12H\n\tModelInfo\x12\x1c.kpoolpd.v1.ModelInfoRequest\x1a\x1d.kpoolpd.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n;kpool_pd/decode_worker/_generated/kpoolpd/v1/generate.proto\x12\nkpoolpd.v1\"l\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x17\n\x0fmrope_positions\x18\x04 \x03(\x03\"\xf6\x01\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_regions\x18\x06 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x12\n\nprefill_ms\x18\t \x01(\x01\x12\x1b\n\x13\x65xposed_transfer_ms\x18\n \x01(\x01\"#\n\x0eGenerateTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xb7\x01\n\x10GenerateFinished\x12\x15\n\routput_digest\x18\x01 \x01(\t\x12\x14\n\x0cstate_digest\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05steps\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafts_proposed\x18\x05 \x01(\r\x12\x17\n\x0f\x64rafts_accepted\x18\x06 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"\xab\x01\n\x10GenerateResponse\x12.\n\x07started\x18\x01 \x01(\x0b\x32\x1b.kpoolpd.v1.GenerateStartedH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.kpoolpd.v1.GenerateTokensH\x00\x12\x30\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1c.kpoolpd.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10ModelInfoRequest\"\x83\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_json\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r2\xa4\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.kpoolpd.v1.GenerateRequest\x1a\x1c.kpoolpd.v1.GenerateResponse0\x01\x12H\n\tModelInfo\x12\x1c.kpoolpd.v1.ModelInfoRequest\x1a\x1d.kpoolpd.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kpool_pd.decode_worker._gen
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=158
-  _globals['_GENERATESTARTED']._serialized_start=161
-  _globals['_GENERATESTARTED']._serialized_end=407
-  _globals['_GENERATETOKENS']._serialized_start=409
-  _globals['_GENERATETOKENS']._serialized_end=444
-  _globals['_GENERATEFINISHED']._serialized_start=447
-  _globals['_GENERATEFINISHED']._serialized_end=630
-  _globals['_GENERATERESPONSE']._serialized_start=633
-  _globals['_GENERATERESPONSE']._serialized_end=804
-  _globals['_MODELINFOREQUEST']._serialized_start=806
-  _globals['_MODELINFOREQUEST']._serialized_end=824
-  _globals['_MODELINFORESPONSE']._serialized_start=827
-  _globals['_MODELINFORESPONSE']._serialized_end=958
-  _globals['_GENERATESERVICE']._serialized_start=961
-  _globals['_GENERATESERVICE']._serialized_end=1125
+  _globals['_GENERATEREQUEST']._serialized_end=183
+  _globals['_GENERATESTARTED']._serialized_start=186
+  _globals['_GENERATESTARTED']._serialized_end=432
+  _globals['_GENERATETOKENS']._serialized_start=434
+  _globals['_GENERATETOKENS']._serialized_end=469
+  _globals['_GENERATEFINISHED']._serialized_start=472
+  _globals['_GENERATEFINISHED']._serialized_end=655
+  _globals['_GENERATERESPONSE']._serialized_start=658
+  _globals['_GENERATERESPONSE']._serialized_end=829
+  _globals['_MODELINFOREQUEST']._serialized_start=831
+  _globals['_MODELINFOREQUEST']._serialized_end=849
+  _globals['_MODELINFORESPONSE']._serialized_start=852
+  _globals['_MODELINFORESPONSE']._serialized_end=983
+  _globals['_GENERATESERVICE']._serialized_start=986
+  _globals['_GENERATESERVICE']._serialized_end=1150
 # @@protoc_insertion_point(module_scope)
