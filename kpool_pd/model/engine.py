@@ -29,11 +29,11 @@ from kpool_pd.kvcache import CacheFamily, CachePool
 from kpool_pd.model.batch import ForwardBatch, build_batch
 from kpool_pd.model.cache_io import mla_destinations, request_mla_rows, request_ring_rows, write_mla
 from kpool_pd.model.config import ModelConfig
-from kpool_pd.model.decode_graphs import DecodeGraphs
+from kpool_pd.model.decode_graphs import DecodeGraphs, RequestPadding
 from kpool_pd.model.graph_capture import Chunk
 from kpool_pd.model.kpool_family import KpoolFamily
 from kpool_pd.model.prefill_graphs import PrefillGraphs
-from kpool_pd.model.prompt import check_prompt
+from kpool_pd.model.prompt import check_mrope_positions, check_prompt
 from kpool_pd.model.qsa_family import QsaFamily
 from kpool_pd.model.rule import TokenRule
 from kpool_pd.model.weights import SyntheticWeights
@@ -49,13 +49,15 @@ HOIST_TOKEN_LAYERS = 1 << 17
 class PrefillJob:
     """One chunk of a prompt: positions ``[start, end)`` of ``prompt`` (``end`` None: to the prompt's end).
     A later chunk of the same request must start where the previous one ended, on the same blocks and ring
-    (the ring carries the open pool or group across chunks). ``block_ids`` cover at least ``end`` tokens."""
+    (the ring carries the open pool or group across chunks). ``block_ids`` cover at least ``end`` tokens.
+    ``mrope_positions``: the whole prompt's (time, height, width) a token (``check_mrope_positions``), or () for text."""
 
     prompt: Sequence[int]
     block_ids: Sequence[int]
     ring_id: int
     start: int = 0
     end: int | None = None
+    mrope_positions: Sequence[Sequence[int]] = ()
 
     @property
     def stop(self) -> int:
@@ -75,7 +77,8 @@ class PrefillJob:
 @dataclass(kw_only=True, eq=False)
 class DecodeSequence:
     """A request being decoded. ``cached`` positions are committed in the cache; ``pending`` is
-    the last emitted token (not yet in the cache); ``output`` holds every emitted token."""
+    the last emitted token (not yet in the cache); ``output`` holds every emitted token. ``mrope_delta``: what a
+    generated token adds to its position for its MRoPE position (``kpool_pd.model.prompt.mrope_delta``; 0: text)."""
 
     request_id: str
     prompt_len: int
@@ -86,6 +89,7 @@ class DecodeSequence:
     steps: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    mrope_delta: int = 0
 
     @property
     def cached(self) -> int:
@@ -124,8 +128,8 @@ def _on_pool_device(method):
 
 class Engine:
     """``graph_requests`` > 0 replays decode steps of up to that many requests from CUDA graphs
-    (``kpool_pd.model.decode_graphs``; CUDA pools of the kpool family only), whose block tables are at least
-    ``graph_table_width`` blocks wide; 0 runs every step eagerly. ``prefill_graph_tokens`` > 0 replays prefill
+    (``kpool_pd.model.decode_graphs``; CUDA pools of either family), whose block tables are at least
+    ``graph_table_width`` blocks wide; 0 runs every step eagerly. ``prefill_graph_tokens`` > 0 (kpool pools on CUDA) replays prefill
     steps of up to that many tokens in up to ``prefill_graph_requests`` chunks (padding included) from CUDA
     graphs (``kpool_pd.model.prefill_graphs``, the same table width); other steps run eagerly. On CUDA the kpool family's
     eager forwards, too, compute their layers' inputs in a few launches for many layers at once."""
@@ -145,18 +149,32 @@ class Engine:
         self.hoists = self.device.type == "cuda" and config.cache.family is CacheFamily.KPOOL
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        if (graph_requests or prefill_graph_tokens) and not self.hoists:
-            raise ValueError(f"decode and prefill graphs serve kpool pools on CUDA; this engine's pool is "
+        if graph_requests and self.device.type != "cuda":
+            raise ValueError(f"decode graphs serve pools on CUDA; this engine's pool is {config.cache.family.value} "
+                             f"on {self.device}")
+        if prefill_graph_tokens and not self.hoists:
+            raise ValueError(f"prefill graphs serve kpool pools on CUDA; this engine's pool is "
                              f"{config.cache.family.value} on {self.device}")
         if graph_requests:
-            self.graphs = DecodeGraphs(self._graphed_forward, tokens_per_request=1 + config.cache.num_spec,
-                                       block_size=config.cache.block_size, max_requests=graph_requests,
-                                       device=self.device, table_width=graph_table_width)
+            self.graphs = self._decode_graphs(graph_requests, graph_table_width)
         if prefill_graph_tokens:
             self.prefill_graphs = PrefillGraphs(
                 lambda batch, hashed: self._hoisted_forward(batch, self.family.prefill, hashed=hashed),
                 max_tokens=prefill_graph_tokens, block_size=config.cache.block_size, max_requests=prefill_graph_requests,
                 device=self.device, table_width=graph_table_width)
+
+    def _decode_graphs(self, max_requests: int, table_width: int) -> DecodeGraphs:
+        """The decode graphs of this engine's family: the kpool family's buckets pad with whole requests; the QSA
+        family's with empty ones, carry MRoPE deltas, and build their metadata in the builder's buffers, which
+        first get room for the largest bucket."""
+        per_request = 1 + self.config.cache.num_spec
+        qsa = isinstance(self.family, QsaFamily)
+        if qsa:
+            self.family.reserve(max_requests * per_request, max_requests)
+        return DecodeGraphs(self._graphed_forward, tokens_per_request=per_request,
+                            block_size=self.config.cache.block_size, max_requests=max_requests, device=self.device,
+                            table_width=table_width, padding=RequestPadding.EMPTY if qsa else RequestPadding.TOKENS,
+                            mrope=qsa)
 
     @_on_pool_device
     def capture_graphs(self) -> None:
@@ -189,8 +207,11 @@ class Engine:
         return self._hashes(batch)
 
     def _graphed_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """``_decode_forward`` as a graph captures it (kpool family): ``_hoisted_forward``. The same bytes
-        (tests/gpu/test_decode_graphs_gpu.py). # -> [Q] int64"""
+        """``_decode_forward`` as a graph captures it: ``_hoisted_forward`` for the kpool family, the per-layer
+        forward itself for QSA (its metadata built into the builder's buffers). The same bytes
+        (tests/gpu/test_decode_graphs_gpu.py, tests/gpu/test_qsa_decode_graphs_gpu.py). # -> [Q] int64"""
+        if isinstance(self.family, QsaFamily):
+            return self._decode_forward(batch)
         return self._hoisted_forward(batch, self.family.decode, hashed=True)
 
     def _hoisted_forward(self, batch: ForwardBatch, update, *, hashed: bool) -> torch.Tensor | None:
@@ -256,9 +277,12 @@ class Engine:
             need = self.pool.config.blocks_for_tokens(job.stop)
             if len(job.block_ids) < need:
                 raise ValueError(f"a chunk ending at position {job.stop} needs {need} blocks, got {len(job.block_ids)}")
+        mrope = [check_mrope_positions(j.mrope_positions, prompt_len=len(j.prompt), cache=self.config.cache)
+                 for j in jobs]
         chunks: list[Chunk] = [(list(j.prompt[j.start:j.stop]), j.start, list(j.block_ids), j.ring_id) for j in jobs]
         finals = [b for b, j in enumerate(jobs) if j.last]
-        hashes = self._prefill_hashes(chunks, finals)
+        hashes = self._prefill_hashes(chunks, finals, [torch.tensor(p[j.start:j.stop], dtype=torch.int64) if p else None
+                                                       for p, j in zip(mrope, jobs)])
         if not finals and self.device.type == "cuda":
             # the caller may hand the chunks' blocks to another process (a pipelined pull) once this returns
             torch.cuda.current_stream(self.device).synchronize()
@@ -266,15 +290,16 @@ class Engine:
         tokens = iter(self.rule.next_tokens(hashes, last_tokens))
         return [next(tokens) if j.last else None for j in jobs]
 
-    def _prefill_hashes(self, chunks: Sequence[Chunk], finals: Sequence[int]) -> list[int]:
+    def _prefill_hashes(self, chunks: Sequence[Chunk], finals: Sequence[int],
+                        mrope: Sequence[torch.Tensor | None] = ()) -> list[int]:
         """Write the chunks' cache entries; the hash of each final chunk's last token (``finals``: their indices).
-        Replayed from a prefill graph where one serves the step; else the hoisted forward (kpool on CUDA) or the
-        per-layer one."""
+        Replayed from a prefill graph where one serves the step (kpool: no MRoPE positions); else the hoisted forward
+        (kpool on CUDA) or the per-layer one. ``mrope``: each chunk's MRoPE positions (``[n, 3]`` int64, None: text)."""
         if self.prefill_graphs is not None:
             hashes = self.prefill_graphs.run(chunks, hashed=bool(finals))
             if hashes is not None:
                 return [hashes[b] for b in finals]
-        batch = build_batch(chunks, last_only=True, device=self.device)
+        batch = build_batch(chunks, last_only=True, device=self.device, mrope_positions=mrope or None)
         if len(finals) < len(chunks):
             batch = dataclasses.replace(batch, rows=batch.rows[torch.tensor(finals, dtype=torch.int64,
                                                                             device=self.device)])
@@ -305,10 +330,14 @@ class Engine:
             proposed = self.rule.drafts(seq.pending, num_spec if graphed else count)
             drafts.append(proposed[:count])
             chunks.append(([seq.pending, *proposed], seq.cached, seq.block_ids, seq.ring_id))
+        deltas = [seq.mrope_delta for seq in live]
         if graphed:
-            hashes = self.graphs.run(chunks)
+            hashes = self.graphs.run(chunks, deltas if any(deltas) else None)
         else:
-            hashes = self._decode_forward(build_batch(chunks, last_only=False, device=self.device)).tolist()
+            mrope = [torch.arange(start, start + len(ids))[:, None].expand(-1, 3) + delta if delta else None
+                     for (ids, start, *_), delta in zip(chunks, deltas)]
+            hashes = self._decode_forward(build_batch(chunks, last_only=False, device=self.device,
+                                                      mrope_positions=mrope)).tolist()
         targets = self.rule.next_tokens(hashes, [t for ids, *_ in chunks for t in ids])
         emitted_by_id: dict[int, list[int]] = {}
         cursor = 0
