@@ -25,9 +25,9 @@ def test_buckets_are_the_next_power_of_two():
 def test_a_cpu_engine_refuses_graphs(family):
     config = ModelConfig.build(family=family, num_layers=1)
     pool = CachePool(BlockLayout(config.cache), num_blocks=2, num_rings=1, device=torch.device("cpu"))
-    for graphs in (dict(graph_requests=4), dict(prefill_graph_tokens=64)):
-        with pytest.raises(ValueError, match=f"decode and prefill graphs serve kpool pools on CUDA; this engine's "
-                                             f"pool is {family.value} on cpu"):
+    for graphs, served in ((dict(graph_requests=4), "decode graphs serve pools"),
+                           (dict(prefill_graph_tokens=64), "prefill graphs serve kpool pools")):
+        with pytest.raises(ValueError, match=f"{served} on CUDA; this engine's pool is {family.value} on cpu"):
             Engine(config, pool, **graphs)
 
 
