@@ -124,7 +124,8 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
     vLLM's engine arguments (e.g. ``tensor_parallel_size``); ``log``: where everything
     the process prints goes (``redirect_output``; a failure's traceback too), None: the terminal;
     ``prefix_caching``: vLLM's prefix cache on (off by default, so that every prompt is computed or pulled). A job is
-    ``(prompts, max_tokens, params)`` (``params``: one kv_transfer_params a prompt, or None); its result
+    ``(prompts, max_tokens, params)`` (a prompt: its token ids, or vLLM's prompt dict, e.g. with a ``cache_salt``;
+    ``params``: one kv_transfer_params a prompt, or None); its result
     ``Job(outputs=[(token_ids, finish_reason, kv_transfer_params), ...], prompt_tokens={source: count})``, or
     ``("error", text)``. ``prompt_tokens`` is what vLLM's ``vllm:prompt_tokens_by_source`` counter grew by
     during the job: prompt tokens the engine computed (``local_compute``), found in its prefix cache
@@ -147,19 +148,33 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
     step_as_a_server_does(llm)
     results.put(("ready", None))
     while (job := next_job(llm, jobs)) is not None:
+        if job == FREE_BLOCKS:
+            results.put(free_blocks(llm))
+            continue
         prompts, max_tokens, params = job
         try:
             sampling = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                                        extra_args={"kv_transfer_params": p} if p is not None else None)
                         for p in (params or [None] * len(prompts))]
             before = prompt_tokens_by_source(llm)
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+            outputs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts], sampling,
+                                   use_tqdm=False)
             after = prompt_tokens_by_source(llm)
             results.put(Job(outputs=[(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.kv_transfer_params)
                                      for o in outputs],
                             prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
         except Exception:
             _failed(results, log is not None)
+
+
+FREE_BLOCKS = "free_blocks"  # a job asking for ``free_blocks`` (EngineProcess.free_blocks)
+
+
+def free_blocks(llm) -> int | None:
+    """The blocks of the engine's KV cache that no request holds now (its scheduler's block pool; blocks kept
+    only by the prefix cache count as free), or None when the engine core runs in another process."""
+    core = _in_process_core(llm)
+    return None if core is None else core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def _in_process_core(llm):
@@ -243,8 +258,13 @@ class EngineProcess:
     def wait_ready(self, timeout_s: float = ENGINE_START_S) -> None:
         self._answer(timeout_s)
 
-    def run(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None) -> Job:
+    def run(self, prompts: list[list[int] | dict], max_tokens: int, params: list[dict | None] | None = None) -> Job:
         self.jobs.put((prompts, max_tokens, params))
+        return self._answer(JOB_S)
+
+    def free_blocks(self) -> int | None:
+        """The engine's ``free_blocks`` now; the engine steps between two such questions, as between jobs."""
+        self.jobs.put(FREE_BLOCKS)
         return self._answer(JOB_S)
 
     def stop(self) -> None:
