@@ -9,7 +9,9 @@ Two subjects, each a process of its own (Linux: read from /proc and ``ss``):
   health channel, a peer channel with its keep-alive loop, UCX endpoints with ``--transport ucx``) over N
   simulated prefill nodes (real prefill connectors with tiny caches, all in one other process);
 - a prefill node: its connector and gRPC server over N simulated decode engines (each a decode connector
-  and router of its own, all in one other process), which handshake and then check and heartbeat it.
+  and router of its own, all in one other process, each dialing a loopback address of its own so that each
+  has its own connections, as decode nodes in processes of their own do), which handshake and then check
+  and heartbeat it.
 
 After the peers are connected and ``--window-s`` of idle time, the subject's resident memory, open file
 descriptors and threads, and the TCP bytes its sockets sent and received over the window (``ss``: every
@@ -105,7 +107,14 @@ def prefill_peers(count: int, transport: str, conn) -> None:
     asyncio.run(_prefill_peers(count, transport, conn))
 
 
-async def _decode_engine(address: str, transport: str, count: int, index: int) -> tuple[DecodeConnector, PrefillRouter]:
+def loopback(index: int, port: int) -> str:
+    """A loopback address of its own for engine ``index`` (127.0.0.1, 127.0.0.2, ...): gRPC shares one connection
+    among a process's channels to one address, where each decode node, a process of its own, has its own."""
+    return f"127.0.{index // 250}.{index % 250 + 1}:{port}"
+
+
+async def _decode_engine(port: int, transport: str, count: int, index: int) -> tuple[DecodeConnector, PrefillRouter]:
+    address = loopback(index, port)
     cache = NodeCache(CACHE, num_blocks=2, num_rings=1, device="cpu")
     connector = DecodeConnector(cache.pool, engine_id=f"decode-sim-{count}-{index}", config=_config(),
                                 registry=CollectorRegistry(), transports=_transports(transport))
@@ -115,8 +124,8 @@ async def _decode_engine(address: str, transport: str, count: int, index: int) -
     return connector, router
 
 
-async def _decode_peers(count: int, address: str, transport: str, window_s: float, conn) -> None:
-    engines = [await _decode_engine(address, transport, count, i) for i in range(count)]
+async def _decode_peers(count: int, port: int, transport: str, window_s: float, conn) -> None:
+    engines = [await _decode_engine(port, transport, count, i) for i in range(count)]
     usable = sum(router.usable for _, router in engines)
     conn.send(usable)
     beats = sum(p.keep_alive.beats for c, _ in engines for p in c.peers)
@@ -130,8 +139,8 @@ async def _decode_peers(count: int, address: str, transport: str, window_s: floa
         await connector.close()
 
 
-def decode_peers(count: int, address: str, transport: str, window_s: float, conn) -> None:
-    asyncio.run(_decode_peers(count, address, transport, window_s, conn))
+def decode_peers(count: int, port: int, transport: str, window_s: float, conn) -> None:
+    asyncio.run(_decode_peers(count, port, transport, window_s, conn))
 
 
 # the subjects ------------------------------------------------------------------------------------------
@@ -189,15 +198,14 @@ async def _prefill_subject(counts_: list[int], transport: str, window_s: float, 
     await node.start()
     server = GrpcServer(peer_token=TOKEN, options=_config().grpc_options(), max_peer_sessions=4096)
     server.add(node)
-    await server.start("127.0.0.1", 0)
+    await server.start("0.0.0.0", 0)  # every loopback address: each simulated decode engine dials one of its own
     await server.health.open(server)
-    address = f"127.0.0.1:{server.port}"
     await asyncio.sleep(1.0)
     rows.append({"peers": 0, **process_state()})
     loop = asyncio.get_running_loop()
     for count in counts_:
         here, there = child_context().Pipe()
-        child = start_child(decode_peers, count, address, transport, window_s, there, threads=1)
+        child = start_child(decode_peers, count, server.port, transport, window_s, there, threads=1)
         connected = await loop.run_in_executor(None, here.recv)
         await asyncio.sleep(1.0)
         sent, at = tcp_bytes(), time.monotonic()
