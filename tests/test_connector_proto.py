@@ -63,11 +63,12 @@ def test_prefill_request_carries_the_prompt_the_asking_engine_pipelining_and_its
     from kpool_pd.connector import prefill_api as pb
 
     fields = pb.PrefillRequest.DESCRIPTOR.fields_by_name
-    assert sorted(fields) == ["dcp_engine_ids", "dcp_interleave", "engine_id", "engine_secret", "pipelined",
-                              "prompt_token_ids", "request_id"]
+    assert sorted(fields) == ["dcp_engine_ids", "dcp_interleave", "engine_id", "engine_secret", "mrope_positions",
+                              "pipelined", "prompt_token_ids", "request_id"]
     assert 3 not in pb.PrefillRequest.DESCRIPTOR.fields_by_number
     assert fields["pipelined"].number == 5  # new fields take new numbers; older peers ignore them
     assert (fields["dcp_engine_ids"].number, fields["dcp_interleave"].number) == (6, 7)
+    assert fields["mrope_positions"].number == 9  # the prompt's MRoPE positions, 3 int64 a token (empty: text)
     assert pb.PullResponse.DESCRIPTOR.fields_by_name["prefilled"].number == 4
     # every call naming a decode engine presents its secret, which the Handshake returns
     for message in (pb.HandshakeRequest, pb.HandshakeResponse, pb.PrefillRequest, pb.PullRequest, pb.ReleaseRequest,

@@ -41,7 +41,7 @@ from kpool_pd.decode_worker.dcp_fetch import DcpLeader
 from kpool_pd.decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from kpool_pd.decode_worker.router import PrefillRouter
 from kpool_pd.kvcache import NodeCache
-from kpool_pd.model import DecodeSequence, Engine, output_digest
+from kpool_pd.model import DecodeSequence, Engine, mrope_delta, output_digest
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,10 @@ class DecodeScheduler:
                 self.on_room_change(room)
 
     # admission ----------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Job:
-        """Queue a validated request (raises StatusError when it cannot be queued)."""
+    def submit(self, request_id: str, prompt: tuple[int, ...], max_tokens: int, *,
+               mrope_positions: tuple[tuple[int, int, int], ...] = ()) -> Job:
+        """Queue a validated request, with its checked MRoPE positions (() for text; raises StatusError when it
+        cannot be queued)."""
         if self.dcp is not None and self.dcp.ranks.broken:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
         need = (self.dcp.dcp.rank_blocks_for_request(self.cache.config, len(prompt), max_tokens) if self.dcp is not None
@@ -144,7 +146,7 @@ class DecodeScheduler:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"decode queue is full ({len(self._waiting)} waiting, {len(self._running)} running)")
         job = Job(request_id=request_id, prompt=prompt, max_tokens=max_tokens, need_blocks=need,
-                  admitted=asyncio.get_running_loop().create_future())
+                  admitted=asyncio.get_running_loop().create_future(), mrope_positions=mrope_positions)
         self._active[request_id] = job
         self._waiting.append(job)
         self._admit_ready()
@@ -188,7 +190,8 @@ class DecodeScheduler:
             await self._pull(job, peer, grant)
         job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
                                  block_ids=list(job.allocation.block_ids), ring_id=job.allocation.ring_id,
-                                 output=[job.landed.first_token])
+                                 output=[job.landed.first_token],
+                                 mrope_delta=mrope_delta(job.mrope_positions, len(job.prompt)))
         job.state = JobState.DECODING
 
     async def _pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
@@ -239,7 +242,8 @@ class DecodeScheduler:
             peer = await self.router.pick(len(job.prompt))  # UNAVAILABLE, with each node's reason, when none is usable
             try:
                 if self.dcp is None:
-                    return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined)
+                    return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined,
+                                                    mrope_positions=job.mrope_positions)
                 return peer, await peer.prefill(job.request_id, job.prompt, dcp_engine_ids=self.dcp.engine_ids,
                                                 dcp_interleave=self.dcp.shard.interleave)
             except StatusError as exc:

@@ -14,7 +14,7 @@ from kpool_pd.connector import Credential, StatusError
 from kpool_pd.decode_worker import api
 from kpool_pd.decode_worker.jobs import Failed, Finished, JobEvent, Tokens
 from kpool_pd.decode_worker.scheduler import DecodeScheduler
-from kpool_pd.model import check_prompt
+from kpool_pd.model import check_mrope_positions, check_prompt, mrope_from_flat
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,9 @@ class GenerateService(api.GenerateServiceServicer):
     def add_to_server(self, server: grpc.aio.Server) -> None:
         api.add_GenerateServiceServicer_to_server(self, server)
 
-    def _validate(self, request: api.GenerateRequest) -> tuple[str, tuple[int, ...]]:
+    def _validate(self, request: api.GenerateRequest) -> tuple[str, tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+        """The request's id, prompt and MRoPE positions (() for text); StatusError INVALID_ARGUMENT naming what is
+        wrong."""
         config = self.scheduler.config
         request_id = request.request_id or secrets.token_hex(8)
         if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
@@ -49,12 +51,14 @@ class GenerateService(api.GenerateServiceServicer):
                               f"request_id must be 1 to {MAX_ID_CHARS} printable characters")
         try:
             prompt = check_prompt(request.prompt_token_ids, vocab_size=config.vocab_size, max_len=self.max_prompt_tokens)
+            positions = check_mrope_positions(mrope_from_flat(request.mrope_positions, prompt_len=len(prompt)),
+                                              prompt_len=len(prompt), cache=config.cache)
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if not 1 <= request.max_tokens <= self.max_new_tokens:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"max_tokens is {request.max_tokens}; must be 1 to {self.max_new_tokens}")
-        return request_id, prompt
+        return request_id, prompt, positions
 
     async def Generate(self, request: api.GenerateRequest, context):
         if self.draining:
@@ -62,8 +66,8 @@ class GenerateService(api.GenerateServiceServicer):
         scheduler = self.scheduler
         job, outcome = None, "cancelled"
         try:
-            request_id, prompt = self._validate(request)
-            job = scheduler.submit(request_id, prompt, request.max_tokens)
+            request_id, prompt, positions = self._validate(request)
+            job = scheduler.submit(request_id, prompt, request.max_tokens, mrope_positions=positions)
             await scheduler.wait_admitted(job)
             queue_ms = job.elapsed_ms()
             await scheduler.fetch(job)

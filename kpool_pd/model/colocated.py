@@ -16,15 +16,20 @@ import torch
 from kpool_pd.kvcache import CacheAllocation, NodeCache
 from kpool_pd.model.config import ModelConfig
 from kpool_pd.model.engine import DecodeSequence, Engine, PrefillJob, output_digest
+from kpool_pd.model.prompt import mrope_delta
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
+    """``mrope_positions``: one (time, height, width) a prompt token (``kpool_pd.model.prompt.check_mrope_positions``),
+    or (): text."""
+
     request_id: str
     prompt: tuple[int, ...]
     max_tokens: int
+    mrope_positions: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,8 +106,8 @@ def prefill_batch(config: ModelConfig, requests: Sequence[GenerateRequest],
     engine = Engine(config, cache.pool)
     allocations = tuple(cache.allocate(r.request_id, config.cache.blocks_for_request(len(r.prompt), r.max_tokens)) for r in requests)
     try:
-        firsts = engine.prefill([PrefillJob(prompt=r.prompt, block_ids=a.block_ids, ring_id=a.ring_id)
-                                 for r, a in zip(requests, allocations)])
+        firsts = engine.prefill([PrefillJob(prompt=r.prompt, block_ids=a.block_ids, ring_id=a.ring_id,
+                                            mrope_positions=r.mrope_positions) for r, a in zip(requests, allocations)])
     except BaseException:
         for allocation in allocations:
             allocation.release()
@@ -139,7 +144,7 @@ def _run(engine: Engine, cache: NodeCache, requests: Sequence[GenerateRequest], 
     ttft_ms: dict[str, float] = {}  # by request id, from prefill to the result
     started = time.perf_counter()
     while waiting or running:
-        admitted: list[tuple[DecodeSequence, tuple[int, ...]]] = []  # (sequence, prompt)
+        admitted: list[tuple[DecodeSequence, GenerateRequest]] = []
         while waiting and len(running) + len(admitted) < max_batch:
             req = waiting[0]
             need = config.cache.blocks_for_request(len(req.prompt), req.max_tokens)
@@ -150,11 +155,12 @@ def _run(engine: Engine, cache: NodeCache, requests: Sequence[GenerateRequest], 
             waiting.pop(0)
             allocation = held[req.request_id] = cache.allocate(req.request_id, need)
             seq = DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt), max_tokens=req.max_tokens,
-                                 block_ids=list(allocation.block_ids), ring_id=allocation.ring_id, output=[])
-            admitted.append((seq, req.prompt))
+                                 block_ids=list(allocation.block_ids), ring_id=allocation.ring_id, output=[],
+                                 mrope_delta=mrope_delta(req.mrope_positions, len(req.prompt)))
+            admitted.append((seq, req))
         if admitted:
-            firsts = engine.prefill([PrefillJob(prompt=prompt, block_ids=seq.block_ids, ring_id=seq.ring_id)
-                                     for seq, prompt in admitted])
+            firsts = engine.prefill([PrefillJob(prompt=req.prompt, block_ids=seq.block_ids, ring_id=seq.ring_id,
+                                                mrope_positions=req.mrope_positions) for seq, req in admitted])
             now = (time.perf_counter() - started) * 1000
             for (seq, _), token in zip(admitted, firsts):
                 seq.output.append(token)

@@ -98,7 +98,8 @@ class PrefillPeer:
 
     # control calls ---------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_token_ids, *, pipelined: bool = False,
-                      dcp_engine_ids: tuple[str, ...] = (), dcp_interleave: int = 0) -> PrefillGrant:
+                      dcp_engine_ids: tuple[str, ...] = (), dcp_interleave: int = 0,
+                      mrope_positions: Sequence[Sequence[int]] = ()) -> PrefillGrant:
         """Run the prompt on the prefill node; the grant holds its blocks there under lease until
         pulled and released. StatusError with the node's status (within ``rpc_timeout_s``).
 
@@ -112,10 +113,12 @@ class PrefillPeer:
         answer still on the wire when the cancel leaves is lost; its lease frees it.)
 
         A DCP decode instance names its ranks' engine ids (``dcp_engine_ids``, this connector's
-        first) and its interleave: each rank then pulls and releases its own share."""
+        first) and its interleave: each rank then pulls and releases its own share. ``mrope_positions``: the
+        prompt's (time, height, width) a token, or () for text (the prefill node's engine checks them)."""
         req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                                 engine_id=self.context.engine_id, engine_secret=self._secret, pipelined=pipelined,
-                                dcp_engine_ids=list(dcp_engine_ids), dcp_interleave=dcp_interleave)
+                                dcp_engine_ids=list(dcp_engine_ids), dcp_interleave=dcp_interleave,
+                                mrope_positions=[v for p in mrope_positions for v in p])
         self._check_open(f"Prefill of {request_id}")
         call = asyncio.ensure_future(self._prefill_call(req))
         try:

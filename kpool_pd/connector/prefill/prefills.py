@@ -79,7 +79,8 @@ class PrefillDesk:
         n = len(request.prompt_token_ids)
         dcp_ids = tuple(request.dcp_engine_ids)
         progress = PrefillProgress(request.request_id)
-        job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids))
+        job = PrefillInput(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+                           mrope_positions=tuple(request.mrope_positions))
         task = asyncio.ensure_future(self._compute(job, progress, n))
         granted = False
         try:  # every exit without a grant (errors, the caller cancelling) stops the engine and frees

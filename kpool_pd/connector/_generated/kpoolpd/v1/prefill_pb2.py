@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6kpool_pd/connector/_generated/kpoolpd/v1/prefill.proto\x12\nkpoolpd.v1\"a\n\x06Layout\x12\x13\n\x0blayout_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ring_block_bytes\x18\x04 \x01(\x04\"\xd7\x01\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x16\n\x0eucx_warmup_tag\x18\x06 \x01(\x04\x12\x15\n\rengine_secret\x18\x07 \x01(\x0c\"\xb6\x02\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x08 \x01(\t\x12\x14\n\x0cpull_session\x18\t \x01(\x08\x12\x15\n\rengine_secret\x18\n \x01(\x0c\x12\x1c\n\x14pull_session_idle_ms\x18\x0b \x01(\x04\"\xbb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x63p_engine_ids\x18\x06 \x03(\t\x12\x16\n\x0e\x64\x63p_interleave\x18\x07 \x01(\r\x12\x15\n\rengine_secret\x18\x08 \x01(\x0cJ\x04\x08\x03\x10\x04R\x08sampling\"2\n\tRingRange\x12\x12\n\nstart_slot\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x99\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08grant_id\x18\x02 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\tring_live\x18\x05 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\t \x01(\r\x12\x11\n\tpipelined\x18\n \x01(\x08\x12\x14\n\x0cpiece_blocks\x18\x0b \x01(\r\x12\x12\n\nprefill_ms\x18\x0c \x01(\x01\"\xf6\x01\n\x0bPullRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_ring_id\x18\x04 \x01(\r\x12(\n\ttransport\x18\x05 \x01(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x11\n\tintegrity\x18\x06 \x01(\x08\x12\x14\n\x0cucx_tag_base\x18\x07 \x01(\x04\x12\x10\n\x08\x64\x63p_rank\x18\x08 \x01(\r\x12\x15\n\rengine_secret\x18\t \x01(\x0c\x12\x1a\n\x12held_block_indices\x18\n \x03(\r\"L\n\x06Region\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kpoolpd.v1.PoolKind\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\tPullGrant\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x02 \x01(\r\x12(\n\tring_live\x18\x03 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0bnum_regions\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"5\n\x05\x43hunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"i\n\x08PullDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x03(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\x12\x1d\n\x15sent_after_prefill_ms\x18\x05 \x01(\x01\"6\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\"\xb9\x01\n\x0cPullResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kpoolpd.v1.PullGrantH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kpoolpd.v1.ChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.kpoolpd.v1.PullDoneH\x00\x12,\n\tprefilled\x18\x04 \x01(\x0b\x32\x17.kpoolpd.v1.PrefillDoneH\x00\x42\t\n\x07message\"c\n\x12PullSessionRequest\x12\'\n\x04pull\x18\x01 \x01(\x0b\x32\x17.kpoolpd.v1.PullRequestH\x00\x12\x19\n\x0f\x63\x61ncel_grant_id\x18\x02 \x01(\tH\x00\x42\t\n\x07message\",\n\x0bPullFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8c\x01\n\x13PullSessionResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x18.kpoolpd.v1.PullResponseH\x00\x12*\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x17.kpoolpd.v1.PullFailureH\x00\x42\t\n\x07message\"q\n\x0eReleaseRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x63p_rank\x18\x03 \x01(\r\x12\x11\n\tall_ranks\x18\x04 \x01(\x08\x12\x15\n\rengine_secret\x18\x05 \x01(\x0c\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"O\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tgrant_ids\x18\x02 \x03(\t\x12\x15\n\rengine_secret\x18\x03 \x01(\x0c\"X\n\x11HeartbeatResponse\x12\x19\n\x11unknown_grant_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x04\x12\x16\n\x0e\x65ngine_unknown\x18\x03 \x01(\x08*T\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_UCX\x10\x01\x12\x19\n\x15TRANSPORT_GRPC_STREAM\x10\x02*P\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10POOL_KIND_BLOCKS\x10\x01\x12\x13\n\x0fPOOL_KIND_RINGS\x10\x02\x32\xbd\x03\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.kpoolpd.v1.HandshakeRequest\x1a\x1d.kpoolpd.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.kpoolpd.v1.PrefillRequest\x1a\x1b.kpoolpd.v1.PrefillResponse\x12;\n\x04Pull\x12\x17.kpoolpd.v1.PullRequest\x1a\x18.kpoolpd.v1.PullResponse0\x01\x12R\n\x0bPullSession\x12\x1e.kpoolpd.v1.PullSessionRequest\x1a\x1f.kpoolpd.v1.PullSessionResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.kpoolpd.v1.ReleaseRequest\x1a\x1b.kpoolpd.v1.ReleaseResponse\x12H\n\tHeartbeat\x12\x1c.kpoolpd.v1.HeartbeatRequest\x1a\x1d.kpoolpd.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6kpool_pd/connector/_generated/kpoolpd/v1/prefill.proto\x12\nkpoolpd.v1\"a\n\x06Layout\x12\x13\n\x0blayout_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x18\n\x10ring_block_bytes\x18\x04 \x01(\x04\"\xd7\x01\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\x12\x16\n\x0eucx_warmup_tag\x18\x06 \x01(\x04\x12\x15\n\rengine_secret\x18\x07 \x01(\x0c\"\xb6\x02\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kpoolpd.v1.Layout\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x1a\n\x12ucx_worker_address\x18\x04 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x05 \x01(\x04\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x08 \x01(\t\x12\x14\n\x0cpull_session\x18\t \x01(\x08\x12\x15\n\rengine_secret\x18\n \x01(\x0c\x12\x1c\n\x14pull_session_idle_ms\x18\x0b \x01(\x04\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tpipelined\x18\x05 \x01(\x08\x12\x16\n\x0e\x64\x63p_engine_ids\x18\x06 \x03(\t\x12\x16\n\x0e\x64\x63p_interleave\x18\x07 \x01(\r\x12\x15\n\rengine_secret\x18\x08 \x01(\x0c\x12\x17\n\x0fmrope_positions\x18\t \x03(\x03J\x04\x08\x03\x10\x04R\x08sampling\"2\n\tRingRange\x12\x12\n\nstart_slot\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\"\x99\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08grant_id\x18\x02 \x01(\t\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12(\n\tring_live\x18\x05 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\x04\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\t \x01(\r\x12\x11\n\tpipelined\x18\n \x01(\x08\x12\x14\n\x0cpiece_blocks\x18\x0b \x01(\r\x12\x12\n\nprefill_ms\x18\x0c \x01(\x01\"\xf6\x01\n\x0bPullRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_ring_id\x18\x04 \x01(\r\x12(\n\ttransport\x18\x05 \x01(\x0e\x32\x15.kpoolpd.v1.Transport\x12\x11\n\tintegrity\x18\x06 \x01(\x08\x12\x14\n\x0cucx_tag_base\x18\x07 \x01(\x04\x12\x10\n\x08\x64\x63p_rank\x18\x08 \x01(\r\x12\x15\n\rengine_secret\x18\t \x01(\x0c\x12\x1a\n\x12held_block_indices\x18\n \x03(\r\"L\n\x06Region\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.kpoolpd.v1.PoolKind\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\tPullGrant\x12\x15\n\rsrc_block_ids\x18\x01 \x03(\r\x12\x13\n\x0bsrc_ring_id\x18\x02 \x01(\r\x12(\n\tring_live\x18\x03 \x01(\x0b\x32\x15.kpoolpd.v1.RingRange\x12\x13\n\x0bnum_regions\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"5\n\x05\x43hunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"i\n\x08PullDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\r\n\x05\x63rc32\x18\x03 \x03(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\x12\x1d\n\x15sent_after_prefill_ms\x18\x05 \x01(\x01\"6\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\"\xb9\x01\n\x0cPullResponse\x12&\n\x05grant\x18\x01 \x01(\x0b\x32\x15.kpoolpd.v1.PullGrantH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kpoolpd.v1.ChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.kpoolpd.v1.PullDoneH\x00\x12,\n\tprefilled\x18\x04 \x01(\x0b\x32\x17.kpoolpd.v1.PrefillDoneH\x00\x42\t\n\x07message\"c\n\x12PullSessionRequest\x12\'\n\x04pull\x18\x01 \x01(\x0b\x32\x17.kpoolpd.v1.PullRequestH\x00\x12\x19\n\x0f\x63\x61ncel_grant_id\x18\x02 \x01(\tH\x00\x42\t\n\x07message\",\n\x0bPullFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8c\x01\n\x13PullSessionResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x18.kpoolpd.v1.PullResponseH\x00\x12*\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x17.kpoolpd.v1.PullFailureH\x00\x42\t\n\x07message\"q\n\x0eReleaseRequest\x12\x10\n\x08grant_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x63p_rank\x18\x03 \x01(\r\x12\x11\n\tall_ranks\x18\x04 \x01(\x08\x12\x15\n\rengine_secret\x18\x05 \x01(\x0c\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"O\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\tgrant_ids\x18\x02 \x03(\t\x12\x15\n\rengine_secret\x18\x03 \x01(\x0c\"X\n\x11HeartbeatResponse\x12\x19\n\x11unknown_grant_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x04\x12\x16\n\x0e\x65ngine_unknown\x18\x03 \x01(\x08*T\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_UCX\x10\x01\x12\x19\n\x15TRANSPORT_GRPC_STREAM\x10\x02*P\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10POOL_KIND_BLOCKS\x10\x01\x12\x13\n\x0fPOOL_KIND_RINGS\x10\x02\x32\xbd\x03\n\x0ePrefillService\x12H\n\tHandshake\x12\x1c.kpoolpd.v1.HandshakeRequest\x1a\x1d.kpoolpd.v1.HandshakeResponse\x12\x42\n\x07Prefill\x12\x1a.kpoolpd.v1.PrefillRequest\x1a\x1b.kpoolpd.v1.PrefillResponse\x12;\n\x04Pull\x12\x17.kpoolpd.v1.PullRequest\x1a\x18.kpoolpd.v1.PullResponse0\x01\x12R\n\x0bPullSession\x12\x1e.kpoolpd.v1.PullSessionRequest\x1a\x1f.kpoolpd.v1.PullSessionResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.kpoolpd.v1.ReleaseRequest\x1a\x1b.kpoolpd.v1.ReleaseResponse\x12H\n\tHeartbeat\x12\x1c.kpoolpd.v1.HeartbeatRequest\x1a\x1d.kpoolpd.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kpool_pd.connector._generated.kpoolpd.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=2714
-  _globals['_TRANSPORT']._serialized_end=2798
-  _globals['_POOLKIND']._serialized_start=2800
-  _globals['_POOLKIND']._serialized_end=2880
+  _globals['_TRANSPORT']._serialized_start=2739
+  _globals['_TRANSPORT']._serialized_end=2823
+  _globals['_POOLKIND']._serialized_start=2825
+  _globals['_POOLKIND']._serialized_end=2905
   _globals['_LAYOUT']._serialized_start=70
   _globals['_LAYOUT']._serialized_end=167
   _globals['_HANDSHAKEREQUEST']._serialized_start=170
@@ -42,39 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKERESPONSE']._serialized_start=388
   _globals['_HANDSHAKERESPONSE']._serialized_end=698
   _globals['_PREFILLREQUEST']._serialized_start=701
-  _globals['_PREFILLREQUEST']._serialized_end=888
-  _globals['_RINGRANGE']._serialized_start=890
-  _globals['_RINGRANGE']._serialized_end=940
-  _globals['_PREFILLRESPONSE']._serialized_start=943
-  _globals['_PREFILLRESPONSE']._serialized_end=1224
-  _globals['_PULLREQUEST']._serialized_start=1227
-  _globals['_PULLREQUEST']._serialized_end=1473
-  _globals['_REGION']._serialized_start=1475
-  _globals['_REGION']._serialized_end=1551
-  _globals['_PULLGRANT']._serialized_start=1554
-  _globals['_PULLGRANT']._serialized_end=1693
-  _globals['_CHUNK']._serialized_start=1695
-  _globals['_CHUNK']._serialized_end=1748
-  _globals['_PULLDONE']._serialized_start=1750
-  _globals['_PULLDONE']._serialized_end=1855
-  _globals['_PREFILLDONE']._serialized_start=1857
-  _globals['_PREFILLDONE']._serialized_end=1911
-  _globals['_PULLRESPONSE']._serialized_start=1914
-  _globals['_PULLRESPONSE']._serialized_end=2099
-  _globals['_PULLSESSIONREQUEST']._serialized_start=2101
-  _globals['_PULLSESSIONREQUEST']._serialized_end=2200
-  _globals['_PULLFAILURE']._serialized_start=2202
-  _globals['_PULLFAILURE']._serialized_end=2246
-  _globals['_PULLSESSIONRESPONSE']._serialized_start=2249
-  _globals['_PULLSESSIONRESPONSE']._serialized_end=2389
-  _globals['_RELEASEREQUEST']._serialized_start=2391
-  _globals['_RELEASEREQUEST']._serialized_end=2504
-  _globals['_RELEASERESPONSE']._serialized_start=2506
-  _globals['_RELEASERESPONSE']._serialized_end=2541
-  _globals['_HEARTBEATREQUEST']._serialized_start=2543
-  _globals['_HEARTBEATREQUEST']._serialized_end=2622
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2624
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2712
-  _globals['_PREFILLSERVICE']._serialized_start=2883
-  _globals['_PREFILLSERVICE']._serialized_end=3328
+  _globals['_PREFILLREQUEST']._serialized_end=913
+  _globals['_RINGRANGE']._serialized_start=915
+  _globals['_RINGRANGE']._serialized_end=965
+  _globals['_PREFILLRESPONSE']._serialized_start=968
+  _globals['_PREFILLRESPONSE']._serialized_end=1249
+  _globals['_PULLREQUEST']._serialized_start=1252
+  _globals['_PULLREQUEST']._serialized_end=1498
+  _globals['_REGION']._serialized_start=1500
+  _globals['_REGION']._serialized_end=1576
+  _globals['_PULLGRANT']._serialized_start=1579
+  _globals['_PULLGRANT']._serialized_end=1718
+  _globals['_CHUNK']._serialized_start=1720
+  _globals['_CHUNK']._serialized_end=1773
+  _globals['_PULLDONE']._serialized_start=1775
+  _globals['_PULLDONE']._serialized_end=1880
+  _globals['_PREFILLDONE']._serialized_start=1882
+  _globals['_PREFILLDONE']._serialized_end=1936
+  _globals['_PULLRESPONSE']._serialized_start=1939
+  _globals['_PULLRESPONSE']._serialized_end=2124
+  _globals['_PULLSESSIONREQUEST']._serialized_start=2126
+  _globals['_PULLSESSIONREQUEST']._serialized_end=2225
+  _globals['_PULLFAILURE']._serialized_start=2227
+  _globals['_PULLFAILURE']._serialized_end=2271
+  _globals['_PULLSESSIONRESPONSE']._serialized_start=2274
+  _globals['_PULLSESSIONRESPONSE']._serialized_end=2414
+  _globals['_RELEASEREQUEST']._serialized_start=2416
+  _globals['_RELEASEREQUEST']._serialized_end=2529
+  _globals['_RELEASERESPONSE']._serialized_start=2531
+  _globals['_RELEASERESPONSE']._serialized_end=2566
+  _globals['_HEARTBEATREQUEST']._serialized_start=2568
+  _globals['_HEARTBEATREQUEST']._serialized_end=2647
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2649
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2737
+  _globals['_PREFILLSERVICE']._serialized_start=2908
+  _globals['_PREFILLSERVICE']._serialized_end=3353
 # @@protoc_insertion_point(module_scope)

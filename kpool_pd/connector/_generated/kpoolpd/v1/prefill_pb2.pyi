@@ -82,7 +82,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave", "engine_secret")
+    __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave", "engine_secret", "mrope_positions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class PrefillRequest(_message.Message):
     DCP_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     DCP_INTERLEAVE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    MROPE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     engine_id: str
@@ -97,7 +98,8 @@ class PrefillRequest(_message.Message):
     dcp_engine_ids: _containers.RepeatedScalarFieldContainer[str]
     dcp_interleave: int
     engine_secret: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ..., dcp_engine_ids: _Optional[_Iterable[str]] = ..., dcp_interleave: _Optional[int] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
+    mrope_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., engine_id: _Optional[str] = ..., pipelined: _Optional[bool] = ..., dcp_engine_ids: _Optional[_Iterable[str]] = ..., dcp_interleave: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., mrope_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RingRange(_message.Message):
     __slots__ = ("start_slot", "num_slots")
