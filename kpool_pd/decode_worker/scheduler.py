@@ -232,7 +232,7 @@ class DecodeScheduler:
 
     async def _prefill(self, job: Job) -> tuple[PrefillPeer, PrefillGrant]:
         """A grant for the job's prompt, from the first node that gives one: a node that is
-        unavailable, full or draining is retried on another (as many tries as healthy nodes, at
+        unavailable, full or draining is retried on another (one try more than healthy nodes, at
         least two). StatusError with the last node's status, or the router's (no node usable)."""
         # One more try than healthy nodes: when every node failed its call (they all went down at once), the last
         # pick waits up to the router's no_node_wait_s for one to come back instead of failing the request.
