@@ -1,4 +1,5 @@
-"""The engine's decode step, eager and replayed from CUDA graphs, at several batch sizes, in one run.
+"""The engine's decode step, eager and replayed from CUDA graphs, at several batch sizes, for the kpool and the QSA
+family, in one run.
 
 Per mode and batch: the median wall time of a step, its host time (the wall time less the time the host
 waits in CUDA synchronisations), the GPU's busy time (the sum of the step's kernel times), the kernel
@@ -6,13 +7,18 @@ launches and graph launches a step makes and its host synchronisations (torch's 
 profiled steps apart from the timed ones), and the tokens a second (accepted drafts count). Every request
 holds a prompt of ``--prompt-len`` tokens (one batched prefill) and decodes without end; graphed steps are
 timed after their bucket was captured. Eager and graphed runs start from the same prefilled state on one
-pool each, and their tokens must agree (a mismatch fails the bench).
+pool each, and their tokens must agree (a mismatch fails the bench). Each graphed row's step time is also
+given as a ratio to its family's eager row of the same batch. QSA rows use --ratio tokens a compressed row and
+keep MRoPE positions in the ring (its models' setting); their graphs build each step's metadata in the engine's
+one QsaMetadataBuilder.
 
     python -m kpool_pd.bench.decode_step --device cuda --layers 61 --batches 1,16,64     (kpool-pd bench decode)
+    python -m kpool_pd.bench.decode_step --device cuda --families qsa --batches 1,16,64
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import statistics
@@ -35,8 +41,18 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaL
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+def families(text: str) -> list[CacheFamily]:
+    """A comma-separated list of cache families (kpool, qsa), at least one."""
+    try:
+        return [CacheFamily(part.strip()) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected families of {[f.value for f in CacheFamily]} separated by commas, "
+                                         f"got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Row:
+    family: str  # kpool | qsa
     mode: str  # eager | graphed
     batch: int
     step_ms: float  # median wall time of a step
@@ -47,8 +63,9 @@ class Row:
     def json(self) -> dict:
         """The row's JSON object: its numbers, the profile's four per step, not the tokens or the kernels."""
         p = self.profile
-        return {"mode": self.mode, "batch": self.batch, "step_ms": self.step_ms, "host_ms": p.host_ms,
-                "gpu_ms": p.gpu_ms, "launches": p.launches, "syncs": p.syncs, "tokens_per_s": self.tokens_per_s}
+        return {"family": self.family, "mode": self.mode, "batch": self.batch, "step_ms": self.step_ms,
+                "host_ms": p.host_ms, "gpu_ms": p.gpu_ms, "launches": p.launches, "syncs": p.syncs,
+                "tokens_per_s": self.tokens_per_s}
 
 
 def prefilled(config: ModelConfig, batch: int, prompt_len: int, steps: int, device: torch.device,
@@ -135,19 +152,21 @@ def measure(config: ModelConfig, batch: int, *, graphed: bool, prompt_len: int, 
     finally:
         for allocation in allocations:
             allocation.release()
-    return Row(mode="graphed" if graphed else "eager", batch=batch, step_ms=statistics.median(times) * 1000,
+    return Row(family=config.cache.family.value, mode="graphed" if graphed else "eager", batch=batch,
+               step_ms=statistics.median(times) * 1000,
                tokens_per_s=emitted / sum(times), tokens=tuple(tuple(s.output) for s in seqs), profile=step)
 
 
 def table(rows: list[Row]) -> str:
-    eager = {r.batch: r for r in rows if r.mode == "eager"}
-    lines = [f"{'mode':8} {'batch':>5} {'step ms':>9} {'host ms':>9} {'GPU ms':>8} {'launches':>9} {'syncs':>6} "
-             f"{'tokens/s':>10} {'x eager':>8}"]
+    eager = {(r.family, r.batch): r for r in rows if r.mode == "eager"}
+    lines = [f"{'family':6} {'mode':8} {'batch':>5} {'step ms':>9} {'host ms':>9} {'GPU ms':>8} {'launches':>9} "
+             f"{'syncs':>6} {'tokens/s':>10} {'x eager':>8}"]
     for r in rows:
-        ratio = f"{r.step_ms / eager[r.batch].step_ms:.3f}" if r.batch in eager and r.mode != "eager" else ""
+        base = eager.get((r.family, r.batch))
+        ratio = f"{r.step_ms / base.step_ms:.3f}" if base is not None and r.mode != "eager" else ""
         p = r.profile
-        lines.append(f"{r.mode:8} {r.batch:>5} {r.step_ms:>9.2f} {p.host_ms:>9.2f} {p.gpu_ms:>8.2f} {p.launches:>9.0f} "
-                     f"{p.syncs:>6.1f} {r.tokens_per_s:>10.0f} {ratio:>8}")
+        lines.append(f"{r.family:6} {r.mode:8} {r.batch:>5} {r.step_ms:>9.2f} {p.host_ms:>9.2f} {p.gpu_ms:>8.2f} "
+                     f"{p.launches:>9.0f} {p.syncs:>6.1f} {r.tokens_per_s:>10.0f} {ratio:>8}")
     return "\n".join(lines)
 
 
@@ -156,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (eager and graphed rows) or cpu (eager rows); default cuda where there is one")
     parser.add_argument("--layers", type=count, default=61, help="model layers (default 61)")
+    parser.add_argument("--families", type=families, default=list(CacheFamily), metavar="F,F",
+                        help="cache families to measure (default kpool,qsa)")
     parser.add_argument("--kpool", type=count, default=4, help="tokens a pool (default 4)")
+    parser.add_argument("--ratio", type=count, default=4, help="QSA tokens a compressed row (default 4)")
     parser.add_argument("--num-spec", type=int, default=3, help="draft tokens a step (default 3)")
     parser.add_argument("--batches", type=counts, default=[1, 16, 64], metavar="N,N",
                         help="requests a step (default 1,16,64)")
@@ -175,25 +197,27 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA device")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = ModelConfig.build(family=CacheFamily.KPOOL, num_layers=args.layers, kpool=args.kpool,
-                               num_spec=args.num_spec)
     modes = (False, True) if device.type == "cuda" else (False,)
     rows = []
-    for batch in args.batches:
-        for graphed in modes:
-            logger.info("batch %d, %s: %d steps", batch, "graphed" if graphed else "eager",
-                        args.warmup + args.steps + args.profile_steps)
-            rows.append(measure(config, batch, graphed=graphed, prompt_len=args.prompt_len, warmup=args.warmup,
-                                steps=args.steps, profile_steps=args.profile_steps, device=device))
-        same = {r.tokens for r in rows if r.batch == batch}
-        if len(same) != 1:
-            raise SystemExit(f"batch {batch}: graphed steps emitted other tokens than eager steps")
+    for family in dict.fromkeys(args.families):
+        config = ModelConfig.build(family=family, num_layers=args.layers, kpool=args.kpool, compress_ratio=args.ratio,
+                                   num_spec=args.num_spec, cache_rope_positions=family is CacheFamily.QSA)
+        for batch in args.batches:
+            for graphed in modes:
+                logger.info("%s, batch %d, %s: %d steps", family.value, batch, "graphed" if graphed else "eager",
+                            args.warmup + args.steps + args.profile_steps)
+                rows.append(measure(config, batch, graphed=graphed, prompt_len=args.prompt_len, warmup=args.warmup,
+                                    steps=args.steps, profile_steps=args.profile_steps, device=device))
+            same = {r.tokens for r in rows if (r.family, r.batch) == (family.value, batch)}
+            if len(same) != 1:
+                raise SystemExit(f"{family.value}, batch {batch}: graphed steps emitted other tokens than eager steps")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_step.json").write_text(json.dumps(
         [r.json() for r in rows], indent=2))
     if args.kernels:
-        first = rows[len(modes) - 1]  # the first batch size's last mode: graphed where there are graphs
-        print(f"kernels of a {first.mode} step at batch {first.batch}:\n{first.profile.kernel_table(args.kernels)}")
+        first = rows[len(modes) - 1]  # the first family's first batch size's last mode: graphed where there are graphs
+        print(f"kernels of a {first.family} {first.mode} step at batch {first.batch}:\n"
+              f"{first.profile.kernel_table(args.kernels)}")
     print(table(rows))
     return 0
 

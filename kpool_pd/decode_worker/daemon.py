@@ -28,7 +28,7 @@ from kpool_pd.decode_worker.prefill_choice import PrefillPolicy
 from kpool_pd.decode_worker.router import NO_NODE_WAIT_S, PrefillRouter, parse_targets
 from kpool_pd.decode_worker.scheduler import DecodeScheduler
 from kpool_pd.decode_worker.service import GenerateService
-from kpool_pd.kvcache import BlockLayout, NodeCache
+from kpool_pd.kvcache import BlockLayout, CacheFamily, NodeCache
 from kpool_pd.model import DecodeSequence, Engine, PrefillJob
 from kpool_pd.model.dcp_engine import DcpEngine
 from kpool_pd.model.dcp_group import DcpGroup
@@ -60,7 +60,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("pipelined-transfer", parse_bool, True, "pull each prompt as its prefill runs: its blocks move while "
            "later chunks compute (false: pull once the prompt is computed)"),
     Option("cuda-graphs", parse_bool, True, "replay decode steps from CUDA graphs, one per padded batch size (CUDA "
-           "devices, the kpool family, DCP 1; false: every step eager)"),
+           "devices, either family, DCP 1; false: every step eager)"),
     Option("max-running", positive_int, 16, "requests decoded at once (the batch)"),
     Option("max-queue", positive_int, 64, "requests waiting for room at most; more get RESOURCE_EXHAUSTED"),
     Option("queue-timeout-s", seconds_or_off, 0.0, "how long a request may wait for room before it fails "
@@ -86,7 +86,7 @@ OPTIONS: tuple[Option, ...] = (
 def graph_requests(settings: Mapping[str, Any], device: torch.device) -> int:
     """The most requests a decode step replays from a CUDA graph: ``max-running`` where graphs serve the
     engine (``cuda_graphs_serve``, and one rank), 0 (eager) otherwise."""
-    return settings["max_running"] if cuda_graphs_serve(settings, device) else 0
+    return settings["max_running"] if cuda_graphs_serve(settings, device, tuple(CacheFamily)) else 0
 
 
 def check_settings(settings: Mapping[str, Any]) -> None:

@@ -75,10 +75,3 @@ def test_a_graphed_step_synchronises_once():
     assert len(syncs) == 3, [str(w.message) for w in syncs]
     assert set(engine.graphs._graphs) == captured  # no step captured anew
     assert all(len(s.output) > 4 for s in seqs)
-
-
-def test_graphs_refuse_what_they_cannot_serve():
-    config = ModelConfig.build(family=CacheFamily.QSA, num_layers=2)
-    cache = NodeCache(BlockLayout(config.cache), num_blocks=8, num_rings=2, device="cuda")
-    with pytest.raises(ValueError, match="decode and prefill graphs serve kpool pools on CUDA"):
-        Engine(config, cache.pool, graph_requests=4)
