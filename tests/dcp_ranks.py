@@ -54,8 +54,7 @@ def decode_on_ranks(group, case: DcpCase) -> list[tuple[tuple[int, ...], str, st
             land_request(full.cache.pool, list(whole.block_ids), whole.ring_id, cache.pool, list(mine.block_ids),
                          mine.ring_id, shard, len(req.prompt))
             sequences.append(DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt),
-                                            max_tokens=req.max_tokens, block_ids=list(mine.block_ids),
-                                            ring_id=mine.ring_id, output=[first]))
+                                            max_tokens=req.max_tokens, allocation=mine, output=[first]))
         full.release()
         while not all(s.finished for s in sequences):
             engine.decode_step(sequences)

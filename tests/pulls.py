@@ -3,7 +3,7 @@ connector never allocates), the pull into it, and both kept together until the t
 
 from __future__ import annotations
 
-from kpool_pd.connector import LandedRequest, PrefillGrant, PrefillPeer
+from kpool_pd.connector import WHOLE_REQUEST, LandedRequest, PrefillGrant, PrefillPeer, RankShare
 from kpool_pd.kvcache import CacheAllocation, DcpShard, NodeCache
 
 
@@ -56,7 +56,8 @@ async def pull_into(cache: NodeCache, peer: PrefillPeer, grant: PrefillGrant, *,
     into them, and return both; a failed or cancelled pull releases the allocation before it raises."""
     allocation = allocation_for(cache, grant, reserve_blocks=reserve_blocks, dcp=dcp)
     try:
-        landed = await peer.pull(grant, into=allocation, dcp=dcp, **pull_options)
+        landed = await peer.pull(grant, into=allocation, share=RankShare(dcp) if dcp is not None else WHOLE_REQUEST,
+                                 **pull_options)
     except BaseException:
         allocation.release()
         raise

@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.connector import ConnectorConfig, DecodeConnector, StatusError, Transport
+from kpool_pd.connector import ConnectorConfig, DecodeConnector, RankShare, StatusError, Transport
 from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
 from kpool_pd.connector.shared.plan import plan_transfer, ring_live_range
 from kpool_pd.kvcache import BlockLayout, CachePool, DcpShard, NodeCache
@@ -184,7 +184,7 @@ def test_a_rank_allocation_short_of_its_share_is_refused_before_anything_is_sent
                 assert share == 2 < grant.num_blocks
                 with other_cache.allocate("dcp", share - 1) as short:
                     with pytest.raises(ValueError, match=f"at least {share} blocks, got CacheAllocation"):
-                        await peer1.pull(grant, into=short, transport=GRPC, dcp=shard)
+                        await peer1.pull(grant, into=short, transport=GRPC, share=RankShare(shard))
                     assert not short.released
                 assert pair.prefill.grants_held == 1  # rank 1's share is still to pull
                 with await pull_into(other_cache, peer1, grant, transport=GRPC, dcp=shard, integrity=True) as landed:
@@ -255,19 +255,24 @@ class _FailingRanks:
 
 def test_a_rank_failing_its_pull_gives_back_the_other_ranks_and_the_whole_grant_and_leaves_rank_0s_allocation():
     from kpool_pd.decode_worker.dcp_fetch import DcpLeader
+    from kpool_pd.decode_worker.fetch import PullChoice
+    from kpool_pd.decode_worker.jobs import Job
     from kpool_pd.kvcache import DcpConfig
 
     async def main():
         async with InProcessPair() as pair:
             start = pair.free()
             ranks = _FailingRanks()
-            leader = DcpLeader(DcpConfig(size=2, interleave=64), ranks, pair.decode.engine_id)
+            pulls = PullChoice(transport=GRPC, integrity=False, rpc_timeout_s=pair.decode.config.rpc_timeout_s)
+            leader = DcpLeader(pair.d_cache.config, pulls, DcpConfig(size=2, interleave=64), ranks,
+                               pair.decode.engine_id)
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("dcp", [5] * 150, dcp_engine_ids=leader.engine_ids, dcp_interleave=64)
             assert pair.prefill.grants_held == 1
             allocation = pair.d_cache.allocate("dcp", 4)  # rank 0's, as its scheduler admitted the request
+            job = Job(request_id="dcp", prompt=(5,) * 150, max_tokens=10, need_blocks=4, allocation=allocation)
             with pytest.raises(StatusError, match="DCP rank 1") as err:
-                await leader.pull("dcp", 10, allocation, peer, grant, GRPC, False)
+                await leader.pull(job, peer, grant)
             assert err.value.code is grpc.StatusCode.UNAVAILABLE
             assert ranks.dropped == ["dcp"], "the other ranks are told to free the request"
             assert not allocation.released, "rank 0's allocation stays its scheduler's to release"
@@ -311,11 +316,17 @@ def test_a_step_waiting_on_a_dead_rank_fails_as_soon_as_the_instance_breaks():
     import time
 
     from kpool_pd.decode_worker.dcp_fetch import DcpLeader
+    from kpool_pd.decode_worker.fetch import PullChoice
     from kpool_pd.kvcache import DcpConfig
+
+    def _leader(ranks) -> DcpLeader:
+        pulls = PullChoice(transport=GRPC, integrity=False, rpc_timeout_s=5.0)
+        return DcpLeader(ModelConfig.build(num_layers=2, kpool=4).cache, pulls, DcpConfig(size=3, interleave=64),
+                         ranks, "decode")
 
     async def main():
         ranks = _StuckRanks()
-        leader = DcpLeader(DcpConfig(size=3, interleave=64), ranks, "decode")
+        leader = _leader(ranks)
         released = threading.Event()  # rank 0's own part: a thread inside the collective
         own = asyncio.to_thread(released.wait, 30)
         loop = asyncio.get_running_loop()
@@ -336,5 +347,5 @@ def test_a_step_waiting_on_a_dead_rank_fails_as_soon_as_the_instance_breaks():
         async def others(request_ids):
             return None
         healthy.step = others
-        assert await DcpLeader(DcpConfig(size=3, interleave=64), healthy, "decode").step(asyncio.sleep(0, "mine"), ["a"]) == "mine"
+        assert await _leader(healthy).step(asyncio.sleep(0, "mine"), ["a"]) == "mine"
     run(main())

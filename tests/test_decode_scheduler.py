@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport
 from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from kpool_pd.decode_worker.fetch import OneNode, PullChoice
 from kpool_pd.decode_worker.jobs import Failed, Finished, JobState, Tokens
 from kpool_pd.decode_worker.router import PrefillRouter
 from kpool_pd.decode_worker.scheduler import DecodeScheduler
@@ -59,8 +60,10 @@ class Nodes:
         await self.router.start()
         self.registry = CollectorRegistry()
         self.engine = Engine(CONFIG, self.d_cache.pool)
-        self.scheduler = DecodeScheduler(self.engine, self.d_cache, self.decode, self.router,
-                                         max_running=4, max_queue=8, transport=GRPC, integrity=True,
+        fetch = OneNode(CONFIG.cache, PullChoice(transport=GRPC, integrity=True, rpc_timeout_s=config.rpc_timeout_s),
+                        pipelined=True)
+        self.scheduler = DecodeScheduler(self.engine, self.d_cache, self.decode, self.router, fetch=fetch,
+                                         max_running=4, max_queue=8,
                                          queue_timeout_s=self.queue_timeout_s, registry=self.registry)
         self.decode_loop = asyncio.create_task(self.scheduler.run())
         return self
@@ -104,7 +107,7 @@ def test_a_request_is_one_allocation_of_the_scheduler_landed_in_by_the_pull_and_
             job = await nodes.fetched("one", PROMPT, 60)
             landed, allocation = job.landed, job.allocation
             assert job.need_blocks == CONFIG.cache.blocks_for_request(len(PROMPT), 60) > landed.grant.num_blocks == landed.prompt_blocks
-            assert allocation.num_blocks == job.need_blocks and job.seq.block_ids == list(allocation.block_ids)
+            assert allocation.num_blocks == job.need_blocks and job.seq.allocation is allocation
             assert nodes.free() == (start[0], start[1], start[2] - job.need_blocks, start[3] - 1)
             assert nodes.sample("reserved_blocks") == job.need_blocks
             nodes.scheduler.first_token_sent(job)

@@ -10,6 +10,7 @@ from kpool_pd.connector.shared.plan import PoolKind, plan_transfer, ring_live_ra
 from kpool_pd.kvcache import BlockLayout, CacheFamily, CachePool
 from kpool_pd.model import DecodeSequence, Engine, ModelConfig, PrefillJob, output_digest
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
+from tests.allocations import placed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -131,7 +132,7 @@ class _TwoPools:
 
     def decode(self) -> tuple[str, str]:
         seq = DecodeSequence(request_id="r", prompt_len=len(self.prompt), max_tokens=self.max_tokens,
-                             block_ids=self.dst_blocks, ring_id=2, output=[self.first])
+                             allocation=placed(self.dst.pool, self.dst_blocks, 2), output=[self.first])
         while not seq.finished:
             self.dst.decode_step([seq])
         return output_digest(seq.output), self.dst.state_digest(seq.block_ids, seq.ring_id, seq.cached)

@@ -17,6 +17,7 @@ from kpool_pd.model.engine import DecodeSequence, PrefillJob
 from kpool_pd.kvcache import BlockLayout, CachePool
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 from tests.test_kpool_triton import _qsl, keys, make_pool
+from tests.allocations import placed
 
 D = 128
 
@@ -132,8 +133,8 @@ def test_the_engine_builds_one_metadata_per_decode_step_for_every_layer(monkeypa
                         or real_update(*a, **kw))
     prompts = [list(range(1, 30)), list(range(5, 18))]
     firsts = engine.prefill([PrefillJob(prompt=p, block_ids=[2 * i, 2 * i + 1], ring_id=i) for i, p in enumerate(prompts)])
-    sequences = [DecodeSequence(request_id=f"r{i}", prompt_len=len(p), max_tokens=5, block_ids=[2 * i, 2 * i + 1],
-                                ring_id=i, output=[firsts[i]]) for i, p in enumerate(prompts)]
+    sequences = [DecodeSequence(request_id=f"r{i}", prompt_len=len(p), max_tokens=5, allocation=placed(engine.pool, [2 * i, 2 * i + 1], i),
+                                output=[firsts[i]]) for i, p in enumerate(prompts)]
     engine.decode_step(sequences)
     engine.decode_step(sequences)
     assert len(built) == 2 and len(taken) == 2 * 3  # one build a step, taken by each of the 3 layers

@@ -24,6 +24,7 @@ from kpool_pd.model.batch import ForwardBatch, build_batch
 from kpool_pd.model.layer_hash import kpool_layer_hash, qsa_layer_hash, ref
 from kpool_pd.model.rule import HASH_PRIME, LAYER_MULTIPLIER
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
+from tests.allocations import placed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -101,8 +102,8 @@ def build_engine(options: dict, two_heads: bool, prompt_lens: list[int], device:
         jobs.append(PrefillJob(prompt=prompt, block_ids=order[start:start + count], ring_id=len(prompt_lens) - i))
         start += count
     firsts = engine.prefill(jobs)
-    sequences = [DecodeSequence(request_id=f"r{i}", prompt_len=len(j.prompt), max_tokens=8, block_ids=list(j.block_ids),
-                                ring_id=j.ring_id, output=[t]) for i, (j, t) in enumerate(zip(jobs, firsts))]
+    sequences = [DecodeSequence(request_id=f"r{i}", prompt_len=len(j.prompt), max_tokens=8, allocation=placed(engine.pool, j.block_ids, j.ring_id),
+                                output=[t]) for i, (j, t) in enumerate(zip(jobs, firsts))]
     engine.decode_step(sequences)
     return engine, sequences
 

@@ -12,6 +12,7 @@ from kpool_pd.kvcache import BlockLayout, CacheFamily, CachePool
 from kpool_pd.model import Engine, ModelConfig
 from kpool_pd.model import qsa_family
 from kpool_pd.model.engine import DecodeSequence, PrefillJob
+from tests.allocations import placed
 
 CONFIG = ModelConfig.build(family=CacheFamily.QSA, num_layers=2, compress_ratio=4, num_spec=3, block_size=64)
 PROMPTS = [list(range(3, 40)), list(range(50, 63)), list(range(7, 30))]
@@ -34,7 +35,7 @@ def _run(monkeypatch=None) -> tuple[Engine, list[list[int]], list[str], list]:
     engine.family._metadata_of = spy
     blocks = [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(3)]
     firsts = engine.prefill([PrefillJob(prompt=p, block_ids=b, ring_id=i) for i, (p, b) in enumerate(zip(PROMPTS, blocks))])
-    sequences = [DecodeSequence(request_id=f"r{i}", prompt_len=len(p), max_tokens=6, block_ids=blocks[i], ring_id=i,
+    sequences = [DecodeSequence(request_id=f"r{i}", prompt_len=len(p), max_tokens=6, allocation=placed(engine.pool, blocks[i], i),
                                 output=[firsts[i]]) for i, p in enumerate(PROMPTS)]
     while not all(s.finished for s in sequences):
         engine.decode_step(sequences)

@@ -13,6 +13,7 @@ from kpool_pd.kernels.kpool_cache import pool_slots
 from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheDtype, CacheFamily, CachePool
 from kpool_pd.model import DecodeSequence, Engine, ModelConfig, PrefillJob
 from kpool_pd.model.cache_io import layer_ring_rows, layer_stack, open_positions, read_ring_rows
+from tests.allocations import placed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,8 +76,8 @@ def check_state_digest(config: ModelConfig, prompt_len: int, max_tokens: int, de
     blocks = config.cache.blocks_for_request(prompt_len, max_tokens)
     block_ids = [11 - 2 * i for i in range(blocks)]  # neither in order nor contiguous
     first = engine.prefill([PrefillJob(prompt=prompt, block_ids=block_ids, ring_id=2)])[0]
-    seq = DecodeSequence(request_id="r", prompt_len=prompt_len, max_tokens=max_tokens, block_ids=block_ids,
-                         ring_id=2, output=[first])
+    seq = DecodeSequence(request_id="r", prompt_len=prompt_len, max_tokens=max_tokens, allocation=placed(engine.pool, block_ids, 2),
+                         output=[first])
     while not seq.finished:
         engine.decode_step([seq])
     expected = _per_layer_digest(engine, block_ids, 2, seq.cached)

@@ -72,7 +72,7 @@ def _rank_main(rank: int, size: int, args: dict, store: str, out: Queue) -> None
             land_request(full.cache.pool, list(whole.block_ids), whole.ring_id, pool, list(mine.block_ids),
                          mine.ring_id, dcp.shard(rank), args["tokens"])
             seqs.append(DecodeSequence(request_id=req.request_id, prompt_len=args["tokens"], max_tokens=max_tokens,
-                                       block_ids=list(mine.block_ids), ring_id=mine.ring_id, output=[first]))
+                                       allocation=mine, output=[first]))
         full.release()
         del full
         if device.type == "cuda":

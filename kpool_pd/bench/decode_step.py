@@ -81,8 +81,8 @@ def prefilled(config: ModelConfig, batch: int, prompt_len: int, steps: int, devi
     allocations = [cache.allocate(f"r{b}", need) for b in range(batch)]
     firsts = engine.prefill([PrefillJob(prompt=p, block_ids=a.block_ids, ring_id=a.ring_id)
                              for p, a in zip(prompts, allocations)])
-    seqs = [DecodeSequence(request_id=f"r{b}", prompt_len=prompt_len, max_tokens=max_tokens, block_ids=list(a.block_ids),
-                           ring_id=a.ring_id, output=[first]) for b, (a, first) in enumerate(zip(allocations, firsts))]
+    seqs = [DecodeSequence(request_id=f"r{b}", prompt_len=prompt_len, max_tokens=max_tokens, allocation=a,
+                           output=[first]) for b, (a, first) in enumerate(zip(allocations, firsts))]
     return engine, seqs, allocations
 
 

@@ -35,8 +35,9 @@ Decode side (``DecodeConnector(pool, ...)``, one per decode node):
   Returns a ``LandedRequest`` (a frozen record that owns nothing; its ``PullTimeline`` and
   ``TransferTimes`` say where the time went); StatusError within ``ConnectorConfig.pull_budget_s``,
   the grant then the caller's to release (``release``/``release_soon``, idempotent). ValueError before
-  anything is sent for an allocation that is released, ringless, foreign or too small. A DCP rank
-  pulls its own share (``pull(dcp=...)``).
+  anything is sent for an allocation that is released, ringless, foreign or too small. What a pull lands
+  is a ``PullShare`` chosen once by its caller: ``WHOLE_REQUEST`` (the default), or a DCP rank's
+  ``RankShare(shard)``.
 - The peer keeps itself alive (one loop: Heartbeats renewing the grants it is pulling, a new Handshake
   when the prefill node forgot it) until it is closed.
 
@@ -67,6 +68,7 @@ from kpool_pd.connector.shared.hosts import dial_host, dial_target
 from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from kpool_pd.connector.decode.landed import LandedRequest
 from kpool_pd.connector.decode.peer import PrefillPeer
+from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, RankShare
 from kpool_pd.connector.shared.peer_auth import MAX_PEER_SESSIONS, PeerAuthServicer, PeerSessions
 from kpool_pd.connector.shared.plan import RingRange
 from kpool_pd.connector.prefill.connector import PrefillConnector
@@ -80,7 +82,8 @@ __all__ = [
     "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
-    "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullTimeline", "RingRange", "StatusError",
+    "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullShare", "PullTimeline", "RankShare",
+    "RingRange", "StatusError", "WHOLE_REQUEST",
     "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
     "dial_host", "dial_target", "open_channel", "prefill_api", "status_of", "ucx_available", "ucx_context_info",

@@ -24,6 +24,7 @@ from kpool_pd.decode_worker.capacity import largest_request_blocks, rank_cache_b
 from kpool_pd.decode_worker.dcp_fetch import DcpLeader
 from kpool_pd.decode_worker.dcp_options import DCP_OPTIONS, check_dcp, dcp_config
 from kpool_pd.decode_worker.dcp_ranks import DcpRanks, rendezvous_dir
+from kpool_pd.decode_worker.fetch import OneNode, PullChoice, RequestFetch
 from kpool_pd.decode_worker.prefill_choice import PrefillPolicy
 from kpool_pd.decode_worker.router import NO_NODE_WAIT_S, PrefillRouter, parse_targets
 from kpool_pd.decode_worker.scheduler import DecodeScheduler
@@ -113,6 +114,9 @@ class DecodeNode:
                                device=context.device)
         self.ranks: DcpRanks | None = None
         self.leader: DcpLeader | None = None
+        pulls = PullChoice(transport=context.transports.pull, integrity=settings["integrity"],
+                           rpc_timeout_s=context.connector_config.rpc_timeout_s)
+        self.fetch: RequestFetch  # how requests are fetched and stepped: chosen here, once
         self._watch: asyncio.Task | None = None
         if dcp.size > 1:  # start ranks 1..N-1, then join their group (which waits for them)
             self.ranks = DcpRanks(context, dcp, OPTIONS, rendezvous_dir())
@@ -124,8 +128,9 @@ class DecodeNode:
                 self.ranks.kill()
                 raise
             self.engine: Engine = DcpEngine(self.config, self.cache.pool, group)
-            self.leader = DcpLeader(dcp, self.ranks, context.engine_id)
+            self.fetch = self.leader = DcpLeader(self.config.cache, pulls, dcp, self.ranks, context.engine_id)
         else:
+            self.fetch = OneNode(self.config.cache, pulls, pipelined=settings["pipelined_transfer"])
             self.engine = Engine(self.config, self.cache.pool, graph_requests=graph_requests(settings, context.device),
                                  graph_table_width=largest_request_blocks(settings))
         self._settings = settings
@@ -137,12 +142,9 @@ class DecodeNode:
                                     rpc_timeout_s=settings["rpc_timeout_s"], tls=context.tls,
                                     no_node_wait_s=settings["prefill_wait_s"], policy=settings["prefill_policy"],
                                     registry=context.registry)
-        self.scheduler = DecodeScheduler(self.engine, self.cache, self.connector, self.router,
+        self.scheduler = DecodeScheduler(self.engine, self.cache, self.connector, self.router, fetch=self.fetch,
                                          max_running=max_running, max_queue=settings["max_queue"],
-                                         transport=context.transports.pull, integrity=settings["integrity"],
-                                         pipelined=settings["pipelined_transfer"],
-                                         queue_timeout_s=settings["queue_timeout_s"], registry=context.registry,
-                                         dcp=self.leader)
+                                         queue_timeout_s=settings["queue_timeout_s"], registry=context.registry)
         self.servicer = GenerateService(self.scheduler, max_prompt_tokens=settings["max_prompt_tokens"],
                                         max_new_tokens=settings["max_new_tokens"],
                                         step_timeout_s=settings["transfer_timeout_s"])
@@ -187,7 +189,7 @@ class DecodeNode:
         with self.cache.allocate("warm-up", config.cache.blocks_for_request(len(prompt), WARM_UP_TOKENS)) as held:
             first = self.engine.prefill([PrefillJob(prompt=prompt, block_ids=held.block_ids, ring_id=held.ring_id)])[0]
             seq = DecodeSequence(request_id="warm-up", prompt_len=len(prompt), max_tokens=WARM_UP_TOKENS,
-                                 block_ids=list(held.block_ids), ring_id=held.ring_id, output=[first])
+                                 allocation=held, output=[first])
             while not seq.finished:
                 self.engine.decode_step([seq])
             self.engine.state_digest(seq.block_ids, seq.ring_id, seq.cached)

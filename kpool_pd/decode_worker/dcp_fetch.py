@@ -1,7 +1,7 @@
 """How rank 0 of a DCP decode instance fetches a request and steps its batch with the other ranks.
 
-``DcpLeader`` holds rank 0's shard, the other ranks (``DcpRanks``) and the engine ids the prefill
-node binds a grant to. ``pull`` lands every rank's share of a grant at once: rank 0 pulls its own
+``DcpLeader`` is the DCP ranks' ``RequestFetch`` (``kpool_pd.decode_worker.fetch``): it holds rank 0's
+share, the other ranks (``DcpRanks``) and the engine ids the prefill node binds a grant to. ``pull`` lands every rank's share of a grant at once: rank 0 pulls its own
 into the allocation its scheduler made (keeping its share of the grant until all landed) while the
 others Land theirs; if any rank fails, or the caller is cancelled, the other ranks' blocks (Drop)
 and the whole grant on the prefill node (rank 0 releases all ranks' shares) are given back, and
@@ -13,63 +13,75 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 
-from kpool_pd.connector import LandedRequest, PrefillGrant, PrefillPeer, StatusError, Transport, status_of
+from kpool_pd.connector import PrefillGrant, PrefillPeer, RankShare, StatusError, status_of
 from kpool_pd.decode_worker.dcp_ranks import DcpRanks
-from kpool_pd.kvcache import CacheAllocation, DcpConfig, DcpShard
+from kpool_pd.decode_worker.fetch import PullChoice, RankTransfer, RequestFetch
+from kpool_pd.decode_worker.jobs import Job
+from kpool_pd.kvcache import CacheConfig, DcpConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankTransfer:
-    """What one request's transfer cost over every rank: bytes and regions summed, the slowest rank's time."""
+class DcpLeader(RequestFetch):
+    """Rank 0's view of its instance (one event loop): the fetch of a DCP decode instance's ranks."""
 
-    nbytes: int
-    regions: int
-    ms: float
-    per_rank_bytes: tuple[int, ...]
+    digests_in_step = True  # a digest is a collective: the ranks take it in the decode loop's order
 
-
-class DcpLeader:
-    """Rank 0's view of its instance (one event loop)."""
-
-    def __init__(self, dcp: DcpConfig, ranks: DcpRanks, engine_id: str) -> None:
+    def __init__(self, cache: CacheConfig, pulls: PullChoice, dcp: DcpConfig, ranks: DcpRanks, engine_id: str) -> None:
+        super().__init__(cache, pulls)
         self.dcp, self.ranks = dcp, ranks
-        self.shard: DcpShard = dcp.shard(0)
+        self.share = RankShare(dcp.shard(0))  # what rank 0's own pulls land
         self.engine_ids = (engine_id, *(f"{engine_id}/dcp{rank}" for rank in range(1, dcp.size)))
 
-    async def pull(self, request_id: str, max_tokens: int, allocation: CacheAllocation, peer: PrefillPeer,
-                   grant: PrefillGrant, transport: Transport | None, integrity: bool) -> tuple[LandedRequest, RankTransfer]:
-        """Every rank's share landed (rank 0's into ``allocation``, as the returned LandedRequest), and
-        every share of the grant released. StatusError (after giving the other ranks' blocks and the
-        grant back) when a rank's pull failed."""
-        own = asyncio.ensure_future(peer.pull(grant, into=allocation, transport=transport,
-                                              integrity=integrity, release=False, dcp=self.shard))
-        others = asyncio.ensure_future(self.ranks.land(request_id, max_tokens, peer.address, grant, transport,
-                                                       integrity))
+    def check_usable(self) -> None:
+        if self.ranks.broken:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.ranks.broken}")
+
+    def blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
+        return self.dcp.rank_blocks_for_request(self.cache, prompt_len, max_tokens)
+
+    async def prefill(self, peer: PrefillPeer, job: Job) -> PrefillGrant:
+        """A grant every rank pulls its share of; a failure while the instance broke is the instance's."""
+        try:
+            return await peer.prefill(job.request_id, job.prompt, dcp_engine_ids=self.engine_ids,
+                                      dcp_interleave=self.dcp.interleave)
+        except StatusError:
+            self.check_usable()
+            raise
+
+    async def pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> RankTransfer:
+        """Every rank's share landed (rank 0's into ``job.allocation``, as ``job.landed``), and every share of
+        the grant released. StatusError (after giving the other ranks' blocks and the grant back) when a
+        rank's pull failed."""
+        own = asyncio.ensure_future(peer.pull(grant, into=job.allocation, transport=self.pulls.transport,
+                                              integrity=self.pulls.integrity, release=False, share=self.share))
+        others = asyncio.ensure_future(self.ranks.land(job.request_id, job.max_tokens, peer.address, grant,
+                                                       self.pulls.transport, self.pulls.integrity))
         try:
             done = await asyncio.gather(own, others, return_exceptions=True)
         except asyncio.CancelledError:
             await asyncio.gather(own, others, return_exceptions=True)
-            self._give_back(request_id, peer, grant)
+            self._give_back(job.request_id, peer, grant)
             raise
         failures = [r for r in done if isinstance(r, BaseException)]
         if failures:
-            self._give_back(request_id, peer, grant)
+            self._give_back(job.request_id, peer, grant)
             raise status_of(failures[0], "DCP pull")
         landed, responses = done
-        await peer.release_within(grant.grant_id, peer.context.config.rpc_timeout_s, dcp_rank=0)
+        job.landed = landed
+        await peer.release_within(grant.grant_id, self.pulls.rpc_timeout_s, dcp_rank=self.share.rank)
         per_rank = (landed.nbytes, *(r.transfer_bytes for r in responses))
-        transfer = RankTransfer(nbytes=sum(per_rank), regions=landed.regions + sum(r.transfer_regions for r in responses),
-                                ms=max([landed.seconds * 1000, *(r.transfer_ms for r in responses)]),
-                                per_rank_bytes=per_rank)
-        return landed, transfer
+        return RankTransfer(nbytes=sum(per_rank), regions=landed.regions + sum(r.transfer_regions for r in responses),
+                            ms=max([landed.seconds * 1000, *(r.transfer_ms for r in responses)]),
+                            per_rank_bytes=per_rank)
+
+    def skips_node(self, failure: StatusError) -> bool:
+        return failure.code is grpc.StatusCode.UNAVAILABLE and not self.ranks.broken
 
     def _give_back(self, request_id: str, peer: PrefillPeer, grant: PrefillGrant) -> None:
         self.ranks.drop_soon(request_id)

@@ -30,6 +30,7 @@ from kpool_pd.connector import (
     LandedRequest,
     PrefillGrant,
     PrefillPeer,
+    RankShare,
     RingRange,
     StatusError,
     Transport,
@@ -93,6 +94,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
         self.config = model_config(settings)
         self.dcp = dcp_config(settings)
         self.shard = self.dcp.shard(settings["dcp_rank"])
+        self.share = RankShare(self.shard)  # what each of its pulls lands: its own share of a request
         layout = BlockLayout(self.config.cache)
         self.cache = NodeCache(layout, num_blocks=rank_cache_blocks(settings), num_rings=settings["max_running"],
                                device=context.device)
@@ -205,7 +207,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
                              lease_s=request.lease_ms / 1000, src_block_ids=tuple(request.src_block_ids),
                              src_ring_id=request.src_ring_id)
         try:
-            return await peer.pull(grant, into=allocation, integrity=request.integrity, dcp=self.shard,
+            return await peer.pull(grant, into=allocation, integrity=request.integrity, share=self.share,
                                    transport=Transport(request.transport) if request.transport else None)
         except StatusError as exc:
             if exc.code is grpc.StatusCode.UNAVAILABLE:
@@ -241,8 +243,7 @@ class DcpRankNode(api.DcpRankServiceServicer):
             held.free()
             await context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was dropped")
         held.seq = DecodeSequence(request_id=request.request_id, prompt_len=request.prompt_len,
-                                  max_tokens=request.max_tokens, block_ids=list(allocation.block_ids),
-                                  ring_id=allocation.ring_id, output=[request.first_token])
+                                  max_tokens=request.max_tokens, allocation=allocation, output=[request.first_token])
         self.transfer_bytes += landed.nbytes
         return api.LandResponse(transfer_bytes=landed.nbytes, transfer_regions=landed.regions,
                                 transfer_ms=landed.seconds * 1000, transport=landed.transport.value)

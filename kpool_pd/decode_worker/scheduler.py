@@ -7,7 +7,9 @@
 * Fetching: Prefill on a prefill node picked by the router (another one is tried when a node
   is unavailable, busy or draining; with none usable the request fails at once, UNAVAILABLE with
   each node's reason), then one Pull that lands the prompt into the first blocks of the request's
-  allocation (the connector never allocates), then the grant's Release.
+  allocation (the connector never allocates), then the grant's Release. How a request is fetched and
+  stepped (one node, or the ranks of a DCP instance) is the ``RequestFetch`` the daemon chose at start
+  (``kpool_pd.decode_worker.fetch``); the scheduler asks it and never tells the two apart.
 * Decoding: one loop runs a step for every running request at once on a thread of its own (finished
   requests are digested on a few others); the event loop keeps serving transfers meanwhile. A running
   request's blocks are freed by the loop only, between steps, so no step ever writes blocks that were
@@ -36,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kpool_pd.connector import DecodeConnector, PrefillGrant, PrefillPeer, StatusError, Transport
-from kpool_pd.decode_worker.dcp_fetch import DcpLeader
+from kpool_pd.connector import DecodeConnector, PrefillGrant, PrefillPeer, StatusError
+from kpool_pd.decode_worker.fetch import RequestFetch
 from kpool_pd.decode_worker.jobs import Failed, Finished, Job, JobState, Tokens
 from kpool_pd.decode_worker.router import PrefillRouter
 from kpool_pd.kvcache import NodeCache
@@ -46,9 +48,6 @@ from kpool_pd.model import DecodeSequence, Engine, mrope_delta, output_digest
 logger = logging.getLogger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
-# A pull failed so that this engine cannot pull from the node now (gone, timed out, or its engine id refused):
-# the router skips the node and handshakes again (presenting the engine's secret) at its next check.
-CANNOT_PULL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED)
 DIGEST_THREADS = 4  # finished requests digested at once, beside the steps
 
 
@@ -60,22 +59,18 @@ class DecodeScheduler:
     whatever the exit. The daemon runs ``run()`` as a task and drains until ``idle``."""
 
     def __init__(self, engine: Engine, cache: NodeCache, connector: DecodeConnector,
-                 router: PrefillRouter, *, max_running: int, max_queue: int, transport: Transport | None,
-                 integrity: bool, queue_timeout_s: float, registry: CollectorRegistry,
-                 on_room_change: Callable[[bool], None] | None = None, pipelined: bool = True,
-                 dcp: DcpLeader | None = None) -> None:
+                 router: PrefillRouter, *, fetch: RequestFetch, max_running: int, max_queue: int,
+                 queue_timeout_s: float, registry: CollectorRegistry,
+                 on_room_change: Callable[[bool], None] | None = None) -> None:
         if cache.pool is not engine.pool:
             raise ValueError("the engine must compute on the pool of the cache the scheduler allocates from")
         self.engine, self.cache = engine, cache
         self.connector, self.router = connector, router
         self.max_running = min(max_running, cache.num_rings)
         self.max_queue = max_queue
-        self.transport = transport
-        self.integrity = integrity
-        self.pipelined = pipelined  # ask prefill nodes to answer before the prompt is computed (see PrefillPeer.prefill)
         self.queue_timeout_s = queue_timeout_s
         self.config = engine.config
-        self.dcp = dcp  # rank 0 of a DCP decode instance: every request and step involves every rank
+        self.fetcher = fetch  # how a request is fetched and stepped: one node, or every rank of a DCP instance
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[str, Job] = {}
         self._running: list[Job] = []
@@ -132,10 +127,8 @@ class DecodeScheduler:
                mrope_positions: tuple[tuple[int, int, int], ...] = ()) -> Job:
         """Queue a validated request, with its checked MRoPE positions (() for text; raises StatusError when it
         cannot be queued)."""
-        if self.dcp is not None and self.dcp.ranks.broken:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the DCP decode instance is broken: {self.dcp.ranks.broken}")
-        need = (self.dcp.dcp.rank_blocks_for_request(self.cache.config, len(prompt), max_tokens) if self.dcp is not None
-                else self.cache.config.blocks_for_request(len(prompt), max_tokens))
+        self.fetcher.check_usable()
+        need = self.fetcher.blocks_for_request(len(prompt), max_tokens)
         if need > self.cache.num_blocks:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{len(prompt)} prompt + {max_tokens} output tokens need {need} blocks; "
@@ -184,51 +177,18 @@ class DecodeScheduler:
         peer, grant = await self._prefill(job)
         job.prefill_address, job.prefill_engine_id = peer.address, peer.engine_id
         job.state = JobState.PULLING
-        if self.dcp is not None:
-            await self._pull_dcp(job, peer, grant)
-        else:
-            await self._pull(job, peer, grant)
-        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
-                                 block_ids=list(job.allocation.block_ids), ring_id=job.allocation.ring_id,
-                                 output=[job.landed.first_token],
-                                 mrope_delta=mrope_delta(job.mrope_positions, len(job.prompt)))
-        job.state = JobState.DECODING
-
-    async def _pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
         try:
-            job.landed = await peer.pull(grant, into=job.allocation, transport=self.transport,
-                                         integrity=self.integrity, release=False)
-        except asyncio.CancelledError:
-            peer.release_soon(grant.grant_id)  # the client left: the prefill node frees its blocks now
-            raise
+            transfer = await self.fetcher.pull(job, peer, grant)
         except StatusError as exc:
-            if exc.code in CANNOT_PULL:  # handshake again before its next request (health follows the router)
-                self.router.mark_failed(peer, exc.message)
-            if exc.code is not grpc.StatusCode.UNAVAILABLE:  # the node is up: free its blocks now, not at lease end
-                await self._release(peer, grant)
-            raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
-        job.state = JobState.RELEASING
-        await self._release(peer, grant)
-        landed = job.landed
-        job.transfer_bytes, job.transfer_regions, job.transfer_ms = landed.nbytes, landed.regions, landed.times.transfer_ms
-
-    async def _pull_dcp(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> None:
-        """Every DCP rank pulls its share at once (``DcpLeader.pull`` gives everything back on failure)."""
-        try:
-            job.landed, transfer = await self.dcp.pull(job.request_id, job.max_tokens, job.allocation, peer, grant,
-                                                       self.transport, self.integrity)
-        except StatusError as exc:
-            if exc.code is grpc.StatusCode.UNAVAILABLE and not self.dcp.ranks.broken:
+            if self.fetcher.skips_node(exc):  # handshake again before its next request (health follows the router)
                 self.router.mark_failed(peer, exc.message)
             raise StatusError(exc.code, f"transfer from {peer.address} failed: {exc.message}") from None
         job.transfer_bytes, job.transfer_regions, job.transfer_ms = transfer.nbytes, transfer.regions, transfer.ms
         self.own_transfer_bytes += transfer.per_rank_bytes[0]
-
-    async def _release(self, peer: PrefillPeer, grant: PrefillGrant) -> None:
-        """Release ``grant`` and wait for the answer (at most ``rpc_timeout_s``); a failed Release is
-        tried again in the background (``PrefillPeer.release_soon``), and a cancelled caller leaves the
-        Release going on there."""
-        await peer.release_within(grant.grant_id, self.connector.config.rpc_timeout_s)
+        job.seq = DecodeSequence(request_id=job.request_id, prompt_len=len(job.prompt), max_tokens=job.max_tokens,
+                                 allocation=job.allocation, output=[job.landed.first_token],
+                                 mrope_delta=mrope_delta(job.mrope_positions, len(job.prompt)))
+        job.state = JobState.DECODING
 
     async def _prefill(self, job: Job) -> tuple[PrefillPeer, PrefillGrant]:
         """A grant for the job's prompt, from the first node that gives one: a node that is
@@ -241,16 +201,9 @@ class DecodeScheduler:
         for _ in range(attempts):
             peer = await self.router.pick(len(job.prompt))  # UNAVAILABLE, with each node's reason, when none is usable
             try:
-                if self.dcp is None:
-                    return peer, await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined,
-                                                    mrope_positions=job.mrope_positions)
-                return peer, await peer.prefill(job.request_id, job.prompt, dcp_engine_ids=self.dcp.engine_ids,
-                                                dcp_interleave=self.dcp.shard.interleave)
+                return peer, await self.fetcher.prefill(peer, job)
             except StatusError as exc:
                 last = exc
-                if self.dcp is not None and self.dcp.ranks.broken:  # the instance broke, not the prefill node
-                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                                      f"the DCP decode instance is broken: {self.dcp.ranks.broken}") from None
                 if exc.code not in RETRYABLE:
                     raise StatusError(exc.code, exc.message) from None
                 if exc.code is grpc.StatusCode.UNAVAILABLE:
@@ -271,13 +224,13 @@ class DecodeScheduler:
 
     # decoding -----------------------------------------------------------------------------
     def _step(self, jobs: list[Job]) -> tuple[list[list[int]], dict[int, str], float]:
-        """Worker thread: one step for the batch; with DCP also the state digest of each finished job (a
-        collective, which the ranks run in the decode loop's order). Without DCP the loop digests finished jobs
-        beside the next steps (``_digest_and_finish``)."""
+        """Worker thread: one step for the batch; where the fetch digests in the step (DCP: a collective, which
+        the ranks run in the decode loop's order) also the state digest of each finished job. Otherwise the loop
+        digests finished jobs beside the next steps (``_digest_and_finish``)."""
         started = time.perf_counter()
         emitted = self.engine.decode_step([j.seq for j in jobs])
         seconds = time.perf_counter() - started
-        digests = {} if self.dcp is None else {id(j): self._digest(j) for j in jobs if j.seq.finished}
+        digests = {id(j): self._digest(j) for j in jobs if j.seq.finished} if self.fetcher.digests_in_step else {}
         return emitted, digests, seconds
 
     def _digest(self, job: Job) -> str:
@@ -308,10 +261,10 @@ class DecodeScheduler:
                         ttft_ms=job.ttft_ms, total_ms=job.elapsed_ms())
 
     async def finish_unstarted(self, job: Job) -> None:
-        """A fetched job that needs no step (max_tokens == 1): its digest, then done. With DCP the
-        digest is a collective, and every collective of the ranks runs in one order: the decode loop's,
-        whose next step digests the job (a finished sequence takes no step)."""
-        if self.dcp is not None:
+        """A fetched job that needs no step (max_tokens == 1): its digest, then done. Where the fetch digests in
+        the step (DCP: a collective, and every collective of the ranks runs in one order, the decode loop's) the
+        loop's next step digests the job (a finished sequence takes no step)."""
+        if self.fetcher.digests_in_step:
             self.start_decoding(job)
             return
         digest = await asyncio.get_running_loop().run_in_executor(self._digester, self._digest, job)
@@ -330,10 +283,7 @@ class DecodeScheduler:
             batch = list(self._running)
             try:
                 step = asyncio.get_running_loop().run_in_executor(self._stepper, self._step, batch)
-                if self.dcp is None:
-                    emitted, digests, seconds = await step
-                else:  # every rank steps the same batch at once
-                    emitted, digests, seconds = await self.dcp.step(step, [j.request_id for j in batch])
+                emitted, digests, seconds = await self.fetcher.step(step, [j.request_id for j in batch])
             except Exception as exc:
                 logger.exception("decode step of %d requests failed", len(batch))
                 error = exc if isinstance(exc, StatusError) else StatusError(grpc.StatusCode.INTERNAL,
@@ -385,8 +335,8 @@ class DecodeScheduler:
         job.state = JobState.DONE
         if job in self._waiting:
             self._waiting.remove(job)
-        if self.dcp is not None and job.landed is not None:
-            self.dcp.drop(job.request_id)  # the other ranks free it too (those that finished it already hold nothing)
+        if job.landed is not None:
+            self.fetcher.drop(job.request_id)  # DCP: the other ranks free it too (those that finished it hold nothing)
         if job.allocation is not None:
             job.allocation.release()
             self._admitted -= 1

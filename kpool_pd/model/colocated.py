@@ -155,7 +155,7 @@ def _run(engine: Engine, cache: NodeCache, requests: Sequence[GenerateRequest], 
             waiting.pop(0)
             allocation = held[req.request_id] = cache.allocate(req.request_id, need)
             seq = DecodeSequence(request_id=req.request_id, prompt_len=len(req.prompt), max_tokens=req.max_tokens,
-                                 block_ids=list(allocation.block_ids), ring_id=allocation.ring_id, output=[],
+                                 allocation=allocation, output=[],
                                  mrope_delta=mrope_delta(req.mrope_positions, len(req.prompt)))
             admitted.append((seq, req))
         if admitted:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kpool_pd.kernels import write_mla_rows
-from kpool_pd.kvcache import CacheFamily, CachePool
+from kpool_pd.kvcache import CacheAllocation, CacheFamily, CachePool
 from kpool_pd.model.batch import ForwardBatch, build_batch
 from kpool_pd.model.cache_io import mla_destinations, request_mla_rows, request_ring_rows, write_mla
 from kpool_pd.model.config import ModelConfig
@@ -83,13 +83,20 @@ class DecodeSequence:
     request_id: str
     prompt_len: int
     max_tokens: int
-    block_ids: list[int]
-    ring_id: int
+    allocation: CacheAllocation  # the request's blocks (block-table order) and ring, held by whoever runs it
     output: list[int]
     steps: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     mrope_delta: int = 0
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.allocation.block_ids
+
+    @property
+    def ring_id(self) -> int:
+        return self.allocation.ring_id
 
     @property
     def cached(self) -> int:

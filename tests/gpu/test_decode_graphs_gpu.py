@@ -58,7 +58,7 @@ def test_a_graphed_step_synchronises_once():
         prompt = [(7 * i + j) % config.vocab_size for j in range(prompt_len)]
         first = engine.prefill([PrefillJob(prompt=prompt, block_ids=allocation.block_ids, ring_id=allocation.ring_id)])[0]
         seqs.append(DecodeSequence(request_id=f"r{i}", prompt_len=prompt_len, max_tokens=50,
-                                   block_ids=list(allocation.block_ids), ring_id=allocation.ring_id, output=[first]))
+                                   allocation=allocation, output=[first]))
     engine.decode_step(seqs)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

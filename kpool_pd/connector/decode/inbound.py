@@ -1,7 +1,7 @@
 """The decode side of one Pull stream: from the PullRequest to the prompt's bytes verified in our blocks.
 
-The steps, in order (``InboundPull.run``): plan the regions ourselves from the Prefill response
-(which names the source blocks and ring) and post the UCX receives; then open the stream (the
+The steps, in order (``InboundPull.run``): take the plan the peer made once from the Prefill response
+(which names the source blocks and ring; ``kpool_pd.connector.decode.share``) and post the UCX receives on it; then open the stream (the
 prefill node starts its UCX sends as the Pull arrives, into receives already posted) and check
 its grant against the Prefill response; land the stream's chunks (gRPC stream) until PullDone;
 verify that every byte arrived (and its crc32 when asked); convert from the peer's layout. Whatever step fails, the stream is cancelled and the
@@ -31,14 +31,13 @@ from kpool_pd import kernels
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from kpool_pd.connector.shared import hops, regions
-from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
-from kpool_pd.connector.shared.plan import PoolKind, RegionPair, TransferPlan, plan_transfer, without_held
+from kpool_pd.connector.shared.plan import PoolKind, RegionPair, TransferPlan
 from kpool_pd.connector.shared.pull_frames import ChunkFrame
 from kpool_pd.connector.shared.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
 from kpool_pd.connector.shared.wire import Transport, ring_from
-from kpool_pd.kvcache import BlockLayout, CachePool, DcpShard
+from kpool_pd.kvcache import BlockLayout, CachePool
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +98,12 @@ class InboundPull:
 
     def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
                  landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
-                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], dcp: DcpShard | None = None,
-                 held: tuple[int, ...] = ()) -> None:
+                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], plan: TransferPlan) -> None:
         self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
         self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
         self.ucx, self.metrics, self.keep = ucx, metrics, keep
-        self.dcp = dcp  # this rank's share of the prompt (``kpool_pd.connector.shared.dcp_plan``), or None: all of it
-        self.held = held  # block-table indices we hold already (a prefix hit): not pulled
+        self.planned = plan  # the pull's one plan: where each region lands here
         self.receives: ReceiveBatch | None = None  # posted and not all landed
         self.views: list[torch.Tensor] = []  # where the regions land, once planned
         self.follower: asyncio.Task | None = None  # the stream, followed on after the bytes landed
@@ -127,7 +124,7 @@ class InboundPull:
         try:
             hops.stamp(self.grant.grant_id, "pull")
             marks = [time.perf_counter()]
-            plan, views = self._plan()
+            plan, views = self._post()
             hops.stamp(self.grant.grant_id, "posted")
             marks.append(time.perf_counter())
             self.call = self.open_call()
@@ -228,22 +225,9 @@ class InboundPull:
             raise rpc_failure(exc, f"Pull from {self.address}") from None
         return None if msg is grpc.aio.EOF else msg
 
-    def _plan(self) -> tuple[TransferPlan, list[torch.Tensor]]:
-        """Our own plan from the grant's source side (ValueError for ids outside our pools); the
-        views it lands in, with the UCX receives posted on them, before the Pull is sent."""
-        pool, grant = self.landing.pool, self.grant
-        if self.dcp is not None:
-            plan = plan_dcp_transfer(pool.layout, list(grant.src_block_ids), list(self.landing.ids), grant.src_ring_id,
-                                     self.ring_id, grant.ring_live, self.dcp, grant.prompt_len,
-                                     dst_num_blocks=self.landing.num_blocks, dst_num_rings=pool.num_rings)
-        else:
-            if len(grant.src_block_ids) != len(self.landing.ids):
-                raise StatusError(grpc.StatusCode.INTERNAL, f"grant of {len(grant.src_block_ids)} source blocks for "
-                                  f"{len(self.landing.ids)} destination blocks")
-            src, dst = without_held(grant.src_block_ids, self.landing.ids, self.held)
-            plan = plan_transfer(self.landing.peer_layout, src, dst, grant.src_ring_id,
-                                 self.ring_id, grant.ring_live, dst_num_blocks=self.landing.num_blocks,
-                                 dst_num_rings=pool.num_rings, piece_blocks=grant.piece_blocks)
+    def _post(self) -> tuple[TransferPlan, list[torch.Tensor]]:
+        """The views the plan lands in, with the UCX receives posted on them, before the Pull is sent."""
+        plan = self.planned
         if len(plan) > MAX_REGIONS:
             raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
         views = self.views = [self.landing.view(pair) for pair in plan.pairs]

@@ -22,8 +22,9 @@ from kpool_pd.connector.decode.keep_alive import KeepAlive
 from kpool_pd.connector.decode.peer_context import PeerContext
 from kpool_pd.connector.shared.pull_frames import pull_method
 from kpool_pd.connector.decode.pull_session import PullSession
+from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, PullTarget
 from kpool_pd.connector.shared.wire import Transport, ring_from, transports_from
-from kpool_pd.kvcache import BlockLayout, CacheAllocation, DcpShard
+from kpool_pd.kvcache import BlockLayout, CacheAllocation
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class PrefillPeer:
 
     # the pull --------------------------------------------------------------------------------
     async def pull(self, grant: PrefillGrant, *, into: CacheAllocation, transport: Transport | None = None,
-                   integrity: bool = False, release: bool = True, dcp: DcpShard | None = None,
+                   integrity: bool = False, release: bool = True, share: PullShare = WHOLE_REQUEST,
                    held: Sequence[int] = ()) -> LandedRequest:
         """Land the request's prompt into the first blocks of ``into`` (an allocation of this node's cache
         that the caller made and keeps: the connector never allocates) and its ring into ``into``'s ring,
@@ -241,18 +242,18 @@ class PrefillPeer:
         pull are garbage. ValueError (before anything is sent) for an allocation that is released,
         has no ring, is of another cache, or has fewer blocks than the prompt lands in.
 
-        ``dcp``: this connector is that rank of a DCP decode instance named in the grant's Prefill;
-        it pulls its own share of the prompt (``kpool_pd.connector.shared.dcp_plan``) into the first blocks of its
-        allocation, and the Release releases its share only. Needs the peer's layout equal to ours.
+        ``share``: what of the grant this pull lands (``kpool_pd.connector.decode.share``): the whole request, or
+        this connector's share as a rank of a DCP decode instance named in the grant's Prefill (its own tokens
+        into the first blocks of its allocation; the Release releases its share only; FAILED_PRECONDITION for a
+        peer whose layout is not ours).
 
         ``held``: block-table indices (increasing) of the grant's blocks whose bytes ``into`` holds already at
         the same index (a prefix-cache hit): they are not pulled; the rest and the ring are. Needs the peer's
-        layout equal to ours, a computed prompt and no DCP (ValueError otherwise)."""
-        landed = self._landed_blocks(grant, dcp)  # the prompt's (a rank's share)
+        layout equal to ours, a computed prompt and the whole request (ValueError otherwise)."""
+        ours = self.context.pool.layout
         held = tuple(held)
-        if held and (dcp is not None or grant.pipelined or self.repacks):
-            raise ValueError(f"pull of {grant.request_id}: held blocks are skipped only in a pull of a computed "
-                             f"prompt from a prefill node of our layout, without DCP")
+        share.check(grant, ours=ours, peer_layout=self.layout, held=held, address=self.address)
+        landed = share.blocks_landed(ours, grant)
         ringless = isinstance(into, CacheAllocation) and into.ring_id is None and self.context.pool.layout.ring_slots > 0
         if not isinstance(into, CacheAllocation) or into.released or ringless \
                 or into.pool is not self.context.pool or into.num_blocks < landed:
@@ -260,7 +261,7 @@ class PrefillPeer:
                              f"and at least {landed} blocks, got {into!r}")
         with self._call():
             try:
-                return await self._pull_and_release(grant, into, transport, integrity, release, dcp, held)
+                return await self._pull_and_release(grant, into, transport, integrity, release, share, held)
             finally:
                 self._open_grants.pop(grant.grant_id, None)
 
@@ -275,25 +276,21 @@ class PrefillPeer:
         return transport
 
     async def _pull_and_release(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport | None,
-                                integrity: bool, release: bool, dcp: DcpShard | None,
+                                integrity: bool, release: bool, share: PullShare,
                                 held: tuple[int, ...]) -> LandedRequest:
         c = self.context
         self._check_open(f"Pull of {grant.request_id}")
-        if dcp is not None and self.repacks:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"a DCP rank pulls only from a prefill node of its "
-                              f"own block layout; {self.address} stores {arrangement(self.layout)}, "
-                              f"this rank {arrangement(c.pool.layout)}")
         transport = self._transport_for(transport)
         started = time.perf_counter()
         self._pulling[grant.grant_id] += 1  # the keep-alive renews its lease while it is pulled
         budget = c.config.pull_budget_s(computing=grant.pipelined)
         try:
-            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, dcp, held), budget)
+            pull = await asyncio.wait_for(self._land(grant, allocation, transport, integrity, share, held), budget)
         except BaseException as exc:
             cause = exc.code.name.lower() if isinstance(exc, StatusError) else type(exc).__name__
             c.metrics.failures.labels(cause).inc()
             if release and isinstance(exc, asyncio.CancelledError):
-                self.release_soon(grant.grant_id, dcp_rank=dcp.rank if dcp else 0)
+                self.release_soon(grant.grant_id, dcp_rank=share.rank)
             if isinstance(exc, asyncio.TimeoutError):
                 raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"pull of {grant.request_id} from {self.address} "
                                   f"did not finish in {budget} s") from None
@@ -314,40 +311,35 @@ class PrefillPeer:
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
         if release:  # a failed Release is tried again in the background: the data has landed
-            await self.release_within(grant.grant_id, c.config.rpc_timeout_s, dcp_rank=dcp.rank if dcp else 0)
+            await self.release_within(grant.grant_id, c.config.rpc_timeout_s, dcp_rank=share.rank)
         return landed
 
-    def _landed_blocks(self, grant: PrefillGrant, dcp: DcpShard | None) -> int:
-        """How many of the allocation's first blocks the prompt lands in: the prompt's (a DCP rank's
-        share); for an engine with several block tables per request (``layout.num_groups > 1``) the
-        grant's, one of ours per source block, as the engine chose them."""
-        if dcp is not None:
-            return dcp.blocks_for_tokens(self.layout.config, grant.prompt_len)
-        if self.context.pool.layout.num_groups > 1:
-            return len(grant.src_block_ids)
-        return self.context.pool.config.blocks_for_tokens(grant.prompt_len)
-
     async def _land(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport,
-                    integrity: bool, dcp: DcpShard | None, held: tuple[int, ...]) -> InboundPull:
-        """Open the Pull stream and land the prompt (a DCP rank: its share) into the first blocks of
-        the allocation; the finished pull (its plan and timeline)."""
+                    integrity: bool, share: PullShare, held: tuple[int, ...]) -> InboundPull:
+        """Plan the pull (``share``'s plan, once), open the Pull stream and land the prompt (a DCP rank: its
+        share) into the first blocks of the allocation; the finished pull (its plan and timeline)."""
         c = self.context
         ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
-        landed = self._landed_blocks(grant, dcp)
-        landing = Landing(c.pool, self.layout, allocation.block_ids[:landed],
+        landing = Landing(c.pool, self.layout, allocation.block_ids[:share.blocks_landed(c.pool.layout, grant)],
                           source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len)
+        target = PullTarget(layout=c.pool.layout, peer_layout=self.layout, block_ids=landing.ids, ring_id=ring_id,
+                            num_blocks=landing.num_blocks, num_rings=c.pool.num_rings)
+        try:
+            plan = share.plan(grant, target, held)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, engine_secret=self._secret,
                              dst_block_ids=landing.ids,
                              dst_ring_id=ring_id, transport=transport.value, integrity=integrity,
-                             ucx_tag_base=tag_base, dcp_rank=dcp.rank if dcp else 0, held_block_indices=held)
+                             ucx_tag_base=tag_base, dcp_rank=share.rank, held_block_indices=held)
         deadline_s = c.config.pull_budget_s(computing=grant.pipelined)
         session = self._session if transport is Transport.UCX and self._session is not None else None
         pull = InboundPull((lambda: session.open(req)) if session is not None else
                            (lambda: self._pull(req, timeout=deadline_s)),
                            address=self.address, grant=grant, landing=landing, ring_id=ring_id,
                            transport=transport, tag_base=tag_base, integrity=integrity, ucx=c.ucx, metrics=c.metrics,
-                           keep=self._follow_on, dcp=dcp, held=held)
+                           keep=self._follow_on, plan=plan)
         await pull.run()
         return pull
 
