@@ -123,3 +123,44 @@ def test_prefill_graphs_refuse_qsa():
     cache = NodeCache(BlockLayout(cfg.cache), num_blocks=8, num_rings=2, device="cuda")
     with pytest.raises(ValueError, match="prefill graphs serve kpool pools on CUDA; this engine's pool is qsa on cuda"):
         Engine(cfg, cache.pool, prefill_graph_tokens=64)
+
+
+def test_qsa_daemons_on_the_gpu_with_image_prompts_equal_colocated(tmp_path):
+    """A prefill and a decode daemon on the GPU (the decode daemon replays its steps from CUDA graphs, captured at
+    start), image prompts with their MRoPE positions on the Generate API: every request equals the colocated run."""
+    import asyncio
+    import signal
+
+    from kpool_pd.client import RequestFailed, generate_all
+    from kpool_pd.runtime import model_flags, model_settings
+    from kpool_pd.runtime.launch import start_decode, start_prefill
+
+    cfg = ModelConfig.build(family=CacheFamily.QSA, num_layers=2, compress_ratio=4, num_spec=3, seed=11,
+                            cache_rope_positions=True)
+    flags = model_flags(model_settings(cfg))
+    decode_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    requests = image_requests(SHAPES[:10], vocab_size=cfg.vocab_size, seed=5)
+    reference = {r.request_id: r for r in run_colocated(cfg, requests, device="cuda:0")}
+    prefill = start_prefill(tmp_path, flags, extra=["--device", "cuda:0", "--num-blocks", "512", "--log-format", "text",
+                                                    "--max-batch-tokens", "256"])
+    decode = None
+    try:
+        prefill.wait_ready(240)
+        decode = start_decode(tmp_path, flags, [f"127.0.0.1:{prefill.port}"], name="decode", transport="grpc",
+                              extra=["--device", decode_device, "--log-format", "text", "--max-running", "8",
+                                     "--max-prompt-tokens", "1024"])
+        decode.wait_ready(240)
+        results = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests))
+        failed = [r for r in results if isinstance(r, RequestFailed)]
+        assert not failed, f"{len(failed)} failed: {failed[0]}\n{decode.log_tail()}"
+        for r in results:
+            want = reference[r.request_id]
+            assert (r.tokens, r.output_digest, r.state_digest) == (want.tokens, want.output_digest, want.state_digest), \
+                r.request_id
+    finally:
+        for d in (decode, prefill):
+            if d is not None:
+                d.signal(signal.SIGTERM)
+        for d in (decode, prefill):
+            if d is not None:
+                d.stop()
