@@ -62,10 +62,12 @@ if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
   cat "$OUT/dcp.txt" >> "$OUT/bench.log"; rm -f "$OUT/dcp.txt"
 fi
 decode_rc=0
-# The decode step bench: eager and graphed steps of 61 layers at batch 1, 16 and 64 (DECODE_BATCHES); table in decode.txt.
+# The decode step bench: eager and graphed steps of 61 layers at batch 1, 16 and 64 (DECODE_BATCHES), kpool and QSA
+# (DECODE_FAMILIES); table in decode.txt.
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_DECODE:-}" ]; then
   timeout "${DECODE_TIMEOUT:-300}" python3 -m kpool_pd.bench.decode_step --device cuda --layers "${DECODE_LAYERS:-61}" \
-    --batches "${DECODE_BATCHES:-1,16,64}" --kernels "${KERNELS:-0}" --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
+    --batches "${DECODE_BATCHES:-1,16,64}" --families "${DECODE_FAMILIES:-kpool,qsa}" --kernels "${KERNELS:-0}" \
+    --out "$OUT/bench" > "$OUT/decode.txt" 2>&1
   decode_rc=$?
 fi
 prefill_rc=0
