@@ -136,14 +136,18 @@ def test_the_ring_holds_each_tokens_position_packed_as_the_seed_packs_it():
             allocation.release()
 
 
-def check_ring_positions(engine: Engine, seqs: list[DecodeSequence], prompts) -> None:
-    head_size, capacity = 128, QSA.cache.ring_slots  # D, C of the model
+def check_ring_positions(engine: Engine, seqs: list[DecodeSequence], prompts, *, pulled: bool = False) -> None:
+    """Every ring row of a recent committed position holds that token's position, packed as the seed packs it.
+    ``pulled``: the ring came by transfer, which moves only the prompt's open group (the rows before it are not
+    the decode node's)."""
+    head_size, capacity, ratio = 128, QSA.cache.ring_slots, QSA.cache.compress_ratio  # D, C, r of the model
     offset_bytes = 2 * math.ceil(head_size / 4) * 4
     for seq, (length, positions) in zip(seqs, prompts):
         delta = mrope_delta(positions, length)
         # a step's rejected drafts, past the committed length, rewrite the rows of positions C back: the last C -
         # num_spec committed positions (the open group among them) hold their own
-        for pos in range(max(0, seq.cached - capacity + QSA.cache.num_spec), seq.cached):
+        first = max(0, seq.cached - capacity + QSA.cache.num_spec, length // ratio * ratio if pulled else 0)
+        for pos in range(first, seq.cached):
             want = positions[pos] if pos < len(positions) else (pos if pos < length else pos + delta,) * 3
             for layer in range(QSA.num_layers):
                 row = engine.pool.qsa_ring(layer)[seq.ring_id, pos % capacity]  # [H, W] bf16
