@@ -7,8 +7,8 @@ open group's ring rows with their packed positions).
 The prefill daemon computes prompts in steps of 48 tokens, so chunk boundaries fall inside images and inside groups
 (a straddling group's first position is read back from the ring's packed positions). The same prompts as text give
 other state digests, so a daemon that dropped the positions would not match. The packing itself is checked against
-the seed's in tests/test_mrope_positions.py. Malformed positions are refused by the decode daemon with
-INVALID_ARGUMENT naming the values.
+the seed's in tests/test_mrope_positions.py (an engine's ring) and tests/test_mrope_pull.py (the decode node's ring
+after a pull). Malformed positions are refused by the decode daemon with INVALID_ARGUMENT naming the values.
 """
 
 from __future__ import annotations
