@@ -3,8 +3,8 @@ kernels (``triton.py``), except ``qsa_rope``, torch only (the MRoPE tables and r
 share); the package exports the dispatching entry points only (``kpool_pd.kernels.dispatch`` says which
 implementation runs).
 
-Shared pieces: ``checks``, ``kpool_checks`` and ``qsa_checks`` (the argument checks every public entry
-runs, on every path), ``triton_helpers`` (launch options and the bit-exact conversions the kernels
+Shared pieces: ``checks`` and ``kpool_checks`` (the argument checks every public entry runs, on every
+path; a QSA op keeps its own in its folder's ``checks``), ``triton_helpers`` (launch options and the bit-exact conversions the kernels
 share), ``fp8`` and ``hadamard`` (constants and math of both paths), ``dispatch`` (which implementation
 runs, and on which device: an op launches on its tensors' device, never the process's current one).
 

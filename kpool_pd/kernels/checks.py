@@ -4,8 +4,8 @@ The convention of every op: its public entry (the op folder's ``__init__``) chec
 every path (types, ranks, dtypes, sizes, devices; the values, which need a host synchronisation, on CPU
 tensors only), then runs the Triton kernel or the torch reference; ``ref.py`` is the math alone. One
 int dtype rule: index tensors (offsets, lengths, block tables, ring ids, slots) may be int32 or int64
-(``check_int_tensor``); positions are int64. The family-specific checks live in ``kpool_checks`` and
-``qsa_checks``.
+(``check_int_tensor``); positions are int64. The family-specific checks live in ``kpool_checks`` and, for the
+QSA ops, in each op folder's ``checks``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,13 @@ from __future__ import annotations
 import torch
 
 from kpool_pd.kvcache import PoolMode
+
+
+def describe(t: object) -> str:
+    """What a value is, for an error message: a tensor's dtype, shape and device, else its type."""
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {list(t.shape)} on {t.device}"
+    return type(t).__name__
 
 
 def as_pool_mode(mode: PoolMode | str) -> PoolMode:

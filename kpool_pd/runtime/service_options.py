@@ -99,8 +99,8 @@ def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("lease-s", seconds, _CONNECTOR.lease_s, "lease of a prefilled request's blocks"),
         Option("rpc-timeout-s", seconds, _CONNECTOR.rpc_timeout_s, "deadline of one control-plane RPC"),
         Option("transfer-timeout-s", seconds, _CONNECTOR.transfer_timeout_s, "deadline of one transfer"),
-        Option("pull-session-idle-s", seconds, 120.0, "a PullSession with no pull for this long is ended "
-                                                       "(the prefill daemon's limit; a decode node renews its own at half)"),
+        Option("pull-session-idle-s", seconds, _CONNECTOR.pull_session_idle_s, "a PullSession with no pull for this "
+               "long is ended (the prefill daemon's limit; a decode node renews its own at half)"),
         Option("transports", transport_list, "auto", "ucx, grpc, or both comma-separated (auto: ucx when installed, "
                                                      "and grpc)"),
         Option("device", device_name, "cpu", "where the cache pool and the model live: cpu, cuda or cuda:N"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kpool_pd.kernels.dispatch import on_tensor_device, use_triton
-from kpool_pd.kernels import qsa_checks  # a module: its names are read at call time (import order)
+from kpool_pd.kernels.qsa_compress.checks import check_compress_args
 from kpool_pd.kernels.qsa_compress import ref
 from kpool_pd.kernels.qsa_rope.cache import RopeCache, check_rope_cache
 from kpool_pd.kernels.qsa_rope.ref import mrope_axis_of_pair
@@ -17,13 +17,13 @@ def compress_group_keys(
     theta: float, section: tuple[int, int, int], out_dtype: torch.dtype, rope_cache: RopeCache | None = None,
 ) -> torch.Tensor:
     """Compress G complete groups (see ``ref``): Triton on CUDA tensors, the torch reference on CPU. Both paths
-    check the arguments first (``kpool_pd.kernels.qsa_checks``). ``rope_cache``: as in ``kpool_pd.kernels.qsa_update``, the cos/sin
+    check the arguments first (``kpool_pd.kernels.qsa_compress.checks``). ``rope_cache``: as in ``kpool_pd.kernels.qsa_update``, the cos/sin
     table by position that the positions it holds are read from (the same bytes).
 
     # keys: [G, r, H, D] bf16; first_positions: [G, 3] int64; norm_weight: [D] fp32 -> [G, H, D] out_dtype
     """
-    qsa_checks.check_compress_args(keys, first_positions, norm_weight, eps=eps, rotary_dim=rotary_dim,
-                                   out_dtype=out_dtype)
+    check_compress_args(keys, first_positions, norm_weight, eps=eps, rotary_dim=rotary_dim,
+                        out_dtype=out_dtype)
     mrope_axis_of_pair(rotary_dim, section)  # checks the rotary parameters
     check_rope_cache(rope_cache, rotary_dim=rotary_dim, theta=theta, device=keys.device)
     if not use_triton(keys):

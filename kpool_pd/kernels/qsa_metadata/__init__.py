@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from kpool_pd.kernels.dispatch import on_tensor_device, use_triton
-from kpool_pd.kernels import qsa_checks  # a module: its names are read at call time (import order)
+from kpool_pd.kernels.qsa_metadata.checks import check_metadata_args, check_metadata_values
 from kpool_pd.kernels.qsa_metadata import ref
 from kpool_pd.kernels.qsa_metadata.ref import QsaMetadata, max_work_items
 from kpool_pd.kernels.qsa_metadata.split import BatchSplit, split_uniform_decodes
@@ -37,14 +37,14 @@ def build_qsa_metadata(
     """
     if num_tokens is not None and (not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0):
         raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
-    qsa_checks.check_metadata_args(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity,
-                                   block_size)
+    check_metadata_args(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio, ring_capacity,
+                        block_size)
     # int64 inputs are accepted; the metadata holds them as int32 (its documented fields), converted on the device
     query_start_loc, seq_lens, block_table, ring_blocks = (
         t.to(torch.int32) for t in (query_start_loc, seq_lens, block_table, ring_blocks))
     if not query_start_loc.is_cuda:
-        qsa_checks.check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio,
-                                         block_size)
+        check_metadata_values(query_start_loc, seq_lens, block_table, ring_blocks, compress_ratio,
+                              block_size)
         if num_tokens is not None and num_tokens < int(query_start_loc[-1]):
             raise ValueError(f"num_tokens {num_tokens} < query_start_loc[-1] = {int(query_start_loc[-1])}, the "
                              "forward's real tokens")

@@ -104,7 +104,7 @@ def build_qsa_metadata(
     # query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_table: [B, M] int32; ring_blocks: [B] int32
     """The metadata of one forward (see the module docstring), of ``num_tokens`` tokens (None: the real ones,
     ``query_start_loc[B]``; more: the rest are padding). The math alone: the public op
-    (``kpool_pd.kernels.qsa_metadata``) checks the arguments (``kpool_pd.kernels.qsa_checks``) before calling it."""
+    (``kpool_pd.kernels.qsa_metadata``) checks the arguments (``kpool_pd.kernels.qsa_metadata.checks``) before calling it."""
     r, cap = compress_ratio, ring_capacity
     rows_per_block = block_size // r
     device = seq_lens.device

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kpool_pd.kernels.dispatch import on_tensor_device, use_triton
-from kpool_pd.kernels import qsa_checks  # a module: its names are read at call time (import order)
+from kpool_pd.kernels.qsa_ring.checks import check_read_args, check_slot_values, check_write_args
 from kpool_pd.kernels.qsa_ring import ref
 from kpool_pd.kernels.qsa_ring.ref import POSITION_SLOTS, position_offset
 
@@ -23,9 +23,9 @@ def write_qsa_ring(ring: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
     # ring: [num_rings, C, H, W] bf16 (in place); keys: [T, H, D] bf16; positions: [T, 3] int64 | None;
     # ring_slots: [T] int, -1 = skip
     """
-    qsa_checks.check_write_args(ring, keys, positions, ring_slots)
+    check_write_args(ring, keys, positions, ring_slots)
     if not ring.is_cuda:
-        qsa_checks.check_slot_values(ring_slots, ring.shape[0], ring.shape[1])
+        check_slot_values(ring_slots, ring.shape[0], ring.shape[1])
     if not use_triton(ring):
         ref.write_qsa_ring(ring, keys, positions, ring_slots)
         return
@@ -43,7 +43,7 @@ def read_qsa_ring_positions(
 
     # ring: [num_rings, C, H, W] bf16; slots: [n] int rows of ring ``ring_id`` (pos % C) -> [n, 3] int64
     """
-    qsa_checks.check_read_args(ring, ring_id, slots, head_size)
+    check_read_args(ring, ring_id, slots, head_size)
     return ref.read_qsa_ring_positions(ring, ring_id, slots)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kpool_pd.kernels.dispatch import on_tensor_device, use_triton
-from kpool_pd.kernels import qsa_checks  # a module: its names are read at call time (import order)
+from kpool_pd.kernels.qsa_score.checks import check_topk_args, check_topk_values
 from kpool_pd.kernels.qsa_score import ref
 
 
@@ -23,9 +23,9 @@ def qsa_topk(
     # q: [B, Hq, D] bf16; compressed: [num_blocks, block_size / r, H, D] bf16 | fp8_e4m3 (any strides);
     # block_table: [B, M] int; seq_lens: [B] int -> rows: [B, topk] int64, token_indices: [B, topk*r + r-1] int64
     """
-    qsa_checks.check_topk_args(q, compressed, block_table, seq_lens, compress_ratio, block_size, topk)
+    check_topk_args(q, compressed, block_table, seq_lens, compress_ratio, block_size, topk)
     if not q.is_cuda:
-        qsa_checks.check_topk_values(compressed, block_table, seq_lens, compress_ratio, block_size)
+        check_topk_values(compressed, block_table, seq_lens, compress_ratio, block_size)
     if not use_triton(q):
         return ref.qsa_topk(q, compressed, block_table, seq_lens, compress_ratio=compress_ratio,
                             block_size=block_size, topk=topk)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kpool_pd.kernels.dispatch import on_tensor_device, use_triton
-from kpool_pd.kernels import qsa_checks  # a module: its names are read at call time (import order)
+from kpool_pd.kernels.qsa_update.checks import check_update_args, check_update_values
 from kpool_pd.kernels.qsa_metadata.ref import QsaMetadata
 from kpool_pd.kernels.qsa_rope.cache import RopeCache, check_rope_cache
 from kpool_pd.kernels.qsa_update import ref
@@ -32,13 +32,13 @@ def qsa_forward_update(
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
     # compressed: [num_blocks, block_size / r, H, D] bf16 | fp8_e4m3 (in place, any strides); norm_weight: [D] fp32
     """
-    qsa_checks.check_update_args(keys, positions, metadata, ring, compressed, norm_weight, compress_ratio, block_size,
+    check_update_args(keys, positions, metadata, ring, compressed, norm_weight, compress_ratio, block_size,
                       rotary_dim, section, cache_rope_positions)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     check_rope_cache(rope_cache, rotary_dim=rotary_dim, theta=theta, device=keys.device)
     if not keys.is_cuda:
-        qsa_checks.check_update_values(metadata, ring, compressed)
+        check_update_values(metadata, ring, compressed)
     if not use_triton(keys):
         ref.qsa_forward_update(keys, positions, metadata, ring, compressed, norm_weight,
                                compress_ratio=compress_ratio, block_size=block_size, eps=eps, rotary_dim=rotary_dim,

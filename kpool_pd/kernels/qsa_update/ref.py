@@ -60,7 +60,7 @@ def qsa_forward_update(
 
     Called once per layer per forward, after the layer's keys are computed. Not idempotent
     in general: a second call sees the ring rows of the first. The math alone: the public op
-    (``kpool_pd.kernels.qsa_update``) checks the arguments (``kpool_pd.kernels.qsa_checks``) before calling it.
+    (``kpool_pd.kernels.qsa_update``) checks the arguments (``kpool_pd.kernels.qsa_update.checks``) before calling it.
     """
     r, cap = compress_ratio, metadata.ring_capacity
     rows_per_block = metadata.rows_per_block
