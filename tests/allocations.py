@@ -18,6 +18,15 @@ class _Placed:
         pass
 
 
+class _PlacedAllocation(CacheAllocation):
+    """An allocation that took nothing from a cache: dropping it unreleased leaks nothing, so it reports nothing."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        pass
+
+
 def placed(pool: CachePool, block_ids: Sequence[int], ring_id: int, owner: str = "r") -> CacheAllocation:
     """Blocks ``block_ids`` (block-table order) and ring ``ring_id`` of ``pool`` as an allocation."""
-    return CacheAllocation(_Placed(pool), owner, f"{owner}#placed", tuple(block_ids), ring_id)
+    return _PlacedAllocation(_Placed(pool), owner, f"{owner}#placed", tuple(block_ids), ring_id)
