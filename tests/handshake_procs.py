@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kpool_pd.connector import ConnectorConfig, DecodeConnector, PrefillConnector, StatusError, Transport, open_channel
 from kpool_pd.connector import prefill_api as pb
-from kpool_pd.connector.shared.wire import layout_message
+from kpool_pd.connector.shared.wire import PROTOCOL_VERSION, layout_message
 from kpool_pd.kvcache import BlockLayout, NodeCache
 from kpool_pd.runtime.launch import child_context, start_child
 from tests.pulls import pull_into
@@ -159,12 +159,14 @@ def junk_addresses(real: bytes, count: int, seed: int = 0) -> list[tuple[str, by
 
 
 def handshake_as(address: str, engine_id: str, ucx_worker_address: bytes, *, layout=None, model_identity: str = "",
-                 transports=(pb.TRANSPORT_UCX,), engine_secret: bytes = b"", timeout_s: float = 15.0) -> tuple[str, str]:
+                 transports=(pb.TRANSPORT_UCX,), engine_secret: bytes = b"", timeout_s: float = 15.0,
+                 protocol_version: int = PROTOCOL_VERSION) -> tuple[str, str]:
     """One Handshake sent as an attacker would, with a raw stub (the peer token, any bytes); returns
     (status code name, details)."""
     request = pb.HandshakeRequest(engine_id=engine_id, layout=layout or layout_message(BlockLayout(procs.CONFIG)),
                                   transports=list(transports), ucx_worker_address=ucx_worker_address,
-                                  model_identity=model_identity, engine_secret=engine_secret)
+                                  model_identity=model_identity, engine_secret=engine_secret,
+                                  protocol_version=protocol_version)
     return call_as(address, "Handshake", request, timeout_s=timeout_s)
 
 

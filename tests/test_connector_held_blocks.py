@@ -12,8 +12,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from kpool_pd.connector import Transport
-from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector import StatusError, Transport
 from kpool_pd.connector.shared.plan import without_held
 from tests.connector_harness import InProcessPair
 from tests.pulls import allocation_for, pull_into
@@ -83,25 +82,19 @@ def test_without_held_keeps_the_pairs_of_the_blocks_not_held():
     assert without_held([10, 11], [0, 1], ()) == ([10, 11], [0, 1])
 
 
-def test_the_prefill_node_refuses_held_indices_beyond_the_grant_and_keeps_the_grant():
+def test_held_indices_beyond_the_grant_fail_the_plan_before_anything_is_sent_and_keep_the_grant():
     async def main():
         async with InProcessPair() as pair:
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("bad-held", PROMPT)
             allocation = allocation_for(pair.d_cache, grant)
             with allocation:
-                request = pb.PullRequest(grant_id=grant.grant_id, engine_id=pair.decode.engine_id,
-                                         engine_secret=peer._secret, dst_block_ids=allocation.block_ids[:5],
-                                         dst_ring_id=allocation.ring_id, transport=Transport.GRPC_STREAM.value,
-                                         held_block_indices=[4, 9])
-                call = peer._pull(request, timeout=10)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in call:
-                        pass
-                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-                assert "held block index 9" in err.value.details()
+                with pytest.raises(StatusError) as err:
+                    await peer.pull(grant, into=allocation, transport=Transport.GRPC_STREAM, held=(4, 9))
+                assert err.value.code is grpc.StatusCode.INTERNAL and "held block index 9" in err.value.message
+                assert pair.prefill.grants_held == 1  # the prefill node kept the grant: no Pull reached it
                 pulled = await peer.pull(grant, into=allocation, transport=Transport.GRPC_STREAM, held=(0,))
-                assert pulled.held_blocks == 1  # the refused pull left the grant to a good one
+                assert pulled.held_blocks == 1  # the failed plan left the grant to a good one
     run(main())
 
 

@@ -228,6 +228,12 @@ def _prefill(**kw):
     return "Prefill", pb.PrefillRequest(**fields)
 
 
+def _pull_of(grant, *regions: pb.Region):
+    """A Pull of ``grant`` over the gRPC stream whose plan is ``regions``."""
+    return "Pull", pb.PullRequest(grant_id=grant.grant_id, engine_id="decode-t", transport=pb.TRANSPORT_GRPC_STREAM,
+                                  regions=list(regions))
+
+
 INVALID = {
     "handshake-empty-engine-id": (lambda g: ("Handshake", pb.HandshakeRequest(engine_id="")), "engine_id"),
     "handshake-long-engine-id": (lambda g: ("Handshake", pb.HandshakeRequest(engine_id="e" * 257)), "engine_id"),
@@ -238,14 +244,18 @@ INVALID = {
     "heartbeat-too-many-ids": (lambda g: ("Heartbeat", pb.HeartbeatRequest(engine_id="decode-t", grant_ids=["x"] * 9)),
                                "9 grant ids (limit 8)"),
     "pull-transport-not-offered": (lambda g: ("Pull", pb.PullRequest(
-        grant_id=g.grant_id, engine_id="decode-t", dst_block_ids=list(range(g.num_blocks)), transport=pb.TRANSPORT_UCX,
-        ucx_tag_base=1)), "not offered"),
-    "pull-wrong-block-count": (lambda g: ("Pull", pb.PullRequest(
-        grant_id=g.grant_id, engine_id="decode-t", dst_block_ids=[0], transport=pb.TRANSPORT_GRPC_STREAM)),
-        "destination blocks for a grant of"),
-    "pull-duplicate-block-ids": (lambda g: ("Pull", pb.PullRequest(
-        grant_id=g.grant_id, engine_id="decode-t", dst_block_ids=[0] * g.num_blocks, transport=pb.TRANSPORT_GRPC_STREAM)),
-        "appears twice"),
+        grant_id=g.grant_id, engine_id="decode-t", transport=pb.TRANSPORT_UCX, ucx_tag_base=1)), "not offered"),
+    "pull-region-beyond-the-grants-blocks": (lambda g: _pull_of(g, pb.Region(kind=pb.POOL_KIND_BLOCKS, offset=0,
+                                                                        nbytes=1 << 40)),
+                                             "region 0 (pool 1, plane 0, bytes 0+1099511627776) is not served: it "
+                                             "reaches bytes of a block the grant does not hold"),
+    "pull-region-of-another-plane": (lambda g: _pull_of(g, pb.Region(kind=pb.POOL_KIND_BLOCKS, offset=0, nbytes=1, plane=1)),
+                                     "reaches bytes of a block the grant does not hold"),
+    "pull-region-beyond-the-ring": (lambda g: _pull_of(g, pb.Region(kind=pb.POOL_KIND_RINGS, offset=0, nbytes=1 << 30)),
+                                    "the grant's ring holds bytes"),
+    "pull-region-of-no-pool": (lambda g: _pull_of(g, pb.Region(kind=pb.POOL_KIND_UNSPECIFIED, offset=0, nbytes=1)),
+                               "pool kind 0 is none of [1, 2]"),
+    "pull-empty-region": (lambda g: _pull_of(g, pb.Region(kind=pb.POOL_KIND_BLOCKS, offset=0, nbytes=0)), "it is empty"),
 }
 
 

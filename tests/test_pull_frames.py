@@ -47,10 +47,10 @@ def test_frame_data_views_the_received_bytes():
 
 
 @pytest.mark.parametrize("message", [
-    pb.PullResponse(grant=pb.PullGrant(src_block_ids=[4, 5, 6], src_ring_id=2, num_regions=2, total_bytes=99)),
+    pb.PullResponse(prefilled=pb.PrefillDone(first_token=4, prefill_ms=2.5)),
     pb.PullResponse(done=pb.PullDone(bytes=10, regions=1, crc32=[7])),
     pb.PullResponse(),
-], ids=["grant", "done", "empty"])
+], ids=["prefilled", "done", "empty"])
 def test_other_messages_go_through_protobuf(message):
     raw = serialize_response(message)
     assert raw == message.SerializeToString()

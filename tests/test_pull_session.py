@@ -79,7 +79,8 @@ REFUSED = {
     "no-engine-secret": (lambda g: dict(engine_secret=b""), grpc.StatusCode.PERMISSION_DENIED, "engine secret"),
     "wrong-engine-secret": (lambda g: dict(engine_secret=b"x" * 32), grpc.StatusCode.PERMISSION_DENIED, "engine secret"),
     "zero-tag-base": (lambda g: dict(ucx_tag_base=0), grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base"),
-    "wrong-block-count": (lambda g: dict(dst_block_ids=[0]), grpc.StatusCode.INVALID_ARGUMENT, "destination blocks"),
+    "region-beyond-the-grant": (lambda g: dict(regions=[pb.Region(kind=pb.POOL_KIND_BLOCKS, offset=0, nbytes=1 << 40)]),
+                                grpc.StatusCode.INVALID_ARGUMENT, "is not served"),
 }
 
 
@@ -94,8 +95,8 @@ def test_a_refused_pull_ends_with_its_status_and_the_session_serves_the_next(cas
             grant = await peer.prefill("held", [3] * 130)
             stub = pb.PrefillServiceStub(peer._channel)
             session = stub.PullSession(timeout=10)
-            fields = dict(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=list(range(len(grant.src_block_ids))),
-                          dst_ring_id=0, transport=pb.TRANSPORT_UCX, ucx_tag_base=7, engine_secret=peer._secret) \
+            fields = dict(grant_id=grant.grant_id, engine_id="decode-t", transport=pb.TRANSPORT_UCX, ucx_tag_base=7,
+                          engine_secret=peer._secret) \
                 | change(grant)
             await session.write(pb.PullSessionRequest(pull=pb.PullRequest(**fields)))
             answer = await session.read()
@@ -115,8 +116,8 @@ def test_a_duplicate_pull_on_one_session_is_refused():
         async with InProcessPair(config=CONFIG, transports=(UCX,)) as pair:
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("dup", [3] * 10)
-            request = pb.PullRequest(grant_id=grant.grant_id, engine_id="decode-t", dst_block_ids=[0], dst_ring_id=0,
-                                     transport=pb.TRANSPORT_UCX, ucx_tag_base=9, engine_secret=peer._secret)
+            request = pb.PullRequest(grant_id=grant.grant_id, engine_id="decode-t", transport=pb.TRANSPORT_UCX,
+                                     ucx_tag_base=9, engine_secret=peer._secret)
             peer._session.open(request)
             with pytest.raises(StatusError) as err:
                 peer._session.open(request)

@@ -47,7 +47,7 @@ from kpool_pd.runtime import GrpcServer
 from kpool_pd.runtime.launch import child_context, start_child
 
 
-PHASES = tuple(f.name.removesuffix("_ms") for f in dataclasses.fields(PullTimeline))  # control, post, wire, ...
+PHASES = tuple(f.name.removesuffix("_ms") for f in dataclasses.fields(PullTimeline))  # post, wire, completion, verify
 
 
 def _config(layers: int, block_size: int, kpool: int) -> CacheConfig:

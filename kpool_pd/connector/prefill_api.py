@@ -25,7 +25,6 @@ PrefillDone = _pb.PrefillDone
 PrefillRequest = _pb.PrefillRequest
 PrefillResponse = _pb.PrefillResponse
 PullDone = _pb.PullDone
-PullGrant = _pb.PullGrant
 PullRequest = _pb.PullRequest
 PullResponse = _pb.PullResponse
 PullFailure = _pb.PullFailure

@@ -28,7 +28,7 @@ from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.peer_context import PeerContext
 from kpool_pd.connector.decode.releases import BackgroundReleases
 from kpool_pd.connector.shared.ucx import NOT_ENCRYPTED, ReceiveBatch, UcxNode
-from kpool_pd.connector.shared.wire import Transport, layout_message, transports_from
+from kpool_pd.connector.shared.wire import PROTOCOL_VERSION, Transport, layout_message, protocol_name, transports_from
 from kpool_pd.kvcache import CachePool
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class DecodeConnector:
 
     async def connect(self, address: str) -> PrefillPeer:
         """Handshake with the prefill node at ``host:port``. FAILED_PRECONDITION when the layouts
-        differ in more than their arrangement (block size, order, kernel page; naming the fields) or the model identities differ (naming
-        what differs); UNAUTHENTICATED without the right token, on either side: with ``peer_token`` the
+        differ in more than their arrangement (block size, order, kernel page; naming the fields), the model identities
+        differ (naming what differs) or the node speaks another connector protocol version (naming both); UNAUTHENTICATED without the right token, on either side: with ``peer_token`` the
         channel's first call proves it through PeerAuth, and a node that does not prove it back is sent
         nothing else (``open_channel``); INVALID_ARGUMENT or UNAVAILABLE
         when the prefill node refuses or cannot reach our UCX worker address. Each call opens a new
@@ -89,7 +89,8 @@ class DecodeConnector:
         req = pb.HandshakeRequest(engine_id=self.engine_id, layout=layout_message(self.pool.layout),
                                   transports=[t.value for t in self.transports if t is not Transport.UCX or self.ucx],
                                   ucx_worker_address=self.ucx.address if self.ucx else b"",
-                                  model_identity=self.model_identity, engine_secret=self.secrets.get(address))
+                                  model_identity=self.model_identity, engine_secret=self.secrets.get(address),
+                                  protocol_version=PROTOCOL_VERSION)
         stub = pb.PrefillServiceStub(channel)
         warmup = self._post_warmup(req)
         try:
@@ -110,11 +111,14 @@ class DecodeConnector:
         self.secrets.keep(address, r.engine_secret)
         layout, differing = peer_layout(self.pool.layout, r.layout)
         model = model_differences(self.model_identity, r.model_identity)
-        if layout is None or model:
+        if layout is None or model or r.protocol_version != PROTOCOL_VERSION:
             await channel.close()
-            self.metrics.failures.labels("layout_mismatch" if layout is None else "model_mismatch").inc()
+            cause = "layout_mismatch" if layout is None else "model_mismatch" if model else "protocol_mismatch"
+            self.metrics.failures.labels(cause).inc()
             what = (f"cache layout of prefill node {r.engine_id} differs: fields {differing}" if layout is None else
-                    f"model differs (this engine vs prefill node {r.engine_id}): {'; '.join(model)}")
+                    f"model differs (this engine vs prefill node {r.engine_id}): {'; '.join(model)}" if model else
+                    f"prefill node {r.engine_id} speaks {protocol_name(r.protocol_version)}; this engine speaks "
+                    f"{protocol_name(PROTOCOL_VERSION)}")
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"Handshake with {address}: {what}")
         peer = PrefillPeer(self.peer_context(), address, channel, r, layout, handshake=req)
         self._peers.append(peer)

@@ -48,14 +48,12 @@ class TransferTimes:
 @dataclass(frozen=True)
 class PullTimeline:
     """Where one pull's time went, in milliseconds, from planning to the bytes in place: ``post``
-    planning and posting the receives, ``control`` from the Pull call until the prefill node's
-    grant message arrived, ``wire`` until the sender's PullDone (the gRPC stream: landing its
-    chunks too), ``completion`` until every UCX receive completed after that, ``verify`` the
-    integrity check and the conversion from the peer's block order. A UCX pull without integrity
-    waits on its receives alone: ``control`` and ``completion`` are 0, ``wire`` runs from the Pull
-    call to the last receive landed."""
+    planning and posting the receives, ``wire`` from the Pull call until the sender's PullDone (the gRPC
+    stream: landing its chunks too; the plan travels in the request, so no control message is waited on
+    first), ``completion`` until every UCX receive completed after that, ``verify`` the integrity check and
+    the conversion from the peer's block order. A UCX pull without integrity waits on its receives alone:
+    ``completion`` is 0, ``wire`` runs from the Pull call to the last receive landed."""
 
-    control_ms: float
     post_ms: float
     wire_ms: float
     completion_ms: float
@@ -63,4 +61,4 @@ class PullTimeline:
 
     @property
     def total_ms(self) -> float:
-        return self.control_ms + self.post_ms + self.wire_ms + self.completion_ms + self.verify_ms
+        return self.post_ms + self.wire_ms + self.completion_ms + self.verify_ms

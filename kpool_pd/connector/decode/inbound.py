@@ -1,9 +1,10 @@
 """The decode side of one Pull stream: from the PullRequest to the prompt's bytes verified in our blocks.
 
 The steps, in order (``InboundPull.run``): take the plan the peer made once from the Prefill response
-(which names the source blocks and ring; ``kpool_pd.connector.decode.share``) and post the UCX receives on it; then open the stream (the
-prefill node starts its UCX sends as the Pull arrives, into receives already posted) and check
-its grant against the Prefill response; land the stream's chunks (gRPC stream) until PullDone;
+(which names the source blocks and ring; ``kpool_pd.connector.decode.share``) and post the UCX receives on
+it; then open the stream with the plan in its request (the prefill node checks it against the grant, and
+starts its UCX sends as the Pull arrives, into receives already posted); land the stream's chunks (gRPC
+stream) until PullDone;
 verify that every byte arrived (and its crc32 when asked); convert from the peer's layout. Whatever step fails, the stream is cancelled and the
 receives posted into our memory are retired before ``run`` returns, so that the caller may free
 the blocks at once.
@@ -36,7 +37,7 @@ from kpool_pd.connector.shared.metrics import ConnectorMetrics
 from kpool_pd.connector.shared.plan import PoolKind, RegionPair, TransferPlan
 from kpool_pd.connector.shared.pull_frames import ChunkFrame
 from kpool_pd.connector.shared.ucx import MAX_REGIONS, ReceiveBatch, UcxNode
-from kpool_pd.connector.shared.wire import Transport, ring_from
+from kpool_pd.connector.shared.wire import Transport
 from kpool_pd.kvcache import BlockLayout, CachePool
 
 logger = logging.getLogger(__name__)
@@ -130,12 +131,10 @@ class InboundPull:
             self.call = self.open_call()
             asyncio.get_running_loop().call_soon(self._prepare_landing)  # once the request is handed on
             if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
-                await self._land_on_receives(plan)
-                marks += [marks[-1], time.perf_counter()]  # no control round trip waited on
-                marks.append(marks[-1])
-            else:
-                await self._open(plan)
+                await self._land_on_receives()
                 marks.append(time.perf_counter())
+                marks.append(marks[-1])  # nothing to complete after the receives
+            else:
                 done, landed = await self._land_chunks(views)
                 marks.append(time.perf_counter())
                 await self._wait_landed(plan, views, landed)
@@ -143,8 +142,7 @@ class InboundPull:
                 self._verify(views, done)
             self.landing.convert()
             marks.append(time.perf_counter())
-            post, control, *rest = ((b - a) * 1000 for a, b in zip(marks, marks[1:]))
-            self.plan, self.timeline = plan, PullTimeline(control, post, *rest)
+            self.plan, self.timeline = plan, PullTimeline(*((b - a) * 1000 for a, b in zip(marks, marks[1:])))
             self.times = self._times(marks)
             hops.stamp(self.grant.grant_id, "returned")
             return plan
@@ -188,14 +186,13 @@ class InboundPull:
     def _landed(self, _future: asyncio.Future) -> None:
         self.last_landed = max(self.last_landed, time.perf_counter())
 
-    async def _land_on_receives(self, plan: TransferPlan) -> None:
+    async def _land_on_receives(self) -> None:
         """UCX without integrity: the bytes are in place once every receive completed, and that is
-        what this waits for; the stream carries only the grant check and the prefill node's
-        failures. Whichever ends first decides: a stream that fails fails the pull; receives that
+        what this waits for; the stream carries only the prefill node's PullDone or its failure. Whichever ends first decides: a stream that fails fails the pull; receives that
         all landed end it, and the stream is followed to its end in the background (``keep``), not
         cancelled: cancelling it would cancel sends whose completion the prefill node may not have
         seen yet."""
-        follow = asyncio.ensure_future(self._follow(plan))
+        follow = asyncio.ensure_future(self._land_chunks(self.views))
         landed = asyncio.ensure_future(self.receives.wait())  # cancelling it leaves the receives posted
         try:
             await asyncio.wait({follow, landed}, return_when=asyncio.FIRST_COMPLETED)
@@ -212,11 +209,6 @@ class InboundPull:
         if not follow.done():
             self.follower = follow
             self.keep(follow)
-
-    async def _follow(self, plan: TransferPlan) -> None:
-        """The UCX stream's messages: the grant (checked), then PullDone."""
-        await self._open(plan)
-        await self._land_chunks(self.views)
 
     async def _read(self):
         try:
@@ -236,19 +228,6 @@ class InboundPull:
             for future in self.receives.futures:
                 future.add_done_callback(self._landed)
         return plan, views
-
-    async def _open(self, plan: TransferPlan) -> None:
-        """The stream's first message: the source side of the plan, which must be the grant's."""
-        first = await self._read()
-        if first is None or isinstance(first, ChunkFrame) or first.WhichOneof("message") != "grant":
-            raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream did not start with a grant")
-        source = first.grant
-        if ring_from(source.ring_live) != self.grant.ring_live or tuple(source.src_block_ids) != self.grant.src_block_ids \
-                or source.src_ring_id != self.grant.src_ring_id:
-            raise StatusError(grpc.StatusCode.INTERNAL, "Pull grant disagrees with the Prefill response")
-        if source.num_regions != len(plan) or source.total_bytes != plan.total_bytes:
-            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions / {plan.total_bytes} B disagrees "
-                              f"with the grant's {source.num_regions} / {source.total_bytes}")
 
     async def _land_chunks(self, views: list[torch.Tensor]) -> tuple[pb.PullDone, list[int]]:
         """Write each chunk where it belongs until PullDone; the bytes landed per region. A pipelined

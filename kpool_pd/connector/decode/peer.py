@@ -23,7 +23,7 @@ from kpool_pd.connector.decode.peer_context import PeerContext
 from kpool_pd.connector.shared.pull_frames import pull_method
 from kpool_pd.connector.decode.pull_session import PullSession
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, PullTarget
-from kpool_pd.connector.shared.wire import Transport, ring_from, transports_from
+from kpool_pd.connector.shared.wire import Transport, region_message, ring_from, transports_from
 from kpool_pd.kvcache import BlockLayout, CacheAllocation
 
 logger = logging.getLogger(__name__)
@@ -316,8 +316,9 @@ class PrefillPeer:
 
     async def _land(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport,
                     integrity: bool, share: PullShare, held: tuple[int, ...]) -> InboundPull:
-        """Plan the pull (``share``'s plan, once), open the Pull stream and land the prompt (a DCP rank: its
-        share) into the first blocks of the allocation; the finished pull (its plan and timeline)."""
+        """Plan the pull once (``share``'s plan, from the grant), send the plan's source side in the PullRequest
+        (the prefill node checks it against the grant and serves it as it is), and land the prompt (a DCP rank:
+        its share) into the first blocks of the allocation; the finished pull (its plan and timeline)."""
         c = self.context
         ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
         landing = Landing(c.pool, self.layout, allocation.block_ids[:share.blocks_landed(c.pool.layout, grant)],
@@ -330,9 +331,8 @@ class PrefillPeer:
             raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
         tag_base = InboundPull.tag_base_for(transport)
         req = pb.PullRequest(grant_id=grant.grant_id, engine_id=c.engine_id, engine_secret=self._secret,
-                             dst_block_ids=landing.ids,
-                             dst_ring_id=ring_id, transport=transport.value, integrity=integrity,
-                             ucx_tag_base=tag_base, dcp_rank=share.rank, held_block_indices=held)
+                             transport=transport.value, integrity=integrity, ucx_tag_base=tag_base,
+                             dcp_rank=share.rank, regions=[region_message(pair.src) for pair in plan.pairs])
         deadline_s = c.config.pull_budget_s(computing=grant.pipelined)
         session = self._session if transport is Transport.UCX and self._session is not None else None
         pull = InboundPull((lambda: session.open(req)) if session is not None else

@@ -30,7 +30,7 @@ from kpool_pd.connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, arrangeme
 from kpool_pd.connector.shared.config import ConnectorConfig
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
 from kpool_pd.connector.shared.ucx import UcxNode
-from kpool_pd.connector.shared.wire import Transport, layout_message, transports_from
+from kpool_pd.connector.shared.wire import PROTOCOL_VERSION, Transport, layout_message, protocol_name, transports_from
 from kpool_pd.kvcache import BlockLayout
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class HandshakeDesk:
     async def answer(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         """Check the decode engine's id, layout, model and UCX worker address, then (only if all pass)
         admit its new record. INVALID_ARGUMENT for a malformed id or address, PERMISSION_DENIED for a known
-        engine's id without its secret, FAILED_PRECONDITION for a layout or model mismatch, UNAVAILABLE when
+        engine's id without its secret, FAILED_PRECONDITION for a layout, model or protocol version mismatch, UNAVAILABLE when
         UCX cannot reach the address; a refusal is logged as a warning and changes nothing about the engine."""
         engine_id = request.engine_id
         if not engine_id or len(engine_id) > MAX_ID_CHARS:
@@ -75,6 +75,10 @@ class HandshakeDesk:
         if model:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch", engine_id,
                                f"model differs (prefill node {self.engine_id} vs engine {engine_id}): {'; '.join(model)}")
+        if request.protocol_version != PROTOCOL_VERSION:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "protocol_mismatch", engine_id,
+                               f"engine {engine_id} speaks {protocol_name(request.protocol_version)}; prefill node "
+                               f"{self.engine_id} speaks {protocol_name(PROTOCOL_VERSION)}")
         offered = frozenset(transports_from(request.transports))
         if Transport.UCX in offered and self.ucx is None:
             offered -= {Transport.UCX}  # this node sends over the gRPC stream only
@@ -98,6 +102,7 @@ class HandshakeDesk:
             lease_ms=int(self.config.lease_s * 1000), max_prompt_tokens=self.config.max_prompt_tokens,
             chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity, pull_session=True,
             engine_secret=secret, pull_session_idle_ms=int(self.config.pull_session_idle_s * 1000),
+            protocol_version=PROTOCOL_VERSION,
         )
 
     async def _reach(self, context, engine_id: str, address: bytes, warmup_tag: int) -> UcxLink:

@@ -1,8 +1,8 @@
 """The prefill side of one Pull stream: the grant's regions sent over UCX or the gRPC stream, each as soon
 as the prompt's chunks have written it (a pipelined grant), then PullDone.
 
-``OutboundPull.messages()`` is the stream the Pull RPC yields. Region i may move once ``ready[i]``
-prompt tokens are written in every layer (``kpool_pd.connector.shared.plan.ready_at``): a grant made after its prompt
+``OutboundPull.messages()`` is the stream the Pull RPC yields. Region i may move once ``plan.ready[i]``
+prompt tokens are written in every layer (``kpool_pd.connector.prefill.served_plan``): a grant made after its prompt
 was computed sends everything at once, as before; a pipelined grant sends each piece of blocks while
 later chunks compute, announces the prompt's end (PrefillDone, with the first token) as soon as the
 last chunk is computed, then moves the remaining pieces and the ring. Every wait has the Pull's
@@ -23,11 +23,11 @@ import torch
 
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.prefill.leases import Grant
+from kpool_pd.connector.prefill.served_plan import ServedPlan
 from kpool_pd.connector.shared import hops, pull_frames, regions
-from kpool_pd.connector.shared.plan import TransferPlan
 from kpool_pd.connector.prefill.ucx_link import LentEndpoint, UcxLink
 from kpool_pd.connector.shared.ucx import UcxSendError, region_tag
-from kpool_pd.connector.shared.wire import Transport, ring_message
+from kpool_pd.connector.shared.wire import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,10 @@ class OutboundPull:
     this pull by ``link``, the engine's); the caller's ``stop_sends`` ends them and the loan when the
     stream ends."""
 
-    def __init__(self, grant: Grant, plan: TransferPlan, views: Sequence[torch.Tensor], ready: Sequence[int], *,
+    def __init__(self, grant: Grant, plan: ServedPlan, views: Sequence[torch.Tensor], *,
                  transport: Transport, engine_id: str, link: UcxLink | None, tag_base: int, chunk_bytes: int,
                  integrity: bool, deadline: float) -> None:
-        self.grant, self.plan, self.views, self.ready = grant, plan, list(views), list(ready)
+        self.grant, self.plan, self.views, self.ready = grant, plan, list(views), plan.ready
         self.transport, self.engine_id, self.link, self.tag_base = transport, engine_id, link, tag_base
         self.chunk_bytes, self.integrity, self.deadline = chunk_bytes, integrity, deadline
         self.sends: list[asyncio.Future] = []
@@ -158,9 +158,6 @@ class OutboundPull:
                 raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
             hops.stamp(grant.grant_id, "lent")
             index = self._start_ready_sends(0)
-        yield pb.PullResponse(grant=pb.PullGrant(
-            src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, ring_live=ring_message(grant.live),
-            num_regions=len(plan), total_bytes=plan.total_bytes))
         while index < len(self.views):
             await self._until_written(self.ready[index])
             if self.transport is Transport.UCX:  # the sends first: PrefillDone must not delay them

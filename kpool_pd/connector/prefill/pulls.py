@@ -1,9 +1,10 @@
-"""The Pull and PullSession RPCs on the prefill node: a grant's pull checked, planned once, and served
+"""The Pull and PullSession RPCs on the prefill node: a grant's pull checked and served
 (``kpool_pd.connector.prefill.outbound``) to the engine that holds it.
 
-A pull is checked against its grant (it must be the grant's engine or DCP rank, over a transport both
-offered, into as many blocks as the grant lands in), then planned once (``plan_pull``: the regions and
-when each may move); the plan serves the whole stream. A pull keeps its grant from being freed until it
+A pull is checked against its grant: it must be the grant's engine or DCP rank, over a transport both
+offered, and the plan it carries (the decode node planned it once) must read only what the grant holds
+(``kpool_pd.connector.prefill.served_plan``, which also says when each region may move); that plan serves
+the whole stream, and this node plans nothing. A pull keeps its grant from being freed until it
 ends; a pull that ends before its last byte stops its sends first (``OutboundPull.stop_sends``). A pull
 whose caller went away (its Pull call cancelled, its PullSession broken: the decode node died or gave up)
 while the prompt is still being computed abandons its grant: the engine computes no further chunk of it
@@ -24,49 +25,16 @@ from kpool_pd.connector.prefill.decode_engines import DecodeEngineTable
 from kpool_pd.connector.prefill.grants import GrantKeeper
 from kpool_pd.connector.prefill.leases import Grant
 from kpool_pd.connector.prefill.outbound import OutboundPull, PullAborted
+from kpool_pd.connector.prefill.served_plan import served_plan
 from kpool_pd.connector.prefill.ucx_link import UcxLink
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.config import ConnectorConfig
-from kpool_pd.connector.shared.dcp_plan import plan_dcp_transfer
 from kpool_pd.connector.shared.errors import StatusError
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
-from kpool_pd.connector.shared.plan import TransferPlan, plan_transfer, ready_at, without_held
-from kpool_pd.connector.shared.ucx import MAX_REGIONS
 from kpool_pd.connector.shared.wire import Transport
-from kpool_pd.kvcache import BlockLayout, CachePool, DcpShard
+from kpool_pd.kvcache import CachePool
 
 logger = logging.getLogger(__name__)
-
-
-def plan_pull(layout: BlockLayout, grant: Grant, request: pb.PullRequest) -> tuple[TransferPlan, list[int]]:
-    """The one plan of a pull of ``grant`` into ``request``'s blocks and ring (a DCP rank: its share; without
-    the blocks the puller holds, ``held_block_indices``), and for each region how many prompt tokens must be
-    written before it may move (``ready_at``). StatusError INVALID_ARGUMENT for a wrong number of blocks, ids
-    or held indices out of range, or too many regions; FAILED_PRECONDITION for held blocks with DCP or a
-    prompt still computing."""
-    shard = DcpShard(size=len(grant.dcp_engine_ids), rank=request.dcp_rank, interleave=grant.dcp_interleave) \
-        if grant.dcp_engine_ids else None
-    want = shard.blocks_for_tokens(layout.config, grant.prompt_len) if shard else len(grant.block_ids)
-    if len(request.dst_block_ids) != want:
-        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{len(request.dst_block_ids)} destination blocks for a grant of {want} blocks"
-                          + (f" (rank {shard.rank} of {shard.size})" if shard else ""))
-    if request.held_block_indices and (shard is not None or grant.computing):
-        raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, "held blocks (a prefix hit) are skipped only by a "
-                          "pull of a computed prompt without DCP")
-    try:
-        if shard is None:
-            src, dst = without_held(grant.block_ids, list(request.dst_block_ids), list(request.held_block_indices))
-            plan = plan_transfer(layout, src, dst, grant.ring_id, request.dst_ring_id, grant.live,
-                                 piece_blocks=grant.piece_blocks)
-        else:
-            plan = plan_dcp_transfer(layout, grant.block_ids, list(request.dst_block_ids), grant.ring_id,
-                                     request.dst_ring_id, grant.live, shard, grant.prompt_len)
-    except ValueError as exc:
-        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-    if len(plan) > MAX_REGIONS:
-        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{len(plan)} regions (limit {MAX_REGIONS})")
-    return plan, ready_at(plan, layout, grant.prompt_len)
 
 
 class PullDesk:
@@ -107,12 +75,12 @@ class PullDesk:
         """The messages of one pull of ``request``, as a Pull stream sends them; StatusError for a pull
         refused or failed (the status its stream ends with). Closing the generator early stops its sends."""
         grant, transport, link = self._checked(request)
-        plan, ready = plan_pull(self.layout, grant, request)
+        plan = served_plan(self.layout, grant, request.regions)
         hops.stamp(grant.grant_id, "checked")
         grant.pulls_in_flight += 1
-        views = [regions.region_view(self.pool, p.src) for p in plan.pairs]
+        views = [regions.region_view(self.pool, region) for region in plan.regions]
         started = time.perf_counter()
-        outbound = OutboundPull(grant, plan, views, ready, transport=transport, engine_id=request.engine_id,
+        outbound = OutboundPull(grant, plan, views, transport=transport, engine_id=request.engine_id,
                                 link=link, tag_base=request.ucx_tag_base, chunk_bytes=self.config.chunk_bytes,
                                 integrity=request.integrity,
                                 deadline=time.monotonic() + self.config.pull_budget_s(computing=grant.computing))

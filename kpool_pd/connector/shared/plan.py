@@ -173,21 +173,3 @@ def plan_transfer(
         dst = Region(PoolKind.RINGS, dst_ring * layout.ring_block_bytes + slot * slot_bytes, n)
         pairs.append(RegionPair(src, dst))
     return TransferPlan(pairs=tuple(pairs), ring_empty=live.empty)
-
-
-def ready_at(plan: TransferPlan, layout: BlockLayout, prompt_len: int) -> list[int]:
-    """For each region of ``plan`` (block runs in block-table order, each in every plane, then the ring),
-    how many prompt tokens must be written in every layer before it may move: a run's last block
-    complete (or the prompt's end, for the block it ends in), the ring only once the whole prompt is.
-    Blocks of several groups (``layout.num_groups > 1``) are not in token order: each waits for the prompt."""
-    if layout.num_groups > 1:
-        return [prompt_len] * len(plan.pairs)
-    ready, blocks = [], 0
-    for pair in plan.pairs:
-        if pair.src.kind is PoolKind.BLOCKS:
-            if pair.src.plane == 0:
-                blocks += pair.src.nbytes // layout.block_planes[0]
-            ready.append(min(prompt_len, blocks * layout.config.block_size))
-        else:
-            ready.append(prompt_len)
-    return ready

@@ -6,8 +6,18 @@ import enum
 import json
 
 from kpool_pd.connector import prefill_api as pb
-from kpool_pd.connector.shared.plan import RingRange
+from kpool_pd.connector.shared.plan import PoolKind, Region, RingRange
 from kpool_pd.kvcache import BlockLayout
+
+
+# The connector protocol this build speaks, stated by both sides in the Handshake; a peer of another version is
+# refused by name (an older one states none: 0). 2: a Pull carries the decode node's plan, served as it is.
+PROTOCOL_VERSION = 2
+
+
+def protocol_name(version: int) -> str:
+    """A protocol version as messages name it."""
+    return f"connector protocol {version}" if version else "a connector protocol older than 2 (it states no version)"
 
 
 class Transport(enum.Enum):
@@ -52,3 +62,17 @@ def ring_message(live: RingRange) -> pb.RingRange:
 
 def ring_from(msg: pb.RingRange) -> RingRange:
     return RingRange(start_slot=msg.start_slot, num_slots=msg.num_slots)
+
+
+def region_message(region: Region) -> pb.Region:
+    return pb.Region(kind=region.kind.value, offset=region.offset, nbytes=region.nbytes, plane=region.plane)
+
+
+def region_from(msg: pb.Region) -> Region:
+    """ValueError naming the value for a pool kind this build does not know."""
+    if msg.kind not in _POOL_KIND_VALUES:
+        raise ValueError(f"pool kind {msg.kind} is none of {sorted(_POOL_KIND_VALUES)}")
+    return Region(PoolKind(msg.kind), msg.offset, msg.nbytes, msg.plane)
+
+
+_POOL_KIND_VALUES = frozenset(k.value for k in PoolKind)

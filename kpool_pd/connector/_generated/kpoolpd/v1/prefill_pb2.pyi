@@ -38,7 +38,7 @@ class Layout(_message.Message):
     def __init__(self, layout_hash: _Optional[str] = ..., fields_json: _Optional[str] = ..., block_bytes: _Optional[int] = ..., ring_block_bytes: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "model_identity", "ucx_warmup_tag", "engine_secret")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "model_identity", "ucx_warmup_tag", "engine_secret", "protocol_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class HandshakeRequest(_message.Message):
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     UCX_WARMUP_TAG_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -53,10 +54,11 @@ class HandshakeRequest(_message.Message):
     model_identity: str
     ucx_warmup_tag: int
     engine_secret: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., ucx_warmup_tag: _Optional[int] = ..., engine_secret: _Optional[bytes] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., ucx_warmup_tag: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms", "protocol_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class HandshakeResponse(_message.Message):
     PULL_SESSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     PULL_SESSION_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -79,7 +82,8 @@ class HandshakeResponse(_message.Message):
     pull_session: bool
     engine_secret: bytes
     pull_session_idle_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave", "engine_secret", "mrope_positions")
@@ -138,52 +142,36 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., first_token: _Optional[int] = ..., lease_ms: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., pipelined: _Optional[bool] = ..., piece_blocks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("grant_id", "engine_id", "dst_block_ids", "dst_ring_id", "transport", "integrity", "ucx_tag_base", "dcp_rank", "engine_secret", "held_block_indices")
+    __slots__ = ("grant_id", "engine_id", "transport", "integrity", "ucx_tag_base", "dcp_rank", "engine_secret", "regions")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    DST_RING_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
     DCP_RANK_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
-    HELD_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     engine_id: str
-    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    dst_ring_id: int
     transport: Transport
     integrity: bool
     ucx_tag_base: int
     dcp_rank: int
     engine_secret: bytes
-    held_block_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., dst_ring_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., held_block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, grant_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., dcp_rank: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("kind", "offset", "nbytes")
+    __slots__ = ("kind", "offset", "nbytes", "plane")
     KIND_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
     kind: PoolKind
     offset: int
     nbytes: int
-    def __init__(self, kind: _Optional[_Union[PoolKind, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
-
-class PullGrant(_message.Message):
-    __slots__ = ("src_block_ids", "src_ring_id", "ring_live", "num_regions", "total_bytes")
-    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    SRC_RING_ID_FIELD_NUMBER: _ClassVar[int]
-    RING_LIVE_FIELD_NUMBER: _ClassVar[int]
-    NUM_REGIONS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    src_ring_id: int
-    ring_live: RingRange
-    num_regions: int
-    total_bytes: int
-    def __init__(self, src_block_ids: _Optional[_Iterable[int]] = ..., src_ring_id: _Optional[int] = ..., ring_live: _Optional[_Union[RingRange, _Mapping]] = ..., num_regions: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    plane: int
+    def __init__(self, kind: _Optional[_Union[PoolKind, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., plane: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("region", "offset", "data")
@@ -218,16 +206,14 @@ class PrefillDone(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("grant", "chunk", "done", "prefilled")
-    GRANT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunk", "done", "prefilled")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
-    grant: PullGrant
     chunk: Chunk
     done: PullDone
     prefilled: PrefillDone
-    def __init__(self, grant: _Optional[_Union[PullGrant, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class PullSessionRequest(_message.Message):
     __slots__ = ("pull", "cancel_grant_id")
