@@ -82,3 +82,17 @@ def test_rejects_two_groups_in_one_row():
             caches.ring, caches.compressed, torch.zeros(HEAD_SIZE), compress_ratio=2, block_size=2, eps=1e-6,
             rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=False,
         )
+
+
+def test_rejects_two_requests_on_one_ring():
+    # Two requests with tokens on ring 0 (a third, without tokens, may name it too: it reads and writes nothing).
+    caches = Caches(Storage(r=2, num_spec=0, rope=False), num_blocks=4, num_rings=2, seed=0)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    meta = build_qsa_metadata(i32([0, 2, 4, 4]), i32([2, 2, 0]), i32([[1], [2], [3]]), i32([0, 0, 0]),
+                              compress_ratio=2, ring_capacity=2, block_size=2)
+    with pytest.raises(ValueError, match=r"two requests of this forward share a ring: ring_blocks \[0, 0\]"):
+        qsa_forward_update(
+            torch.zeros(4, 1, HEAD_SIZE, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.int64), meta,
+            caches.ring, caches.compressed, torch.zeros(HEAD_SIZE), compress_ratio=2, block_size=2, eps=1e-6,
+            rotary_dim=64, theta=10000.0, section=(12, 10, 10), cache_rope_positions=False,
+        )

@@ -1,28 +1,36 @@
-"""The forward update's launches (kernels.qsa_update.launch): every size writes the reference's bytes.
+"""The forward update's launches (kernels.qsa_update.launch): every grid and size writes the reference's bytes.
 
 Each body runs the Triton update with one ``UpdateLaunch`` and the torch reference on the same inputs (the
 interpreter here, compiled through tests/gpu/test_qsa_gpu.py) and compares every byte of the pool. The batch has
 a decode-like request whose group straddles the chunk (its older keys and first position in the ring), a
 single-token request, a request without tokens, and a chunk longer than the ring whose straddling group's last
-token has no ring slot. The RopeCache is the doctored one of tests/test_qsa_triton.py holding every position
-drawn, so the interpreter's rows are exact too.
+token has no ring slot: with the grid of one program per request, that chunk's group tiles loop and its ring
+writes reach the rows its straddling group reads (the barrier's case). The RopeCache is the doctored one of
+tests/test_qsa_triton.py holding every position drawn, so the interpreter's rows are exact too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from kpool_pd.kernels import build_qsa_metadata
 from kpool_pd.kernels.qsa_update import ref as update_ref
-from kpool_pd.kernels.qsa_update.launch import UpdateLaunch, default_update_launch
+from kpool_pd.kernels.qsa_metadata.split import split_uniform_decodes
+from kpool_pd.kernels.qsa_update.launch import UpdateGrid, UpdateLaunch, default_update_launch
 from kpool_pd.kernels.qsa_update.triton import qsa_forward_update_triton
 from kpool_pd.kvcache import BlockOrder, CacheDtype
 from tests.kernel_backends import KERNEL_BACKENDS, Backend, make_backend
 from tests.test_qsa_triton import ROPE, TABLE_POSITIONS, qsa_pool, table_for
 
+PER_REQUEST = UpdateGrid.REQUESTS
 LAUNCHES = [UpdateLaunch(block=1, num_warps=1), UpdateLaunch(block=4, num_warps=4), UpdateLaunch(block=4, num_warps=2),
-            UpdateLaunch(block=2, num_warps=1, paired=False), UpdateLaunch(block=1, num_warps=1, pdl=False)]
+            UpdateLaunch(block=2, num_warps=1, paired=False), UpdateLaunch(block=1, num_warps=1, pdl=False),
+            UpdateLaunch(grid=PER_REQUEST, block=1, num_warps=1), UpdateLaunch(grid=PER_REQUEST, block=2, num_warps=4),
+            UpdateLaunch(grid=PER_REQUEST, block=4, num_warps=1, paired=False),
+            UpdateLaunch(grid=PER_REQUEST, block=1, num_warps=2, pdl=False)]
 
 
 @pytest.fixture
@@ -72,8 +80,44 @@ def test_every_launch_writes_the_reference_bytes(backend, launch, dtype, heads, 
     assert differ == 0, f"{differ} bytes of the compressed rows differ ({launch.label})"
 
 
-def test_the_default_launch_on_the_cpu():
-    assert default_update_launch(max_work=45, device=torch.device("cpu")) == UpdateLaunch(block=4, num_warps=4)
+@pytest.mark.parametrize("r, cap", [(1, 1), (2, 2), (2, 3), (4, 4), (4, 8), (8, 15)], ids=lambda v: str(v))
+def test_the_barrier_rule_covers_every_ring_row_read_and_written(r, cap):
+    """The per-request grid orders a request's ring writes after its ring reads with a barrier only where
+    ``seq - 1 - (start // r) * r >= C`` (kernels/qsa_update/per_request.py): below that, no ring row its groups
+    read (positions (start // r) * r to start) is one its ring write writes (its last C positions)."""
+    barrier_needed = 0
+    for start in range(3 * cap + r):
+        for q_len in range(1, 3 * cap):
+            seq, first = start + q_len, (start // r) * r
+            read = {pos % cap for pos in range(first, start)}
+            written = {pos % cap for pos in range(max(start, seq - cap), seq)}
+            if seq - 1 - first < cap:
+                assert not read & written, f"start {start}, {q_len} tokens: rows {sorted(read & written)}"
+            barrier_needed += bool(read & written)
+    assert barrier_needed or r == 1  # the rule is not vacuous: longer chunks do meet their reads (r 1 reads none)
+
+
+def decode_metadata(q_lens: list[int], seq: list[int], *, split: bool, r: int = 4, cap: int = 8):
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    meta = build_qsa_metadata(starts, seq_lens, torch.zeros(len(q_lens), 4, dtype=torch.int32),
+                              torch.arange(len(q_lens), dtype=torch.int32), compress_ratio=r, ring_capacity=cap,
+                              block_size=16)
+    if not split:
+        return meta
+    return dataclasses.replace(meta, split=split_uniform_decodes(starts, seq_lens, decode_threshold=4))
+
+
+@pytest.mark.parametrize("q_lens, split, want", [
+    ([4, 4, 4], True, UpdateLaunch(grid=PER_REQUEST, block=1, num_warps=1)),  # 4 tokens, r 4: one group
+    ([4, 5, 1], True, UpdateLaunch(grid=PER_REQUEST, block=2, num_warps=1)),  # 5 tokens can complete two
+    ([4, 4, 4], False, UpdateLaunch(grid=PER_REQUEST, block=2, num_warps=1)),  # no host counts: up to C = 8 tokens
+    ([4, 9, 1], True, UpdateLaunch(block=4, num_warps=4)),  # a request longer than C: two launches
+    ([30, 1, 1], False, UpdateLaunch(block=4, num_warps=4)),  # more tokens than requests x C
+], ids=["uniform-decode", "mixed-short", "decode-without-split", "one-chunk-past-the-ring", "prefill"])
+def test_the_default_launch_on_the_cpu(q_lens, split, want):
+    meta = decode_metadata(q_lens, [q + 8 for q in q_lens], split=split)
+    assert default_update_launch(metadata=meta, device=torch.device("cpu")) == want
 
 
 def test_launch_options_are_checked():
@@ -81,3 +125,5 @@ def test_launch_options_are_checked():
         UpdateLaunch(block=3)
     with pytest.raises(ValueError, match="num_warps must be one of"):
         UpdateLaunch(num_warps=3)
+    with pytest.raises(ValueError, match="grid must be an UpdateGrid, got 'per request'"):
+        UpdateLaunch(grid="per request")

@@ -4,14 +4,19 @@ default and an empty kernel's launch floor; each candidate's bytes checked again
 
     PYTHONPATH=$PWD python3 -m kpool_pd.bench.qsa_update_variants --device cuda
 
-The case is kpool_pd/bench/kernels.py's "qsa forward update (decode), 3 drafts" (256 requests x 4 tokens, r 4, C 8, one
-head, bf16 rows, a cos/sin table of 2**20 positions), with the rings filled with finite keys and packed positions
-so that the straddling groups read real values. Prints the table last; exits 1 when a candidate's ring or
-compressed bytes differ from the torch reference's on the same device (its times are still shown).
+The candidates are both grids of ``kpool_pd.kernels.qsa_update.launch``: the two launches over the work items
+(bench/kernels.py's decode variants, ``1/1w`` the former default) and the one launch a program per request
+(``per request ...``). The case is kpool_pd/bench/kernels.py's "qsa forward update (decode), 3 drafts" (256
+requests x 4 tokens, r 4, C 8, one head, bf16 rows, a cos/sin table of 2**20 positions), its metadata carrying
+the host counts that the engine's builder sets (so the default is the engine's), with the rings filled with
+finite keys and packed positions so that the straddling groups read real values. Prints the table last; exits 1
+when a candidate's ring or compressed bytes differ from the torch reference's on the same device (its times are
+still shown).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -29,13 +34,20 @@ from kpool_pd.bench.arguments import bench_parser, count  # noqa: E402
 from kpool_pd.bench.qsa_cases import POSITION_RANGE, QSA_DECODE_VARIANTS, qsa_batch  # noqa: E402
 from kpool_pd.bench.timing import L2_BYTES, time_graph  # noqa: E402
 from kpool_pd.kernels import build_qsa_metadata, qsa_forward_update  # noqa: E402
+from kpool_pd.kernels.qsa_metadata import split_uniform_decodes  # noqa: E402
 from kpool_pd.kernels.qsa_rope import RopeCache  # noqa: E402
 from kpool_pd.kernels.qsa_update import ref as update_ref  # noqa: E402
+from kpool_pd.kernels.qsa_update.launch import UpdateGrid, UpdateLaunch, default_update_launch  # noqa: E402
 from kpool_pd.kernels.qsa_update.triton import qsa_forward_update_triton  # noqa: E402
 from kpool_pd.kvcache import INDEX_HEAD_DIM, qsa_ring_capacity  # noqa: E402
 
 TARGET_US = 10.0
-CANDIDATES = QSA_DECODE_VARIANTS  # kpool_pd/bench/kernels.py's launch variants of the same case
+PER_REQUEST_VARIANTS = (UpdateLaunch(grid=UpdateGrid.REQUESTS, block=1, num_warps=1),
+                        UpdateLaunch(grid=UpdateGrid.REQUESTS, block=2, num_warps=1),
+                        UpdateLaunch(grid=UpdateGrid.REQUESTS, block=1, num_warps=2),
+                        UpdateLaunch(grid=UpdateGrid.REQUESTS, block=1, num_warps=1, pdl=False))
+# kpool_pd/bench/kernels.py's launch variants of the same case (two launches), then the one-launch grid's
+CANDIDATES = QSA_DECODE_VARIANTS + PER_REQUEST_VARIANTS
 ROPE = dict(rotary_dim=64, theta=10000.0, section=(12, 10, 10))
 
 
@@ -76,6 +88,8 @@ def make_case(device: torch.device, requests: int = 256, q_len: int = 4, r: int 
     gen = torch.Generator(device=device).manual_seed(8)
     meta = build_qsa_metadata(qsl, seq, table, rings, compress_ratio=r, ring_capacity=cap, block_size=block_size,
                               num_tokens=tokens)
+    split = split_uniform_decodes(qsl.cpu(), seq.cpu(), decode_threshold=1 + num_spec)  # as the engine's builder
+    meta = dataclasses.replace(meta, split=split)
     keys = torch.randn(tokens, 1, INDEX_HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     positions = torch.randint(0, POSITION_RANGE, (tokens, 3), generator=gen, device=device)
     compressed = torch.zeros(table.numel(), block_size // r, 1, INDEX_HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -91,7 +105,8 @@ def make_case(device: torch.device, requests: int = 256, q_len: int = 4, r: int 
 def candidate_calls(case: DecodeCase) -> dict[str, Callable[[], None]]:
     """By label: the public op (its default launch), each candidate launch of the kernels alone."""
     r, block_size = case.meta.compress_ratio, case.meta.block_size
-    calls = {"default (public op)": lambda: qsa_forward_update(
+    default = default_update_launch(metadata=case.meta, device=case.keys.device)
+    calls = {f"default (public op): {default.label}": lambda: qsa_forward_update(
         case.keys, case.positions, case.meta, case.ring, case.compressed, case.weight, compress_ratio=r,
         block_size=block_size, **case.op_kwargs())}
     for launch in CANDIDATES:
@@ -146,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"QSA decode update, 256 requests x 4 tokens, cos/sin table, on {torch.cuda.get_device_name(device)}: "
              f"us a call, 1 call a graph replay after an L2 flush (median of {args.reps}), {args.runs} runs in a row; "
              f"32 calls in a graph, a call, once",
-             f"{'candidate':<28} {runs} {'worst':>7} {f'all <= {TARGET_US:g}':>10} {'graph32':>8}  bytes"]
+             f"{'candidate':<40} {runs} {'worst':>7} {f'all <= {TARGET_US:g}':>10} {'graph32':>8}  bytes"]
     for label in timed:
         met = "yes" if max(times[label]) <= TARGET_US else "NO"
         check = "-" if label not in same else ("same" if same[label] else "DIFFER")
-        lines.append(f"{label:<28} " + " ".join(f"{t:7.2f}" for t in times[label])
+        lines.append(f"{label:<40} " + " ".join(f"{t:7.2f}" for t in times[label])
                      + f" {max(times[label]):7.2f} {met:>10} {steady[label]:8.2f}  {check}")
     print("\n".join(lines))
     bad = [label for label, ok in same.items() if not ok]

@@ -21,6 +21,8 @@ from kpool_pd.kernels import (build_qsa_metadata, compress_group_keys, qsa_forwa
 from kpool_pd.kernels.qsa_metadata import ref as metadata_ref
 from kpool_pd.kernels.qsa_rope import RopeCache
 from kpool_pd.kernels.qsa_update import ref as update_ref
+from kpool_pd.kernels.qsa_update.launch import UpdateGrid, UpdateLaunch, default_update_launch
+from kpool_pd.kernels.qsa_update.triton import qsa_forward_update_triton
 from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
 from tests.kernel_backends import Backend, make_backend, poison
 from kpool_pd.kernels.qsa_metadata import split_uniform_decodes
@@ -149,10 +151,13 @@ def _qsa_pool(dtype: CacheDtype, order: BlockOrder, heads: int, r: int, num_spec
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("launch", [None, UpdateLaunch(block=1, num_warps=1)],
+                         ids=["default-one-launch-per-request", "two-launches-over-work-items"])
 @pytest.mark.parametrize("with_table", [False, True], ids=["computed-rope", "rope-table-of-2**19"])
-def test_forward_update_never_syncs_and_replays_from_a_graph(with_table):
+def test_forward_update_never_syncs_and_replays_from_a_graph(with_table, launch):
     """A decode step of 64 requests x 4 tokens (launched with programmatic dependent launch where the GPU has it),
-    with positions up to 2**20: computed cos/sin, or a RopeCache holding the positions below 2**19."""
+    with positions up to 2**20: computed cos/sin, or a RopeCache holding the positions below 2**19; through the
+    public op (its default for a decode step: one launch, a program per request) or the two launches."""
     r, num_spec, requests, heads = 4, 3, 64, 1
     rope_cache = RopeCache.build(2 ** 19, rotary_dim=ROPE["rotary_dim"], theta=ROPE["theta"],
                                  device=torch.device("cuda")) if with_table else None
@@ -177,7 +182,13 @@ def test_forward_update_never_syncs_and_replays_from_a_graph(with_table):
     def step() -> None:
         meta = build_qsa_metadata(starts, seq, table, rings, compress_ratio=r, ring_capacity=cap,
                                   block_size=block_size, num_tokens=4 * requests)
-        qsa_forward_update(keys, positions, meta, pool.qsa_ring(0), pool.qsa_keys(0), weight, **kwargs)
+        if launch is None:
+            assert default_update_launch(metadata=meta, device=keys.device).grid is UpdateGrid.REQUESTS
+            qsa_forward_update(keys, positions, meta, pool.qsa_ring(0), pool.qsa_keys(0), weight, **kwargs)
+        else:
+            qsa_forward_update_triton(keys, positions, meta, pool.qsa_ring(0), pool.qsa_keys(0), weight,
+                                      launch=launch, **{k: v for k, v in kwargs.items()
+                                                        if k not in ("compress_ratio", "block_size")})
 
     step()
     torch.cuda.synchronize()

@@ -25,6 +25,26 @@ _UNITS = ((4, torch.int64), (2, torch.int32), (1, torch.int16))  # bf16 elements
 
 
 @triton.jit
+def store_ring_head(ring_ptr, dst, value, packed, write, D: tl.constexpr, D_P2: tl.constexpr, ZEROS: tl.constexpr,
+                    ZEROS_P2: tl.constexpr, OFF: tl.constexpr, P: tl.constexpr, P_P2: tl.constexpr,
+                    ROPE: tl.constexpr):
+    """Store one head's whole rows at element offsets ``dst`` where ``write``: the key bits, the zeros after them,
+    the packed positions (``packed`` is read only with ROPE). Sizes in units.
+
+    # dst: [N] int64; value: [N, D_P2]; packed: [N, P_P2]; write: [N] bool
+    """
+    cols = tl.arange(0, D_P2)
+    tl.store(ring_ptr + dst[:, None] + cols[None, :], value, mask=write[:, None] & (cols < D)[None, :])
+    if ZEROS > 0:
+        z = tl.arange(0, ZEROS_P2)
+        tl.store(ring_ptr + dst[:, None] + D + z[None, :], tl.zeros((dst.shape[0], ZEROS_P2), value.dtype),
+                 mask=write[:, None] & (z < ZEROS)[None, :])
+    if ROPE:
+        p = tl.arange(0, P_P2)
+        tl.store(ring_ptr + dst[:, None] + OFF + p[None, :], packed, mask=write[:, None] & (p < P)[None, :])
+
+
+@triton.jit
 def write_ring_rows(ring_ptr, keys_ptr, pos_ptr, tok, slot, write, heads, ring_stride, slot_stride, head_stride,
                     key_tok_stride, key_head_stride, CAP: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                     ZEROS: tl.constexpr, ZEROS_P2: tl.constexpr, OFF: tl.constexpr, P: tl.constexpr,
@@ -36,21 +56,15 @@ def write_ring_rows(ring_ptr, keys_ptr, pos_ptr, tok, slot, write, heads, ring_s
     row = (slot // CAP) * ring_stride + (slot % CAP) * slot_stride
     cols = tl.arange(0, D_P2)
     key_mask = write[:, None] & (cols < D)[None, :]
+    p = tl.arange(0, P_P2)
     if ROPE:
-        p = tl.arange(0, P_P2)
-        pos_mask = write[:, None] & (p < P)[None, :]
-        packed = tl.load(pos_ptr + tok[:, None] * P + p[None, :], mask=pos_mask)
+        packed = tl.load(pos_ptr + tok[:, None] * P + p[None, :], mask=write[:, None] & (p < P)[None, :])
+    else:
+        packed = tl.zeros((tok.shape[0], P_P2), tl.int16)  # not stored without positions
     for h in range(heads):
-        dst = row + h * head_stride
         value = tl.load(keys_ptr + (tok * key_tok_stride + h * key_head_stride)[:, None] + cols[None, :], mask=key_mask)
-        tl.store(ring_ptr + dst[:, None] + cols[None, :], value, mask=key_mask)
-        if ZEROS > 0:
-            z = tl.arange(0, ZEROS_P2)
-            zero_mask = write[:, None] & (z < ZEROS)[None, :]
-            tl.store(ring_ptr + dst[:, None] + D + z[None, :], tl.zeros((tok.shape[0], ZEROS_P2), value.dtype),
-                     mask=zero_mask)
-        if ROPE:
-            tl.store(ring_ptr + dst[:, None] + OFF + p[None, :], packed, mask=pos_mask)
+        store_ring_head(ring_ptr, row + h * head_stride, value, packed, write, D, D_P2, ZEROS, ZEROS_P2, OFF, P, P_P2,
+                        ROPE)
 
 
 @triton.jit

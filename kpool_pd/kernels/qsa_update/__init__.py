@@ -24,8 +24,8 @@ def qsa_forward_update(
     cos/sin from it instead of computing them (the same bytes either way; on CUDA the computed cos/sin of an
     angle above about 1e5 are the dearest step of a group). Without one, every cos/sin is computed.
 
-    Triton on CUDA tensors (two launches, no host synchronisation, CUDA-graph capturable), the torch
-    reference on CPU (see kernels.dispatch). Both paths check types, ranks, dtypes, sizes and devices;
+    Triton on CUDA tensors (one launch a decode step, two a prefill forward; no host synchronisation,
+    CUDA-graph capturable), the torch reference on CPU (see kernels.dispatch). Both paths check types, ranks, dtypes, sizes and devices;
     the values (rings and compressed rows that exist, no row written twice) are checked on CPU tensors
     only, before anything is written. Called once per layer per forward; not idempotent.
 

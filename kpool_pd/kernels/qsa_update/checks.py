@@ -66,7 +66,9 @@ def check_update_args(
 
 
 def check_update_values(metadata: QsaMetadata, ring: torch.Tensor, compressed: torch.Tensor) -> None:
-    """The rings and compressed rows this forward writes exist, and no row is written twice (host sync).
+    """The rings and compressed rows this forward writes exist, no two requests with tokens share a ring (each
+    request's ring rows are its own: the grid of a program per request relies on it), and no row is written
+    twice (host sync).
 
     The compressed rows are those of the group-completing tokens, one per ``k_work`` item, in its order.
     """
@@ -74,6 +76,9 @@ def check_update_values(metadata: QsaMetadata, ring: torch.Tensor, compressed: t
     active_rings = metadata.ring_blocks[q_lens > 0]
     if bool((active_rings >= ring.shape[0]).any()):
         raise ValueError(f"ring_blocks {active_rings.tolist()} reach past the {ring.shape[0]} rings")
+    if active_rings.unique().numel() != active_rings.numel():
+        raise ValueError(f"two requests of this forward share a ring: ring_blocks {active_rings.tolist()} "
+                         "(of the requests with tokens)")
     slot = metadata.compressed_slot_mapping[metadata.compressed_slot_mapping >= 0]
     rows_per_block = metadata.rows_per_block
     if bool((slot >= compressed.shape[0] * rows_per_block).any()):

@@ -1,29 +1,28 @@
 """Triton QSA forward update: compress every group the forward completes, then write the ring rows.
 
-Two launches on one stream, in this order, so every ring read of the first precedes every ring
-write of the second (the straddling group's older keys, and its first position, can live in rows
-that this forward's last C tokens overwrite; see ``ref.py``):
+Two grids (``launch.py``'s ``UpdateGrid``; a decode step takes the first by default):
 
-1. grid over ``k_work`` (its static size ``max_work``; items past ``num_work``, read on the device
-   together with the items, do nothing): each program compresses BLOCK_W groups, slot by slot from
-   this forward's keys or, for positions before the chunk, from the request's ring; the group's first
-   MRoPE position comes from ``positions``, the ring's packed positions, or ``(p, p, p)``; its cos/sin
-   from the ``RopeCache`` where one is given and holds the position, else computed; the row goes to
-   the slot that the group's last token carries in ``compressed_slot_mapping`` (launch options:
-   ``launch.py``);
-2. the ring write of ``kpool_pd.kernels.qsa_ring`` over ``ring_slot_mapping``: over every token while the
-   forward has at most requests x C of them (a decode step), else over each request's last C tokens
-   alone (the only ones the metadata gives a slot: a prefill's other tokens need no program).
+- one launch, a program per request, which writes its own ring rows after its own ring reads
+  (``per_request.py``);
+- two launches on one stream (here), in this order, so every ring read of the first precedes every ring
+  write of the second (the straddling group's older keys, and its first position, can live in rows that
+  this forward's last C tokens overwrite; see ``ref.py``):
 
-Both launch with programmatic dependent launch where the GPU has it (``pdl_available``): each waits
-for the previous kernel before its first read, and lets the next one launch early, so the ring write's
-launch overlaps the compression (its writes still follow every read of the compression).
+  1. grid over ``k_work`` (its static size ``max_work``; items past ``num_work``, read on the device
+     together with the items, do nothing): each program compresses BLOCK_W groups (``groups.py``);
+  2. the ring write of ``kpool_pd.kernels.qsa_ring`` over ``ring_slot_mapping``: over every token while the
+     forward has at most requests x C of them, else over each request's last C tokens alone (the only ones
+     the metadata gives a slot: a prefill's other tokens need no program).
 
-(A single launch that writes the ring rows beside the compression, leaving the few rows that a
-straddling group reads to that group's program, was measured on the H200 and was not faster: 20.8 us
+  Both launch with programmatic dependent launch where the GPU has it (``pdl_available``): each waits
+  for the previous kernel before its first read, and lets the next one launch early, so the ring write's
+  launch overlaps the compression (its writes still follow every read of the compression).
+
+(A single launch over the work items that wrote the ring rows beside the compression, leaving the few rows
+that a straddling group reads to that group's program, was measured on the H200 and was not faster: 20.8 us
 against 23.3 us for a decode step after an L2 flush, and slower for prefill, 321 us against 199 us.)
 
-No host synchronisation, no per-request launch: the update can be captured in a CUDA graph. A
+No host synchronisation, no launch per request from the host: the update can be captured in a CUDA graph. A
 group whose slot is -1 or past the cache (only CUDA-built metadata can hold such) is skipped.
 """
 
@@ -34,31 +33,21 @@ import triton
 import triton.language as tl
 
 from kpool_pd.kernels.dispatch import interpreting
-from kpool_pd.kernels.qsa_compress.triton import (compress_tile, inv_freq_table, rope_cache_args, rope_cos_sin,
-                                         rope_pairs_fit)
+from kpool_pd.kernels.qsa_compress.triton import inv_freq_table, rope_cache_args, rope_pairs_fit
 from kpool_pd.kernels.qsa_metadata.ref import QsaMetadata
 from kpool_pd.kernels.qsa_ring.triton import write_qsa_ring_triton
-from kpool_pd.kernels.qsa_update.launch import UpdateLaunch, default_update_launch
 from kpool_pd.kernels.qsa_rope.cache import RopeCache
-from kpool_pd.kernels.triton_helpers import (f32_to_bf16_bits, f32_to_e4m3_bits, gdc_launch_dependents, gdc_wait,
-                                    launch_options, pdl_available)
-
-
-@triton.jit
-def _ring_position(ring_ptr, row, axis: tl.constexpr, live):
-    """int64 MRoPE position ``axis`` packed at ring element offset ``row`` (4 int16 words, little end first)."""
-    value = tl.zeros(row.shape, tl.int64)
-    for k in tl.static_range(4):
-        word = tl.load(ring_ptr + row + axis * 4 + k, mask=live, other=0)
-        value = value | ((word.to(tl.int64) & 0xFFFF) << (16 * k))
-    return value
+from kpool_pd.kernels.qsa_update.groups import compress_groups
+from kpool_pd.kernels.qsa_update.launch import UpdateGrid, UpdateLaunch, default_update_launch
+from kpool_pd.kernels.qsa_update.per_request import update_per_request_triton
+from kpool_pd.kernels.triton_helpers import gdc_launch_dependents, gdc_wait, launch_options, pdl_available
 
 
 @triton.jit
 def _update_compress_kernel(
     keys_ptr, pos_ptr, qsl_ptr, seq_ptr, rings_ptr, work_ptr, num_work_ptr, comp_slot_ptr, ring_ptr, comp_ptr,
-    w_ptr, inv_freq_ptr, table_ptr, table_rows, heads, max_work, key_tok_stride, key_head_stride, ring_stride, slot_stride, ring_head_stride,
-    comp_block_stride, comp_row_stride, comp_head_stride, total_rows, eps,
+    w_ptr, inv_freq_ptr, table_ptr, table_rows, heads, max_work, key_tok_stride, key_head_stride, ring_stride,
+    slot_stride, ring_head_stride, comp_block_stride, comp_row_stride, comp_head_stride, total_rows, eps,
     ROWS_PER_BLOCK: tl.constexpr, CAP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
     LOG_D: tl.constexpr, ROT: tl.constexpr, PAIRED: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     OFF: tl.constexpr, ROPE_CACHED: tl.constexpr, FP8: tl.constexpr, BLOCK_W: tl.constexpr, PRECISE: tl.constexpr,
@@ -80,42 +69,11 @@ def _update_compress_kernel(
     q_len = tl.load(qsl_ptr + req + 1, mask=live, other=0).to(tl.int64) - q0
     seq = tl.load(seq_ptr + req, mask=live, other=0).to(tl.int64)
     ring_row0 = tl.load(rings_ptr + req, mask=live, other=0).to(tl.int64) * ring_stride
-    start = seq - q_len
-    pos0 = (start // R + index) * R  # the group's first position
-    tok0 = q0 + pos0 - start  # its token index in this forward (below q0 when it straddles)
-
-    fresh = live & (pos0 >= start)
-    safe_tok = tl.where(fresh, tok0, 0)
-    first_t = tl.load(pos_ptr + safe_tok * 3, mask=fresh, other=0)
-    first_h = tl.load(pos_ptr + safe_tok * 3 + 1, mask=fresh, other=0)
-    first_w = tl.load(pos_ptr + safe_tok * 3 + 2, mask=fresh, other=0)
-    old = live & (pos0 < start)
-    if ROPE_CACHED:
-        packed = tl.where(old, ring_row0 + (pos0 % CAP) * slot_stride + OFF, 0)
-        first_t = tl.where(old, _ring_position(ring_ptr, packed, 0, old), first_t)
-        first_h = tl.where(old, _ring_position(ring_ptr, packed, 1, old), first_h)
-        first_w = tl.where(old, _ring_position(ring_ptr, packed, 2, old), first_w)
-    else:
-        first_t = tl.where(old, pos0, first_t)
-        first_h = tl.where(old, pos0, first_h)
-        first_w = tl.where(old, pos0, first_w)
-
-    slot = tl.load(comp_slot_ptr + tl.where(live, tok0 + R - 1, 0), mask=live, other=-1)
-    write = live & (slot >= 0) & (slot < total_rows)
-    row_base = (slot // ROWS_PER_BLOCK) * comp_block_stride + (slot % ROWS_PER_BLOCK) * comp_row_stride
-    cols = tl.arange(0, D_P2)
-    mask = write[:, None] & (cols < D)[None, :]
-    cos, sin = rope_cos_sin(inv_freq_ptr, table_ptr, table_rows, first_t, first_h, first_w, BLOCK_W, D_P2, ROT, S1, S2,
-                            PAIRED, PRECISE, TABLE)
-    for h in range(heads):
-        y = compress_tile(keys_ptr, ring_ptr, w_ptr, tok0 * key_tok_stride + h * key_head_stride, key_tok_stride,
-                          ring_row0 + h * ring_head_stride, slot_stride, pos0, start, CAP, cos, sin, live, eps,
-                          BLOCK_W, R, D, D_P2, LOG_D, ROT, PAIRED, True)
-        out = comp_ptr + (row_base + h * comp_head_stride)[:, None] + cols[None, :]
-        if FP8:
-            tl.store(out, f32_to_e4m3_bits(y), mask=mask)
-        else:
-            tl.store(out, f32_to_bf16_bits(y), mask=mask)
+    compress_groups(keys_ptr, pos_ptr, ring_ptr, comp_slot_ptr, comp_ptr, w_ptr, inv_freq_ptr, table_ptr, table_rows,
+                     q0, seq - q_len, ring_row0, index, live, heads, key_tok_stride, key_head_stride, slot_stride,
+                     ring_head_stride, comp_block_stride, comp_row_stride, comp_head_stride, total_rows, eps,
+                     ROWS_PER_BLOCK, CAP, R, D, D_P2, LOG_D, ROT, PAIRED, S1, S2, OFF, ROPE_CACHED, FP8, BLOCK_W,
+                     PRECISE, TABLE)
 
 
 def qsa_forward_update_triton(
@@ -123,8 +81,8 @@ def qsa_forward_update_triton(
     norm_weight: torch.Tensor, *, eps: float, rotary_dim: int, theta: float, section: tuple[int, int, int],
     cache_rope_positions: bool, rope_cache: RopeCache | None = None, launch: UpdateLaunch | None = None,
 ) -> None:
-    """``launch``: the compression's launch options (``kpool_pd.kernels.qsa_update.launch``); None takes
-    ``default_update_launch``. Every launch writes the same bytes.
+    """``launch``: the grid and its options (``kpool_pd.kernels.qsa_update.launch``); None takes
+    ``default_update_launch`` (one launch a decode step, two a prefill forward). Every launch writes the same bytes.
 
     # keys: [T, H, D] bf16; positions: [T, 3] int64; ring: [num_rings, C, H, W] bf16 (in place);
     # compressed: [num_blocks, rows, H, D] bf16 | fp8_e4m3 (in place, any strides, dims contiguous)
@@ -137,8 +95,14 @@ def qsa_forward_update_triton(
     assert keys.stride(2) == 1 and ring.stride(3) == 1 and compressed.stride(3) == 1, "rows must be contiguous"
     assert metadata.k_work.is_contiguous() and metadata.compressed_slot_mapping.is_contiguous()
     if launch is None:
-        launch = default_update_launch(max_work=max_work, device=keys.device)
+        launch = default_update_launch(metadata=metadata, device=keys.device)
     pdl = launch.pdl and keys.is_cuda and pdl_available()
+    if launch.grid is UpdateGrid.REQUESTS:
+        update_per_request_triton(keys, positions, metadata, ring, compressed, norm_weight, eps=eps,
+                                  rotary_dim=rotary_dim, theta=theta, section=section,
+                                  cache_rope_positions=cache_rope_positions, rope_cache=rope_cache, launch=launch,
+                                  pdl=pdl)
+        return
     if max_work:
         fp8 = compressed.dtype == torch.float8_e4m3fn
         d_p2 = triton.next_power_of_2(head_size)
