@@ -2,7 +2,7 @@
 and warps a program, programmatic dependent launch, and how the rotary partner is found. Every launch writes the
 same bytes.
 
-The default (``default_update_launch``) was measured on the H200. A grid of one program per token and head,
+The prefill default (``default_update_launch``) was measured on the H200. A grid of one program per token and head,
 which shortens each program's chain of dependent loads by two rounds, was tried beside it for decode steps
 and saved nothing (bench/results/2026-12-03-h200-qsa-update-variants.txt), so it is not kept.
 """
@@ -78,8 +78,9 @@ def default_update_launch(*, metadata: QsaMetadata, device: torch.device) -> Upd
     """The launch a call takes without one given.
 
     A decode step (``decode_query_len``): one launch, a program per request, one warp, a tile of the groups its
-    longest request completes (``ceil(q / r)``: one for 4 tokens and r = 4). Measured on the H200 beside the two
-    launches: ``python3 -m kpool_pd.bench.qsa_update_variants --device cuda``.
+    longest request completes (``ceil(q / r)``: one for 4 tokens and r = 4); chosen for saving the second launch,
+    its time beside the two launches' on the H200 is the per-request rows of
+    ``python3 -m kpool_pd.bench.qsa_update_variants --device cuda``.
 
     A prefill forward, two launches. CPU (the interpreter): four groups a program, four warps. CUDA: one warp a
     program, one group a program while the grid fits one wave, two beyond. Measured on the H200
