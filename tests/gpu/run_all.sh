@@ -31,9 +31,12 @@ gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
 # GPU_TESTS narrows the tests (default: tests/gpu and the gpu-marked QSA tests); BENCH_ONLY the bench cases.
 tests_rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu tests/test_qsa_*.py} \
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m "gpu and not gpu_whole_device" ${GPU_TESTS:-tests/gpu tests/test_qsa_*.py} \
     -p no:cacheprovider -rA 2>&1 | tee -a "$OUT/pytest_gpu.log"
   tests_rc=${PIPESTATUS[0]}
+  # Tests that read the whole device's memory run after the rest, one at a time (no pytest-xdist worker beside them).
+  timeout 120 python3 -m pytest -q -m gpu_whole_device tests/gpu -p no:cacheprovider -rA 2>&1 | tee -a "$OUT/pytest_gpu.log"
+  [ "${PIPESTATUS[0]}" -ne 0 ] && tests_rc=1
 fi
 bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
@@ -44,7 +47,9 @@ fi
 transfer_rc=0
 # The transfer bench: prefill pool on cuda:0, decode pool on cuda:1 with two GPUs, else both on cuda:0
 # (two processes on one GPU: cuda_ipc inside the device, the fixed cost of a pull shows the same way).
-if [ "$gpus" -ge 2 ]; then placement=(--two-gpu --machine h200x2); else placement=(--machine h200); fi
+# The machine's name in the result files is read off the card (the device tool may lend an H100 for an H200).
+card=$(python3 -c 'import torch; n = torch.cuda.get_device_name(0).lower(); print(next((c for c in ("h200", "h100") if c in n), "gpu"))' 2>/dev/null || echo gpu)
+if [ "$gpus" -ge 2 ]; then placement=(--two-gpu --machine "${card}x2"); else placement=(--machine "$card"); fi
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_TRANSFER:-}" ]; then
   timeout "${TRANSFER_TIMEOUT:-240}" python3 -m kpool_pd.bench.transfer --device cuda "${placement[@]}" --layers 61 \
     --tokens "${TRANSFER_TOKENS:-256,1024,4096,16384,32768}" --reps "${TRANSFER_REPS:-5}" ${NO_NIXL:+--no-nixl} \
@@ -57,7 +62,7 @@ dcp_rc=0
 # rank; its table goes to bench.log, its JSON to bench/ (no PNG: the device tool returns 8 files at most).
 if [ "$gpus" -ge 2 ] && [ -z "${SKIP_DCP:-}" ]; then
   timeout "${DCP_TIMEOUT:-300}" python3 -m kpool_pd.bench.dcp --device cuda --ranks 1,2 --tokens "${DCP_TOKENS:-32768}" \
-    --layers "${DCP_LAYERS:-8}" --batch 4 --no-plot --machine h200x2 --out "$OUT/bench" > "$OUT/dcp.txt" 2>&1
+    --layers "${DCP_LAYERS:-8}" --batch 4 --no-plot --machine "${card}x2" --out "$OUT/bench" > "$OUT/dcp.txt" 2>&1
   dcp_rc=$?
   cat "$OUT/dcp.txt" >> "$OUT/bench.log"; rm -f "$OUT/dcp.txt"
 fi
@@ -93,7 +98,7 @@ if [ "$gpus" -ge 1 ] && [ -n "${UP_RUNS:-}" ]; then
   if [ -z "${SKIP_PIPELINE:-}" ]; then
     echo "== kpool-pd bench pipeline --device cuda --layers 61 --prompt-len 32768 --max-batch-tokens 2048" >> "$OUT/up.txt"
     timeout "${UP_TIMEOUT:-240}" python3 -m kpool_pd.bench.pipeline --device cuda --layers 61 --prompt-len 32768 \
-      --max-batch-tokens 2048 --runs 1 --no-timeline --machine h200 --out "$OUT/bench" > "$OUT/up-run.txt" 2>&1
+      --max-batch-tokens 2048 --runs 1 --no-timeline --machine "$card" --out "$OUT/bench" > "$OUT/up-run.txt" 2>&1
     rc=$?; [ $rc -ne 0 ] && up_rc=$rc
     tail -n 6 "$OUT/up-run.txt" >> "$OUT/up.txt"; rm -f "$OUT/up-run.txt"
   fi

@@ -12,7 +12,7 @@ from kpool_pd.model import Engine
 from kpool_pd.runtime import model_config
 from tests.test_decode_capacity import settings
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_whole_device, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def test_the_fraction_sizes_a_cache_that_fits_its_share():
