@@ -3,9 +3,9 @@
 "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}'`` (``kpool_pd.vllm.settings``).
 
 vLLM makes one instance per role: the scheduler side (``kpool_pd.vllm.scheduler``) in its engine core
-and the worker side (``kpool_pd.vllm.worker``) beside the KV tensors; this class routes each of vLLM's
-calls to the part of the role it was made for. A ``kv_both`` instance has a producer and a consumer part
-on each side: it offers the requests that say ``do_remote_decode`` and pulls those that say
+and the worker side (``kpool_pd.vllm.producer_worker``, ``kpool_pd.vllm.consumer_worker``) beside the KV
+tensors; this class routes each of vLLM's calls to the part of the role it was made for. A ``kv_both``
+instance has a producer and a consumer part on each side: it offers the requests that say ``do_remote_decode`` and pulls those that say
 ``do_remote_prefill``, as NixlConnector allows. It moves every KV cache group vLLM transfers, and keeps
 vLLM's hybrid KV cache manager on (``SupportsHMA``): full-attention and MLA groups (``tokens_per_state``
 pages too: GLM-5-Next's indexer, QSA's compressed keys) by the prompt's blocks, sliding-window groups by
@@ -48,7 +48,9 @@ from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Sharding
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
 from kpool_pd.vllm.settings import KpoolPdSettings, KvLayout
 from kpool_pd.vllm.stats import KpoolPdPromMetrics, KpoolPdStats
-from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker, rank_address
+from kpool_pd.vllm.consumer_worker import ConsumerWorker
+from kpool_pd.vllm.loop import TransferProgress, rank_address
+from kpool_pd.vllm.producer_worker import ProducerWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -161,15 +163,17 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("KpoolPdConnector moves whole blocks of the %s KV cache layout: caches split by head move "
                         "between engines of equal TP only (%s moves each head slot)", layout.name, LAYOUT)
         pool = engine_pool(kv_caches, config, layout, rules, engine={"connector": "KpoolPdConnector"}, units=units)
+        progress = TransferProgress()  # what the worker's idle steps wait on, both sides' transfers
         if self.produces:
             self.producer_worker = ProducerWorker(self.settings, pool, engine_id=self.engine_id,
-                                                  model_identity=self.identity, seat=seat, units=units)
+                                                  model_identity=self.identity, seat=seat, units=units,
+                                                  progress=progress)
             self.producer_worker.start()
         if self.consumes:
             policy = self._vllm_config.kv_transfer_config.kv_load_failure_policy
             self.consumer_worker = ConsumerWorker(self.settings, pool, engine_id=self.engine_id,
                                                   model_identity=self.identity, failure_policy=policy, ranks=ranks,
-                                                  seat=seat, units=units)
+                                                  seat=seat, units=units, progress=progress)
             self.consumer_worker.start()
 
     def get_handshake_metadata(self) -> KpoolPdRankInfo | None:

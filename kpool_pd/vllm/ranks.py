@@ -25,6 +25,7 @@ a replicated cache, or above the number of KV heads) is refused with a ValueErro
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 MAX_TP = 1024  # ranks a kv_transfer_params' producer may name
@@ -123,6 +124,7 @@ class RankPlan:
         return self.remote_units > 1
 
 
+@functools.lru_cache(maxsize=64)  # a pure function of its sizes, which the scheduler and workers ask on every request
 def plan_reads(*, local_tp: int, remote_tp: int, total_heads: int, sharding: Sharding) -> RankPlan:
     """The reads of every consumer rank (``local_tp`` ranks) from a producer of ``remote_tp`` ranks of the
     same model (``total_heads`` KV heads). ValueError naming the sizes for TP sizes that do not divide each

@@ -100,6 +100,7 @@ class ConsumerScheduler:
         self._releases: list[Release] = []
         self._renewals: list[Renew] = []
         self._loading: set[str] = set()  # requests whose Load went to the worker (the pull owns the grant)
+        self._parsed: dict[str, tuple[DecodeParams, RankParams, RankPlan]] = {}  # queued requests' checked params
 
     def on_new_request(self, request: "Request") -> None:
         """A decode request joined vLLM's queue: the worker keeps its grant's lease alive while it waits
@@ -108,13 +109,18 @@ class ConsumerScheduler:
         if not is_remote_prefill(params):
             return
         try:
-            decode, ranks, plan = self._parse(params)
+            decode, ranks, plan = self._parsed[request.request_id] = self._parse(params)
         except ValueError:
             return  # refused when it is scheduled
         for rank, reads in enumerate(plan.reads):
             self._renewals += [Renew(request_id=request.request_id, address=ranks.addresses[read.remote_rank],
                                      key=read_key(decode.key, read), lease_s=decode.lease_s, rank=rank)
                                for read in reads]
+
+    def _checked(self, request: "Request") -> tuple[DecodeParams, RankParams, RankPlan]:
+        """``_parse`` of the request's params, as ``on_new_request`` found them (parsed once a request)."""
+        parsed = self._parsed.get(request.request_id)
+        return parsed if parsed is not None else self._parse(request.kv_transfer_params)
 
     def _parse(self, params) -> tuple[DecodeParams, RankParams, RankPlan]:
         """The checked params, the producer's ranks and what this engine's ranks read of them; ValueError
@@ -132,7 +138,7 @@ class ConsumerScheduler:
         if not is_remote_prefill(params):
             return 0, False
         try:
-            decode, _, _ = self._parse(params)
+            decode, _, _ = self._checked(request)
         except ValueError as exc:
             logger.warning("request %s computes its prompt here: %s", request.request_id, exc)
             self._release(request, f"its kv_transfer_params were refused ({exc})")
@@ -146,7 +152,8 @@ class ConsumerScheduler:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if num_external_tokens > 0 and is_remote_prefill(params):
-            decode, ranks, plan = self._parse(params)  # checked by get_num_new_matched_tokens
+            decode, ranks, plan = self._checked(request)  # checked by get_num_new_matched_tokens
+            self._parsed.pop(request.request_id, None)
             tables = blocks.get_block_ids()
             count = min(decode.num_tokens, request.num_prompt_tokens)  # the hit's tokens and num_external_tokens
             try:
@@ -182,6 +189,7 @@ class ConsumerScheduler:
     def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
         """A request whose load began: the pull releases its grant. One that never loaded (rejected before
         the engine, aborted while it waited, failed): its grant is released now."""
+        self._parsed.pop(request.request_id, None)
         if request.request_id in self._loading:
             self._loading.discard(request.request_id)
             return False, None
@@ -194,7 +202,7 @@ class ConsumerScheduler:
         each rank's read grants by that rank, the producer ranks none of them pulls whole by rank 0."""
         params = request.kv_transfer_params
         try:
-            decode, ranks, plan = self._parse(params)
+            decode, ranks, plan = self._checked(request)
         except ValueError:
             target = release_target(params)
             if target is not None:
@@ -207,3 +215,4 @@ class ConsumerScheduler:
             self._releases += [Release(request_id=rid, address=ranks.addresses[p], key=decode.key, why=why)
                                for p in plan.unread]
         params["do_remote_prefill"] = False
+        self._parsed.pop(request.request_id, None)

@@ -1,0 +1,188 @@
+"""The producer's worker side (``kv_producer``): serves PrefillService from vLLM's blocks.
+
+vLLM owns the blocks: an offered grant holds vLLM's block ids as a lent allocation
+(``kvcache.EngineCache.lend``) whose release tells vLLM it may free them (``get_finished``: finished
+sending). A request's blocks come per KV cache group; the connector names each by one id
+(``kpool_pd.vllm.metadata.flat_ids``).
+
+**Ranks.** Each TP rank's worker serves on its own port (``RankSeat.port``) and holds each request as its
+whole grant and, in a pool of head units with several slots a block, one grant per slot (``slot_key``); the
+request's blocks go back to vLLM once all of them ended, and the whole grant's end releases the slot grants
+no consumer rank claimed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from kpool_pd.connector import EngineUnavailable, PrefillConnector, PrefillInput, PrefillProgress, StatusError
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.kvcache import EngineCache, PlanarPool
+from kpool_pd.runtime import GrpcServer
+from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, rank_address
+from kpool_pd.vllm.metadata import KpoolPdMetadata
+from kpool_pd.vllm.ranks import RankSeat, slot_key
+from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.stats import StatsRecorder
+from kpool_pd.vllm.units import unit_ids
+
+logger = logging.getLogger(__name__)
+
+
+class NoPrefillCalls:
+    """A vLLM producer computes the prompts its own scheduler admits; it answers no Prefill call."""
+
+    async def prefill(self, request: PrefillInput, progress: PrefillProgress):
+        raise EngineUnavailable("this prefill node is a vLLM instance: send prompts to vLLM with "
+                                "kv_transfer_params {\"do_remote_decode\": true}")
+
+
+class ProducerWorker:
+    """Serves vLLM's blocks on ``settings.listen`` (its rank's port of it) once ``start`` ran. ``units``:
+    the head slots a block holds in a pool of head units (0: whole blocks); ``progress``: what vLLM's idle
+    steps wait on (a ``kv_both`` engine's two sides share one)."""
+
+    def __init__(self, settings: KpoolPdSettings, pool: PlanarPool, *, engine_id: str, model_identity: str,
+                 seat: RankSeat = RankSeat(), units: int = 0, progress: TransferProgress | None = None) -> None:
+        self.settings, self.seat, self.units = settings, seat, units
+        self.engine_id = seat.engine_id(engine_id)
+        self.listen = (settings.listen[0], seat.port(settings.listen[1]))
+        self.address = rank_address(settings.advertise, seat)  # what the scheduler hands consumers for this rank
+        self.cache = EngineCache(pool)
+        self._lock = threading.Lock()
+        self._holding: dict[str, int] = {}  # request -> its grants on this rank not ended yet (the loop's)
+        self._ended: set[str] = set()  # requests whose grants all ended (their blocks are vLLM's to free again)
+        self._finished: set[str] = set()  # requests vLLM said finished
+        self.progress = progress or TransferProgress()
+        self.stats = StatsRecorder()
+        self.loop = ConnectorLoop("kpoolpd-producer")
+        self._registry = CollectorRegistry()
+        self._expired_seen = 0.0
+        self.node = PrefillConnector(pool, NoPrefillCalls(), engine_id=self.engine_id,
+                                     config=connector_config(settings), registry=self._registry,
+                                     model_identity=model_identity)
+        self.server: GrpcServer | None = None
+
+    def start(self) -> None:
+        async def start():
+            await self.node.start()
+            config = self.node.config
+            self.server = GrpcServer(peer_token=config.peer_token, tls=config.tls, options=config.grpc_options())
+            self.server.add(self.node)
+            host, port = self.listen
+            await self.server.start(host, port)
+            await self.server.health.open(self.server)
+        self.loop.call(start)
+        logger.info("kpool-pd producer %s (TP rank %d of %d, DP rank %d) serves vLLM's blocks on %s:%d, advertised "
+                    "as %s", self.engine_id, self.seat.tp_rank, self.seat.tp_size, self.seat.dp_index, *self.listen,
+                    self.address)
+
+    def offer(self, metadata: KpoolPdMetadata) -> None:
+        """Hold this step's computed prompts as grants (before the step's output leaves the engine)."""
+        if metadata.offers:
+            self.loop.call(lambda: self._offer_all(metadata))
+
+    def _grants_of(self, offer) -> list[tuple[str, tuple[int, ...]]]:
+        """(key, the connector's ids) of each grant this rank holds ``offer`` as: the whole grant (every
+        slot of every block) first, then one grant per head slot when a block holds several."""
+        units = max(self.units, 1)
+        grants = [(offer.key, unit_ids(self.cache.layout, offer.block_ids, units=units, slots=range(units)))]
+        if units > 1:
+            grants += [(slot_key(offer.key, slot), unit_ids(self.cache.layout, offer.block_ids, units=units,
+                                                            slots=(slot,))) for slot in range(units)]
+        return grants
+
+    async def _offer_all(self, metadata: KpoolPdMetadata) -> None:
+        for offer in metadata.offers:
+            self._offer_one(offer)
+            self.stats.count("grants_offered")
+
+    def _offer_one(self, offer) -> None:
+        """Hold ``offer`` as this rank's grants (on the loop). The whole grant's end releases this request's
+        own unclaimed slot grants: the keys are bound here, per offer, so that offers of one step (several
+        requests' prompts computed together) never hand each other's keys to their releases."""
+        rid = offer.request_id
+        try:
+            grants = self._grants_of(offer)
+        except ValueError:
+            logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
+            with self._lock:
+                self._holding[rid] = 1
+            self._grant_ended(rid)
+            return
+        with self._lock:
+            self._holding[rid] = len(grants)
+        slot_keys = tuple(key for key, _ in grants[1:])
+        for index, (key, ids) in enumerate(grants):
+            self._lend(offer, key, ids, slot_keys if index == 0 else ())
+
+    def _lend(self, offer, key: str, ids: tuple[int, ...], slot_keys: tuple[str, ...]) -> None:
+        """Offer one grant of ``offer`` (``key`` over the connector's ``ids``); its end counts down the
+        request's grants and releases ``slot_keys`` (the whole grant's own slot grants; none for a slot
+        grant). A grant that cannot be held counts as ended at once."""
+        rid = offer.request_id
+        try:
+            allocation = self.cache.lend(rid, ids, on_release=lambda: self._grant_ended(rid, slot_keys))
+        except ValueError:
+            logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
+            self._grant_ended(rid)
+            return
+        try:
+            self.node.offer(allocation, grant_id=key, request_id=rid, prompt_len=offer.prompt_len)
+        except ValueError:
+            logger.exception("request %s could not be offered; its blocks go back to vLLM", rid)
+            allocation.release()
+
+    def _grant_ended(self, request_id: str, slot_keys=()) -> None:
+        """One of the request's grants ended (on the loop): once all did, its blocks are vLLM's again. The
+        whole grant's end releases the slot grants no consumer rank claimed (none will pull them now)."""
+        with self._lock:  # a request is in _holding or in _ended until vLLM frees it (finished_sending reads both)
+            left = self._holding.get(request_id, 1) - 1
+            if left > 0:
+                self._holding[request_id] = left
+            else:
+                self._holding.pop(request_id, None)
+                self._ended.add(request_id)
+        if left <= 0:
+            self.progress.note()
+        if slot_keys:
+            self.loop.loop.call_soon(self._release_unclaimed, tuple(slot_keys))
+
+    def _release_unclaimed(self, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            try:
+                self.node.grants.release(pb.ReleaseRequest(grant_id=key))
+            except StatusError:
+                pass  # a consumer rank claimed it: it pulls or releases it
+
+    def take_stats(self):
+        """The counts since the last call (``KpoolPdStats``, or None), the leases that expired among them."""
+        expired = self._registry.get_sample_value("kpoolpd_prefill_leases_expired_total") or 0.0
+        if expired > self._expired_seen:
+            self.stats.count("leases_expired", int(expired - self._expired_seen))
+            self._expired_seen = expired
+        return self.stats.take()
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose grant ended: their blocks may be freed. Only offered requests are kept
+        waiting (a request offered is in ``_holding`` or ``_ended`` from its offer, before vLLM can finish it,
+        until it is reported here); the others vLLM finished are not this rank's to wait for."""
+        with self._lock:
+            self._finished |= {rid for rid in finished_req_ids if rid in self._holding or rid in self._ended}
+            done = self._ended & self._finished
+            self._ended -= done
+            self._finished -= done
+        return done
+
+    def close(self) -> None:
+        async def stop():
+            if self.server is not None:
+                await self.server.stop(0)
+            await self.node.stop()
+        try:
+            self.loop.call(stop)
+        finally:
+            self.loop.close()
