@@ -1,7 +1,8 @@
 """Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer
 Llama of seeded weights on the CPU) with KpoolPdConnector over UCX and over the gRPC stream, with vLLM's
 NixlConnector (kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other
-in one run, each with both engines up before its first request; and the floor: the same generate served
+in one run (--together: all of them up at once, each rep run on every connector in turn), each with both
+engines up before its first request; and the floor: the same generate served
 from one engine's own prefix cache (no transfer). Each scenario sends its requests at once: one request per
 prompt length (--tokens; the consumer makes one token, so the sum is TTFT), and --concurrent N requests of
 mixed lengths (7 to 2,000 tokens, the consumer makes --new-tokens each). Every connector gets the same
@@ -30,83 +31,25 @@ import json
 import logging
 import multiprocessing
 import queue
-import random
 import secrets
 import socket
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from enum import Enum
 from pathlib import Path
 
 from kpool_pd.bench import vllm_engines, vllm_mooncake
 from kpool_pd.bench.arguments import bench_parser, count, counts
+from kpool_pd.bench.vllm_rows import (MIXED_LONGEST, MIXED_SHORTEST, VLLM_CONNECTORS, Connector, Rep, Row,
+                                      Scenario, label, mixed_lengths, row_of, table)
 
 logger = logging.getLogger("kpool_pd.bench.vllm_pd")
 
 OUT_PREFIX = "kpoolpd-bench-vllm-"  # a default output folder's name starts so
 LOG_TAIL_LINES = 40  # of a failed engine's log, shown on the terminal
 READY_POLL_S = 2.0  # how often a starting engine's process is checked for life
-MIXED_SHORTEST, MIXED_LONGEST = 7, 2000  # the prompt lengths of a concurrent scenario span these
-
-
-class Connector(Enum):
-    KPOOL_UCX = "kpool-ucx"
-    KPOOL_GRPC = "kpool-grpc"
-    NIXL = "nixl"
-    MOONCAKE = "mooncake"
-    FLOOR = "floor"  # no connector: one engine, the prompts served from its own prefix cache
-
-
-VLLM_CONNECTORS = (Connector.NIXL, Connector.MOONCAKE)  # the connectors each row is compared with
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """Requests sent at once: one prompt length each; the consumer makes ``new_tokens`` for each."""
-
-    lengths: tuple[int, ...]
-    new_tokens: int
-
-    @property
-    def requests(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-    def prompts(self, rep: int) -> list[list[int]]:
-        """Rep ``rep``'s prompts: random tokens, the same for every connector (seeded by the scenario and rep)."""
-        rng = random.Random(f"{self.requests}:{self.tokens}:{rep}")
-        return [[rng.randrange(3, vllm_engines.TINY_LLAMA["vocab_size"]) for _ in range(n)] for n in self.lengths]
-
-
-def mixed_lengths(requests: int, shortest: int = MIXED_SHORTEST, longest: int = MIXED_LONGEST) -> tuple[int, ...]:
-    """``requests`` prompt lengths spread evenly on a log scale from ``shortest`` to ``longest`` (both
-    included), in a fixed shuffled order."""
-    if requests == 1:
-        return (longest,)
-    lengths = [round(shortest * (longest / shortest) ** (i / (requests - 1))) for i in range(requests)]
-    random.Random(requests).shuffle(lengths)
-    return tuple(lengths)
-
-
-@dataclass(frozen=True)
-class Row:
-    connector: str
-    tokens: int  # prompt tokens of one rep, every request's together
-    reps: int
-    prefill_ms: float | None  # median, the producer's generate of one token a request (None: the floor)
-    decode_first_token_ms: float  # median, the consumer phase: the pull plus new_tokens a request
-    ttft_ms: float | None  # prefill_ms + decode_first_token_ms (TTFT when new_tokens is 1)
-    same_tokens: bool  # the consumer's tokens equal one engine's, every request of every rep
-    pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the floor: found in its cache)
-    requests: int = 1  # sent at once
-    new_tokens: int = 1  # the consumer makes for each request
 
 
 @dataclass(frozen=True)
@@ -217,28 +160,6 @@ class _Engine:
             raise self._failed(f"no answer to a job within {vllm_engines.JOB_S} s") from None
 
 
-@dataclass(frozen=True)
-class Rep:
-    """One rep of a scenario: its phases in seconds, whether every token equalled one engine's, and the
-    prompt tokens pulled (or found in the floor engine's cache)."""
-
-    prefill_s: float | None
-    consumer_s: float
-    same_tokens: bool
-    pulled_tokens: int
-
-
-def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
-    """The medians of ``reps`` as a Row."""
-    first = statistics.median(r.consumer_s for r in reps)
-    prefill = None if reps[0].prefill_s is None else statistics.median(r.prefill_s for r in reps)
-    return Row(connector=connector.value, tokens=scenario.tokens, reps=len(reps),
-               prefill_ms=None if prefill is None else prefill * 1e3, decode_first_token_ms=first * 1e3,
-               ttft_ms=None if prefill is None else (prefill + first) * 1e3,
-               same_tokens=all(r.same_tokens for r in reps), pulled_tokens=sum(r.pulled_tokens for r in reps),
-               requests=scenario.requests, new_tokens=scenario.new_tokens)
-
-
 def _start(connector: Connector, roles: list[tuple[str, dict | None, dict]], model: str, max_model_len: int,
            out: Path, **engine) -> list[_Engine]:
     """One engine per (role, kv_transfer_config, env), its output in ``engine_log``."""
@@ -252,127 +173,120 @@ def _start(connector: Connector, roles: list[tuple[str, dict | None, dict]], mod
     return engines
 
 
-def _label(scenario: Scenario) -> str:
-    if scenario.requests == 1:
-        return f"{scenario.tokens} tokens"
-    return f"{scenario.requests} requests at once ({scenario.tokens} tokens)"
+class PdPair:
+    """A connector's producer and consumer engines, started at once (``ready`` waits for them); a rep sends the
+    scenario's prompts to the producer at once, then to the consumer at once with the params the proxy makes
+    of the producer's answers, then to the consumer alone (no params: it computes them) to compare tokens."""
 
+    def __init__(self, connector: Connector, model: str, max_model_len: int, out: Path) -> None:
+        self.connector = connector
+        self.ports = [unused_port(), unused_port()]
+        producer_config, consumer_config, producer_env, consumer_env = transfer_configs(connector, self.ports)
+        self.producer, self.consumer = _start(connector, [("producer", producer_config, producer_env),
+                                                          ("consumer", consumer_config, consumer_env)],
+                                              model, max_model_len, out)
+        self.handover = Handover()
 
-def measure(connector: Connector, model: str, scenarios: list[Scenario], reps: int, max_model_len: int, out: Path,
-            progress: Callable[[str], None] = logger.info) -> list[Row]:
-    """One producer and one consumer engine of ``connector``, their output in their logs in ``out``
-    (``engine_log``); ``reps`` reps of each scenario, each after both engines are up and one warm-up rep (the
-    connections, the first pull). A rep: the scenario's prompts to the producer at once, then to the
-    consumer at once with the params the proxy makes of the producer's answers, then to the consumer alone
-    (no params: it computes them) to compare tokens. ``progress`` gets a line per phase. EngineFailed when an
-    engine fails. The floor (Connector.FLOOR) is ``measure_floor``."""
-    if connector is Connector.FLOOR:
-        return measure_floor(model, scenarios, reps, max_model_len, out, progress)
-    ports = [unused_port(), unused_port()]
-    producer_config, consumer_config, producer_env, consumer_env = transfer_configs(connector, ports)
-    producer, consumer = _start(connector, [("producer", producer_config, producer_env),
-                                            ("consumer", consumer_config, consumer_env)], model, max_model_len, out)
+    def ready(self) -> None:
+        self.producer.wait_ready()
+        self.consumer.wait_ready()
+        if self.connector is Connector.MOONCAKE:
+            self.handover = Handover(mooncake=vllm_mooncake.MooncakeProxy.query("127.0.0.1", self.ports[0]))
 
-    def rep(scenario: Scenario, handover: Handover, number: int) -> Rep:
+    def rep(self, scenario: Scenario, number: int) -> Rep:
         prompts = scenario.prompts(number)
-        prefill = handover.prefill_params(len(prompts))
+        prefill = self.handover.prefill_params(len(prompts))
         started = time.perf_counter()
-        answers = producer.run(prompts, 1, prefill).outputs
+        answers = self.producer.run(prompts, 1, prefill).outputs
         prefilled = time.perf_counter()
-        decoded = consumer.run(prompts, scenario.new_tokens, handover.decode_params(prefill, [a[2] for a in answers]))
+        decoded = self.consumer.run(prompts, scenario.new_tokens,
+                                    self.handover.decode_params(prefill, [a[2] for a in answers]))
         done = time.perf_counter()
-        alone = consumer.run(prompts, scenario.new_tokens)  # no params: the consumer computes the prompts itself
+        alone = self.consumer.run(prompts, scenario.new_tokens)  # no params: the consumer computes the prompts itself
         return Rep(prefill_s=prefilled - started, consumer_s=done - prefilled,
                    same_tokens=[o[0] for o in decoded.outputs] == [o[0] for o in alone.outputs],
                    pulled_tokens=decoded.prompt_tokens.get("external_kv_transfer", 0))
 
-    try:
-        started = time.perf_counter()
-        producer.wait_ready()
-        consumer.wait_ready()
-        handover = Handover()
-        if connector is Connector.MOONCAKE:
-            handover = Handover(mooncake=vllm_mooncake.MooncakeProxy.query("127.0.0.1", ports[0]))
-        progress(f"{connector.value}: engines ready in {time.perf_counter() - started:.0f} s; a warm-up request")
-        return _scenarios(connector, scenarios, reps, lambda scenario, number: rep(scenario, handover, number),
-                          progress)
-    finally:
-        consumer.process.stop()
-        producer.process.stop()
+    def stop(self) -> None:
+        self.consumer.process.stop()
+        self.producer.process.stop()
 
 
-def _scenarios(connector: Connector, scenarios: list[Scenario], reps: int, rep: Callable[[Scenario, int], Rep],
-               progress: Callable[[str], None]) -> list[Row]:
-    """A warm-up rep of the shortest single request (and of the first concurrent scenario), then ``reps``
-    reps of each scenario, as rows."""
-    warm = [min(scenarios, key=lambda s: (s.requests, s.tokens))]
-    warm += [s for s in scenarios if s.requests > 1][:1]
-    for scenario in warm:
-        rep(scenario, -1)
-    rows = []
-    for scenario in scenarios:
-        rows.append(row_of(connector, scenario, [rep(scenario, number) for number in range(reps)]))
-        progress(f"{connector.value}, {_label(scenario)}: consumer phase {rows[-1].decode_first_token_ms:.1f} ms"
-                 + ("" if rows[-1].ttft_ms is None else f", TTFT {rows[-1].ttft_ms:.1f} ms"))
-    return rows
-
-
-def measure_floor(model: str, scenarios: list[Scenario], reps: int, max_model_len: int, out: Path,
-                  progress: Callable[[str], None] = logger.info) -> list[Row]:
+class FloorEngine:
     """The floor: one engine with no connector and its prefix cache on. A rep sends the scenario's prompts
     (it computes them), then the same generate again, timed: the prompts' KV comes from its own cache (a
     prompt's last token, and any tail short of a block, are computed again, as after a pull). Its tokens
     must equal the first generate's."""
-    [engine] = _start(Connector.FLOOR, [("engine", None, {})], model, max_model_len, out, prefix_caching=True)
 
-    def rep(scenario: Scenario, number: int) -> Rep:
+    connector = Connector.FLOOR
+
+    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
+        [self.engine] = _start(Connector.FLOOR, [("engine", None, {})], model, max_model_len, out, prefix_caching=True)
+
+    def ready(self) -> None:
+        self.engine.wait_ready()
+
+    def rep(self, scenario: Scenario, number: int) -> Rep:
         prompts = scenario.prompts(number)
-        computed = engine.run(prompts, scenario.new_tokens)
+        computed = self.engine.run(prompts, scenario.new_tokens)
         started = time.perf_counter()
-        cached = engine.run(prompts, scenario.new_tokens)
+        cached = self.engine.run(prompts, scenario.new_tokens)
         done = time.perf_counter()
         return Rep(prefill_s=None, consumer_s=done - started,
                    same_tokens=[o[0] for o in cached.outputs] == [o[0] for o in computed.outputs],
                    pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0))
 
+    def stop(self) -> None:
+        self.engine.process.stop()
+
+
+def starting(connector: Connector, out: Path) -> str:
+    """The line that says which engines of ``connector`` start, and their logs."""
+    if connector is Connector.FLOOR:
+        return f"floor: starting one engine, its prefix cache on (log {engine_log(out, connector, 'engine').name})"
+    return (f"{connector.value}: starting a producer and a consumer engine (logs "
+            f"{engine_log(out, connector, 'producer').name}, {engine_log(out, connector, 'consumer').name})")
+
+
+def measure(connectors: list[Connector], model: str, scenarios: list[Scenario], reps: int, max_model_len: int,
+            out: Path, progress: Callable[[str], None] = logger.info) -> list[Row]:
+    """The engines of every connector in ``connectors`` up at once (``PdPair``; the floor: ``FloorEngine``),
+    their output in their logs in ``out`` (``engine_log``); a warm-up rep on each (the connections, the first
+    pull) of the shortest single request and of the first concurrent scenario; then ``reps`` reps of each
+    scenario, each rep run on every connector in turn, the order turning by one from rep to rep, so that
+    the connectors share the machine's spells of load alike. ``progress`` gets a line per phase. EngineFailed
+    when an engine fails (every engine is stopped)."""
+    benches = []
     try:
+        for connector in connectors:
+            progress(starting(connector, out))
+            benches.append(FloorEngine(model, max_model_len, out) if connector is Connector.FLOOR
+                           else PdPair(connector, model, max_model_len, out))
+        warm = [min(scenarios, key=lambda s: (s.requests, s.tokens))]
+        warm += [s for s in scenarios if s.requests > 1][:1]
         started = time.perf_counter()
-        engine.wait_ready()
-        progress(f"floor: engine ready in {time.perf_counter() - started:.0f} s; a warm-up request")
-        return _scenarios(Connector.FLOOR, scenarios, reps, rep, progress)
+        for bench in benches:
+            bench.ready()
+            progress(f"{bench.connector.value}: engines ready in {time.perf_counter() - started:.0f} s; "
+                     "a warm-up request")
+            for scenario in warm:
+                bench.rep(scenario, -1)
+        rows = []
+        for scenario in scenarios:
+            done: dict[Connector, list[Rep]] = {bench.connector: [] for bench in benches}
+            for number in range(reps):
+                turn = number % len(benches)
+                for bench in benches[turn:] + benches[:turn]:
+                    done[bench.connector].append(bench.rep(scenario, number))
+            for bench in benches:
+                rows.append(row_of(bench.connector, scenario, done[bench.connector]))
+                progress(f"{bench.connector.value}, {label(scenario)}: consumer phase "
+                         f"{rows[-1].decode_first_token_ms:.1f} ms"
+                         + ("" if rows[-1].ttft_ms is None else f", TTFT {rows[-1].ttft_ms:.1f} ms"))
+        return rows
     finally:
-        engine.process.stop()
-
-
-def _ratio(value: float | None, best: float | None) -> str:
-    return "-" if value is None or not best else f"{value / best:.2f}x"
-
-
-def table(rows: list[Row]) -> str:
-    """The rows side by side, per scenario (requests at once, prompt tokens), each with the ratio of its
-    consumer phase and of its prefill + consumer phase to the fastest of vLLM's connectors (NixlConnector,
-    MooncakeConnector) in the same scenario, for vLLM's own the fastest other one ("-": none in the run)."""
-    order = {c.value: i for i, c in enumerate(Connector)}
-    vllm_names = {c.value for c in VLLM_CONNECTORS}
-
-    def best(row: Row, field: str) -> float | None:
-        values = [getattr(r, field) for r in rows if r.connector in vllm_names and r.connector != row.connector
-                  and (r.requests, r.tokens, r.new_tokens) == (row.requests, row.tokens, row.new_tokens)
-                  and getattr(r, field) is not None]
-        return min(values, default=None)
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
-
-    lines = [f"{'connector':<11} {'requests':>8} {'tokens':>6} {'new tok':>7} {'prefill ms':>10} {'consumer ms':>11} "
-             f"{'sum ms':>8} {'consumer vs best':>16} {'sum vs best':>11} {'pulled':>7} same tokens"]
-    for r in sorted(rows, key=lambda r: (r.requests, r.tokens, order.get(r.connector, len(order)))):
-        lines.append(f"{r.connector:<11} {r.requests:>8} {r.tokens:>6} {r.new_tokens:>7} {ms(r.prefill_ms):>10} "
-                     f"{ms(r.decode_first_token_ms):>11} {ms(r.ttft_ms):>8} "
-                     f"{_ratio(r.decode_first_token_ms, best(r, 'decode_first_token_ms')):>16} "
-                     f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {r.pulled_tokens:>7} "
-                     f"{'yes' if r.same_tokens else 'NO'}")
-    return "\n".join(lines)
+        for bench in reversed(benches):
+            bench.stop()
 
 
 def _say(line: str) -> None:
@@ -399,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="which connectors, in order (default: all of " +
                              ", ".join(c.value for c in Connector) + "; floor: no connector, one engine's "
                              "prefix cache)")
+    parser.add_argument("--together", action="store_true",
+                        help="start every connector's engines at once and run each rep on every connector in turn "
+                             "(the order turning from rep to rep), so that they share a loaded machine's spells "
+                             "alike; by default one connector after the other, each alone on the machine")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="folder for vllm_pd.json and the engines' logs, made if missing (default: a new "
                              f"temporary folder, {OUT_PREFIX}*, named on the first line)")
@@ -435,14 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kpoolpd-bench-vllm-model-") as folder:
         _say("writing the model (a 2-layer Llama, seeded weights)")
         model = str(vllm_engines.write_model(Path(folder) / "model", max_positions=max_model_len))
-        for connector in connectors:
-            if connector is Connector.FLOOR:
-                _say(f"floor: starting one engine, its prefix cache on (log {engine_log(out, connector, 'engine').name})")
-            else:
-                _say(f"{connector.value}: starting a producer and a consumer engine (logs "
-                     f"{engine_log(out, connector, 'producer').name}, {engine_log(out, connector, 'consumer').name})")
+        for group in ([connectors] if args.together else [[connector] for connector in connectors]):
             try:
-                rows += measure(connector, model, scenarios, args.reps, max_model_len, out, progress=_say)
+                rows += measure(group, model, scenarios, args.reps, max_model_len, out, progress=_say)
             except EngineFailed as failed:
                 failure = failed
                 break

@@ -1,0 +1,129 @@
+"""The rows of ``kpool-pd bench vllm`` (``kpool_pd.bench.vllm_pd``): the connectors it runs, its scenarios
+(requests sent at once, their prompt lengths), a rep's phases, a row's medians and the table that sets the
+rows side by side with their ratios to the fastest of vLLM's own connectors."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+from enum import Enum
+
+from kpool_pd.bench import vllm_engines
+
+MIXED_SHORTEST, MIXED_LONGEST = 7, 2000  # the prompt lengths of a concurrent scenario span these
+
+
+class Connector(Enum):
+    KPOOL_UCX = "kpool-ucx"
+    KPOOL_GRPC = "kpool-grpc"
+    NIXL = "nixl"
+    MOONCAKE = "mooncake"
+    FLOOR = "floor"  # no connector: one engine, the prompts served from its own prefix cache
+
+
+VLLM_CONNECTORS = (Connector.NIXL, Connector.MOONCAKE)  # the connectors each row is compared with
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests sent at once: one prompt length each; the consumer makes ``new_tokens`` for each."""
+
+    lengths: tuple[int, ...]
+    new_tokens: int
+
+    @property
+    def requests(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def prompts(self, rep: int) -> list[list[int]]:
+        """Rep ``rep``'s prompts: random tokens, the same for every connector (seeded by the scenario and rep)."""
+        rng = random.Random(f"{self.requests}:{self.tokens}:{rep}")
+        return [[rng.randrange(3, vllm_engines.TINY_LLAMA["vocab_size"]) for _ in range(n)] for n in self.lengths]
+
+
+def mixed_lengths(requests: int, shortest: int = MIXED_SHORTEST, longest: int = MIXED_LONGEST) -> tuple[int, ...]:
+    """``requests`` prompt lengths spread evenly on a log scale from ``shortest`` to ``longest`` (both
+    included), in a fixed shuffled order."""
+    if requests == 1:
+        return (longest,)
+    lengths = [round(shortest * (longest / shortest) ** (i / (requests - 1))) for i in range(requests)]
+    random.Random(requests).shuffle(lengths)
+    return tuple(lengths)
+
+
+@dataclass(frozen=True)
+class Row:
+    connector: str
+    tokens: int  # prompt tokens of one rep, every request's together
+    reps: int
+    prefill_ms: float | None  # median, the producer's generate of one token a request (None: the floor)
+    decode_first_token_ms: float  # median, the consumer phase: the pull plus new_tokens a request
+    ttft_ms: float | None  # prefill_ms + decode_first_token_ms (TTFT when new_tokens is 1)
+    same_tokens: bool  # the consumer's tokens equal one engine's, every request of every rep
+    pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the floor: found in its cache)
+    requests: int = 1  # sent at once
+    new_tokens: int = 1  # the consumer makes for each request
+
+
+@dataclass(frozen=True)
+class Rep:
+    """One rep of a scenario: its phases in seconds, whether every token equalled one engine's, and the
+    prompt tokens pulled (or found in the floor engine's cache)."""
+
+    prefill_s: float | None
+    consumer_s: float
+    same_tokens: bool
+    pulled_tokens: int
+
+
+def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
+    """The medians of ``reps`` as a Row."""
+    first = statistics.median(r.consumer_s for r in reps)
+    prefill = None if reps[0].prefill_s is None else statistics.median(r.prefill_s for r in reps)
+    return Row(connector=connector.value, tokens=scenario.tokens, reps=len(reps),
+               prefill_ms=None if prefill is None else prefill * 1e3, decode_first_token_ms=first * 1e3,
+               ttft_ms=None if prefill is None else (prefill + first) * 1e3,
+               same_tokens=all(r.same_tokens for r in reps), pulled_tokens=sum(r.pulled_tokens for r in reps),
+               requests=scenario.requests, new_tokens=scenario.new_tokens)
+
+
+def label(scenario: Scenario) -> str:
+    if scenario.requests == 1:
+        return f"{scenario.tokens} tokens"
+    return f"{scenario.requests} requests at once ({scenario.tokens} tokens)"
+
+
+def _ratio(value: float | None, best: float | None) -> str:
+    return "-" if value is None or not best else f"{value / best:.2f}x"
+
+
+def table(rows: list[Row]) -> str:
+    """The rows side by side, per scenario (requests at once, prompt tokens), each with the ratio of its
+    consumer phase and of its prefill + consumer phase to the fastest of vLLM's connectors (NixlConnector,
+    MooncakeConnector) in the same scenario, for vLLM's own the fastest other one ("-": none in the run)."""
+    order = {c.value: i for i, c in enumerate(Connector)}
+    vllm_names = {c.value for c in VLLM_CONNECTORS}
+
+    def best(row: Row, field: str) -> float | None:
+        values = [getattr(r, field) for r in rows if r.connector in vllm_names and r.connector != row.connector
+                  and (r.requests, r.tokens, r.new_tokens) == (row.requests, row.tokens, row.new_tokens)
+                  and getattr(r, field) is not None]
+        return min(values, default=None)
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [f"{'connector':<11} {'requests':>8} {'tokens':>6} {'new tok':>7} {'prefill ms':>10} {'consumer ms':>11} "
+             f"{'sum ms':>8} {'consumer vs best':>16} {'sum vs best':>11} {'pulled':>7} same tokens"]
+    for r in sorted(rows, key=lambda r: (r.requests, r.tokens, order.get(r.connector, len(order)))):
+        lines.append(f"{r.connector:<11} {r.requests:>8} {r.tokens:>6} {r.new_tokens:>7} {ms(r.prefill_ms):>10} "
+                     f"{ms(r.decode_first_token_ms):>11} {ms(r.ttft_ms):>8} "
+                     f"{_ratio(r.decode_first_token_ms, best(r, 'decode_first_token_ms')):>16} "
+                     f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {r.pulled_tokens:>7} "
+                     f"{'yes' if r.same_tokens else 'NO'}")
+    return "\n".join(lines)
