@@ -21,10 +21,9 @@ from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.consumer_worker import ConsumerWorker  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params  # noqa: E402
 from kpool_pd.vllm.producer_worker import ProducerWorker  # noqa: E402
-from kpool_pd.vllm.settings import KpoolPdSettings  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 from tests.vllm_spec_caches import backing  # noqa: E402
-from tests.vllm_spec_procs import pool_of, spec_digest  # noqa: E402
+from tests.vllm_spec_procs import spec_digest  # noqa: E402
+from tests.vllm_worker_pair import worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own
 
@@ -51,23 +50,9 @@ class HeldReleases:
         self._open.set()
 
 
-def start_pair(lease_s: float):
-    token = secrets.token_hex(16)
-    port = free_port()
-    _, producer_caches, producer_pool = pool_of("glm5next", seed=1)
-    _, consumer_caches, consumer_pool = pool_of("glm5next", seed=2)
-    producer = ProducerWorker(KpoolPdSettings.from_extra_config(
-        {"listen": f"127.0.0.1:{port}", "peer_token": token, "lease_s": lease_s}, producer=True),
-        producer_pool, engine_id="release-producer", model_identity="glm5next")
-    consumer = ConsumerWorker(KpoolPdSettings.from_extra_config(
-        {"peer_token": token, "transport": "grpc", "producers": [f"127.0.0.1:{port}"]}, producer=False),
-        consumer_pool, engine_id="release-consumer", model_identity="glm5next")
-    return producer, producer_caches, consumer, consumer_caches
-
-
 @pytest.fixture
 def pair(request):
-    producer, producer_caches, consumer, consumer_caches = start_pair(request.param)
+    producer, producer_caches, consumer, consumer_caches = worker_pair(request.param, "release")
     held = HeldReleases(producer)
     started = []
     try:

@@ -18,11 +18,10 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, Release, Renew, producer_params  # noqa: E402
-from kpool_pd.vllm.settings import KpoolPdSettings  # noqa: E402
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 from tests.vllm_spec_caches import backing  # noqa: E402
-from tests.vllm_spec_procs import pool_of, spec_digest  # noqa: E402
+from tests.vllm_spec_procs import spec_digest  # noqa: E402
+from tests.vllm_worker_pair import worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own, timing over several leases
 
@@ -34,16 +33,7 @@ SRC, DST = ((3, 4), (5,)), ((9, 10), (11,))  # a full group's two blocks and the
 
 @pytest.fixture
 def workers():
-    token = secrets.token_hex(16)
-    port = free_port()
-    _, producer_caches, producer_pool = pool_of("glm5next", seed=1)
-    _, consumer_caches, consumer_pool = pool_of("glm5next", seed=2)
-    producer = ProducerWorker(KpoolPdSettings.from_extra_config(
-        {"listen": f"127.0.0.1:{port}", "peer_token": token, "lease_s": LEASE_S}, producer=True),
-        producer_pool, engine_id="renew-producer", model_identity="glm5next")
-    consumer = ConsumerWorker(KpoolPdSettings.from_extra_config(
-        {"peer_token": token, "transport": "grpc", "producers": [f"127.0.0.1:{port}"]}, producer=False),
-        consumer_pool, engine_id="renew-consumer", model_identity="glm5next")
+    producer, producer_caches, consumer, consumer_caches = worker_pair(LEASE_S, "renew")
     started = []
     try:
         for worker in (producer, consumer):
