@@ -181,6 +181,8 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         return None if self.producer_worker is None else KpoolPdRankInfo(self.producer_worker.address)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.producer_worker is not None:  # before the forward can write into a withdrawn request's blocks
+            self.producer_worker.withdraw(self._get_connector_metadata())
         if self.consumer_worker is not None:
             self.consumer_worker.load(self._get_connector_metadata())
 
@@ -275,7 +277,7 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         if len(metas) == 1:
             return metas[0]
         offered, consumed = metas
-        return dataclasses.replace(consumed, offers=offered.offers)
+        return dataclasses.replace(consumed, offers=offered.offers, withdrawals=offered.withdrawals)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

@@ -93,6 +93,7 @@ class KpoolPdMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
     renewals: list[Renew] = field(default_factory=list)
+    withdrawals: list[str] = field(default_factory=list)  # offered requests that ended unanswered (aborted)
     idle: bool = False  # the step schedules no token: vLLM steps only to hear about transfers
 
 

@@ -56,6 +56,8 @@ class ProducerWorker:
         self._holding: dict[str, int] = {}  # request -> its grants on this rank not ended yet (the loop's)
         self._ended: set[str] = set()  # requests whose grants all ended (their blocks are vLLM's to free again)
         self._finished: set[str] = set()  # requests vLLM said finished
+        self._withdrawn: set[str] = set()  # requests vLLM freed unanswered: never reported, whatever ends later
+        self._keys: dict[str, tuple[str, ...]] = {}  # request -> its grants' keys on this rank, while it holds any
         self.progress = progress or TransferProgress()
         self.stats = StatsRecorder()
         self.loop = ConnectorLoop("kpoolpd-producer")
@@ -84,6 +86,35 @@ class ProducerWorker:
         """Hold this step's computed prompts as grants (before the step's output leaves the engine)."""
         if metadata.offers:
             self.loop.call(lambda: self._offer_all(metadata))
+
+    def withdraw(self, metadata: KpoolPdMetadata) -> None:
+        """Before the step's forward: end the grants of offered requests vLLM freed with no answer to their
+        client (their blocks are vLLM's again and may be written in this very step)."""
+        if metadata.withdrawals:
+            self.loop.call(lambda: self._withdraw_all(metadata.withdrawals))
+
+    async def _withdraw_all(self, request_ids) -> None:
+        for rid in request_ids:
+            with self._lock:
+                self._withdrawn.add(rid)
+                keys = self._keys.get(rid, ())
+            for key in keys:
+                try:
+                    self.node.grants.release(pb.ReleaseRequest(grant_id=key))
+                except StatusError:
+                    pass  # ended already, or a consumer holds it (it cannot: nobody got the params)
+            self.stats.count("grants_withdrawn")
+            logger.info("request %s ended unanswered; its grants on this rank are withdrawn", rid)
+            self._forget_withdrawn(rid)
+
+    def _forget_withdrawn(self, rid: str) -> None:
+        """Drop a withdrawn request from the books once none of its grants is held any more."""
+        with self._lock:
+            if rid in self._withdrawn and rid not in self._holding:
+                self._withdrawn.discard(rid)
+                self._ended.discard(rid)
+                self._finished.discard(rid)
+                self._keys.pop(rid, None)
 
     def _grants_of(self, offer) -> list[tuple[str, tuple[int, ...]]]:
         """(key, the connector's ids) of each grant this rank holds ``offer`` as: the whole grant (every
@@ -115,6 +146,7 @@ class ProducerWorker:
             return
         with self._lock:
             self._holding[rid] = len(grants)
+            self._keys[rid] = tuple(key for key, _ in grants)
         slot_keys = tuple(key for key, _ in grants[1:])
         for index, (key, ids) in enumerate(grants):
             self._lend(offer, key, ids, slot_keys if index == 0 else ())
@@ -145,8 +177,10 @@ class ProducerWorker:
                 self._holding[request_id] = left
             else:
                 self._holding.pop(request_id, None)
+                self._keys.pop(request_id, None)
                 self._ended.add(request_id)
         if left <= 0:
+            self._forget_withdrawn(request_id)
             self.progress.note()
         if slot_keys:
             self.loop.loop.call_soon(self._release_unclaimed, tuple(slot_keys))
@@ -171,7 +205,8 @@ class ProducerWorker:
         waiting (a request offered is in ``_holding`` or ``_ended`` from its offer, before vLLM can finish it,
         until it is reported here); the others vLLM finished are not this rank's to wait for."""
         with self._lock:
-            self._finished |= {rid for rid in finished_req_ids if rid in self._holding or rid in self._ended}
+            self._finished |= {rid for rid in finished_req_ids
+                               if (rid in self._holding or rid in self._ended) and rid not in self._withdrawn}
             done = self._ended & self._finished
             self._ended -= done
             self._finished -= done

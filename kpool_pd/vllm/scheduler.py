@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# vLLM's RequestStatus names of a request that ends without its output reaching the client
+UNANSWERED = frozenset({"FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR"})
+
 
 class ProducerScheduler:
     def __init__(self, settings: KpoolPdSettings, rules: tuple[GroupRule, ...], *, engine_id: str) -> None:
@@ -49,6 +52,7 @@ class ProducerScheduler:
         self._prefilling: dict[str, "Request"] = {}  # do_remote_decode requests whose prompt is not computed
         self._offered: dict[str, Offer] = {}  # offered in a step's metadata, not finished yet
         self._pending: list[Offer] = []
+        self._withdrawn: list[str] = []  # offered requests that ended with no answer: their grants go
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -71,16 +75,22 @@ class ProducerScheduler:
                               block_ids=blocks, prompt_len=n, prompt_digest=digest)
                 self._offered[request_id] = offer
                 self._pending.append(offer)
-        meta, self._pending = KpoolPdMetadata(offers=self._pending, idle=is_idle(scheduler_output)), []
+        meta = KpoolPdMetadata(offers=self._pending, withdrawals=self._withdrawn, idle=is_idle(scheduler_output))
+        self._pending, self._withdrawn = [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids) -> tuple[bool, dict[str, Any] | None]:
         """Blocks of an offered request stay until its grant ends (the worker reports it); the params
         name the grant. A request that was not offered (not a PD prefill, or it ended before its prompt
-        was computed) frees at once."""
+        was computed) frees at once, and so does an offered one that ended with no answer to its client
+        (aborted, refused, failed: nobody holds its params): the next step's metadata withdraws its grants,
+        which the workers do before that step's forward can write into the blocks."""
         self._prefilling.pop(request.request_id, None)
         offer = self._offered.pop(request.request_id, None)
         if offer is None:
+            return False, None
+        if request.status.name in UNANSWERED:
+            self._withdrawn.append(offer.request_id)
             return False, None
         addresses = self.rank_addresses or (self.settings.advertise,)
         return True, producer_params(offer, address=addresses[0], engine_id=self.engine_id,

@@ -13,6 +13,7 @@ across workers (``KpoolPdStats.aggregate``), logs them (``reduce``) and exports 
 | ``vllm:kpool_pd_grants_released_total`` | grants given back unpulled: rejected, aborted, prefix hits, failures (consumer) |
 | ``vllm:kpool_pd_grants_renewed_total`` | lease renewals of queued requests' grants (consumer) |
 | ``vllm:kpool_pd_grants_offered_total`` | prompts held as grants (producer) |
+| ``vllm:kpool_pd_grants_withdrawn_total`` | offered prompts whose request ended unanswered (aborted): freed at once (producer) |
 | ``vllm:kpool_pd_leases_expired_total`` | grants freed because no consumer came within the lease (producer) |
 """
 
@@ -26,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTS = ("pulls", "pull_failures", "pulled_bytes", "pulled_regions", "pulled_blocks", "held_blocks",
-          "grants_released", "grants_renewed", "grants_offered", "leases_expired")
+          "grants_released", "grants_renewed", "grants_offered", "grants_withdrawn", "leases_expired")
 SECONDS = "pull_seconds"  # one value a pull
 PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -109,6 +110,7 @@ class KpoolPdPromMetrics(KVConnectorPromMetrics):
                  "grants_released": "Producer grants given back unpulled",
                  "grants_renewed": "Lease renewals of queued requests' grants",
                  "grants_offered": "Prompts held as grants for consumers",
+                 "grants_withdrawn": "Offered prompts whose request ended unanswered, freed at once",
                  "leases_expired": "Grants freed because no consumer came within the lease"}
         self._counters = {name: create_metric_per_engine(
             self._counter_cls(name=f"vllm:kpool_pd_{name}", documentation=about[name], labelnames=labelnames),
