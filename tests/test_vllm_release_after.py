@@ -23,7 +23,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params
 from kpool_pd.vllm.producer_worker import ProducerWorker  # noqa: E402
 from tests.vllm_spec_caches import backing  # noqa: E402
 from tests.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.vllm_worker_pair import worker_pair  # noqa: E402
+from tests.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own
 
@@ -76,16 +76,6 @@ def offer_and_load(producer: ProducerWorker, consumer: ConsumerWorker, request_i
                                               digest=spec_digest(request_id, DST))]))
 
 
-def wait_finished(consumer: ConsumerWorker, request_id: str) -> tuple[set[str], set[str]]:
-    done, failed = set(), set()
-    deadline = time.monotonic() + DONE_S
-    while request_id not in done and time.monotonic() < deadline:
-        consumer.progress.wait_if_idle(KpoolPdMetadata(idle=True))
-        finished, lost = consumer.finished_recving()
-        done, failed = done | finished, failed | lost
-    return done, failed
-
-
 def wait_freed(producer: ProducerWorker, deadline_s: float) -> float:
     """Seconds until the producer holds no allocation (at most ``deadline_s``)."""
     started = time.monotonic()
@@ -101,7 +91,7 @@ LONG_LEASE_S = 600.0  # far beyond the test: only an answered Release frees the 
 def test_a_pull_is_reported_before_its_release_and_the_release_is_sent_until_answered(pair):
     producer, producer_caches, consumer, consumer_caches, held = pair
     offer_and_load(producer, consumer, "landed", LONG_LEASE_S)
-    done, failed = wait_finished(consumer, "landed")
+    done, failed = wait_finished(consumer, "landed", DONE_S)
     assert done == {"landed"} and failed == set()
     tries_when_reported = held.tries
     block = backing(producer_caches).numel() // 24  # NUM_BLOCKS blocks of every layer, one byte range each
@@ -127,7 +117,7 @@ SHORT_LEASE_S = 2.0
 def test_a_release_never_answered_holds_the_blocks_no_longer_than_the_lease(pair):
     producer, _, consumer, _, held = pair
     offer_and_load(producer, consumer, "unanswered", SHORT_LEASE_S)
-    done, failed = wait_finished(consumer, "unanswered")
+    done, failed = wait_finished(consumer, "unanswered", DONE_S)
     assert done == {"unanswered"} and failed == set()
     assert wait_freed(producer, DONE_S) < DONE_S and producer.cache.allocations_held == 0
     assert held.tries >= 2  # every Release was refused, and sent again

@@ -21,7 +21,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, Release, Renew,
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
 from tests.vllm_spec_caches import backing  # noqa: E402
 from tests.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.vllm_worker_pair import worker_pair  # noqa: E402
+from tests.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own, timing over several leases
 
@@ -64,7 +64,7 @@ def test_a_queued_requests_grant_outlives_its_lease_and_lands(workers):
         time.sleep(0.05)
     consumer.load(KpoolPdMetadata(loads=[Load(request_id="queued", params=params, block_ids=DST,
                                               digest=spec_digest("queued", DST))]))
-    done, failed = wait_finished(consumer, "queued")
+    done, failed = wait_finished(consumer, "queued", DONE_S)
     assert "queued" in done and failed == set()
     assert "queued" not in consumer.renewing()
     counts = consumer.take_stats().data  # what vLLM's /metrics gets (kpool_pd.vllm.stats)
@@ -98,13 +98,3 @@ def test_a_released_requests_grant_is_no_longer_renewed(workers):
         counts = taken.data if taken is not None else counts
         time.sleep(0.05)
     assert counts.get("grants_released") == 1, counts
-
-
-def wait_finished(consumer: ConsumerWorker, request_id: str) -> tuple[set[str], set[str]]:
-    done, failed = set(), set()
-    deadline = time.monotonic() + DONE_S
-    while request_id not in done and time.monotonic() < deadline:
-        consumer.progress.wait_if_idle(KpoolPdMetadata(idle=True))
-        finished, lost = consumer.finished_recving()
-        done, failed = done | finished, failed | lost
-    return done, failed

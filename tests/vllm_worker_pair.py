@@ -5,8 +5,10 @@ checked that vLLM is installed."""
 from __future__ import annotations
 
 import secrets
+import time
 
 from kpool_pd.vllm.consumer_worker import ConsumerWorker
+from kpool_pd.vllm.metadata import KpoolPdMetadata
 from kpool_pd.vllm.producer_worker import ProducerWorker
 from kpool_pd.vllm.settings import KpoolPdSettings
 from tests.ports import free_port
@@ -26,3 +28,15 @@ def worker_pair(lease_s: float, name: str) -> tuple[ProducerWorker, list, Consum
         {"peer_token": token, "transport": "grpc", "producers": [f"127.0.0.1:{port}"]}, producer=False),
         consumer_pool, engine_id=f"{name}-consumer", model_identity="glm5next")
     return producer, producer_caches, consumer, consumer_caches
+
+
+def wait_finished(consumer: ConsumerWorker, request_id: str, within_s: float) -> tuple[set[str], set[str]]:
+    """(the requests whose pulls ended, those that failed) once ``request_id``'s ended, or ``within_s`` passed;
+    idle steps wait on the consumer's progress as vLLM's do."""
+    done, failed = set(), set()
+    deadline = time.monotonic() + within_s
+    while request_id not in done and time.monotonic() < deadline:
+        consumer.progress.wait_if_idle(KpoolPdMetadata(idle=True))
+        finished, lost = consumer.finished_recving()
+        done, failed = done | finished, failed | lost
+    return done, failed
