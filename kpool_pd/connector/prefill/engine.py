@@ -23,6 +23,7 @@ abandons too.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,7 +54,7 @@ class PrefillProgress:
     serves the request from (``serve_from``), and how far the prompt is written (``advance``). Not
     thread-safe; used from the event loop only."""
 
-    __slots__ = ("request_id", "allocation", "prefilled", "_moved", "_allocated")
+    __slots__ = ("request_id", "allocation", "prefilled", "_moved", "_allocated", "_listeners")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -61,6 +62,7 @@ class PrefillProgress:
         self.prefilled = 0  # prompt tokens written in every layer (``advance``)
         self._moved = asyncio.Event()  # set (and replaced) by each ``advance``
         self._allocated = asyncio.Event()
+        self._listeners: list[Callable[[], None]] = []  # called within each ``advance`` (``listen``)
 
     def serve_from(self, allocation: CacheAllocation) -> None:
         """The engine's allocation for this request (its blocks in block-table order and its ring),
@@ -93,6 +95,19 @@ class PrefillProgress:
             self.prefilled = tokens
             moved, self._moved = self._moved, asyncio.Event()
             moved.set()
+            for listener in tuple(self._listeners):
+                listener()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` within every later ``advance`` that moves the prompt on, before it returns: a
+        pushed pull posts the sends the engine's chunk made ready from the chunk's end, with no loop step in
+        between. A listener must not raise (it keeps its own failures) and is removed with ``unlisten``."""
+        self._listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[], None]) -> None:
+        """Remove ``listener`` (idempotent)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     async def wait_prefilled(self, tokens: int) -> None:
         """Until at least ``tokens`` prompt tokens are written (the caller bounds the wait and watches the

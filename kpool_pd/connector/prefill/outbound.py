@@ -85,6 +85,9 @@ class OutboundPull:
         self.endpoint: LentEndpoint | None = None
         self.clock = SendClock()
         self._announced = grant.prefill is None  # a grant made after its prompt has nothing to announce
+        self._next = 0  # UCX: the first region whose send is not posted yet
+        self._failure: PullAborted | None = None  # a send that ``_on_advance`` could not post
+        self._woken = asyncio.Event()  # set with ``_failure``
 
     def _left(self) -> float:
         return self.deadline - time.monotonic()
@@ -132,39 +135,76 @@ class OutboundPull:
         out, prefill_ms, _ = self.grant.prefill.result()  # its done-callback may not have run yet
         return pb.PullResponse(prefilled=pb.PrefillDone(first_token=out.first_token, prefill_ms=prefill_ms))
 
-    async def _send(self, index: int) -> None:
+    def _post(self, index: int) -> None:
+        """Post region ``index``'s send now (UCX has it when this returns); the clock notes when it completed."""
         started = time.perf_counter()
         hops.stamp(self.grant.grant_id, "send")
-        await self.endpoint.send([self.views[index]], region_tag(self.tag_base, index))
-        self.clock.add(index, started, time.perf_counter())
+        try:
+            sent = self.endpoint.post(self.views[index], region_tag(self.tag_base, index))
+        except UcxSendError as exc:  # the decode node reset the connection or went away
+            raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
+        sent.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                               else self.clock.add(index, started, time.perf_counter()))
+        self.sends.append(sent)
 
     def _start_ready_sends(self, index: int) -> int:
-        """UCX: start the sends of regions ``index``, ``index + 1``, ... that may move now; the next one not started."""
+        """UCX: post the sends of regions ``index``, ``index + 1``, ... that may move now; the next one not posted."""
         self._prefill_outcome()
         progress = self.grant.progress
         while index < len(self.views) and (not self.grant.computing or progress.prefilled >= self.ready[index]):
-            self.sends.append(asyncio.ensure_future(self._send(index)))
+            self._post(index)
             index += 1
         return index
+
+    def _on_advance(self) -> None:
+        """Listener of the grant's progress (``PrefillProgress.listen``): the engine has just written more of the
+        prompt, and the sends it made ready are posted within its call, with no loop step in between. A failure
+        is kept for ``messages`` (and wakes it)."""
+        if self._failure is not None:
+            return
+        try:
+            self._next = self._start_ready_sends(self._next)
+        except PullAborted as exc:
+            self._failure = exc
+            self._woken.set()
+
+    async def _push_as_written(self) -> None:
+        """UCX, a grant still computing: its sends are posted from the engine's ``advance`` as the chunks write
+        them (``_on_advance``), until the computation ended; PullAborted if it failed, a send could not be
+        posted, or the deadline passed first."""
+        task, progress = self.grant.prefill, self.grant.progress
+        progress.listen(self._on_advance)
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            self._on_advance()  # what the engine wrote before the listener was in place
+            if self._failure is None and not task.done():
+                await asyncio.wait({task, woken}, timeout=max(self._left(), 0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            progress.unlisten(self._on_advance)
+            woken.cancel()
+        if self._failure is not None:
+            raise self._failure
+        if not task.done():
+            raise PullAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {self.grant.request_id} did not end "
+                              "before the Pull's deadline", "deadline")
+        self._prefill_outcome()
 
     async def messages(self) -> AsyncIterator[pb.PullResponse | bytes]:
         grant, plan = self.grant, self.plan
         self._prefill_outcome()
         index = 0
-        if self.transport is Transport.UCX:  # the decode node posted its receives before calling Pull
+        if self.transport is Transport.UCX:  # the decode node posted its receives before its pull request left
             try:
                 self.endpoint = await self.link.lend()
             except UcxSendError as exc:  # the engine was forgotten, or handshook anew, since the pull began
                 raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
             hops.stamp(grant.grant_id, "lent")
-            index = self._start_ready_sends(0)
-        while index < len(self.views):
+            self._next = self._start_ready_sends(0)
+            if self._next < len(self.views):
+                await self._push_as_written()
+            index = self._next = self._start_ready_sends(self._next)  # the prompt is whole
+        while index < len(self.views):  # the gRPC stream: each region's chunks once the prompt has written it
             await self._until_written(self.ready[index])
-            if self.transport is Transport.UCX:  # the sends first: PrefillDone must not delay them
-                index = self._start_ready_sends(index)
-                if (note := self._announcement()) is not None:
-                    yield note
-                continue
             if (note := self._announcement()) is not None:
                 yield note
             view, started = self.views[index], time.perf_counter()

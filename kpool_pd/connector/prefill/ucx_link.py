@@ -11,6 +11,7 @@ or a Handshake that names another address, closes it, aborting every endpoint, l
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -45,6 +46,31 @@ class LentEndpoint:
             self.abort(reason=f"a send failed: {type(exc).__name__}")
             raise
         link.send_failed_at = None
+
+    def post(self, view: torch.Tensor, tag: int) -> asyncio.Future:
+        """Post the send of ``view`` under ``tag`` on this endpoint now (``UcxNode.post_send``: UCX has the
+        message when this returns) and return its completion's future. A failure (here, or of the future)
+        aborts the endpoint and notes when (``send_failed_at``), as ``send``; UcxSendError."""
+        link = self.link
+        try:
+            sent = link.node.post_send(self.endpoint, view, tag, peer=link.engine_id)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+        sent.add_done_callback(self._settled)
+        return sent
+
+    def _settled(self, sent: asyncio.Future) -> None:
+        if sent.cancelled():
+            return  # the pull ended: its ``stop_sends`` aborted or gave back the endpoint
+        if sent.exception() is not None:
+            self._failed(sent.exception())
+        else:
+            self.link.send_failed_at = None
+
+    def _failed(self, exc: BaseException) -> None:
+        self.link.send_failed_at = time.monotonic()
+        self.abort(reason=f"a send failed: {type(exc).__name__}")
 
     def abort(self, reason: str = "") -> bool:
         """Abort the endpoint now, cancelling its requests in flight: once this returns no send on it

@@ -171,6 +171,37 @@ class UcxNode:
         except self._ucxx.exceptions.UCXError as exc:
             raise UcxSendError(f"UCX send to {peer} failed: {type(exc).__name__}: {exc}") from exc
 
+    def post_send(self, ep, view: torch.Tensor, tag: int, *, peer: str = "") -> asyncio.Future:
+        """Post the send of ``view`` on ``ep`` under ``tag`` now, within this call (no loop step in between),
+        and return the future of its completion. UcxSendError (raised here, or by the future) for a failure in
+        UCX or an aborted endpoint; the caller aborts ``ep`` on any failure, so that no send reads ``view``
+        afterwards."""
+        if ep is None or ep.closed:
+            raise UcxSendError(f"UCX send to {peer}: its endpoint was aborted")
+        buffer = ucx_buffer(view)
+        tag_send = getattr(getattr(ep, "_ep", None), "tag_send", None)
+        if tag_send is None:  # a ucxx without the endpoint's request API: posted at the task's first step
+            return asyncio.ensure_future(self._completed(ep.send(buffer, tag=tag, force_tag=True), peer))
+        # ucxx's Endpoint.send posts its request, then awaits it: posting it here saves the loop step that a
+        # task wrapping Endpoint.send takes before UCX sees the message
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+        array = Array(buffer)
+        try:
+            request = tag_send(array, Tag(tag))
+        except self._ucxx.exceptions.UCXError as exc:
+            raise UcxSendError(f"UCX send to {peer} failed: {type(exc).__name__}: {exc}") from exc
+        return asyncio.ensure_future(self._completed(request.wait(), peer, keep=array))
+
+    async def _completed(self, completion, peer: str, keep=None) -> None:
+        """Await a posted send's ``completion`` (``keep``: its buffer, held until then); UcxSendError on failure."""
+        try:
+            await completion
+        except self._ucxx.exceptions.UCXError as exc:
+            raise UcxSendError(f"UCX send to {peer} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            del keep
+
     # receiver side -----------------------------------------------------------------------
     def post_receives(self, views: Sequence[torch.Tensor], tag_base: int) -> ReceiveBatch:
         """Post ``views[i]`` as the receive buffer for ``tag_base + i`` on the worker."""
