@@ -314,7 +314,7 @@ def test_a_request_cancelled_while_fetching_frees_everything_and_is_counted_by_s
         monkeypatch.setattr(PrefillConnector, "Release", held)
 
     async def main():
-        async with Nodes() as nodes:
+        async with Nodes(push=state is JobState.RELEASING) as nodes:  # the Prefill and Pull held above: no push
             start = nodes.free()
             job = nodes.scheduler.submit(f"cancel-{state.value}", PROMPT, 20)
             await nodes.scheduler.wait_admitted(job)

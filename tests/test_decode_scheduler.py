@@ -39,9 +39,10 @@ class Nodes:
     """A prefill node (connector + batching engine) and a decode node (connector, router,
     scheduler and its loop) in this event loop, each with its own pool."""
 
-    def __init__(self, transfer_timeout_s: float = 10.0, queue_timeout_s: float = 10.0) -> None:
+    def __init__(self, transfer_timeout_s: float = 10.0, queue_timeout_s: float = 10.0, push: bool = True) -> None:
         self.queue_timeout_s = queue_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.push = push  # False: Prefill, then Pull (what a node without PrefillPush gets)
 
     async def __aenter__(self) -> "Nodes":
         config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=self.transfer_timeout_s)
@@ -61,7 +62,7 @@ class Nodes:
         self.registry = CollectorRegistry()
         self.engine = Engine(CONFIG, self.d_cache.pool)
         fetch = OneNode(CONFIG.cache, PullChoice(transport=GRPC, integrity=True, rpc_timeout_s=config.rpc_timeout_s),
-                        pipelined=True)
+                        pipelined=True, push=self.push)
         self.scheduler = DecodeScheduler(self.engine, self.d_cache, self.decode, self.router, fetch=fetch,
                                          max_running=4, max_queue=8,
                                          queue_timeout_s=self.queue_timeout_s, registry=self.registry)
@@ -153,7 +154,8 @@ def test_steps_and_digests_do_not_wait_for_the_event_loops_default_executor():
     run(main())
 
 
-def test_a_failed_pull_leaves_the_allocation_to_the_scheduler_which_releases_it_once(monkeypatch):
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_a_failed_pull_leaves_the_allocation_to_the_scheduler_which_releases_it_once(monkeypatch, push):
     real = regions.host_bytes
 
     def flip_one_byte(view):
@@ -163,13 +165,14 @@ def test_a_failed_pull_leaves_the_allocation_to_the_scheduler_which_releases_it_
     monkeypatch.setattr(regions, "host_bytes", flip_one_byte)
 
     async def main():
-        async with Nodes() as nodes:
+        async with Nodes(push=push) as nodes:
             start = nodes.free()
             job = nodes.scheduler.submit("corrupt", PROMPT, 40)
             await nodes.scheduler.wait_admitted(job)
             with pytest.raises(StatusError) as err:
                 await nodes.scheduler.fetch(job)
-            assert err.value.code is grpc.StatusCode.DATA_LOSS and "transfer from" in err.value.message
+            assert err.value.code is grpc.StatusCode.DATA_LOSS
+            assert ("push of corrupt to" if push else "transfer from") in err.value.message
             # the pull released nothing of ours (the allocation is the scheduler's until the handler leaves);
             # the prefill node's grant is released
             assert job.landed is None and not job.allocation.released
@@ -222,7 +225,7 @@ def test_a_pull_that_times_out_takes_the_node_out_until_the_engine_handshook_aga
     decode node's health follows it: NOT_SERVING) until the engine handshook again, presenting its engine
     secret, and the next request lands from that node."""
     async def main():
-        async with Nodes(transfer_timeout_s=1.0) as nodes:
+        async with Nodes(transfer_timeout_s=1.0, push=False) as nodes:
             start = nodes.free()
             real = nodes.prefill.pull_messages
             changes = []

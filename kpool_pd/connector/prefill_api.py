@@ -30,6 +30,7 @@ PullResponse = _pb.PullResponse
 PullFailure = _pb.PullFailure
 PullSessionRequest = _pb.PullSessionRequest
 PullSessionResponse = _pb.PullSessionResponse
+PushRequest = _pb.PushRequest
 Region = _pb.Region
 ReleaseRequest = _pb.ReleaseRequest
 ReleaseResponse = _pb.ReleaseResponse
@@ -54,12 +55,14 @@ add_PrefillServiceServicer_to_server = _pb_grpc.add_PrefillServiceServicer_to_se
 def add_to_server(servicer: PrefillServiceServicer, server: grpc.aio.Server, *,
                   pull_response_serializer: Callable[[object], bytes]) -> None:
     """Register ``servicer`` on ``server`` as ``add_PrefillServiceServicer_to_server`` does, except
-    that Pull's responses go through ``pull_response_serializer`` (which may take pre-encoded bytes)."""
+    that the responses of Pull and PrefillPush (PullResponse streams) go through ``pull_response_serializer``
+    (which may take pre-encoded bytes)."""
     handlers = {}
     for method in SERVICE_DESCRIPTOR.methods:
         request_type = getattr(_pb, method.input_type.name)
         response_type = getattr(_pb, method.output_type.name)
-        serializer = pull_response_serializer if method.name == "Pull" else response_type.SerializeToString
+        serializer = (pull_response_serializer if method.name in ("Pull", "PrefillPush")
+                      else response_type.SerializeToString)
         make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=request_type.FromString,

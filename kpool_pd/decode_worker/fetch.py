@@ -79,6 +79,10 @@ class RequestFetch(abc.ABC):
         StatusError after giving back the grant where the node can take it; ``job.state`` RELEASING while the
         Release runs. Cancelling it leaves the prefill node no grant to expire."""
 
+    def pushes_to(self, peer: PrefillPeer) -> bool:
+        """Whether ``prefill`` lands the prompt too (a push), so that its failure may be a pull's."""
+        return False
+
     @abc.abstractmethod
     def skips_node(self, failure: StatusError) -> bool:
         """Whether a pull that failed so says that the prefill node cannot be pulled from now."""
@@ -94,22 +98,35 @@ class RequestFetch(abc.ABC):
 class OneNode(RequestFetch):
     """One process holds the whole request (no DCP)."""
 
-    def __init__(self, cache: CacheConfig, pulls: PullChoice, *, pipelined: bool) -> None:
+    def __init__(self, cache: CacheConfig, pulls: PullChoice, *, pipelined: bool, push: bool = True) -> None:
         super().__init__(cache, pulls)
         self.pipelined = pipelined  # ask prefill nodes to answer before the prompt is computed (PrefillPeer.prefill)
+        self.push = push  # pipelined, with a node that takes it: the prompt and its pull in one call (PrefillPeer.push)
+
+    def pushes_to(self, peer: PrefillPeer) -> bool:
+        return self.pipelined and self.push and peer.pushes
 
     def blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         return self.cache.blocks_for_request(prompt_len, max_tokens)
 
     async def prefill(self, peer: PrefillPeer, job: Job) -> PrefillGrant:
+        """Pipelined, from a node that takes pushes: the prompt and its pull in one call (``PrefillPeer.push``),
+        so the bytes land as the prompt completes, with no message after it; the grant returned has landed
+        (``job.landed``), and ``pull`` only releases it. Otherwise the grant, which ``pull`` lands."""
+        if self.pushes_to(peer):
+            job.landed = await peer.push(job.request_id, job.prompt, into=job.allocation,
+                                         transport=self.pulls.transport, integrity=self.pulls.integrity,
+                                         mrope_positions=job.mrope_positions)
+            return job.landed.grant
         return await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined,
                                   mrope_positions=job.mrope_positions)
 
     async def pull(self, job: Job, peer: PrefillPeer, grant: PrefillGrant) -> RankTransfer:
         wait_s = self.pulls.rpc_timeout_s
         try:
-            job.landed = await peer.pull(grant, into=job.allocation, transport=self.pulls.transport,
-                                         integrity=self.pulls.integrity, release=False)
+            if job.landed is None or job.landed.grant is not grant:  # not pushed: pull it now
+                job.landed = await peer.pull(grant, into=job.allocation, transport=self.pulls.transport,
+                                             integrity=self.pulls.integrity, release=False)
         except asyncio.CancelledError:
             peer.release_soon(grant.grant_id)  # the client left: the prefill node frees its blocks now
             raise

@@ -206,8 +206,8 @@ class DecodeScheduler:
                 last = exc
                 if exc.code not in RETRYABLE:
                     raise StatusError(exc.code, exc.message) from None
-                if exc.code is grpc.StatusCode.UNAVAILABLE:
-                    self.router.mark_failed(peer, exc.message)
+                if exc.code is grpc.StatusCode.UNAVAILABLE or (self.fetcher.pushes_to(peer) and self.fetcher.skips_node(exc)):
+                    self.router.mark_failed(peer, exc.message)  # a push that failed as a pull takes the node out too
                 logger.info("prefill of %s failed (%s); trying another node", job.request_id, exc,
                             extra={"request_id": job.request_id})
         raise StatusError(last.code, last.message)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.shared.plan import RingRange
+from kpool_pd.connector.shared.wire import ring_from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +29,14 @@ class PrefillGrant:
     pipelined: bool = False  # the prompt was still computing: ``first_token`` (0 here) comes with the pull
     piece_blocks: int = 0  # the transfer plan's piece size (``kpool_pd.connector.shared.plan.plan_transfer``)
     prefill_ms: float = 0.0  # the prompt's compute (not pipelined; a pipelined pull reports it)
+
+
+def grant_from(r: pb.PrefillResponse) -> PrefillGrant:
+    """The grant a Prefill response (or a push's ``granted`` message) states."""
+    return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
+                        ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000,
+                        src_block_ids=tuple(r.src_block_ids), src_ring_id=r.src_ring_id, pipelined=r.pipelined,
+                        piece_blocks=r.piece_blocks, prefill_ms=r.prefill_ms)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ import torch
 
 from kpool_pd import kernels
 from kpool_pd.connector import prefill_api as pb
-from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
+from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes, grant_from
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
@@ -99,7 +99,8 @@ class InboundPull:
 
     def __init__(self, open_call: Callable[[], grpc.aio.UnaryStreamCall], *, address: str, grant: PrefillGrant,
                  landing: Landing, ring_id: int, transport: Transport, tag_base: int, integrity: bool, ucx: UcxNode | None,
-                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], plan: TransferPlan) -> None:
+                 metrics: ConnectorMetrics, keep: Callable[[asyncio.Task], None], plan: TransferPlan,
+                 on_granted: Callable[[PrefillGrant], None] | None = None) -> None:
         self.open_call, self.address, self.grant, self.landing, self.ring_id = open_call, address, grant, landing, ring_id
         self.call: grpc.aio.UnaryStreamCall | None = None
         self.transport, self.tag_base, self.integrity = transport, tag_base, integrity
@@ -115,6 +116,14 @@ class InboundPull:
         self.prefill_done: tuple[float, pb.PrefillDone] | None = None  # a pipelined grant's, with when it arrived
         self.last_landed = 0.0  # when the last byte landed (perf_counter)
         self.done: pb.PullDone | None = None  # the stream's last message, once read
+        # A push (PrefillPush): ``grant`` is the one planned from the prompt until the stream's first message states
+        # the grant made; ``on_granted`` hears of it then, and ``granted_at`` is when it came (perf_counter).
+        self.on_granted, self.granted_at = on_granted, 0.0
+
+    @property
+    def key(self) -> str:
+        """What the hop stamps name this pull by: its grant, or a push's request until the grant is known."""
+        return self.grant.grant_id or f"push-{self.grant.request_id}"
 
     @staticmethod
     def tag_base_for(transport: Transport) -> int:
@@ -123,10 +132,10 @@ class InboundPull:
 
     async def run(self) -> TransferPlan:
         try:
-            hops.stamp(self.grant.grant_id, "pull")
+            hops.stamp(self.key, "pull")
             marks = [time.perf_counter()]
             plan, views = self._post()
-            hops.stamp(self.grant.grant_id, "posted")
+            hops.stamp(self.key, "posted")
             marks.append(time.perf_counter())
             self.call = self.open_call()
             asyncio.get_running_loop().call_soon(self._prepare_landing)  # once the request is handed on
@@ -144,7 +153,7 @@ class InboundPull:
             marks.append(time.perf_counter())
             self.plan, self.timeline = plan, PullTimeline(*((b - a) * 1000 for a, b in zip(marks, marks[1:])))
             self.times = self._times(marks)
-            hops.stamp(self.grant.grant_id, "returned")
+            hops.stamp(self.key, "returned")
             return plan
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INTERNAL, f"bad plan from {self.address}: {exc}") from None
@@ -175,6 +184,10 @@ class InboundPull:
 
     def _times(self, marks: list[float]) -> TransferTimes:
         """The request's TransferTimes (see there); ``marks``: ``run``'s time marks."""
+        if not self.grant.pipelined and self.granted_at:  # a push granted once its prompt was computed
+            here = (max(self.last_landed, self.granted_at) - self.granted_at) * 1000
+            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=self.done.send_ms,
+                                 exposed_transfer_ms=max(here, self.done.sent_after_prefill_ms))
         if not self.grant.pipelined:
             whole = (marks[-2] - marks[1]) * 1000  # Pull to the bytes verified
             return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=whole, exposed_transfer_ms=whole)
@@ -238,6 +251,9 @@ class InboundPull:
             if msg is None:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, "Pull stream ended without PullDone")
             kind = "chunk" if isinstance(msg, ChunkFrame) else msg.WhichOneof("message")
+            if kind == "granted" and self.on_granted is not None and not self.granted_at:
+                self._granted(msg.granted)
+                continue
             if kind == "prefilled" and self.grant.pipelined and self.prefill_done is None:
                 self.prefill_done = (time.perf_counter(), msg.prefilled)
                 self.first_token = msg.prefilled.first_token
@@ -257,6 +273,19 @@ class InboundPull:
             regions.write_bytes(views[region][offset:offset + len(data)], data)
             landed[region] += len(data)
             self.last_landed = time.perf_counter()
+
+    def _granted(self, response: pb.PrefillResponse) -> None:
+        """A push's grant arrived: it must be the one planned from the prompt (INTERNAL otherwise)."""
+        self.granted_at = time.perf_counter()
+        grant, planned = grant_from(response), self.grant
+        if grant.grant_id:
+            self.on_granted(grant)  # the caller's to release, whatever follows
+        if (grant.request_id, grant.prompt_len, grant.num_blocks, grant.ring_live) != \
+                (planned.request_id, planned.prompt_len, planned.num_blocks, planned.ring_live) or not grant.grant_id:
+            raise StatusError(grpc.StatusCode.INTERNAL, f"push of {planned.request_id} to {self.address} was granted "
+                              f"{grant.num_blocks} blocks for {grant.prompt_len} tokens (request {grant.request_id!r}), "
+                              f"where {planned.num_blocks} blocks for {planned.prompt_len} tokens were planned")
+        self.grant, self.first_token = grant, grant.first_token
 
     async def _wait_landed(self, plan: TransferPlan, views: list[torch.Tensor], landed: list[int]) -> None:
         """Every byte is in place: UCX, every receive completed; the gRPC stream, every chunk came."""

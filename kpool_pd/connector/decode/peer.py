@@ -15,21 +15,23 @@ import grpc
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.shared.compat import arrangement
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure
-from kpool_pd.connector.decode.grant import PrefillGrant, TransferTimes
+from kpool_pd.connector.decode.grant import PrefillGrant, TransferTimes, grant_from
 from kpool_pd.connector.decode.landed import LandedRequest
 from kpool_pd.connector.decode.inbound import InboundPull, Landing
 from kpool_pd.connector.decode.keep_alive import KeepAlive
 from kpool_pd.connector.decode.peer_context import PeerContext
-from kpool_pd.connector.shared.pull_frames import pull_method
+from kpool_pd.connector.decode.peer_releases import PeerReleases
+from kpool_pd.connector.shared.pull_frames import pull_method, push_method
 from kpool_pd.connector.decode.pull_session import PullSession
+from kpool_pd.connector.decode.push import can_push, plan_push
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, PullTarget
-from kpool_pd.connector.shared.wire import Transport, region_message, ring_from, transports_from
+from kpool_pd.connector.shared.wire import Transport, region_message, transports_from
 from kpool_pd.kvcache import BlockLayout, CacheAllocation
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillPeer:
+class PrefillPeer(PeerReleases):
     """One prefill node, after a successful Handshake. Made by ``DecodeConnector.connect`` with the
     node's ``PeerContext``; closed by ``DecodeConnector.disconnect`` (or ``close``). ``layout`` is the
     peer's block layout: ours, or ours arranged otherwise (block size, order, kernel page; then
@@ -56,6 +58,8 @@ class PrefillPeer:
         self._channel = channel
         self._stub = pb.PrefillServiceStub(channel)
         self._pull = pull_method(channel)  # reads chunks without protobuf's copies
+        self._push = push_method(channel)
+        self.pushes = response.push and can_push(context.pool.layout, layout)  # it serves PrefillPush for our layout
         # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
         self._session = PullSession(self._stub.PullSession, address,
                                     idle_s=response.pull_session_idle_ms / 1000 or None) \
@@ -134,10 +138,7 @@ class PrefillPeer:
             self.release_soon(r.grant_id)
             raise StatusError(grpc.StatusCode.INTERNAL, f"Prefill of {request_id} on {self.address} named "
                               f"{len(r.src_block_ids)} source blocks for a grant of {r.num_blocks}")
-        return PrefillGrant(grant_id=r.grant_id, request_id=r.request_id, prompt_len=r.prompt_len, num_blocks=r.num_blocks,
-                            ring_live=ring_from(r.ring_live), first_token=r.first_token, lease_s=r.lease_ms / 1000,
-                            src_block_ids=tuple(r.src_block_ids), src_ring_id=r.src_ring_id, pipelined=r.pipelined,
-                            piece_blocks=r.piece_blocks, prefill_ms=r.prefill_ms)
+        return grant_from(r)
 
     async def _prefill_call(self, req: pb.PrefillRequest) -> pb.PrefillResponse:
         try:
@@ -157,57 +158,6 @@ class PrefillPeer:
                 logger.warning("the Pull stream from %s failed after its bytes landed: %s", self.address,
                                task.exception())
         stream.add_done_callback(ended)
-
-    def _release_abandoned(self, call: asyncio.Task) -> None:
-        """Done-callback of a Prefill whose caller was cancelled: release the grant it returned, if any."""
-        self._background.discard(call)
-        if call.cancelled() or call.exception() is not None:
-            return  # no grant: the call was cancelled in time, or failed
-        grant_id = call.result().grant_id
-        logger.info("prefill of %s was granted as its caller left; releasing grant %s",
-                    call.result().request_id, grant_id)
-        self.release_soon(grant_id)
-
-    def release_soon(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False) -> asyncio.Task:
-        """Release ``grant_id`` in the background and return the task; never blocks nor raises. The
-        task is the connector's (``kpool_pd.connector.decode.releases``), not this peer's: a Release that
-        fails or gets no answer (each try within ``rpc_timeout_s``) is sent again after a backoff until the
-        node answers it, refuses it for good (an unknown engine or another's grant, which holds nothing of
-        ours) or the grant's lease has run out (nobody renews it now: the node frees it by then), and once
-        this peer is closed it goes on through the connector's newest open peer of this address (the node
-        handshaken again). For callers that cannot wait (they were cancelled) or need not (a failure path);
-        ``release_within`` waits for the answer. The peer stays ``busy`` until the task ends."""
-        self._open_grants.pop(grant_id, None)
-        task = self.context.releases.start(self, grant_id, lease_s=self.lease_s, dcp_rank=dcp_rank,
-                                           all_ranks=all_ranks)
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-        return task
-
-    async def release_within(self, grant_id: str, wait_s: float, *, dcp_rank: int = 0) -> None:
-        """``release_soon``, waiting at most ``wait_s`` for it to end: a caller whose bytes have
-        landed waits for the Release's answer (the grant is freed when it returns, on a node that
-        answers in time) but not for the tries after ``wait_s``; cancelling the caller leaves the
-        Release going on. Never raises but CancelledError."""
-        task = self.release_soon(grant_id, dcp_rank=dcp_rank)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), wait_s)
-
-    async def release(self, grant_id: str, *, dcp_rank: int = 0, all_ranks: bool = False,
-                      timeout_s: float | None = None) -> bool:
-        """Idempotent: False when the grant was already released or expired. A DCP rank releases its
-        own share (``dcp_rank``); rank 0 may release every rank's at once (``all_ranks``). StatusError
-        (DEADLINE_EXCEEDED: no answer within ``timeout_s``, by default ``rpc_timeout_s``)."""
-        self._open_grants.pop(grant_id, None)
-        self._check_open(f"Release of {grant_id}")
-        try:
-            r = await self._stub.Release(pb.ReleaseRequest(grant_id=grant_id, engine_id=self.context.engine_id,
-                                                           engine_secret=self._secret,
-                                                           dcp_rank=dcp_rank, all_ranks=all_ranks),
-                                         timeout=timeout_s or self.context.config.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_failure(exc, f"Release of {grant_id} on {self.address}") from None
-        return r.released
 
     async def heartbeat(self, grant_ids) -> list[str]:
         """Renew leases; returns the ids the prefill node no longer holds."""
@@ -265,6 +215,73 @@ class PrefillPeer:
             finally:
                 self._open_grants.pop(grant.grant_id, None)
 
+    async def push(self, request_id: str, prompt_token_ids, *, into: CacheAllocation,
+                   transport: Transport | None = None, integrity: bool = False,
+                   mrope_positions: Sequence[Sequence[int]] = ()) -> LandedRequest:
+        """Prefill and pull in one call (PrefillPush), for a node that serves it (``pushes``): the receives into
+        ``into`` (held by the caller, as for ``pull``) are posted and the plan sent with the prompt, so the prefill
+        node sends each piece from the end of the chunk that wrote it, with no message from here after the
+        prompt; returns once every byte landed, with the first token. The grant (``LandedRequest.grant``) is then
+        the caller's to release, as after ``pull(release=False)``; on a failure or a cancellation after the node
+        granted it, it is released in the background (the node also frees it when the call ends early). Failure:
+        StatusError within ``pull_budget_s(computing=True)``, the node's status for a refused or failed prompt;
+        no receive into ``into`` is posted any more when it returns or raises. ValueError (nothing sent) for an
+        allocation as ``pull`` refuses, or a peer that does not push."""
+        n = len(prompt_token_ids)
+        if not self.pushes:
+            raise ValueError(f"prefill node {self.address} takes no push for this layout: use prefill and pull")
+        if not isinstance(into, CacheAllocation) or into.released or into.pool is not self.context.pool \
+                or (into.ring_id is None and self.context.pool.layout.ring_slots > 0):
+            raise ValueError(f"push of {request_id} needs a held allocation of this node's cache with a ring, "
+                             f"got {into!r}")
+        c = self.context
+        grant, landing, plan = plan_push(c.pool, self.layout, into, request_id=request_id, prompt_len=n,
+                                         lease_s=self.lease_s, piece_tokens=c.config.piece_tokens)
+        self._check_open(f"PrefillPush of {request_id}")
+        transport = self._transport_for(transport)
+        tag_base = InboundPull.tag_base_for(transport)
+        req = pb.PushRequest(prefill=pb.PrefillRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), engine_id=c.engine_id,
+            engine_secret=self._secret, pipelined=True, mrope_positions=[v for p in mrope_positions for v in p]),
+            transport=transport.value, integrity=integrity, ucx_tag_base=tag_base,
+            regions=[region_message(pair.src) for pair in plan.pairs])
+        budget = c.config.pull_budget_s(computing=True)
+        granted: list[str] = []
+
+        def on_granted(made: PrefillGrant) -> None:
+            granted.append(made.grant_id)
+            self._pulling[made.grant_id] += 1  # the keep-alive renews its lease while it moves
+
+        pull = InboundPull(lambda: self._push(req, timeout=budget), address=self.address, grant=grant, landing=landing,
+                           ring_id=0 if into.ring_id is None else into.ring_id, transport=transport, tag_base=tag_base,
+                           integrity=integrity, ucx=c.ucx, metrics=c.metrics, keep=self._follow_on, plan=plan,
+                           on_granted=on_granted)
+        started = time.perf_counter()
+        with self._call():
+            try:
+                await asyncio.wait_for(pull.run(), budget)
+            except BaseException as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    exc = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"did not finish in {budget} s")
+                c.metrics.failures.labels(exc.code.name.lower() if isinstance(exc, StatusError)
+                                          else type(exc).__name__).inc()
+                if not isinstance(exc, StatusError):  # cancelled: the grant goes back in the background
+                    for grant_id in granted:
+                        self.release_soon(grant_id)
+                    raise
+                for grant_id in granted:  # a node that is up frees its blocks now, not at the lease's end
+                    if exc.code is grpc.StatusCode.UNAVAILABLE:
+                        self.release_soon(grant_id)
+                    else:
+                        await self.release_within(grant_id, c.config.rpc_timeout_s)
+                raise StatusError(exc.code, f"push of {request_id} to {self.address}: {exc.message}") from None
+            finally:
+                for grant_id in granted:
+                    self._pulling[grant_id] -= 1
+                    if self._pulling[grant_id] <= 0:
+                        del self._pulling[grant_id]
+        return self._landed(pull, transport, time.perf_counter() - started)
+
     def _transport_for(self, asked: Transport | None) -> Transport:
         """The transport asked for, else UCX when both sides have it; FAILED_PRECONDITION if unavailable."""
         ucx = self.context.ucx
@@ -299,19 +316,24 @@ class PrefillPeer:
             self._pulling[grant.grant_id] -= 1
             if self._pulling[grant.grant_id] <= 0:
                 del self._pulling[grant.grant_id]
-        seconds = time.perf_counter() - started
+        landed = self._landed(pull, transport, time.perf_counter() - started, held_blocks=len(held))
+        if release:  # a failed Release is tried again in the background: the data has landed
+            await self.release_within(grant.grant_id, c.config.rpc_timeout_s, dcp_rank=share.rank)
+        return landed
+
+    def _landed(self, pull: InboundPull, transport: Transport, seconds: float, *, held_blocks: int = 0) -> LandedRequest:
+        """How a finished pull (or push) landed, counted in the metrics."""
+        c, grant = self.context, pull.grant
         c.metrics.transferred(transport.label, pull.plan.total_bytes, len(pull.plan), seconds)
         times = pull.times or TransferTimes(prefill_ms=grant.prefill_ms, transfer_ms=seconds * 1000,
                                             exposed_transfer_ms=seconds * 1000)
         landed = LandedRequest(grant=grant, transport=transport, nbytes=pull.plan.total_bytes, regions=len(pull.plan),
                                seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
-                               first_token=grant.first_token if pull.first_token is None else pull.first_token,
-                               times=times, prompt_blocks=len(pull.landing.block_ids), held_blocks=len(held))
+                               first_token=pull.first_token, times=times, prompt_blocks=len(pull.landing.block_ids),
+                               held_blocks=held_blocks)
         c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
-        if release:  # a failed Release is tried again in the background: the data has landed
-            await self.release_within(grant.grant_id, c.config.rpc_timeout_s, dcp_rank=share.rank)
         return landed
 
     async def _land(self, grant: PrefillGrant, allocation: CacheAllocation, transport: Transport,

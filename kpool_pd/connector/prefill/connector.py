@@ -7,7 +7,8 @@ Heartbeat), wired from one part per concept:
 - ``grants`` (``kpool_pd.connector.prefill.grants``): the grants held under lease, their reaping and freeing,
   Release and Heartbeat;
 - ``PrefillDesk`` (``kpool_pd.connector.prefill.prefills``): the Prefill call, the engine's prompt held as a grant;
-- ``PullDesk`` (``kpool_pd.connector.prefill.pulls``): each pull checked, planned once and served.
+- ``PullDesk`` (``kpool_pd.connector.prefill.pulls``): each pull checked, planned once and served;
+- ``PushDesk`` (``kpool_pd.connector.prefill.pushes``): a Prefill and its pull in one call (PrefillPush).
 
 Lifecycle: ``add_to_server(server)`` registers the service on the daemon's gRPC server (which owns auth,
 TLS, health and reflection); ``await start()`` makes the UCX worker and starts the lease reaper; after
@@ -40,6 +41,7 @@ from kpool_pd.connector.prefill.outbound import OutboundPull
 from kpool_pd.connector.prefill.prefills import PrefillDesk
 from kpool_pd.connector.prefill.pull_session_server import serve_pull_session
 from kpool_pd.connector.prefill.pulls import PullDesk
+from kpool_pd.connector.prefill.pushes import PushDesk
 from kpool_pd.connector.prefill.ucx_vetting import AddressVetting
 from kpool_pd.connector.shared import pull_frames
 from kpool_pd.connector.shared.auth import Credential
@@ -80,6 +82,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
                                     engines=self.engines, grants=self.grants, metrics=self.metrics)
         self.pulls = PullDesk(pool=pool, config=config, transports=self.transports, engines=self.engines,
                               grants=self.grants, metrics=self.metrics)
+        self.pushes = PushDesk(pool=pool, prefills=self.prefills, pulls=self.pulls)
         self._ucx: UcxNode | None = None
         self._vetting: AddressVetting | None = None
         self.pull_sessions_open = 0  # PullSession calls being served now
@@ -175,6 +178,15 @@ class PrefillConnector(pb.PrefillServiceServicer):
     async def Pull(self, request: pb.PullRequest, context):
         try:
             async with contextlib.aclosing(self.pull_messages(request)) as messages:  # a cancelled call stops it now
+                async for message in messages:
+                    yield message
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def PrefillPush(self, request: pb.PushRequest, context):
+        """A Prefill and its pull in one call (``kpool_pd.connector.prefill.pushes``)."""
+        try:
+            async with contextlib.aclosing(self.pushes.push_messages(request)) as messages:
                 async for message in messages:
                     yield message
         except StatusError as exc:

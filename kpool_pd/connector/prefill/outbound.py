@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import torch
@@ -75,7 +75,7 @@ class OutboundPull:
     this pull by ``link``, the engine's); the caller's ``stop_sends`` ends them and the loan when the
     stream ends."""
 
-    def __init__(self, grant: Grant, plan: ServedPlan, views: Sequence[torch.Tensor], *,
+    def __init__(self, grant: Grant, plan: ServedPlan, views: Sequence[torch.Tensor | Callable[[], torch.Tensor]], *,
                  transport: Transport, engine_id: str, link: UcxLink | None, tag_base: int, chunk_bytes: int,
                  integrity: bool, deadline: float) -> None:
         self.grant, self.plan, self.views, self.ready = grant, plan, list(views), plan.ready
@@ -88,6 +88,14 @@ class OutboundPull:
         self._next = 0  # UCX: the first region whose send is not posted yet
         self._failure: PullAborted | None = None  # a send that ``_on_advance`` could not post
         self._woken = asyncio.Event()  # set with ``_failure``
+
+    def _view(self, index: int) -> torch.Tensor:
+        """Region ``index``'s bytes: its view of the pool, or (a push's region over blocks that do not lie
+        together) their copy, gathered once the region may move and kept for the rest of the pull."""
+        view = self.views[index]
+        if callable(view):
+            view = self.views[index] = view()
+        return view
 
     def _left(self) -> float:
         return self.deadline - time.monotonic()
@@ -140,7 +148,7 @@ class OutboundPull:
         started = time.perf_counter()
         hops.stamp(self.grant.grant_id, "send")
         try:
-            sent = self.endpoint.post(self.views[index], region_tag(self.tag_base, index))
+            sent = self.endpoint.post(self._view(index), region_tag(self.tag_base, index))
         except UcxSendError as exc:  # the decode node reset the connection or went away
             raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
         sent.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
@@ -207,7 +215,7 @@ class OutboundPull:
             await self._until_written(self.ready[index])
             if (note := self._announcement()) is not None:
                 yield note
-            view, started = self.views[index], time.perf_counter()
+            view, started = self._view(index), time.perf_counter()
             for off in range(0, view.numel(), self.chunk_bytes):
                 yield pull_frames.encode_chunk(index, off, regions.host_bytes(view[off:off + self.chunk_bytes]))
                 if (note := self._announcement()) is not None:
@@ -229,7 +237,7 @@ class OutboundPull:
             except UcxSendError as exc:  # the decode node reset the connection or went away
                 logger.warning("pull of grant %s by engine %s: %s", grant.grant_id, self.engine_id, exc)
                 raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
-        checksums = [regions.crc32(v) for v in self.views] if self.integrity else []
+        checksums = [regions.crc32(self._view(i)) for i in range(len(self.views))] if self.integrity else []
         after = self.clock.after_ms(grant.prefill.result()[2]) if grant.prefill is not None else 0.0
         yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums,
                                                send_ms=self.clock.busy_ms, sent_after_prefill_ms=after))

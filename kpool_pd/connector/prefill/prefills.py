@@ -74,6 +74,16 @@ class PrefillDesk:
 
     async def answer(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """Check the call, run the prompt and hold it as a grant; StatusError for a refused or failed call."""
+        return self.response(await self.hold(request, pipelined=request.pipelined))
+
+    def check(self, request: pb.PrefillRequest) -> None:
+        """StatusError for a Prefill that must not reach the engine (``hold`` checks it again)."""
+        self._check(request)
+
+    async def hold(self, request: pb.PrefillRequest, *, pipelined: bool) -> Grant:
+        """Check the call, run the prompt and hold it as a grant, made once the engine allocated (``pipelined``,
+        without DCP) or once the prompt is computed; StatusError for a refused or failed call. Every exit without
+        a grant (errors, the caller cancelling) stops the engine and frees its allocation."""
         self._check(request)
         self._supersede(request)
         n = len(request.prompt_token_ids)
@@ -84,17 +94,17 @@ class PrefillDesk:
         task = asyncio.ensure_future(self._compute(job, progress, n))
         granted = False
         try:  # every exit without a grant (errors, the caller cancelling) stops the engine and frees
-            out, prefill_ms = await self._until_served(task, progress, pipelined=request.pipelined and not dcp_ids,
+            out, prefill_ms = await self._until_served(task, progress, pipelined=pipelined and not dcp_ids,
                                                        request_id=request.request_id)
-            pipelined = out is None
+            computing = out is None
             grant = Grant(grant_id=secrets.token_hex(16), request_id=request.request_id, engine_id=request.engine_id,
                           block_ids=progress.block_ids, ring_id=progress.ring_id, prompt_len=n,
                           live=ring_live_range(self.layout.config, n),
-                          first_token=0 if pipelined else out.first_token, expires_at=self.grants.leases.expiry(),
-                          progress=progress, prefill=task if pipelined else None,
-                          piece_blocks=self._piece_blocks() if pipelined else 0, prefill_ms=prefill_ms,
+                          first_token=0 if computing else out.first_token, expires_at=self.grants.leases.expiry(),
+                          progress=progress, prefill=task if computing else None,
+                          piece_blocks=self._piece_blocks() if computing else 0, prefill_ms=prefill_ms,
                           dcp_engine_ids=dcp_ids, dcp_interleave=request.dcp_interleave)
-            if pipelined:
+            if computing:
                 task.add_done_callback(lambda t: self._prefilled(grant, t))
             self.grants.leases.add(grant)
             granted = True
@@ -102,11 +112,16 @@ class PrefillDesk:
             if not granted:
                 task.cancel()
                 progress.release()
-        return pb.PrefillResponse(request_id=request.request_id, grant_id=grant.grant_id, prompt_len=n,
+        return grant
+
+    def response(self, grant: Grant) -> pb.PrefillResponse:
+        """The Prefill response stating ``grant`` (just made by ``hold``)."""
+        return pb.PrefillResponse(request_id=grant.request_id, grant_id=grant.grant_id, prompt_len=grant.prompt_len,
                                   num_blocks=len(grant.block_ids), ring_live=ring_message(grant.live),
                                   first_token=grant.first_token, lease_ms=int(self.config.lease_s * 1000),
-                                  src_block_ids=grant.block_ids, src_ring_id=grant.ring_id, pipelined=pipelined,
-                                  piece_blocks=grant.piece_blocks, prefill_ms=grant.prefill_ms)
+                                  src_block_ids=grant.block_ids, src_ring_id=grant.ring_id,
+                                  pipelined=grant.prefill is not None, piece_blocks=grant.piece_blocks,
+                                  prefill_ms=grant.prefill_ms)
 
     async def _until_served(self, task: asyncio.Task, progress: PrefillProgress, *, pipelined: bool,
                             request_id: str) -> tuple[PrefillOutput | None, float]:

@@ -14,6 +14,7 @@ and the grant is freed at once (``GrantKeeper.abandon``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from kpool_pd.connector import prefill_api as pb
-from kpool_pd.connector.prefill.decode_engines import DecodeEngineTable
+from kpool_pd.connector.prefill.decode_engines import DecodeEngine, DecodeEngineTable
 from kpool_pd.connector.prefill.grants import GrantKeeper
 from kpool_pd.connector.prefill.leases import Grant
 from kpool_pd.connector.prefill.outbound import OutboundPull, PullAborted
@@ -60,16 +61,23 @@ class PullDesk:
         self.grants.claim(grant, request.engine_id)
         if not self.grants.pulls_as(grant, request.engine_id, request.dcp_rank):
             raise self.grants.foreign("Pull", request.engine_id)
-        if request.transport not in self._offered_values:
+        transport, link = self.transport_for(engine, request.transport, request.ucx_tag_base)
+        return grant, transport, link
+
+    def transport_for(self, engine: DecodeEngine, transport: int, ucx_tag_base: int) -> tuple[Transport, UcxLink | None]:
+        """The transport (a ``kpoolpd.v1.Transport`` value) an authenticated engine pulls over, and its UCX link
+        for UCX; StatusError for one this node does not offer, UCX to an engine without a worker address, or UCX
+        without a tag base."""
+        if transport not in self._offered_values:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"transport {request.transport} not offered; this node offers {[t.label for t in self.transports]}")
-        transport = Transport(request.transport)
-        self.engines.heard_from(request.engine_id)
-        if transport is Transport.UCX and not engine.reaches_over(Transport.UCX):
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {request.engine_id!r} offered no UCX worker address")
-        if transport is Transport.UCX and request.ucx_tag_base == 0:
+                              f"transport {transport} not offered; this node offers {[t.label for t in self.transports]}")
+        chosen = Transport(transport)
+        self.engines.heard_from(engine.engine_id)
+        if chosen is Transport.UCX and not engine.reaches_over(Transport.UCX):
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"engine {engine.engine_id!r} offered no UCX worker address")
+        if chosen is Transport.UCX and ucx_tag_base == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag_base must be a random nonzero 64-bit value")
-        return grant, transport, engine.link if transport is Transport.UCX else None
+        return chosen, engine.link if chosen is Transport.UCX else None
 
     async def pull_messages(self, request: pb.PullRequest):
         """The messages of one pull of ``request``, as a Pull stream sends them; StatusError for a pull
@@ -77,12 +85,24 @@ class PullDesk:
         grant, transport, link = self._checked(request)
         plan = served_plan(self.layout, grant, request.regions)
         hops.stamp(grant.grant_id, "checked")
-        grant.pulls_in_flight += 1
         views = [regions.region_view(self.pool, region) for region in plan.regions]
+        async with contextlib.aclosing(self.serve(grant, plan, views, transport=transport, engine_id=request.engine_id,
+                                                  link=link, tag_base=request.ucx_tag_base,
+                                                  integrity=request.integrity)) as messages:
+            async for message in messages:
+                yield message
+
+    async def serve(self, grant: Grant, plan, views, *, transport: Transport, engine_id: str, link: UcxLink | None,
+                    tag_base: int, integrity: bool, abandon_if_left: bool = False):
+        """The messages of a checked pull of ``grant``: ``plan`` (its regions and when each may move) read from
+        ``views`` (a region's tensor, or a callable that gathers it once written). The pull keeps the grant
+        from being freed until it ends. A caller that leaves before PullDone abandons the grant if its prompt is
+        still computing, or always with ``abandon_if_left`` (a push: nobody pulls it again)."""
+        grant.pulls_in_flight += 1
         started = time.perf_counter()
-        outbound = OutboundPull(grant, plan, views, transport=transport, engine_id=request.engine_id,
-                                link=link, tag_base=request.ucx_tag_base, chunk_bytes=self.config.chunk_bytes,
-                                integrity=request.integrity,
+        outbound = OutboundPull(grant, plan, views, transport=transport, engine_id=engine_id,
+                                link=link, tag_base=tag_base, chunk_bytes=self.config.chunk_bytes,
+                                integrity=integrity,
                                 deadline=time.monotonic() + self.config.pull_budget_s(computing=grant.computing))
         finished = caller_left = False
         try:
@@ -105,8 +125,9 @@ class PullDesk:
                 self.on_pull_done(outbound)
             if not finished:  # the sends still running were stopped: none reads our blocks any more
                 self.metrics.failures.labels("pull_aborted").inc()
-                logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, request.engine_id)
+                logger.warning("pull of grant %s by %s ended before its last byte", grant.grant_id, engine_id)
             grant.pulls_in_flight -= 1
-            if caller_left and not finished and grant.computing:  # its decode engine went away mid-prompt
-                self.grants.abandon(grant, f"its pull by {request.engine_id} ended before the prompt was computed")
+            if caller_left and not finished and (grant.computing or abandon_if_left):  # its decode engine went away
+                self.grants.abandon(grant, f"its pull by {engine_id} ended before the prompt was computed"
+                                    if grant.computing else f"its push to {engine_id} ended before its last byte")
             self.grants.reap()

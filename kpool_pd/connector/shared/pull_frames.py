@@ -18,6 +18,7 @@ import grpc
 from kpool_pd.connector import prefill_api as pb
 
 PULL_METHOD = f"/{pb.SERVICE_NAME}/Pull"
+PUSH_METHOD = f"/{pb.SERVICE_NAME}/PrefillPush"  # its stream is a Pull stream's, after the grant
 _RESPONSE_CHUNK_KEY = 0x12  # PullResponse field 2 (chunk), length-delimited
 _REGION_KEY, _OFFSET_KEY, _DATA_KEY = 0x08, 0x10, 0x1A  # Chunk fields 1 (varint), 2 (varint), 3 (bytes)
 
@@ -118,4 +119,10 @@ def deserialize_response(raw: bytes) -> pb.PullResponse | ChunkFrame:
 def pull_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
     """``PrefillService.Pull`` on ``channel``, reading chunks with ``deserialize_response``."""
     return channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
+                                response_deserializer=deserialize_response)
+
+
+def push_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
+    """``PrefillService.PrefillPush`` on ``channel``, reading chunks with ``deserialize_response``."""
+    return channel.unary_stream(PUSH_METHOD, request_serializer=pb.PushRequest.SerializeToString,
                                 response_deserializer=deserialize_response)

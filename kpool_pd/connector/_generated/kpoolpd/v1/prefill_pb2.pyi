@@ -58,7 +58,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., ucx_warmup_tag: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms", "protocol_version")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms", "protocol_version", "push")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class HandshakeResponse(_message.Message):
     ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
     PULL_SESSION_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -83,7 +84,8 @@ class HandshakeResponse(_message.Message):
     engine_secret: bytes
     pull_session_idle_ms: int
     protocol_version: int
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    push: bool
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ..., protocol_version: _Optional[int] = ..., push: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave", "engine_secret", "mrope_positions")
@@ -206,14 +208,30 @@ class PrefillDone(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("chunk", "done", "prefilled")
+    __slots__ = ("chunk", "done", "prefilled", "granted")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
     chunk: Chunk
     done: PullDone
     prefilled: PrefillDone
-    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    granted: PrefillResponse
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[PullDone, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillDone, _Mapping]] = ..., granted: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("prefill", "transport", "integrity", "ucx_tag_base", "regions")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    UCX_TAG_BASE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    prefill: PrefillRequest
+    transport: Transport
+    integrity: bool
+    ucx_tag_base: int
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class PullSessionRequest(_message.Message):
     __slots__ = ("pull", "cancel_grant_id")

@@ -54,6 +54,11 @@ class PrefillServiceStub:
                 request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionRequest.SerializeToString,
                 response_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionResponse.FromString,
                 _registered_method=True)
+        self.PrefillPush = channel.unary_stream(
+                '/kpoolpd.v1.PrefillService/PrefillPush',
+                request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PushRequest.SerializeToString,
+                response_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kpoolpd.v1.PrefillService/Release',
                 request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
@@ -93,6 +98,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillPush(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,6 +138,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.PullSession,
                     request_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionRequest.FromString,
                     response_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionResponse.SerializeToString,
+            ),
+            'PrefillPush': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillPush,
+                    request_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PushRequest.FromString,
+                    response_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -247,6 +263,33 @@ class PrefillService:
             '/kpoolpd.v1.PrefillService/PullSession',
             kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionRequest.SerializeToString,
             kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kpoolpd.v1.PrefillService/PrefillPush',
+            kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PushRequest.SerializeToString,
+            kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,
