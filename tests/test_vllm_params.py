@@ -19,7 +19,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.vllm.groups import GroupKind, GroupRule  # noqa: E402
 from kpool_pd.vllm.guard import KvTransferParamsGuard, params_error  # noqa: E402
-from kpool_pd.vllm.metadata import Offer, producer_params  # noqa: E402
+from kpool_pd.vllm.metadata import Offer, producer_params, released_after_pull  # noqa: E402
 from kpool_pd.transfer_params import (DecodeParams, ProducerAllowlist, bounded_request_id, grant_key,  # noqa: E402
                                   prompt_digest)
 from kpool_pd.vllm.scheduler import ConsumerScheduler  # noqa: E402
@@ -318,3 +318,18 @@ def test_an_unknown_layout_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"kv_layout.*\['per_layer', 'cross_layer'\].*'blocks'"):
         KpoolPdSettings.from_extra_config({"transport": "grpc", "producers": ["127.0.0.1"], "kv_layout": "blocks"},
                                           producer=False)
+
+
+def test_a_producer_releases_after_the_pull_by_default_and_its_params_say_so():
+    """``release_after_pull``: on unless set false; the params state it only when on, and nothing else in
+    them says it (a consumer reads the flag, never guesses)."""
+    on = KpoolPdSettings.from_extra_config({"listen": "127.0.0.1:1"}, producer=True)
+    off = KpoolPdSettings.from_extra_config({"listen": "127.0.0.1:1", "release_after_pull": False}, producer=True)
+    assert (on.release_after_pull, off.release_after_pull) == (True, False)
+    offer = Offer(request_id="r", grant_id="a" * 32, block_ids=((1, 2),), prompt_len=20, prompt_digest="d" * 64)
+    said = [released_after_pull(producer_params(offer, address="127.0.0.1:1", engine_id="e", lease_s=30.0,
+                                                released_after_pull=flag)) for flag in (True, False)]
+    assert said == [True, False]
+    assert not released_after_pull(None) and not released_after_pull({"remote_released_after_pull": "yes"})
+    with pytest.raises(ValueError, match=r"release_after_pull.*true or false.*'no'"):
+        KpoolPdSettings.from_extra_config({"listen": "127.0.0.1:1", "release_after_pull": "no"}, producer=True)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 import time
 
-import grpc
 import pytest
 
 if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a missing vLLM fails there
@@ -23,7 +21,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params
 from kpool_pd.vllm.producer_worker import ProducerWorker  # noqa: E402
 from tests.vllm_spec_caches import backing  # noqa: E402
 from tests.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
+from tests.vllm_worker_pair import HeldReleases, wait_finished, wait_freed, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own
 
@@ -31,28 +29,9 @@ DONE_S = 60.0  # a pull, a Release's retries, on a loaded 2-core machine
 SRC, DST = ((3, 4), (5,)), ((9, 10), (11,))  # a full group's two blocks and the ring's one
 
 
-class HeldReleases:
-    """The producer's Release answers UNAVAILABLE until ``let_through`` (counting the tries)."""
-
-    def __init__(self, producer: ProducerWorker) -> None:
-        self.tries = 0
-        self._open = threading.Event()
-        original = producer.node.Release
-
-        async def release(request, context):
-            self.tries += 1
-            if not self._open.is_set():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the test holds Releases back")
-            return await original(request, context)
-        producer.node.Release = release  # before the server starts: it serves this one
-
-    def let_through(self) -> None:
-        self._open.set()
-
-
 @pytest.fixture
 def pair(request):
-    producer, producer_caches, consumer, consumer_caches = worker_pair(request.param, "release")
+    producer, producer_caches, consumer, consumer_caches = worker_pair(request.param, "release", release_after_pull=False)
     held = HeldReleases(producer)
     started = []
     try:
@@ -74,14 +53,6 @@ def offer_and_load(producer: ProducerWorker, consumer: ConsumerWorker, request_i
                                                 engine_id=producer.engine_id, lease_s=lease_s))
     consumer.load(KpoolPdMetadata(loads=[Load(request_id=request_id, params=params, block_ids=DST,
                                               digest=spec_digest(request_id, DST))]))
-
-
-def wait_freed(producer: ProducerWorker, deadline_s: float) -> float:
-    """Seconds until the producer holds no allocation (at most ``deadline_s``)."""
-    started = time.monotonic()
-    while producer.cache.allocations_held and time.monotonic() - started < deadline_s:
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 LONG_LEASE_S = 600.0  # far beyond the test: only an answered Release frees the blocks in time

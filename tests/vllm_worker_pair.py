@@ -5,7 +5,10 @@ checked that vLLM is installed."""
 from __future__ import annotations
 
 import secrets
+import threading
 import time
+
+import grpc
 
 from kpool_pd.vllm.consumer_worker import ConsumerWorker
 from kpool_pd.vllm.metadata import KpoolPdMetadata
@@ -15,14 +18,17 @@ from tests.ports import free_port
 from tests.vllm_spec_procs import pool_of
 
 
-def worker_pair(lease_s: float, name: str) -> tuple[ProducerWorker, list, ConsumerWorker, list]:
-    """(producer, its caches, consumer, its caches); engine ids ``{name}-producer`` and ``{name}-consumer``."""
+def worker_pair(lease_s: float, name: str, *,
+                release_after_pull: bool = True) -> tuple[ProducerWorker, list, ConsumerWorker, list]:
+    """(producer, its caches, consumer, its caches); engine ids ``{name}-producer`` and ``{name}-consumer``;
+    ``release_after_pull``: the producer's setting (False: its grants end by Release or lease only)."""
     token = secrets.token_hex(16)
     port = free_port()
     _, producer_caches, producer_pool = pool_of("glm5next", seed=1)
     _, consumer_caches, consumer_pool = pool_of("glm5next", seed=2)
     producer = ProducerWorker(KpoolPdSettings.from_extra_config(
-        {"listen": f"127.0.0.1:{port}", "peer_token": token, "lease_s": lease_s}, producer=True),
+        {"listen": f"127.0.0.1:{port}", "peer_token": token, "lease_s": lease_s,
+         "release_after_pull": release_after_pull}, producer=True),
         producer_pool, engine_id=f"{name}-producer", model_identity="glm5next")
     consumer = ConsumerWorker(KpoolPdSettings.from_extra_config(
         {"peer_token": token, "transport": "grpc", "producers": [f"127.0.0.1:{port}"]}, producer=False),
@@ -40,3 +46,30 @@ def wait_finished(consumer: ConsumerWorker, request_id: str, within_s: float) ->
         finished, lost = consumer.finished_recving()
         done, failed = done | finished, failed | lost
     return done, failed
+
+
+class HeldReleases:
+    """The producer's Release answers UNAVAILABLE until ``let_through`` (counting the tries)."""
+
+    def __init__(self, producer: ProducerWorker) -> None:
+        self.tries = 0
+        self._open = threading.Event()
+        original = producer.node.Release
+
+        async def release(request, context):
+            self.tries += 1
+            if not self._open.is_set():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the test holds Releases back")
+            return await original(request, context)
+        producer.node.Release = release  # before the server starts: it serves this one
+
+    def let_through(self) -> None:
+        self._open.set()
+
+
+def wait_freed(producer: ProducerWorker, deadline_s: float) -> float:
+    """Seconds until the producer holds no allocation (at most ``deadline_s``)."""
+    started = time.monotonic()
+    while producer.cache.allocations_held and time.monotonic() - started < deadline_s:
+        time.sleep(0.02)
+    return time.monotonic() - started

@@ -7,7 +7,8 @@ cache group or several). The grant's Release follows in the background (``Prefil
 again until the producer answers it or the grant's lease ran out), once the pulls in flight ended (at most
 ``RELEASE_DEFER_S`` later), so that a pull costs one round trip before vLLM may schedule its request and
 the Releases do not hold up the step's other pulls; a Release that never gets through leaves the
-producer's blocks held no longer than the lease. Every load of a step starts at once (a task each on the connector's loop), and
+producer's blocks held no longer than the lease. A producer whose params say ``remote_released_after_pull``
+frees the grant itself once the pull sent it all: no Release follows such a pull. Every load of a step starts at once (a task each on the connector's loop), and
 an idle step waits for them all (``kpool_pd.vllm.loop.TransferProgress``), so that they join one batch.
 
 A consumer dials only the producers its settings allow (``KpoolPdSettings.producers``); a grant it will
@@ -216,7 +217,8 @@ class ConsumerWorker:
         with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
             pulled = await peer.pull(grant, into=allocation, transport=self.settings.transport,
                                      integrity=self.settings.integrity, held=held, release=False)
-        self._release_after_pulls(peer, grant.grant_id)  # landed: vLLM hears of it now
+        if not load.released_after_pull:  # the producer freed it as its last byte went out
+            self._release_after_pulls(peer, grant.grant_id)  # landed: vLLM hears of it now
         self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds, blocks=(len(landed) - len(held)) // slots,
                           held=len(load.held))
         return pulled

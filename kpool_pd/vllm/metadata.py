@@ -57,6 +57,7 @@ class Load:
     error: str = ""
     held: tuple[int, ...] = ()  # indices into ``flat_ids(block_ids)`` of the blocks this engine's prefix cache holds
     ranks: RankParams | None = None  # the producer's ranks (None: one, at ``params.address``)
+    released_after_pull: bool = False  # the producer frees a grant once a pull sent it all: no Release after it
 
     @property
     def producer_ranks(self) -> RankParams:
@@ -102,17 +103,29 @@ def is_idle(scheduler_output) -> bool:
     return scheduler_output.total_num_scheduled_tokens == 0
 
 
+RELEASED_AFTER_PULL_FIELD = "remote_released_after_pull"  # true: the producer frees a grant its pull sent whole
+
+
 def producer_params(offer: Offer, *, address: str, engine_id: str, lease_s: float,
-                    rank_addresses: Sequence[str] | None = None) -> dict:
+                    rank_addresses: Sequence[str] | None = None, released_after_pull: bool = False) -> dict:
     """The prefill request's output ``kv_transfer_params``: what the decode request sends back.
-    ``rank_addresses``: every TP rank's address, rank 0's first (``kpool_pd.vllm.rank_params``)."""
+    ``rank_addresses``: every TP rank's address, rank 0's first (``kpool_pd.vllm.rank_params``);
+    ``released_after_pull``: the producer frees each grant as soon as a pull has sent it all (its settings'
+    ``release_after_pull``), so that the consumer sends no Release after a pull."""
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
               "remote_address": address, "remote_request_id": offer.request_id, "remote_grant_id": offer.grant_id,
               "remote_prompt_digest": offer.prompt_digest, "remote_block_ids": [list(group) for group in offer.block_ids],
               "remote_num_tokens": offer.prompt_len, "remote_lease_ms": int(lease_s * 1000)}
     if rank_addresses is not None:
         params |= {TP_FIELD: len(rank_addresses), ADDRESSES_FIELD: list(rank_addresses)}
+    if released_after_pull:
+        params[RELEASED_AFTER_PULL_FIELD] = True
     return params
+
+
+def released_after_pull(params) -> bool:
+    """Whether a decode request's params say its producer frees a grant once a pull has sent it all."""
+    return isinstance(params, dict) and params.get(RELEASED_AFTER_PULL_FIELD) is True
 
 
 def is_remote_prefill(params) -> bool:

@@ -5,6 +5,11 @@ vLLM owns the blocks: an offered grant holds vLLM's block ids as a lent allocati
 sending). A request's blocks come per KV cache group; the connector names each by one id
 (``kpool_pd.vllm.metadata.flat_ids``).
 
+With ``release_after_pull`` (the default) a grant ends as soon as a pull has sent it all (the connector's
+``on_pull_done``): its blocks go back to vLLM at once, and the consumer, told so by the params, sends no
+Release (a Release round trip a request, and a gRPC call on both sides while the consumer computes). A
+pull that failed before its last byte keeps the grant, for the consumer's Release or the lease.
+
 **Ranks.** Each TP rank's worker serves on its own port (``RankSeat.port``) and holds each request as its
 whole grant and, in a pool of head units with several slots a block, one grant per slot (``slot_key``); the
 request's blocks go back to vLLM once all of them ended, and the whole grant's end releases the slot grants
@@ -67,6 +72,13 @@ class ProducerWorker:
                                      config=connector_config(settings), registry=self._registry,
                                      model_identity=model_identity)
         self.server: GrpcServer | None = None
+        if settings.release_after_pull:
+            self.node.on_pull_done = self._pull_sent
+
+    def _pull_sent(self, outbound) -> None:
+        """A pull sent its grant's every byte (on the loop, as its stream ends): the grant is released, and
+        freed as soon as no pull reads it (the pull's own end reaps it)."""
+        outbound.grant.release_requested = True
 
     def start(self) -> None:
         async def start():

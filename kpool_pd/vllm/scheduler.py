@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kpool_pd.vllm.groups import GroupRule, cached_block_ids, held_indices, request_blocks
 from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, Renew, is_idle, is_remote_prefill,
-                                    producer_params, read_key)
+                                    producer_params, read_key, released_after_pull)
 from kpool_pd.vllm.rank_params import RankParams
 from kpool_pd.vllm.ranks import EngineRanks, RankPlan
 from kpool_pd.transfer_params import DecodeParams, bounded_request_id, prompt_digest, release_target
@@ -94,7 +94,8 @@ class ProducerScheduler:
             return False, None
         addresses = self.rank_addresses or (self.settings.advertise,)
         return True, producer_params(offer, address=addresses[0], engine_id=self.engine_id,
-                                     lease_s=self.settings.lease_s, rank_addresses=addresses)
+                                     lease_s=self.settings.lease_s, rank_addresses=addresses,
+                                     released_after_pull=self.settings.release_after_pull)
 
 
 class ConsumerScheduler:
@@ -173,7 +174,8 @@ class ConsumerScheduler:
                     f"its prompt ({count} tokens) is not the one the producer's grant holds (the "
                     "prompt digests differ)")
                 load = Load(request_id=request.request_id, params=decode, block_ids=dst, digest=digest, error=error,
-                            held=held_indices(self.rules, dst, cached_block_ids(blocks)), ranks=ranks)
+                            held=held_indices(self.rules, dst, cached_block_ids(blocks)), ranks=ranks,
+                            released_after_pull=released_after_pull(params))
             except ValueError as exc:  # the worker reports the load failed
                 load = Load(request_id=request.request_id, params=decode, block_ids=tuple(tuple(t) for t in tables),
                             digest=decode.prompt_digest, error=str(exc), ranks=ranks)
