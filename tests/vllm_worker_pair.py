@@ -1,5 +1,5 @@
 """A producer and a consumer worker of ``kpool_pd.vllm`` in this process, over vLLM's own GLM-5-Next cache
-specs (no engine), the consumer pulling over the gRPC stream; not started. Import it after the test has
+specs (no engine), the consumer pulling over the gRPC stream (or UCX); not started. Import it after the test has
 checked that vLLM is installed."""
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from tests.ports import free_port
 from tests.vllm_spec_procs import pool_of
 
 
-def worker_pair(lease_s: float, name: str, *,
-                release_after_pull: bool = True) -> tuple[ProducerWorker, list, ConsumerWorker, list]:
+def worker_pair(lease_s: float, name: str, *, release_after_pull: bool = True,
+                transport: str = "grpc") -> tuple[ProducerWorker, list, ConsumerWorker, list]:
     """(producer, its caches, consumer, its caches); engine ids ``{name}-producer`` and ``{name}-consumer``;
-    ``release_after_pull``: the producer's setting (False: its grants end by Release or lease only)."""
+    ``release_after_pull``: the producer's setting (False: its grants end by Release or lease only);
+    ``transport``: the consumer's ("grpc" or "ucx")."""
     token = secrets.token_hex(16)
     port = free_port()
     _, producer_caches, producer_pool = pool_of("glm5next", seed=1)
@@ -31,7 +32,7 @@ def worker_pair(lease_s: float, name: str, *,
          "release_after_pull": release_after_pull}, producer=True),
         producer_pool, engine_id=f"{name}-producer", model_identity="glm5next")
     consumer = ConsumerWorker(KpoolPdSettings.from_extra_config(
-        {"peer_token": token, "transport": "grpc", "producers": [f"127.0.0.1:{port}"]}, producer=False),
+        {"peer_token": token, "transport": transport, "producers": [f"127.0.0.1:{port}"]}, producer=False),
         consumer_pool, engine_id=f"{name}-consumer", model_identity="glm5next")
     return producer, producer_caches, consumer, consumer_caches
 
