@@ -68,6 +68,8 @@ class Row:
     pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the floor: found in its cache)
     requests: int = 1  # sent at once
     new_tokens: int = 1  # the consumer makes for each request
+    consumer_ms_reps: tuple[float, ...] = ()  # each rep's consumer phase, in the order the reps ran
+    prefill_ms_reps: tuple[float, ...] = ()  # each rep's prefill phase (none for the floor)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,9 @@ def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
                prefill_ms=None if prefill is None else prefill * 1e3, decode_first_token_ms=first * 1e3,
                ttft_ms=None if prefill is None else (prefill + first) * 1e3,
                same_tokens=all(r.same_tokens for r in reps), pulled_tokens=sum(r.pulled_tokens for r in reps),
-               requests=scenario.requests, new_tokens=scenario.new_tokens)
+               requests=scenario.requests, new_tokens=scenario.new_tokens,
+               consumer_ms_reps=tuple(round(r.consumer_s * 1e3, 1) for r in reps),
+               prefill_ms_reps=tuple(round(r.prefill_s * 1e3, 1) for r in reps if r.prefill_s is not None))
 
 
 def label(scenario: Scenario) -> str:
