@@ -39,7 +39,7 @@ from kpool_pd.bench.plotting import pyplot, wrote
 from kpool_pd.bench.pull_hops import hop_lines, hop_offsets
 from kpool_pd.bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from kpool_pd.bench.ucxx_baseline import UcxxEndpoint, ucxx_tag_gbps
-from kpool_pd.connector import (UCX_NO_SHARED_MEMORY, HopRecorder, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector,
+from kpool_pd.connector import (UCX_NO_SHARED_MEMORY, HopRecorder, StepCountingLoop, UCX_SAME_HOST_ZERO_COPY, ConnectorConfig, DecodeConnector,
                        LandedRequest, PrefillConnector, PrefillInput, PrefillOutput, PrefillPeer, PrefillProgress,
                        PullTimeline, Transport, ucx_available)
 from kpool_pd.kvcache import BlockLayout, CacheConfig, NodeCache
@@ -92,10 +92,12 @@ def _prefill_proc(conn, args: dict) -> None:
         conn.send(await server.start("127.0.0.1", 0))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, conn.recv)
-        conn.send(recorder.stamps if recorder else {})  # the pulls are over; the node's stop may take long
+        # the pulls are over; the node's stop may take long
+        conn.send((recorder.stamps, recorder.steps) if recorder else ({}, {}))
         await server.stop(0)
         await node.stop()
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=StepCountingLoop if recorder else None) as runner:  # --hops: count loop steps
+        runner.run(main())
     os._exit(0)
 
 
@@ -110,6 +112,7 @@ class _Series:
     timelines: list[PullTimeline] = dataclasses.field(default_factory=list)
     starts: dict[str, float] = dataclasses.field(default_factory=dict)  # grant id -> when its timed pull began
     landed: LandedRequest | None = None  # the last pull's
+    push: bool = False  # PrefillPush: the time is what the transfer exposes after the prompt
 
 
 def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: tuple[Transport, ...]):
@@ -123,8 +126,27 @@ def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: 
     return proc, conn, conn.recv()
 
 
+async def _push_once(series: _Series, cache: NodeCache, tokens: int, rep: int) -> None:
+    """One push of ``tokens`` tokens (PrefillPush): its time is what it exposes after the prompt was computed,
+    from the grant stating it (or its PrefillDone) to the last byte landed (``TransferTimes``)."""
+    request_id = f"t{tokens}-{series.path}-{rep}"
+    with cache.allocate(request_id, cache.config.blocks_for_tokens(tokens)) as allocation:
+        t0 = time.perf_counter()
+        landed = await series.peer.push(request_id, [1] * tokens, into=allocation, transport=series.transport)
+        if cache.pool.device.type == "cuda":
+            torch.cuda.synchronize(cache.pool.device)
+        if rep:
+            series.starts[landed.grant.grant_id] = t0
+            series.times.append(landed.times.exposed_transfer_ms / 1000)
+            series.timelines.append(landed.timeline)
+        series.landed = landed
+        await series.peer.release(landed.grant.grant_id)
+
+
 async def _pull_once(series: _Series, cache: NodeCache, tokens: int, rep: int) -> None:
     """One pull of ``tokens`` tokens for ``series`` (rep 0 warms up and is not kept)."""
+    if series.push:
+        return await _push_once(series, cache, tokens, rep)
     grant = await series.peer.prefill(f"t{tokens}-{series.path}-{rep}", [1] * tokens)
     with cache.allocate(grant.request_id, cache.config.blocks_for_tokens(grant.prompt_len)) as allocation:
         t0 = time.perf_counter()
@@ -162,26 +184,31 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     rows: list[tuple[dict, _Series]] = []
     for tokens in args["tokens"]:
         series = [_Series(f"connector {t.label}{suffix}", peers[0], t) for t in transports]
+        if Transport.UCX in transports and peers[0].pushes:
+            series.append(_Series(f"connector ucx{suffix} push", peers[0], Transport.UCX, push=True))
         if len(peers) > 1:
             series += [_Series(f"connector {t.label}{suffix} from {other}", peers[1], t) for t in hetero]
         for rep in range(args["reps"] + 1):
             for one in series:
                 await _pull_once(one, cache, tokens, rep)
         for one in series:
-            seconds = statistics.median(one.times)
+            seconds = max(statistics.median(one.times), 1e-9)  # a push may expose nothing it can measure
             rows.append(({"tokens": tokens, "layers": args["layers"], "bytes": one.landed.nbytes, "path": one.path,
                           "gbps": one.landed.nbytes / seconds / 1e9, "ms": seconds * 1e3, "regions": one.landed.regions,
                           "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in one.timelines),
                                                     3) for name in PHASES}}, one))
     await node.close()
-    prefill_stamps = []
+    prefill_stamps, prefill_steps = [], []
     for proc, conn, _ in prefills:
         conn.send("stop")
-        prefill_stamps.append(conn.recv() if conn.poll(30) else {})
+        stamps, steps = conn.recv() if conn.poll(30) else ({}, {})
+        prefill_stamps.append(stamps)
+        prefill_steps.append(steps)
         proc.join(30)
     if recorder is not None:  # the prefill nodes' stamps come once they stop
         for row, one in rows:
             row["hops_ms"] = hop_offsets(one.starts, recorder.stamps, *prefill_stamps)
+            row["prefill_steps"] = loop_steps(one.starts, "read", "send", *prefill_steps)
     return [row for row, _ in rows]
 
 
@@ -246,6 +273,22 @@ def _run(args) -> tuple[list[dict], dict]:
     order = {t: i for i, t in enumerate(args.tokens)}
     rows.sort(key=lambda r: order[r["tokens"]])  # stable: paths keep their order within a size
     return rows, notes
+
+
+def loop_steps(starts: dict[str, float], first: str, last: str, *steps: dict[str, dict[str, int]]) -> int | None:
+    """Median loop steps the pulls of ``starts`` took from hop ``first`` to hop ``last`` on a node that counted
+    them (``HopRecorder.steps``), or None where none was counted."""
+    counts = [process[g][last] - process[g][first] for g in starts for process in steps
+              if first in process.get(g, {}) and last in process.get(g, {})]
+    return round(statistics.median(counts)) if counts else None
+
+
+def _step_lines(rows: list[dict]) -> str:
+    """Per row with counted steps: the prefill node's loop steps from reading the pull to posting its first send."""
+    lines = ["the prefill node's event loop steps from reading a pull to posting its first send (median; each step a "
+             "hand-over between tasks or callbacks; gRPC's own steps before the read are not counted)"]
+    lines += [f"{r['tokens']:>7} {r['path']:<20} {r['prefill_steps']}" for r in rows if r.get("prefill_steps") is not None]
+    return "\n".join(lines)
 
 
 def _table(rows: list[dict]) -> str:
@@ -352,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(_table(rows) + "\n")
     if args.hops:
         sys.stdout.write(hop_lines(rows) + "\n")
+        sys.stdout.write(_step_lines(rows) + "\n")
     if args.prefill_block_size and args.prefill_block_size != args.block_size:
         sys.stdout.write(_heterogeneous_lines(rows, args.prefill_block_size, args.block_size) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)

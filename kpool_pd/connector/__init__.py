@@ -52,7 +52,8 @@ never sent) and the credential helpers (``Credential``: the client token or the 
 a grant's ring is a ``RingRange``. ``prefill_api``: the PrefillService wire format, for tests and tools
 that speak it directly. ``MAX_ID_CHARS`` and ``MAX_DCP_RANKS``: the longest engine id and the most
 DCP ranks a prefill node accepts (a daemon refuses settings beyond them at start). ``HopRecorder`` and
-``HOPS``: a UCX pull's hop stamps on both nodes, for the transfer bench (off unless recorded).
+``HOPS``: a UCX pull's hop stamps on both nodes, for the transfer bench (off unless recorded), and
+``StepCountingLoop`` the event loop that also counts its steps between them.
 """
 
 from kpool_pd.connector import prefill_api
@@ -63,7 +64,7 @@ from kpool_pd.connector.shared.dcp_plan import dcp_transfer_bytes
 from kpool_pd.connector.decode.connector import DecodeConnector
 from kpool_pd.connector.prefill.engine import PrefillEngine, PrefillInput, PrefillOutput, PrefillProgress
 from kpool_pd.connector.shared.errors import CacheExhaustedError, EngineUnavailable, StatusError, status_of
-from kpool_pd.connector.shared.hops import HOPS, HopRecorder
+from kpool_pd.connector.shared.hops import HOPS, HopRecorder, StepCountingLoop
 from kpool_pd.connector.shared.hosts import dial_host, dial_target
 from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from kpool_pd.connector.decode.landed import LandedRequest
@@ -79,7 +80,7 @@ from kpool_pd.connector.shared.ucx_host import bind_ucx_options
 from kpool_pd.connector.shared.wire import Transport
 
 __all__ = [
-    "HOPS", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
+    "HOPS", "StepCountingLoop", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
     "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullShare", "PullTimeline", "RankShare",

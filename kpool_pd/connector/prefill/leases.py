@@ -38,6 +38,7 @@ class Grant:
     prefill: asyncio.Task | None = None  # a pipelined grant's computation (its result: the output and its ms)
     piece_blocks: int = 0
     prefill_ms: float = 0.0
+    computed_at: float = 0.0  # a grant made after its prompt: when the computation ended (perf_counter)
     failure: str = ""
 
     # A decode-context-parallel instance: its ranks' engine ids (rank 0's is ``engine_id``) and its

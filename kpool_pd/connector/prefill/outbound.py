@@ -238,7 +238,8 @@ class OutboundPull:
                 logger.warning("pull of grant %s by engine %s: %s", grant.grant_id, self.engine_id, exc)
                 raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
         checksums = [regions.crc32(self._view(i)) for i in range(len(self.views))] if self.integrity else []
-        after = self.clock.after_ms(grant.prefill.result()[2]) if grant.prefill is not None else 0.0
+        ended = grant.prefill.result()[2] if grant.prefill is not None else grant.computed_at  # 0: not known
+        after = self.clock.after_ms(ended) if ended else 0.0
         yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums,
                                                send_ms=self.clock.busy_ms, sent_after_prefill_ms=after))
 

@@ -94,7 +94,7 @@ class PrefillDesk:
         task = asyncio.ensure_future(self._compute(job, progress, n))
         granted = False
         try:  # every exit without a grant (errors, the caller cancelling) stops the engine and frees
-            out, prefill_ms = await self._until_served(task, progress, pipelined=pipelined and not dcp_ids,
+            out, prefill_ms, computed_at = await self._until_served(task, progress, pipelined=pipelined and not dcp_ids,
                                                        request_id=request.request_id)
             computing = out is None
             grant = Grant(grant_id=secrets.token_hex(16), request_id=request.request_id, engine_id=request.engine_id,
@@ -103,6 +103,7 @@ class PrefillDesk:
                           first_token=0 if computing else out.first_token, expires_at=self.grants.leases.expiry(),
                           progress=progress, prefill=task if computing else None,
                           piece_blocks=self._piece_blocks() if computing else 0, prefill_ms=prefill_ms,
+                          computed_at=computed_at,
                           dcp_engine_ids=dcp_ids, dcp_interleave=request.dcp_interleave)
             if computing:
                 task.add_done_callback(lambda t: self._prefilled(grant, t))
@@ -124,9 +125,10 @@ class PrefillDesk:
                                   prefill_ms=grant.prefill_ms)
 
     async def _until_served(self, task: asyncio.Task, progress: PrefillProgress, *, pipelined: bool,
-                            request_id: str) -> tuple[PrefillOutput | None, float]:
-        """The engine's output and its ms once the prompt is computed, or (None, 0) as soon as a pipelined
-        call's allocation is served from (a DCP instance's ranks pull once the prompt is computed)."""
+                            request_id: str) -> tuple[PrefillOutput | None, float, float]:
+        """The engine's output, its ms and when it ended (perf_counter) once the prompt is computed, or (None, 0, 0)
+        as soon as a pipelined call's allocation is served from (a DCP instance's ranks pull once the prompt is
+        computed)."""
         try:
             if pipelined:
                 allocated = asyncio.ensure_future(progress.wait_allocated())
@@ -135,9 +137,8 @@ class PrefillDesk:
                 finally:
                     allocated.cancel()
                 if not task.done():
-                    return None, 0.0
-            out, prefill_ms, _ = await task
-            return out, prefill_ms
+                    return None, 0.0, 0.0
+            return await task
         except asyncio.CancelledError:
             self.metrics.failures.labels("cancelled").inc()
             logger.info("prefill of request %s cancelled by its caller; freeing its allocation", request_id)

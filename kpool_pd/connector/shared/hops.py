@@ -12,10 +12,16 @@ The hops, in the order a UCX pull passes them (``HOPS``): decode ``pull`` (Inbou
 checked and planned), ``lent`` (its endpoint lent), ``send`` (the first region's send handed to UCX),
 ``sent`` (the last send completed); decode ``landed`` (the last receive seen complete), ``returned``
 (run returns).
+
+A process that runs its event loop as a ``StepCountingLoop`` (the bench's prefill node, with --hops) also
+stamps how many steps its loop had taken (a step: one pass over the callbacks ready then); ``HopRecorder.steps``
+keeps them, so the bench can say in how many loop steps a pull went from one hop to another (a task that runs
+on without waiting takes no step; each hand-over to another task or callback takes one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,22 +31,39 @@ HOPS = ("pull", "posted", "request", "written", "read", "checked", "lent", "send
 
 
 def stamp(grant_id: str, hop: str) -> None:
-    """Record that ``grant_id``'s pull passed ``hop`` now (nothing when the hops logger is not at DEBUG)."""
+    """Record that ``grant_id``'s pull passed ``hop`` now (nothing when the hops logger is not at DEBUG), with
+    its loop's step count (-1 unless the running loop is a ``StepCountingLoop``)."""
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s %s %.9f", grant_id, hop, time.perf_counter())
+        loop = asyncio._get_running_loop()
+        logger.debug("%s %s %.9f %d", grant_id, hop, time.perf_counter(), getattr(loop, "steps", -1))
+
+
+class StepCountingLoop(asyncio.SelectorEventLoop):
+    """The default event loop, counting its steps (``steps``) for the hop stamps; instrumentation only (its
+    count relies on the loop's private step method)."""
+
+    steps = 0
+
+    def _run_once(self) -> None:
+        self.steps += 1
+        super()._run_once()
 
 
 class HopRecorder(logging.Handler):
     """Collects the stamps of this process: ``stamps[grant_id][hop]`` is the first time (perf_counter
-    seconds) that pull passed that hop. ``install()`` turns the hops logger on and attaches it."""
+    seconds) that pull passed that hop, ``steps[grant_id][hop]`` its loop's step count then (a
+    ``StepCountingLoop``'s only). ``install()`` turns the hops logger on and attaches it."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.stamps: dict[str, dict[str, float]] = {}
+        self.steps: dict[str, dict[str, int]] = {}  # the loop's step count at each hop, where counted
 
     def emit(self, record: logging.LogRecord) -> None:
-        grant_id, hop, when = record.args
+        grant_id, hop, when, steps = record.args
         self.stamps.setdefault(grant_id, {}).setdefault(hop, when)
+        if steps >= 0:
+            self.steps.setdefault(grant_id, {}).setdefault(hop, steps)
 
     def install(self) -> "HopRecorder":
         logger.setLevel(logging.DEBUG)
