@@ -28,6 +28,7 @@ PullDone = _pb.PullDone
 PullRequest = _pb.PullRequest
 PullResponse = _pb.PullResponse
 PullFailure = _pb.PullFailure
+PullBatch = _pb.PullBatch
 PullSessionRequest = _pb.PullSessionRequest
 PullSessionResponse = _pb.PullSessionResponse
 PushRequest = _pb.PushRequest

@@ -62,7 +62,8 @@ class PrefillPeer(PeerReleases):
         self.pushes = response.push and can_push(context.pool.layout, layout)  # it serves PrefillPush for our layout
         # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
         self._session = PullSession(self._stub.PullSession, address,
-                                    idle_s=response.pull_session_idle_ms / 1000 or None) \
+                                    idle_s=response.pull_session_idle_ms / 1000 or None,
+                                    batches=response.pull_batches) \
             if response.pull_session else None
         self._calls = 0  # Prefill, Pull and Release calls in flight (background ones included)
         self._open_grants: dict[str, float] = {}  # granted, not yet pulled or released -> lease end (monotonic)

@@ -9,6 +9,10 @@ connection reset), every pull on it fails with UNAVAILABLE and the next ``open``
 prefill node that does not serve PullSession answers UNIMPLEMENTED: ``supported`` turns False, and the
 caller pulls with Pull calls from then on.
 
+With a prefill node that takes batches (``HandshakeResponse.pull_batches``), the pulls opened in one turn of
+the event loop (the requests of one engine step, started together) go out as one message
+(``PullSessionRequest.pulls``), written once, where each would be a message of its own.
+
 The prefill node ends a session idle for its limit (``HandshakeResponse.pull_session_idle_ms``); so that no
 pull races that end, ``open`` replaces a session that has been idle for half the limit.
 """
@@ -57,8 +61,9 @@ class PullSession:
     """The session to one prefill node: ``open`` pulls on it; ``close`` ends it (every pull on it fails)."""
 
     def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], address: str, *,
-                 idle_s: float | None = None) -> None:
-        self._open_stream, self.address, self.idle_s = open_stream, address, idle_s
+                 idle_s: float | None = None, batches: bool = False) -> None:
+        self._open_stream, self.address, self.idle_s, self.batches = open_stream, address, idle_s, batches
+        self._batch: list[pb.PullRequest] = []  # pulls opened in this turn of the loop, not written yet
         self.supported = True
         self._active_at = time.monotonic()  # the last pull opened or message read
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -77,12 +82,30 @@ class PullSession:
         if self._call is None:
             self._start()
         pull = self._pulls[request.grant_id] = SessionPull(self, request.grant_id)
-        self._outgoing.put_nowait(pb.PullSessionRequest(pull=request))
+        if self.batches:
+            if not self._batch:
+                asyncio.get_running_loop().call_soon(self._send_batch)
+            self._batch.append(request)
+        else:
+            self._outgoing.put_nowait(pb.PullSessionRequest(pull=request))
         hops.stamp(request.grant_id, "request")
         return pull
 
+    def _send_batch(self) -> None:
+        """The pulls opened in the last turn of the loop, in one message (one pull: as a ``pull`` of its own)."""
+        batch, self._batch = self._batch, []
+        if not batch or self._call is None:  # none left, or the session ended (and failed them) meanwhile
+            return
+        self._outgoing.put_nowait(pb.PullSessionRequest(pull=batch[0]) if len(batch) == 1 else
+                                  pb.PullSessionRequest(pulls=pb.PullBatch(pulls=batch)))
+
     def cancel(self, grant_id: str) -> None:
-        if self._pulls.pop(grant_id, None) is not None and self._call is not None:
+        if self._pulls.pop(grant_id, None) is None:
+            return
+        batch = [request for request in self._batch if request.grant_id != grant_id]
+        if len(batch) < len(self._batch):  # not written yet: it never leaves
+            self._batch = batch
+        elif self._call is not None:
             self._outgoing.put_nowait(pb.PullSessionRequest(cancel_grant_id=grant_id))
 
     def _start(self) -> None:
@@ -96,8 +119,9 @@ class PullSession:
             while True:
                 message = await outgoing.get()
                 await call.write(message)
-                if message.WhichOneof("message") == "pull":
-                    hops.stamp(message.pull.grant_id, "written")
+                kind = message.WhichOneof("message")
+                for pull in (message.pull,) if kind == "pull" else message.pulls.pulls if kind == "pulls" else ():
+                    hops.stamp(pull.grant_id, "written")
         except Exception as exc:  # the stream ended (an RPC error, or writes after its end): ``_read`` fails the pulls
             logger.debug("pull session to %s: write failed: %s: %s", self.address, type(exc).__name__, exc)
 
@@ -131,6 +155,7 @@ class PullSession:
     def _end(self, why: str) -> None:
         """Fail every pull on the stream (UNAVAILABLE) and forget the stream; the next ``open`` makes one."""
         call, self._call = self._call, None
+        self._batch = []  # their pulls fail below
         if call is not None:
             call.cancel()
         for task in self._tasks:

@@ -2,7 +2,8 @@
 UCX pulls, so that a pull opens no gRPC call (a new call costs about five times a message on an open
 stream: ``kpool-pd bench control``).
 
-Each ``pull`` request runs the node's ``pull_messages`` (what a Pull stream would send) in a task of its
+Each ``pull`` request (or each pull of a ``pulls`` batch, which a decode node sends for the pulls it starts
+together) runs the node's ``pull_messages`` (what a Pull stream would send) in a task of its
 own; its messages go back under its grant id, and a pull that fails ends with a ``failure`` carrying the
 status a Pull call would have ended with. ``cancel_grant_id`` stops that pull (its sends stop at once).
 When the decode node closes the stream, or it breaks (the node died, its connection reset), every pull
@@ -106,6 +107,10 @@ async def serve_pull_session(requests: AsyncIterator[pb.PullSessionRequest],
                 if kind == "pull":
                     hops.stamp(request.pull.grant_id, "read")
                     start(request.pull)
+                elif kind == "pulls":  # a batch: each pull starts as a message of its own would
+                    for pull in request.pulls.pulls:
+                        hops.stamp(pull.grant_id, "read")
+                        start(pull)
                 elif kind == "cancel_grant_id" and request.cancel_grant_id in pulls:
                     pulls[request.cancel_grant_id].cancel()
         except Exception:  # the stream broke: the session ends now, stopping every pull on it

@@ -58,7 +58,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., model_identity: _Optional[str] = ..., ucx_warmup_tag: _Optional[int] = ..., engine_secret: _Optional[bytes] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms", "protocol_version", "push")
+    __slots__ = ("engine_id", "layout", "transports", "ucx_worker_address", "lease_ms", "max_prompt_tokens", "chunk_bytes", "model_identity", "pull_session", "engine_secret", "pull_session_idle_ms", "protocol_version", "push", "pull_batches")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class HandshakeResponse(_message.Message):
     PULL_SESSION_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    PULL_BATCHES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: Layout
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -85,7 +86,8 @@ class HandshakeResponse(_message.Message):
     pull_session_idle_ms: int
     protocol_version: int
     push: bool
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ..., protocol_version: _Optional[int] = ..., push: _Optional[bool] = ...) -> None: ...
+    pull_batches: bool
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., ucx_worker_address: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_identity: _Optional[str] = ..., pull_session: _Optional[bool] = ..., engine_secret: _Optional[bytes] = ..., pull_session_idle_ms: _Optional[int] = ..., protocol_version: _Optional[int] = ..., push: _Optional[bool] = ..., pull_batches: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "engine_id", "pipelined", "dcp_engine_ids", "dcp_interleave", "engine_secret", "mrope_positions")
@@ -234,12 +236,20 @@ class PushRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., transport: _Optional[_Union[Transport, str]] = ..., integrity: _Optional[bool] = ..., ucx_tag_base: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class PullSessionRequest(_message.Message):
-    __slots__ = ("pull", "cancel_grant_id")
+    __slots__ = ("pull", "cancel_grant_id", "pulls")
     PULL_FIELD_NUMBER: _ClassVar[int]
     CANCEL_GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
     pull: PullRequest
     cancel_grant_id: str
-    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., cancel_grant_id: _Optional[str] = ...) -> None: ...
+    pulls: PullBatch
+    def __init__(self, pull: _Optional[_Union[PullRequest, _Mapping]] = ..., cancel_grant_id: _Optional[str] = ..., pulls: _Optional[_Union[PullBatch, _Mapping]] = ...) -> None: ...
+
+class PullBatch(_message.Message):
+    __slots__ = ("pulls",)
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
 
 class PullFailure(_message.Message):
     __slots__ = ("code", "message")
