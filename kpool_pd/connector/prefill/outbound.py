@@ -85,6 +85,7 @@ class OutboundPull:
         self.endpoint: LentEndpoint | None = None
         self.clock = SendClock()
         self._announced = grant.prefill is None  # a grant made after its prompt has nothing to announce
+        self._begun = False  # UCX: ``begin`` ran
         self._next = 0  # UCX: the first region whose send is not posted yet
         self._failure: PullAborted | None = None  # a send that ``_on_advance`` could not post
         self._woken = asyncio.Event()  # set with ``_failure``
@@ -197,17 +198,27 @@ class OutboundPull:
                               "before the Pull's deadline", "deadline")
         self._prefill_outcome()
 
+    async def begin(self) -> None:
+        """UCX: lend this pull its endpoint and post the sends that may move now (``messages`` does it first
+        thing, unless it was done before: a push does it before its first message leaves). Idempotent;
+        PullAborted for a failed prompt or an endpoint that cannot be lent."""
+        if self.transport is not Transport.UCX or self._begun:
+            return
+        self._begun = True
+        self._prefill_outcome()
+        try:
+            self.endpoint = await self.link.lend()
+        except UcxSendError as exc:  # the engine was forgotten, or handshook anew, since the pull began
+            raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
+        hops.stamp(self.grant.grant_id, "lent")
+        self._next = self._start_ready_sends(0)
+
     async def messages(self) -> AsyncIterator[pb.PullResponse | bytes]:
         grant, plan = self.grant, self.plan
         self._prefill_outcome()
         index = 0
         if self.transport is Transport.UCX:  # the decode node posted its receives before its pull request left
-            try:
-                self.endpoint = await self.link.lend()
-            except UcxSendError as exc:  # the engine was forgotten, or handshook anew, since the pull began
-                raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
-            hops.stamp(grant.grant_id, "lent")
-            self._next = self._start_ready_sends(0)
+            await self.begin()
             if self._next < len(self.views):
                 await self._push_as_written()
             index = self._next = self._start_ready_sends(self._next)  # the prompt is whole

@@ -93,11 +93,13 @@ class PullDesk:
                 yield message
 
     async def serve(self, grant: Grant, plan, views, *, transport: Transport, engine_id: str, link: UcxLink | None,
-                    tag_base: int, integrity: bool, abandon_if_left: bool = False):
+                    tag_base: int, integrity: bool, first: pb.PullResponse | None = None, abandon_if_left: bool = False):
         """The messages of a checked pull of ``grant``: ``plan`` (its regions and when each may move) read from
-        ``views`` (a region's tensor, or a callable that gathers it once written). The pull keeps the grant
-        from being freed until it ends. A caller that leaves before PullDone abandons the grant if its prompt is
-        still computing, or always with ``abandon_if_left`` (a push: nobody pulls it again)."""
+        ``views`` (a region's tensor, or a callable that gathers it once written). ``first`` (a push's grant)
+        goes out once the UCX sends that may move have been posted, so that its write delays none of them. The
+        pull keeps the grant from being freed until it ends. A caller that leaves before PullDone abandons the
+        grant if its prompt is still computing, or always with ``abandon_if_left`` (a push: nobody pulls it
+        again)."""
         grant.pulls_in_flight += 1
         started = time.perf_counter()
         outbound = OutboundPull(grant, plan, views, transport=transport, engine_id=engine_id,
@@ -107,6 +109,9 @@ class PullDesk:
         finished = caller_left = False
         try:
             try:
+                if first is not None:
+                    await outbound.begin()
+                    yield first
                 async for message in outbound.messages():
                     if not isinstance(message, bytes) and message.WhichOneof("message") == "done":
                         finished = True

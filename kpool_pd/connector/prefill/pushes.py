@@ -13,7 +13,6 @@ grant: the computation stops and the blocks are freed once no send reads them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 
@@ -48,19 +47,16 @@ class PushDesk:
         transport, link = self.pulls.transport_for(engine, request.transport, request.ucx_tag_base)
         relative = check_pushed(self.pool.layout, len(prefill.prompt_token_ids), request.regions)
         grant = await self.prefills.hold(prefill, pipelined=True)
-        served = False
+        hops.stamp(grant.grant_id, "checked")
         try:
-            hops.stamp(grant.grant_id, "checked")
-            yield pb.PullResponse(granted=self.prefills.response(grant))
             plan, views = bind_pushed(self.pool, grant, relative)
-            served = True
-            async with contextlib.aclosing(self.pulls.serve(grant, plan, views, transport=transport,
-                                                            engine_id=prefill.engine_id, link=link,
-                                                            tag_base=request.ucx_tag_base, integrity=request.integrity,
-                                                            abandon_if_left=True)) as messages:
-                async for message in messages:
-                    yield message
-        except (GeneratorExit, asyncio.CancelledError):
-            if not served:  # the caller left before the transfer began: nobody will pull this grant
-                self.pulls.grants.abandon(grant, f"its push to {prefill.engine_id} ended before the transfer began")
+        except BaseException:
+            self.pulls.grants.abandon(grant, f"its push to {prefill.engine_id} could not be bound to its blocks")
             raise
+        granted = pb.PullResponse(granted=self.prefills.response(grant))
+        async with contextlib.aclosing(self.pulls.serve(grant, plan, views, transport=transport,
+                                                        engine_id=prefill.engine_id, link=link,
+                                                        tag_base=request.ucx_tag_base, integrity=request.integrity,
+                                                        first=granted, abandon_if_left=True)) as messages:
+            async for message in messages:
+                yield message
