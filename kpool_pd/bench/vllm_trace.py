@@ -131,7 +131,7 @@ def _install_pull_context() -> None:
 
 class _HopHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        grant_id, hop, when = record.args
+        grant_id, hop, when, *_ = record.args  # then the loop's steps, where the loop counts them
         SINK.write(Event.HOP, hop=hop, at=when, grant=grant_id, request=_request.get())
 
 
