@@ -60,6 +60,7 @@ class PrefillPeer(PeerReleases):
         self._pull = pull_method(channel)  # reads chunks without protobuf's copies
         self._push = push_method(channel)
         self.pushes = response.push and can_push(context.pool.layout, layout)  # it serves PrefillPush for our layout
+        self.piece_tokens = response.piece_tokens or context.config.piece_tokens  # a push's pieces: the node's steps
         # UCX pulls go on one stream kept open to the node, where it serves one (a new call per pull costs more)
         self._session = PullSession(self._stub.PullSession, address,
                                     idle_s=response.pull_session_idle_ms / 1000 or None,
@@ -237,7 +238,7 @@ class PrefillPeer(PeerReleases):
                              f"got {into!r}")
         c = self.context
         grant, landing, plan = plan_push(c.pool, self.layout, into, request_id=request_id, prompt_len=n,
-                                         lease_s=self.lease_s, piece_tokens=c.config.piece_tokens)
+                                         lease_s=self.lease_s, piece_tokens=self.piece_tokens)
         self._check_open(f"PrefillPush of {request_id}")
         transport = self._transport_for(transport)
         tag_base = InboundPull.tag_base_for(transport)

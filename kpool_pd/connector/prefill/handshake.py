@@ -102,7 +102,8 @@ class HandshakeDesk:
             lease_ms=int(self.config.lease_s * 1000), max_prompt_tokens=self.config.max_prompt_tokens,
             chunk_bytes=self.config.chunk_bytes, model_identity=self.model_identity, pull_session=True,
             engine_secret=secret, pull_session_idle_ms=int(self.config.pull_session_idle_s * 1000),
-            protocol_version=PROTOCOL_VERSION, push=self.layout.num_groups == 1, pull_batches=True,
+            protocol_version=PROTOCOL_VERSION, push=self.layout.num_groups == 1,
+            piece_tokens=self.config.piece_tokens, pull_batches=True,
         )
 
     async def _reach(self, context, engine_id: str, address: bytes, warmup_tag: int) -> UcxLink:
