@@ -97,7 +97,7 @@ class InProcessPair:
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
                  num_blocks: int = 32, num_rings: int = 4, device: str = "cpu",
                  max_peer_sessions: int = MAX_PEER_SESSIONS) -> None:
-        config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=30.0, transfer_timeout_s=30.0)
         self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
         self.p_cache = NodeCache(prefill_config, num_blocks=num_blocks, num_rings=num_rings, device=device)
         self.d_cache = NodeCache(decode_config or prefill_config, num_blocks=num_blocks, num_rings=num_rings,

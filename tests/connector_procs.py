@@ -93,6 +93,15 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                 await asyncio.sleep(0.002)  # its send is in flight (or landed), the other regions not sent
                 os._exit(17)
             ucx.send_on = dying_send
+            real_post = ucx.post_send
+
+            def dying_post(ep, view, tag, **on):  # a pull's sends are posted one region at a time
+                if started:  # only the first region is sent
+                    return asyncio.get_running_loop().create_future()  # never completes: the process dies first
+                started.append(real_post(ep, view, tag, **on))
+                asyncio.get_running_loop().call_later(0.002, os._exit, 17)  # its send is in flight (or landed)
+                return started[-1]
+            ucx.post_send = dying_post
         conn.send(("port", port, node_cache.free_blocks, node_cache.free_rings))
         loop = asyncio.get_running_loop()
         while True:
