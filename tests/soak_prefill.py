@@ -6,7 +6,8 @@ it, so that a client's cancel lands in that step on the decode node:
   Prefill call is answered once they are, a whole one once the prompt is computed, so either way the
   call is still unanswered);
 - ``@pulling``: the pull waits before it starts (before any byte, and before its grant message), in a
-  Pull call or on a pull session;
+  Pull call or on a pull session; a push (PrefillPush) waits after its grant message, before its PullDone
+  (its bytes may have moved: the decode node holds the request in its pull until PullDone);
 - ``@releasing``: the Release waits before it frees the grant.
 
 Nothing else changes: a held call that its caller cancels ends as the real one would.
@@ -19,6 +20,7 @@ import os
 import sys
 
 from kpool_pd.connector import PrefillConnector
+from kpool_pd.connector.prefill.pushes import PushDesk
 from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
 from kpool_pd.prefill_worker.daemon import main
 
@@ -56,8 +58,22 @@ def install_holds() -> None:
             await asyncio.sleep(HOLD_S)
         return await real_release(self, request, context)
 
+    real_push = PushDesk.push_messages
+
+    async def push(self, request):
+        stream = real_push(self, request)
+        try:
+            async for message in stream:
+                yield message
+                granted = not isinstance(message, bytes) and message.WhichOneof("message") == "granted"
+                if granted and _asks(request.prefill.request_id, "pulling"):
+                    await asyncio.sleep(HOLD_S)
+        finally:
+            await stream.aclose()
+
     BatchingPrefillEngine.prefill = prefill
     PrefillConnector.pull_messages = pull
+    PushDesk.push_messages = push
     PrefillConnector.Release = release
 
 

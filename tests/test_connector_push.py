@@ -138,19 +138,22 @@ def test_each_chunk_pushes_its_blocks_before_the_next_is_computed(transport):
             peer = await pair.decode.connect(pair.address)
             n = 4 * BLOCK + 9  # 5 blocks: 2 chunks of 2 blocks, then a last chunk of 9 tokens
             prompt = list(range(1, n + 1))
-            push = asyncio.ensure_future(push_into(pair, peer, "c", prompt, transport=transport))
+            granted = []
+            push = asyncio.ensure_future(push_into(pair, peer, "c", prompt, transport=transport,
+                                                   on_granted=granted.append))
             for chunk in range(2):
                 await soon(lambda: steps.waiting == 1, f"chunk {chunk} waiting for its go")
                 steps.go()
                 for block in (2 * chunk, 2 * chunk + 1):
                     await soon(lambda b=block: holding(pair, "c", b), f"block {block} landing")
                 assert (push.done(), engine.chunks_done) == (False, chunk + 1)
+                assert [g.request_id for g in granted] == ["c"] and granted[0].pipelined  # told once, mid-prompt
             assert not holding(pair, "c", 4), "the prompt's last block must wait for its last chunk"
             steps.go()
             with await push as landed:
                 differences, _ = procs.landed_differences(pair.decode.pool, landed, "c", n)
                 assert not differences and landed.first_token == sum(prompt) % 50000
-                assert landed.grant.pipelined and landed.times.prefill_ms > 0
+                assert landed.grant.pipelined and landed.times.prefill_ms > 0 and landed.grant == granted[0]
                 assert await peer.release(landed.grant.grant_id)
             await soon(lambda: pair.free() == start, "everything freed")
     run(scenario())

@@ -116,7 +116,7 @@ class OneNode(RequestFetch):
         if self.pushes_to(peer):
             job.landed = await peer.push(job.request_id, job.prompt, into=job.allocation,
                                          transport=self.pulls.transport, integrity=self.pulls.integrity,
-                                         mrope_positions=job.mrope_positions)
+                                         mrope_positions=job.mrope_positions, on_granted=lambda _: job.pulling())
             return job.landed.grant
         return await peer.prefill(job.request_id, job.prompt, pipelined=self.pipelined,
                                   mrope_positions=job.mrope_positions)

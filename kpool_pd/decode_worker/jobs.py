@@ -81,5 +81,9 @@ class Job:
     transfer_regions: int = 0
     transfer_ms: float = 0.0  # the slowest rank's
 
+    def pulling(self) -> None:
+        """Its prompt's blocks were granted and its pull began (a push's, from inside its Prefill call)."""
+        self.state = JobState.PULLING
+
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.arrived) * 1000

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -219,7 +219,8 @@ class PrefillPeer(PeerReleases):
 
     async def push(self, request_id: str, prompt_token_ids, *, into: CacheAllocation,
                    transport: Transport | None = None, integrity: bool = False,
-                   mrope_positions: Sequence[Sequence[int]] = ()) -> LandedRequest:
+                   mrope_positions: Sequence[Sequence[int]] = (),
+                   on_granted: Callable[[PrefillGrant], None] | None = None) -> LandedRequest:
         """Prefill and pull in one call (PrefillPush), for a node that serves it (``pushes``): the receives into
         ``into`` (held by the caller, as for ``pull``) are posted and the plan sent with the prompt, so the prefill
         node sends each piece from the end of the chunk that wrote it, with no message from here after the
@@ -228,7 +229,8 @@ class PrefillPeer(PeerReleases):
         granted it, it is released in the background (the node also frees it when the call ends early). Failure:
         StatusError within ``pull_budget_s(computing=True)``, the node's status for a refused or failed prompt;
         no receive into ``into`` is posted any more when it returns or raises. ValueError (nothing sent) for an
-        allocation as ``pull`` refuses, or a peer that does not push."""
+        allocation as ``pull`` refuses, or a peer that does not push. ``on_granted(grant)`` is called once the
+        node has granted the prompt's blocks (its bytes are then moving, or wait for the chunks that write them)."""
         n = len(prompt_token_ids)
         if not self.pushes:
             raise ValueError(f"prefill node {self.address} takes no push for this layout: use prefill and pull")
@@ -250,14 +252,16 @@ class PrefillPeer(PeerReleases):
         budget = c.config.pull_budget_s(computing=True)
         granted: list[str] = []
 
-        def on_granted(made: PrefillGrant) -> None:
+        def granted_here(made: PrefillGrant) -> None:
             granted.append(made.grant_id)
             self._pulling[made.grant_id] += 1  # the keep-alive renews its lease while it moves
+            if on_granted is not None:
+                on_granted(made)
 
         pull = InboundPull(lambda: self._push(req, timeout=budget), address=self.address, grant=grant, landing=landing,
                            ring_id=0 if into.ring_id is None else into.ring_id, transport=transport, tag_base=tag_base,
                            integrity=integrity, ucx=c.ucx, metrics=c.metrics, keep=self._follow_on, plan=plan,
-                           on_granted=on_granted)
+                           on_granted=granted_here)
         started = time.perf_counter()
         with self._call():
             try:
