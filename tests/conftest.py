@@ -43,9 +43,9 @@ _hold_grpc_aio()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A kernel body's CPU rows run from tests/, its CUDA rows from tests/gpu/ (tests/kernel_backends.py):
+    """A kernel body's CPU rows run from tests/, its CUDA rows from tests/gpu/ (tests/support/kernel_backends.py):
     the other rows are deselected at collection, not skipped one by one."""
-    from tests.kernel_backends import in_its_suite
+    from tests.support.kernel_backends import in_its_suite
 
     elsewhere = [item for item in items if not in_its_suite(item)]
     if elsewhere:

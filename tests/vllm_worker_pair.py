@@ -14,8 +14,8 @@ from kpool_pd.vllm.consumer_worker import ConsumerWorker
 from kpool_pd.vllm.metadata import KpoolPdMetadata
 from kpool_pd.vllm.producer_worker import ProducerWorker
 from kpool_pd.vllm.settings import KpoolPdSettings
-from tests.ports import free_port
-from tests.vllm_spec_procs import pool_of
+from tests.support.ports import free_port
+from tests.support.vllm_spec_procs import pool_of
 
 
 def worker_pair(lease_s: float, name: str, *, release_after_pull: bool = True,

@@ -1,4 +1,4 @@
-"""One fleet run: its phases and what each checks (``kpool-pd bench fleet`` and ``tests/test_fleet.py``).
+"""One fleet run: its phases and what each checks (``kpool-pd bench fleet`` and ``tests/e2e/test_fleet.py``).
 
 1. Every prefill daemon starts, then every decode daemon with each policy in turn. Per policy, the
    workloads (``fleet_load.Workload``: skewed prompt lengths, and for the least-loaded policy the balanced

@@ -1,4 +1,4 @@
-"""vLLM engines in processes of their own, for ``kpool-pd bench vllm`` and tests/test_vllm_pd.py: a 2-layer
+"""vLLM engines in processes of their own, for ``kpool-pd bench vllm`` and tests/vllm/test_vllm_pd.py: a 2-layer
 Llama from a config.json and seeded random weights written here, run greedily on the CPU. Each process
 serves jobs from a queue until told to stop (``None``).
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ pytestmark = [
                        reason="needs two CUDA devices (nvidia-h200-x2)"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (the children inherit it)
 
 FRESH = ChildKind.SPAWN  # GPU children start CUDA and UCX in a fresh interpreter, as a deployment does
 LENGTHS = [1, 4, 5, 64, 65, 257, 1000, 4096]
@@ -31,9 +28,9 @@ def _prefill_proc(conn) -> None:
     from prometheus_client import CollectorRegistry
 
     from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
-    from connector_procs import CONFIG, SeededFillEngine
+    from tests.support.connector_procs import CONFIG, SeededFillEngine
     from kpool_pd.kvcache import NodeCache
-    from serving import serve_prefill, stop_prefill
+    from tests.support.serving import serve_prefill, stop_prefill
 
     async def main():
         cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:0")
@@ -59,9 +56,9 @@ def _decode_proc(conn, address: str, transport: str) -> None:
     from prometheus_client import CollectorRegistry
 
     from kpool_pd.connector import ConnectorConfig, DecodeConnector, Transport
-    from connector_procs import CONFIG, landed_differences
+    from tests.support.connector_procs import CONFIG, landed_differences
     from kpool_pd.kvcache import NodeCache
-    from pulls import pull_into
+    from tests.support.pulls import pull_into
 
     async def main():
         cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:1")

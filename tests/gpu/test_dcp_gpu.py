@@ -13,7 +13,7 @@ import torch
 
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
-from tests.dcp_ranks import DcpCase, run_processes
+from tests.support.dcp_ranks import DcpCase, run_processes
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,7 +10,7 @@ from kpool_pd.decode_worker.capacity import WORKSPACE_BYTES, rank_cache_blocks
 from kpool_pd.kvcache import BlockLayout, NodeCache
 from kpool_pd.model import Engine
 from kpool_pd.runtime import model_config
-from tests.test_decode_capacity import settings
+from tests.workers.test_decode_capacity import settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_whole_device, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

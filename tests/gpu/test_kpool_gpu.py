@@ -1,11 +1,11 @@
 """The kpool kernels compiled on a CUDA device.
 
-The kernel-against-reference bodies are tests/test_kpool_triton.py's, run here on the ``cuda`` backend
-(tests/kernel_backends.py; that module states the comparison rules), over one-page blocks and blocks of two and
-four kernel pages, with tests/test_kpool_pages.py's check of the page bytes against DESIGN's formula. Here as
+The kernel-against-reference bodies are tests/kernels/test_kpool_triton.py's, run here on the ``cuda`` backend
+(tests/support/kernel_backends.py; that module states the comparison rules), over one-page blocks and blocks of two and
+four kernel pages, with tests/kernels/test_kpool_pages.py's check of the page bytes against DESIGN's formula. Here as
 well, what only a GPU shows: how far libdevice's exp is from torch's, that the decode update captures in a CUDA
 graph and never synchronises with the host (one-page and multi-page blocks), and that every op runs on its
-tensors' device (cuda:1 while cuda:0 is current). The token repack's bodies (tests/test_token_repack.py) run
+tensors' device (cuda:1 while cuda:0 is current). The token repack's bodies (tests/kernels/test_token_repack.py) run
 here too, with its check that device ids never make it synchronise.
 """
 
@@ -22,18 +22,18 @@ from kpool_pd.kernels import (kpool_compress, kpool_decode_update, kpool_indexer
 from kpool_pd.kernels.kpool_decode.ref import decode_update
 from kpool_pd.kernels.kpool_metadata import build_kpool_metadata
 from kpool_pd.kvcache import PoolMode
-from tests.kernel_backends import Backend, make_backend
-from tests.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
-from tests.test_mla_rows import test_kernel_writes_what_the_reference_writes  # noqa: F401
-from tests.test_chunked_prefill import test_kernel_chunks_equal_one_whole_prefill  # noqa: F401
-from tests.test_kpool_pages import test_prefill_writes_each_entry_where_design_says  # noqa: F401
-from tests.test_kpool_metadata import test_the_decode_update_writes_each_pool_at_the_metadatas_slot  # noqa: F401
-from tests.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, keys, make_pool,  # noqa: F401
+from tests.support.kernel_backends import Backend, make_backend
+from tests.kernels.test_chunked_prefill import test_a_chunk_inside_a_pool_reads_the_ring  # noqa: F401
+from tests.kernels.test_mla_rows import test_kernel_writes_what_the_reference_writes  # noqa: F401
+from tests.kernels.test_chunked_prefill import test_kernel_chunks_equal_one_whole_prefill  # noqa: F401
+from tests.kernels.test_kpool_pages import test_prefill_writes_each_entry_where_design_says  # noqa: F401
+from tests.kernels.test_kpool_metadata import test_the_decode_update_writes_each_pool_at_the_metadatas_slot  # noqa: F401
+from tests.kernels.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools_match, keys, make_pool,  # noqa: F401
                                      test_compress,
                                      test_compress_encodes_rounding_edges_like_torch, test_decode_step_with_drafts,
                                      test_indexer_topk, test_prefill,
                                      test_prefill_and_drafted_decode_give_the_same_bytes, test_write_and_read_entries)
-from tests.test_token_repack import (test_block_ids_on_the_device_are_the_ints,  # noqa: F401
+from tests.kernels.test_token_repack import (test_block_ids_on_the_device_are_the_ints,  # noqa: F401
                                      test_buffers_at_other_alignments_after_an_aligned_call,
                                      test_device_ids_never_sync, test_python_id_lists_and_longer_tables,
                                      test_random_pairs_match_view_copy, test_rejects_bad_inputs,

@@ -1,7 +1,7 @@
 """The fused layer hash compiled on a CUDA device.
 
-The kernel-against-reference bodies are tests/test_layer_hash.py's, run here on the ``cuda`` backend
-(tests/kernel_backends.py): real caches filled by the engine on the GPU, the family's own top-k, padding rows,
+The kernel-against-reference bodies are tests/model/test_layer_hash.py's, run here on the ``cuda`` backend
+(tests/support/kernel_backends.py): real caches filled by the engine on the GPU, the family's own top-k, padding rows,
 equality bit for bit. Here as well, what only a GPU shows: the fused op never synchronises with the host and
 captures in a CUDA graph, alone and as the whole per-layer chain of a forward (``family.chain`` on every layer:
 the query, the top-k and the fused hash), whose replay gives the reference's hashes.
@@ -15,8 +15,8 @@ import torch
 from kpool_pd.kvcache import BlockOrder, CacheDtype, CacheFamily
 from kpool_pd.model.layer_hash import kpool_layer_hash, qsa_layer_hash, ref
 from kpool_pd.model.rule import HASH_PRIME
-from tests.kernel_backends import Backend, make_backend
-from tests.test_layer_hash import build_engine, batches, test_fused_hash_equals_reference  # noqa: F401
+from tests.support.kernel_backends import Backend, make_backend
+from tests.model.test_layer_hash import build_engine, batches, test_fused_hash_equals_reference  # noqa: F401
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: run tests/gpu/run_all.sh on the H200 through the device tool")

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kpool_pd.connector import Transport, ucx_available
-from tests import connector_procs as procs
-from tests.arrangements import arrangement_configs
-from tests.connector_bytes import host_copy
-from tests.connector_harness import InProcessPair
-from tests.pulls import pull_into
+from tests.support import connector_procs as procs
+from tests.support.arrangements import arrangement_configs
+from tests.support.connector_bytes import host_copy
+from tests.support.connector_harness import InProcessPair
+from tests.support.pulls import pull_into
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,7 +20,7 @@ from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import run_colocated
 from kpool_pd.model.engine import DecodeSequence, Engine, PrefillJob
 from kpool_pd.model.prompt import mrope_delta
-from tests.mrope_prompts import image_prompt_positions, image_requests
+from tests.support.mrope_prompts import image_prompt_positions, image_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

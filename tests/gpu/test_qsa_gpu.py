@@ -1,7 +1,7 @@
 """The QSA kernels compiled on a CUDA device.
 
-The kernel-against-reference bodies are tests/test_qsa_triton.py's, tests/test_qsa_update_launch.py's and
-tests/test_qsa_update.py's edge histories, run here on the ``cuda`` backend (tests/kernel_backends.py; tests/test_qsa_triton.py states
+The kernel-against-reference bodies are tests/kernels/test_qsa_triton.py's, tests/kernels/test_qsa_update_launch.py's and
+tests/kernels/test_qsa_update.py's edge histories, run here on the ``cuda`` backend (tests/support/kernel_backends.py; tests/kernels/test_qsa_triton.py states
 the comparison rules: on CUDA, compressed rows identical to the reference run on the same CUDA tensors).
 Here as well, what only a GPU shows: the metadata builder and the forward update never synchronise with
 the host and replay from a CUDA graph with the reference's results; random drafted histories keep the PD
@@ -24,20 +24,20 @@ from kpool_pd.kernels.qsa_update import ref as update_ref
 from kpool_pd.kernels.qsa_update.launch import UpdateGrid, UpdateLaunch, default_update_launch
 from kpool_pd.kernels.qsa_update.triton import qsa_forward_update_triton
 from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheConfig, CacheDtype, CacheFamily, CachePool, qsa_ring_capacity
-from tests.kernel_backends import Backend, make_backend, poison
+from tests.support.kernel_backends import Backend, make_backend, poison
 from kpool_pd.kernels.qsa_metadata import split_uniform_decodes
 from kpool_pd.kernels.qsa_metadata.builder import QsaMetadataBuilder
-from tests.test_qsa_metadata_builder import GEOMETRY, mixed_batch
-from tests.test_qsa_metadata_builder import (  # noqa: F401
+from tests.kernels.test_qsa_metadata_builder import GEOMETRY, mixed_batch
+from tests.kernels.test_qsa_metadata_builder import (  # noqa: F401
     test_builder_matches_the_reference_forward_after_forward_in_the_same_buffers)
-from tests.test_qsa_metadata_kernel import random_metadata_inputs, test_metadata  # noqa: F401
-from tests.test_qsa_score_kernel import test_scores_within_accumulation_error  # noqa: F401
-from tests.test_qsa_score_kernel import test_topk_exact_on_integer_values  # noqa: F401
-from tests.test_qsa_triton import (ROPE, test_compress, test_compress_garbage_keys,  # noqa: F401
+from tests.kernels.test_qsa_metadata_kernel import random_metadata_inputs, test_metadata  # noqa: F401
+from tests.kernels.test_qsa_score_kernel import test_scores_within_accumulation_error  # noqa: F401
+from tests.kernels.test_qsa_score_kernel import test_topk_exact_on_integer_values  # noqa: F401
+from tests.kernels.test_qsa_triton import (ROPE, test_compress, test_compress_garbage_keys,  # noqa: F401
                                    test_compress_reads_the_rope_cache, test_compress_rounding_edges,
                                    test_forward_update, test_ring_write)
-from tests.test_qsa_update_launch import test_every_launch_writes_the_reference_bytes  # noqa: F401
-from tests.test_qsa_update import (Storage, make_history, norm_weight, run_both, state_mismatches,  # noqa: F401
+from tests.kernels.test_qsa_update_launch import test_every_launch_writes_the_reference_bytes  # noqa: F401
+from tests.kernels.test_qsa_update import (Storage, make_history, norm_weight, run_both, state_mismatches,  # noqa: F401
                                    test_edge_histories)
 
 needs_cuda = pytest.mark.skipif(

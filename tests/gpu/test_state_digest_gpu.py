@@ -8,7 +8,7 @@ import torch
 
 from kpool_pd.kvcache import CacheFamily
 from kpool_pd.model import ModelConfig
-from tests.test_state_digest import check_state_digest
+from tests.model.test_state_digest import check_state_digest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

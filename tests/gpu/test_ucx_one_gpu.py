@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: connector_procs (the children inherit it)
 
 FRESH = ChildKind.SPAWN  # GPU children start CUDA and UCX in a fresh interpreter, as a deployment does
 LENGTHS = [1, 5, 65, 1000, 4096]
@@ -32,9 +29,9 @@ def _prefill_proc(conn) -> None:
     from prometheus_client import CollectorRegistry
 
     from kpool_pd.connector import ConnectorConfig, PrefillConnector, Transport
-    from connector_procs import CONFIG, SeededFillEngine
+    from tests.support.connector_procs import CONFIG, SeededFillEngine
     from kpool_pd.kvcache import NodeCache
-    from serving import serve_prefill, stop_prefill
+    from tests.support.serving import serve_prefill, stop_prefill
 
     async def main():
         cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:0")
@@ -56,9 +53,9 @@ def _decode_proc(conn, address: str) -> None:
 
     from kpool_pd.connector import ConnectorConfig, DecodeConnector, Transport
     from kpool_pd.connector.prefill.ucx_address import check_worker_address
-    from connector_procs import CONFIG, landed_differences
+    from tests.support.connector_procs import CONFIG, landed_differences
     from kpool_pd.kvcache import NodeCache
-    from pulls import pull_into
+    from tests.support.pulls import pull_into
 
     async def main():
         cache = NodeCache(CONFIG, num_blocks=256, num_rings=8, device="cuda:0")

@@ -1,0 +1,1 @@
+"""The tests, a folder per part of the product; ``tests.support`` holds what they share."""

@@ -1,0 +1,1 @@
+"""Tests of ``kpool-pd bench``."""

@@ -1,0 +1,1 @@
+"""Tests of the Kubernetes manifests and container images of ``deploy/``."""

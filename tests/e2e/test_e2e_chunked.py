@@ -1,0 +1,92 @@
+"""End to end with chunked prefill: a prefill daemon whose token budget splits prompts across steps
+(``--max-batch-tokens``) equals the colocated run byte for byte, over both transports.
+
+Budgets one under the ring and one over a block, with 16 concurrent requests a decode daemon whose prompt
+lengths sit on and around the pool (group), ring and block boundaries: chunk edges fall at every residue
+of the pool, ring and block (a request alone in a step is cut at multiples of the budget; requests sharing
+a step at the leftovers). Then ``kpool-pd up --max-batch-tokens N`` against ``--colocated``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from kpool_pd.kvcache import CacheFamily
+from kpool_pd.model import ModelConfig
+from kpool_pd.model.colocated import run_colocated
+from tests.support.polling import wait_for
+from tests.e2e.test_e2e import (SETTLE_S, TRANSPORTS, _flags, _free_blocks, _metric, _ready_and_serving,
+                            boundary_prompts, generate_and_match, pd_pair)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CASES = [  # family, group, drafts, budget (ring 8 and block 128, the smallest the daemons take, in every case)
+    pytest.param(CacheFamily.KPOOL, 4, 3, 7, id="kpool4-spec3-budget7"),
+    pytest.param(CacheFamily.KPOOL, 4, 3, 129, id="kpool4-spec3-budget129"),
+    pytest.param(CacheFamily.QSA, 4, 3, 9, id="qsa4-spec3-budget9"),
+    pytest.param(CacheFamily.QSA, 4, 3, 127, id="qsa4-spec3-budget127"),
+]
+
+
+def _summed(daemon, name: str) -> float:
+    """The sum of a metric's samples over all its labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("family,group,num_spec,budget", CASES)
+def test_chunked_pd_equals_colocated(tmp_path, family, group, num_spec, budget):
+    key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
+    config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=budget, block_size=128, **{key: group})
+    assert (config.cache.ring_slots, config.cache.block_size) == (8, 128)
+    with pd_pair(tmp_path, _flags(config), prefill_extra=["--max-batch-tokens", str(budget)]) as (prefill, decodes):
+        batches = {t: boundary_prompts(config, 16, 8, seed=budget, prefix=t) for t in TRANSPORTS}
+        references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+        _ready_and_serving(prefill, *decodes)
+        start_free = [_free_blocks(d) for d in (prefill, *decodes)]
+        chunks_before = _metric(prefill, "kpoolpd_prefill_chunks_total")
+        outcomes = generate_and_match(decodes, batches, references)
+        prompts = sum(len(b) for b in batches.values())
+        assert _metric(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
+        # pieces of the budget's worth of blocks (here one block): at least a region per block moved
+        blocks = sum(config.cache.blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
+        assert _summed(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
+        for decode, results in zip(decodes, outcomes):  # where each request's time went, in its metrics too
+            assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
+            for name in ("prefill", "transfer", "exposed_transfer"):
+                count = _metric(decode, f"kpoolpd_decode_request_{name}_seconds_count")
+                assert count == len(results), f"{decode.name}: {name} observed {count} times"
+        assert wait_for(lambda: [_free_blocks(d) for d in (prefill, *decodes)] == start_free, SETTLE_S)
+
+
+def _up(*flags: str) -> tuple[int, list[dict], str]:
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--json", *flags], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
+
+
+UP_CASES = [pytest.param(family, transport, id=f"{family}-{transport}")
+            for family in ("kpool", "qsa") for transport in TRANSPORTS]
+
+
+@pytest.mark.parametrize("family,transport", UP_CASES)
+def test_up_with_a_token_budget_equals_colocated(family, transport):
+    """A 141-token prompt (two blocks, a pool, a ring and 13) in 2, 3 or 4 chunks of a 65-token budget."""
+    flags = ("--requests", "3", "--prompt-len", "141", "--max-tokens", "6", "--family", family, "--num-spec", "3")
+    code, rows, stderr = _up(*flags, "--max-batch-tokens", "65", "--transport", transport)
+    assert code == 0, stderr
+    *requests, last = rows
+    assert last["summary"]["ok"] == last["summary"]["colocated_match"] == 3
+    for row in requests:
+        assert row["prefill_ms"] > 0 and row["transfer_ms"] > 0 and row["exposed_transfer_ms"] >= 0, row
+        assert row["exposed_transfer_ms"] < row["ttft_ms"] and row["prefill_ms"] < row["ttft_ms"], row
+    assert last["summary"]["exposed_transfer_ms_mean"] >= 0 and last["summary"]["prefill_ms_mean"] > 0
+    code, colocated, _ = _up(*flags, "--colocated")
+    assert code == 0
+    assert [(r["tokens"], r["output_digest"], r["state_digest"]) for r in colocated[:-1]] == [
+        (r["tokens"], r["output_digest"], r["state_digest"]) for r in requests]

@@ -1,0 +1,1 @@
+"""Tests of ``kpool_pd.kvcache``: specs, layouts, allocators, the node cache."""

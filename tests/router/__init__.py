@@ -1,0 +1,1 @@
+"""Tests of ``kpool-pd router`` against fake OpenAI servers."""

@@ -1,0 +1,1 @@
+"""What the tests share: the in-process connector pair, process launchers built on ``kpool_pd.runtime.launch``, fakes, waits with deadlines."""

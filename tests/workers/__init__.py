@@ -1,0 +1,1 @@
+"""Tests of the prefill and decode daemons (``kpool_pd.prefill_worker``, ``kpool_pd.decode_worker``)."""
