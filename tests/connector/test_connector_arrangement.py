@@ -7,7 +7,6 @@ sides' views. Any difference in what the bytes mean is still refused."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from kpool_pd.kvcache import BlockLayout
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
 from tests.support.arrangements import ARRANGEMENTS, arranged
+from tests.support.polling import wait_for
 from tests.support.pulls import allocation_for, pull_into
 
 LEASE_S = 1.5
@@ -42,10 +42,7 @@ def test_blhnc_prefill_process_to_blnhc_decode_process(prefill, transport):
     assert out["repacks"] is True and all(out["repacked"]) and len(out["repacked"]) == 4
     assert out["differences"] == []
     assert out["end_free"] == out["start_free"]
-    deadline = time.monotonic() + 3 * LEASE_S
-    while node.counts() != (node.free_blocks, node.free_rings, 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert node.counts() == (node.free_blocks, node.free_rings, 0)
+    assert wait_for(lambda: node.counts() == (node.free_blocks, node.free_rings, 0), 3 * LEASE_S), node.counts()
 
 
 # in one process: both families, block sizes, orders and kernel pages, both transports -------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.kvcache import BlockLayout, NodeCache
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
+from tests.support.polling import wait_for
 from tests.support.pulls import allocation_for, pull_into
 
 LEASE_S = 5.0
@@ -107,7 +107,4 @@ def test_another_engines_grant_is_refused_and_moves_no_byte(prefill, transport):
     assert out["a_pulls_b"] == "PERMISSION_DENIED"
     assert out["b_equal"] is True
     assert out["a_free"] == (16, 2), "every allocation of A came back"
-    deadline = time.monotonic() + 10
-    while node.counts() != (node.free_blocks, node.free_rings, 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert node.counts() == (node.free_blocks, node.free_rings, 0)
+    assert wait_for(lambda: node.counts() == (node.free_blocks, node.free_rings, 0), 10), node.counts()

@@ -13,6 +13,7 @@ from kpool_pd.connector import MAX_PEER_SESSIONS, ConnectorConfig, DecodeConnect
 from kpool_pd.kvcache import CacheConfig, NodeCache
 from kpool_pd.runtime.launch import child_context, start_child
 from tests.support import connector_procs as procs
+from tests.support.deadlines import patient
 from tests.support.serving import serve_prefill, stop_prefill
 
 CTX = child_context()
@@ -23,44 +24,47 @@ class Prefill:
     def __init__(self, **kwargs) -> None:
         self.conn, child = CTX.Pipe()
         self.proc = start_child(procs.prefill_main, child, threads=CHILD_THREADS, **kwargs)
-        deadline = time.monotonic() + 60
+        allowed_s = patient(60)
+        deadline = time.monotonic() + allowed_s
         while not self.conn.poll(0.1):
             assert self.proc.is_alive(), f"prefill process exited with {self.proc.exitcode} before serving"
-            assert time.monotonic() < deadline, "prefill process did not start within 60 s"
+            assert time.monotonic() < deadline, f"prefill process did not start within {allowed_s:.0f} s"
         _, self.port, self.free_blocks, self.free_rings = self.conn.recv()
         self.address = f"127.0.0.1:{self.port}"
 
     def counts(self):
         self.conn.send(("counts",))
-        assert self.conn.poll(10)
+        assert self.conn.poll(patient(10))
         return self.conn.recv()
 
     def chunks(self) -> tuple[int, int]:
         """A chunked engine's (chunks computed, computations stopped before their last chunk)."""
         self.conn.send(("chunks",))
-        assert self.conn.poll(10)
+        assert self.conn.poll(patient(10))
         return self.conn.recv()
 
     def stop(self):
         if self.proc.is_alive():
             self.conn.send(("stop",))
-            assert self.conn.poll(10)
+            assert self.conn.poll(patient(10))
             msg = self.conn.recv()
-            self.proc.join(10)
+            self.proc.join(patient(10))
             return msg
         return None
 
     def kill(self):
         if self.proc.is_alive():
             self.proc.kill()
-        self.proc.join(10)
+        self.proc.join(patient(10))
 
 
 def run_child(target, timeout: float = 60, **kwargs):
+    """Run ``target`` in a child process until its last message (one not marked ``dying``); (messages, exit code).
+    ``timeout``: what it takes on an idle machine (stretched, ``tests.support.deadlines``)."""
     conn, child = CTX.Pipe()
     proc = start_child(target, child, threads=CHILD_THREADS, **kwargs)
     messages = []
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if conn.poll(0.1):
             messages.append(conn.recv())
@@ -68,7 +72,7 @@ def run_child(target, timeout: float = 60, **kwargs):
                 break
         elif not proc.is_alive():
             break
-    proc.join(10)
+    proc.join(patient(10))
     return messages, proc.exitcode
 
 
@@ -97,7 +101,8 @@ class InProcessPair:
                  config: ConnectorConfig | None = None, engine=None, transports=(Transport.GRPC_STREAM,),
                  num_blocks: int = 32, num_rings: int = 4, device: str = "cpu",
                  max_peer_sessions: int = MAX_PEER_SESSIONS) -> None:
-        config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=30.0, transfer_timeout_s=30.0)
+        config = config or ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(10),
+                                           transfer_timeout_s=patient(10))
         self.registry, self.decode_registry = CollectorRegistry(), CollectorRegistry()
         self.p_cache = NodeCache(prefill_config, num_blocks=num_blocks, num_rings=num_rings, device=device)
         self.d_cache = NodeCache(decode_config or prefill_config, num_blocks=num_blocks, num_rings=num_rings,

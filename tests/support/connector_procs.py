@@ -18,6 +18,7 @@ from kpool_pd.connector.shared import regions  # fault injection: how the gRPC s
 from kpool_pd.kvcache import BlockLayout, BlockOrder, CacheAllocation, CacheConfig, CacheFamily, CachePool, NodeCache
 from tests.support.connector_bytes import expected_block, landed_differences, live_slots, mirror_pool, state_differences
 from tests.support.connector_engines import ChunkedFillEngine, SeededFillEngine
+from tests.support.deadlines import patient
 from tests.support.pulls import pull_into
 from tests.support.serving import serve_prefill, stop_prefill
 
@@ -147,10 +148,11 @@ def decode_main(conn, *, address: str, transport: str, scenario: str, lease_s: f
         fragments = _fragment(node_cache, rng)  # the rest of the pool stays held: landed blocks are not contiguous
         start_free = (node_cache.free_blocks, node_cache.free_rings)
         t = Transport.parse(transport)
-        config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=TOKEN, transfer_timeout_s=patient(3),
+                                 rpc_timeout_s=patient(3))
         node = await DecodeConnector(pool, engine_id=f"decode-{scenario}", config=config,
                                      registry=CollectorRegistry(), transports=(t,)).start()
-        out: dict = {"start_free": start_free}
+        out: dict = {"start_free": start_free, "transfer_timeout_s": config.transfer_timeout_s}
         peer = await node.connect(address)
         if scenario == "roundtrip":
             checked = 0
@@ -299,7 +301,7 @@ def refusal_main(conn, *, address: str, what: str) -> None:
         pool = CachePool(layout, num_blocks=4, num_rings=2)
         token = None if what == "no_token" else TOKEN
         node = DecodeConnector(pool, engine_id="decode-x",
-                               config=ConnectorConfig(peer_token=token, rpc_timeout_s=3.0), registry=CollectorRegistry(),
+                               config=ConnectorConfig(peer_token=token, rpc_timeout_s=patient(3)), registry=CollectorRegistry(),
                                transports=(Transport.GRPC_STREAM,))
         try:
             await node.connect(address)

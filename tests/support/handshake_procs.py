@@ -19,6 +19,7 @@ from kpool_pd.kvcache import BlockLayout, NodeCache
 from kpool_pd.runtime.launch import child_context, start_child
 from tests.support.pulls import pull_into
 from tests.support import connector_procs as procs
+from tests.support.deadlines import patient
 from tests.support.serving import serve_prefill, stop_prefill
 
 CTX = child_context()
@@ -92,7 +93,8 @@ def decode_wait_main(conn, *, address: str, lease_s: float, engine_id: str = "de
         layout = BlockLayout(procs.CONFIG)
         cache = NodeCache(layout, num_blocks=64, num_rings=4)
         pool = cache.pool
-        config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=5.0, rpc_timeout_s=5.0)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=patient(5),
+                                 rpc_timeout_s=patient(5))
         node = await DecodeConnector(pool, engine_id=engine_id, config=config,
                                      registry=CollectorRegistry(), transports=(Transport.UCX,)).start()
         peer = await node.connect(address)
