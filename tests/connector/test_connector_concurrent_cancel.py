@@ -19,12 +19,13 @@ from kpool_pd.connector import ConnectorConfig, Transport, ucx_available
 from kpool_pd.connector.shared.ucx import ReceiveBatch, region_tag
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import pull_into
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")
 UCX = Transport.UCX
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=10.0, transfer_timeout_s=10.0)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(10), transfer_timeout_s=patient(10))
 PROMPT_BLOCKS = 480  # 480 blocks of 18,624 B: one region of 8.5 MiB, sent by rendezvous
 NUM_BLOCKS = 3 * PROMPT_BLOCKS + 16
 

@@ -24,6 +24,7 @@ from kpool_pd.model.dcp_landing import land_request
 from tests.support import connector_procs as procs
 from tests.support.connector_bytes import expected_ring
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.pulls import pull_into
 
 GRPC = Transport.GRPC_STREAM
@@ -36,7 +37,7 @@ def run(coro):
 
 def _rank_node(rank: int, transport: Transport) -> tuple[NodeCache, DecodeConnector]:
     """Another rank of the pair's decode instance: its node cache and its connector."""
-    config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+    config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
     cache = NodeCache(CONFIG, num_blocks=32, num_rings=4)
     return cache, DecodeConnector(cache.pool, engine_id=f"decode-t/dcp{rank}", config=config,
                                   registry=CollectorRegistry(), transports=(transport,))

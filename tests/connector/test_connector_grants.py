@@ -19,6 +19,7 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.kvcache import BlockLayout, NodeCache
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
+from tests.support.deadlines import patient
 from tests.support.polling import wait_for
 from tests.support.pulls import allocation_for, pull_into
 
@@ -30,7 +31,7 @@ def two_engines_main(conn, *, address: str, transport: str) -> None:
     """Engines A and B against the prefill node at ``address``; send back what each step answered."""
     async def main():
         layout = BlockLayout(procs.CONFIG)
-        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=LEASE_S, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=LEASE_S, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
         t = Transport.parse(transport)
         engines, registries = {}, {name: CollectorRegistry() for name in ("a", "b")}
         caches = {name: NodeCache(layout, num_blocks=16, num_rings=2) for name in ("a", "b")}

@@ -16,12 +16,13 @@ from kpool_pd.connector.shared.plan import plan_transfer, ring_live_range
 from kpool_pd.kvcache import BlockLayout
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import allocation_for, pull_into
 
 TRANSPORTS = [pytest.param(Transport.GRPC_STREAM, id="grpc"), pytest.param(Transport.UCX, id="ucx")]
 BLOCK = procs.CONFIG.block_size  # 64
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0, piece_tokens=BLOCK)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5), piece_tokens=BLOCK)
 
 
 class Steps:

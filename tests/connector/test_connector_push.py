@@ -20,12 +20,13 @@ from kpool_pd.connector.shared.wire import region_message
 from kpool_pd.connector.shared.plan import PoolKind, Region
 from tests import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import Pulled
 
 TRANSPORTS = [pytest.param(Transport.GRPC_STREAM, id="grpc"), pytest.param(Transport.UCX, id="ucx")]
 BLOCK = procs.CONFIG.block_size  # 64
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0, piece_tokens=BLOCK)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5), piece_tokens=BLOCK)
 WHOLE = replace(CONFIG, piece_tokens=64 * BLOCK)  # a prompt's blocks in one piece: one message
 
 

@@ -23,11 +23,12 @@ from kpool_pd.connector.shared import regions  # fault injection: how the gRPC s
 from kpool_pd.connector.shared.wire import layout_message
 from kpool_pd.kvcache import BlockLayout, CacheExhaustedError, NodeCache
 from tests.support.connector_procs import CONFIG, TOKEN, SeededFillEngine
+from tests.support.deadlines import patient
 from tests.support.pulls import allocation_for, pull_into
 from tests.support.serving import serve_prefill, stop_prefill
 
 GRPC = Transport.GRPC_STREAM
-BASE = ConnectorConfig(peer_token=TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+BASE = ConnectorConfig(peer_token=TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
 
 
 class Pair:

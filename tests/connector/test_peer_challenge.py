@@ -25,6 +25,7 @@ from kpool_pd.kvcache import NodeCache
 from kpool_pd.runtime import GrpcServer
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.peer_credentials import peer_metadata
 from tests.support.polling import until
 from tests.support.pulls import pull_into
@@ -153,7 +154,7 @@ class FakePeer:
 def _decode_node(token: str, transports=(GRPC,)) -> DecodeConnector:
     cache = NodeCache(procs.CONFIG, num_blocks=8, num_rings=2)
     return DecodeConnector(cache.pool, engine_id="decode-t", registry=CollectorRegistry(), transports=transports,
-                           config=ConnectorConfig(peer_token=token, rpc_timeout_s=5.0, transfer_timeout_s=5.0))
+                           config=ConnectorConfig(peer_token=token, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5)))
 
 
 ANOTHER_TOKEN = "another-fleet's-token"
@@ -241,7 +242,7 @@ def test_a_wrong_token_on_either_side_is_refused(case):
     no Handshake. A caller with another token that sends its credential without checking the proof: the prefill
     node refuses it. Neither side's engine is known to the prefill node afterwards."""
     prefill_token = ANOTHER_TOKEN if case == "prefill-node-with-another-token" else TOKEN
-    config = ConnectorConfig(peer_token=prefill_token, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+    config = ConnectorConfig(peer_token=prefill_token, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
 
     async def main():
         async with InProcessPair(config=config) as pair:

@@ -16,12 +16,13 @@ from kpool_pd.connector.prefill.connector import PrefillConnector
 from kpool_pd.connector.shared.errors import status_code
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import allocation_for, pull_into
 
 pytestmark = pytest.mark.skipif(not ucx_available(), reason="the pull session carries UCX pulls; ucxx is not installed")
 UCX = Transport.UCX
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
 
 
 def run(coro):
@@ -202,7 +203,7 @@ def test_an_idle_session_is_ended_with_a_clear_status_and_its_state_freed():
     the limit) once the limit passed; a session whose pull runs longer than the limit is not ended; a decode
     node whose own session idled out pulls again on a new one."""
     async def main():
-        config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0,
+        config = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5),
                                  pull_session_idle_s=0.5)
         async with InProcessPair(config=config, transports=(UCX,)) as pair:
             start = pair.free()

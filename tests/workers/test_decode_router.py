@@ -13,6 +13,7 @@ from kpool_pd.connector import ConnectorConfig, StatusError
 from kpool_pd.decode_worker.router import PrefillRouter, resolve_host
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.pulls import pull_into
 
 
@@ -75,7 +76,7 @@ def test_a_node_gone_from_dns_is_disconnected_once_its_grant_is_pulled():
 
 def test_an_unreleased_grant_keeps_a_retired_peer_only_until_its_lease_ends():
     async def main():
-        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=0.5, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=0.5, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
         async with InProcessPair(config=config) as pair:
             dns = FakeDns([pair.address])
             router = PrefillRouter(pair.decode, ("dns:///prefill.example:1",), health_interval_s=60, rpc_timeout_s=5,

@@ -17,8 +17,9 @@ from kpool_pd.runtime import GrpcServer
 from kpool_pd.runtime.load_report import NodeLoad
 from tests.support import connector_procs as procs
 from tests.support.connector_engines import SeededFillEngine
+from tests.support.deadlines import patient
 
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
 
 
 class LoadedPrefill:

@@ -21,6 +21,7 @@ from kpool_pd.kvcache import NodeCache
 from kpool_pd.model import Engine
 from kpool_pd.model.colocated import run_colocated
 from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
+from tests.support.deadlines import patient
 from tests.support.mrope_prompts import image_requests
 from tests.support.serving import serve_prefill, stop_prefill
 from tests.model.test_mrope_positions import QSA, check_ring_positions
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 async def pulled_and_decoded(request) -> tuple[list, list]:
     """The request through a prefill node and a decode scheduler on loopback: the ring checked after the pull and
     after the last step; returns the tokens and the finished event."""
-    config = ConnectorConfig(rpc_timeout_s=10.0, transfer_timeout_s=10.0)
+    config = ConnectorConfig(rpc_timeout_s=patient(10), transfer_timeout_s=patient(10))
     p_cache = NodeCache(QSA.cache, num_blocks=8, num_rings=2)
     batcher = BatchingPrefillEngine(Engine(QSA, p_cache.pool), p_cache, max_batch_tokens=16, max_queue=4,
                                     registry=CollectorRegistry())

@@ -26,6 +26,7 @@ from kpool_pd.connector import (
     Transport,
 )
 from kpool_pd.kvcache import EngineCache, PlanarCacheConfig, PlanarLayout, PlanarPool
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.serving import serve_prefill, stop_prefill
 
@@ -71,7 +72,7 @@ class OfferingPair:
     offered blocks went back to the prefill engine."""
 
     def __init__(self, *, lease_s: float = 30.0, engine_ids=("decode-a",)) -> None:
-        config = ConnectorConfig(peer_token=TOKEN, lease_s=lease_s, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = ConnectorConfig(peer_token=TOKEN, lease_s=lease_s, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
         self.prefill_cache = EngineCache(planes(seed=7))
         self.decode_caches = {e: EngineCache(planes(seed=None)) for e in engine_ids}
         self.prefill = PrefillConnector(self.prefill_cache.pool, NoPrefillCalls(), engine_id="prefill-o", config=config,

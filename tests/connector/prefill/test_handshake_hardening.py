@@ -29,6 +29,7 @@ from kpool_pd.kvcache import BlockLayout, NodeCache
 from tests.support import connector_procs as procs
 from tests.support import handshake_procs as hp
 from tests.support.connector_harness import InProcessPair, run_child
+from tests.support.deadlines import patient
 from tests.support.paths import REPO
 from tests.support.polling import wait_for
 from tests.support.pulls import pull_into
@@ -196,7 +197,7 @@ def test_a_forgotten_engine_handshakes_again_and_pulls():
     lease_s = 0.5
 
     async def main():
-        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=lease_s, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+        config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=lease_s, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
         async with InProcessPair(config=config, transports=(Transport.UCX,)) as pair:
             peer = await pair.decode.connect(pair.address)
             engine, node = pair.decode.engine_id, pair.prefill

@@ -13,10 +13,11 @@ import pytest
 from kpool_pd.connector import ConnectorConfig, StatusError, Transport
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import pull_into
 
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0, lease_s=30.0)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5), lease_s=30.0)
 PROMPT = [3 + i % 50 for i in range(40)]
 
 
