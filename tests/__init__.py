@@ -16,7 +16,7 @@ MOVED_TO_SUPPORT = frozenset({
     "dcp_daemons", "dcp_ranks", "deploy_crds", "deploy_daemons", "deploy_image", "deploy_launch", "deploy_manifests",
     "handshake_procs", "kernel_backends", "kpool_sim", "log_records", "mrope_prompts", "peer_credentials", "polling",
     "ports", "pulls", "router_fakes", "serving", "user_folders", "vllm_servers", "vllm_spec_caches",
-    "vllm_spec_procs",
+    "vllm_spec_procs", "vllm_worker_pair",
 })
 
 

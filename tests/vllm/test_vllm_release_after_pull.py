@@ -19,7 +19,7 @@ from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.vllm_worker_pair import HeldReleases, wait_finished, wait_freed, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import HeldReleases, wait_finished, wait_freed, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own
 

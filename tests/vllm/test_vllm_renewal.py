@@ -21,7 +21,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, Release, Renew,
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own, timing over several leases
 

@@ -17,9 +17,9 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 from kpool_pd.connector import ucx_available  # noqa: E402
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull  # noqa: E402
-from tests.vllm_spec_caches import backing  # noqa: E402
-from tests.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
-from tests.vllm_worker_pair import wait_finished, wait_freed, worker_pair  # noqa: E402
+from tests.support.vllm_spec_caches import backing  # noqa: E402
+from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
+from tests.support.vllm_worker_pair import wait_finished, wait_freed, worker_pair  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
