@@ -12,13 +12,14 @@ import pytest
 from kpool_pd.connector import ConnectorConfig, Transport, ucx_available
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.decode.pull_session import PullSession
-from tests import connector_procs as procs
-from tests.connector_harness import InProcessPair
-from tests.polling import until
-from tests.pulls import pull_into
+from tests.support import connector_procs as procs
+from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
+from tests.support.polling import until
+from tests.support.pulls import pull_into
 
 UCX = Transport.UCX
-CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=5.0, transfer_timeout_s=5.0)
+CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
 
 
 def run(coro):
