@@ -18,7 +18,7 @@ from kpool_pd.connector import ConnectorConfig, StatusError, Transport
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.shared.wire import region_message
 from kpool_pd.connector.shared.plan import PoolKind, Region
-from tests import connector_procs as procs
+from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
 from tests.support.deadlines import patient
 from tests.support.polling import until

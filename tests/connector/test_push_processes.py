@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from kpool_pd.connector import ConnectorConfig, DecodeConnector, StatusError, Transport
 from kpool_pd.kvcache import BlockLayout, NodeCache
-from tests import connector_procs as procs
-from tests.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
-from tests.polling import wait_for
+from tests.support import connector_procs as procs
+from tests.support.connector_harness import prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
+from tests.support.deadlines import patient
+from tests.support.polling import wait_for
 
 TRANSPORTS = ["ucx", "grpc"]
 CHUNK_TOKENS = 100  # the prefill node's chunks (a block is 64 tokens)
@@ -29,7 +30,8 @@ def push_main(conn, *, address: str, transport: str, scenario: str, lease_s: flo
     async def main():
         node_cache = NodeCache(BlockLayout(procs.CONFIG), num_blocks=128, num_rings=8)
         start_free = (node_cache.free_blocks, node_cache.free_rings)
-        config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=3.0, rpc_timeout_s=3.0)
+        config = ConnectorConfig(lease_s=lease_s, peer_token=procs.TOKEN, transfer_timeout_s=patient(3),
+                                 rpc_timeout_s=patient(3))
         t = Transport.parse(transport)
         node = await DecodeConnector(node_cache.pool, engine_id=f"push-{scenario}", config=config,
                                      registry=CollectorRegistry(), transports=(t,)).start()
