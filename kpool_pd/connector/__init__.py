@@ -38,6 +38,11 @@ Decode side (``DecodeConnector(pool, ...)``, one per decode node):
   anything is sent for an allocation that is released, ringless, foreign or too small. What a pull lands
   is a ``PullShare`` chosen once by its caller: ``WHOLE_REQUEST`` (the default), or a DCP rank's
   ``RankShare(shard)``.
+- ``PrefillPeer.push(request_id, prompt, into=allocation)``: the scheduler, once per request, in place of
+  ``prefill`` and ``pull`` where ``peer.pushes`` (the node serves PrefillPush for our layout): the receives
+  are posted and the plan sent with the prompt, so the bytes leave as the prompt's chunks write them; the
+  allocation is the caller's as for ``pull``, and the returned ``LandedRequest``'s grant is the caller's
+  to release. StatusError as ``pull``'s; a failed or cancelled push gives its grant back.
 - The peer keeps itself alive (one loop: Heartbeats renewing the grants it is pulling, a new Handshake
   when the prefill node forgot it) until it is closed.
 
