@@ -225,8 +225,9 @@ class PrefillPeer(PeerReleases):
         ``into`` (held by the caller, as for ``pull``) are posted and the plan sent with the prompt, so the prefill
         node sends each piece from the end of the chunk that wrote it, with no message from here after the
         prompt; returns once every byte landed, with the first token. The grant (``LandedRequest.grant``) is then
-        the caller's to release, as after ``pull(release=False)``; on a failure or a cancellation after the node
-        granted it, it is released in the background (the node also frees it when the call ends early). Failure:
+        the caller's to release, as after ``pull(release=False)``; a push that fails after the node granted it
+        releases it (waiting up to ``rpc_timeout_s`` for a node that is up), a cancelled one in the background
+        (the node also frees it when the call ends early). Failure:
         StatusError within ``pull_budget_s(computing=True)``, the node's status for a refused or failed prompt;
         no receive into ``into`` is posted any more when it returns or raises. ValueError (nothing sent) for an
         allocation as ``pull`` refuses, or a peer that does not push. ``on_granted(grant)`` is called once the
