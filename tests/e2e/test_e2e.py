@@ -37,6 +37,8 @@ from kpool_pd.model.colocated import GenerateRequest, RequestResult, make_prompt
 from kpool_pd.runtime import model_flags, model_settings
 from tests.support.polling import wait_for
 from tests.support.ports import free_port
+from tests.support.served_nodes import match_and_free as served_match_and_free
+from tests.support.served_nodes import pd_nodes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 READY_S = 120
@@ -152,6 +154,7 @@ MATRIX = [pytest.param(family, group, spec, 256 if (family, group) == (CacheFami
                        id=f"{family.value}-{group}-spec{spec}")
           for family in (CacheFamily.KPOOL, CacheFamily.QSA) for group in (2, 4, 8) for spec in (0, 3)]
 MATRIX.append(pytest.param(CacheFamily.KPOOL, 2, 3, None, id="kpool-2-spec3-default-block-two-pages"))
+DAEMON_MATRIX = [param for param in MATRIX if param.id in ("kpool-2-spec3-default-block-two-pages", "qsa-4-spec3")]
 
 
 @contextlib.contextmanager
@@ -183,18 +186,44 @@ def match_and_free(prefill: Daemon, decodes: list[Daemon], batches: dict, refere
     return outcomes
 
 
-@pytest.mark.parametrize("family,group,num_spec,block_size", MATRIX)
-def test_pd_equals_colocated(tmp_path, family, group, num_spec, block_size):
+def _matrix_case(family, group, num_spec, block_size):
+    """The model of a MATRIX row and the decode limit its longest prompt needs."""
     key = "kpool" if family is CacheFamily.KPOOL else "compress_ratio"
     if block_size is not None:  # the least multiple of 128 that the ring divides (QSA ratio 2, 3 drafts: 6 -> 384)
         block_size = math.lcm(block_size, family_spec_type(family).ring_slots_for(group, num_spec))
     config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=block_size,
                          **{key: group})
     longest = ["--max-prompt-tokens", str(max(512, 3 * config.cache.block_size))]  # boundary_prompts' longest
+    return config, longest
+
+
+def _matrix_batches(config, group, num_spec):
+    max_tokens = max(10, group + 3)
+    batches = {t: boundary_prompts(config, 16, max_tokens, seed=num_spec, prefix=t) for t in TRANSPORTS}
+    return batches, {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+
+
+@pytest.mark.parametrize("family,group,num_spec,block_size", MATRIX)
+def test_pd_equals_colocated(family, group, num_spec, block_size):
+    """The matrix with the daemons' nodes in this process (``tests.support.served_nodes``: the same flags, the
+    same nodes and gRPC servers), one decode node per transport."""
+    config, longest = _matrix_case(family, group, num_spec, block_size)
+    batches, references = _matrix_batches(config, group, num_spec)
+
+    async def main():
+        decode_extra = [*DECODE_LIMITS, *longest, "--health-interval-s", "0.5"]
+        async with pd_nodes(_flags(config), TRANSPORTS, prefill_extra=["--num-blocks", "256"],
+                            decode_extra=decode_extra) as (prefill, decodes):
+            await served_match_and_free(prefill, decodes, batches, references)
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("family,group,num_spec,block_size", DAEMON_MATRIX)
+def test_pd_daemons_equal_colocated(tmp_path, family, group, num_spec, block_size):
+    """The daemons as processes, once per family, each with a decode daemon per transport."""
+    config, longest = _matrix_case(family, group, num_spec, block_size)
     with pd_pair(tmp_path, _flags(config), decode_extra=longest) as (prefill, decodes):
-        max_tokens = max(10, group + 3)
-        batches = {t: boundary_prompts(config, 16, max_tokens, seed=num_spec, prefix=t) for t in TRANSPORTS}
-        references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+        batches, references = _matrix_batches(config, group, num_spec)
         match_and_free(prefill, decodes, batches, references)
 
 

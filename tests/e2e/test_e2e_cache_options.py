@@ -1,12 +1,14 @@
 """End to end with each cache option the daemons take (``--pool-mode --round-scale --qsa-dtype
 --block-order --kernel-page-states --cache-rope-positions``): one prefill daemon and one decode daemon
 per transport, 16 concurrent requests around the pool, ring and block boundaries, every request equal to
-the colocated run of the same model byte for byte (``tests/e2e/test_e2e.py``'s pattern). Then ``kpool-pd up``
+the colocated run of the same model byte for byte (``tests/e2e/test_e2e.py``'s pattern), with the daemons' nodes
+in this process (``tests.support.served_nodes``). Then ``kpool-pd up``
 with the options combined, each family on one transport, against its own colocated run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -16,7 +18,8 @@ import pytest
 from kpool_pd.kvcache import BlockOrder, CacheDtype, CacheFamily, PoolMode
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import run_colocated
-from tests.e2e.test_e2e import TRANSPORTS, _flags, boundary_prompts, match_and_free, pd_pair
+from tests.e2e.test_e2e import DECODE_LIMITS, TRANSPORTS, _flags, boundary_prompts
+from tests.support.served_nodes import match_and_free, pd_nodes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
@@ -37,14 +40,18 @@ CASES = [pytest.param(family, num_spec, options, id=f"{name}-spec{num_spec}")
 
 
 @pytest.mark.parametrize("family,num_spec,options", CASES)
-def test_pd_with_a_cache_option_equals_colocated(tmp_path, family, num_spec, options):
+def test_pd_with_a_cache_option_equals_colocated(family, num_spec, options):
     config = ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=7 + num_spec, block_size=128,
                                **options)
     assert all(getattr(config.cache, "order" if k == "block_order" else k) == v for k, v in options.items())
-    with pd_pair(tmp_path, _flags(config)) as (prefill, decodes):
-        batches = {t: boundary_prompts(config, 16, 10, seed=num_spec, prefix=t) for t in TRANSPORTS}
-        references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
-        match_and_free(prefill, decodes, batches, references)
+    batches = {t: boundary_prompts(config, 16, 10, seed=num_spec, prefix=t) for t in TRANSPORTS}
+    references = {t: run_colocated(config, batches[t]) for t in TRANSPORTS}
+
+    async def main():
+        async with pd_nodes(_flags(config), TRANSPORTS, prefill_extra=["--num-blocks", "256"],
+                            decode_extra=[*DECODE_LIMITS, "--health-interval-s", "0.5"]) as (prefill, decodes):
+            await match_and_free(prefill, decodes, batches, references)
+    asyncio.run(main())
 
 
 UP_CASES = [

@@ -5,11 +5,14 @@ request equals the colocated run with the decode block size, byte for byte, over
 The three block-size pairs of the contract (128 -> 256, 512 -> 128, 256 -> 512), each with both
 families, the kpool sizes 2, 4, 8 and QSA ratios 2, 4, 8, and 0 to 5 drafts spread over the cases
 (a case's ring or group must divide both block sizes). Prompt lengths sit on and around the pool,
-ring and both block boundaries. Then ``kpool-pd up --prefill-block-size A --decode-block-size B``.
+ring and both block boundaries. The cases run the daemons' nodes in this process
+(``tests.support.served_nodes``); then ``kpool-pd up --prefill-block-size A --decode-block-size B`` runs the
+daemons as processes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -20,7 +23,8 @@ import pytest
 from kpool_pd.kvcache import CacheFamily
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
-from tests.e2e.test_e2e import TRANSPORTS, _flags, match_and_free, pd_pair
+from tests.e2e.test_e2e import DECODE_LIMITS, TRANSPORTS, _flags
+from tests.support.served_nodes import match_and_free, pd_nodes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KPOOL, QSA = CacheFamily.KPOOL, CacheFamily.QSA
@@ -52,19 +56,23 @@ def _prompts(config: ModelConfig, blocks: tuple[int, int], count: int, max_token
 
 
 @pytest.mark.parametrize("family,group,num_spec,prefill_block,decode_block", CASES)
-def test_pd_with_different_block_sizes_equals_colocated(tmp_path, family, group, num_spec, prefill_block, decode_block):
+def test_pd_with_different_block_sizes_equals_colocated(family, group, num_spec, prefill_block, decode_block):
     key = "kpool" if family is KPOOL else "compress_ratio"
     configs = [ModelConfig.build(family=family, num_layers=2, num_spec=num_spec, seed=group + num_spec, block_size=size,
                            **{key: group}) for size in (prefill_block, decode_block)]
     prefill_config, decode_config = configs
     longest = ["--max-prompt-tokens", str(2 * max(prefill_block, decode_block) + group)]
-    with pd_pair(tmp_path, _flags(prefill_config), _flags(decode_config), prefill_blocks=128,
-                 decode_extra=longest) as (prefill, decodes):
-        max_tokens = max(10, group + num_spec + 2)
-        batches = {t: _prompts(decode_config, (prefill_block, decode_block), 12, max_tokens, seed=num_spec,
-                               prefix=t) for t in TRANSPORTS}
-        references = {t: run_colocated(decode_config, batches[t]) for t in TRANSPORTS}
-        match_and_free(prefill, decodes, batches, references)
+    max_tokens = max(10, group + num_spec + 2)
+    batches = {t: _prompts(decode_config, (prefill_block, decode_block), 12, max_tokens, seed=num_spec,
+                           prefix=t) for t in TRANSPORTS}
+    references = {t: run_colocated(decode_config, batches[t]) for t in TRANSPORTS}
+
+    async def main():
+        async with pd_nodes(_flags(prefill_config), TRANSPORTS, decode_model=_flags(decode_config),
+                            prefill_extra=["--num-blocks", "128"],
+                            decode_extra=[*DECODE_LIMITS, *longest, "--health-interval-s", "0.5"]) as (prefill, decodes):
+            await match_and_free(prefill, decodes, batches, references)
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
