@@ -2,7 +2,8 @@
 warmed up: the real daemon process exits with status 2 and prints one line naming the option and where
 its value came from (flag, environment variable or YAML file), never a traceback.
 
-Each case runs ``python -m kpool_pd.prefill_worker`` or ``python -m kpool_pd.decode_worker`` with the bad value; the
+Each case runs the prefill or the decode daemon's ``main`` with the bad value: two as the command itself
+(``python -m kpool_pd.prefill_worker``, ``python -m kpool_pd.decode_worker``), the others in a forked child; the
 listeners are off or on any free port, so that a case that is (wrongly) accepted fails on its status
 instead of colliding with another test's ports.
 """
@@ -12,13 +13,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import pytest
 
 from kpool_pd.connector import MAX_DCP_RANKS, MAX_ID_CHARS
+from tests.support.daemon_main import run_daemon_main
+from tests.support.deadlines import patient
 
-START_S = 90  # a refused daemon exits long before; one that is accepted is stopped here
+START_S = 30  # a refused daemon exits long before; one that is accepted is stopped here (stretched for the load)
 
 DEEP = "a: " + "[" * 5000 + "]" * 5000 + "\n"
 
@@ -79,6 +82,11 @@ CASES = {
 }
 
 
+# Cases run as the real command (a fresh ``python -m``, one a daemon); the others run the daemon's main in a
+# child forked with torch imported (tests.support.daemon_main): the same settings path, without the imports.
+AS_COMMANDS = ("torch-threads-100000", "block-size-64")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_setting_that_cannot_work_exits_2_with_one_line_naming_it(tmp_path, name):
     case = CASES[name]
@@ -89,10 +97,14 @@ def test_a_setting_that_cannot_work_exits_2_with_one_line_naming_it(tmp_path, na
         flags += ["--config", str(config)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KPOOLPD_")}
     env.update(case.env)
-    proc = subprocess.run([sys.executable, "-m", case.daemon, *flags], env=env, capture_output=True, timeout=START_S)
-    out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+    if name in AS_COMMANDS:
+        proc = subprocess.run([sys.executable, "-m", case.daemon, *flags], env=env, capture_output=True,
+                              timeout=patient(START_S))
+        status, out, err = proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+    else:
+        status, out, err = astuple(run_daemon_main(case.daemon, flags, env, tmp_path, START_S))
     lines = [line for line in err.splitlines() if line.strip()]
-    assert proc.returncode == 2, f"status {proc.returncode}\nstdout: {out[-2000:]}\nstderr: {err[-4000:]}"
+    assert status == 2, f"status {status}\nstdout: {out[-2000:]}\nstderr: {err[-4000:]}"
     assert "Traceback" not in err + out, err
     assert len(lines) == 1 and not out.strip(), f"expected one line, got:\n{err}{out}"
     role = "prefill" if case.daemon == "kpool_pd.prefill_worker" else "decode"
