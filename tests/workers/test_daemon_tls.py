@@ -7,6 +7,7 @@ with a message that names the option."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import make_prompts, run_colocated
 from kpool_pd.prefill_worker.daemon import OPTIONS as PREFILL_OPTIONS
 from kpool_pd.runtime import SettingsError, client_tls, load_settings, model_flags, resolve_device, tls_config
+from tests.support.daemon_main import run_daemon_main
 
 MODEL = dict(family="kpool", kpool=4, ratio=4, num_spec=3, layers=2, block_size=0, seed=11)
 CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=11)
@@ -200,11 +202,12 @@ def test_cuda_without_a_device_fails_with_a_clear_message():
     pytest.param("kpool_pd.prefill_worker", ["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
                  "tls-cert /nonexistent/c.pem: cannot read it", id="prefill-missing-cert"),
 ])
-def test_a_daemon_with_bad_settings_exits_2_with_the_reason(module, argv, needle):
+def test_a_daemon_with_bad_settings_exits_2_with_the_reason(tmp_path, module, argv, needle):
+    """The daemon's main in a forked child (``tests.support.daemon_main``; the refusals of
+    ``test_daemon_settings_refused`` run the command itself)."""
     import torch
     if "cuda" in needle and torch.cuda.is_available():
         pytest.fail("this check of the missing-CUDA message needs a machine without CUDA")
-    proc = subprocess.run([sys.executable, "-m", module, *argv, "--port", "0", "--metrics-port", "-1"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    exited = run_daemon_main(module, [*argv, "--port", "0", "--metrics-port", "-1"], os.environ, tmp_path)
+    assert exited.status == 2, exited.stderr
+    assert needle in exited.stderr and "Traceback" not in exited.stderr
