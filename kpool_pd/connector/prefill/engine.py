@@ -23,6 +23,7 @@ abandons too.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,12 +55,13 @@ class PrefillProgress:
     serves the request from (``serve_from``), and how far the prompt is written (``advance``). Not
     thread-safe; used from the event loop only."""
 
-    __slots__ = ("request_id", "allocation", "prefilled", "_moved", "_allocated", "_listeners")
+    __slots__ = ("request_id", "allocation", "prefilled", "written_at", "_moved", "_allocated", "_listeners")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.allocation: CacheAllocation | None = None
         self.prefilled = 0  # prompt tokens written in every layer (``advance``)
+        self.written_at = 0.0  # when (perf_counter) ``prefilled`` last moved on
         self._moved = asyncio.Event()  # set (and replaced) by each ``advance``
         self._allocated = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []  # called within each ``advance`` (``listen``)
@@ -92,7 +94,7 @@ class PrefillProgress:
         """The engine says the prompt's first ``tokens`` tokens are written in every layer (after each chunk;
         the prompt's length once it is done). Wakes ``wait_prefilled``; never goes back."""
         if tokens > self.prefilled:
-            self.prefilled = tokens
+            self.prefilled, self.written_at = tokens, time.perf_counter()
             moved, self._moved = self._moved, asyncio.Event()
             moved.set()
             for listener in tuple(self._listeners):

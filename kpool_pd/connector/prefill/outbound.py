@@ -249,10 +249,20 @@ class OutboundPull:
                 logger.warning("pull of grant %s by engine %s: %s", grant.grant_id, self.engine_id, exc)
                 raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
         checksums = [regions.crc32(self._view(i)) for i in range(len(self.views))] if self.integrity else []
-        ended = grant.prefill.result()[2] if grant.prefill is not None else grant.computed_at  # 0: not known
-        after = self.clock.after_ms(ended) if ended else 0.0
+        after = self.clock.after_ms(self._prompt_written_at()) if self._prompt_written_at() else 0.0
         yield pb.PullResponse(done=pb.PullDone(bytes=plan.total_bytes, regions=len(plan), crc32=checksums,
                                                send_ms=self.clock.busy_ms, sent_after_prefill_ms=after))
+
+    def _prompt_written_at(self) -> float:
+        """When (perf_counter) the prompt's last chunk was written: the engine's ``advance`` to the prompt's
+        length, or the computation's end if that came first; 0 for a grant this node's engine offered (no
+        Prefill or push made it: nothing here knows when its prompt ended)."""
+        grant, progress = self.grant, self.grant.progress
+        ended = grant.prefill.result()[2] if grant.prefill is not None else grant.computed_at
+        if not ended:
+            return 0.0
+        written = progress.written_at if progress.prefilled >= grant.prompt_len else 0.0
+        return min(ended, written) if written else ended
 
     def stop_sends(self) -> bool:
         """The stream ended: stop every send not done (at once, no await: abort the endpoint lent to this
