@@ -204,10 +204,37 @@ class UcxNode:
 
     # receiver side -----------------------------------------------------------------------
     def post_receives(self, views: Sequence[torch.Tensor], tag_base: int) -> ReceiveBatch:
-        """Post ``views[i]`` as the receive buffer for ``tag_base + i`` on the worker."""
+        """Post ``views[i]`` as the receive buffer for ``tag_base + i`` on the worker, every one within this call
+        (no loop step in between, and no task a receive before it is posted)."""
         tags = [region_tag(tag_base, i) for i in range(len(views))]
-        return ReceiveBatch(tags, [asyncio.ensure_future(self._ucxx.recv(ucx_buffer(v), tag))
-                                   for v, tag in zip(views, tags)])
+        worker = getattr(getattr(getattr(self._ucxx, "core", None), "_ctx", None), "worker", None)
+        if worker is None or not hasattr(worker, "tag_recv"):  # a ucxx without the worker's request API
+            return ReceiveBatch(tags, [asyncio.ensure_future(self._ucxx.recv(ucx_buffer(v), tag))
+                                       for v, tag in zip(views, tags)])
+        # ucxx's recv formats a log line, builds its request and awaits it in a task of its own, which posts
+        # the receive only at its first step: here each is posted at once, and its completion awaited
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+        futures = []
+        for view, tag in zip(views, tags):
+            array = Array(ucx_buffer(view))
+            try:
+                completion = worker.tag_recv(array, Tag(tag)).wait()
+            except self._ucxx.exceptions.UCXError as exc:  # raised where the receive is awaited, as ucxx's recv does
+                future = asyncio.get_running_loop().create_future()
+                future.set_exception(exc)
+                futures.append(future)
+                continue
+            futures.append(asyncio.ensure_future(self._received(completion, array)))
+        return ReceiveBatch(tags, futures)
+
+    @staticmethod
+    async def _received(completion, keep):
+        """Await a posted receive's ``completion``, ``keep`` (its buffer) held until then."""
+        try:
+            return await completion
+        finally:
+            del keep
 
     async def abandon(self, batch: ReceiveBatch, grace_s: float = ABANDON_GRACE_S) -> int:
         """Retire the receives of a failed pull before their memory is reused.
