@@ -21,6 +21,7 @@ as one region in each of that group's planes. One group (``G == 1``) is the plai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -115,8 +116,8 @@ class PlanarLayout:
         """(group, engine block) of the connector's id ``block_id``."""
         return block_id % self.num_groups, block_id // self.num_groups
 
-    @property
-    def layout_hash(self) -> str:
+    @functools.cached_property
+    def layout_hash(self) -> str:  # once: the config is frozen, and a pull reads it more than once
         canonical = json.dumps(self.config.hash_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
