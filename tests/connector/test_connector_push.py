@@ -181,6 +181,41 @@ def test_a_cancel_between_the_push_and_the_prefills_end_frees_both_nodes(transpo
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_cancel_before_the_grant_frees_both_nodes_and_the_engine_allocates_nothing(transport):
+    """The push is cancelled while the prompt waits for the engine (no block allocated, no grant yet): the
+    decode node's receives are retired, the engine's call is cancelled, and nothing is held anywhere."""
+    class Queued(procs.SeededFillEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.gate, self.stopped = asyncio.Event(), asyncio.Event(), 0
+
+        async def prefill(self, request, progress):
+            self.entered.set()
+            try:
+                await asyncio.wait_for(self.gate.wait(), 60)  # queued behind other prompts
+            except asyncio.CancelledError:
+                self.stopped += 1
+                raise
+            return await super().prefill(request, progress)
+
+    async def scenario():
+        engine = Queued()
+        async with InProcessPair(engine=engine, config=CONFIG, transports=(transport,)) as pair:
+            start = pair.free()
+            peer = await pair.decode.connect(pair.address)
+            granted = []
+            push = asyncio.ensure_future(push_into(pair, peer, "q", list(range(1, 3 * BLOCK + 1)), transport=transport,
+                                                   on_granted=granted.append))
+            await asyncio.wait_for(engine.entered.wait(), 30)
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+            await soon(lambda: pair.free() == start and engine.stopped == 1, "both nodes freed, the engine stopped")
+            assert granted == [] and len(pair.prefill.grants) == 0
+    run(scenario())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_prefill_that_fails_with_the_push_pre_posted_frees_both_nodes(transport):
     async def scenario():
         steps = Steps()
