@@ -24,6 +24,7 @@ from kpool_pd.connector.decode.releases import RELEASE_RETRY_S
 from kpool_pd.decode_worker.jobs import JobState
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import allocation_for
 from tests.workers.test_decode_scheduler import PROMPT, Nodes
@@ -35,7 +36,7 @@ SLOW_RELEASE_S = 3.0  # a loaded prefill node's answer: within rpc_timeout_s (5 
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 class Hold:

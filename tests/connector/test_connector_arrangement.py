@@ -22,6 +22,7 @@ from kpool_pd.kvcache import BlockLayout
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair, prefill_nodes, run_child  # noqa: F401 (the prefill fixture)
 from tests.support.arrangements import ARRANGEMENTS, arranged
+from tests.support.deadlines import patient
 from tests.support.polling import wait_for
 from tests.support.pulls import allocation_for, pull_into
 
@@ -29,7 +30,7 @@ LEASE_S = 1.5
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 # real processes: a BLHNC prefill node, a BLNHC decode node -----------------------------------

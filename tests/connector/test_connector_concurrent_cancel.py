@@ -31,7 +31,7 @@ NUM_BLOCKS = 3 * PROMPT_BLOCKS + 16
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 90))
+    return asyncio.run(asyncio.wait_for(coro, patient(90)))
 
 
 async def soon(predicate, what: str, timeout_s: float = 10.0) -> None:

@@ -32,7 +32,7 @@ CONFIG = procs.CONFIG  # block 64, kpool 4, 3 layers
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 90))
+    return asyncio.run(asyncio.wait_for(coro, patient(90)))
 
 
 def _rank_node(rank: int, transport: Transport) -> tuple[NodeCache, DecodeConnector]:

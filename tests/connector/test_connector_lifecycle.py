@@ -20,6 +20,7 @@ from kpool_pd.runtime import LIVENESS_SERVICE
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
 from tests.support import polling
+from tests.support.deadlines import patient
 from tests.support.pulls import allocation_for, pull_into
 from tests.support.serving import serve_prefill, stop_prefill
 
@@ -28,7 +29,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 async def until(condition, timeout_s: float = 5.0) -> bool:

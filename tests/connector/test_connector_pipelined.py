@@ -52,7 +52,7 @@ async def soon(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 def test_plan_pieces_split_runs_at_multiples_of_the_piece():

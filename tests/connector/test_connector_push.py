@@ -62,7 +62,7 @@ def holding(pair: InProcessPair, request_id: str, block: int) -> bool:
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 90))
+    return asyncio.run(asyncio.wait_for(coro, patient(90)))
 
 
 async def push_into(pair: InProcessPair, peer, request_id: str, prompt: list[int], **options) -> Pulled:

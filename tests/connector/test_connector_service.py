@@ -66,7 +66,7 @@ class Pair:
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 # TLS and mTLS ------------------------------------------------------------------------------

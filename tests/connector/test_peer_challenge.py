@@ -38,7 +38,7 @@ WAIT_S = 10.0
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 def holds(predicate):

@@ -15,10 +15,11 @@ from kpool_pd.connector.shared.channels import open_channel
 from kpool_pd.connector.shared.wire import PROTOCOL_VERSION, layout_message
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 def test_the_version_is_the_plan_carrying_one():

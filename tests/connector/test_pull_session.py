@@ -26,7 +26,7 @@ CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), trans
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 async def freed(pair: InProcessPair, start) -> None:

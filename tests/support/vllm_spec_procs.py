@@ -9,6 +9,8 @@ import secrets
 import time
 import traceback
 
+from tests.support.deadlines import patient
+
 NUM_BLOCKS = 24
 DONE_S = 60.0  # a pull or a grant's end on a loaded 2-core machine
 
@@ -71,7 +73,7 @@ def producer_main(model: str, port: int, token: str, jobs, results) -> None:
     while (job := jobs.get()) is not None:
         try:
             if job[0] == "ended":
-                deadline = time.monotonic() + DONE_S
+                deadline = time.monotonic() + patient(DONE_S)
                 while job[1] not in ended and time.monotonic() < deadline:
                     worker.progress.wait_if_idle(KpoolPdMetadata(idle=True))
                     ended |= worker.finished_sending({job[1]})
@@ -124,7 +126,7 @@ def consumer_main(model: str, token: str, jobs, results) -> None:
                                                     block_ids=block_ids, digest=spec_digest(request_id, block_ids))]))
             finished: set[str] = set()
             failed: set[str] = set()
-            deadline = time.monotonic() + DONE_S
+            deadline = time.monotonic() + patient(DONE_S)
             while request_id not in finished and time.monotonic() < deadline:
                 worker.progress.wait_if_idle(KpoolPdMetadata(idle=True))
                 done, lost = worker.finished_recving()

@@ -14,6 +14,7 @@ from kpool_pd.vllm.consumer_worker import ConsumerWorker
 from kpool_pd.vllm.metadata import KpoolPdMetadata
 from kpool_pd.vllm.producer_worker import ProducerWorker
 from kpool_pd.vllm.settings import KpoolPdSettings
+from tests.support.deadlines import patient
 from tests.support.ports import free_port
 from tests.support.vllm_spec_procs import pool_of
 
@@ -41,7 +42,7 @@ def wait_finished(consumer: ConsumerWorker, request_id: str, within_s: float) ->
     """(the requests whose pulls ended, those that failed) once ``request_id``'s ended, or ``within_s`` passed;
     idle steps wait on the consumer's progress as vLLM's do."""
     done, failed = set(), set()
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + patient(within_s)
     while request_id not in done and time.monotonic() < deadline:
         consumer.progress.wait_if_idle(KpoolPdMetadata(idle=True))
         finished, lost = consumer.finished_recving()

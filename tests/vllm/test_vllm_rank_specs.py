@@ -24,6 +24,7 @@ from kpool_pd.vllm.rank_params import RankParams  # noqa: E402
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Sharding  # noqa: E402
 from kpool_pd.vllm.settings import KpoolPdSettings  # noqa: E402
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
+from tests.support.deadlines import patient  # noqa: E402
 from tests.support.ports import consecutive_ports  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import NUM_BLOCKS, pool_of, spec_digest  # noqa: E402
@@ -66,7 +67,7 @@ def ranks():
 
 
 def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + DONE_S
+    deadline = time.monotonic() + patient(DONE_S)
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
@@ -87,7 +88,7 @@ def test_a_replicated_cache_is_read_from_one_rank_of_one_dp_rank(ranks):
     consumer.load(KpoolPdMetadata(loads=[Load(request_id="r", params=decode, block_ids=DST,
                                               digest=spec_digest("r", DST), ranks=RankParams.parse(params))]))
     done, failed = set(), set()
-    deadline = time.monotonic() + DONE_S
+    deadline = time.monotonic() + patient(DONE_S)
     while "r" not in done and time.monotonic() < deadline:
         consumer.progress.wait_if_idle(KpoolPdMetadata(idle=True))
         finished, lost = consumer.finished_recving()

@@ -19,6 +19,7 @@ from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.consumer_worker import ConsumerWorker  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params  # noqa: E402
 from kpool_pd.vllm.producer_worker import ProducerWorker  # noqa: E402
+from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
 from tests.support.vllm_worker_pair import HeldReleases, wait_finished, wait_freed, worker_pair  # noqa: E402
@@ -72,7 +73,7 @@ def test_a_pull_is_reported_before_its_release_and_the_release_is_sent_until_ans
             assert bool((dst[d * block:(d + 1) * block] == src[s * block:(s + 1) * block]).all()), f"block {s}"
     assert producer.cache.allocations_held == 1, "vLLM heard of the pull only once the grant was released"
     assert tries_when_reported <= 2, f"the pull was reported after {tries_when_reported} tries of its Release"
-    deadline = time.monotonic() + DONE_S
+    deadline = time.monotonic() + patient(DONE_S)
     while held.tries < 2 and time.monotonic() < deadline:  # refused, then sent again
         time.sleep(0.02)
     assert held.tries >= 2 and producer.cache.allocations_held == 1

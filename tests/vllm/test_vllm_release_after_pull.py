@@ -17,6 +17,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull  # noqa: E402
+from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
 from tests.support.vllm_worker_pair import HeldReleases, wait_finished, wait_freed, worker_pair  # noqa: E402
@@ -72,7 +73,7 @@ def test_a_pulled_grant_ends_with_its_last_byte_and_no_release_is_sent(pair):
             assert bool((dst[d * block:(d + 1) * block] == src[s * block:(s + 1) * block]).all()), f"block {s}"
     assert wait_freed(producer, DONE_S) < DONE_S, "the pulled grant's blocks were not freed"
     assert producer.cache.allocations_held == 0
-    deadline = time.monotonic() + DONE_S
+    deadline = time.monotonic() + patient(DONE_S)
     while "pulled" not in producer.finished_sending({"pulled"}) and time.monotonic() < deadline:
         producer.progress.wait_if_idle(KpoolPdMetadata(idle=True))
     assert time.monotonic() < deadline, "vLLM never heard that the producer's blocks are free"

@@ -19,6 +19,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, Release, Renew, producer_params  # noqa: E402
 from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
+from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
 from tests.support.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
@@ -87,11 +88,11 @@ def test_a_released_requests_grant_is_no_longer_renewed(workers):
     consumer.load(KpoolPdMetadata(releases=[Release(request_id="gone", address=params.address, key=params.key,
                                                     why="the test aborted it")]))
     assert consumer.renewing() == set()
-    deadline = time.monotonic() + DONE_S
+    deadline = time.monotonic() + patient(DONE_S)
     while producer.cache.allocations_held and time.monotonic() < deadline:
         time.sleep(0.05)
     assert producer.cache.allocations_held == 0, "the released grant still holds the producer's blocks"
-    deadline = time.monotonic() + DONE_S
+    deadline = time.monotonic() + patient(DONE_S)
     counts = {}
     while not counts.get("grants_released") and time.monotonic() < deadline:  # counted once its answer came
         taken = consumer.take_stats()

@@ -22,6 +22,7 @@ from kpool_pd.kvcache import NodeCache
 from kpool_pd.model import Engine, ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, run_colocated
 from kpool_pd.prefill_worker.batcher import BatchingPrefillEngine
+from tests.support.deadlines import patient
 from tests.support.serving import serve_prefill, stop_prefill
 
 CONFIG = ModelConfig.build(num_spec=3, num_layers=2, seed=5, block_size=64)  # a request spans several blocks
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
+    return asyncio.run(asyncio.wait_for(coro, patient(120)))
 
 
 class Nodes:

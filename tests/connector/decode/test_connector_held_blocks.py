@@ -15,6 +15,7 @@ import pytest
 from kpool_pd.connector import StatusError, Transport
 from kpool_pd.connector.shared.plan import without_held
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.pulls import allocation_for, pull_into
 
 PROMPT = [(7 * i + 3) % 251 for i in range(302)]  # 5 blocks of 64 tokens (the last partial), 2 tokens in the ring
@@ -22,7 +23,7 @@ SENTINEL = 0xAB
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
+    return asyncio.run(asyncio.wait_for(coro, patient(120)))
 
 
 @pytest.mark.parametrize("transport", [Transport.GRPC_STREAM, Transport.UCX], ids=["grpc", "ucx"])

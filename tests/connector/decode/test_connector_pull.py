@@ -18,6 +18,7 @@ from kpool_pd.connector.shared import regions  # fault injection: how the gRPC s
 from kpool_pd.kvcache import CacheExhaustedError, NodeCache
 from tests.support import connector_procs as procs
 from tests.support.connector_harness import InProcessPair
+from tests.support.deadlines import patient
 from tests.support.polling import until
 from tests.support.pulls import pull_into
 
@@ -25,7 +26,7 @@ GRPC = Transport.GRPC_STREAM
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 @pytest.mark.parametrize("transport", [GRPC, Transport.UCX], ids=["grpc", "ucx"])

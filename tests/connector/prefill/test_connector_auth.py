@@ -24,6 +24,7 @@ from kpool_pd.kvcache import NodeCache
 from kpool_pd.runtime import GrpcServer
 from kpool_pd.runtime.ports import BindError, ensure_bindable
 from tests.support.connector_procs import CONFIG, SeededFillEngine
+from tests.support.deadlines import patient
 from tests.support.log_records import errors_logged, own_records
 from tests.support.peer_credentials import peer_metadata
 
@@ -76,7 +77,7 @@ class Served:
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, patient(60)))
 
 
 def _heartbeat() -> bytes:
