@@ -76,7 +76,7 @@ def check_pd(producer, consumer, *, producer_tp: int, seed: int, loaded_all: boo
     assert alone.prompt_tokens["local_compute"] == total
     if loaded_all:
         assert decoded.prompt_tokens["local_compute"] == 0, f"the consumer computed {decoded.prompt_tokens}"
-        assert decoded.prompt_tokens["external_kv_transfer"] == total
+        assert decoded.prompt_tokens["external_kv_transfer"] == total, f"by source: {decoded.prompt_tokens}"
     else:
         assert decoded.prompt_tokens.get("external_kv_transfer", 0) > 0, decoded.prompt_tokens
     for prompt, (single, _, _), (pd, _, _) in zip(prompts, alone.outputs, decoded.outputs):
