@@ -62,6 +62,18 @@ class UcxSendError(ConnectionError):
 _ucxx_defaults: dict[str, str] = {}
 
 
+def _request_types():
+    """ucxx's ``(Array, Tag)``, which posting a request on an endpoint or the worker takes; None for a ucxx
+    without them (its sends and receives then go through ``Endpoint.send`` and ``ucxx.recv``). Looked up once a
+    node, not at each send and receive."""
+    try:
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+    except ImportError:
+        return None
+    return Array, Tag
+
+
 def _import_ucxx():
     # ucxx sets UCX_MEMTYPE_CACHE=n when it is imported, after its libraries were loaded: UCX reads
     # that option as they load, so then it is ignored and UCX warns at every start. Set before the
@@ -130,6 +142,7 @@ class UcxNode:
 
     def __init__(self, options: Sequence[tuple[str, str]] = ()) -> None:
         self._ucxx = _import_ucxx()
+        self._request_types = _request_types()
         self.options: dict[str, str] = dict(options)
         try:  # an operator's UCX_<KEY> in the environment overrides our option <KEY>
             self._ucxx.init(options=_ucxx_defaults | self.options, env_takes_precedence=True)
@@ -180,12 +193,11 @@ class UcxNode:
             raise UcxSendError(f"UCX send to {peer}: its endpoint was aborted")
         buffer = ucx_buffer(view)
         tag_send = getattr(getattr(ep, "_ep", None), "tag_send", None)
-        if tag_send is None:  # a ucxx without the endpoint's request API: posted at the task's first step
+        if tag_send is None or self._request_types is None:  # no request API: posted at the task's first step
             return asyncio.ensure_future(self._completed(ep.send(buffer, tag=tag, force_tag=True), peer))
         # ucxx's Endpoint.send posts its request, then awaits it: posting it here saves the loop step that a
         # task wrapping Endpoint.send takes before UCX sees the message
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag
+        Array, Tag = self._request_types
         array = Array(buffer)
         try:
             request = tag_send(array, Tag(tag))
@@ -208,13 +220,12 @@ class UcxNode:
         (no loop step in between, and no task a receive before it is posted)."""
         tags = [region_tag(tag_base, i) for i in range(len(views))]
         worker = getattr(getattr(getattr(self._ucxx, "core", None), "_ctx", None), "worker", None)
-        if worker is None or not hasattr(worker, "tag_recv"):  # a ucxx without the worker's request API
+        if worker is None or not hasattr(worker, "tag_recv") or self._request_types is None:  # no request API
             return ReceiveBatch(tags, [asyncio.ensure_future(self._ucxx.recv(ucx_buffer(v), tag))
                                        for v, tag in zip(views, tags)])
         # ucxx's recv formats a log line, builds its request and awaits it in a task of its own, which posts
         # the receive only at its first step: here each is posted at once, and its completion awaited
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag
+        Array, Tag = self._request_types
         futures = []
         for view, tag in zip(views, tags):
             array = Array(ucx_buffer(view))
