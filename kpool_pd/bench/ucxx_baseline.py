@@ -7,7 +7,11 @@ Two kinds of endpoint (``UcxxEndpoint``): a listener's connection, request and b
 the ratio is taken over), and the connector's own kind, where the sender's endpoint is made from the
 receiver's worker address (endpoint error handling off) and the bytes go under a forced tag into a
 receive posted on the receiver's worker before its request; that one shows whether the connector's
-kind of endpoint costs anything by itself."""
+kind of endpoint costs anything by itself.
+
+``messages`` > 1 sends the same bytes as that many tagged messages (nearly equal parts, posted together
+and awaited with ``asyncio.gather``, each into its own receive), the way a pull of that many regions moves
+them: beside the one-message send it shows what UCX's per-message cost is at that count."""
 
 from __future__ import annotations
 
@@ -45,6 +49,22 @@ def ucxx_buffer(tensor: torch.Tensor):
     return tensor if tensor.is_cuda else tensor.numpy()
 
 
+def sent_bytes(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] on the host: what the sender sends, which the receiver checks it got (seeded by the size)."""
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+
+
+def message_parts(tensor: torch.Tensor, messages: int) -> list[torch.Tensor]:
+    """``tensor`` (uint8 [n], contiguous) as ``messages`` views of nearly equal size, in order; ValueError unless
+    1 <= messages <= n.
+
+    # tensor: [n] uint8 -> messages views [~n / messages] uint8
+    """
+    if not 1 <= messages <= tensor.numel():
+        raise ValueError(f"messages must lie in [1, {tensor.numel()}] (the bytes sent), got {messages}")
+    return list(tensor.tensor_split(messages))
+
+
 def worker_address_endpoint(ucxx, address: bytes):
     """An endpoint to a peer's worker ``address``, as the connector makes them (error handling off)."""
     return ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address),
@@ -52,19 +72,22 @@ def worker_address_endpoint(ucxx, address: bytes):
 
 
 def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
-            endpoint: UcxxEndpoint) -> None:
+            endpoint: UcxxEndpoint, messages: int) -> None:
     ucxx = import_ucxx()
 
     async def main() -> None:
         ucxx.init(options=dict(options))
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        src = sent_bytes(nbytes).to(device)
+        parts = message_parts(src, messages)
         request = torch.empty(REQUEST_BYTES, dtype=torch.uint8)
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's address in, ours out; each request names a tag
             conn.send(bytes(ucxx.get_worker_address()))
             ep = await worker_address_endpoint(ucxx, conn.recv())
             for _ in range(reps + 1):
                 await ucxx.recv(ucxx_buffer(request), tag=REQUEST_TAG)
-                await ep.send(ucxx_buffer(src), tag=int(request.view(torch.int64)[0]), force_tag=True)
+                base = int(request.view(torch.int64)[0])
+                await asyncio.gather(*(ep.send(ucxx_buffer(part), tag=base + i, force_tag=True)
+                                       for i, part in enumerate(parts)))
             await asyncio.get_running_loop().run_in_executor(None, conn.poll, START_S)  # until the receiver is done
             return
         done = asyncio.Event()
@@ -72,7 +95,10 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
         async def serve(endpoint) -> None:
             for _ in range(reps + 1):
                 await endpoint.recv(ucxx_buffer(request))
-                await endpoint.send(ucxx_buffer(src))
+                if messages == 1:
+                    await endpoint.send(ucxx_buffer(src))
+                else:  # part i under tag i (hashed with the connection's tag)
+                    await asyncio.gather(*(endpoint.send(ucxx_buffer(part), tag=i) for i, part in enumerate(parts)))
             await endpoint.close()
             done.set()
 
@@ -84,12 +110,13 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
 
 
 def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
-              endpoint: UcxxEndpoint) -> None:
+              endpoint: UcxxEndpoint, messages: int) -> None:
     ucxx = import_ucxx()
 
     async def main() -> list[float]:
         ucxx.init(options=dict(options))
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        parts = message_parts(dst, messages)
         request = torch.zeros(REQUEST_BYTES, dtype=torch.uint8)
         times = []
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # ``peer``: the sender's worker address
@@ -97,49 +124,58 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
             ep = await worker_address_endpoint(ucxx, peer)
             for rep in range(reps + 1):
                 started = time.perf_counter()
-                tag = REQUEST_TAG + 1 + rep
-                landed = asyncio.ensure_future(ucxx.recv(ucxx_buffer(dst), tag=tag))  # posted before the request
-                request.view(torch.int64)[0] = tag
+                base = REQUEST_TAG + 1 + rep * messages  # part i under base + i
+                landed = asyncio.gather(*(ucxx.recv(ucxx_buffer(part), tag=base + i)  # posted before the request
+                                          for i, part in enumerate(parts)))
+                request.view(torch.int64)[0] = base
                 await ep.send(ucxx_buffer(request), tag=REQUEST_TAG, force_tag=True)
                 await landed
                 if dst.is_cuda:
                     torch.cuda.synchronize(dst.device)
                 times.append(time.perf_counter() - started)
-            return times
+            return times, bool(torch.equal(dst.cpu(), sent_bytes(nbytes)))
         ep = await ucxx.create_endpoint("127.0.0.1", peer)  # ``peer``: the sender's listener port
         for _ in range(reps + 1):
             started = time.perf_counter()
             await ep.send(ucxx_buffer(request))
-            await ep.recv(ucxx_buffer(dst))
+            if messages == 1:
+                await ep.recv(ucxx_buffer(dst))
+            else:
+                await asyncio.gather(*(ep.recv(ucxx_buffer(part), tag=i) for i, part in enumerate(parts)))
             if dst.is_cuda:
                 torch.cuda.synchronize(dst.device)
             times.append(time.perf_counter() - started)
         await ep.close()
-        return times
+        return times, bool(torch.equal(dst.cpu(), sent_bytes(nbytes)))  # the last send's bytes, checked untimed
     conn.send(asyncio.run(main()))
 
 
 def ucxx_tag_gbps(nbytes: int, reps: int, src_device: str, dst_device: str, options: Sequence[tuple[str, str]],
-                  endpoint: UcxxEndpoint = UcxxEndpoint.LISTENER) -> float:
+                  endpoint: UcxxEndpoint = UcxxEndpoint.LISTENER, messages: int = 1) -> float:
     """GB/s of a ucxx tag send of ``nbytes`` from one process's ``src_device`` memory into another's
-    ``dst_device`` memory over ``endpoint``'s kind, timed by the receiver from its 8-byte request to the last
-    byte; median of ``reps`` after one warm-up. Both ends are child processes (ucxx initialises once a process)."""
+    ``dst_device`` memory over ``endpoint``'s kind, as ``messages`` tagged messages (``message_parts``), timed by
+    the receiver from its 8-byte request to the last byte; median of ``reps`` after one warm-up. Both ends are
+    child processes (ucxx initialises once a process). ValueError (nothing started) unless
+    1 <= messages <= nbytes; RuntimeError if the last send's bytes did not all land where they belong (checked
+    after the clock stopped)."""
+    if not 1 <= messages <= nbytes:
+        raise ValueError(f"messages must lie in [1, {nbytes}] (the bytes sent), got {messages}")
     sender_conn, sender_end = child_context().Pipe()
     receiver_conn, receiver_end = child_context().Pipe()
-    sender = start_child(_sender, sender_end, nbytes, reps, src_device, tuple(options), endpoint)
+    sender = start_child(_sender, sender_end, nbytes, reps, src_device, tuple(options), endpoint, messages)
     receiver = None
     try:
         if not sender_conn.poll(START_S):
             raise RuntimeError("the ucxx sender process did not start")
         receiver = start_child(_receiver, receiver_end, sender_conn.recv(), nbytes, reps, dst_device, tuple(options),
-                               endpoint)
+                               endpoint, messages)
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's worker address, to the sender
             if not receiver_conn.poll(START_S):
                 raise RuntimeError("the ucxx receiver process did not start")
             sender_conn.send(receiver_conn.recv())
         if not receiver_conn.poll(START_S + 60 * (reps + 1)):
             raise RuntimeError(f"the ucxx receiver got no {nbytes} B within the deadline")
-        times = receiver_conn.recv()
+        times, intact = receiver_conn.recv()
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:
             sender_conn.send("done")
     finally:
@@ -148,4 +184,6 @@ def ucxx_tag_gbps(nbytes: int, reps: int, src_device: str, dst_device: str, opti
                 proc.join(30)
                 if proc.is_alive():
                     proc.kill()
+    if not intact:
+        raise RuntimeError(f"the raw ucxx send of {nbytes} B in {messages} messages landed other bytes than were sent")
     return nbytes / statistics.median(times[1:]) / 1e9
