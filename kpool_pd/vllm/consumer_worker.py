@@ -8,8 +8,13 @@ again until the producer answers it or the grant's lease ran out), once the pull
 ``RELEASE_DEFER_S`` later), so that a pull costs one round trip before vLLM may schedule its request and
 the Releases do not hold up the step's other pulls; a Release that never gets through leaves the
 producer's blocks held no longer than the lease. A producer whose params say ``remote_released_after_pull``
-frees the grant itself once the pull sent it all: no Release follows such a pull. Every load of a step starts at once (a task each on the connector's loop), and
-an idle step waits for them all (``kpool_pd.vllm.loop.TransferProgress``), so that they join one batch.
+frees the grant itself once the pull sent it all: no Release follows such a pull.
+
+**A step's loads are one batch** (``kpool_pd.vllm.step_pulls``). Over UCX, the reads of a step's loads go to
+each producer rank in one PackedPull: it checks every grant and sends their bytes in one message, and the
+loads end together, so that one ``get_finished`` reports them all; a load that fails there fails alone. Over
+the gRPC stream (and a load that fails before it starts) each load is a task of its own. Either way an idle
+step waits for every load in flight (``kpool_pd.vllm.loop.TransferProgress``).
 
 A consumer dials only the producers its settings allow (``KpoolPdSettings.producers``); a grant it will
 not pull (a failed load, a Release from the scheduler side) is released on the producer at once. While a
@@ -29,7 +34,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.connector import DecodeConnector, PrefillPeer, StatusError
+from kpool_pd.connector import DecodeConnector, PrefillPeer, StatusError, Transport
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.transfer_params import grant_key
 from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config
@@ -37,6 +42,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, rank_g
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Read
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.stats import StatsRecorder
+from kpool_pd.vllm.step_pulls import pull_step
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +95,7 @@ class ConsumerWorker:
         self._pulled: list[tuple[PrefillPeer, str]] = []  # grants landed, their Release not sent yet
         self._release_timer: asyncio.TimerHandle | None = None
         self._peers: dict[str, PrefillPeer] = {}
+        self.unpacked: set[str] = set()  # producers that do not serve PackedPull: their reads go one at a time
         self._connecting: dict[str, asyncio.Lock] = {}
         self._renewing: dict[tuple[str, str, str], tuple[Renew, float]] = {}  # (request, address, key) -> its
         # renewal, when it is next due
@@ -116,13 +123,18 @@ class ConsumerWorker:
             self.loop.submit(lambda: self._start_all(loads, releases))
 
     async def _start_all(self, loads: list[Load], releases: list[Release]) -> None:
-        """One hand-over a step: every pull and release of it starts at once, a task each."""
-        for work in [self._pull(load) for load in loads] + [self._release(release) for release in releases]:
-            task = asyncio.ensure_future(work)
+        """One hand-over a step: its UCX loads start as one batch (``pull_step``), every other load and release
+        as a task of its own."""
+        batched = [load for load in loads if self.settings.transport is Transport.UCX and not load.error]
+        work = [self._pull(load) for load in loads if load not in batched] + [self._release(r) for r in releases]
+        if batched:
+            work.append(pull_step(self, batched))
+        for coroutine in work:
+            task = asyncio.ensure_future(coroutine)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _peer(self, address: str) -> PrefillPeer:
+    async def peer(self, address: str) -> PrefillPeer:
         """The handshaken peer at ``address``; ProducerRefused for an address the settings do not allow (it
         is never dialed). A peer that fails its handshake is not kept (``DecodeConnector.connect`` closed it)."""
         if not self.settings.producers.allows(address):
@@ -147,7 +159,7 @@ class ConsumerWorker:
             logger.warning("handshake with producer %s failed (%s); trying once more", address, exc)
         return await self.node.connect(address)
 
-    def _reads(self, load: Load) -> tuple[tuple[Read, ...], int, int]:
+    def reads_of(self, load: Load) -> tuple[tuple[Read, ...], int, int]:
         """(this rank's reads of ``load``, head slots a block holds here, in the producer's ranks) in this
         pool's ids. ValueError naming the sizes for a plan this pool cannot pull (heterogeneous TP of caches
         split by head needs a pool of head units)."""
@@ -169,8 +181,8 @@ class ConsumerWorker:
         try:
             if load.error:
                 raise ValueError(load.error)
-            reads, local_units, remote_units = self._reads(load)
-            outcomes = await asyncio.gather(*(self._pull_read(load, read, local_units, remote_units)
+            reads, local_units, remote_units = self.reads_of(load)
+            outcomes = await asyncio.gather(*(self.pull_read(load, read, local_units, remote_units)
                                               for read in reads), return_exceptions=True)
             failures = [o for o in outcomes if isinstance(o, BaseException)]
             if failures:
@@ -179,17 +191,41 @@ class ConsumerWorker:
         except Exception as exc:  # every failure: vLLM recomputes or fails the request (reported below)
             logger.warning("KV transfer of request %s failed, %s: %s", load.request_id, self.failure_outcome, exc)
         finally:
-            with self._lock:
+            self._report([(load, failed)])
+        if failed:  # the grants this rank did not pull are its to give back (a failed pull does not release one)
+            await asyncio.gather(*(self._release(release) for release in self._unpulled(load, outcomes)))
+
+    def ended(self, loads: list[tuple[Load, BaseException | None, list]]) -> None:
+        """Loads of one batch ended, each with why it could not start (or None) and its reads' outcomes (what
+        landed, or the exception): all are reported to vLLM together, and the grants the failed ones did not
+        pull are given back."""
+        report = []
+        for load, error, outcomes in loads:
+            failures = [error] if error is not None else [o for o in outcomes if isinstance(o, BaseException)]
+            if failures:
+                logger.warning("KV transfer of request %s failed, %s: %s", load.request_id, self.failure_outcome,
+                               failures[0])
+                releases = self._unpulled(load, [] if error is not None else outcomes)
+                for release in releases:
+                    task = asyncio.ensure_future(self._release(release))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            report.append((load, bool(failures)))
+        self._report(report)
+
+    def _report(self, loads: list[tuple[Load, bool]]) -> None:
+        """Loads ended (each, whether it failed): the next ``finished_recving`` reports them all at once."""
+        with self._lock:
+            for load, failed in loads:
                 self._received.add(load.request_id)
                 if failed:
                     self._failed.add(load.request_id)
+        for load, failed in loads:
             if failed:
                 self.stats.count("pull_failures")
             self.progress.end()
-            if self.progress.in_flight <= 0:
-                self._send_releases()
-        if failed:  # the grants this rank did not pull are its to give back (a failed pull does not release one)
-            await asyncio.gather(*(self._release(release) for release in self._unpulled(load, outcomes)))
+        if self.progress.in_flight <= 0:
+            self._send_releases()
 
     def _unpulled(self, load: Load, outcomes: list) -> list[Release]:
         """Releases of the grants this rank reads of ``load`` and did not pull (``outcomes``: each read's
@@ -207,23 +243,23 @@ class ConsumerWorker:
         return [Release(request_id=load.request_id, address=addresses[read.remote_rank], key=read_key(key, read),
                         why="its load failed") for read in reads]
 
-    async def _pull_read(self, load: Load, read: Read, local_units: int, remote_units: int):
+    async def pull_read(self, load: Load, read: Read, local_units: int, remote_units: int):
         """One read of this rank: the producer rank's grant it names into this rank's slots."""
         grant, landed = rank_grant(load.params, load.digest, self.cache.layout, load.block_ids, read,
                                    local_units=local_units, remote_units=remote_units)
-        peer = await self._peer(load.producer_ranks.addresses[read.remote_rank])
+        peer = await self.peer(load.producer_ranks.addresses[read.remote_rank])
         slots = len(read.local_slots)  # ids a block: a held block's slots are not pulled either
         held = tuple(index * slots + k for index in load.held for k in range(slots))
         with self.cache.lend(load.request_id, landed, on_release=lambda: None) as allocation:
             pulled = await peer.pull(grant, into=allocation, transport=self.settings.transport,
                                      integrity=self.settings.integrity, held=held, release=False)
         if not load.released_after_pull:  # the producer freed it as its last byte went out
-            self._release_after_pulls(peer, grant.grant_id)  # landed: vLLM hears of it now
+            self.release_after_pulls(peer, grant.grant_id)  # landed: vLLM hears of it now
         self.stats.pulled(pulled.nbytes, pulled.regions, pulled.seconds, blocks=(len(landed) - len(held)) // slots,
                           held=len(load.held))
         return pulled
 
-    def _release_after_pulls(self, peer: PrefillPeer, grant_id: str) -> None:
+    def release_after_pulls(self, peer: PrefillPeer, grant_id: str) -> None:
         """Release a pulled grant once no pull is in flight, or ``RELEASE_DEFER_S`` from now if pulls keep
         coming: the pulls of a step go first. ``PrefillPeer.release_soon`` sends it until the producer answers
         or the grant's lease ran out."""
@@ -242,7 +278,7 @@ class ConsumerWorker:
     async def _release(self, release: Release, peer: PrefillPeer | None = None) -> None:
         """Release a grant on its producer, best effort: a failure is logged, and the lease frees it."""
         try:
-            peer = peer if peer is not None and not peer.closed else await self._peer(release.address)
+            peer = peer if peer is not None and not peer.closed else await self.peer(release.address)
             released = await peer.release(release.key)
         except Exception as exc:
             logger.warning("grant of request %s on %s not released (%s); its lease frees it: %s", release.request_id,
@@ -270,7 +306,7 @@ class ConsumerWorker:
 
     async def _renew(self, renew: Renew) -> None:
         try:
-            peer = await self._peer(renew.address)
+            peer = await self.peer(renew.address)
             gone = await peer.heartbeat([renew.key])
         except (StatusError, ProducerRefused) as exc:
             if isinstance(exc, StatusError) and exc.code not in (grpc.StatusCode.PERMISSION_DENIED,

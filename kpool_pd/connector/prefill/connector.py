@@ -1,5 +1,5 @@
-"""PrefillConnector: the prefill node's gRPC service (Handshake, Prefill, Pull, PullSession, Release,
-Heartbeat), wired from one part per concept:
+"""PrefillConnector: the prefill node's gRPC service (Handshake, Prefill, Pull, PullSession, PackedPull,
+Release, Heartbeat), wired from one part per concept:
 
 - ``engines`` (``kpool_pd.connector.prefill.decode_engines``): one record per handshaken decode engine (its
   transports, when it was last heard, its UCX link);
@@ -8,7 +8,8 @@ Heartbeat), wired from one part per concept:
   Release and Heartbeat;
 - ``PrefillDesk`` (``kpool_pd.connector.prefill.prefills``): the Prefill call, the engine's prompt held as a grant;
 - ``PullDesk`` (``kpool_pd.connector.prefill.pulls``): each pull checked, planned once and served;
-- ``PushDesk`` (``kpool_pd.connector.prefill.pushes``): a Prefill and its pull in one call (PrefillPush).
+- ``PushDesk`` (``kpool_pd.connector.prefill.pushes``): a Prefill and its pull in one call (PrefillPush);
+- ``PackedPullDesk`` (``kpool_pd.connector.prefill.packed_pulls``): one step's pulls as one batch, one message.
 
 Lifecycle: ``add_to_server(server)`` registers the service on the daemon's gRPC server (which owns auth,
 TLS, health and reflection); ``await start()`` makes the UCX worker and starts the lease reaper; after
@@ -38,6 +39,7 @@ from kpool_pd.connector.prefill.grants import GrantKeeper
 from kpool_pd.connector.prefill.handshake import HandshakeDesk
 from kpool_pd.connector.prefill.leases import LeaseTable
 from kpool_pd.connector.prefill.outbound import OutboundPull
+from kpool_pd.connector.prefill.packed_pulls import PackedPullDesk
 from kpool_pd.connector.prefill.prefills import PrefillDesk
 from kpool_pd.connector.prefill.pull_session_server import serve_pull_session
 from kpool_pd.connector.prefill.pulls import PullDesk
@@ -83,6 +85,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         self.pulls = PullDesk(pool=pool, config=config, transports=self.transports, engines=self.engines,
                               grants=self.grants, metrics=self.metrics)
         self.pushes = PushDesk(pool=pool, prefills=self.prefills, pulls=self.pulls)
+        self.packed_pulls = PackedPullDesk(self.pulls)
         self._ucx: UcxNode | None = None
         self._vetting: AddressVetting | None = None
         self.pull_sessions_open = 0  # PullSession calls being served now
@@ -203,6 +206,13 @@ class PrefillConnector(pb.PrefillServiceServicer):
             await context.abort(exc.code, exc.message)
         finally:
             self.pull_sessions_open -= 1
+
+    async def PackedPull(self, request: pb.PackedPullRequest, context) -> pb.PackedPullResponse:
+        """A decode node's pulls of one step as one batch in one UCX message (``kpool_pd.connector.prefill.packed_pulls``)."""
+        try:
+            return await self.packed_pulls.answer(request)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         try:

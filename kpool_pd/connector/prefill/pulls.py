@@ -50,7 +50,7 @@ class PullDesk:
         # Instrumentation (benchmarks): called with each Pull that sent everything, as its stream ends.
         self.on_pull_done: Callable[[OutboundPull], None] | None = None
 
-    def _checked(self, request: pb.PullRequest) -> tuple[Grant, Transport, UcxLink | None]:
+    def checked(self, request: pb.PullRequest) -> tuple[Grant, Transport, UcxLink | None]:
         """The grant and transport of a pull that may go on; StatusError otherwise (PERMISSION_DENIED first of
         all for a pull naming an engine without its secret)."""
         engine = self.grants.authenticate(request.engine_id, request.engine_secret, "Pull")
@@ -82,7 +82,7 @@ class PullDesk:
     async def pull_messages(self, request: pb.PullRequest):
         """The messages of one pull of ``request``, as a Pull stream sends them; StatusError for a pull
         refused or failed (the status its stream ends with). Closing the generator early stops its sends."""
-        grant, transport, link = self._checked(request)
+        grant, transport, link = self.checked(request)
         plan = served_plan(self.layout, grant, request.regions)
         hops.stamp(grant.grant_id, "checked")
         views = [regions.region_view(self.pool, region) for region in plan.regions]

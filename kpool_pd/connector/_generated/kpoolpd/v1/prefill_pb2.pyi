@@ -271,6 +271,20 @@ class PullSessionResponse(_message.Message):
     failure: PullFailure
     def __init__(self, grant_id: _Optional[str] = ..., response: _Optional[_Union[PullResponse, _Mapping]] = ..., failure: _Optional[_Union[PullFailure, _Mapping]] = ...) -> None: ...
 
+class PackedPullRequest(_message.Message):
+    __slots__ = ("pulls", "ucx_tag")
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    UCX_TAG_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    ucx_tag: int
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ...) -> None: ...
+
+class PackedPullResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PullSessionResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[PullSessionResponse, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("grant_id", "engine_id", "dcp_rank", "all_ranks", "engine_secret")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]

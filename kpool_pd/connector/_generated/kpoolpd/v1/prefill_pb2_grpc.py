@@ -59,6 +59,11 @@ class PrefillServiceStub:
                 request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PushRequest.SerializeToString,
                 response_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PackedPull = channel.unary_unary(
+                '/kpoolpd.v1.PrefillService/PackedPull',
+                request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullRequest.SerializeToString,
+                response_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kpoolpd.v1.PrefillService/Release',
                 request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
@@ -104,6 +109,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PackedPull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -143,6 +154,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.PrefillPush,
                     request_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PushRequest.FromString,
                     response_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.SerializeToString,
+            ),
+            'PackedPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PackedPull,
+                    request_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullRequest.FromString,
+                    response_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -290,6 +306,33 @@ class PrefillService:
             '/kpoolpd.v1.PrefillService/PrefillPush',
             kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PushRequest.SerializeToString,
             kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PackedPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kpoolpd.v1.PrefillService/PackedPull',
+            kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullRequest.SerializeToString,
+            kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

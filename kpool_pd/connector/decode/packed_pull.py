@@ -1,0 +1,201 @@
+"""PackedPull on the decode node: the pulls of one step from one prefill node as one batch, their bytes in one
+UCX message (``kpool_pd.connector.prefill.packed_pulls`` is the prefill node's side).
+
+``pull_packed(peer, targets)`` plans each pull as ``PrefillPeer.pull`` does (the whole request, into the
+first blocks of the caller's allocation, skipping its held blocks), posts one receive of every pull's regions
+back to back into a buffer of its own, sends every pull in one PackedPull call, and once the message landed
+copies each served pull's regions into its blocks. It returns one outcome a target, in order: what landed
+(``PackedLanded``), or the exception that failed that pull alone (a refused grant, a plan its allocation cannot
+take, bytes that disagree with the plan); the others land. A failure of the call or of the message fails every
+pull of the batch. The receive lands in the batch's own buffer, never in the caller's blocks: whatever happens,
+nothing is written into an allocation once ``pull_packed`` returned or raised. A node that does not serve
+PackedPull raises ``PackedPullUnsupported`` before anything landed (the caller pulls each alone).
+
+Eligible peers (``can_pack``): UCX on both sides and the node's layout ours (a peer whose layout is arranged
+otherwise needs staging and a repack a pull: it pulls each alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.decode.grant import PrefillGrant
+from kpool_pd.connector.decode.inbound import InboundPull
+from kpool_pd.connector.decode.peer import PrefillPeer
+from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
+from kpool_pd.connector.shared import hops, regions
+from kpool_pd.connector.shared.errors import StatusError, rpc_failure, status_code
+from kpool_pd.connector.shared.plan import TransferPlan
+from kpool_pd.connector.shared.wire import Transport, region_message
+from kpool_pd.kvcache import CacheAllocation
+
+logger = logging.getLogger(__name__)
+
+
+class PackedPullUnsupported(Exception):
+    """The prefill node does not serve PackedPull (nothing landed): pull each alone."""
+
+
+@dataclass(frozen=True)
+class PackedTarget:
+    """One pull of a batch: ``grant`` into the first blocks of ``into`` (held by the caller), the block-table
+    indices ``held`` (increasing) not pulled (this node holds them: a prefix-cache hit)."""
+
+    grant: PrefillGrant
+    into: CacheAllocation
+    held: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PackedLanded:
+    """A pull of a batch that landed: its bytes and regions, and the batch's seconds from the call to the unpack."""
+
+    nbytes: int
+    regions: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Planned:
+    index: int
+    plan: TransferPlan
+    views: tuple[torch.Tensor, ...]  # where each region lands (uint8, our blocks)
+    offset: int  # of its first region in the message
+
+
+def can_pack(peer: PrefillPeer) -> bool:
+    """Whether ``peer``'s pulls may go in a PackedPull: UCX on both nodes, its layout ours, the peer open."""
+    return (not peer.closed and not peer.repacks and Transport.UCX in peer.transports
+            and peer.context.ucx is not None)
+
+
+def _plan(peer: PrefillPeer, target: PackedTarget) -> TransferPlan:
+    """The plan of one target (as ``PrefillPeer.pull`` plans the whole request); ValueError for an allocation
+    that cannot take it."""
+    pool, grant, into = peer.context.pool, target.grant, target.into
+    ours = pool.layout
+    WHOLE_REQUEST.check(grant, ours=ours, peer_layout=peer.layout, held=target.held, address=peer.address)
+    landed = WHOLE_REQUEST.blocks_landed(ours, grant)
+    ringless = into.ring_id is None and ours.ring_slots > 0
+    if into.released or ringless or into.pool is not pool or into.num_blocks < landed:
+        raise ValueError(f"pull of {grant.request_id} needs a held allocation of this node's cache with a ring "
+                         f"and at least {landed} blocks, got {into!r}")
+    target_ids = PullTarget(layout=ours, peer_layout=peer.layout, block_ids=into.block_ids[:landed],
+                            ring_id=0 if into.ring_id is None else into.ring_id, num_blocks=pool.num_blocks,
+                            num_rings=pool.num_rings)
+    return WHOLE_REQUEST.plan(grant, target_ids, target.held)
+
+
+def _settle(views: Sequence[torch.Tensor]) -> None:
+    for device in {v.device for v in views if v.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+
+
+async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *,
+                      integrity: bool = False) -> list[PackedLanded | BaseException]:
+    """Pull ``targets`` from ``peer`` in one PackedPull (see the module): one outcome a target, in order.
+    PackedPullUnsupported when the node does not serve it; every outcome is then unset (nothing landed).
+    Within ``pull_budget_s``: DEADLINE_EXCEEDED for every pull of a batch whose message did not land."""
+    context = peer.context
+    pool, ucx, started = context.pool, context.ucx, time.perf_counter()
+    outcomes: list = [None] * len(targets)
+    planned: list[_Planned] = []
+    requests: list[pb.PullRequest] = []
+    tag, offset = InboundPull.tag_base_for(Transport.UCX), 0
+    secret = context.secrets.get(peer.address)
+    for index, target in enumerate(targets):
+        try:
+            plan = _plan(peer, target)
+            views = tuple(regions.region_view(pool, pair.dst) for pair in plan.pairs)
+        except (ValueError, StatusError) as exc:
+            outcomes[index] = exc
+            continue
+        planned.append(_Planned(index, plan, views, offset))
+        offset += plan.total_bytes
+        requests.append(pb.PullRequest(grant_id=target.grant.grant_id, engine_id=context.engine_id,
+                                       engine_secret=secret, transport=Transport.UCX.value, integrity=integrity,
+                                       ucx_tag_base=tag, regions=[region_message(pair.src) for pair in plan.pairs]))
+    if not planned:
+        return outcomes
+    message = torch.empty(offset, dtype=torch.uint8, device=pool.device)
+    receive = ucx.post_receives([message], tag)
+    budget = context.config.pull_budget_s(computing=False)
+    deadline = time.monotonic() + budget
+    landed = False
+    try:
+        for request in requests:
+            hops.stamp(request.grant_id, "written")
+        try:
+            answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag), timeout=budget)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                raise PackedPullUnsupported(f"{peer.address} does not serve PackedPull") from None
+            raise rpc_failure(exc, f"PackedPull of {len(requests)} pulls from {peer.address}") from None
+        if len(answer.results) != len(requests):
+            raise StatusError(grpc.StatusCode.INTERNAL, f"PackedPull from {peer.address} answered "
+                              f"{len(answer.results)} results for {len(requests)} pulls")
+        served = []
+        for pull, result in zip(planned, answer.results):
+            if result.grant_id != targets[pull.index].grant.grant_id:
+                outcomes[pull.index] = StatusError(grpc.StatusCode.INTERNAL, f"PackedPull from {peer.address} "
+                                                   f"answered grant {result.grant_id!r} out of order")
+            elif result.WhichOneof("message") == "failure":
+                outcomes[pull.index] = StatusError(status_code(result.failure.code),
+                                                   f"Pull from {peer.address}: {result.failure.message}")
+            else:
+                served.append((pull, result.response.done))
+        if served:
+            try:
+                await asyncio.wait_for(receive.wait(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"PackedPull from {peer.address}: its message "
+                                  f"did not land within {budget} s") from None
+            except Exception as exc:  # the receive failed in UCX
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"PackedPull from {peer.address}: {exc}") from None
+            landed = True
+            _unpack(message, served, outcomes, peer.address, integrity)
+            seconds = time.perf_counter() - started
+            for pull, _ in served:
+                if outcomes[pull.index] is None:
+                    hops.stamp(targets[pull.index].grant.grant_id, "landed")
+                    context.metrics.transferred(Transport.UCX.label, pull.plan.total_bytes, len(pull.plan), seconds)
+                    outcomes[pull.index] = PackedLanded(pull.plan.total_bytes, len(pull.plan), seconds)
+    except StatusError as exc:
+        for pull in planned:
+            if outcomes[pull.index] is None:
+                outcomes[pull.index] = exc
+    finally:
+        if not landed:  # retire the receive (it lands in ``message`` only, never in the caller's blocks)
+            retire = asyncio.ensure_future(ucx.abandon(receive))
+            retire.add_done_callback(lambda task: task.cancelled() or task.exception())
+    return outcomes
+
+
+def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, integrity: bool) -> None:
+    """Copy each served pull's span of ``message`` into its regions; a pull whose PullDone disagrees with its
+    plan, or whose bytes fail their crc32 (``integrity``), fails alone (DATA_LOSS)."""
+    for pull, done in served:
+        plan = pull.plan
+        if done.bytes != plan.total_bytes or done.regions != len(plan):
+            outcomes[pull.index] = StatusError(grpc.StatusCode.DATA_LOSS, f"Pull from {address}: PullDone states "
+                                               f"{done.bytes} bytes in {done.regions} regions, the plan "
+                                               f"{plan.total_bytes} in {len(plan)}")
+            continue
+        at = pull.offset
+        for view in pull.views:
+            view.copy_(message[at:at + view.numel()])
+            at += view.numel()
+    _settle([view for pull, _ in served for view in pull.views])
+    if integrity:
+        for pull, done in served:
+            if outcomes[pull.index] is None and list(done.crc32) != [regions.crc32(v) for v in pull.views]:
+                outcomes[pull.index] = StatusError(grpc.StatusCode.DATA_LOSS, f"Pull from {address}: a region's "
+                                                   "crc32 differs from the prefill node's")

@@ -1,0 +1,190 @@
+"""PackedPull on the prefill node: the pulls a decode node starts together (one engine step's requests) served
+as one batch, their bytes in one UCX message.
+
+Every pull is checked as a Pull of its own (``PullDesk.checked``: the engine and its secret, the grant, the
+transport, the plan against the grant) in one pass; a refused pull gets its own failure, with the status its
+Pull would have ended with, and the others go on. The regions of the pulls served are copied into one buffer
+at the offsets the decode node's one receive expects (every pull's regions back to back, in request order,
+each pull's in its plan's order: a refused pull's span is left unwritten), which goes out as one message on
+an endpoint lent to the batch alone; the answer follows once the send completed, with a PullDone for each pull
+served. Each grant served is read by the batch until it ends (``Grant.pulls_in_flight``); a batch that ends
+before its send completed (its call cancelled, the deadline) stops the send and fails its pulls, and their
+grants stay held for the decode node's Release or the lease, as a failed Pull's do. A batch that sent all is a
+pull done for each of its grants (``PullDesk.on_pull_done``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.prefill.leases import Grant
+from kpool_pd.connector.prefill.pulls import PullDesk
+from kpool_pd.connector.prefill.served_plan import ServedPlan, served_plan
+from kpool_pd.connector.prefill.ucx_link import UcxLink
+from kpool_pd.connector.shared import hops, regions
+from kpool_pd.connector.shared.errors import StatusError
+from kpool_pd.connector.shared.ucx import UcxSendError, region_tag
+from kpool_pd.connector.shared.wire import Transport
+
+logger = logging.getLogger(__name__)
+
+MAX_PACKED_PULLS = 4096  # pulls in one batch (a step of a vLLM engine holds far fewer)
+MAX_PACKED_BYTES = 1 << 31  # the one message's bytes (the decode node splits a larger step)
+
+
+@dataclass(frozen=True)
+class PackedPullServed:
+    """One pull of a batch that sent all (what ``PullDesk.on_pull_done`` hears): its grant and plan."""
+
+    grant: Grant
+    plan: ServedPlan
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    index: int  # in the request
+    grant: Grant
+    plan: ServedPlan
+    offset: int  # of its first region in the message
+    integrity: bool
+
+
+def _failure(grant_id: str, code: grpc.StatusCode, message: str) -> pb.PullSessionResponse:
+    return pb.PullSessionResponse(grant_id=grant_id, failure=pb.PullFailure(code=code.value[0], message=message))
+
+
+def _span(pull: pb.PullRequest) -> int:
+    """The bytes a pull's regions take in the message (as the decode node laid its receive out)."""
+    return sum(region.nbytes for region in pull.regions)
+
+
+class PackedPullDesk:
+    """Serves PackedPull calls with ``pulls``' checks, pool and metrics."""
+
+    def __init__(self, pulls: PullDesk) -> None:
+        self.pulls = pulls
+
+    def _accept(self, request: pb.PackedPullRequest, results: list) -> tuple[list[_Accepted], UcxLink | None]:
+        """The pulls that may go on (each with its offset) and the one link they share; the others' failures are
+        put in ``results`` at their index."""
+        desk, accepted, link, engine_id, offset, seen = self.pulls, [], None, "", 0, set()
+        for index, pull in enumerate(request.pulls):
+            here, offset = offset, offset + _span(pull)
+            hops.stamp(pull.grant_id, "read")
+            try:
+                if pull.transport != Transport.UCX.value:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a packed pull is a UCX pull")
+                if pull.ucx_tag_base != request.ucx_tag:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "a packed pull's ucx_tag_base is its batch's "
+                                      f"ucx_tag ({request.ucx_tag}), got {pull.ucx_tag_base}")
+                if pull.grant_id in seen:
+                    raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"grant {pull.grant_id!r} is pulled twice in "
+                                      "one batch")
+                seen.add(pull.grant_id)
+                grant, _, pull_link = desk.checked(pull)
+                if engine_id and pull.engine_id != engine_id:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"a batch is one engine's: {engine_id!r} "
+                                      f"pulls first, this pull names {pull.engine_id!r}")
+                if grant.computing:
+                    raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"grant {pull.grant_id!r}'s prompt is "
+                                      "still being computed: pull it with Pull or PullSession")
+                plan = served_plan(desk.layout, grant, pull.regions)
+            except StatusError as exc:
+                results[index] = _failure(pull.grant_id, exc.code, exc.message)
+                continue
+            hops.stamp(grant.grant_id, "checked")
+            engine_id, link = pull.engine_id, pull_link
+            accepted.append(_Accepted(index, grant, plan, here, pull.integrity))
+        return accepted, link
+
+    def _packed(self, accepted: list[_Accepted], total: int) -> torch.Tensor:
+        """uint8 [total] on the pool's device: every accepted pull's regions at its offset (others' spans unwritten)."""
+        pool = self.pulls.pool
+        message = torch.empty(total, dtype=torch.uint8, device=pool.device)
+        for pull in accepted:
+            at = pull.offset
+            for region in pull.plan.regions:
+                message[at:at + region.nbytes].copy_(regions.region_view(pool, region))
+                at += region.nbytes
+        return message
+
+    async def answer(self, request: pb.PackedPullRequest) -> pb.PackedPullResponse:
+        """The batch's outcome, one result a pull, once its message was sent; StatusError for a batch refused as a
+        whole (too many pulls or bytes, no tag)."""
+        count, total = len(request.pulls), sum(_span(pull) for pull in request.pulls)
+        if count > MAX_PACKED_PULLS or total > MAX_PACKED_BYTES:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"a packed pull of {count} pulls and {total} bytes: "
+                              f"at most {MAX_PACKED_PULLS} pulls and {MAX_PACKED_BYTES} bytes")
+        if request.ucx_tag == 0:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag must be a random nonzero 64-bit value")
+        results: list = [None] * count
+        accepted, link = self._accept(request, results)
+        if accepted:
+            await self._send(request, accepted, link, total, results)
+        return pb.PackedPullResponse(results=results)
+
+    async def _send(self, request: pb.PackedPullRequest, accepted: list[_Accepted], link: UcxLink, total: int,
+                    results: list) -> None:
+        """Send the accepted pulls' message and put each one's PullDone (or, the send failing, its failure) in
+        ``results``; the grants are read until this returns."""
+        desk, config = self.pulls, self.pulls.config
+        for pull in accepted:
+            pull.grant.pulls_in_flight += 1
+        started, endpoint, sent, finished = time.perf_counter(), None, None, False
+        try:
+            message = self._packed(accepted, total)
+            try:
+                endpoint = await link.lend()
+                for pull in accepted:
+                    hops.stamp(pull.grant.grant_id, "send")
+                sent = endpoint.post(message, region_tag(request.ucx_tag, 0))
+                await asyncio.wait_for(asyncio.shield(sent), config.pull_budget_s(computing=False))
+            except (UcxSendError, asyncio.TimeoutError) as exc:
+                why = (f"UCX send did not complete before the pull's deadline" if isinstance(exc, asyncio.TimeoutError)
+                       else str(exc))
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, asyncio.TimeoutError)
+                        else grpc.StatusCode.UNAVAILABLE)
+                logger.warning("packed pull of %d grants by %s: %s", len(accepted), link.engine_id, why)
+                for pull in accepted:
+                    desk.metrics.failures.labels("pull_aborted").inc()
+                    results[pull.index] = _failure(pull.grant.grant_id, code, why)
+                return
+            finished = True
+            seconds = time.perf_counter() - started
+            for pull in accepted:
+                hops.stamp(pull.grant.grant_id, "sent")
+                desk.metrics.transferred(Transport.UCX.label, pull.plan.total_bytes, len(pull.plan), seconds)
+                view = [message[pull.offset:pull.offset + pull.plan.total_bytes]] if pull.integrity else []
+                checksums = _region_crcs(view[0], pull.plan) if view else []
+                results[pull.index] = pb.PullSessionResponse(grant_id=pull.grant.grant_id, response=pb.PullResponse(
+                    done=pb.PullDone(bytes=pull.plan.total_bytes, regions=len(pull.plan), crc32=checksums,
+                                     send_ms=seconds * 1000)))
+        finally:
+            if endpoint is not None:
+                if sent is not None and not sent.done():
+                    endpoint.abort(reason="its packed pull ended before the send completed")
+                    sent.cancel()
+                endpoint.give_back()
+            if sent is not None and sent.done() and not sent.cancelled():
+                sent.exception()  # retrieved: its outcome was read above, or the batch ended
+            for pull in accepted:
+                pull.grant.pulls_in_flight -= 1
+                if finished and desk.on_pull_done is not None:
+                    desk.on_pull_done(PackedPullServed(pull.grant, pull.plan))
+            desk.grants.reap()
+
+
+def _region_crcs(span: torch.Tensor, plan: ServedPlan) -> list[int]:
+    """crc32 of each region of ``plan`` as laid out back to back in ``span`` (uint8)."""
+    checksums, at = [], 0
+    for region in plan.regions:
+        checksums.append(regions.crc32(span[at:at + region.nbytes]))
+        at += region.nbytes
+    return checksums
