@@ -36,7 +36,7 @@ def test_a_node_gone_from_dns_is_disconnected_once_its_grant_is_pulled():
         async with InProcessPair() as pair:
             start = pair.free()
             dns = FakeDns([pair.address])
-            router = PrefillRouter(pair.decode, ("dns:///prefill.example:1",), health_interval_s=60, rpc_timeout_s=5,
+            router = PrefillRouter(pair.decode, ("dns:///prefill.example:1",), health_interval_s=60, rpc_timeout_s=patient(5),
                                    resolver=dns)
             await router.start()
             try:
@@ -79,7 +79,7 @@ def test_an_unreleased_grant_keeps_a_retired_peer_only_until_its_lease_ends():
         config = ConnectorConfig(peer_token=procs.TOKEN, lease_s=0.5, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5))
         async with InProcessPair(config=config) as pair:
             dns = FakeDns([pair.address])
-            router = PrefillRouter(pair.decode, ("dns:///prefill.example:1",), health_interval_s=60, rpc_timeout_s=5,
+            router = PrefillRouter(pair.decode, ("dns:///prefill.example:1",), health_interval_s=60, rpc_timeout_s=patient(5),
                                    resolver=dns)
             await router.start()
             try:
@@ -110,7 +110,7 @@ def test_a_node_that_failed_a_call_gets_a_new_peer_and_the_old_one_finishes_its_
     async def main():
         async with InProcessPair() as pair:
             start = pair.free()
-            router = PrefillRouter(pair.decode, (pair.address,), health_interval_s=60, rpc_timeout_s=5)
+            router = PrefillRouter(pair.decode, (pair.address,), health_interval_s=60, rpc_timeout_s=patient(5))
             await router.start()
             try:
                 old = await router.pick()

@@ -56,7 +56,7 @@ async def _fleet(count: int, policy: PrefillPolicy, test) -> None:
                              transports=(Transport.GRPC_STREAM,))
     await decode.start()
     registry = CollectorRegistry()
-    router = PrefillRouter(decode, tuple(n.address for n in nodes), health_interval_s=60, rpc_timeout_s=5,
+    router = PrefillRouter(decode, tuple(n.address for n in nodes), health_interval_s=60, rpc_timeout_s=patient(5),
                            policy=policy, registry=registry)
     await router.start()
     try:

@@ -58,7 +58,7 @@ class Nodes:
         self.decode = await DecodeConnector(self.d_cache.pool, engine_id="decode-s", config=config,
                                             registry=CollectorRegistry(), transports=(GRPC,)).start()
         self.router = PrefillRouter(self.decode, (f"127.0.0.1:{self.server.port}",), health_interval_s=60,
-                                    rpc_timeout_s=10)
+                                    rpc_timeout_s=patient(10))
         await self.router.start()
         self.registry = CollectorRegistry()
         self.engine = Engine(CONFIG, self.d_cache.pool)

@@ -45,10 +45,10 @@ async def pulled_and_decoded(request) -> tuple[list, list]:
     d_cache = NodeCache(QSA.cache, num_blocks=8, num_rings=2)
     decode = await DecodeConnector(d_cache.pool, engine_id="decode-m", config=config, registry=CollectorRegistry(),
                                    transports=(GRPC,)).start()
-    router = PrefillRouter(decode, (f"127.0.0.1:{server.port}",), health_interval_s=60, rpc_timeout_s=10)
+    router = PrefillRouter(decode, (f"127.0.0.1:{server.port}",), health_interval_s=60, rpc_timeout_s=patient(10))
     await router.start()
     engine = Engine(QSA, d_cache.pool)
-    fetch = OneNode(QSA.cache, PullChoice(transport=GRPC, integrity=True, rpc_timeout_s=10.0), pipelined=True)
+    fetch = OneNode(QSA.cache, PullChoice(transport=GRPC, integrity=True, rpc_timeout_s=patient(10)), pipelined=True)
     scheduler = DecodeScheduler(engine, d_cache, decode, router, fetch=fetch, max_running=2, max_queue=4,
                                 queue_timeout_s=10.0, registry=CollectorRegistry())
     decode_loop = asyncio.create_task(scheduler.run())
