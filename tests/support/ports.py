@@ -4,13 +4,16 @@ prefill node will listen, an address where nothing listens).
 A port bound to 0 and closed again can be handed by the kernel to the next ``bind(0)`` of another
 process, such as a second pytest-xdist worker, before the test uses it. ``free_port`` hands out
 ports below the kernel's ephemeral range (which a ``bind(0)`` never picks), from a span of its own
-per xdist worker, each checked free when handed out.
+per xdist worker, each checked free when handed out. A process starts at a random place in its span, so that
+another copy of the suite running beside this one (its workers' spans are the same) rarely reaches for the ports
+this one just handed out.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import socket
 
 LOOPBACK = "127.0.0.1"
@@ -24,7 +27,13 @@ def _worker_index() -> int:
     return int(worker.removeprefix("gw") or 0) % WORKERS
 
 
-_candidates = itertools.cycle(range(FIRST_PORT + _worker_index() * SPAN, FIRST_PORT + (_worker_index() + 1) * SPAN))
+def _span_from_a_random_place() -> itertools.cycle:
+    first = FIRST_PORT + _worker_index() * SPAN
+    start = random.SystemRandom().randrange(SPAN)
+    return itertools.cycle([*range(first + start, first + SPAN), *range(first, first + start)])
+
+
+_candidates = _span_from_a_random_place()
 
 
 def _bindable(port: int) -> bool:

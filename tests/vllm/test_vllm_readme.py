@@ -22,6 +22,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 openai = pytest.importorskip("openai", reason="the OpenAI client comes with vLLM")
 
 from tests.support import vllm_servers  # noqa: E402
+from tests.support.machine_lock import machine_lock  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
 from tests.support.user_folders import shadowed, shadowing_folder  # noqa: E402
 
@@ -51,7 +52,15 @@ def test_the_readme_names_the_ports_this_test_checks():
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     """The README's commands run by bash in a fresh folder, in a session of their own; yields (folder, the
-    commands' output). Every process they started is stopped afterwards."""
+    commands' output). Every process they started is stopped afterwards. Their ports are the README's: a copy of
+    the suite running beside this one on the machine waits for the lock (``machine_lock``) until these are gone."""
+    with machine_lock("readme-ports", COMMANDS_S):
+        yield from run_readme_commands(tmp_path_factory)
+
+
+def run_readme_commands(tmp_path_factory):
+    """The commands in a fresh folder, by bash in a session of its own: yields (folder, their output), then stops
+    every process they started."""
     folder = shadowing_folder(tmp_path_factory.mktemp("vllm-readme"))  # a user's folder: model/, runtime/, kernels/...
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
