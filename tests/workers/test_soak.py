@@ -42,6 +42,7 @@ from kpool_pd.runtime.launch import Daemon, start_decode
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
 from kpool_pd.runtime import model_flags, model_settings
+from tests.support.deadlines import patient
 from tests.support.paths import REPO
 from tests.support.polling import wait_for
 
@@ -54,7 +55,7 @@ HELD = ("prefilling", "pulling", "releasing")  # held on the prefill node until 
 STATES = ("waiting", *HELD, "decoding")
 HOLD_S = 2.0  # the prefill node's hold (tests.support.soak_prefill), the decode nodes' per step (tests.support.soak_decode)
 CANCEL_HELD_S = 0.5  # a held request is cancelled this long after it was sent
-SEEN_S = 30.0  # how long a round waits for the decode node to count its held and queued requests
+SEEN_S = 30.0  # how long a round waits for the decode node to count its held and queued requests (idle; ``patient``)
 MAX_RUNNING = len(HELD)
 SETTLE_S = HOLD_S + 10.0  # on an idle machine (``settle_s`` scales it with the load)
 LEASE_S = 30.0  # the daemons' (ConnectorConfig's default)
@@ -86,10 +87,13 @@ def plan(transport: str, rounds: int, seed: int) -> list[list[Planned]]:
     return out
 
 
-async def until_counted(daemon: Daemon, gauge: str, at_least: float, at_most: float = float("inf")) -> None:
-    """Until the decode node's ``gauge`` reads ``at_least`` to ``at_most`` (AssertionError after ``SEEN_S``)."""
-    reached = await asyncio.to_thread(wait_for, lambda: at_least <= metrics(daemon)[gauge] <= at_most, SEEN_S)
-    assert reached, f"{daemon.name}: {gauge} stayed outside [{at_least}, {at_most}] for {SEEN_S} s"
+async def until_counted(daemon: Daemon, gauge: str, at_least: float, at_most: float = float("inf"),
+                        within_s: float | None = None) -> None:
+    """Until the decode node's ``gauge`` reads ``at_least`` to ``at_most`` (AssertionError after ``within_s``,
+    by default ``patient(SEEN_S)``)."""
+    within_s = patient(SEEN_S) if within_s is None else within_s
+    reached = await asyncio.to_thread(wait_for, lambda: at_least <= metrics(daemon)[gauge] <= at_most, within_s)
+    assert reached, f"{daemon.name}: {gauge} stayed outside [{at_least}, {at_most}] for {within_s:.0f} s"
 
 
 async def cancelled(stub: api.GenerateServiceStub, p: Planned, daemon: Daemon, queued: asyncio.Event) -> None:
@@ -97,7 +101,7 @@ async def cancelled(stub: api.GenerateServiceStub, p: Planned, daemon: Daemon, q
     is set), after a delay (held on the prefill node), or after its second tokens."""
     r = p.request
     call = stub.Generate(api.GenerateRequest(request_id=r.request_id, prompt_token_ids=list(r.prompt),
-                                             max_tokens=r.max_tokens), timeout=60)
+                                             max_tokens=r.max_tokens), timeout=patient(60))
     if p.aim == "decoding":
         seen = 0
         async for response in call:
@@ -106,14 +110,14 @@ async def cancelled(stub: api.GenerateServiceStub, p: Planned, daemon: Daemon, q
                 break
     elif p.aim == "waiting":
         try:  # the held ones take every slot until it is counted: it queues
-            await until_counted(daemon, "kpoolpd_decode_waiting", 1)
+            await until_counted(daemon, "kpoolpd_decode_waiting", 1, within_s=SEEN_S)  # a probe: not stretched
         except AssertionError:  # a held one ended first (a very loaded machine): the cancel lands elsewhere
             pass
         finally:
             queued.set()
     else:  # held at its step: cancelled once the queued one was counted, so that it keeps its slot till then
         await asyncio.sleep(CANCEL_HELD_S)
-        await asyncio.wait_for(queued.wait(), 2 * SEEN_S)
+        await asyncio.wait_for(queued.wait(), patient(2 * SEEN_S))
     call.cancel()
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
         async for _ in call:
@@ -123,7 +127,7 @@ async def cancelled(stub: api.GenerateServiceStub, p: Planned, daemon: Daemon, q
 async def run_round(stub: api.GenerateServiceStub, planned: list[Planned], daemon: Daemon) -> list:
     async def finished(p: Planned):
         try:
-            return await generate_one(stub, p.request, token=None, timeout_s=60)
+            return await generate_one(stub, p.request, token=None, timeout_s=patient(60))
         except RequestFailed as exc:
             return exc
 
@@ -138,7 +142,7 @@ async def run_round(stub: api.GenerateServiceStub, planned: list[Planned], daemo
                           for p in planned if p.aim in HELD)
         await until_counted(daemon, "kpoolpd_decode_reserved_blocks", held_blocks)  # they hold every slot now
         tasks += [start(p) for p in planned if p.aim == "waiting"]
-        await asyncio.wait_for(queued.wait(), 2 * SEEN_S)  # it queued (and is cancelled): the rest queue behind it
+        await asyncio.wait_for(queued.wait(), patient(2 * SEEN_S))  # it queued (and is cancelled): the rest queue behind it
         tasks += [start(p) for p in planned if p.aim not in (*HELD, "waiting")]
     except BaseException:
         for task in tasks:
