@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -183,14 +184,14 @@ def test_a_dead_decode_engine_is_forgotten_and_a_live_one_kept(tmp_path, nodes):
     nodes += [live, dead]
     assert prefill.ask("peers") == (["decode-dead", "decode-live"], ["decode-dead", "decode-live"])
     dead.kill()
-    began = time.monotonic()
     assert wait_for(lambda: "decode-dead" not in prefill.ask("peers")[0], FORGET_AFTER_LEASES * lease_s + 10)
-    assert time.monotonic() - began >= (FORGET_AFTER_LEASES - 1) * lease_s
+    # forgotten for its silence since its last call, which a loaded machine may have delayed before the kill
+    forgotten = re.search(r"forgetting decode engine decode-dead \(not heard from for ([0-9.]+) s", prefill.log())
+    assert forgotten and float(forgotten.group(1)) >= FORGET_AFTER_LEASES * lease_s, prefill.log()[-2000:]
     time.sleep(FORGET_AFTER_LEASES * lease_s + 1)  # a whole silence horizon: the live one heartbeats
     assert prefill.ask("peers") == (["decode-live"], ["decode-live"])
     out = live.go()
     assert out["errors"] == [] and out["differences"] == [] and out["ok"] == list(hp.PULL_LENGTHS), out
-    assert "forgetting decode engine decode-dead (not heard from for" in prefill.log()
 
 
 def test_a_forgotten_engine_handshakes_again_and_pulls():
