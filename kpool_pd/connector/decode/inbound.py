@@ -10,10 +10,12 @@ receives posted into our memory are retired before ``run`` returns, so that the 
 the blocks at once.
 
 A prefill node whose layout arranges the same cache otherwise (its block size, order or kernel
-page differ from ours) sends its blocks as they are: they land in a staging buffer sized to the
-request in the peer's layout, and ``kernels.repack_tokens`` places the prompt's positions into
-our blocks (the ring's layout does not depend on those fields: it lands directly). With equal
-layouts the bytes land in our blocks with no staging copy.
+page differ from ours) sends its blocks as they are: they land in a staging buffer kept for that peer
+(``kpool_pd.connector.decode.staging``) in the peer's layout, as a same-layout pull lands in our blocks, and
+``kernels.repack_tokens`` places the prompt's positions into our blocks (the ring's layout does not depend on
+those fields: it lands directly), enqueued on the device behind the landing: the pull's ``ready`` says when its
+writes are complete, and the host does not wait for them. With equal layouts the bytes land in our blocks with
+no staging copy.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from kpool_pd import kernels
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes, grant_from
+from kpool_pd.connector.decode.staging import BlocksReady, RepackStaging
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
@@ -47,26 +50,28 @@ class Landing:
     """Where a pull's blocks land. Equal layouts: straight into ``block_ids`` of our pool. A peer
     layout that arranges the same cache otherwise (block size, order, kernel page; see
     ``kpool_pd.connector.shared.compat``): the peer's blocks land as they are in staging blocks 0..n-1 (n =
-    ``source_blocks``, each of the peer's block bytes), which ``convert`` places into ``block_ids``
-    (ours: the prompt's blocks in our block size) with ``kernels.repack_tokens``. ``ids`` are what
-    the PullRequest names."""
+    ``source_blocks``, each of the peer's block bytes), lent by ``buffers`` (the peer's ``RepackStaging``; a
+    buffer of its own without), which ``convert`` places into ``block_ids`` (ours: the prompt's blocks in our
+    block size) with ``kernels.repack_tokens``, enqueued on the device behind the landing; ``release`` gives the
+    buffer back. ``ids`` are what the PullRequest names."""
 
-    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens", "_tables")
+    __slots__ = ("pool", "peer_layout", "block_ids", "staging", "ids", "num_tokens", "_staged", "_buffers", "_ours")
 
     def __init__(self, pool: CachePool, peer_layout: BlockLayout, block_ids: tuple[int, ...], *,
-                 source_blocks: int, num_tokens: int) -> None:
+                 source_blocks: int, num_tokens: int, buffers: RepackStaging | None = None) -> None:
         self.pool, self.peer_layout, self.block_ids, self.num_tokens = pool, peer_layout, block_ids, num_tokens
         repacks = peer_layout.layout_hash != pool.layout.layout_hash
+        self._buffers = (buffers or RepackStaging(peer_layout, pool.device, keep_idle=0)) if repacks else None
         # staging: [source_blocks, the peer's block_bytes] uint8 on the pool's device, or None
-        self.staging = (torch.empty(source_blocks, peer_layout.block_bytes, dtype=torch.uint8, device=pool.device)
-                        if repacks else None)
+        self._staged = self._buffers.take(source_blocks) if repacks and source_blocks else None
+        self.staging = self._staged.blocks if self._staged is not None else None
         self.ids = tuple(range(source_blocks)) if repacks else block_ids
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the repack's block tables (``prepare``)
+        self._ours: torch.Tensor | None = None  # our block table on the device, for the repack (``prepare``)
 
     @property
     def num_blocks(self) -> int:
         """Blocks the landing ids may name (the staging buffer's, else the pool's)."""
-        return len(self.ids) if self.staging is not None else self.pool.num_blocks
+        return len(self.ids) if self._buffers is not None else self.pool.num_blocks
 
     def view(self, pair: RegionPair) -> torch.Tensor:
         """uint8 [nbytes]: where the destination region of ``pair`` lands."""
@@ -74,21 +79,29 @@ class Landing:
         return regions.region_view(self.pool, dst, blocks=self.staging if dst.kind is PoolKind.BLOCKS else None)
 
     def prepare(self) -> None:
-        """Put the repack's block tables on the device, so that ``convert`` only launches it: the staging blocks
-        are 0..n-1 (made on the device), ours come from pinned memory without waiting (``kernels.block_ids_on``).
-        The pull calls it once its request is under way, while the bytes travel. Nothing to do without staging,
-        or once done."""
-        if self.staging is not None and self._tables is None:
-            device = self.pool.device
-            self._tables = (torch.arange(len(self.ids), device=device), kernels.block_ids_on(self.block_ids, device))
+        """Put our block table on the device, so that ``convert`` only launches the repack: from pinned memory
+        without waiting (``kernels.block_ids_on``); the staged table is the buffer's own. The pull calls it once its
+        request is under way, while the bytes travel. Nothing to do without staging, or once done."""
+        if self.staging is not None and self._ours is None:
+            self._ours = kernels.block_ids_on(self.block_ids, self.pool.device)
 
-    def convert(self) -> None:
-        """Place the staged prompt (positions [0, num_tokens)) into our blocks (nothing to do without staging)."""
-        if self.staging is not None:
-            self.prepare()
-            staged, ours = self._tables
-            kernels.repack_tokens(self.staging, self.peer_layout, staged, self.pool.blocks, self.pool.layout, ours,
-                                  self.num_tokens)
+    def convert(self) -> BlocksReady:
+        """Place the staged prompt (positions [0, num_tokens)) into our blocks: on CUDA the repack is enqueued on
+        the pool device's current stream, and the returned ``BlocksReady`` is its event (the host waits for
+        nothing); on the CPU it runs here. ``BlocksReady.NOW`` without staging."""
+        if self.staging is None:
+            return BlocksReady.NOW
+        self.prepare()
+        kernels.repack_tokens(self.staging, self.peer_layout, self._staged.ids, self.pool.blocks, self.pool.layout,
+                              self._ours, self.num_tokens)
+        return BlocksReady.behind_current_work(self.pool.device)
+
+    def release(self, ready: BlocksReady | None) -> None:
+        """Give the staging buffer back, free once ``ready`` is done (None: the pull failed with receives still
+        pending into it, so it is not lent again). Idempotent; nothing to do without staging."""
+        staged, self._staged, self.staging = self._staged, None, None
+        if staged is not None and ready is not None:
+            self._buffers.give_back(staged, ready)
 
 
 class InboundPull:
@@ -112,6 +125,7 @@ class InboundPull:
         self.plan: TransferPlan | None = None  # set once ``run`` succeeded, with ``timeline``, ``times``, ``first_token``
         self.timeline: PullTimeline | None = None
         self.times: TransferTimes | None = None
+        self.ready: BlocksReady | None = None  # once converted: when the repack's writes into our blocks are complete
         self.first_token: int = grant.first_token
         self.prefill_done: tuple[float, pb.PrefillDone] | None = None  # a pipelined grant's, with when it arrived
         self.last_landed = 0.0  # when the last byte landed (perf_counter)
@@ -149,7 +163,7 @@ class InboundPull:
                 await self._wait_landed(plan, views, landed)
                 marks.append(time.perf_counter())
                 self._verify(views, done)
-            self.landing.convert()
+            self.ready = self.landing.convert()
             marks.append(time.perf_counter())
             self.plan, self.timeline = plan, PullTimeline(*((b - a) * 1000 for a, b in zip(marks, marks[1:])))
             self.times = self._times(marks)
@@ -165,16 +179,21 @@ class InboundPull:
         finally:
             if self.call is not None and self.follower is None:
                 self.call.cancel()  # a prefill node still sending aborts this pull's endpoint, cancelling its sends
-            await self._retire_receives()
-            if self._wrote_on_stream():  # our writes into GPU memory have landed before the memory is used or freed
-                regions.settle(self.views)
+            stuck = 0
+            try:
+                stuck = await self._retire_receives()
+                if self._wrote_on_stream():  # our writes into GPU memory have landed before the memory is used or freed
+                    regions.settle(self.views)
+            finally:  # the staging buffer goes back: free once the repack ran (a failed pull's: at once)
+                self.landing.release(None if stuck else self.ready or BlocksReady.NOW)
 
     def _wrote_on_stream(self) -> bool:
         """Whether this pull wrote into memory through the current CUDA stream: the gRPC stream's chunks
-        (``regions.write_bytes``), or a landing in staging, which the repack reads. UCX lands the bytes itself,
-        complete once each receive completed, so a same-layout UCX pull waits for no stream: in a decode
-        daemon that stream also runs the decode steps, and waiting for it held the event loop up to a step."""
-        return self.transport is Transport.GRPC_STREAM or self.landing.staging is not None
+        (``regions.write_bytes``). UCX lands the bytes itself, complete once each receive completed, so a UCX pull
+        waits for no stream: in a decode daemon that stream also runs the decode steps, and waiting for it held the
+        event loop up to a step. A repack from staging is enqueued on that stream behind the landing, and the
+        blocks' readiness is its event (``ready``), which the blocks' next reader waits on, not the host."""
+        return self.transport is Transport.GRPC_STREAM
 
     def _prepare_landing(self) -> None:
         """``Landing.prepare`` while the request and the bytes travel. Should it fail, ``convert`` prepares again
@@ -304,14 +323,15 @@ class InboundPull:
                 raise StatusError(grpc.StatusCode.DATA_LOSS,
                                   f"crc32 mismatch in regions {bad or 'all (none sent)'} of {self.grant.request_id}")
 
-    async def _retire_receives(self) -> None:
+    async def _retire_receives(self) -> int:
         """Receives posted into our memory by a pull that failed: retire them before the caller
-        frees the blocks (no-op once every receive landed)."""
+        frees the blocks (no-op once every receive landed); how many are still pending (a dead sender's)."""
         if self.receives is None:
-            return
+            return 0
         receives, self.receives = self.receives, None
         stuck = await self.ucx.abandon(receives)
         if stuck:
             self.metrics.failures.labels("ucx_receive_abandoned").inc(stuck)
             logger.warning("pull of %s from %s: %d receives still pending after the sender went away",
                            self.grant.request_id, self.address, stuck)
+        return stuck

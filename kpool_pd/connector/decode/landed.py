@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
+from kpool_pd.connector.decode.staging import BlocksReady
 from kpool_pd.connector.shared.wire import Transport
 
 
@@ -18,7 +19,9 @@ class LandedRequest:
     ``seconds``, ``repacked`` when they landed in staging and were converted from the peer's
     arrangement, ``timeline`` where the pull's time went (``PullTimeline``), and the
     prompt's next token. ``held_blocks``: the prompt's blocks the allocation held already (a prefix
-    hit), which were not pulled."""
+    hit), which were not pulled. ``ready``: when the blocks' bytes are complete: at once, or for a repacked
+    pull on CUDA once the repack enqueued on the pool device's current stream has run (work on that stream is
+    ordered behind it; a reader on another stream calls ``ready.wait()``, a host reader ``ready.synchronize()``)."""
 
     grant: PrefillGrant
     transport: Transport
@@ -31,6 +34,7 @@ class LandedRequest:
     repacked: bool = False
     timeline: PullTimeline | None = None
     held_blocks: int = 0
+    ready: BlocksReady = BlocksReady.NOW
 
     def __repr__(self) -> str:
         return (f"LandedRequest({self.grant.request_id!r}, {self.prompt_blocks} blocks landed, "

@@ -25,6 +25,7 @@ from kpool_pd.connector.shared.pull_frames import pull_method, push_method
 from kpool_pd.connector.decode.pull_session import PullSession
 from kpool_pd.connector.decode.push import can_push, plan_push
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, PullTarget
+from kpool_pd.connector.decode.staging import BlocksReady, RepackStaging
 from kpool_pd.connector.shared.wire import Transport, region_message, transports_from
 from kpool_pd.kvcache import BlockLayout, CacheAllocation
 
@@ -53,6 +54,8 @@ class PrefillPeer(PeerReleases):
         self.engine_id = response.engine_id
         self.layout = layout
         self.repacks = layout.layout_hash != context.pool.layout.layout_hash
+        # where its blocks land before the repack, kept from one pull to the next
+        self.staging = RepackStaging(layout, context.pool.device) if self.repacks else None
         self.closed = False
         self.transports = transports_from(response.transports)
         self._channel = channel
@@ -241,7 +244,7 @@ class PrefillPeer(PeerReleases):
                              f"got {into!r}")
         c = self.context
         grant, landing, plan = plan_push(c.pool, self.layout, into, request_id=request_id, prompt_len=n,
-                                         lease_s=self.lease_s, piece_tokens=self.piece_tokens)
+                                         lease_s=self.lease_s, piece_tokens=self.piece_tokens, buffers=self.staging)
         self._check_open(f"PrefillPush of {request_id}")
         transport = self._transport_for(transport)
         tag_base = InboundPull.tag_base_for(transport)
@@ -337,7 +340,7 @@ class PrefillPeer(PeerReleases):
         landed = LandedRequest(grant=grant, transport=transport, nbytes=pull.plan.total_bytes, regions=len(pull.plan),
                                seconds=seconds, repacked=self.repacks, timeline=pull.timeline,
                                first_token=pull.first_token, times=times, prompt_blocks=len(pull.landing.block_ids),
-                               held_blocks=held_blocks)
+                               held_blocks=held_blocks, ready=pull.ready or BlocksReady.NOW)
         c.metrics.request_times(landed.times)
         logger.debug("pulled %s from %s: %d B in %d regions over %s in %.2f ms (%s)", grant.request_id, self.address,
                      landed.nbytes, landed.regions, transport.label, seconds * 1000, pull.timeline)
@@ -351,7 +354,7 @@ class PrefillPeer(PeerReleases):
         c = self.context
         ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
         landing = Landing(c.pool, self.layout, allocation.block_ids[:share.blocks_landed(c.pool.layout, grant)],
-                          source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len)
+                          source_blocks=len(grant.src_block_ids), num_tokens=grant.prompt_len, buffers=self.staging)
         target = PullTarget(layout=c.pool.layout, peer_layout=self.layout, block_ids=landing.ids, ring_id=ring_id,
                             num_blocks=landing.num_blocks, num_rings=c.pool.num_rings)
         try:

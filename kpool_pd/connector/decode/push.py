@@ -14,6 +14,7 @@ from __future__ import annotations
 from kpool_pd.connector.decode.grant import PrefillGrant
 from kpool_pd.connector.decode.inbound import Landing
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
+from kpool_pd.connector.decode.staging import RepackStaging
 from kpool_pd.connector.shared.plan import TransferPlan, ring_live_range
 from kpool_pd.kvcache import BlockLayout, CacheAllocation, CachePool
 
@@ -24,7 +25,8 @@ def can_push(ours: BlockLayout, peer_layout: BlockLayout) -> bool:
 
 
 def plan_push(pool: CachePool, peer_layout: BlockLayout, allocation: CacheAllocation, *, request_id: str,
-              prompt_len: int, lease_s: float, piece_tokens: int) -> tuple[PrefillGrant, Landing, TransferPlan]:
+              prompt_len: int, lease_s: float, piece_tokens: int,
+              buffers: RepackStaging | None = None) -> tuple[PrefillGrant, Landing, TransferPlan]:
     """The grant a ``prompt_len``-token prompt will make on the prefill node (its ids relative: block-table indices
     and ring 0; ``grant_id`` empty until it is made), where it lands in ``allocation`` (its first blocks and its
     ring, through staging when ``peer_layout`` arranges the cache otherwise), and the plan. ValueError for layouts
@@ -43,7 +45,7 @@ def plan_push(pool: CachePool, peer_layout: BlockLayout, allocation: CacheAlloca
         raise ValueError(f"push of {request_id} lands in {landed} blocks; the allocation holds {allocation.num_blocks}")
     ring_id = 0 if allocation.ring_id is None else allocation.ring_id  # a ringless layout's: names nothing
     landing = Landing(pool, peer_layout, allocation.block_ids[:landed], source_blocks=source_blocks,
-                      num_tokens=prompt_len)
+                      num_tokens=prompt_len, buffers=buffers)
     target = PullTarget(layout=ours, peer_layout=peer_layout, block_ids=landing.ids, ring_id=ring_id,
                         num_blocks=landing.num_blocks, num_rings=pool.num_rings)
     return grant, landing, WHOLE_REQUEST.plan(grant, target, ())
