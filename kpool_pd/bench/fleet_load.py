@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kpool_pd.client import RequestFailed, generate_one
 from kpool_pd.decode_worker import api
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
@@ -97,29 +98,16 @@ class Reply:
 
 
 async def _one(stub: api.GenerateServiceStub, decode: str, request: GenerateRequest) -> Reply:
+    """One request through the client's own ``generate_one``, as a Reply (its failure as ``error``)."""
     sent = time.monotonic()
-    tokens: list[int] = []
-    ttft_ms, finished = 0.0, None
     try:
-        call = stub.Generate(api.GenerateRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt),
-                                                 max_tokens=request.max_tokens), timeout=REQUEST_TIMEOUT_S)
-        async for response in call:
-            kind = response.WhichOneof("event")
-            if kind == "tokens":
-                if not tokens:
-                    ttft_ms = (time.monotonic() - sent) * 1000
-                tokens.extend(response.tokens.token_ids)
-            elif kind == "finished":
-                finished = response.finished
-    except grpc.aio.AioRpcError as exc:
+        result = await generate_one(stub, request, token=None, timeout_s=REQUEST_TIMEOUT_S)
+    except RequestFailed as exc:
         return Reply(request_id=request.request_id, prompt=request.prompt, decode=decode, sent=sent,
-                     ended=time.monotonic(), ttft_ms=ttft_ms, error=f"{exc.code().name}: {exc.details()}")
-    if finished is None:
-        return Reply(request_id=request.request_id, prompt=request.prompt, decode=decode, sent=sent,
-                     ended=time.monotonic(), ttft_ms=ttft_ms, error="INTERNAL: the stream ended without finished")
+                     ended=time.monotonic(), ttft_ms=0.0, error=f"{exc.code.name}: {exc.message}")
     return Reply(request_id=request.request_id, prompt=request.prompt, decode=decode, sent=sent,
-                 ended=time.monotonic(), ttft_ms=ttft_ms, tokens=tuple(tokens),
-                 output_digest=finished.output_digest, state_digest=finished.state_digest)
+                 ended=time.monotonic(), ttft_ms=result.ttft_ms, tokens=result.tokens,
+                 output_digest=result.output_digest, state_digest=result.state_digest)
 
 
 async def drive(decodes: Sequence[str], prompts: Sequence[GenerateRequest], requests: int, clients: int, *,
