@@ -119,6 +119,10 @@ def breakdown(transport: str, windows: list[Window], consumer: list[dict], produ
             inside = [e for e in consumer if w.begin <= e.get("end", e.get("t")) <= w.end + 0.001]
             at = defaultdict(dict)  # request -> mark -> time
             hop = defaultdict(dict)
+            of_grant = {g: e["request"] for e in inside if e["event"] == "pull" for g in e.get("grants", ())}
+            for e in inside:  # a step's batch names its pulls by grant (kpool_pd.vllm.step_pulls)
+                if not e.get("request") and e.get("grant") in of_grant and e["event"] in ("land", "hop"):
+                    e["request"] = of_grant[e["grant"]]
             for e in inside:
                 kind, rid = e["event"], e.get("request", "")
                 if kind == "queued":

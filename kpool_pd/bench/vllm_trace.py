@@ -8,8 +8,8 @@ The events (``Event``): vLLM's scheduler steps (``schedule``: the tokens it sche
 for remote KV), the connector's scheduler-side calls (``queued``, ``matched``, ``allocated``, ``meta``: the
 loads a step's metadata hands to the worker), the worker's (``start_load``, ``get_finished``: vLLM's ``get_transfer_results``, with the
 requests it reports and how long it took, its idle wait included), the pull on the connector's thread
-(``pull`` begin/end, ``peer`` the handshaken peer found, ``land`` the Pull stream, ``release`` the Release
-call, each begin/end), the gRPC messages read on a pull's stream (``message``), every RPC the consumer
+(``pull`` begin/end, ``peer`` the handshaken peer found, ``land`` the Pull stream or a step's PackedPull,
+``release`` the Release call, each begin/end), the gRPC messages read on a pull's stream (``message``), every RPC the consumer
 sends (``rpc``), and the pull's hops (``kpool_pd.connector.shared.hops``: ``hop``). A producer's events
 are its offers (``offer``), the hops it stamps while it serves a pull, and ``get_finished``.
 """
@@ -30,7 +30,9 @@ from kpool_pd.connector.decode import inbound, peer
 from kpool_pd.connector.decode.pull_session import PullSession
 from kpool_pd.connector.shared import hops
 from kpool_pd.connector.shared.pull_frames import ChunkFrame
+from kpool_pd.transfer_params import grant_key
 from kpool_pd.vllm import connector as kpool_connector
+from kpool_pd.vllm import consumer_worker, step_pulls
 from kpool_pd.vllm import worker as kpool_worker
 from kpool_pd.bench.vllm_profile import TRACE_ENV
 
@@ -114,6 +116,40 @@ def _safe(fields, args, result) -> dict:
         return {"fields_error": repr(exc)}
 
 
+def _install_step_pulls() -> None:
+    """A step's batch (``pull_step``): a ``pull`` event for each of its loads (the batch's begin and end, the
+    grant it pulls), and a ``land`` event for each pull of a PackedPull, by grant."""
+    original_step = consumer_worker.pull_step
+
+    @functools.wraps(original_step)
+    async def pull_step(worker, loads):
+        begin = time.perf_counter()
+        try:
+            return await original_step(worker, loads)
+        finally:
+            end = time.perf_counter()
+            for load in loads:
+                SINK.write(Event.PULL, begin=begin, end=end, request=load.request_id,
+                           grants=[grant_key(load.params.grant_id, load.digest)])
+    consumer_worker.pull_step = pull_step
+    original_packed = step_pulls.pull_packed
+
+    @functools.wraps(original_packed)
+    async def pull_packed(peer, targets, **kwargs):
+        begin = time.perf_counter()
+        outcomes = []
+        try:
+            outcomes = await original_packed(peer, targets, **kwargs)
+            return outcomes
+        finally:
+            end = time.perf_counter()
+            SINK.write(Event.RPC, begin=begin, end=end, rpc="PackedPull call", pulls=len(targets))
+            for target, outcome in zip(targets, outcomes):
+                SINK.write(Event.LAND, begin=begin, end=end, grant=target.grant.grant_id,
+                           regions=getattr(outcome, "regions", None), bytes=getattr(outcome, "nbytes", None))
+    step_pulls.pull_packed = pull_packed
+
+
 def _install_pull_context() -> None:
     """The pull task's vLLM request id, for the events of its coroutines (``ConsumerWorker._pull``)."""
     original = kpool_worker.ConsumerWorker._pull
@@ -172,7 +208,8 @@ def install() -> None:
     _around(C, "get_transfer_results", Event.GET_FINISHED,
             lambda a, r: {"sending": sorted(r.finished_sending), "recving": sorted(r.finished_recving)} if r else {})
     _install_pull_context()
-    _around(kpool_worker.ConsumerWorker, "_peer", Event.PEER)
+    _install_step_pulls()
+    _around(kpool_worker.ConsumerWorker, "peer", Event.PEER)
     _around(peer.PrefillPeer, "_land", Event.LAND, lambda a, r: {"regions": len(r.plan) if r and r.plan else None,
                                                                 "bytes": r.plan.total_bytes if r and r.plan else None})
     _around(peer.PrefillPeer, "release_within", Event.RELEASE)

@@ -44,7 +44,8 @@ Decode side (``DecodeConnector(pool, ...)``, one per decode node):
   allocation is the caller's as for ``pull``, and the returned ``LandedRequest``'s grant is the caller's
   to release. StatusError as ``pull``'s; a failed or cancelled push gives its grant back.
 - ``pull_packed(peer, targets)``: a vLLM consumer, once per engine step and prefill node where ``can_pack(peer)``:
-  the step's pulls (``PackedTarget``: a grant into the caller's allocation) as one batch in one UCX message;
+  the step's pulls (``PackedTarget``: a grant into the caller's allocation) as one batch in one UCX message
+  (in pieces), through a ``StagingBuffers`` of the caller's;
   one outcome a pull (``PackedLanded`` or the exception that failed it alone), ``PackedPullUnsupported`` from
   a node that does not serve it (nothing landed: pull each alone).
 - The peer keeps itself alive (one loop: Heartbeats renewing the grants it is pulling, a new Handshake
@@ -80,6 +81,7 @@ from kpool_pd.connector.decode.landed import LandedRequest
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.packed_pull import (PackedLanded, PackedPullUnsupported, PackedTarget, can_pack,
                                                 pull_packed)
+from kpool_pd.connector.shared.packed_staging import StagingBuffers
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, RankShare
 from kpool_pd.connector.shared.peer_auth import MAX_PEER_SESSIONS, PeerAuthServicer, PeerSessions
 from kpool_pd.connector.shared.plan import RingRange
@@ -95,7 +97,7 @@ __all__ = [
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
     "LandedRequest", "PackedLanded", "PackedPullUnsupported", "PackedTarget", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
     "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullShare", "PullTimeline", "RankShare",
-    "RingRange", "StatusError", "WHOLE_REQUEST",
+    "RingRange", "StagingBuffers", "StatusError", "WHOLE_REQUEST",
     "TlsConfig", "TransferTimes", "Transport",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
     "can_pack", "dial_host", "dial_target", "open_channel", "pull_packed", "prefill_api", "status_of", "ucx_available", "ucx_context_info",

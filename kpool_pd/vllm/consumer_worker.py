@@ -34,7 +34,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.connector import DecodeConnector, PrefillPeer, StatusError, Transport
+from kpool_pd.connector import DecodeConnector, PrefillPeer, StagingBuffers, StatusError, Transport
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.transfer_params import grant_key
 from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config
@@ -96,6 +96,7 @@ class ConsumerWorker:
         self._release_timer: asyncio.TimerHandle | None = None
         self._peers: dict[str, PrefillPeer] = {}
         self.unpacked: set[str] = set()  # producers that do not serve PackedPull: their reads go one at a time
+        self.staging = StagingBuffers(pool.device)  # a step's batches land here before their blocks
         self._connecting: dict[str, asyncio.Lock] = {}
         self._renewing: dict[tuple[str, str, str], tuple[Renew, float]] = {}  # (request, address, key) -> its
         # renewal, when it is next due

@@ -119,7 +119,8 @@ async def _pull_packed(worker: "ConsumerWorker", peer: PrefillPeer, group: list[
     """One PackedPull of ``group`` (one producer rank's reads); a producer that does not serve it has them
     pulled alone, and is not asked again."""
     try:
-        outcomes = await pull_packed(peer, [r.target for r in group], integrity=worker.settings.integrity)
+        outcomes = await pull_packed(peer, [r.target for r in group], staging=worker.staging,
+                                     integrity=worker.settings.integrity)
     except PackedPullUnsupported:
         worker.unpacked.add(peer.address)
         logger.info("producer %s does not serve PackedPull: its reads are pulled one at a time", peer.address)

@@ -1,6 +1,7 @@
 """A consumer's UCX loads of one step go to their producer as one batch (PackedPull): the producer checks every
 grant, sends their bytes in one UCX message, and the consumer reports the whole batch in one ``get_finished``.
-A request refused in a batch fails alone, with its reason, and frees what it held; the others land byte for
+(A batch's message travels in pieces of ``PIECE_BYTES``: these requests' bytes are one.) A request refused
+in a batch fails alone, with its reason, and frees what it held; the others land byte for
 byte. The producer and consumer workers run in this process over vLLM's own GLM-5-Next cache specs (a
 full-attention group and a ring group, cross-layer blocks)."""
 
@@ -16,6 +17,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.connector import ucx_available  # noqa: E402
+from kpool_pd.connector.shared.packed_staging import PIECE_BYTES  # noqa: E402
 from kpool_pd.connector.shared.ucx import UcxNode  # noqa: E402
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull  # noqa: E402
@@ -109,9 +111,11 @@ def test_a_step_of_three_requests_is_one_message_and_one_report(pair, sends):
     done, failed, reporting = wait_all(consumer, set(MOVES))
     assert done == set(MOVES) and failed == set()
     assert reporting == 1, "the batch's requests were reported in several get_finished calls"
-    assert len(sends) == 1, f"{len(sends)} UCX messages for one step's batch: {sends}"
     stats = consumer.take_stats().data
-    assert stats["pulls"] == 3 and sends[0] == stats["pulled_bytes"]  # the three pulls' bytes in one message
+    assert stats["pulls"] == 3 and sum(sends) == stats["pulled_bytes"]  # the three pulls' bytes, all in the batch
+    pieces = -(-stats["pulled_bytes"] // PIECE_BYTES)
+    assert len(sends) == pieces == 1, f"{len(sends)} UCX messages for one step's batch of {pieces} pieces: {sends}"
+    assert stats["pulled_regions"] > len(sends)  # one region a run of blocks: more than the batch's messages
     for rid in MOVES:
         assert landed_equal(producer_caches, consumer_caches, rid), rid
     assert wait_freed(producer, patient(DONE_S)) < patient(DONE_S)  # every grant ended with the batch's send

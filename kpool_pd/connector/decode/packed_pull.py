@@ -3,8 +3,9 @@ UCX message (``kpool_pd.connector.prefill.packed_pulls`` is the prefill node's s
 
 ``pull_packed(peer, targets)`` plans each pull as ``PrefillPeer.pull`` does (the whole request, into the
 first blocks of the caller's allocation, skipping its held blocks), posts one receive of every pull's regions
-back to back into a buffer of its own, sends every pull in one PackedPull call, and once the message landed
-copies each served pull's regions into its blocks. It returns one outcome a target, in order: what landed
+back to back into a buffer of its own (in pieces of ``PIECE_BYTES``, each under UCX's eager limit), sends
+every pull in one PackedPull call, and once the message landed copies each served pull's regions into its
+blocks. The buffer comes from ``staging`` (kept between batches: a fresh one costs its first touch). It returns one outcome a target, in order: what landed
 (``PackedLanded``), or the exception that failed that pull alone (a refused grant, a plan its allocation cannot
 take, bytes that disagree with the plan); the others land. A failure of the call or of the message fails every
 pull of the batch. The receive lands in the batch's own buffer, never in the caller's blocks: whatever happens,
@@ -33,6 +34,8 @@ from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure, status_code
+from kpool_pd.connector.shared.packed_staging import PIECE_BYTES, StagingBuffers, copy_all, pieces
+from kpool_pd.connector.shared.ucx import ReceiveBatch, UcxNode
 from kpool_pd.connector.shared.plan import TransferPlan
 from kpool_pd.connector.shared.wire import Transport, region_message
 from kpool_pd.kvcache import CacheAllocation
@@ -99,9 +102,16 @@ def _settle(views: Sequence[torch.Tensor]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *,
+async def _retire(ucx: UcxNode, receive: ReceiveBatch, staging: StagingBuffers, buffer: torch.Tensor) -> None:
+    """Retire a failed batch's receives; their buffer is kept for a later batch once none is pending."""
+    if await ucx.abandon(receive) == 0:
+        staging.give(buffer)
+
+
+async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, staging: StagingBuffers,
                       integrity: bool = False) -> list[PackedLanded | BaseException]:
-    """Pull ``targets`` from ``peer`` in one PackedPull (see the module): one outcome a target, in order.
+    """Pull ``targets`` from ``peer`` in one PackedPull (see the module), through a buffer of ``staging`` (on the
+    pool's device): one outcome a target, in order.
     PackedPullUnsupported when the node does not serve it; every outcome is then unset (nothing landed).
     Within ``pull_budget_s``: DEADLINE_EXCEEDED for every pull of a batch whose message did not land."""
     context = peer.context
@@ -125,8 +135,9 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *,
                                        ucx_tag_base=tag, regions=[region_message(pair.src) for pair in plan.pairs]))
     if not planned:
         return outcomes
-    message = torch.empty(offset, dtype=torch.uint8, device=pool.device)
-    receive = ucx.post_receives([message], tag)
+    buffer = staging.take(offset)
+    message = buffer[:offset]
+    receive = ucx.post_receives([message[at:at + length] for at, length in pieces(offset, PIECE_BYTES)], tag)
     budget = context.config.pull_budget_s(computing=False)
     deadline = time.monotonic() + budget
     landed = False
@@ -134,7 +145,8 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *,
         for request in requests:
             hops.stamp(request.grant_id, "written")
         try:
-            answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag), timeout=budget)
+            answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag,
+                                                                      piece_bytes=PIECE_BYTES), timeout=budget)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 raise PackedPullUnsupported(f"{peer.address} does not serve PackedPull") from None
@@ -173,8 +185,10 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *,
             if outcomes[pull.index] is None:
                 outcomes[pull.index] = exc
     finally:
-        if not landed:  # retire the receive (it lands in ``message`` only, never in the caller's blocks)
-            retire = asyncio.ensure_future(ucx.abandon(receive))
+        if landed:
+            staging.give(buffer)
+        else:  # retire the receives (they land in ``buffer`` only, never in the caller's blocks)
+            retire = asyncio.ensure_future(_retire(ucx, receive, staging, buffer))
             retire.add_done_callback(lambda task: task.cancelled() or task.exception())
     return outcomes
 
@@ -182,6 +196,7 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *,
 def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, integrity: bool) -> None:
     """Copy each served pull's span of ``message`` into its regions; a pull whose PullDone disagrees with its
     plan, or whose bytes fail their crc32 (``integrity``), fails alone (DATA_LOSS)."""
+    dst, src = [], []
     for pull, done in served:
         plan = pull.plan
         if done.bytes != plan.total_bytes or done.regions != len(plan):
@@ -191,8 +206,10 @@ def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, i
             continue
         at = pull.offset
         for view in pull.views:
-            view.copy_(message[at:at + view.numel()])
+            dst.append(view)
+            src.append(message[at:at + view.numel()])
             at += view.numel()
+    copy_all(dst, src)
     _settle([view for pull, _ in served for view in pull.views])
     if integrity:
         for pull, done in served:

@@ -4,10 +4,12 @@ as one batch, their bytes in one UCX message.
 Every pull is checked as a Pull of its own (``PullDesk.checked``: the engine and its secret, the grant, the
 transport, the plan against the grant) in one pass; a refused pull gets its own failure, with the status its
 Pull would have ended with, and the others go on. The regions of the pulls served are copied into one buffer
-at the offsets the decode node's one receive expects (every pull's regions back to back, in request order,
-each pull's in its plan's order: a refused pull's span is left unwritten), which goes out as one message on
-an endpoint lent to the batch alone; the answer follows once the send completed, with a PullDone for each pull
-served. Each grant served is read by the batch until it ends (``Grant.pulls_in_flight``); a batch that ends
+at the offsets the decode node's receives expect (every pull's regions back to back, in request order,
+each pull's in its plan's order: a refused pull's span is left unwritten), which goes out in the pieces the
+request names (each under UCX's eager limit: a message of several MiB goes by the rendezvous, several times
+slower over TCP) on an endpoint lent to the batch alone; the answer follows once they were sent, with a
+PullDone for each pull served. The buffer is one the node kept from an earlier batch
+(``kpool_pd.connector.shared.packed_staging``). Each grant served is read by the batch until it ends (``Grant.pulls_in_flight``); a batch that ends
 before its send completed (its call cancelled, the deadline) stops the send and fails its pulls, and their
 grants stay held for the decode node's Release or the lease, as a failed Pull's do. A batch that sent all is a
 pull done for each of its grants (``PullDesk.on_pull_done``).
@@ -30,7 +32,8 @@ from kpool_pd.connector.prefill.served_plan import ServedPlan, served_plan
 from kpool_pd.connector.prefill.ucx_link import UcxLink
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError
-from kpool_pd.connector.shared.ucx import UcxSendError, region_tag
+from kpool_pd.connector.shared.packed_staging import StagingBuffers, copy_all, pieces
+from kpool_pd.connector.shared.ucx import MAX_REGIONS, UcxSendError, region_tag
 from kpool_pd.connector.shared.wire import Transport
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,7 @@ class PackedPullDesk:
 
     def __init__(self, pulls: PullDesk) -> None:
         self.pulls = pulls
+        self.staging = StagingBuffers(pulls.pool.device)
 
     def _accept(self, request: pb.PackedPullRequest, results: list) -> tuple[list[_Accepted], UcxLink | None]:
         """The pulls that may go on (each with its offset) and the one link they share; the others' failures are
@@ -104,16 +108,16 @@ class PackedPullDesk:
             accepted.append(_Accepted(index, grant, plan, here, pull.integrity))
         return accepted, link
 
-    def _packed(self, accepted: list[_Accepted], total: int) -> torch.Tensor:
-        """uint8 [total] on the pool's device: every accepted pull's regions at its offset (others' spans unwritten)."""
-        pool = self.pulls.pool
-        message = torch.empty(total, dtype=torch.uint8, device=pool.device)
+    def _pack(self, accepted: list[_Accepted], message: torch.Tensor) -> None:
+        """Write every accepted pull's regions at its offset of ``message`` (uint8; others' spans unwritten)."""
+        pool, dst, src = self.pulls.pool, [], []
         for pull in accepted:
             at = pull.offset
             for region in pull.plan.regions:
-                message[at:at + region.nbytes].copy_(regions.region_view(pool, region))
+                dst.append(message[at:at + region.nbytes])
+                src.append(regions.region_view(pool, region))
                 at += region.nbytes
-        return message
+        copy_all(dst, src)
 
     async def answer(self, request: pb.PackedPullRequest) -> pb.PackedPullResponse:
         """The batch's outcome, one result a pull, once its message was sent; StatusError for a batch refused as a
@@ -124,6 +128,9 @@ class PackedPullDesk:
                               f"at most {MAX_PACKED_PULLS} pulls and {MAX_PACKED_BYTES} bytes")
         if request.ucx_tag == 0:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "ucx_tag must be a random nonzero 64-bit value")
+        if request.piece_bytes == 0 or -(-total // request.piece_bytes) > MAX_REGIONS:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"piece_bytes {request.piece_bytes} cuts "
+                              f"{total} bytes into more than {MAX_REGIONS} pieces (or none)")
         results: list = [None] * count
         accepted, link = self._accept(request, results)
         if accepted:
@@ -137,15 +144,18 @@ class PackedPullDesk:
         desk, config = self.pulls, self.pulls.config
         for pull in accepted:
             pull.grant.pulls_in_flight += 1
-        started, endpoint, sent, finished = time.perf_counter(), None, None, False
+        started, endpoint, sent, finished = time.perf_counter(), None, [], False
+        buffer = self.staging.take(total)
         try:
-            message = self._packed(accepted, total)
+            message = buffer[:total]
+            self._pack(accepted, message)
             try:
                 endpoint = await link.lend()
                 for pull in accepted:
                     hops.stamp(pull.grant.grant_id, "send")
-                sent = endpoint.post(message, region_tag(request.ucx_tag, 0))
-                await asyncio.wait_for(asyncio.shield(sent), config.pull_budget_s(computing=False))
+                for index, (at, length) in enumerate(pieces(total, request.piece_bytes)):
+                    sent.append(endpoint.post(message[at:at + length], region_tag(request.ucx_tag, index)))
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*sent)), config.pull_budget_s(computing=False))
             except (UcxSendError, asyncio.TimeoutError) as exc:
                 why = (f"UCX send did not complete before the pull's deadline" if isinstance(exc, asyncio.TimeoutError)
                        else str(exc))
@@ -168,12 +178,14 @@ class PackedPullDesk:
                                      send_ms=seconds * 1000)))
         finally:
             if endpoint is not None:
-                if sent is not None and not sent.done():
-                    endpoint.abort(reason="its packed pull ended before the send completed")
-                    sent.cancel()
-                endpoint.give_back()
-            if sent is not None and sent.done() and not sent.cancelled():
-                sent.exception()  # retrieved: its outcome was read above, or the batch ended
+                if not all(piece.done() for piece in sent):
+                    endpoint.abort(reason="its packed pull ended before its sends completed")
+                endpoint.give_back()  # after an abort: nothing to give back
+            for piece in sent:
+                piece.cancel()
+                if piece.done() and not piece.cancelled():
+                    piece.exception()  # retrieved: its outcome was read above, or the batch ended
+            self.staging.give(buffer)  # no send reads it any more (an abort stopped those running)
             for pull in accepted:
                 pull.grant.pulls_in_flight -= 1
                 if finished and desk.on_pull_done is not None:

@@ -272,12 +272,14 @@ class PullSessionResponse(_message.Message):
     def __init__(self, grant_id: _Optional[str] = ..., response: _Optional[_Union[PullResponse, _Mapping]] = ..., failure: _Optional[_Union[PullFailure, _Mapping]] = ...) -> None: ...
 
 class PackedPullRequest(_message.Message):
-    __slots__ = ("pulls", "ucx_tag")
+    __slots__ = ("pulls", "ucx_tag", "piece_bytes")
     PULLS_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
     ucx_tag: int
-    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ...) -> None: ...
+    piece_bytes: int
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
 
 class PackedPullResponse(_message.Message):
     __slots__ = ("results",)

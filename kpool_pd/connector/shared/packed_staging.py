@@ -1,0 +1,50 @@
+"""Staging buffers kept between PackedPull batches (``kpool_pd.connector.prefill.packed_pulls``,
+``kpool_pd.connector.decode.packed_pull``): a batch's bytes pass through one buffer on each node, and a buffer
+allocated afresh costs its first touch (page faults: on the CPU machine, packing 10 MiB into a new buffer took
+about five times as long as into one used before). A node keeps a few, and a batch takes one at least as large
+as it needs (a larger one made, and touched once, when none is)."""
+
+from __future__ import annotations
+
+import torch
+
+KEPT = 4  # buffers a node keeps between batches (several batches may run at once: one per decode engine)
+PIECE_BYTES = 1 << 20  # a batch's message goes in pieces of this many bytes: under UCX's eager limit for host memory
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i (uint8 views of equal sizes) in one operation: a node's event loop
+    thread then waits for the interpreter's lock once for the batch, not once a region (with the engine's own
+    thread busy, each wait can take a switch interval, 5 ms)."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def pieces(total: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of each piece of a ``total``-byte message cut every ``piece_bytes``."""
+    return [(at, min(piece_bytes, total - at)) for at in range(0, total, piece_bytes)]
+
+
+class StagingBuffers:
+    """uint8 buffers on ``device``, lent to one batch at a time (``take``, ``give``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """uint8 [>= nbytes], the batch's until ``give``: the smallest kept buffer that fits, else a new one
+        (rounded up to a power of two, touched now)."""
+        fitting = [b for b in self._free if b.numel() >= nbytes]
+        if fitting:
+            buffer = min(fitting, key=torch.Tensor.numel)
+            self._free.remove(buffer)
+            return buffer
+        size = 1 << max(nbytes - 1, 1).bit_length()
+        return torch.zeros(size, dtype=torch.uint8, device=self.device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """A buffer no send or receive reads or writes any more: kept for a later batch (the largest few)."""
+        self._free.append(buffer)
+        self._free.sort(key=torch.Tensor.numel, reverse=True)
+        del self._free[KEPT:]
