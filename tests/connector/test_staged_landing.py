@@ -9,13 +9,15 @@ pairs is tests/e2e/test_e2e_heterogeneous.py's."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from kpool_pd.connector import StatusError, Transport, ucx_available
+from kpool_pd.connector.decode.inbound import Landing
 from kpool_pd.connector.decode.staging import KEEP_IDLE, BlocksReady, RepackStaging
-from kpool_pd.connector.shared import regions  # fault injection: how the gRPC stream reads a region's bytes
+from kpool_pd.connector.shared import hops, regions  # regions: fault injection (how the gRPC stream reads bytes)
 from kpool_pd.kvcache import BlockLayout
 from tests.support import connector_procs as procs
 from tests.support.arrangements import arrangement_configs
@@ -141,6 +143,35 @@ def test_a_failed_staged_pull_gives_its_buffer_back_and_the_next_lands_whole(mon
             assert (peer.staging.made, peer.staging.idle) == (1, 1)
             assert pair.free() == start
     run(main())
+
+
+@pytest.mark.skipif(not ucx_available(), reason="needs ucxx")
+def test_the_request_is_written_before_the_repack_table_is_made(monkeypatch):
+    """The staged pull's request leaves first (the session's writer hands it to gRPC: hop ``written``); the
+    repack's block table is made after it, while the bytes travel, not between the request and its write."""
+    made_at: list[float] = []
+    real = Landing.prepare
+
+    def noting(landing):
+        if landing.staging is not None and not made_at:
+            made_at.append(time.perf_counter())
+        real(landing)
+    monkeypatch.setattr(Landing, "prepare", noting)
+    recorder = hops.HopRecorder().install()
+
+    async def main():
+        async with InProcessPair(transports=(Transport.UCX,), num_blocks=48, **arrangement_configs(PAIR)) as pair:
+            peer = await pair.decode.connect(pair.address)
+            grant = await peer.prefill("written-first", [2] * 700)
+            with await pull_into(pair.d_cache, peer, grant, transport=Transport.UCX) as landed:
+                assert _differences(pair, landed, "written-first", 700) == []
+            return grant.grant_id
+    try:
+        grant_id = run(main())
+    finally:
+        recorder.uninstall()
+    stamps = recorder.stamps[grant_id]
+    assert made_at and stamps["request"] <= stamps["written"] <= made_at[0], (stamps, made_at)
 
 
 def test_blocks_ready_on_the_cpu_is_ready_at_once():

@@ -45,6 +45,11 @@ from kpool_pd.kvcache import BlockLayout, CachePool
 
 logger = logging.getLogger(__name__)
 
+# A Pull call's loop steps after its request is handed on before the landing's repack table is made, so that the
+# request leaves first (made at once, it delayed a session's request by up to 0.3 ms on an H100 host; a session's
+# pull makes it once its request was written).
+PREPARE_AFTER_STEPS = 3
+
 
 class Landing:
     """Where a pull's blocks land. Equal layouts: straight into ``block_ids`` of our pool. A peer
@@ -152,7 +157,11 @@ class InboundPull:
             hops.stamp(self.key, "posted")
             marks.append(time.perf_counter())
             self.call = self.open_call()
-            asyncio.get_running_loop().call_soon(self._prepare_landing)  # once the request is handed on
+            when_written = getattr(self.call, "when_written", None)  # a session's pull tells when its request left
+            if when_written is not None:
+                when_written(self._prepare_landing)
+            else:
+                self._prepare_behind_request(asyncio.get_running_loop(), PREPARE_AFTER_STEPS)
             if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
                 await self._land_on_receives()
                 marks.append(time.perf_counter())
@@ -195,9 +204,17 @@ class InboundPull:
         blocks' readiness is its event (``ready``), which the blocks' next reader waits on, not the host."""
         return self.transport is Transport.GRPC_STREAM
 
+    def _prepare_behind_request(self, loop: asyncio.AbstractEventLoop, steps: int) -> None:
+        """``_prepare_landing`` ``steps`` loop steps from now, behind the steps that hand a Pull call's request on
+        to gRPC (a session's pull prepares once its request was written)."""
+        if steps > 0:
+            loop.call_soon(self._prepare_behind_request, loop, steps - 1)
+        else:
+            self._prepare_landing()
+
     def _prepare_landing(self) -> None:
-        """``Landing.prepare`` while the request and the bytes travel. Should it fail, ``convert`` prepares again
-        and raises there, in the pull."""
+        """``Landing.prepare`` once the request is on its way, while the bytes travel. Should it fail, ``convert``
+        prepares again and raises there, in the pull; once the pull ended it finds nothing to do."""
         with contextlib.suppress(Exception):
             self.landing.prepare()
 

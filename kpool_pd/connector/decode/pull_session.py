@@ -40,6 +40,22 @@ class SessionPull:
         self.session, self.grant_id = session, grant_id
         self.messages: asyncio.Queue[pb.PullResponse | StatusError] = asyncio.Queue()
         self.ended = False
+        self.written = False  # its request was handed to gRPC
+        self._on_written: list[Callable[[], None]] = []
+
+    def when_written(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the pull's request has been handed to gRPC (at once if it was already): work
+        that can wait until the request is on its way."""
+        if self.written:
+            callback()
+        else:
+            self._on_written.append(callback)
+
+    def _written(self) -> None:
+        self.written = True
+        callbacks, self._on_written = self._on_written, []
+        for callback in callbacks:
+            callback()
 
     async def read(self) -> pb.PullResponse:
         item = await self.messages.get()
@@ -122,6 +138,8 @@ class PullSession:
                 kind = message.WhichOneof("message")
                 for pull in (message.pull,) if kind == "pull" else message.pulls.pulls if kind == "pulls" else ():
                     hops.stamp(pull.grant_id, "written")
+                    if (opened := self._pulls.get(pull.grant_id)) is not None:
+                        opened._written()
         except Exception as exc:  # the stream ended (an RPC error, or writes after its end): ``_read`` fails the pulls
             logger.debug("pull session to %s: write failed: %s: %s", self.address, type(exc).__name__, exc)
 
