@@ -13,10 +13,17 @@ PIECE_BYTES = 1 << 20  # a batch's message goes in pieces of this many bytes: un
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i (uint8 views of equal sizes) in one operation: a node's event loop
-    thread then waits for the interpreter's lock once for the batch, not once a region (with the engine's own
-    thread busy, each wait can take a switch interval, 5 ms)."""
-    if dst:
+    """``dst[i].copy_(src[i])`` for every i (uint8 views of equal sizes, one device). In host memory each is a
+    plain copy of numpy views, under the interpreter's lock: torch's copy releases the lock for each region
+    (the connector's thread then waits for it again behind the engine's thread, up to a switch interval each)
+    and runs on the engine's OpenMP pool, which a loaded 2-core machine made take hundreds of ms for a batch.
+    On a GPU, one ``torch._foreach_copy_``."""
+    if not dst:
+        return
+    if dst[0].device.type == "cpu":
+        for d, s in zip(dst, src):
+            d.numpy()[:] = s.numpy()
+    else:
         torch._foreach_copy_(dst, src)
 
 
@@ -41,7 +48,12 @@ class StagingBuffers:
             self._free.remove(buffer)
             return buffer
         size = 1 << max(nbytes - 1, 1).bit_length()
-        return torch.zeros(size, dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if buffer.device.type == "cpu":
+            buffer.numpy().fill(0)  # touched now, once (numpy: no OpenMP pool)
+        else:
+            buffer.zero_()
+        return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
         """A buffer no send or receive reads or writes any more: kept for a later batch (the largest few)."""
