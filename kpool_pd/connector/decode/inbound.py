@@ -138,6 +138,12 @@ class InboundPull:
         # A push (PrefillPush): ``grant`` is the one planned from the prompt until the stream's first message states
         # the grant made; ``on_granted`` hears of it then, and ``granted_at`` is when it came (perf_counter).
         self.on_granted, self.granted_at = on_granted, 0.0
+        # The first token is known: at once for a grant made after its prompt; for a pipelined one (and a push) once
+        # PrefillDone came (or a push's grant made after its prompt). A UCX pull without integrity ends when its
+        # receives completed and this is set, without waiting for PullDone.
+        self.first_token_known = asyncio.Event()
+        if not grant.pipelined:
+            self.first_token_known.set()
 
     @property
     def key(self) -> str:
@@ -162,7 +168,7 @@ class InboundPull:
                 when_written(self._prepare_landing)
             else:
                 self._prepare_behind_request(asyncio.get_running_loop(), PREPARE_AFTER_STEPS)
-            if self.transport is Transport.UCX and not self.integrity and not self.grant.pipelined:
+            if self.transport is Transport.UCX and not self.integrity:
                 await self._land_on_receives()
                 marks.append(time.perf_counter())
                 marks.append(marks[-1])  # nothing to complete after the receives
@@ -219,40 +225,52 @@ class InboundPull:
             self.landing.prepare()
 
     def _times(self, marks: list[float]) -> TransferTimes:
-        """The request's TransferTimes (see there); ``marks``: ``run``'s time marks."""
+        """The request's TransferTimes (see there); ``marks``: ``run``'s time marks. A pipelined grant's exposure
+        ends at the last byte landed here, its start put on this node's clock by PrefillDone (its arrival less the
+        prefill node's time from the prompt's end to its sending); PullDone, which may come after the pull ended,
+        is read where it came, and for a prefill node that does not state those times."""
+        done = self.done
         if not self.grant.pipelined and self.granted_at:  # a push granted once its prompt was computed
             here = (max(self.last_landed, self.granted_at) - self.granted_at) * 1000
-            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=self.done.send_ms,
-                                 exposed_transfer_ms=max(here, self.done.sent_after_prefill_ms))
+            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=max(here, done.send_ms if done else 0.0),
+                                 exposed_transfer_ms=max(here, done.sent_after_prefill_ms if done else 0.0))
         if not self.grant.pipelined:
             whole = (marks[-2] - marks[1]) * 1000  # Pull to the bytes verified
             return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=whole, exposed_transfer_ms=whole)
         arrived, prefilled = self.prefill_done
+        if prefilled.HasField("after_prompt_ms"):
+            exposed = max(0.0, (self.last_landed - arrived) * 1000 + prefilled.after_prompt_ms)
+            return TransferTimes(prefill_ms=prefilled.prefill_ms, exposed_transfer_ms=exposed,
+                                 transfer_ms=prefilled.sent_before_prompt_ms + exposed)
         here = (max(self.last_landed, arrived) - arrived) * 1000  # its arrival to the last byte landed
-        return TransferTimes(prefill_ms=prefilled.prefill_ms, transfer_ms=self.done.send_ms,
-                             exposed_transfer_ms=max(here, self.done.sent_after_prefill_ms))
+        return TransferTimes(prefill_ms=prefilled.prefill_ms, transfer_ms=done.send_ms if done else here,
+                             exposed_transfer_ms=max(here, done.sent_after_prefill_ms if done else 0.0))
 
     def _landed(self, _future: asyncio.Future) -> None:
         self.last_landed = max(self.last_landed, time.perf_counter())
 
     async def _land_on_receives(self) -> None:
-        """UCX without integrity: the bytes are in place once every receive completed, and that is
-        what this waits for; the stream carries only the prefill node's PullDone or its failure. Whichever ends first decides: a stream that fails fails the pull; receives that
-        all landed end it, and the stream is followed to its end in the background (``keep``), not
-        cancelled: cancelling it would cancel sends whose completion the prefill node may not have
-        seen yet."""
+        """UCX without integrity: the bytes are in place once every receive completed, and the pull ends when
+        they did and the first token is known (a pipelined grant's PrefillDone, read from the stream); PullDone
+        is not waited for: it states nothing this node checks. A stream that fails first fails the pull; once
+        the pull ended, the stream is followed to its end in the background (``keep``), not cancelled:
+        cancelling it would cancel sends whose completion the prefill node may not have seen yet."""
         follow = asyncio.ensure_future(self._land_chunks(self.views))
         landed = asyncio.ensure_future(self.receives.wait())  # cancelling it leaves the receives posted
+        known = asyncio.ensure_future(self.first_token_known.wait())
         try:
-            await asyncio.wait({follow, landed}, return_when=asyncio.FIRST_COMPLETED)
-            if not landed.done():  # the stream ended first: a failure raises here, PullDone waits on
-                follow.result()
-            await landed
-            hops.stamp(self.grant.grant_id, "landed")
+            while not (landed.done() and known.done()):
+                await asyncio.wait({task for task in (follow, landed, known) if not task.done()},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in (follow, landed):  # a failure raises here; PullDone read sets ``known`` before it
+                    if task.done():
+                        task.result()
+                if landed.done():
+                    hops.stamp(self.grant.grant_id, "landed")
         except BaseException:
-            for task in (follow, landed):
+            for task in (follow, landed, known):
                 task.cancel()
-            await asyncio.gather(follow, landed, return_exceptions=True)
+            await asyncio.gather(follow, landed, known, return_exceptions=True)
             raise
         self.receives = None
         if not follow.done():
@@ -293,6 +311,7 @@ class InboundPull:
             if kind == "prefilled" and self.grant.pipelined and self.prefill_done is None:
                 self.prefill_done = (time.perf_counter(), msg.prefilled)
                 self.first_token = msg.prefilled.first_token
+                self.first_token_known.set()
                 continue
             if kind == "done":
                 if self.grant.pipelined and self.prefill_done is None:
@@ -322,6 +341,8 @@ class InboundPull:
                               f"{grant.num_blocks} blocks for {grant.prompt_len} tokens (request {grant.request_id!r}), "
                               f"where {planned.num_blocks} blocks for {planned.prompt_len} tokens were planned")
         self.grant, self.first_token = grant, grant.first_token
+        if not grant.pipelined:  # made once its prompt was computed: the first token comes with it
+            self.first_token_known.set()
 
     async def _wait_landed(self, plan: TransferPlan, views: list[torch.Tensor], landed: list[int]) -> None:
         """Every byte is in place: UCX, every receive completed; the gRPC stream, every chunk came."""

@@ -41,15 +41,20 @@ class PullAborted(Exception):
 
 
 class SendClock:
-    """When regions were being sent: ``spans`` holds (region, start, end) in perf_counter seconds;
-    ``busy_ms`` is the union of their intervals."""
+    """When regions were being sent: ``spans`` holds (region, start, end) in perf_counter seconds, ``running``
+    the starts of sends posted and not completed; ``busy_ms`` is the union of the spans' intervals."""
 
-    __slots__ = ("spans",)
+    __slots__ = ("spans", "running")
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, float, float]] = []
+        self.running: dict[int, float] = {}  # region -> its send's start
+
+    def start(self, region: int, start: float) -> None:
+        self.running[region] = start
 
     def add(self, region: int, start: float, end: float) -> None:
+        self.running.pop(region, None)
         self.spans.append((region, start, end))
 
     @property
@@ -60,14 +65,24 @@ class SendClock:
         """From ``moment`` (perf_counter) to the last send's end, 0 if none ended later."""
         return max([0.0] + [(end - moment) * 1000 for _, end in self._spans])
 
-    @property
-    def busy_ms(self) -> float:
+    @staticmethod
+    def _union_ms(intervals: list[tuple[float, float]]) -> float:
         total, reach = 0.0, float("-inf")
-        for start, end in sorted(self._spans):
+        for start, end in sorted(intervals):
             if end > reach:
                 total += end - max(start, reach)
                 reach = end
         return total * 1000
+
+    @property
+    def busy_ms(self) -> float:
+        return self._union_ms(self._spans)
+
+    def busy_before_ms(self, moment: float) -> float:
+        """How long regions were being sent before ``moment``: the spans cut there, and a send still running
+        counted from its start up to it."""
+        cut = [(start, min(end, moment)) for start, end in self._spans if start < moment]
+        return self._union_ms(cut + [(start, moment) for start in self.running.values() if start < moment])
 
 
 class OutboundPull:
@@ -142,7 +157,11 @@ class OutboundPull:
         self._prefill_outcome()
         self._announced = True
         out, prefill_ms, _ = self.grant.prefill.result()  # its done-callback may not have run yet
-        return pb.PullResponse(prefilled=pb.PrefillDone(first_token=out.first_token, prefill_ms=prefill_ms))
+        done = pb.PrefillDone(first_token=out.first_token, prefill_ms=prefill_ms)
+        if written := self._prompt_written_at():  # the decode node's anchor for what the transfer exposes
+            done.after_prompt_ms = max(0.0, (time.perf_counter() - written) * 1000)
+            done.sent_before_prompt_ms = self.clock.busy_before_ms(written)
+        return pb.PullResponse(prefilled=done)
 
     def _post(self, index: int) -> None:
         """Post region ``index``'s send now (UCX has it when this returns); the clock notes when it completed."""
@@ -152,6 +171,7 @@ class OutboundPull:
             sent = self.endpoint.post(self._view(index), region_tag(self.tag_base, index))
         except UcxSendError as exc:  # the decode node reset the connection or went away
             raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
+        self.clock.start(index, started)
         sent.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
                                else self.clock.add(index, started, time.perf_counter()))
         self.sends.append(sent)
@@ -227,6 +247,7 @@ class OutboundPull:
             if (note := self._announcement()) is not None:
                 yield note
             view, started = self._view(index), time.perf_counter()
+            self.clock.start(index, started)
             for off in range(0, view.numel(), self.chunk_bytes):
                 yield pull_frames.encode_chunk(index, off, regions.host_bytes(view[off:off + self.chunk_bytes]))
                 if (note := self._announcement()) is not None:
