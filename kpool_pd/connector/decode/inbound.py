@@ -232,7 +232,7 @@ class InboundPull:
         done = self.done
         if not self.grant.pipelined and self.granted_at:  # a push granted once its prompt was computed
             here = (max(self.last_landed, self.granted_at) - self.granted_at) * 1000
-            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=max(here, done.send_ms if done else 0.0),
+            return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=done.send_ms if done else here,
                                  exposed_transfer_ms=max(here, done.sent_after_prefill_ms if done else 0.0))
         if not self.grant.pipelined:
             whole = (marks[-2] - marks[1]) * 1000  # Pull to the bytes verified
