@@ -4,7 +4,11 @@ behind the landing, the host waiting for nothing (``LandedRequest.ready`` is its
 repack is queued behind a long kernel on the same stream: the pull returns while the repack has not run (so the
 host never waited for the stream between the landing and the repack), a reader on another stream that does not
 wait still sees the poison the blocks held, and one that waits on ``ready`` reads every layer's states as the
-prefill node wrote them. Run by ``tests/gpu/run_all.sh`` on an H200 (needs ucxx)."""
+prefill node wrote them. Run by ``tests/gpu/run_all.sh`` on an H200 (needs ucxx):
+
+    GPU_TESTS=tests/gpu/test_staged_repack_order_gpu.py SKIP_BENCH=1 SKIP_TRANSFER=1 SKIP_DCP=1 SKIP_DECODE=1 \
+        SKIP_PREFILL=1 bash tests/gpu/run_all.sh
+"""
 
 from __future__ import annotations
 
@@ -39,7 +43,6 @@ def test_repack_runs_behind_the_landing_and_its_reader_waits_on_the_device(monke
     def behind_a_long_kernel(*args, **kwargs):
         torch.cuda._sleep(LONG_KERNEL_CYCLES)  # on the stream the repack is enqueued on, just before it
         real_repack(*args, **kwargs)
-    monkeypatch.setattr(kernels, "repack_tokens", behind_a_long_kernel)
 
     async def main():
         async with InProcessPair(transports=(Transport.UCX,), num_blocks=48, device="cuda:0",
@@ -47,6 +50,14 @@ def test_repack_runs_behind_the_landing_and_its_reader_waits_on_the_device(monke
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             assert peer.repacks is True
+            # a first pull of the same length compiles the repack's kernels (a compile behind the long kernel
+            # would outlast it) and leaves the peer's staging buffer the measured pull lands in
+            warm = await peer.prefill(f"warm-{n}", [7] * n)
+            warm_allocation = allocation_for(pair.d_cache, warm)
+            await peer.pull(warm, into=warm_allocation, transport=Transport.UCX)
+            torch.cuda.synchronize()
+            warm_allocation.release()
+            monkeypatch.setattr(kernels, "repack_tokens", behind_a_long_kernel)
             request_id = f"ordered-{n}"
             grant = await peer.prefill(request_id, [7] * n)
             allocation = allocation_for(pair.d_cache, grant)
@@ -73,7 +84,7 @@ def test_repack_runs_behind_the_landing_and_its_reader_waits_on_the_device(monke
             torch.cuda.synchronize()
             allocation.release()
             assert await peer.release(grant.grant_id) is True
-            assert peer.staging.idle == 1 and peer.staging.made == 1
+            assert peer.staging.idle == 1 and peer.staging.made == 1  # both pulls landed in one kept buffer
             assert pair.free() == start
 
     asyncio.run(asyncio.wait_for(main(), 120))
