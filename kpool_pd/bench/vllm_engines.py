@@ -50,12 +50,15 @@ def prompt_tokens_by_source(llm) -> dict[str, int]:
 PROMPT_COUNT_WAIT_S = 30.0  # how long the counter may lag behind ``generate``'s return
 
 
-def counted_prompt_tokens(llm, before: dict[str, int], prompts, wait_s: float = PROMPT_COUNT_WAIT_S) -> dict[str, int]:
+def counted_prompt_tokens(llm, before: dict[str, int], prompts, finish_reasons,
+                          wait_s: float = PROMPT_COUNT_WAIT_S) -> dict[str, int]:
     """``vllm:prompt_tokens_by_source`` once it has counted every token of ``prompts`` since ``before`` (each
     prompt token is counted once, under one source), waiting at most ``wait_s``: the counter is fed by the
     engine's stats, which can reach the front end after the outputs that ``generate`` returned with (a TP
-    engine's core runs in its own process). Prompts given other than by token ids are not waited for."""
-    lengths = [len(p) if isinstance(p, list) else len(p.get("prompt_token_ids") or []) for p in prompts]
+    engine's core runs in its own process). Prompts given other than by token ids are not waited for, nor
+    those whose request ended in an error (``finish_reasons``: one a prompt), which may count none."""
+    lengths = [0 if reason == "error" else len(p) if isinstance(p, list) else len(p.get("prompt_token_ids") or [])
+               for p, reason in zip(prompts, finish_reasons, strict=True)]
     want = None if any(isinstance(p, dict) and "prompt_token_ids" not in p for p in prompts) else sum(lengths)
     deadline = time.monotonic() + wait_s
     while True:
@@ -178,7 +181,7 @@ def serve(model: str, transfer: dict | None, jobs, results, max_model_len: int =
             before = prompt_tokens_by_source(llm)
             outputs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts], sampling,
                                    use_tqdm=False)
-            after = counted_prompt_tokens(llm, before, prompts)
+            after = counted_prompt_tokens(llm, before, prompts, [o.outputs[0].finish_reason for o in outputs])
             results.put(Job(outputs=[(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.kv_transfer_params)
                                      for o in outputs],
                             prompt_tokens={source: after[source] - before.get(source, 0) for source in after}))
