@@ -1,7 +1,8 @@
 """A pull and the CUDA stream the decode steps run on: with both pools on cuda:0 and a long kernel running on
-the current stream (as a decode step runs in a decode daemon), a same-layout UCX pull returns while it still
-runs, its bytes in place; a pull from another block size returns once its repack, queued behind that kernel,
-has run. Run by ``tests/gpu/run_all.sh`` on an H200 (needs ucxx)."""
+the current stream (as a decode step runs in a decode daemon), a UCX pull returns while it still runs: a
+same-layout pull with its bytes in place, a pull from another block size with its repack queued behind that
+kernel (``LandedRequest.ready`` not done yet), the host waiting for neither. Run by ``tests/gpu/run_all.sh`` on
+an H200 (needs ucxx)."""
 
 from __future__ import annotations
 
@@ -36,17 +37,20 @@ def _busy_stream() -> torch.cuda.Event:
 
 
 @pytest.mark.parametrize("arrangement", [None, "kpool-32-to-64"], ids=["same-layout", "from-32-blocks"])
-def test_a_ucx_pull_waits_for_the_stream_only_when_it_repacks(arrangement):
+def test_a_ucx_pull_returns_while_the_stream_is_busy_a_repack_queued_behind_it(arrangement):
     configs = {} if arrangement is None else arrangement_configs(arrangement)
 
     async def main():
         async with InProcessPair(transports=(Transport.UCX,), num_blocks=48, device="cuda:0", **configs) as pair:
             peer = await pair.decode.connect(pair.address)
+            with await pull_into(pair.d_cache, peer, await peer.prefill("warm", [7] * PROMPT),
+                                 transport=Transport.UCX):
+                pass  # the repack's kernels compiled (a compile behind the busy kernel could outlast it)
             grant = await peer.prefill("busy-stream", [7] * PROMPT)
             torch.cuda.synchronize()  # the prefill node's bytes are written
             busy = _busy_stream()
             with await pull_into(pair.d_cache, peer, grant, transport=Transport.UCX) as landed:
-                stream_still_busy = not busy.query()
+                stream_still_busy, ready_at_return = not busy.query(), landed.ready.done
                 torch.cuda.synchronize()
                 src = procs.mirror_pool(pair.prefill.pool.layout, "busy-stream", grant.num_blocks)
                 differences = procs.state_differences(host_copy(pair.decode.pool), landed.block_ids, landed.ring_id,
@@ -54,7 +58,8 @@ def test_a_ucx_pull_waits_for_the_stream_only_when_it_repacks(arrangement):
                                                       procs.live_slots(pair.decode.pool.config, PROMPT), PROMPT)
             assert differences == []
             assert landed.repacked is (arrangement is not None)
-            # a repack runs on the stream, behind the long kernel; a same-layout pull leaves the stream alone
-            assert stream_still_busy is (arrangement is None)
+            # neither pull waited for the stream; a repack runs on it, behind the long kernel, after the pull returned
+            assert stream_still_busy is True
+            assert ready_at_return is (arrangement is None)
 
     asyncio.run(asyncio.wait_for(main(), 120))

@@ -1,7 +1,8 @@
 """Which pulls wait for the current CUDA stream before they return (``regions.settle``): those that wrote through
-it (the gRPC stream's chunks, a landing in staging that the repack reads), not a same-layout UCX pull, whose
-bytes UCX lands itself (in a decode daemon the stream also runs the decode steps). On the CPU the waits are
-recorded, not made; ``tests/gpu/test_pull_stream_gpu.py`` times them on a GPU."""
+it (the gRPC stream's chunks), not a UCX pull, whose bytes UCX lands itself (in a decode daemon the stream also
+runs the decode steps): a UCX pull from another arrangement enqueues its repack on the stream and returns its
+event (``LandedRequest.ready``) instead. On the CPU the waits are recorded, not made;
+``tests/gpu/test_pull_stream_gpu.py`` and ``tests/gpu/test_staged_repack_order_gpu.py`` check them on a GPU."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from tests.support.arrangements import arrangement_configs
 @pytest.mark.parametrize(("transport", "arrangement", "settles"), [
     (Transport.UCX, None, False),
     (Transport.GRPC_STREAM, None, True),
-    (Transport.UCX, "kpool-32-to-64", True),
-], ids=["ucx-same-layout", "grpc-same-layout", "ucx-from-32-blocks"])
+    (Transport.UCX, "kpool-32-to-64", False),
+    (Transport.GRPC_STREAM, "kpool-32-to-64", True),
+], ids=["ucx-same-layout", "grpc-same-layout", "ucx-from-32-blocks", "grpc-from-32-blocks"])
 def test_a_pull_waits_for_the_stream_only_after_writing_through_it(monkeypatch, transport, arrangement, settles):
     if transport is Transport.UCX and not ucx_available():
         pytest.skip("needs ucxx")
