@@ -72,7 +72,7 @@ def test_a_push_is_handed_over_once_landed_while_its_pull_done_is_held(monkeypat
                 assert not differences and compared > 0
                 assert landed.first_token == (3 * n) % 50000
                 times = landed.times
-                assert 0 <= times.exposed_transfer_ms <= times.transfer_ms, times
+                assert times.exposed_transfer_ms >= 0 and times.transfer_ms > 0, times
                 assert times.exposed_transfer_ms < landed.seconds * 1000, (times, landed.seconds)
                 held.let_go()
                 assert await peer.release(landed.grant.grant_id)
@@ -105,14 +105,17 @@ def _check(predicate):
     return check
 
 
-def test_sends_before_the_prompt_end_count_once_and_a_running_send_up_to_it():
+def test_prefill_done_states_the_sends_so_far_once_and_their_exposure():
     clock = SendClock()
     t = 100.0
     clock.start(0, t)
     clock.add(0, t, t + 0.002)          # [0, 2] ms
     clock.start(1, t + 0.001)
     clock.add(1, t + 0.001, t + 0.004)  # [1, 4] ms: overlaps the first
-    clock.start(2, t + 0.006)           # still running at the prompt's end, 7 ms
-    assert clock.busy_before_ms(t + 0.007) == pytest.approx(4 + 1)
-    assert clock.busy_before_ms(t + 0.003) == pytest.approx(3)  # cut at the moment
+    assert clock.busy_until_ms(t + 0.009) == pytest.approx(4)
+    assert clock.exposed_ms(t + 0.003, t + 0.009) == pytest.approx(1)  # all done: up to the last send's end
+    assert clock.exposed_ms(t + 0.005, t + 0.009) == 0.0  # all done before the prompt's end
+    clock.start(2, t + 0.006)           # still running at PrefillDone, 9 ms
+    assert clock.busy_until_ms(t + 0.009) == pytest.approx(4 + 3)
+    assert clock.exposed_ms(t + 0.005, t + 0.009) == pytest.approx(4)  # up to now
     assert clock.busy_ms == pytest.approx(4)

@@ -44,13 +44,14 @@ class TransferTimes:
     """Where a request's time to first token went on its way to the decode node, in milliseconds:
     ``prefill_ms`` the prompt on the prefill node (Prefill call to its last chunk computed),
     ``transfer_ms`` moving all of its bytes (not pipelined: Pull to the last byte landed; pipelined: the
-    time its regions were being sent before the prompt's last chunk was written, overlapping sends counted
-    once, plus the exposed time), ``exposed_transfer_ms`` from the prompt's last chunk written to every byte
-    landed here (not pipelined: the whole transfer; pipelined: the decode node's time from PrefillDone's
-    arrival to the last byte landed, plus the prefill node's time from the prompt's end to PrefillDone's
-    sending, which PrefillDone states: PrefillDone's one-way latency is not counted). From a prefill node
-    whose PrefillDone states no times: the larger of the decode node's part and the prefill node's time
-    from the prompt's end to its last send completed, where PullDone came before the pull ended."""
+    time its regions were being sent, overlapping sends counted once: PullDone's, or where the pull ended
+    before it, PrefillDone's so far and the bytes that landed here after it came), ``exposed_transfer_ms``
+    from the prompt's last chunk written to every byte landed here (not pipelined: the whole transfer;
+    pipelined: the prefill node's time from the prompt's end to PrefillDone's sending, or to its last send's
+    end where all had completed, which PrefillDone states, plus the decode node's time from PrefillDone's
+    arrival to the last byte landed: PrefillDone's one-way latency is not counted). From a prefill node whose
+    PrefillDone states no times: the larger of the decode node's part and the prefill node's time from the
+    prompt's end to its last send completed, where PullDone came before the pull ended."""
 
     prefill_ms: float
     transfer_ms: float

@@ -226,9 +226,9 @@ class InboundPull:
 
     def _times(self, marks: list[float]) -> TransferTimes:
         """The request's TransferTimes (see there); ``marks``: ``run``'s time marks. A pipelined grant's exposure
-        ends at the last byte landed here, its start put on this node's clock by PrefillDone (its arrival less the
-        prefill node's time from the prompt's end to its sending); PullDone, which may come after the pull ended,
-        is read where it came, and for a prefill node that does not state those times."""
+        ends at the last byte landed here: what PrefillDone states of the sends after the prompt's end, and the
+        bytes that landed here after it came; PullDone, which may come after the pull ended, gives the send time
+        where it came, and the times of a prefill node that does not state them."""
         done = self.done
         if not self.grant.pipelined and self.granted_at:  # a push granted once its prompt was computed
             here = (max(self.last_landed, self.granted_at) - self.granted_at) * 1000
@@ -239,9 +239,9 @@ class InboundPull:
             return TransferTimes(prefill_ms=self.grant.prefill_ms, transfer_ms=whole, exposed_transfer_ms=whole)
         arrived, prefilled = self.prefill_done
         if prefilled.HasField("after_prompt_ms"):
-            exposed = max(0.0, (self.last_landed - arrived) * 1000 + prefilled.after_prompt_ms)
-            return TransferTimes(prefill_ms=prefilled.prefill_ms, exposed_transfer_ms=exposed,
-                                 transfer_ms=prefilled.sent_before_prompt_ms + exposed)
+            here = max(0.0, self.last_landed - arrived) * 1000  # bytes still landing after PrefillDone came
+            return TransferTimes(prefill_ms=prefilled.prefill_ms, exposed_transfer_ms=prefilled.after_prompt_ms + here,
+                                 transfer_ms=done.send_ms if done else prefilled.sent_ms + here)
         here = (max(self.last_landed, arrived) - arrived) * 1000  # its arrival to the last byte landed
         return TransferTimes(prefill_ms=prefilled.prefill_ms, transfer_ms=done.send_ms if done else here,
                              exposed_transfer_ms=max(here, done.sent_after_prefill_ms if done else 0.0))

@@ -78,11 +78,15 @@ class SendClock:
     def busy_ms(self) -> float:
         return self._union_ms(self._spans)
 
-    def busy_before_ms(self, moment: float) -> float:
-        """How long regions were being sent before ``moment``: the spans cut there, and a send still running
-        counted from its start up to it."""
-        cut = [(start, min(end, moment)) for start, end in self._spans if start < moment]
-        return self._union_ms(cut + [(start, moment) for start in self.running.values() if start < moment])
+    def busy_until_ms(self, now: float) -> float:
+        """How long regions have been sent by ``now``: the spans, and each send still running from its start."""
+        return self._union_ms(self._spans + [(start, now) for start in self.running.values()])
+
+    def exposed_ms(self, written: float, now: float) -> float:
+        """What the sends exposed after the prompt's last chunk was ``written``, as seen ``now``: up to the last
+        send's end once every send started has completed, else up to now (0 if neither came later)."""
+        end = now if self.running else max([written] + [end for _, end in self._spans])
+        return max(0.0, (end - written) * 1000)
 
 
 class OutboundPull:
@@ -159,8 +163,8 @@ class OutboundPull:
         out, prefill_ms, _ = self.grant.prefill.result()  # its done-callback may not have run yet
         done = pb.PrefillDone(first_token=out.first_token, prefill_ms=prefill_ms)
         if written := self._prompt_written_at():  # the decode node's anchor for what the transfer exposes
-            done.after_prompt_ms = max(0.0, (time.perf_counter() - written) * 1000)
-            done.sent_before_prompt_ms = self.clock.busy_before_ms(written)
+            now = time.perf_counter()
+            done.after_prompt_ms, done.sent_ms = self.clock.exposed_ms(written, now), self.clock.busy_until_ms(now)
         return pb.PullResponse(prefilled=done)
 
     def _post(self, index: int) -> None:

@@ -204,16 +204,16 @@ class PullDone(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., regions: _Optional[int] = ..., crc32: _Optional[_Iterable[int]] = ..., send_ms: _Optional[float] = ..., sent_after_prefill_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "prefill_ms", "after_prompt_ms", "sent_before_prompt_ms")
+    __slots__ = ("first_token", "prefill_ms", "after_prompt_ms", "sent_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     AFTER_PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
-    SENT_BEFORE_PROMPT_MS_FIELD_NUMBER: _ClassVar[int]
+    SENT_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     prefill_ms: float
     after_prompt_ms: float
-    sent_before_prompt_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., after_prompt_ms: _Optional[float] = ..., sent_before_prompt_ms: _Optional[float] = ...) -> None: ...
+    sent_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., after_prompt_ms: _Optional[float] = ..., sent_ms: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("chunk", "done", "prefilled", "granted")
