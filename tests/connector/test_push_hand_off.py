@@ -15,6 +15,7 @@ from kpool_pd.connector import ConnectorConfig, Transport, ucx_available
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.prefill.outbound import OutboundPull, SendClock
 from tests.support import connector_procs as procs
+from tests.support.connector_engines import ChunkedFillEngine
 from tests.support.connector_harness import InProcessPair
 from tests.support.deadlines import patient
 from tests.support.polling import until
@@ -24,6 +25,16 @@ pytestmark = pytest.mark.skipif(not ucx_available(), reason="needs ucxx")
 BLOCK = procs.CONFIG.block_size
 CONFIG = ConnectorConfig(peer_token=procs.TOKEN, rpc_timeout_s=patient(5), transfer_timeout_s=patient(5),
                          piece_tokens=64 * BLOCK)
+
+
+async def _yield() -> None:
+    await asyncio.sleep(0)  # a chunk's compute hands the loop on: the grant is made before the prompt's end
+
+
+def _chunked() -> ChunkedFillEngine:
+    """An engine whose prompt is computed in chunks of a block, so that a push's grant is made before its end
+    (a pipelined grant, whose PrefillDone states the times)."""
+    return ChunkedFillEngine(BLOCK, _yield)
 
 
 def run(coro):
@@ -62,12 +73,12 @@ async def _push(pair: InProcessPair, peer, request_id: str, n: int, **options) -
 def test_a_push_is_handed_over_once_landed_while_its_pull_done_is_held(monkeypatch):
     async def main():
         held = HeldPullDone(monkeypatch)
-        async with InProcessPair(config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
+        async with InProcessPair(engine=_chunked(), config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             n = 3 * BLOCK + 5
             with await _push(pair, peer, "early", n) as landed:  # PullDone is still held on the prefill node
-                assert not held._gate.is_set()
+                assert not held._gate.is_set() and landed.grant.pipelined
                 differences, compared = procs.landed_differences(pair.decode.pool, landed, "early", n)
                 assert not differences and compared > 0
                 assert landed.first_token == (3 * n) % 50000
@@ -83,7 +94,7 @@ def test_a_push_is_handed_over_once_landed_while_its_pull_done_is_held(monkeypat
 def test_a_push_with_integrity_waits_for_the_checksums_of_pull_done(monkeypatch):
     async def main():
         held = HeldPullDone(monkeypatch)
-        async with InProcessPair(config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
+        async with InProcessPair(engine=_chunked(), config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             push = asyncio.ensure_future(_push(pair, peer, "checked", 2 * BLOCK, integrity=True))

@@ -138,12 +138,13 @@ class InboundPull:
         # A push (PrefillPush): ``grant`` is the one planned from the prompt until the stream's first message states
         # the grant made; ``on_granted`` hears of it then, and ``granted_at`` is when it came (perf_counter).
         self.on_granted, self.granted_at = on_granted, 0.0
-        # The first token is known: at once for a grant made after its prompt; for a pipelined one (and a push) once
-        # PrefillDone came (or a push's grant made after its prompt). A UCX pull without integrity ends when its
-        # receives completed and this is set, without waiting for PullDone.
-        self.first_token_known = asyncio.Event()
+        # What the pull hands over besides the bytes is known (its first token, and what it states of its times):
+        # at once for a Pull of a grant made after its prompt; for a pipelined grant once PrefillDone came stating
+        # its times; else (a push granted after its prompt, a node whose PrefillDone states no times) with PullDone.
+        # A UCX pull without integrity ends when its receives completed and this is set.
+        self.known = asyncio.Event()
         if not grant.pipelined:
-            self.first_token_known.set()
+            self.known.set()
 
     @property
     def key(self) -> str:
@@ -251,18 +252,18 @@ class InboundPull:
 
     async def _land_on_receives(self) -> None:
         """UCX without integrity: the bytes are in place once every receive completed, and the pull ends when
-        they did and the first token is known (a pipelined grant's PrefillDone, read from the stream); PullDone
-        is not waited for: it states nothing this node checks. A stream that fails first fails the pull; once
+        they did and what it hands over is known (``known``: a pipelined grant's PrefillDone stating its times);
+        PullDone is then not waited for: it states nothing this node checks. A stream that fails first fails the pull; once
         the pull ended, the stream is followed to its end in the background (``keep``), not cancelled:
         cancelling it would cancel sends whose completion the prefill node may not have seen yet."""
         follow = asyncio.ensure_future(self._land_chunks(self.views))
         landed = asyncio.ensure_future(self.receives.wait())  # cancelling it leaves the receives posted
-        known = asyncio.ensure_future(self.first_token_known.wait())
+        known = asyncio.ensure_future(self.known.wait())
         try:
             while not (landed.done() and known.done()):
                 await asyncio.wait({task for task in (follow, landed, known) if not task.done()},
                                    return_when=asyncio.FIRST_COMPLETED)
-                for task in (follow, landed):  # a failure raises here; PullDone read sets ``known`` before it
+                for task in (follow, landed):  # a failure raises here; PullDone read set ``known``
                     if task.done():
                         task.result()
                 if landed.done():
@@ -311,13 +312,15 @@ class InboundPull:
             if kind == "prefilled" and self.grant.pipelined and self.prefill_done is None:
                 self.prefill_done = (time.perf_counter(), msg.prefilled)
                 self.first_token = msg.prefilled.first_token
-                self.first_token_known.set()
+                if msg.prefilled.HasField("after_prompt_ms"):
+                    self.known.set()
                 continue
             if kind == "done":
                 if self.grant.pipelined and self.prefill_done is None:
                     raise StatusError(grpc.StatusCode.INTERNAL, "Pull stream of a pipelined grant ended without "
                                       "PrefillDone")
                 self.done = msg.done
+                self.known.set()
                 return msg.done, landed
             if kind != "chunk":
                 raise StatusError(grpc.StatusCode.INTERNAL, f"unexpected {kind} message in a Pull stream")
@@ -341,8 +344,6 @@ class InboundPull:
                               f"{grant.num_blocks} blocks for {grant.prompt_len} tokens (request {grant.request_id!r}), "
                               f"where {planned.num_blocks} blocks for {planned.prompt_len} tokens were planned")
         self.grant, self.first_token = grant, grant.first_token
-        if not grant.pipelined:  # made once its prompt was computed: the first token comes with it
-            self.first_token_known.set()
 
     async def _wait_landed(self, plan: TransferPlan, views: list[torch.Tensor], landed: list[int]) -> None:
         """Every byte is in place: UCX, every receive completed; the gRPC stream, every chunk came."""
