@@ -9,7 +9,6 @@ driven with the step metadata vLLM's scheduler side hands them."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import secrets
 
@@ -22,6 +21,7 @@ from kpool_pd.connector.shared.plan import RingRange, plan_transfer  # noqa: E40
 from kpool_pd.vllm.groups import transfer_rules  # noqa: E402
 from kpool_pd.vllm.metadata import flat_ids  # noqa: E402
 from kpool_pd.vllm.planes import engine_pool  # noqa: E402
+from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support import vllm_spec_caches, vllm_spec_procs  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -66,7 +66,7 @@ class Process:
 @pytest.fixture(scope="module", params=["glm5next", "qsa"])
 def pair(request):
     model, token = request.param, secrets.token_hex(16)
-    context = multiprocessing.get_context("spawn")
+    context = engine_context()
     started = []
     try:
         started.append(Process(context, vllm_spec_procs.producer_main, model, free_port(), token))

@@ -4,7 +4,6 @@ pulling engine's own, and it computes none of the prompts (vLLM's ``vllm:prompt_
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import secrets
 
@@ -14,6 +13,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
+from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.vllm.test_vllm_pd import check_pd_equals_single_engine  # noqa: E402
 
@@ -25,7 +25,7 @@ def both_engines(tmp_path_factory):
     model = str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama-both")))
     token = secrets.token_hex(16)
     listens = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    context = multiprocessing.get_context("spawn")
+    context = engine_context()
     started = []
     try:
         for index in range(2):

@@ -8,7 +8,6 @@ so its blocks cannot already hold their KV: equal tokens mean the pulled bytes w
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import re
@@ -21,6 +20,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
+from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -39,7 +39,7 @@ def start_engines(model: str, logs: Path):
     """A producer and a consumer per transport for ``model``, each consumer's output in ``logs``; yields
     (producer, {transport: consumer})."""
     token = secrets.token_hex(16)
-    context = multiprocessing.get_context("spawn")
+    context = engine_context()
     started = []
     listen = f"127.0.0.1:{free_port()}"
     try:

@@ -9,7 +9,6 @@ before the other connector's start (a class each)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import secrets
@@ -21,6 +20,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
+from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support.ports import consecutive_ports, free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -35,7 +35,7 @@ TP2 = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS
 def start(engines: dict[str, tuple[dict, dict]], model: Path) -> dict[str, vllm_engines.EngineProcess]:
     """Each of ``engines`` (name: (kv_transfer_config, EngineProcess keywords)) in a process, all ready; an
     engine's output goes to ``<name>.log`` beside the model."""
-    context = multiprocessing.get_context("spawn")
+    context = engine_context()
     started: dict[str, vllm_engines.EngineProcess] = {}
     try:
         for name, (transfer, keywords) in engines.items():

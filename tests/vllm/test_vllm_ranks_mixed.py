@@ -19,7 +19,6 @@ consumer's too."""
 from __future__ import annotations
 
 import enum
-import multiprocessing
 import os
 import random
 import secrets
@@ -32,6 +31,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
+from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import consecutive_ports  # noqa: E402
 
@@ -101,7 +101,7 @@ def engines(tmp_path_factory):
     token = secrets.token_hex(16)
     listen = f"127.0.0.1:{consecutive_ports(2)[0]}"
     config = vllm_engines.kpool_transfer_config
-    context = multiprocessing.get_context("spawn")
+    context = engine_context()
     started: dict[str, vllm_engines.EngineProcess] = {}
     try:
         for name, transfer, keywords in (
