@@ -44,13 +44,16 @@ _hold_grpc_aio()
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A kernel body's CPU rows run from tests/, its CUDA rows from tests/gpu/ (tests/support/kernel_backends.py):
-    the other rows are deselected at collection, not skipped one by one."""
+    the other rows are deselected at collection, not skipped one by one. The slowest files go first
+    (tests/support/suite_order.py), for the workers of the README's test command."""
     from tests.support.kernel_backends import in_its_suite
+    from tests.support.suite_order import slowest_first
 
     elsewhere = [item for item in items if not in_its_suite(item)]
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
         items[:] = [item for item in items if in_its_suite(item)]
+    slowest_first(items)
 
 
 @pytest.fixture(scope="module")
