@@ -41,7 +41,7 @@ class _Pending:
 
 # the buffers ---------------------------------------------------------------------------------
 def test_a_kept_buffer_is_lent_again_only_once_its_repack_ran():
-    buffers = RepackStaging(BlockLayout(procs.make_config("kpool2")), "cpu")
+    buffers = RepackStaging(BlockLayout(procs.make_config("kpool2")), "cpu", keep_idle=2)
     first = buffers.take(3)
     assert first.blocks.shape == (3, buffers.peer_layout.block_bytes) and first.ids.tolist() == [0, 1, 2]
     buffers.give_back(first, _Pending())

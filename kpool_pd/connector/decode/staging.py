@@ -23,7 +23,9 @@ from kpool_pd.kvcache import BlockLayout
 
 logger = logging.getLogger(__name__)
 
-KEEP_IDLE = 2  # idle buffers a peer keeps for its next pulls; more are freed once their repack has run
+# Idle buffers a peer keeps for its next pulls; more are freed once their repack has run. One: a buffer holds a
+# whole request in the peer's layout (1.3 GB for 32k tokens of 61 layers), so a node keeps one a peer.
+KEEP_IDLE = 1
 
 
 class BlocksReady:
