@@ -42,11 +42,9 @@ class StagingBuffers:
     def take(self, nbytes: int) -> torch.Tensor:
         """uint8 [>= nbytes], the batch's until ``give``: the smallest kept buffer that fits, else a new one
         (rounded up to a power of two, touched now)."""
-        fitting = [b for b in self._free if b.numel() >= nbytes]
-        if fitting:
-            buffer = min(fitting, key=torch.Tensor.numel)
-            self._free.remove(buffer)
-            return buffer
+        fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        if fitting:  # by index: a tensor's == compares its elements
+            return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         size = 1 << max(nbytes - 1, 1).bit_length()
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         if buffer.device.type == "cpu":
