@@ -90,7 +90,7 @@ def _add_up(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kpool_pd.client import DEFAULT_REQUEST_TIMEOUT_S
+    from kpool_pd.decode_worker.client import DEFAULT_REQUEST_TIMEOUT_S
 
     parser = argparse.ArgumentParser(prog="kpool-pd", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from kpool_pd.client import RequestFailed
+from kpool_pd.decode_worker.client import RequestFailed
 from kpool_pd.decode_stats import DecodeSteps
 from kpool_pd.model.colocated import RequestResult
 

@@ -28,7 +28,7 @@ import torch
 
 from kpool_pd.connector import ucx_available
 from kpool_pd.certs import CertificateError, issue, make_ca
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.decode_stats import DecodeSteps, read_decode_steps
 from kpool_pd.runtime.launch import Daemon, DaemonError, start_decode, start_prefill
 from kpool_pd.report import json_lines, plural, summary, summary_text, table
@@ -285,7 +285,7 @@ def _print(args, results, report) -> None:
 
 
 def run_generate(args) -> int:
-    from kpool_pd.client import model_info
+    from kpool_pd.decode_worker.client import model_info
 
     if _counts_refused(args, ("requests", "prompt_len", "max_tokens")):
         return 2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kpool_pd.client import RequestFailed, generate_one
+from kpool_pd.decode_worker.client import RequestFailed, generate_one
 from kpool_pd.decode_worker import api
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated

@@ -1,7 +1,7 @@
 """The decode node's public API, ``kpoolpd.v1.GenerateService`` (``proto/kpoolpd/v1/generate.proto``):
 its messages, client stub and servicer base, from the code ``proto/generate.py`` writes.
 
-The decode node serves it (``kpool_pd.decode_worker.service``) and clients call it (``kpool_pd.client``);
+The decode node serves it (``kpool_pd.decode_worker.service``) and clients call it (``kpool_pd.decode_worker.client``);
 nothing else imports the generated code.
 """
 

@@ -7,7 +7,7 @@ import json
 
 import grpc
 
-from kpool_pd.client import RequestFailed
+from kpool_pd.decode_worker.client import RequestFailed
 from kpool_pd.report import json_lines, plural, summary, summary_text, table
 from kpool_pd.model.colocated import RequestResult
 

@@ -23,7 +23,7 @@ import pytest
 from kpool_pd.connector import auth_metadata, open_channel
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
-from kpool_pd.client import RequestFailed, generate_all, model_info
+from kpool_pd.decode_worker.client import RequestFailed, generate_all, model_info
 from kpool_pd.model.colocated import make_prompts, run_colocated
 from kpool_pd.runtime import client_tls, load_settings, model_config
 from tests.support import deploy_launch as dl

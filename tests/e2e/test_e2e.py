@@ -29,7 +29,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kpool_pd.connector import ucx_available
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import Daemon, start_decode, start_prefill
 from kpool_pd.kvcache import CacheFamily, family_spec_type
 from kpool_pd.model import ModelConfig
@@ -379,7 +379,7 @@ def test_prefill_and_decode_in_two_network_namespaces(tmp_path, transport):
             # The client runs beside the decode daemon, inside its namespace.
             proc = subprocess.run(
                 ["ip", "netns", "exec", ns.names[1], sys.executable, "-c",
-                 "import asyncio, json, sys; from kpool_pd.client import generate_all; "
+                 "import asyncio, json, sys; from kpool_pd.decode_worker.client import generate_all; "
                  "from kpool_pd.model.colocated import GenerateRequest; "
                  "reqs = [GenerateRequest(**r) for r in json.loads(sys.argv[2])]; "
                  "out = asyncio.run(generate_all(sys.argv[1], reqs)); "

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from kpool_pd.connector.shared.plan import ring_live_range
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.kvcache import BlockLayout
 from kpool_pd.model import ModelConfig

@@ -19,7 +19,7 @@ import dataclasses
 import grpc
 import pytest
 
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.kvcache import CacheFamily
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, run_colocated

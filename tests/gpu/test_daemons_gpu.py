@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kpool_pd.connector import ucx_available
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.kvcache import CacheFamily
 from kpool_pd.model import ModelConfig

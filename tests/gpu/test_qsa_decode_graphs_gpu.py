@@ -131,7 +131,7 @@ def test_qsa_daemons_on_the_gpu_with_image_prompts_equal_colocated(tmp_path):
     import asyncio
     import signal
 
-    from kpool_pd.client import RequestFailed, generate_all
+    from kpool_pd.decode_worker.client import RequestFailed, generate_all
     from kpool_pd.runtime import model_flags, model_settings
     from kpool_pd.runtime.launch import start_decode, start_prefill
 

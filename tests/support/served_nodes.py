@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.decode_worker.daemon import SPEC as DECODE_SPEC
 from kpool_pd.model.colocated import GenerateRequest, RequestResult
 from kpool_pd.prefill_worker.daemon import SPEC as PREFILL_SPEC

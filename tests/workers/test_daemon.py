@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kpool_pd.decode_worker import api as gpb
-from kpool_pd.client import RequestFailed, generate_all, generate_one
+from kpool_pd.decode_worker.client import RequestFailed, generate_all, generate_one
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.model.colocated import make_prompts
 from kpool_pd.runtime import model_flags

@@ -21,7 +21,7 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.shared.wire import layout_message
 from kpool_pd.decode_worker import api as gpb
 from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.kvcache import BlockLayout
 from kpool_pd.model.colocated import make_prompts

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from kpool_pd.connector import ConnectorConfig, DecodeConnector, StatusError, Transport, open_channel
 from kpool_pd.decode_worker import api
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.kvcache import NodeCache
 from kpool_pd.model import ModelConfig

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kpool_pd.connector import open_channel
 from kpool_pd.decode_worker.daemon import OPTIONS as DECODE_OPTIONS
 from kpool_pd.certs import issue, make_ca
-from kpool_pd.client import RequestFailed, generate_all, model_info
+from kpool_pd.decode_worker.client import RequestFailed, generate_all, model_info
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import make_prompts, run_colocated

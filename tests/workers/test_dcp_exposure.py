@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from kpool_pd.decode_worker import dcp_api as api
-from kpool_pd.client import generate_all
+from kpool_pd.decode_worker.client import generate_all
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import make_prompts, run_colocated
 from tests.support.dcp_daemons import dcp_instance

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kpool_pd.connector import open_channel
 from kpool_pd.decode_worker.diagnosis import closed_at_once, failure_reason
 from kpool_pd.certs import issue, make_ca
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import make_prompts, run_colocated

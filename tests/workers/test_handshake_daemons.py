@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kpool_pd.connector.shared.ucx import ucx_available
-from kpool_pd.client import RequestFailed, generate_all
+from kpool_pd.decode_worker.client import RequestFailed, generate_all
 from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.model.colocated import make_prompts
 from kpool_pd.runtime import model_flags

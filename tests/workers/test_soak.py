@@ -37,7 +37,7 @@ import pytest
 
 from kpool_pd.connector import open_channel, ucx_available
 from kpool_pd.decode_worker import api
-from kpool_pd.client import RequestFailed, generate_one
+from kpool_pd.decode_worker.client import RequestFailed, generate_one
 from kpool_pd.runtime.launch import Daemon, start_decode
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, RequestResult, make_prompts, run_colocated
