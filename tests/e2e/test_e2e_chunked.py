@@ -55,9 +55,11 @@ def test_chunked_pd_equals_colocated(family, group, num_spec, budget):
             outcomes = await match_and_free(prefill, decodes, batches, references)
             prompts = sum(len(b) for b in batches.values())
             assert _sample(prefill, "kpoolpd_prefill_chunks_total") - chunks_before > prompts, "no prompt was split"
-            # pieces of the budget's worth of blocks (here one block): at least a region per block moved
-            blocks = sum(config.cache.blocks_for_tokens(len(r.prompt)) for b in batches.values() for r in b)
-            assert _sample(prefill, "kpoolpd_prefill_transfer_regions_total") >= blocks
+            # every request moved its blocks; whether they went as pieces of the budget's worth of blocks depends on
+            # its pull reaching the prefill node before the prompt's last chunk (on a loaded machine it may come
+            # after, and a cold pull sends a region per run of blocks): tests/connector/test_connector_pipelined.py
+            # checks the pieces with the order fixed
+            assert _sample(prefill, "kpoolpd_prefill_transfer_regions_total") >= prompts
             for (transport, decode), results in zip(decodes.items(), outcomes):  # each request's times, in metrics too
                 assert all(r.prefill_ms > 0 and r.transfer_ms > 0 and r.exposed_transfer_ms >= 0 for r in results)
                 for name in ("prefill", "transfer", "exposed_transfer"):
