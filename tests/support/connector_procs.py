@@ -100,8 +100,9 @@ def prefill_main(conn, *, lease_s: float, die: str | None = None, num_blocks: in
                 if started:  # only the first region is sent
                     return asyncio.get_running_loop().create_future()  # never completes: the process dies first
                 started.append(real_post(ep, view, tag, **on))
-                asyncio.get_running_loop().call_later(0.002, os._exit, 17)  # its send is in flight (or landed)
-                return started[-1]
+                # dies within this call, its first send posted (in flight): a timer of even 2 ms let a loaded machine
+                # land the whole pull before the process died
+                os._exit(17)
             ucx.post_send = dying_post
         conn.send(("port", port, node_cache.free_blocks, node_cache.free_rings))
         loop = asyncio.get_running_loop()
