@@ -4,6 +4,7 @@ checked that vLLM is installed."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -36,6 +37,20 @@ def worker_pair(lease_s: float, name: str, *, release_after_pull: bool = True,
         {"peer_token": token, "transport": transport, "producers": [f"127.0.0.1:{port}"]}, producer=False),
         consumer_pool, engine_id=f"{name}-consumer", model_identity="glm5next")
     return producer, producer_caches, consumer, consumer_caches
+
+
+@contextlib.contextmanager
+def started(*workers):
+    """Start ``workers`` in turn; on leaving (or a start failing), close those that started, last first."""
+    running = []
+    try:
+        for worker in workers:
+            worker.start()
+            running.append(worker)
+        yield
+    finally:
+        for worker in reversed(running):
+            worker.close()
 
 
 def wait_finished(consumer: ConsumerWorker, request_id: str, within_s: float) -> tuple[set[str], set[str]]:

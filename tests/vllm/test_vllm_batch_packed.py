@@ -24,7 +24,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
-from tests.support.vllm_worker_pair import wait_finished, wait_freed, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import started, wait_finished, wait_freed, worker_pair  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
@@ -39,15 +39,8 @@ MOVES = {"a": (((1, 2), (3,)), ((1, 2), (3,))),
 @pytest.fixture
 def pair():
     producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "batch", transport="ucx")
-    started = []
-    try:
-        for worker in (producer, consumer):
-            worker.start()
-            started.append(worker)
+    with started(producer, consumer):
         yield producer, producer_caches, consumer, consumer_caches
-    finally:
-        for worker in reversed(started):
-            worker.close()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
-from tests.support.vllm_worker_pair import wait_finished, wait_freed, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import started, wait_finished, wait_freed, worker_pair  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
@@ -37,15 +37,8 @@ def runs(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
 @pytest.fixture
 def pair():
     producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "cross-layer", transport="ucx")
-    started = []
-    try:
-        for worker in (producer, consumer):
-            worker.start()
-            started.append(worker)
+    with started(producer, consumer):
         yield producer, producer_caches, consumer, consumer_caches
-    finally:
-        for worker in reversed(started):
-            worker.close()
 
 
 def test_a_pull_of_cross_layer_blocks_is_one_message_per_run(pair):

@@ -22,7 +22,7 @@ from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.support.vllm_worker_pair import wait_finished, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import started, wait_finished, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own, timing over several leases
 
@@ -35,15 +35,8 @@ SRC, DST = ((3, 4), (5,)), ((9, 10), (11,))  # a full group's two blocks and the
 @pytest.fixture
 def workers():
     producer, producer_caches, consumer, consumer_caches = worker_pair(LEASE_S, "renew")
-    started = []
-    try:
-        for worker in (producer, consumer):
-            worker.start()
-            started.append(worker)
+    with started(producer, consumer):
         yield producer, producer_caches, consumer, consumer_caches
-    finally:
-        for worker in reversed(started):
-            worker.close()
 
 
 def offer(producer: ProducerWorker, request_id: str) -> dict:
