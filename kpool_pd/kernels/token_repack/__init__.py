@@ -5,6 +5,7 @@ its own blocks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,13 @@ def check_layouts(src_layout: BlockLayout, dst_layout: BlockLayout) -> None:
     for name, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
         if not isinstance(layout, BlockLayout):
             raise TypeError(f"{name} must be a BlockLayout, got {type(layout).__name__}")
+    _check_pair(src_layout, dst_layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_pair(src_layout: BlockLayout, dst_layout: BlockLayout) -> None:
+    """``check_layouts``' comparison of the configs, once per pair of layouts (kept alive here, so an id is never
+    reused while cached; a pair that fails raises again at every call: exceptions are not cached)."""
     src, dst = src_layout.config, dst_layout.config
     # Field by field (not a replace(): the source's fields with the destination's block size may not make a config).
     differ = {f.name: (getattr(src, f.name), getattr(dst, f.name)) for f in dataclasses.fields(CacheConfig)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -134,9 +134,16 @@ class FieldLaunch:
     geometry: tuple[int, ...]
     meta: tuple[tuple[str, int], ...]  # the kernel's remaining constexprs (PIECE, BLOCK_R, CHUNK or BLOCK_E, VEC)
     num_warps: int
+    # the launch's keyword arguments (``meta`` and ``num_warps``) and tile rows, made once, not at every call
+    options: dict[str, int] = field(init=False, compare=False, hash=False, repr=False)
+    block_r: int = field(init=False, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", {**dict(self.meta), "num_warps": self.num_warps})
+        object.__setattr__(self, "block_r", self.options["BLOCK_R"])
 
     def grid(self, rows: int) -> tuple[int, int, int]:
-        return (triton.cdiv(rows, dict(self.meta)["BLOCK_R"]), self.layers, self.heads)
+        return (-(-rows // self.block_r), self.layers, self.heads)
 
 
 def _field_launch(src_field: FieldGeometry, dst_field: FieldGeometry, src_stride: int, dst_stride: int,
@@ -173,6 +180,13 @@ def launch_plan(src_config: CacheConfig, dst_config: CacheConfig, src_stride: in
                  for s, d in zip(src_layout.fields, dst_layout.fields, strict=True))
 
 
+@functools.lru_cache(maxsize=256)
+def _layouts_plan(src_layout: BlockLayout, dst_layout: BlockLayout, src_stride: int, dst_stride: int, src_align: int,
+                  dst_align: int, interpreter: bool) -> tuple[FieldLaunch, ...]:
+    """``launch_plan`` looked up by the layout objects (kept alive here), which hash faster than their configs."""
+    return launch_plan(src_layout.config, dst_layout.config, src_stride, dst_stride, src_align, dst_align, interpreter)
+
+
 def repack_tokens_triton(src_blocks: torch.Tensor, src_layout: BlockLayout, src_ids: torch.Tensor,
                          dst_blocks: torch.Tensor, dst_layout: BlockLayout, dst_ids: torch.Tensor,
                          num_tokens: int) -> None:
@@ -180,10 +194,15 @@ def repack_tokens_triton(src_blocks: torch.Tensor, src_layout: BlockLayout, src_
     # src_ids: [>= ceil(n / src block_size)] int; dst_ids: [>= ceil(n / dst block_size)] int; n = num_tokens
     if num_tokens == 0:
         return
-    plan = launch_plan(src_layout.config, dst_layout.config, src_blocks.stride(0), dst_blocks.stride(0),
-                       src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16, not src_blocks.is_cuda)
+    plan = _layouts_plan(src_layout, dst_layout, src_blocks.stride(0), dst_blocks.stride(0),
+                         src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16, not src_blocks.is_cuda)
+    src_count, dst_count = src_blocks.shape[0], dst_blocks.shape[0]
+    words: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers as words of each size, viewed once
     for launch in plan:
         rows = -(-num_tokens // launch.tokens_per_row)
-        src, dst = src_blocks.view(_WORDS[launch.word]), dst_blocks.view(_WORDS[launch.word])
-        launch.kernel[launch.grid(rows)](src, dst, src_ids, dst_ids, rows, src_blocks.shape[0], dst_blocks.shape[0],
-                                         *launch.geometry, **dict(launch.meta), num_warps=launch.num_warps)
+        viewed = words.get(launch.word)
+        if viewed is None:
+            dtype = _WORDS[launch.word]
+            viewed = words[launch.word] = (src_blocks.view(dtype), dst_blocks.view(dtype))
+        launch.kernel[launch.grid(rows)](*viewed, src_ids, dst_ids, rows, src_count, dst_count, *launch.geometry,
+                                         **launch.options)
