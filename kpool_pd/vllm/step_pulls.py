@@ -16,17 +16,37 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kpool_pd.connector import PackedLanded, PackedPullUnsupported, PackedTarget, PrefillPeer, can_pack, pull_packed
-from kpool_pd.kvcache import CacheAllocation
+from kpool_pd.connector import (PackedLanded, PackedPullUnsupported, PackedTarget, PrefillPeer, StagingBuffers, can_pack,
+                                pull_packed)
+from kpool_pd.kvcache import CacheAllocation, EngineCache
 from kpool_pd.vllm.metadata import Load, rank_grant
 from kpool_pd.vllm.ranks import Read
-
-if TYPE_CHECKING:
-    from kpool_pd.vllm.consumer_worker import ConsumerWorker
+from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
+
+
+class StepWorker(Protocol):
+    """What a step's batch needs of its consumer worker (``kpool_pd.vllm.consumer_worker.ConsumerWorker``)."""
+
+    cache: EngineCache
+    settings: KpoolPdSettings
+    stats: StatsRecorder
+    staging: StagingBuffers
+    unpacked: set[str]  # producers that do not serve PackedPull
+
+    async def peer(self, address: str) -> PrefillPeer: ...
+
+    def reads_of(self, load: Load) -> tuple[tuple[Read, ...], int, int]: ...
+
+    def ended(self, loads: list[tuple[Load, BaseException | None, list]]) -> None: ...
+
+    async def pull_read(self, load: Load, read: Read, local_units: int, remote_units: int): ...
+
+    def release_after_pulls(self, peer: PrefillPeer, grant_id: str) -> None: ...
 
 
 @dataclass
@@ -42,7 +62,7 @@ class _StepRead:
     target: PackedTarget | None = None
 
 
-async def pull_step(worker: "ConsumerWorker", loads: list[Load]) -> None:
+async def pull_step(worker: StepWorker, loads: list[Load]) -> None:
     """Pull ``loads`` (this step's, none with an error) and end them together; see the module. A fault of this
     code fails them all (logged), so that none waits for ever."""
     try:
@@ -53,7 +73,7 @@ async def pull_step(worker: "ConsumerWorker", loads: list[Load]) -> None:
     worker.ended(ended)
 
 
-async def _pulled(worker: "ConsumerWorker", loads: list[Load]) -> list[tuple[Load, BaseException | None, list]]:
+async def _pulled(worker: StepWorker, loads: list[Load]) -> list[tuple[Load, BaseException | None, list]]:
     """Each load of ``loads`` with why it could not start (or None) and its reads' outcomes."""
     reads: list[_StepRead] = []
     failed: dict[str, BaseException] = {}  # request -> why no read of it could start
@@ -92,14 +112,14 @@ async def _pulled(worker: "ConsumerWorker", loads: list[Load]) -> list[tuple[Loa
     return [(load, failed.get(load.request_id), outcomes[load.request_id]) for load in loads]
 
 
-async def _peers(worker: "ConsumerWorker", addresses: set[str]) -> dict[str, PrefillPeer | BaseException]:
+async def _peers(worker: StepWorker, addresses: set[str]) -> dict[str, PrefillPeer | BaseException]:
     """The peer at each address (handshaken at once where new), or why it could not be had."""
     ordered = sorted(addresses)
     found = await asyncio.gather(*(worker.peer(address) for address in ordered), return_exceptions=True)
     return dict(zip(ordered, found))
 
 
-def _lend(worker: "ConsumerWorker", step_read: _StepRead) -> None:
+def _lend(worker: StepWorker, step_read: _StepRead) -> None:
     """Lend a read its blocks and make its target; a read that cannot be planned fails alone (its outcome)."""
     load, read = step_read.load, step_read.read
     local_units, remote_units = step_read.units
@@ -115,7 +135,7 @@ def _lend(worker: "ConsumerWorker", step_read: _StepRead) -> None:
     step_read.target = PackedTarget(grant=grant, into=step_read.allocation, held=held)
 
 
-async def _pull_packed(worker: "ConsumerWorker", peer: PrefillPeer, group: list[_StepRead]) -> None:
+async def _pull_packed(worker: StepWorker, peer: PrefillPeer, group: list[_StepRead]) -> None:
     """One PackedPull of ``group`` (one producer rank's reads); a producer that does not serve it has them
     pulled alone, and is not asked again."""
     try:
@@ -138,7 +158,7 @@ async def _pull_packed(worker: "ConsumerWorker", peer: PrefillPeer, group: list[
                                 blocks=(len(target.into.block_ids) - len(target.held)) // slots, held=len(load.held))
 
 
-async def _pull_alone(worker: "ConsumerWorker", step_read: _StepRead) -> None:
+async def _pull_alone(worker: StepWorker, step_read: _StepRead) -> None:
     try:
         step_read.outcome = await worker.pull_read(step_read.load, step_read.read, *step_read.units)
     except Exception as exc:  # the load fails (reported with the others)
