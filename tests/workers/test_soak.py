@@ -7,7 +7,7 @@ aimed at decoding in their running batch until its cancel has come (a small requ
 before a cancel reached a loaded node, and the cancel would count nothing).
 
 At the end nothing is held anywhere: every block and ring is free again on all three daemons,
-no reservation is left, and no lease expired (a lease of 30 s cannot run out here: only Releases
+no reservation is left, and no lease expired (a lease of 120 s cannot run out here: only Releases
 freed the grants, within a wait scaled with the machine's load, ``settle_s``); the cancels landed
 in every state; every request that was not cancelled finished and equals the colocated run byte
 for byte.
@@ -58,7 +58,7 @@ CANCEL_HELD_S = 0.5  # a held request is cancelled this long after it was sent
 SEEN_S = 30.0  # how long a round waits for the decode node to count its held and queued requests (idle; ``patient``)
 MAX_RUNNING = len(HELD)
 SETTLE_S = HOLD_S + 10.0  # on an idle machine (``settle_s`` scales it with the load)
-LEASE_S = 30.0  # the daemons' (ConnectorConfig's default)
+LEASE_S = 120.0  # the prefill node's (--lease-s): past any settle_s, so only a Release can end a grant in time
 READY_S = 120.0
 
 
@@ -184,7 +184,7 @@ def test_cancels_aimed_at_every_state_leave_nothing_held_and_the_rest_match_colo
     flags = model_flags(model_settings(CONFIG))
     env = {"PYTHONPATH": str(REPO), "KPOOLPD_SOAK_HOLD_S": str(HOLD_S)}
     prefill = Daemon("tests.support.soak_prefill", ["--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
-                                            "--metrics-port", "0", "--num-blocks", "256", "--max-prompt-tokens", "64",
+                                            "--metrics-port", "0", "--num-blocks", "256", "--max-prompt-tokens", "64", "--lease-s", str(LEASE_S),
                                             "--log-format", "text", *flags], tmp_path, "prefill", env=env)
     decodes: list[Daemon] = []
     try:
