@@ -184,8 +184,9 @@ def test_cancels_aimed_at_every_state_leave_nothing_held_and_the_rest_match_colo
     flags = model_flags(model_settings(CONFIG))
     env = {"PYTHONPATH": str(REPO), "KPOOLPD_SOAK_HOLD_S": str(HOLD_S)}
     prefill = Daemon("tests.support.soak_prefill", ["--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
-                                            "--metrics-port", "0", "--num-blocks", "256", "--max-prompt-tokens", "64", "--lease-s", str(LEASE_S),
-                                            "--log-format", "text", *flags], tmp_path, "prefill", env=env)
+                                            "--metrics-port", "0", "--num-blocks", "256", "--max-prompt-tokens", "64",
+                                            "--lease-s", str(LEASE_S), "--log-format", "text", *flags],
+                     tmp_path, "prefill", env=env)
     decodes: list[Daemon] = []
     try:
         prefill.wait_ready(READY_S)
