@@ -8,6 +8,7 @@ PrefillDone's own way here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -70,12 +71,18 @@ async def _push(pair: InProcessPair, peer, request_id: str, n: int, **options) -
         raise
 
 
+@contextlib.asynccontextmanager
+async def _pushing_pair(monkeypatch):
+    """(PullDone held on the prefill node, a pair computing prompts in chunks, a decode peer, the free counts at start)."""
+    held = HeldPullDone(monkeypatch)
+    async with InProcessPair(engine=_chunked(), config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
+        start = pair.free()
+        yield held, pair, await pair.decode.connect(pair.address), start
+
+
 def test_a_push_is_handed_over_once_landed_while_its_pull_done_is_held(monkeypatch):
     async def main():
-        held = HeldPullDone(monkeypatch)
-        async with InProcessPair(engine=_chunked(), config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
-            start = pair.free()
-            peer = await pair.decode.connect(pair.address)
+        async with _pushing_pair(monkeypatch) as (held, pair, peer, start):
             n = 3 * BLOCK + 5
             with await _push(pair, peer, "early", n) as landed:  # PullDone is still held on the prefill node
                 assert not held._gate.is_set() and landed.grant.pipelined
@@ -93,10 +100,7 @@ def test_a_push_is_handed_over_once_landed_while_its_pull_done_is_held(monkeypat
 
 def test_a_push_with_integrity_waits_for_the_checksums_of_pull_done(monkeypatch):
     async def main():
-        held = HeldPullDone(monkeypatch)
-        async with InProcessPair(engine=_chunked(), config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
-            start = pair.free()
-            peer = await pair.decode.connect(pair.address)
+        async with _pushing_pair(monkeypatch) as (held, pair, peer, start):
             push = asyncio.ensure_future(_push(pair, peer, "checked", 2 * BLOCK, integrity=True))
             await asyncio.wait_for(held.reached.wait(), patient(10))  # every send completed, PullDone held
             for _ in range(20):  # the decode node's receives complete, its loop turns: the push still waits
