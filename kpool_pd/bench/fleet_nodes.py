@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from kpool_pd.model import ModelConfig
 from kpool_pd.runtime import model_flags, model_settings
 from kpool_pd.runtime.launch import Daemon, start_decode, start_prefill
 from kpool_pd.runtime.load_report import NodeLoad
+from kpool_pd.runtime.ports import spare_ports
 
 logger = logging.getLogger(__name__)
 
@@ -75,19 +75,6 @@ def _metric_values(port: int, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on loopback now (another process may take one before it is bound: the
-    daemon then fails to start, naming the port)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _wait_all_ready(daemons: list[Daemon]) -> None:
     for daemon in daemons:
         daemon.wait_ready(READY_S)
@@ -106,7 +93,7 @@ class Fleet:
         self.model = model_flags(model_settings(config))
         self.prefill: list[Daemon] = []
         self.decode: list[Daemon] = []
-        ports = _free_ports(2 * prefill)
+        ports = spare_ports(2 * prefill)
         self._ports = list(zip(ports[::2], ports[1::2]))  # each prefill daemon's (grpc, metrics) port, for good
         self.restarts = 0
 

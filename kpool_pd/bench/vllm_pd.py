@@ -32,7 +32,6 @@ import logging
 import multiprocessing
 import queue
 import secrets
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from kpool_pd.bench import vllm_engines, vllm_mooncake
 from kpool_pd.bench.arguments import bench_parser, count, counts
 from kpool_pd.bench.vllm_rows import (MIXED_LONGEST, MIXED_SHORTEST, VLLM_CONNECTORS, Connector, Rep, Row,
                                       Scenario, label, mixed_lengths, row_of, table)
+from kpool_pd.runtime.ports import spare_ports
 
 logger = logging.getLogger("kpool_pd.bench.vllm_pd")
 
@@ -85,13 +85,6 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
     kpool = vllm_engines.kpool_transfer_config
     return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport}),
             kpool("kv_consumer", {"transport": transport, "producers": [f"127.0.0.1:{ports[0]}"]}), token, token)
-
-
-def unused_port() -> int:
-    """A port the OS just handed out on loopback (free a moment ago; the engine binds it soon after)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class EngineFailed(Exception):
@@ -180,7 +173,7 @@ class PdPair:
 
     def __init__(self, connector: Connector, model: str, max_model_len: int, out: Path) -> None:
         self.connector = connector
-        self.ports = [unused_port(), unused_port()]
+        self.ports = spare_ports(2)
         producer_config, consumer_config, producer_env, consumer_env = transfer_configs(connector, self.ports)
         self.producer, self.consumer = _start(connector, [("producer", producer_config, producer_env),
                                                           ("consumer", consumer_config, consumer_env)],

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from kpool_pd.bench import vllm_engines
 from kpool_pd.bench.arguments import bench_parser, count
-from kpool_pd.bench.vllm_pd import Scenario, _Engine, mixed_lengths, unused_port
+from kpool_pd.bench.vllm_pd import Scenario, _Engine, mixed_lengths
+from kpool_pd.runtime.ports import spare_ports
 
 TRACE_ENV = "KPOOLPD_TRACE"  # where the engines' traced connector (kpool_pd.bench.vllm_trace) writes its stamps
 logger = logging.getLogger("kpool_pd.bench.vllm_profile")
@@ -52,7 +53,7 @@ def run(transport: str, model: str, scenarios: list[Scenario], reps: int, max_mo
     consumer's generates as windows (the traces are in ``out``)."""
     import multiprocessing
 
-    port = unused_port()
+    [port] = spare_ports(1)
     token = secrets.token_hex(16)
     context = multiprocessing.get_context("spawn")
     engines = []
