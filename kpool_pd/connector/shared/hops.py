@@ -1,10 +1,11 @@
 """A pull's hops, stamped for the transfer bench: where a UCX pull's time goes between the two nodes.
 
-Each side stamps the moments a pull passes (``stamp(grant_id, hop)``) on the ``connector.hops`` logger at
-DEBUG level, with ``time.perf_counter()``: on one host both processes read the same CLOCK_MONOTONIC, so
-the stamps of the decode node and the prefill node line up. Off (the logger not at DEBUG, the default), a
-stamp is one cached level test. ``HopRecorder`` is the handler the bench attaches in each process to
-collect them (``kpool_pd.bench.transfer --hops``).
+Each side stamps the moments a pull passes (``stamp(grant_id, hop)``) with ``time.perf_counter()``: on one
+host both processes read the same CLOCK_MONOTONIC, so the stamps of the decode node and the prefill node line
+up. ``HopRecorder`` is what the bench installs in each process to collect them (``kpool_pd.bench.transfer
+--hops``): it is called directly, with no log record made, since a record cost 10-70 us a stamp (11 stamps a
+pull), which the stamped pull then paid. Other tools may read them from the ``connector.hops`` logger at DEBUG
+level. Off (no recorder, the logger not at DEBUG: the default), a stamp is two cheap tests.
 
 The hops, in the order a UCX pull passes them (``HOPS``): decode ``pull`` (InboundPull.run begins),
 ``posted`` (its receives posted), ``request`` (the pull's message handed to the session's writer),
@@ -30,9 +31,16 @@ logger = logging.getLogger("kpool_pd.connector.hops")
 HOPS = ("pull", "posted", "request", "written", "read", "checked", "lent", "send", "sent", "landed", "returned")
 
 
+_recorders: list["HopRecorder"] = []  # installed in this process (``HopRecorder.install``)
+
+
 def stamp(grant_id: str, hop: str) -> None:
-    """Record that ``grant_id``'s pull passed ``hop`` now (nothing when the hops logger is not at DEBUG), with
-    its loop's step count (-1 unless the running loop is a ``StepCountingLoop``)."""
+    """Record that ``grant_id``'s pull passed ``hop`` now (nothing without a recorder installed or the hops
+    logger at DEBUG), with its loop's step count (-1 unless the running loop is a ``StepCountingLoop``)."""
+    if _recorders:
+        when, steps = time.perf_counter(), getattr(asyncio._get_running_loop(), "steps", -1)
+        for recorder in _recorders:
+            recorder.record(grant_id, hop, when, steps)
     if logger.isEnabledFor(logging.DEBUG):
         loop = asyncio._get_running_loop()
         logger.debug("%s %s %.9f %d", grant_id, hop, time.perf_counter(), getattr(loop, "steps", -1))
@@ -49,31 +57,26 @@ class StepCountingLoop(asyncio.SelectorEventLoop):
         super()._run_once()
 
 
-class HopRecorder(logging.Handler):
+class HopRecorder:
     """Collects the stamps of this process: ``stamps[grant_id][hop]`` is the first time (perf_counter
     seconds) that pull passed that hop, ``steps[grant_id][hop]`` its loop's step count then (a
-    ``StepCountingLoop``'s only). ``install()`` turns the hops logger on and attaches it."""
+    ``StepCountingLoop``'s only). ``install()`` has ``stamp`` call it; ``uninstall()`` stops that."""
 
     def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
         self.stamps: dict[str, dict[str, float]] = {}
         self.steps: dict[str, dict[str, int]] = {}  # the loop's step count at each hop, where counted
 
-    def emit(self, record: logging.LogRecord) -> None:
-        grant_id, hop, when, steps = record.args
+    def record(self, grant_id: str, hop: str, when: float, steps: int) -> None:
         self.stamps.setdefault(grant_id, {}).setdefault(hop, when)
         if steps >= 0:
             self.steps.setdefault(grant_id, {}).setdefault(hop, steps)
 
     def install(self) -> "HopRecorder":
-        logger.setLevel(logging.DEBUG)
-        logger.propagate = False
-        logger.addHandler(self)
+        if self not in _recorders:
+            _recorders.append(self)
         return self
 
     def uninstall(self) -> None:
-        """Detach it and turn the hops logger off again (idempotent)."""
-        logger.removeHandler(self)
-        if not logger.handlers:
-            logger.setLevel(logging.NOTSET)
-            logger.propagate = True
+        """Stop recording (idempotent)."""
+        if self in _recorders:
+            _recorders.remove(self)
