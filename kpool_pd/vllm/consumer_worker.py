@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from kpool_pd.connector import DecodeConnector, PrefillPeer, StagingBuffers, StatusError, Transport
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.transfer_params import grant_key
-from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config
+from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, warm_staging
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, rank_grant, read_key
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Read
 from kpool_pd.vllm.settings import KpoolPdSettings
@@ -102,6 +102,7 @@ class ConsumerWorker:
         # renewal, when it is next due
 
     def start(self) -> None:
+        warm_staging(self.staging, self.cache.pool)
         self.loop.call(self.node.start)
         self.loop.submit(self._renew_forever)
 

@@ -27,7 +27,7 @@ from kpool_pd.connector import EngineUnavailable, PrefillConnector, PrefillInput
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.runtime import GrpcServer
-from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, rank_address
+from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, rank_address, warm_staging
 from kpool_pd.vllm.metadata import KpoolPdMetadata
 from kpool_pd.vllm.ranks import RankSeat, slot_key
 from kpool_pd.vllm.settings import KpoolPdSettings
@@ -81,6 +81,7 @@ class ProducerWorker:
         outbound.grant.release_requested = True
 
     def start(self) -> None:
+        warm_staging(self.node.packed_pulls.staging, self.cache.pool)
         async def start():
             await self.node.start()
             config = self.node.config

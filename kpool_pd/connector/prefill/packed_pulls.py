@@ -7,7 +7,7 @@ Pull would have ended with, and the others go on. The regions of the pulls serve
 at the offsets the decode node's receives expect (every pull's regions back to back, in request order,
 each pull's in its plan's order: a refused pull's span is left unwritten), which goes out in the pieces the
 request names (each under UCX's eager limit: a message of several MiB goes by the rendezvous, several times
-slower over TCP) on an endpoint lent to the batch alone; the answer follows once they were sent, with a
+slower over TCP; in host memory each posted as soon as its bytes are copied) on an endpoint lent to the batch alone; the answer follows once they were sent, with a
 PullDone for each pull served. The buffer is one the node kept from an earlier batch
 (``kpool_pd.connector.shared.packed_staging``). Each grant served is read by the batch until it ends (``Grant.pulls_in_flight``); a batch that ends
 before its send completed (its call cancelled, the deadline) stops the send and fails its pulls, and their
@@ -108,16 +108,15 @@ class PackedPullDesk:
             accepted.append(_Accepted(index, grant, plan, here, pull.integrity))
         return accepted, link
 
-    def _pack(self, accepted: list[_Accepted], message: torch.Tensor) -> None:
-        """Write every accepted pull's regions at its offset of ``message`` (uint8; others' spans unwritten)."""
-        pool, dst, src = self.pulls.pool, [], []
+    def _packed_pieces(self, accepted: list[_Accepted], message: torch.Tensor, piece_bytes: int):
+        """``pack_in_pieces`` of every accepted pull's regions at its offset of ``message``."""
+        pool, spans = self.pulls.pool, []
         for pull in accepted:
             at = pull.offset
             for region in pull.plan.regions:
-                dst.append(message[at:at + region.nbytes])
-                src.append(regions.region_view(pool, region))
+                spans.append((at, regions.region_view(pool, region)))
                 at += region.nbytes
-        copy_all(dst, src)
+        return pack_in_pieces(spans, message, piece_bytes)
 
     async def answer(self, request: pb.PackedPullRequest) -> pb.PackedPullResponse:
         """The batch's outcome, one result a pull, once its message was sent; StatusError for a batch refused as a
@@ -148,12 +147,11 @@ class PackedPullDesk:
         buffer = self.staging.take(total)
         try:
             message = buffer[:total]
-            self._pack(accepted, message)
             try:
                 endpoint = await link.lend()
                 for pull in accepted:
                     hops.stamp(pull.grant.grant_id, "send")
-                for index, (at, length) in enumerate(pieces(total, request.piece_bytes)):
+                for index, (at, length) in enumerate(self._packed_pieces(accepted, message, request.piece_bytes)):
                     sent.append(endpoint.post(message[at:at + length], region_tag(request.ucx_tag, index)))
                 await asyncio.wait_for(asyncio.shield(asyncio.gather(*sent)), config.pull_budget_s(computing=False))
             except (UcxSendError, asyncio.TimeoutError) as exc:
@@ -191,6 +189,34 @@ class PackedPullDesk:
                 if finished and desk.on_pull_done is not None:
                     desk.on_pull_done(PackedPullServed(pull.grant, pull.plan))
             desk.grants.reap()
+
+
+def pack_in_pieces(spans: list[tuple[int, torch.Tensor]], message: torch.Tensor, piece_bytes: int):
+    """Copy each span's source to its offset of ``message`` and yield each ``piece_bytes`` piece's (offset, length)
+    of ``message`` as soon as its bytes are written: in host memory the copies go piece by piece, so that the first
+    pieces travel while later ones are packed; on a GPU the whole message is packed in one operation first. Bytes
+    no span covers are left unwritten.
+    # spans: [(offset, uint8 [n])], increasing offsets, not overlapping, within message: uint8 [total]"""
+    cut = pieces(message.numel(), piece_bytes)
+    if message.device.type != "cpu":
+        copy_all([message[at:at + src.numel()] for at, src in spans], [src for _, src in spans])
+        yield from cut
+        return
+    dst, src, next_span = [], [], 0
+    for begin, length in cut:
+        end = begin + length
+        while next_span < len(spans) and spans[next_span][0] < end:
+            at, view = spans[next_span]
+            lo, hi = max(at, begin), min(at + view.numel(), end)
+            dst.append(message[lo:hi])
+            src.append(view[lo - at:hi - at])
+            if at + view.numel() > end:
+                break  # the span goes on in the next piece
+            next_span += 1
+        copy_all(dst, src)
+        dst.clear()
+        src.clear()
+        yield begin, length
 
 
 def _region_crcs(span: torch.Tensor, plan: ServedPlan) -> list[int]:
