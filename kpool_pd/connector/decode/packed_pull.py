@@ -4,12 +4,15 @@ UCX message (``kpool_pd.connector.prefill.packed_pulls`` is the prefill node's s
 ``pull_packed(peer, targets)`` plans each pull as ``PrefillPeer.pull`` does (the whole request, into the
 first blocks of the caller's allocation, skipping its held blocks), posts one receive of every pull's regions
 back to back into a buffer of its own (in pieces of ``PIECE_BYTES``, each under UCX's eager limit), sends
-every pull in one PackedPull call, and once the message landed copies each served pull's regions into its
-blocks. The buffer comes from ``staging`` (kept between batches: a fresh one costs its first touch). It returns one outcome a target, in order: what landed
-(``PackedLanded``), or the exception that failed that pull alone (a refused grant, a plan its allocation cannot
-take, bytes that disagree with the plan); the others land. A failure of the call or of the message fails every
-pull of the batch. The receive lands in the batch's own buffer, never in the caller's blocks: whatever happens,
-nothing is written into an allocation once ``pull_packed`` returned or raised. A node that does not serve
+every pull in one PackedPull call, and copies each region into its blocks (in host memory as soon as the pieces
+holding it landed, while later pieces travel; on a GPU once the message landed). The buffer comes from
+``staging`` (kept between batches: a fresh one costs its first touch). It returns one outcome a target, in order:
+what landed (``PackedLanded``), or the exception that failed that pull alone (a refused grant, a plan its
+allocation cannot take, bytes that disagree with the plan); the others land. A failure of the call or of the
+message fails every pull of the batch. The receive lands in the batch's own buffer, never in the caller's blocks,
+and whatever happens, nothing is written into an allocation once ``pull_packed`` returned or raised; before that,
+a pull that fails may have had some of its blocks written (in host memory: the pieces landed before the answer
+named it refused), as a failed pull of its own may: its caller recomputes them. A node that does not serve
 PackedPull raises ``PackedPullUnsupported`` before anything landed (the caller pulls each alone).
 
 Eligible peers (``can_pack``): UCX on both sides and the node's layout ours (a peer whose layout is arranged
@@ -34,7 +37,7 @@ from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure, status_code
-from kpool_pd.connector.shared.packed_staging import PIECE_BYTES, StagingBuffers, copy_all, pieces
+from kpool_pd.connector.shared.packed_staging import PIECE_BYTES, StagingBuffers, copy_all, piece_parts, pieces
 from kpool_pd.connector.shared.ucx import ReceiveBatch, UcxNode
 from kpool_pd.connector.shared.plan import TransferPlan
 from kpool_pd.connector.shared.wire import Transport, region_message
@@ -108,6 +111,30 @@ async def _retire(ucx: UcxNode, receive: ReceiveBatch, staging: StagingBuffers, 
         staging.give(buffer)
 
 
+async def _land_as_pieces_come(message: torch.Tensor, receive: ReceiveBatch, planned: list[_Planned]) -> None:
+    """Copy each planned region's bytes from ``message`` (uint8, in host memory) into its view as soon as the pieces
+    holding them landed, piece by piece in order, so that the copies run while later pieces travel; stops at a
+    failed piece (the batch then fails) or when cancelled."""
+    spans = [(at, view) for pull in planned for at, view in _region_offsets(pull)]
+    parts = piece_parts([(at, view.numel()) for at, view in spans], message.numel(), PIECE_BYTES)
+    for landed, (_, held) in zip(receive.futures, parts):
+        try:
+            await asyncio.shield(landed)
+        except Exception:  # the receive failed: the batch's wait raises it
+            return
+        copy_all([spans[index][1][lo - spans[index][0]:hi - spans[index][0]] for index, lo, hi in held],
+                 [message[lo:hi] for _, lo, hi in held])
+
+
+def _region_offsets(pull: _Planned) -> list[tuple[int, torch.Tensor]]:
+    """(offset in the message, view) of each of ``pull``'s regions."""
+    offsets, at = [], pull.offset
+    for view in pull.views:
+        offsets.append((at, view))
+        at += view.numel()
+    return offsets
+
+
 async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, staging: StagingBuffers,
                       integrity: bool = False) -> list[PackedLanded | BaseException]:
     """Pull ``targets`` from ``peer`` in one PackedPull (see the module), through a buffer of ``staging`` (on the
@@ -141,6 +168,8 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
     budget = context.config.pull_budget_s(computing=False)
     deadline = time.monotonic() + budget
     landed = False
+    early = message.device.type == "cpu"  # host memory: each piece is copied into the blocks as it lands
+    landing = asyncio.ensure_future(_land_as_pieces_come(message, receive, planned)) if early else None
     try:
         for request in requests:
             hops.stamp(request.grant_id, "written")
@@ -172,8 +201,10 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
                                   f"did not land within {budget} s") from None
             except Exception as exc:  # the receive failed in UCX
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, f"PackedPull from {peer.address}: {exc}") from None
+            if landing is not None:
+                await landing
             landed = True
-            _unpack(message, served, outcomes, peer.address, integrity)
+            _unpack(message, served, outcomes, peer.address, integrity, copied=early)
             seconds = time.perf_counter() - started
             for pull, _ in served:
                 if outcomes[pull.index] is None:
@@ -185,6 +216,8 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
             if outcomes[pull.index] is None:
                 outcomes[pull.index] = exc
     finally:
+        if landing is not None:
+            landing.cancel()  # no copy into the blocks once this returns
         if landed:
             staging.give(buffer)
         else:  # retire the receives (they land in ``buffer`` only, never in the caller's blocks)
@@ -193,9 +226,11 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
     return outcomes
 
 
-def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, integrity: bool) -> None:
-    """Copy each served pull's span of ``message`` into its regions; a pull whose PullDone disagrees with its
-    plan, or whose bytes fail their crc32 (``integrity``), fails alone (DATA_LOSS)."""
+def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, integrity: bool, *,
+            copied: bool = False) -> None:
+    """Copy each served pull's span of ``message`` into its regions (unless ``copied`` as the pieces landed); a
+    pull whose PullDone disagrees with its plan, or whose bytes fail their crc32 (``integrity``), fails alone
+    (DATA_LOSS)."""
     dst, src = [], []
     for pull, done in served:
         plan = pull.plan
@@ -209,7 +244,8 @@ def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, i
             dst.append(view)
             src.append(message[at:at + view.numel()])
             at += view.numel()
-    copy_all(dst, src)
+    if not copied:
+        copy_all(dst, src)
     _settle([view for pull, _ in served for view in pull.views])
     if integrity:
         for pull, done in served:

@@ -32,7 +32,7 @@ from kpool_pd.connector.prefill.served_plan import ServedPlan, served_plan
 from kpool_pd.connector.prefill.ucx_link import UcxLink
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError
-from kpool_pd.connector.shared.packed_staging import StagingBuffers, copy_all, pieces
+from kpool_pd.connector.shared.packed_staging import StagingBuffers, copy_all, piece_parts, pieces
 from kpool_pd.connector.shared.ucx import MAX_REGIONS, UcxSendError, region_tag
 from kpool_pd.connector.shared.wire import Transport
 
@@ -197,26 +197,14 @@ def pack_in_pieces(spans: list[tuple[int, torch.Tensor]], message: torch.Tensor,
     pieces travel while later ones are packed; on a GPU the whole message is packed in one operation first. Bytes
     no span covers are left unwritten.
     # spans: [(offset, uint8 [n])], increasing offsets, not overlapping, within message: uint8 [total]"""
-    cut = pieces(message.numel(), piece_bytes)
     if message.device.type != "cpu":
         copy_all([message[at:at + src.numel()] for at, src in spans], [src for _, src in spans])
-        yield from cut
+        yield from pieces(message.numel(), piece_bytes)
         return
-    dst, src, next_span = [], [], 0
-    for begin, length in cut:
-        end = begin + length
-        while next_span < len(spans) and spans[next_span][0] < end:
-            at, view = spans[next_span]
-            lo, hi = max(at, begin), min(at + view.numel(), end)
-            dst.append(message[lo:hi])
-            src.append(view[lo - at:hi - at])
-            if at + view.numel() > end:
-                break  # the span goes on in the next piece
-            next_span += 1
-        copy_all(dst, src)
-        dst.clear()
-        src.clear()
-        yield begin, length
+    for piece, parts in piece_parts([(at, src.numel()) for at, src in spans], message.numel(), piece_bytes):
+        copy_all([message[lo:hi] for _, lo, hi in parts],
+                 [spans[index][1][lo - spans[index][0]:hi - spans[index][0]] for index, lo, hi in parts])
+        yield piece
 
 
 def _region_crcs(span: torch.Tensor, plan: ServedPlan) -> list[int]:

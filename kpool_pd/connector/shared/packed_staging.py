@@ -32,6 +32,22 @@ def pieces(total: int, piece_bytes: int) -> list[tuple[int, int]]:
     return [(at, min(piece_bytes, total - at)) for at in range(0, total, piece_bytes)]
 
 
+def piece_parts(spans: list[tuple[int, int]], total: int, piece_bytes: int):
+    """For each ``piece_bytes`` piece of a ``total``-byte message, in order: ((offset, length), the parts of
+    ``spans`` it holds as (span index, first byte, end) in message offsets). ``spans``: (offset, nbytes), increasing
+    offsets, not overlapping, within the message (bytes no span covers belong to no part)."""
+    next_span = 0
+    for begin, length in pieces(total, piece_bytes):
+        end, parts = begin + length, []
+        while next_span < len(spans) and spans[next_span][0] < end:
+            at, nbytes = spans[next_span]
+            parts.append((next_span, max(at, begin), min(at + nbytes, end)))
+            if at + nbytes > end:
+                break  # the span goes on in the next piece
+            next_span += 1
+        yield (begin, length), parts
+
+
 class StagingBuffers:
     """uint8 buffers on ``device``, lent to one batch at a time (``take``, ``give``)."""
 
