@@ -11,7 +11,8 @@ caller pulls with Pull calls from then on.
 
 With a prefill node that takes batches (``HandshakeResponse.pull_batches``), the pulls opened in one turn of
 the event loop (the requests of one engine step, started together) go out as one message
-(``PullSessionRequest.pulls``), written once, where each would be a message of its own.
+(``PullSessionRequest.pulls``), written once, where each would be a message of its own. The writer takes
+them at its next step (no step of their own to gather them first).
 
 The prefill node ends a session idle for its limit (``HandshakeResponse.pull_session_idle_ms``); so that no
 pull races that end, ``open`` replaces a session that has been idle for half the limit.
@@ -33,6 +34,9 @@ from kpool_pd.connector.shared.errors import StatusError, status_code
 logger = logging.getLogger(__name__)
 
 
+_BATCH = object()  # in the writer's queue: the pulls opened and not yet taken (``_take_batch``) go here
+
+
 class SessionPull:
     """One pull on a session: its messages (PullResponse) and its end, as ``InboundPull`` reads a Pull call."""
 
@@ -42,6 +46,13 @@ class SessionPull:
         self.ended = False
         self.written = False  # its request was handed to gRPC
         self._on_written: list[Callable[[], None]] = []
+        # done once gRPC has the request (its write submitted, not completed) or the session ended: the pull posts
+        # its receives then, while the request travels (UCX keeps a message that comes first until they are posted)
+        self.handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _handed(self) -> None:
+        if not self.handed.done():
+            self.handed.set_result(None)
 
     def when_written(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once the pull's request has been handed to gRPC (at once if it was already): work
@@ -79,11 +90,11 @@ class PullSession:
     def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], address: str, *,
                  idle_s: float | None = None, batches: bool = False) -> None:
         self._open_stream, self.address, self.idle_s, self.batches = open_stream, address, idle_s, batches
-        self._batch: list[pb.PullRequest] = []  # pulls opened in this turn of the loop, not written yet
+        self._batch: list[pb.PullRequest] = []  # pulls opened and not yet taken by the writer
         self.supported = True
         self._active_at = time.monotonic()  # the last pull opened or message read
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._outgoing: asyncio.Queue[pb.PullSessionRequest] = asyncio.Queue()
+        self._outgoing: asyncio.Queue[pb.PullSessionRequest | object] = asyncio.Queue()  # or _BATCH
         self._pulls: dict[str, SessionPull] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -99,21 +110,22 @@ class PullSession:
             self._start()
         pull = self._pulls[request.grant_id] = SessionPull(self, request.grant_id)
         if self.batches:
-            if not self._batch:
-                asyncio.get_running_loop().call_soon(self._send_batch)
+            if not self._batch:  # the writer takes the batch at its next step, as it stands then
+                self._outgoing.put_nowait(_BATCH)
             self._batch.append(request)
         else:
             self._outgoing.put_nowait(pb.PullSessionRequest(pull=request))
         hops.stamp(request.grant_id, "request")
         return pull
 
-    def _send_batch(self) -> None:
-        """The pulls opened in the last turn of the loop, in one message (one pull: as a ``pull`` of its own)."""
+    def _take_batch(self) -> pb.PullSessionRequest | None:
+        """The pulls opened since the writer last took them (those of the last turn of the loop, or more while
+        it wrote), in one message (one pull: as a ``pull`` of its own); None if all were cancelled."""
         batch, self._batch = self._batch, []
-        if not batch or self._call is None:  # none left, or the session ended (and failed them) meanwhile
-            return
-        self._outgoing.put_nowait(pb.PullSessionRequest(pull=batch[0]) if len(batch) == 1 else
-                                  pb.PullSessionRequest(pulls=pb.PullBatch(pulls=batch)))
+        if not batch:
+            return None
+        return pb.PullSessionRequest(pull=batch[0]) if len(batch) == 1 else \
+            pb.PullSessionRequest(pulls=pb.PullBatch(pulls=batch))
 
     def cancel(self, grant_id: str) -> None:
         if self._pulls.pop(grant_id, None) is None:
@@ -134,12 +146,19 @@ class PullSession:
         try:
             while True:
                 message = await outgoing.get()
-                await call.write(message)
+                if message is _BATCH and (message := self._take_batch()) is None:
+                    continue
                 kind = message.WhichOneof("message")
-                for pull in (message.pull,) if kind == "pull" else message.pulls.pulls if kind == "pulls" else ():
-                    hops.stamp(pull.grant_id, "written")
-                    if (opened := self._pulls.get(pull.grant_id)) is not None:
-                        opened._written()
+                pulls = (message.pull,) if kind == "pull" else message.pulls.pulls if kind == "pulls" else ()
+                opened = [pull for request in pulls if (pull := self._pulls.get(request.grant_id)) is not None]
+                loop = asyncio.get_running_loop()
+                for pull in opened:  # runs once ``write`` below has handed the message to gRPC and waits
+                    loop.call_soon(pull._handed)
+                await call.write(message)
+                for request in pulls:
+                    hops.stamp(request.grant_id, "written")
+                for pull in opened:
+                    pull._written()
         except Exception as exc:  # the stream ended (an RPC error, or writes after its end): ``_read`` fails the pulls
             logger.debug("pull session to %s: write failed: %s: %s", self.address, type(exc).__name__, exc)
 
@@ -181,6 +200,7 @@ class PullSession:
                 task.cancel()
         pulls, self._pulls = self._pulls, {}
         for pull in pulls.values():
+            pull._handed()  # nothing will hand it on: it reads its failure
             pull.messages.put_nowait(StatusError(grpc.StatusCode.UNAVAILABLE,
                                                  f"Pull from {self.address}: the pull session ended ({why})"))
         if pulls:

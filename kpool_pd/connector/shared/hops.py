@@ -7,8 +7,9 @@ up. ``HopRecorder`` is what the bench installs in each process to collect them (
 pull), which the stamped pull then paid. Other tools may read them from the ``connector.hops`` logger at DEBUG
 level. Off (no recorder, the logger not at DEBUG: the default), a stamp is two cheap tests.
 
-The hops, in the order a UCX pull passes them (``HOPS``): decode ``pull`` (InboundPull.run begins),
-``posted`` (its receives posted), ``request`` (the pull's message handed to the session's writer),
+The hops, in the order a UCX pull on a session passes them (``HOPS``): decode ``pull`` (InboundPull.run
+begins), ``request`` (the pull's message handed to the session's writer), ``posted`` (its receives posted, once
+gRPC has the request),
 ``written`` (the writer gave it to gRPC); prefill ``read`` (the session read it), ``checked`` (the pull
 checked and planned), ``lent`` (its endpoint lent), ``send`` (the first region's send handed to UCX),
 ``sent`` (the last send completed); decode ``landed`` (the last receive seen complete), ``returned``
@@ -28,7 +29,7 @@ import time
 
 logger = logging.getLogger("kpool_pd.connector.hops")
 
-HOPS = ("pull", "posted", "request", "written", "read", "checked", "lent", "send", "sent", "landed", "returned")
+HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "send", "sent", "landed", "returned")
 
 
 _recorders: list["HopRecorder"] = []  # installed in this process (``HopRecorder.install``)
