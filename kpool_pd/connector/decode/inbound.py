@@ -163,6 +163,8 @@ class InboundPull:
         try:
             hops.stamp(self.key, "pull")
             marks = [time.perf_counter()]
+            if (regions_planned := len(self.planned)) > MAX_REGIONS:  # before the request leaves: no send then
+                raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {regions_planned} regions (limit {MAX_REGIONS})")
             self.call = self.open_call()
             when_written = getattr(self.call, "when_written", None)  # a session's pull tells when its request left
             if when_written is not None:
@@ -292,10 +294,8 @@ class InboundPull:
         return None if msg is grpc.aio.EOF else msg
 
     def _post(self) -> tuple[TransferPlan, list[torch.Tensor]]:
-        """The views the plan lands in, with the UCX receives posted on them, before the Pull is sent."""
+        """The views the plan lands in, with the UCX receives posted on them (``run`` says when)."""
         plan = self.planned
-        if len(plan) > MAX_REGIONS:
-            raise StatusError(grpc.StatusCode.INTERNAL, f"plan of {len(plan)} regions (limit {MAX_REGIONS})")
         views = self.views = [self.landing.view(pair) for pair in plan.pairs]
         if self.transport is Transport.UCX:
             self.receives = self.ucx.post_receives(views, self.tag_base)
