@@ -22,6 +22,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support.ports import consecutive_ports, free_port  # noqa: E402
+from tests.support.stopping import stop_engines  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -50,8 +51,7 @@ def start(engines: dict[str, tuple[dict, dict]], model: Path) -> dict[str, vllm_
 
 
 def stop(engines: dict[str, vllm_engines.EngineProcess]) -> None:
-    for engine in engines.values():
-        engine.stop()
+    stop_engines(engines.values())
 
 
 @pytest.fixture(scope="module")
