@@ -36,6 +36,7 @@ from kpool_pd.bench import vllm_engines
 from tests.support import vllm_servers  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from tests.support.stopping import stop_servers  # noqa: E402
 
 # vLLM servers start, warm up and serve on a loaded 2-core machine: well past the suite's 300 s.
 connector = vllm_engines.kpool_transfer_config  # KpoolPdConnector's kv_transfer_config
@@ -53,7 +54,7 @@ FETCH_SEEN_S = 60  # the decode request reaches the consumer's scheduler and its
 
 class Deployment:
     """A producer, a consumer and the router in front of them, healthy; more producers on demand (at most
-    two vLLM servers run at once on the 2-core machine). Stops every server it started."""
+    two vLLM servers run at once on the 2-core machine). Stops every server it started, all at once."""
 
     def __init__(self, folder, model: str) -> None:
         self.folder, self.model = folder, model
@@ -82,8 +83,7 @@ class Deployment:
         return server
 
     def stop(self) -> None:
-        for server in reversed(self.servers):
-            server.stop()
+        stop_servers(self.servers)
 
 
 @pytest.fixture(scope="module")
