@@ -26,8 +26,8 @@ from kpool_pd.vllm.settings import KpoolPdSettings
 CALL_TIMEOUT_S = 30.0  # a hand-over to the loop (start, an offer) that takes longer is a failure
 IDLE_WAIT_S = 0.02  # the longest an idle step waits for the next transfer to end (a new request waits as long)
 IDLE_BATCH_S = 0.1  # the longest an idle step waits for every pull in flight (transfers still ending)
-STAGING_WARM_BYTES = 64 << 20  # the most a staging buffer made at start holds (a larger batch makes its own): 64
-# requests of the bench's mixed lengths, in vLLM's CPU blocks of 128 tokens, come to about 34 MB
+STAGING_WARM_BYTES = 64 << 20  # the most a staging buffer made at start holds (a larger batch makes its own): the
+# bench's 64 requests of mixed lengths came to one batch of 34.2 MiB in whole blocks
 STAGING_WARM_BUFFERS = 2  # made at start: a step's batch and the next step's, in flight at once
 
 
