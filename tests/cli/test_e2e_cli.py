@@ -1,4 +1,5 @@
-"""`kpool-pd up` end to end, as a user runs it: daemons as subprocesses, JSON out, colocated check."""
+"""`kpool-pd up` end to end, as a user runs it: daemons as subprocesses, JSON out, colocated check; what it refuses
+before starting anything, through its entry point in the test's own process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from kpool_pd.cli import main
 from kpool_pd.connector import ucx_available
 
 FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
@@ -59,11 +61,23 @@ def test_up_kpool2_with_256_token_blocks_matches_colocated():
     assert (summary["model"]["kpool"], summary["model"]["block_size"]) == (2, 256)
 
 
-def test_up_refuses_a_bad_configuration_before_starting_anything():
-    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--kpool", "2", "--block-size", "192"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "192 / 2 = 96 exceeds the kernel page of 64" in proc.stderr and "starting" not in proc.stderr
+def _refused_up(capsys, *flags: str) -> tuple[int, str]:
+    """``kpool-pd up`` with ``flags`` run by its entry point in this process (``kpool_pd.cli.main``, what
+    ``python -m kpool_pd`` exits with): a refusal comes before anything starts, so the test needs no interpreter
+    of its own to see it (each took 4-9 s on the loaded machine, most of it importing torch). Its exit status and
+    standard error."""
+    capsys.readouterr()
+    try:
+        code = main(["up", *flags])
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def test_up_refuses_a_bad_configuration_before_starting_anything(capsys):
+    code, stderr = _refused_up(capsys, "--kpool", "2", "--block-size", "192")
+    assert code == 2
+    assert "192 / 2 = 96 exceeds the kernel page of 64" in stderr and "starting" not in stderr
 
 
 @pytest.mark.parametrize("flags,rule", [
@@ -74,11 +88,11 @@ def test_up_refuses_a_bad_configuration_before_starting_anything():
     (("--kpool", "8", "--block-size", "384"), "kpool 8 in 384-token blocks makes kernel pages of 48 states: the "
                                               "paged-MQA indexer kernel takes pages of 32 or 64 states and no other"),
 ], ids=["block-64", "prefill-block-192", "kpool8-pages-of-16-colocated", "kpool8-384-pages-of-48"])
-def test_up_refuses_the_geometry_the_daemons_refuse_naming_the_rule(flags, rule):
-    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", *flags], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and rule in lines[0], proc.stderr
+def test_up_refuses_the_geometry_the_daemons_refuse_naming_the_rule(capsys, flags, rule):
+    code, stderr = _refused_up(capsys, *flags)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and rule in lines[0], stderr
 
 
 def test_up_places_the_daemons_by_device(monkeypatch):
@@ -99,8 +113,7 @@ def test_up_places_the_daemons_by_device(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA runs `up --device cuda` in tests/gpu")
-def test_up_with_cuda_on_a_machine_without_one_says_so_before_starting_anything():
-    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "up", "--device", "cuda"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2
-    assert "no CUDA device" in proc.stderr and "starting" not in proc.stderr
+def test_up_with_cuda_on_a_machine_without_one_says_so_before_starting_anything(capsys):
+    code, stderr = _refused_up(capsys, "--device", "cuda")
+    assert code == 2
+    assert "no CUDA device" in stderr and "starting" not in stderr
