@@ -23,6 +23,7 @@ from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from tests.support.stopping import stop_engines  # noqa: E402
 
 connector = vllm_engines.kpool_transfer_config  # KpoolPdConnector's kv_transfer_config
 pytestmark = pytest.mark.vllm
@@ -57,8 +58,7 @@ def start_engines(model: str, logs: Path):
             engine.wait_ready()
         yield producer, consumers
     finally:
-        for engine in started:
-            engine.stop()
+        stop_engines(started)
 
 
 @pytest.fixture(scope="module")
