@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from kpool_pd.cli import main
 from kpool_pd.connector import ucx_available
+from tests.support.cli_refusals import refused
 
 FIELDS = {"request_id", "prompt_len", "tokens", "output_digest", "state_digest", "transfer_bytes", "transfer_ms",
           "ttft_ms", "prefill_ms", "exposed_transfer_ms"}
@@ -61,21 +61,8 @@ def test_up_kpool2_with_256_token_blocks_matches_colocated():
     assert (summary["model"]["kpool"], summary["model"]["block_size"]) == (2, 256)
 
 
-def _refused_up(capsys, *flags: str) -> tuple[int, str]:
-    """``kpool-pd up`` with ``flags`` run by its entry point in this process (``kpool_pd.cli.main``, what
-    ``python -m kpool_pd`` exits with): a refusal comes before anything starts, so the test needs no interpreter
-    of its own to see it (each took 4-9 s on the loaded machine, most of it importing torch). Its exit status and
-    standard error."""
-    capsys.readouterr()
-    try:
-        code = main(["up", *flags])
-    except SystemExit as exit_:  # argparse's own refusals
-        code = exit_.code
-    return code, capsys.readouterr().err
-
-
 def test_up_refuses_a_bad_configuration_before_starting_anything(capsys):
-    code, stderr = _refused_up(capsys, "--kpool", "2", "--block-size", "192")
+    code, stderr = refused(capsys, "up", "--kpool", "2", "--block-size", "192")
     assert code == 2
     assert "192 / 2 = 96 exceeds the kernel page of 64" in stderr and "starting" not in stderr
 
@@ -89,7 +76,7 @@ def test_up_refuses_a_bad_configuration_before_starting_anything(capsys):
                                               "paged-MQA indexer kernel takes pages of 32 or 64 states and no other"),
 ], ids=["block-64", "prefill-block-192", "kpool8-pages-of-16-colocated", "kpool8-384-pages-of-48"])
 def test_up_refuses_the_geometry_the_daemons_refuse_naming_the_rule(capsys, flags, rule):
-    code, stderr = _refused_up(capsys, *flags)
+    code, stderr = refused(capsys, "up", *flags)
     assert code == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and rule in lines[0], stderr
@@ -114,6 +101,6 @@ def test_up_places_the_daemons_by_device(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA runs `up --device cuda` in tests/gpu")
 def test_up_with_cuda_on_a_machine_without_one_says_so_before_starting_anything(capsys):
-    code, stderr = _refused_up(capsys, "--device", "cuda")
+    code, stderr = refused(capsys, "up", "--device", "cuda")
     assert code == 2
     assert "no CUDA device" in stderr and "starting" not in stderr

@@ -24,6 +24,7 @@ from kpool_pd.kvcache import CacheFamily
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
 from tests.e2e.test_e2e import DECODE_LIMITS, TRANSPORTS, _flags
+from tests.support.cli_refusals import refused
 from tests.support.served_nodes import match_and_free, pd_nodes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -93,13 +94,14 @@ def test_up_with_different_block_sizes_equals_colocated(transport):
                                                                          for r in requests]
 
 
-def test_up_refuses_a_bad_block_size_before_starting_anything():
-    code, _, stderr = _up("--prefill-block-size", "130", "--decode-block-size", "256")
+def test_up_refuses_a_bad_block_size_before_starting_anything(capsys):
+    code, stderr = refused(capsys, "up", "--json", "--prefill-block-size", "130", "--decode-block-size", "256")
     assert code == 2
     assert "block_size 130" in stderr and "starting" not in stderr
-    code, _, stderr = _up("--prefill-block-size", "-1")
+    code, stderr = refused(capsys, "up", "--json", "--prefill-block-size", "-1")
     assert code == 2 and "--prefill-block-size must be >= 0" in stderr
-    code, _, stderr = _up("--prefill-block-size", "128", "--decode-block-size", "256", "--dcp", "2")
+    code, stderr = refused(capsys, "up", "--json", "--prefill-block-size", "128", "--decode-block-size", "256",
+                           "--dcp", "2")
     assert code == 2 and "needs one block size for prefill and decode, got 128 and 256" in stderr
 
 
