@@ -20,26 +20,27 @@ def test_spare_ports_are_distinct_free_and_below_the_ephemeral_range():
             sock.bind((ports.LOOPBACK, port))  # raises when another process holds it
 
 
-def test_a_held_port_is_never_drawn(monkeypatch):
+@pytest.fixture
+def taken():
+    """A port that a listening socket holds while the test runs."""
     with socket.socket() as held:
         held.bind((ports.LOOPBACK, 0))
         held.listen(1)
-        taken = held.getsockname()[1]
-        monkeypatch.setattr(ports, "_ephemeral_floor", lambda: taken + 1)
-        monkeypatch.setattr(ports, "FIRST_NAMED_PORT", taken - 1)
-        [port] = ports.spare_ports(1)  # two candidates, one of them held
-        assert port == taken - 1
+        yield held.getsockname()[1]
 
 
-def test_no_free_port_is_a_bind_error_naming_the_range(monkeypatch):
-    with socket.socket() as held:
-        held.bind((ports.LOOPBACK, 0))
-        held.listen(1)
-        taken = held.getsockname()[1]
-        monkeypatch.setattr(ports, "_ephemeral_floor", lambda: taken + 1)
-        monkeypatch.setattr(ports, "FIRST_NAMED_PORT", taken)  # the one candidate is held
-        with pytest.raises(ports.BindError, match=f"no 1 free ports between {taken} and {taken + 1}"):
-            ports.spare_ports(1)
+def test_a_held_port_is_never_drawn(monkeypatch, taken):
+    monkeypatch.setattr(ports, "_ephemeral_floor", lambda: taken + 1)
+    monkeypatch.setattr(ports, "FIRST_NAMED_PORT", taken - 1)
+    [port] = ports.spare_ports(1)  # two candidates, one of them held
+    assert port == taken - 1
+
+
+def test_no_free_port_is_a_bind_error_naming_the_range(monkeypatch, taken):
+    monkeypatch.setattr(ports, "_ephemeral_floor", lambda: taken + 1)
+    monkeypatch.setattr(ports, "FIRST_NAMED_PORT", taken)  # the one candidate is held
+    with pytest.raises(ports.BindError, match=f"no 1 free ports between {taken} and {taken + 1}"):
+        ports.spare_ports(1)
 
 
 def test_a_count_below_one_is_refused():
