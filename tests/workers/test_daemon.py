@@ -19,6 +19,7 @@ from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
 from kpool_pd.runtime import model_flags
+from tests.support.cli_refusals import refused
 from tests.support.ports import free_port
 from tests.support.polling import wait_for
 
@@ -84,23 +85,22 @@ def test_ready_daemons_report_serving_and_metrics(cluster):
 # -- the command-line client against bad input -----------------------------------------------
 
 
-def _generate(*argv: str) -> tuple[int, str]:
-    """``kpool-pd generate`` as a user runs it: its exit status and stderr."""
-    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "generate", *argv], capture_output=True, text=True,
-                          timeout=120)
-    return proc.returncode, proc.stderr
+def _generate(capsys, *argv: str) -> tuple[int, str]:
+    """``kpool-pd generate`` by its entry point in this process (``tests.support.cli_refusals``): its exit status
+    and stderr."""
+    return refused(capsys, "generate", *argv)
 
 
-def test_the_client_says_when_the_decode_daemon_cannot_be_reached():
+def test_the_client_says_when_the_decode_daemon_cannot_be_reached(capsys):
     unused_port = free_port()  # bound and closed: nothing listens there
-    code, err = _generate("--decode", f"127.0.0.1:{unused_port}", "--requests", "1")
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{unused_port}", "--requests", "1")
     assert code == 1
     assert f"error: the decode daemon at 127.0.0.1:{unused_port} did not answer ModelInfo: UNAVAILABLE" in err
 
 
-def test_the_client_says_when_its_token_is_refused(cluster):
+def test_the_client_says_when_its_token_is_refused(cluster, capsys):
     _, decode, _ = cluster
-    code, err = _generate("--decode", f"127.0.0.1:{decode.port}", "--token", "wrong", "--requests", "1")
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", "wrong", "--requests", "1")
     assert code == 1 and "Traceback" not in err and "did not answer ModelInfo: UNAUTHENTICATED" in err, err
 
 
@@ -109,13 +109,13 @@ def test_the_client_says_when_its_token_is_refused(cluster):
     ("--max-tokens", "65", "--max-tokens 65 is above the decode daemon's limit of 64"),
     ("--requests", "0", "--requests must be >= 1, got 0"),
 ])
-def test_the_client_refuses_counts_the_daemon_would_refuse(cluster, flag, value, message):
+def test_the_client_refuses_counts_the_daemon_would_refuse(cluster, capsys, flag, value, message):
     _, decode, _ = cluster
-    code, err = _generate("--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, flag, value)
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, flag, value)
     assert code == 2 and f"error: {message}" in err, err
 
 
-def test_the_client_gives_each_request_its_timeout_and_says_what_failed(cluster):
+def test_the_client_gives_each_request_its_timeout_and_says_what_failed(cluster, capsys):
     """``generate --timeout-s``: a request past its deadline fails DEADLINE_EXCEEDED, the summary names no
     transport plainly (none reached the decode node's data plane), one request is "1 request", and the
     decode daemon frees what the request held."""
@@ -128,7 +128,7 @@ def test_the_client_gives_each_request_its_timeout_and_says_what_failed(cluster)
     assert "FAILED DEADLINE_EXCEEDED" in proc.stdout, proc.stdout
     assert "transport none (no request reached the decode node)" in proc.stdout and "transport ;" not in proc.stdout
     assert wait_for(lambda: metric(decode.metrics_port, "kpoolpd_decode_free_blocks") == DECODE_BLOCKS, 60)
-    code, err = _generate("--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, "--timeout-s", "0")
+    code, err = _generate(capsys, "--decode", f"127.0.0.1:{decode.port}", "--token", TOKEN, "--timeout-s", "0")
     assert code == 2 and "error: --timeout-s must be in (0, 604800] seconds, got 0.0" in err, err
 
 
