@@ -6,10 +6,12 @@ held up the ones behind it: five engines of test_vllm_ranks took 45 s to stop on
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from kpool_pd.bench import vllm_engines
 from tests.support import vllm_servers
@@ -20,7 +22,7 @@ KILLED_S = 30  # a killed process is gone within this
 
 def stop_engines(engines: Iterable[vllm_engines.EngineProcess], grace_s: float = GRACE_S) -> None:
     """Each engine's job queue told to stop, then each joined until one shared deadline, then the rest killed
-    (their TP worker ranks exit when they see the engine gone)."""
+    with every process they started (a TP engine's worker ranks)."""
     engines = list(engines)
     for engine in engines:
         if engine.process.is_alive():
@@ -30,9 +32,30 @@ def stop_engines(engines: Iterable[vllm_engines.EngineProcess], grace_s: float =
         engine.process.join(max(0.0, deadline - time.monotonic()))
     for engine in engines:
         if engine.process.is_alive():
+            for pid in _descendants(engine.process.pid):  # a TP engine's worker ranks, which may hang as it did
+                _kill(pid)
             engine.process.kill()
     for engine in engines:
         engine.process.join(KILLED_S)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (``/proc``: the children of each of its threads, then theirs)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in map(int, (task / "children").read_text().split()):
+                found += [child, *_descendants(child)]
+    except OSError:  # gone meanwhile
+        pass
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def stop_servers(servers: Iterable[vllm_servers.Server], grace_s: float = GRACE_S) -> None:
