@@ -30,6 +30,7 @@ from kpool_pd.runtime.launch import start_decode, start_prefill
 from kpool_pd.kvcache import BlockLayout
 from kpool_pd.model import ModelConfig
 from kpool_pd.model.colocated import GenerateRequest, make_prompts, run_colocated
+from tests.support.cli_refusals import refused
 from tests.support.dcp_daemons import dcp_instance
 from tests.support.polling import process_alive, wait_for
 from tests.support.ports import free_port
@@ -172,12 +173,16 @@ def test_a_rank_killed_mid_request_fails_the_requests_and_frees_every_rank_and_t
 
 
 @pytest.mark.parametrize("command", [["kpool_pd.decode_worker"], ["kpool_pd", "up"]], ids=["decode", "up"])
-def test_qsa_with_dcp_is_refused_at_start_naming_dcp(command):
-    proc = subprocess.run([sys.executable, "-m", *command, "--family", "qsa", "--dcp", "2"], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "declares no decode-context parallel (DCP) support" in proc.stderr and "got 2" in proc.stderr
-    assert "starting" not in proc.stderr and "ready" not in proc.stderr
+def test_qsa_with_dcp_is_refused_at_start_naming_dcp(capsys, command):
+    flags = ("--family", "qsa", "--dcp", "2")
+    if command[0] == "kpool_pd":  # up refuses before it starts a daemon: through its entry point, in this process
+        code, stderr = refused(capsys, *command[1:], *flags)
+    else:  # the daemon's own process
+        proc = subprocess.run([sys.executable, "-m", *command, *flags], capture_output=True, text=True, timeout=120)
+        code, stderr = proc.returncode, proc.stderr
+    assert code == 2, stderr
+    assert "declares no decode-context parallel (DCP) support" in stderr and "got 2" in stderr
+    assert "starting" not in stderr and "ready" not in stderr
 
 
 def test_the_surviving_ranks_remove_the_rendezvous_folder_when_rank_0_is_killed(tmp_path):
