@@ -28,6 +28,7 @@ from kpool_pd.model.colocated import make_prompts, run_colocated
 from kpool_pd.runtime import client_tls, load_settings, model_config
 from tests.support import deploy_launch as dl
 from tests.support import deploy_manifests as dm
+from tests.support.deadlines import patient
 from tests.support.deploy_daemons import role_of, tls_secret, token_secret
 
 
@@ -77,7 +78,8 @@ def test_daemons_started_from_the_cpu_manifests_match_the_colocated_run(variant,
         for pod in (prefill, decode):  # decode pods find prefill pods through the headless Service
             pod.start()
             pod.wait_started(timeout_s=120)
-            assert pod.probe("readinessProbe") == pod.probe("livenessProbe") == "SERVING"
+            pod.wait_serving("readinessProbe", timeout_s=patient(20))
+            assert pod.probe("livenessProbe") == "SERVING"
             annotations = pod.workload["spec"]["template"]["metadata"]["annotations"]
             url = (f"http://{dl.LOOPBACK}:{pod.local_port(int(annotations['prometheus.io/port']))}"
                    f"{annotations['prometheus.io/path']}")

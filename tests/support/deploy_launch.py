@@ -334,6 +334,22 @@ class LocalPod:
             time.sleep(0.2)
         raise LaunchError(f"{self.pod_name}: startup probe still {status} after {allowed:.0f} s:\n{self.log_tail()}")
 
+    def wait_serving(self, kind: str, timeout_s: float) -> float:
+        """Poll the container's ``kind`` probe until SERVING, as the kubelet keeps asking it (a decode pod is
+        ready only once it reaches a prefill pod, which a loaded machine can hold up after its start); returns
+        the seconds it took. LaunchError naming the last status and the log's tail after ``timeout_s``."""
+        started = time.monotonic()
+        status = "not asked"
+        while time.monotonic() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"{self.pod_name} exited with status {self.proc.returncode} while its {kind} "
+                                  f"said {status}:\n{self.log_tail()}")
+            status = self.probe(kind)
+            if status == "SERVING":
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise LaunchError(f"{self.pod_name}: {kind} still {status} after {timeout_s:.0f} s:\n{self.log_tail()}")
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL once terminationGracePeriodSeconds have passed; the exit status
         (negative: killed by that signal)."""
