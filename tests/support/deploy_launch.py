@@ -322,17 +322,7 @@ class LocalPod:
         spec = self.container["startupProbe"]
         allowed = min(timeout_s, spec.get("initialDelaySeconds", 0)
                       + spec.get("periodSeconds", 10) * spec.get("failureThreshold", 3))
-        started = time.monotonic()
-        status = "not asked"
-        while time.monotonic() - started < allowed:
-            if self.proc.poll() is not None:
-                raise LaunchError(f"{self.pod_name} exited with status {self.proc.returncode} before its startup "
-                                  f"probe passed:\n{self.log_tail()}")
-            status = self.probe("startupProbe")
-            if status == "SERVING":
-                return time.monotonic() - started
-            time.sleep(0.2)
-        raise LaunchError(f"{self.pod_name}: startup probe still {status} after {allowed:.0f} s:\n{self.log_tail()}")
+        return self.wait_serving("startupProbe", allowed)
 
     def wait_serving(self, kind: str, timeout_s: float) -> float:
         """Poll the container's ``kind`` probe until SERVING, as the kubelet keeps asking it (a decode pod is
