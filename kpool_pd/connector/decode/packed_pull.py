@@ -37,7 +37,7 @@ from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure, status_code
-from kpool_pd.connector.shared.packed_staging import PIECE_BYTES, StagingBuffers, copy_all, piece_parts, pieces
+from kpool_pd.connector.shared.packed_staging import PIECE_BYTES, StagingBuffers, copy_all, piece_views, pieces
 from kpool_pd.connector.shared.ucx import ReceiveBatch, UcxNode
 from kpool_pd.connector.shared.plan import TransferPlan
 from kpool_pd.connector.shared.wire import Transport, region_message
@@ -116,14 +116,12 @@ async def _land_as_pieces_come(message: torch.Tensor, receive: ReceiveBatch, pla
     holding them landed, piece by piece in order, so that the copies run while later pieces travel; stops at a
     failed piece (the batch then fails) or when cancelled."""
     spans = [(at, view) for pull in planned for at, view in _region_offsets(pull)]
-    parts = piece_parts([(at, view.numel()) for at, view in spans], message.numel(), PIECE_BYTES)
-    for landed, (_, held) in zip(receive.futures, parts):
+    for landed, (_, places, sources) in zip(receive.futures, piece_views(spans, message, PIECE_BYTES)):
         try:
             await asyncio.shield(landed)
         except Exception:  # the receive failed: the batch's wait raises it
             return
-        copy_all([spans[index][1][lo - spans[index][0]:hi - spans[index][0]] for index, lo, hi in held],
-                 [message[lo:hi] for _, lo, hi in held])
+        copy_all(places, sources)
 
 
 def _region_offsets(pull: _Planned) -> list[tuple[int, torch.Tensor]]:

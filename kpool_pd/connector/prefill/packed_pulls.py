@@ -32,7 +32,7 @@ from kpool_pd.connector.prefill.served_plan import ServedPlan, served_plan
 from kpool_pd.connector.prefill.ucx_link import UcxLink
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError
-from kpool_pd.connector.shared.packed_staging import StagingBuffers, copy_all, piece_parts, pieces
+from kpool_pd.connector.shared.packed_staging import StagingBuffers, copy_all, piece_views, pieces
 from kpool_pd.connector.shared.ucx import MAX_REGIONS, UcxSendError, region_tag
 from kpool_pd.connector.shared.wire import Transport
 
@@ -201,9 +201,8 @@ def pack_in_pieces(spans: list[tuple[int, torch.Tensor]], message: torch.Tensor,
         copy_all([message[at:at + src.numel()] for at, src in spans], [src for _, src in spans])
         yield from pieces(message.numel(), piece_bytes)
         return
-    for piece, parts in piece_parts([(at, src.numel()) for at, src in spans], message.numel(), piece_bytes):
-        copy_all([message[lo:hi] for _, lo, hi in parts],
-                 [spans[index][1][lo - spans[index][0]:hi - spans[index][0]] for index, lo, hi in parts])
+    for piece, sources, places in piece_views(spans, message, piece_bytes):
+        copy_all(places, sources)
         yield piece
 
 

@@ -48,6 +48,16 @@ def piece_parts(spans: list[tuple[int, int]], total: int, piece_bytes: int):
         yield (begin, length), parts
 
 
+def piece_views(spans: list[tuple[int, torch.Tensor]], message: torch.Tensor, piece_bytes: int):
+    """``piece_parts`` as views: for each ``piece_bytes`` piece of ``message``, in order: ((offset, length), the
+    views of ``spans``' tensors it holds, the views of ``message`` they sit at), the two lists pairwise alike, for
+    the pack (spans into the message) and the landing (the message into spans) to copy piece by piece.
+    # spans: [(offset, uint8 [n])], increasing offsets, not overlapping, within message: uint8 [total]"""
+    for piece, parts in piece_parts([(at, view.numel()) for at, view in spans], message.numel(), piece_bytes):
+        yield (piece, [spans[index][1][lo - spans[index][0]:hi - spans[index][0]] for index, lo, hi in parts],
+               [message[lo:hi] for _, lo, hi in parts])
+
+
 class StagingBuffers:
     """uint8 buffers on ``device``, lent to one batch at a time (``take``, ``give``)."""
 
