@@ -102,7 +102,8 @@ class ConsumerWorker:
         # renewal, when it is next due
 
     def start(self) -> None:
-        warm_staging(self.staging, self.cache.pool)
+        if self.settings.transport is Transport.UCX:  # PackedPull's staging: only a UCX consumer batches its loads
+            warm_staging(self.staging, self.cache.pool)
         self.loop.call(self.node.start)
         self.loop.submit(self._renew_forever)
 
