@@ -88,12 +88,16 @@ def test_daemons_with_different_seeds_refuse_each_other(daemons):
     prefill, decode = daemons
     assert wait_for(lambda: "seed 1 vs 2" in prefill.log_tail(200), 30), prefill.log_tail()
     assert "model differs" in prefill.log_tail(200)
+    # the decode node has read the refusal too (the prefill node logs it first): a request before that finds
+    # the node "not handshaken yet"
+    decode_refused = lambda: "seed 2 vs 1" in decode.log_tail(400) or "seed 1 vs 2" in decode.log_tail(400)  # noqa: E731
+    assert wait_for(decode_refused, 30), decode.log_tail()
     requests = make_prompts(1, 40, seed=0, vocab_size=1024, max_tokens=4)
     (result,) = asyncio.run(generate_all(f"127.0.0.1:{decode.port}", requests, token=TOKEN, timeout_s=30))
     assert isinstance(result, RequestFailed), "a decode node of another seed produced tokens"
     assert "seed 1 vs 2" in result.message or "seed 2 vs 1" in result.message, result.message
     print(f"request refused: {result.code.name}: {result.message}")
-    assert "seed 2 vs 1" in decode.log_tail(400) or "seed 1 vs 2" in decode.log_tail(400), decode.log_tail()
+    assert decode_refused(), decode.log_tail()
 
 
 def test_host_127_0_0_1_keeps_ucx_on_loopback(daemons):
