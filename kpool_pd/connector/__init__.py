@@ -88,7 +88,7 @@ from kpool_pd.connector.shared.plan import RingRange
 from kpool_pd.connector.prefill.connector import PrefillConnector
 from kpool_pd.connector.prefill.handshake import MAX_ID_CHARS
 from kpool_pd.connector.prefill.prefills import MAX_DCP_RANKS
-from kpool_pd.connector.shared.ucx import ucx_available, ucx_context_info
+from kpool_pd.connector.shared.ucx import UcxNode, ucx_available, ucx_context_info
 from kpool_pd.connector.shared.ucx_host import bind_ucx_options
 from kpool_pd.connector.shared.wire import Transport
 
@@ -98,7 +98,7 @@ __all__ = [
     "LandedRequest", "PackedLanded", "PackedPullUnsupported", "PackedTarget", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
     "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullShare", "PullTimeline", "RankShare",
     "RingRange", "StagingBuffers", "StatusError", "WHOLE_REQUEST",
-    "TlsConfig", "TransferTimes", "Transport",
+    "TlsConfig", "TransferTimes", "Transport", "UcxNode",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
     "can_pack", "dial_host", "dial_target", "open_channel", "pull_packed", "prefill_api", "status_of", "ucx_available", "ucx_context_info",
 ]

@@ -10,7 +10,7 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
+# SEND_VARIANTS=1 adds the send-variants probe; SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
 # H200 without pytest-xdist, 2026-12-02: add "-n 8" to GPU_TESTS, or run the benches in a second call);
 # NO_NIXL leaves out the transfer bench's NIXL baseline; HOPS=1 adds its hop-by-hop stamps of a pull; KERNELS=N lists the N costliest kernels of a decode and
 # a prefill step;
@@ -82,6 +82,14 @@ if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
     --prompt-len 32768 --chunk 2048 --kernels "${KERNELS:-0}" > "$OUT/prefill.txt" 2>&1
   prefill_rc=$?
 fi
+variants_rc=0
+# The send-variants probe (SEND_VARIANTS=1): raw ucxx against the connector's posting and pool slices, same bytes,
+# one pair of processes on cuda:0 (kpool_pd.bench.send_variants); table in variants.txt.
+if [ "$gpus" -ge 1 ] && [ -n "${SEND_VARIANTS:-}" ]; then
+  timeout "${VARIANTS_TIMEOUT:-180}" python3 -m kpool_pd.bench.send_variants --device cuda --mib "${VARIANTS_MIB:-41,164}" \
+    --reps 9 > "$OUT/variants.txt" 2>&1
+  variants_rc=$?
+fi
 up_rc=0
 # Warm daemons end to end (UP_RUNS=1): kpool-pd up on cuda, 61 layers, three loads, then the 32k chunked-prefill
 # pipeline (SKIP_PIPELINE leaves it out); summaries in up.txt.
@@ -118,5 +126,6 @@ fi
 if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
   echo "== prefill step bench (rc $prefill_rc)"; grep -v '^USDT\|^STAGE' "$OUT/prefill.txt" | tail -n 60
 fi
+if [ -n "${SEND_VARIANTS:-}" ]; then echo "== send variants (rc $variants_rc)"; tail -n 4 "$OUT/variants.txt"; fi
 if [ -n "${UP_RUNS:-}" ]; then echo "== kpool-pd up (rc $up_rc)"; cat "$OUT/up.txt"; fi
-exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || up_rc ))
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || variants_rc || up_rc ))
