@@ -13,12 +13,11 @@ from collections.abc import Sequence
 import pytest
 
 SLOWEST_FIRST: Sequence[str] = (
-    "tests/vllm/test_vllm_router.py",
     "tests/vllm/test_vllm_ranks.py",
-    "tests/vllm/test_vllm_readme.py",
-    "tests/e2e/test_e2e_dcp.py",
-    "tests/e2e/test_e2e.py",
     "tests/vllm/test_vllm_hostile.py",
+    "tests/e2e/test_e2e_dcp.py",
+    "tests/vllm/test_vllm_router.py",
+    "tests/e2e/test_e2e.py",
     "tests/vllm/test_vllm_pd.py",
     "tests/kernels/test_kpool_invariant.py",
     "tests/e2e/test_e2e_chunked.py",
@@ -34,6 +33,7 @@ SLOWEST_FIRST: Sequence[str] = (
     "tests/cli/test_e2e_cli.py",
     "tests/e2e/test_fleet.py",
     "tests/e2e/test_e2e_heterogeneous.py",
+    "tests/vllm/test_vllm_readme.py",
     "tests/cli/test_up_signals.py",
     "tests/workers/test_soak.py",
     "tests/vllm/test_bench_vllm.py",
