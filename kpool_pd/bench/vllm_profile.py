@@ -210,6 +210,40 @@ def breakdown(transport: str, windows: list[Window], consumer: list[dict], produ
     return "\n".join(lines)
 
 
+WAIT_REPORTED_S = 0.05  # a PackedPull that waited longer than this before the producer read it is listed
+
+
+def batch_waits(consumer: list[dict], producer: list[dict]) -> str:
+    """How long each PackedPull batch waited between the consumer writing it (hop ``written``, stamped for all
+    its pulls at once) and the producer's handler reading it (hop ``read``, its first pull): the count, the
+    median, those over ``WAIT_REPORTED_S``, and for each of these the stall probes' events in either process
+    that overlap its wait (``kpool_pd.bench.stall_probe``, traced with $KPOOLPD_TRACE_STALLS)."""
+    read = {e["grant"]: e["at"] for e in producer if e["event"] == "hop" and e["hop"] == "read"}
+    batches = defaultdict(list)  # a batch's first written stamp -> its pulls' read stamps
+    first = last = float("-inf")
+    for at, grant in sorted((e["at"], e["grant"]) for e in consumer
+                            if e["event"] == "hop" and e["hop"] == "written" and e["grant"] in read):
+        if at - last > 0.001:  # a batch's stamps come within microseconds of each other
+            first = at
+        batches[first].append(read[grant])
+        last = at
+    waits = sorted((min(reads) - written, written) for written, reads in batches.items())
+    if not waits:
+        return "PackedPull batches: none traced"
+    long = [(wait, written) for wait, written in waits if wait > WAIT_REPORTED_S]
+    lines = [f"PackedPull batches, written -> producer read: {len(waits)} batches, median "
+             f"{statistics.median(w for w, _ in waits) * 1e3:.1f} ms, {len(long)} over {WAIT_REPORTED_S * 1e3:.0f} ms"
+             + (": " + ", ".join(f"{w * 1e3:.0f}" for w, _ in sorted(long, key=lambda x: x[1])) + " ms" if long else "")]
+    for wait, written in sorted(long, key=lambda x: x[1]):
+        for side, events in (("consumer", consumer), ("producer", producer)):
+            for e in events:
+                if e["event"] == "stall" and e["begin"] < written + wait and e["end"] > written:
+                    lines.append(f"  wait at {written:.3f} ({wait * 1e3:.0f} ms): {side} {e['kind']} stall "
+                                 f"{(e['begin'] - written) * 1e3:+.0f} .. {(e['end'] - written) * 1e3:+.0f} ms"
+                                 + (f" {json.dumps(e['stacks'])}" if "stacks" in e else ""))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("python -m kpool_pd.bench.vllm_profile", __doc__)
     parser.add_argument("--transports", default="ucx,grpc", help="ucx, grpc or both (default ucx,grpc)")
@@ -230,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(vllm_engines.write_model(Path(folder) / "model", max_positions=max_model_len))
         for transport in args.transports.split(","):
             windows = run(transport, model, scenarios, args.reps, max_model_len, out)
-            reports.append(breakdown(transport, windows, read_trace(out / f"{transport}-consumer.jsonl"),
-                                     read_trace(out / f"{transport}-producer.jsonl")))
+            consumer, producer = (read_trace(out / f"{transport}-{role}.jsonl") for role in ("consumer", "producer"))
+            reports.append(breakdown(transport, windows, consumer, producer) + "\n" + batch_waits(consumer, producer))
     text = "\n\n".join(reports)
     (out / "profile.txt").write_text(text + "\n")
     print(text)

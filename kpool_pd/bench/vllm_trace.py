@@ -33,9 +33,12 @@ from kpool_pd.connector.shared.pull_frames import ChunkFrame
 from kpool_pd.transfer_params import grant_key
 from kpool_pd.vllm import connector as kpool_connector
 from kpool_pd.vllm import consumer_worker, step_pulls
+from kpool_pd.vllm import loop as kpool_loop
 from kpool_pd.vllm import worker as kpool_worker
+from kpool_pd.bench.stall_probe import StallProbe
 from kpool_pd.bench.vllm_profile import TRACE_ENV
 
+STALLS_ENV = "KPOOLPD_TRACE_STALLS"  # set (to anything): the stall probes run too
 _request = contextvars.ContextVar("kpoolpd_trace_request", default="")  # the vLLM request a pull task serves
 
 
@@ -55,6 +58,7 @@ class Event(Enum):
     RPC = "rpc"
     HOP = "hop"
     OFFER = "offer"
+    STALL = "stall"
 
 
 class _Sink:
@@ -223,6 +227,20 @@ def install() -> None:
             lambda a, r: {"offers": len(a[1].offers)})
     _install_hops()
     _install_schedule()
+    if os.environ.get(STALLS_ENV):
+        _install_stall_probe()
+
+
+def _install_stall_probe() -> None:
+    """The process's stall probes (``kpool_pd.bench.stall_probe``), the loop's on each connector loop made."""
+    probe = StallProbe(lambda **fields: SINK.write(Event.STALL, **fields))
+    original = kpool_loop.ConnectorLoop.__init__
+
+    @functools.wraps(original)
+    def init(self, name):
+        original(self, name)
+        probe.watch_loop(self.loop)
+    kpool_loop.ConnectorLoop.__init__ = init
 
 
 class KpoolPdConnector(kpool_connector.KpoolPdConnector):
