@@ -5,7 +5,11 @@ heterogeneous TP (``kpool_pd.vllm.ranks``). For producer TP 2 to consumer TP 1 (
 over UCX), TP 1 to TP 2 and TP 2 to TP 2 (gRPC), the consumer's greedy tokens equal its own alone and it
 computes none of the prompts (vLLM's ``vllm:prompt_tokens_by_source``). The same cases run with vLLM's
 NixlConnector, side by side. The engines of each connector start once for all its cases and are gone
-before the other connector's start (a class each)."""
+before the other connector's start (a class each).
+
+A class's engines take about 8 processes of vLLM (1.5-2 GiB each): a copy of the suite running beside this one on
+the machine waits for the lock (``machine_lock``) until another copy's are gone, so that two copies' together
+do not fill a 24 GiB machine (they did: the kernel's OOM killer ended worker ranks)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
+from tests.support.machine_lock import machine_lock  # noqa: E402
 from tests.support.ports import consecutive_ports, free_port  # noqa: E402
 from tests.support.stopping import stop_engines  # noqa: E402
 
@@ -30,6 +35,8 @@ PROMPT_LENGTHS = (7, 17, 100, 257)
 MAX_TOKENS = 8
 ONE_LAYER = {"num_hidden_layers": 1}
 TP2 = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+ENGINES_LOCK = "vllm-tp-engines"  # one copy of the suite on the machine holds these engines at a time
+ENGINES_LOCK_S = 900.0  # the most another copy's class may hold it (its engines' start, cases and stop, loaded)
 
 
 
@@ -98,15 +105,17 @@ class TestKpoolPd:
 
         def consumer(transport: str) -> dict:
             return {"peer_token": token, "transport": transport, "integrity": True, "producers": ["127.0.0.1"]}
-        engines = start({
-            "p1": (config("kv_both", {"listen": p1, "lease_s": 60} | consumer("grpc")), {}),
-            "u1": (config("kv_consumer", consumer("ucx")), {}),
-            "p2": (config("kv_producer", {"listen": f"127.0.0.1:{p2[0]}", "peer_token": token, "lease_s": 60}), TP2),
-            "d2": (config("kv_consumer", consumer("grpc")), TP2),
-            "u2": (config("kv_consumer", consumer("ucx")), TP2),
-        }, model)
-        yield engines | {"p2_ports": p2}
-        stop(engines)
+        with machine_lock(ENGINES_LOCK, ENGINES_LOCK_S):
+            engines = start({
+                "p1": (config("kv_both", {"listen": p1, "lease_s": 60} | consumer("grpc")), {}),
+                "u1": (config("kv_consumer", consumer("ucx")), {}),
+                "p2": (config("kv_producer", {"listen": f"127.0.0.1:{p2[0]}", "peer_token": token, "lease_s": 60}),
+                       TP2),
+                "d2": (config("kv_consumer", consumer("grpc")), TP2),
+                "u2": (config("kv_consumer", consumer("ucx")), TP2),
+            }, model)
+            yield engines | {"p2_ports": p2}
+            stop(engines)
 
     @pytest.mark.parametrize("producer,consumer,producer_tp", [
         ("p2", "p1", 2), ("p2", "u1", 2), ("p1", "d2", 1), ("p1", "u2", 1), ("p2", "d2", 2), ("p2", "u2", 2),
@@ -139,13 +148,14 @@ class TestNixl:
         def side_channel(extra: dict | None = None) -> dict:
             env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} | (extra or {})
             return {"env": env}
-        engines = start({
-            "n1": (nixl("kv_both"), side_channel()),
-            "n2p": (nixl("kv_producer"), TP2 | side_channel(TP2["env"])),
-            "n2c": (nixl("kv_consumer"), TP2 | side_channel(TP2["env"])),
-        }, model)
-        yield engines
-        stop(engines)
+        with machine_lock(ENGINES_LOCK, ENGINES_LOCK_S):
+            engines = start({
+                "n1": (nixl("kv_both"), side_channel()),
+                "n2p": (nixl("kv_producer"), TP2 | side_channel(TP2["env"])),
+                "n2c": (nixl("kv_consumer"), TP2 | side_channel(TP2["env"])),
+            }, model)
+            yield engines
+            stop(engines)
 
     @pytest.mark.parametrize("producer,consumer,producer_tp", [
         ("n2p", "n1", 2), ("n1", "n2c", 1), ("n2p", "n2c", 2),
