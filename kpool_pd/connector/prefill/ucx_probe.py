@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 SETTLE_S = 0.05  # how long the child lets UCX progress an endpoint before it answers
 START_TIMEOUT_S = 60.0  # a child's start: Python, ucxx and a UCX worker (about a second on 2 cores)
 STDERR_LINES = 20  # of the child's stderr, kept to say why it died
+KILLED_S = 10.0  # a killed child's standard error reaches its end (the child died) within this
+EXIT_STATUS_S = 1.0  # then asyncio reports the child's exit within this, or ``close`` stops waiting for it
 _LENGTH = struct.Struct("<I")
 
 
@@ -186,13 +188,26 @@ class UcxProbe:
             _kill(proc)
 
     async def close(self) -> None:
-        """End the child and wait until it is gone (idempotent)."""
-        proc, ready = self._proc, self._ready
+        """End the child (SIGKILL) and wait until it is gone (idempotent): until its standard error ended (it
+        died), within ``KILLED_S``, then for asyncio to report its exit, within ``EXIT_STATUS_S``. In a vLLM
+        TP worker rank that report can fail to come at all (the child dead, its three pipes closed, and no
+        exit status 5.5 s later), and a wait without a deadline held the rank past vLLM's 5 s shutdown grace
+        until vLLM killed it."""
+        proc, ready, stderr = self._proc, self._ready, self._stderr
         self.kill()
         if ready is not None:
             await asyncio.gather(ready, return_exceptions=True)
-        if proc is not None:
-            await proc.wait()
+        if proc is None:
+            return
+        if stderr is not None:
+            await asyncio.wait([stderr], timeout=KILLED_S)
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait([exited], timeout=EXIT_STATUS_S)
+        if not exited.done():
+            exited.cancel()
+            logger.warning("the UCX probe process %d was killed and its exit was not reported within %.1f s (its "
+                           "standard error %s); not waiting for it", proc.pid, EXIT_STATUS_S,
+                           "ended" if stderr is None or stderr.done() else f"still open after {KILLED_S} s")
 
 
 async def _answer(proc: asyncio.subprocess.Process) -> bytes:
