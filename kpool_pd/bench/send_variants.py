@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from kpool_pd.bench.ucxx_baseline import REQUEST_BYTES, START_S, import_ucxx, sent_bytes, ucxx_buffer
+from kpool_pd.bench.ucxx_baseline import (REQUEST_BYTES, START_S, end_children, import_ucxx, sent_bytes,
+                                          ucxx_buffer)
 from kpool_pd.connector import UCX_NO_SHARED_MEMORY, UcxNode
 from kpool_pd.runtime.launch import child_context, start_child
 
@@ -145,11 +146,7 @@ def send_variant_ms(nbytes: int, reps: int, device: str,
         times = receiver_conn.recv()
         sender_conn.send("done")
     finally:
-        for proc in (receiver, sender):
-            if proc is not None:
-                proc.join(30)
-                if proc.is_alive():
-                    proc.kill()
+        end_children(receiver, sender)
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 

@@ -150,6 +150,15 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
     conn.send(asyncio.run(main()))
 
 
+def end_children(*procs) -> None:
+    """Each of ``procs`` (None: never started) joined within 30 s, else killed."""
+    for proc in procs:
+        if proc is not None:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
 def ucxx_tag_gbps(nbytes: int, reps: int, src_device: str, dst_device: str, options: Sequence[tuple[str, str]],
                   endpoint: UcxxEndpoint = UcxxEndpoint.LISTENER, messages: int = 1) -> float:
     """GB/s of a ucxx tag send of ``nbytes`` from one process's ``src_device`` memory into another's
@@ -179,11 +188,7 @@ def ucxx_tag_gbps(nbytes: int, reps: int, src_device: str, dst_device: str, opti
         if endpoint is UcxxEndpoint.WORKER_ADDRESS:
             sender_conn.send("done")
     finally:
-        for proc in (receiver, sender):
-            if proc is not None:
-                proc.join(30)
-                if proc.is_alive():
-                    proc.kill()
+        end_children(receiver, sender)
     if not intact:
         raise RuntimeError(f"the raw ucxx send of {nbytes} B in {messages} messages landed other bytes than were sent")
     return nbytes / statistics.median(times[1:]) / 1e9
