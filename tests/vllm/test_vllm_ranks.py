@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import zlib
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,12 @@ def model(tmp_path_factory) -> Path:
     whatever the TP; a second layer's would not be (TP sums the first layer's output in another order), and
     greedy tokens of engines of different TP then part after a few tokens, KV moved right or not."""
     return vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama-ranks") / "model", layers=ONE_LAYER)
+
+
+def case_seed(producer: str, consumer: str) -> int:
+    """The prompts' seed of one case, the same in every run (``hash`` of a str differs from one process to the next,
+    so a failing case's prompts could not be drawn again)."""
+    return zlib.crc32(f"{producer}->{consumer}".encode()) % 1000
 
 
 def check_pd(producer, consumer, *, producer_tp: int, seed: int, loaded_all: bool = True) -> dict:
@@ -123,7 +130,7 @@ class TestKpoolPd:
             "tp2-to-tp2-ucx"])
     def test_pd_equals_single_engine(self, engines, producer, consumer, producer_tp):
         params = check_pd(engines[producer], engines[consumer], producer_tp=producer_tp,
-                          seed=hash((producer, consumer)) % 1000)
+                          seed=case_seed(producer, consumer))
         assert params["remote_tp_size"] == producer_tp
         addresses = params["remote_rank_addresses"]
         assert len(addresses) == producer_tp and addresses[0] == params["remote_address"]
@@ -162,5 +169,5 @@ class TestNixl:
     ], ids=["tp2-to-tp1", "tp1-to-tp2", "tp2-to-tp2"])
     def test_pd_equals_single_engine(self, engines, producer, consumer, producer_tp):
         params = check_pd(engines[producer], engines[consumer], producer_tp=producer_tp,
-                          seed=hash((producer, consumer)) % 1000, loaded_all=False)
+                          seed=case_seed(producer, consumer), loaded_all=False)
         assert params["tp_size"] == producer_tp
