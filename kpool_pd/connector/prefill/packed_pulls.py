@@ -3,10 +3,11 @@ as one batch, their bytes in one UCX message.
 
 Every pull is checked as a Pull of its own (``PullDesk.checked``: the engine and its secret, the grant, the
 transport, the plan against the grant) in one pass; a refused pull gets its own failure, with the status its
-Pull would have ended with, and the others go on. The regions of the pulls served are copied into one buffer
-at the offsets the decode node's receives expect (every pull's regions back to back, in request order,
-each pull's in its plan's order: a refused pull's span is left unwritten), which goes out in the pieces the
-request names (each under UCX's eager limit: a message of several MiB goes by the rendezvous, several times
+Pull would have ended with, and the others go on. The regions of the pulls served are copied to the offsets the
+decode node's receives expect (every pull's regions back to back, in request order, each pull's in its plan's
+order: a refused pull's span is zeros), into a buffer that holds only the pieces with a served byte
+(``kpool_pd.connector.prefill.packed_message``: a refused pull's claimed bytes cost the node nothing), and go
+out in the pieces the request names (each under UCX's eager limit: a message of several MiB goes by the rendezvous, several times
 slower over TCP; in host memory each posted as soon as its bytes are copied) on an endpoint lent to the batch alone; the answer follows once they were sent, with a
 PullDone for each pull served. The buffer is one the node kept from an earlier batch
 (``kpool_pd.connector.shared.packed_staging``). Each grant served is read by the batch until it ends (``Grant.pulls_in_flight``); a batch that ends
@@ -32,7 +33,8 @@ from kpool_pd.connector.prefill.served_plan import ServedPlan, served_plan
 from kpool_pd.connector.prefill.ucx_link import UcxLink
 from kpool_pd.connector.shared import hops, regions
 from kpool_pd.connector.shared.errors import StatusError
-from kpool_pd.connector.shared.packed_staging import StagingBuffers, copy_all, piece_views, pieces
+from kpool_pd.connector.prefill.packed_message import PackedMessage, pack_in_pieces
+from kpool_pd.connector.shared.packed_staging import StagingBuffers
 from kpool_pd.connector.shared.ucx import MAX_REGIONS, UcxSendError, region_tag
 from kpool_pd.connector.shared.wire import Transport
 
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PACKED_PULLS = 4096  # pulls in one batch (a step of a vLLM engine holds far fewer)
 MAX_PACKED_BYTES = 1 << 31  # the one message's bytes (the decode node splits a larger step)
+MAX_PIECE_BYTES = 1 << 24  # a piece's bytes (the decode node sends PIECE_BYTES, 1 MiB): bounds the zeroed piece
 
 
 @dataclass(frozen=True)
@@ -108,15 +111,15 @@ class PackedPullDesk:
             accepted.append(_Accepted(index, grant, plan, here, pull.integrity))
         return accepted, link
 
-    def _packed_pieces(self, accepted: list[_Accepted], message: torch.Tensor, piece_bytes: int):
-        """``pack_in_pieces`` of every accepted pull's regions at its offset of ``message``."""
+    def _spans(self, accepted: list[_Accepted]) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the message, view of the pool) of every accepted pull's regions, in the message's order."""
         pool, spans = self.pulls.pool, []
         for pull in accepted:
             at = pull.offset
             for region in pull.plan.regions:
                 spans.append((at, regions.region_view(pool, region)))
                 at += region.nbytes
-        return pack_in_pieces(spans, message, piece_bytes)
+        return spans
 
     async def answer(self, request: pb.PackedPullRequest) -> pb.PackedPullResponse:
         """The batch's outcome, one result a pull, once its message was sent; StatusError for a batch refused as a
@@ -130,6 +133,9 @@ class PackedPullDesk:
         if request.piece_bytes == 0 or -(-total // request.piece_bytes) > MAX_REGIONS:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"piece_bytes {request.piece_bytes} cuts "
                               f"{total} bytes into more than {MAX_REGIONS} pieces (or none)")
+        if request.piece_bytes > MAX_PIECE_BYTES:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"piece_bytes {request.piece_bytes}: at most "
+                              f"{MAX_PIECE_BYTES}")
         results: list = [None] * count
         accepted, link = self._accept(request, results)
         if accepted:
@@ -144,15 +150,16 @@ class PackedPullDesk:
         for pull in accepted:
             pull.grant.pulls_in_flight += 1
         started, endpoint, sent, finished = time.perf_counter(), None, [], False
-        buffer = self.staging.take(total)
+        spans = self._spans(accepted)
+        message = PackedMessage([(at, view.numel()) for at, view in spans], total, request.piece_bytes)
+        buffer = self.staging.take(message.nbytes)
         try:
-            message = buffer[:total]
             try:
                 endpoint = await link.lend()
                 for pull in accepted:
                     hops.stamp(pull.grant.grant_id, "send")
-                for index, (at, length) in enumerate(self._packed_pieces(accepted, message, request.piece_bytes)):
-                    sent.append(endpoint.post(message[at:at + length], region_tag(request.ucx_tag, index)))
+                for index, (_, _, piece) in enumerate(pack_in_pieces(spans, message, buffer)):
+                    sent.append(endpoint.post(piece, region_tag(request.ucx_tag, index)))
                 await asyncio.wait_for(asyncio.shield(asyncio.gather(*sent)), config.pull_budget_s(computing=False))
             except (UcxSendError, asyncio.TimeoutError) as exc:
                 why = (f"UCX send did not complete before the pull's deadline" if isinstance(exc, asyncio.TimeoutError)
@@ -169,7 +176,8 @@ class PackedPullDesk:
             for pull in accepted:
                 hops.stamp(pull.grant.grant_id, "sent")
                 desk.metrics.transferred(Transport.UCX.label, pull.plan.total_bytes, len(pull.plan), seconds)
-                view = [message[pull.offset:pull.offset + pull.plan.total_bytes]] if pull.integrity else []
+                at = message.at(pull.offset) if pull.plan.total_bytes else 0
+                view = [buffer[at:at + pull.plan.total_bytes]] if pull.integrity else []
                 checksums = _region_crcs(view[0], pull.plan) if view else []
                 results[pull.index] = pb.PullSessionResponse(grant_id=pull.grant.grant_id, response=pb.PullResponse(
                     done=pb.PullDone(bytes=pull.plan.total_bytes, regions=len(pull.plan), crc32=checksums,
@@ -189,21 +197,6 @@ class PackedPullDesk:
                 if finished and desk.on_pull_done is not None:
                     desk.on_pull_done(PackedPullServed(pull.grant, pull.plan))
             desk.grants.reap()
-
-
-def pack_in_pieces(spans: list[tuple[int, torch.Tensor]], message: torch.Tensor, piece_bytes: int):
-    """Copy each span's source to its offset of ``message`` and yield each ``piece_bytes`` piece's (offset, length)
-    of ``message`` as soon as its bytes are written: in host memory the copies go piece by piece, so that the first
-    pieces travel while later ones are packed; on a GPU the whole message is packed in one operation first. Bytes
-    no span covers are left unwritten.
-    # spans: [(offset, uint8 [n])], increasing offsets, not overlapping, within message: uint8 [total]"""
-    if message.device.type != "cpu":
-        copy_all([message[at:at + src.numel()] for at, src in spans], [src for _, src in spans])
-        yield from pieces(message.numel(), piece_bytes)
-        return
-    for piece, sources, places in piece_views(spans, message, piece_bytes):
-        copy_all(places, sources)
-        yield piece
 
 
 def _region_crcs(span: torch.Tensor, plan: ServedPlan) -> list[int]:
