@@ -10,7 +10,7 @@ test: the ops run their torch references on CPU tensors unless ``KPOOL_PD_FORCE_
 daemon the tests start inherit it: an OpenMP thread with no work then sleeps where it would spin. On the 2-core
 machine the suite runs several vLLM engines at once, and the spinning threads of idle ones took the cores from the
 busy ones: ``tests/vllm/test_vllm_ranks.py`` and ``tests/vllm/test_vllm_hostile.py`` side by side (``-n 2``) took
-221 s and 106 user CPU-seconds without it, 185 s and 77 with it (2026-12-06, one run each).
+221 s and 106 user CPU-seconds without it, 185 s and 77 with it (2026-12-07, one run each).
 """
 
 from __future__ import annotations

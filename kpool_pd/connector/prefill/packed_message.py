@@ -59,29 +59,34 @@ def pack_in_pieces(spans: list[tuple[int, torch.Tensor]], message: PackedMessage
     while later ones are packed; on a GPU every span in one operation first. A piece no span touches is zeros.
     # spans: [(offset, uint8 [n])], the layout ``message`` was made from; buffer: uint8 [>= message.nbytes]"""
     zeros = None
-    if any(home is None for home in message.home):
-        zeros = torch.zeros(min(message.piece_bytes, max(length for _, length in message.pieces)), dtype=torch.uint8,
-                            device=buffer.device)
-    laid = []  # per piece: (its bytes to send, whether it has bytes of no span, the places of its parts, sources)
-    for (begin, length), parts, home in zip(message.pieces, message.parts, message.home):
-        if home is None:
-            laid.append((zeros[:length], False, [], []))
-            continue
-        piece = buffer[home:home + length]
-        gaps = sum(hi - lo for _, lo, hi in parts) < length  # bytes of refused spans: zeroed before it goes
-        places = [piece[lo - begin:hi - begin] for _, lo, hi in parts]
-        sources = [spans[i][1][lo - spans[i][0]:hi - spans[i][0]] for i, lo, hi in parts]
-        laid.append((piece, gaps, places, sources))
+    if None in message.home:  # the first piece is the longest
+        zeros = torch.zeros(message.pieces[0][1], dtype=torch.uint8, device=buffer.device)
+    laid = _laid(spans, message, buffer, zeros)
     if buffer.device.type != "cpu":
-        for piece, gaps, _, _ in laid:
+        laid = list(laid)
+        for _, _, piece, gaps, _, _ in laid:
             if gaps:
                 _zero(piece)
-        copy_all([p for _, _, places, _ in laid for p in places], [s for _, _, _, sources in laid for s in sources])
-        for (begin, length), (piece, _, _, _) in zip(message.pieces, laid):
+        copy_all([p for *_, places, _ in laid for p in places], [s for *_, sources in laid for s in sources])
+        for begin, length, piece, *_ in laid:
             yield begin, length, piece
         return
-    for (begin, length), (piece, gaps, places, sources) in zip(message.pieces, laid):
+    for begin, length, piece, gaps, places, sources in laid:  # each piece's views made as it goes
         if gaps:
             _zero(piece)
         copy_all(places, sources)
         yield begin, length, piece
+
+
+def _laid(spans: list[tuple[int, torch.Tensor]], message: PackedMessage, buffer: torch.Tensor,
+          zeros: torch.Tensor | None):
+    """For each piece of ``message``, in order: (offset, length, its bytes to send, whether some of them belong to
+    no span (zeroed before it goes), the places of its parts in the buffer, their sources)."""
+    for (begin, length), parts, home in zip(message.pieces, message.parts, message.home):
+        if home is None:
+            yield begin, length, zeros[:length], False, [], []
+            continue
+        piece = buffer[home:home + length]
+        yield (begin, length, piece, sum(hi - lo for _, lo, hi in parts) < length,
+               [piece[lo - begin:hi - begin] for _, lo, hi in parts],
+               [spans[i][1][lo - spans[i][0]:hi - spans[i][0]] for i, lo, hi in parts])

@@ -176,9 +176,7 @@ class PackedPullDesk:
             for pull in accepted:
                 hops.stamp(pull.grant.grant_id, "sent")
                 desk.metrics.transferred(Transport.UCX.label, pull.plan.total_bytes, len(pull.plan), seconds)
-                at = message.at(pull.offset) if pull.plan.total_bytes else 0
-                view = [buffer[at:at + pull.plan.total_bytes]] if pull.integrity else []
-                checksums = _region_crcs(view[0], pull.plan) if view else []
+                checksums = _region_crcs(_served_span(message, buffer, pull), pull.plan) if pull.integrity else []
                 results[pull.index] = pb.PullSessionResponse(grant_id=pull.grant.grant_id, response=pb.PullResponse(
                     done=pb.PullDone(bytes=pull.plan.total_bytes, regions=len(pull.plan), crc32=checksums,
                                      send_ms=seconds * 1000)))
@@ -197,6 +195,12 @@ class PackedPullDesk:
                 if finished and desk.on_pull_done is not None:
                     desk.on_pull_done(PackedPullServed(pull.grant, pull.plan))
             desk.grants.reap()
+
+
+def _served_span(message: PackedMessage, buffer: torch.Tensor, pull: _Accepted) -> torch.Tensor:
+    """``pull``'s bytes as sent (uint8 [its plan's bytes]): its pieces lie back to back in ``buffer``."""
+    at = message.at(pull.offset) if pull.plan.total_bytes else 0
+    return buffer[at:at + pull.plan.total_bytes]
 
 
 def _region_crcs(span: torch.Tensor, plan: ServedPlan) -> list[int]:
