@@ -49,14 +49,20 @@ class PackedInput:
 def capture(forward: Callable[[], Result], memory, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Result]:
     """Run ``forward`` once on a side stream (it compiles every kernel outside the capture), then capture it into
     a graph whose memory comes from the pool ``memory`` (``torch.cuda.graph_pool_handle``); returns the graph and
-    what the captured call returned (tensors that each replay overwrites)."""
+    what the captured call returned (tensors that each replay overwrites).
+
+    The capture checks this thread only (``thread_local``): a decode node captures while other threads of its
+    process may use the device (UCX's progress thread, a pull landing), and in the default global mode such a call
+    from another thread invalidates the capture. The GPU suite (``-n 8``, H100, 2026-12-07) saw
+    ``cudaErrorStreamCaptureInvalidated`` in ``test_graphed_decode_equals_eager[4-3]``, in a test process that had
+    run other tests first; which call invalidated it was not isolated."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         forward()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=memory):
+    with torch.cuda.graph(graph, pool=memory, capture_error_mode="thread_local"):
         result = forward()
     return graph, result
 

@@ -31,7 +31,8 @@ gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
 # GPU_TESTS narrows the tests (default: tests/gpu and the gpu-marked QSA tests); BENCH_ONLY the bench cases.
 tests_rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m "gpu and not gpu_whole_device" ${GPU_TESTS:-tests/gpu tests/kernels/test_qsa_*.py} \
+  # SIGINT first at the deadline: pytest then prints its summary (-rA: each outcome so far) and where it waited.
+  timeout -s INT -k 30 "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m "gpu and not gpu_whole_device" ${GPU_TESTS:-tests/gpu tests/kernels/test_qsa_*.py} \
     -p no:cacheprovider -rA 2>&1 | tee -a "$OUT/pytest_gpu.log"
   tests_rc=${PIPESTATUS[0]}
   # Tests that read the whole device's memory run after the rest, one at a time (no pytest-xdist worker beside them).
