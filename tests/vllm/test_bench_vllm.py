@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kpool_pd.bench import vllm_engines, vllm_pd
+from tests.support.memory_share import memory_share
 from tests.support.paths import REPO
 
 CHATTER = "CHATTER"  # in every line a chatty engine prints
@@ -245,13 +246,14 @@ def test_a_vllm_engine_that_fails_to_start_leaves_its_output_and_traceback_in_it
     model.mkdir()
     (model / "config.json").write_text(json.dumps(vllm_engines.TINY_LLAMA | {"architectures": ["NoSuchForCausalLM"]}))
     log = tmp_path / "engine.log"
-    engine = vllm_engines.EngineProcess(multiprocessing.get_context("spawn"), str(model), None,
-                                        env={"HF_HUB_OFFLINE": "1"}, log=log)
-    try:
-        with pytest.raises(AssertionError, match="NoSuchForCausalLM"):
-            engine.wait_ready(timeout_s=300)
-    finally:
-        engine.stop()
+    with memory_share(1, "an engine that fails to start"):  # one process that imports vLLM
+        engine = vllm_engines.EngineProcess(multiprocessing.get_context("spawn"), str(model), None,
+                                            env={"HF_HUB_OFFLINE": "1"}, log=log)
+        try:
+            with pytest.raises(AssertionError, match="NoSuchForCausalLM"):
+                engine.wait_ready(timeout_s=300)
+        finally:
+            engine.stop()
     out, err = capfd.readouterr()
     assert (out, err) == ("", "")
     text = log.read_text()
@@ -263,8 +265,9 @@ def test_a_vllm_engine_that_fails_to_start_leaves_its_output_and_traceback_in_it
 def test_a_short_run_pulls_every_prompt_token_and_matches_one_engine(tmp_path):
     if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":
         pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
-    assert vllm_pd.main(["--tokens", "40", "--reps", "2", "--concurrent", "2", "--new-tokens", "2",
-                         "--connectors", "kpool-grpc", "--out", str(tmp_path)]) == 0
+    with memory_share(2, "bench vllm's engines"):  # a producer and a consumer: 2.9 GiB with this process (2026-12-07)
+        assert vllm_pd.main(["--tokens", "40", "--reps", "2", "--concurrent", "2", "--new-tokens", "2",
+                             "--connectors", "kpool-grpc", "--out", str(tmp_path)]) == 0
     row, concurrent = json.loads((tmp_path / "vllm_pd.json").read_text())
     assert row["connector"] == "kpool-grpc" and row["tokens"] == 40 and row["same_tokens"] is True
     assert row["pulled_tokens"] == 2 * 40  # both reps' prompts came over the connector

@@ -23,6 +23,7 @@ from kpool_pd.vllm.metadata import flat_ids  # noqa: E402
 from kpool_pd.vllm.planes import engine_pool  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
 from tests.support import vllm_spec_caches, vllm_spec_procs  # noqa: E402
+from tests.support.memory_share import module_memory  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -63,8 +64,12 @@ class Process:
             self.process.join(30)
 
 
+# two processes forked from the fork server, no engine: under 1 GiB beside this process (2026-12-07)
+vllm_memory = module_memory(1, "tests/vllm/test_vllm_hma_specs.py's processes")
+
+
 @pytest.fixture(scope="module", params=["glm5next", "qsa"])
-def pair(request):
+def pair(vllm_memory, request):
     model, token = request.param, secrets.token_hex(16)
     context = engine_context()
     started = []

@@ -42,6 +42,7 @@ pytest.importorskip("aiohttp", reason="the router needs aiohttp (pip install 'kp
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support import vllm_servers  # noqa: E402
+from tests.support.memory_share import module_memory  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.stopping import stop_servers  # noqa: E402
@@ -105,8 +106,12 @@ class Deployment:
         stop_servers(self.servers)
 
 
+# two servers and the router: 4.3 GiB at the file's peak with this process (2026-12-07)
+vllm_memory = module_memory(3, "tests/vllm/test_vllm_hostile.py's servers")
+
+
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(vllm_memory, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-hostile")
     model = str(vllm_engines.write_model(folder / "model", layers=vllm_engines.HYBRID_LAYERS))
     deployment = Deployment(folder, model)

@@ -14,14 +14,19 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
+from tests.support.memory_share import module_memory  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.vllm.test_vllm_pd import check_pd_equals_single_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 
+# two engines: 3.1 GiB at the file's peak with this process (2026-12-07)
+vllm_memory = module_memory(2, "tests/vllm/test_vllm_kv_both.py's engines")
+
+
 @pytest.fixture(scope="module")
-def both_engines(tmp_path_factory):
+def both_engines(vllm_memory, tmp_path_factory):
     model = str(vllm_engines.write_model(tmp_path_factory.mktemp("tiny-llama-both")))
     token = secrets.token_hex(16)
     listens = [f"127.0.0.1:{free_port()}" for _ in range(2)]

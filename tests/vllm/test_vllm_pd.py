@@ -21,6 +21,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
+from tests.support.memory_share import module_memory  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.stopping import stop_engines  # noqa: E402
@@ -61,14 +62,18 @@ def start_engines(model: str, logs: Path):
         stop_engines(started)
 
 
+# both fixtures' six engines live until the module ends: 8.7 GiB at the file's peak with this process (2026-12-07)
+vllm_memory = module_memory(7, "tests/vllm/test_vllm_pd.py's engines")
+
+
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(vllm_memory, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     yield from start_engines(str(vllm_engines.write_model(folder / "model")), folder)
 
 
 @pytest.fixture(scope="module")
-def hybrid_engines(tmp_path_factory):
+def hybrid_engines(vllm_memory, tmp_path_factory):
     """The model with a sliding-window layer and a full-attention one: two KV cache groups."""
     folder = tmp_path_factory.mktemp("tiny-hybrid")
     yield from start_engines(str(vllm_engines.write_model(folder / "model", layers=vllm_engines.HYBRID_LAYERS)), folder)

@@ -7,9 +7,10 @@ computes none of the prompts (vLLM's ``vllm:prompt_tokens_by_source``). The same
 NixlConnector, side by side. The engines of each connector start once for all its cases and are gone
 before the other connector's start (a class each).
 
-A class's engines take about 8 processes of vLLM (1.5-2 GiB each): a copy of the suite running beside this one on
-the machine waits for the lock (``machine_lock``) until another copy's are gone, so that two copies' together
-do not fill a 24 GiB machine (they did: the kernel's OOM killer ended worker ranks)."""
+A class's engines take up to 11 processes of vLLM: the file alone took 13.8 GiB at its peak (TestKpoolPd's engines,
+this test process and its fork server; 2026-12-07). Each class holds its share of the machine's memory
+(``memory_share``) while its engines live, so that a copy of the suite running beside this one waits for them to be
+gone instead of filling the 24 GiB machine (it did: the kernel's OOM killer ended worker ranks)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
-from tests.support.machine_lock import machine_lock  # noqa: E402
+from tests.support.memory_share import memory_share  # noqa: E402
 from tests.support.ports import consecutive_ports, free_port  # noqa: E402
 from tests.support.stopping import stop_engines  # noqa: E402
 
@@ -36,8 +37,8 @@ PROMPT_LENGTHS = (7, 17, 100, 257)
 MAX_TOKENS = 8
 ONE_LAYER = {"num_hidden_layers": 1}
 TP2 = {"engine_args": {"tensor_parallel_size": 2}, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
-ENGINES_LOCK = "vllm-tp-engines"  # one copy of the suite on the machine holds these engines at a time
-ENGINES_LOCK_S = 900.0  # the most another copy's class may hold it (its engines' start, cases and stop, loaded)
+KPOOL_ENGINES_GIB = 12  # TestKpoolPd's 11 engine processes (the file's 13.8 GiB peak less this process's own share)
+NIXL_ENGINES_GIB = 8  # TestNixl's 7
 
 
 
@@ -112,7 +113,7 @@ class TestKpoolPd:
 
         def consumer(transport: str) -> dict:
             return {"peer_token": token, "transport": transport, "integrity": True, "producers": ["127.0.0.1"]}
-        with machine_lock(ENGINES_LOCK, ENGINES_LOCK_S):
+        with memory_share(KPOOL_ENGINES_GIB, "TestKpoolPd's engines"):
             engines = start({
                 "p1": (config("kv_both", {"listen": p1, "lease_s": 60} | consumer("grpc")), {}),
                 "u1": (config("kv_consumer", consumer("ucx")), {}),
@@ -155,7 +156,7 @@ class TestNixl:
         def side_channel(extra: dict | None = None) -> dict:
             env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} | (extra or {})
             return {"env": env}
-        with machine_lock(ENGINES_LOCK, ENGINES_LOCK_S):
+        with memory_share(NIXL_ENGINES_GIB, "TestNixl's engines"):
             engines = start({
                 "n1": (nixl("kv_both"), side_channel()),
                 "n2p": (nixl("kv_producer"), TP2 | side_channel(TP2["env"])),

@@ -32,6 +32,7 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.bench import vllm_engines  # noqa: E402
 from tests.support.engine_context import engine_context  # noqa: E402
+from tests.support.memory_share import module_memory  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.ports import consecutive_ports  # noqa: E402
 
@@ -92,8 +93,12 @@ def mixed_requests(seed: int) -> list[Request]:
     return requests
 
 
+# a TP 2 producer and a consumer: 4.1 GiB at the file's peak with this process (2026-12-07)
+vllm_memory = module_memory(3, "tests/vllm/test_vllm_ranks_mixed.py's engines")
+
+
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(vllm_memory, tmp_path_factory):
     """The producer (TP 2) and the consumer (TP 1), ready; each engine's output in ``<name>.log`` beside the
     model."""
     folder: Path = tmp_path_factory.mktemp("vllm-ranks-mixed")

@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client comes with vLLM
 
 from tests.support import vllm_servers  # noqa: E402
 from tests.support.machine_lock import machine_lock  # noqa: E402
+from tests.support.memory_share import module_memory  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
 from tests.support.user_folders import shadowed, shadowing_folder  # noqa: E402
 
@@ -49,8 +50,12 @@ def test_the_readme_names_the_ports_this_test_checks():
     assert "kpool-pd vllm-model tiny-llama" in commands and "--middleware kpool_pd.vllm.KvTransferParamsGuard" in commands
 
 
+# the README's two servers and router: 4.1 GiB at the file's peak with this process (2026-12-07)
+vllm_memory = module_memory(3, "the README's servers")
+
+
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(vllm_memory, tmp_path_factory):
     """The README's commands run by bash in a fresh folder, in a session of their own; yields (folder, the
     commands' output). Every process they started is stopped afterwards. Their ports are the README's: a copy of
     the suite running beside this one on the machine waits for the lock (``machine_lock``) until these are gone."""
