@@ -238,6 +238,7 @@ def test_a_child_process_output_goes_to_its_log_and_not_the_terminal(tmp_path, c
     assert text.count(f"{CHATTER} stdout") == CHATTER_LINES and f"{CHATTER} child 2" in text
 
 
+@pytest.mark.vllm
 def test_a_vllm_engine_that_fails_to_start_leaves_its_output_and_traceback_in_its_log(tmp_path, capfd):
     """vLLM itself (no engine starts: the model's architecture is unknown), its output in the log."""
     if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":
