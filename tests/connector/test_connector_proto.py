@@ -27,8 +27,8 @@ def _generator():
 def _generated(out: Path) -> list[Path]:
     """The files ``python proto/generate.py --out OUT`` writes, as a user runs it: in a process of its own. protoc
     runs in the process that calls it, and in a test worker that had run a fifth of the suite it ended the worker with
-    no message (2026-12-07, the README's test command, "worker 'gw0' crashed while running" this test, at 22%; the
-    crash of 2026-12-06 came at the same point and went unnamed). It did not come back in a fresh process."""
+    no message (2026-12-07, the README's test command, "worker 'gw0' crashed while running" this test, at 22%; an
+    earlier crash came at the same point and went unnamed). It did not come back in a fresh process."""
     done = subprocess.run([sys.executable, str(REPO / "proto" / "generate.py"), "--out", str(out)], capture_output=True,
                           text=True, timeout=patient(120))
     assert done.returncode == 0, f"proto/generate.py exited {done.returncode}:\n{done.stdout}{done.stderr}"
