@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:///"
 HEALTH_CHECK_TIMEOUT_S = 5.0  # at most rpc_timeout_s, at least the health interval
+SLOW_CHECKS_TOLERATED = 2  # a healthy node's checks in a row that may go unanswered before it leaves the rotation
 NO_NODE_WAIT_S = 1.5  # how long a request waits for a prefill node to turn healthy before UNAVAILABLE
 KICK_GAP_S = 0.1  # least time between two refreshes that waiting requests ask for
 MAX_RECONNECT_BACKOFF_MS = 1000  # an unreachable node's channel retries at least this often
@@ -61,7 +62,7 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 
 class _Node:
-    __slots__ = ("address", "peer", "healthy", "health_channel", "reason", "load")
+    __slots__ = ("address", "peer", "healthy", "health_channel", "reason", "load", "slow_checks")
 
     def __init__(self, address: str, reconnect_ms: int, tls: TlsConfig | None) -> None:
         self.address = address
@@ -76,6 +77,7 @@ class _Node:
         ])
         self.reason = "not checked yet"
         self.load = LoadView()
+        self.slow_checks = 0  # this healthy node's checks in a row that ran past their deadline
 
 
 async def resolve_host(host: str, port: int) -> list[str]:
@@ -172,7 +174,10 @@ class PrefillRouter:
             node.reason = "" if serving else (
                 f"its health is {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}")
         except grpc.aio.AioRpcError as exc:
+            if self._tolerated(node, exc):
+                return
             serving, node.reason = False, await self._failure_reason(node, exc)
+        node.slow_checks = 0
         if serving and node.peer is None:
             try:
                 # The node may be a new process on the same address (and, in a StatefulSet, with
@@ -190,6 +195,20 @@ class PrefillRouter:
             logger.info("prefill node %s is %s", node.address, "healthy" if serving else f"unhealthy: {node.reason}")
         node.healthy = serving
         self._changed()
+
+    def _tolerated(self, node: _Node, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether a failed check leaves ``node`` as it was: a healthy node that let a check run past its deadline
+        is busy rather than gone (an unreachable one fails at once), and stays in the rotation until
+        ``SLOW_CHECKS_TOLERATED`` checks in a row did; an overloaded machine's only prefill node otherwise left it
+        for a second and failed every request that came meanwhile."""
+        if not (node.healthy and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                and node.slow_checks < SLOW_CHECKS_TOLERATED):
+            return False
+        node.slow_checks += 1
+        logger.warning("prefill node %s answered no health check within %g s (%d in a row); kept in the rotation "
+                       "until %d in a row", node.address, self.check_timeout_s, node.slow_checks,
+                       SLOW_CHECKS_TOLERATED + 1)
+        return True
 
     @staticmethod
     def _load_of(node: _Node, metadata: grpc.aio.Metadata | None) -> NodeLoad | None:

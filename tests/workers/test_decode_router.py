@@ -128,3 +128,62 @@ def test_a_node_that_failed_a_call_gets_a_new_peer_and_the_old_one_finishes_its_
             finally:
                 await router.close()
     asyncio.run(main())
+
+
+class SlowHealth:
+    """The router's health stub, made to fail the next checks with ``code`` (as a node that answers too late, or not
+    at all, would) while ``code`` is set; the real stub otherwise."""
+
+    def __init__(self, real) -> None:
+        self.real, self.code = real, None
+
+    def HealthStub(self, channel):  # noqa: N802 (the generated module's name)
+        stub = self.real.HealthStub(channel)
+        if self.code is None:
+            return stub
+        code = self.code
+
+        class Failing:
+            def Check(self, request, **kwargs):  # noqa: N802
+                async def fail():
+                    raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
+                return fail()
+        return Failing()
+
+
+def test_a_healthy_node_whose_checks_run_late_stays_in_rotation_until_three_in_a_row(monkeypatch):
+    from kpool_pd.decode_worker import router as router_module
+
+    health = SlowHealth(router_module.health_pb2_grpc)
+    monkeypatch.setattr(router_module, "health_pb2_grpc", health)
+
+    async def main():
+        async with InProcessPair() as pair:
+            router = PrefillRouter(pair.decode, (pair.address,), health_interval_s=60, rpc_timeout_s=patient(5),
+                                   no_node_wait_s=0.1)
+            await router.start()
+            try:
+                peer = await router.pick()
+                health.code = grpc.StatusCode.DEADLINE_EXCEEDED
+                for _ in range(router_module.SLOW_CHECKS_TOLERATED):
+                    await router.refresh()
+                    assert router.healthy() == [pair.address] and await router.pick() is peer
+                await router.refresh()  # one more late check in a row: out of the rotation
+                assert router.healthy() == []
+                with pytest.raises(StatusError) as err:
+                    await router.pick()
+                assert err.value.code is grpc.StatusCode.UNAVAILABLE
+
+                health.code = None
+                await router.refresh()
+                assert router.healthy() == [pair.address]
+                health.code = grpc.StatusCode.DEADLINE_EXCEEDED
+                await router.refresh()  # the count started again with the answered check
+                assert router.healthy() == [pair.address]
+
+                health.code = grpc.StatusCode.UNAVAILABLE  # unreachable: out at once
+                await router.refresh()
+                assert router.healthy() == []
+            finally:
+                await router.close()
+    asyncio.run(main())
