@@ -16,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from tests.support.deadlines import patient
 from tests.support.paths import REPO
 from tests.support.polling import wait_for
 
@@ -73,11 +74,16 @@ class Server:
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
         try:
-            self.process.wait(STOP_S)
+            self.process.wait(patient(STOP_S))
         except subprocess.TimeoutExpired:
             pass
         self.kill(signal.SIGKILL)  # its engine processes too, whether or not it waited for them
-        self.process.wait(STOP_S)
+        self.wait_gone()
+
+    def wait_gone(self) -> None:
+        """Until the process has ended (after a kill), under a deadline stretched for the load: a process of a few
+        GiB took over 30 s to end after SIGKILL on the 2-core machine with two copies of the suite running."""
+        self.process.wait(patient(STOP_S))
 
 
 def server_env(**extra: str) -> dict[str, str]:

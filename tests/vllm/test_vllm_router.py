@@ -193,7 +193,7 @@ def test_a_producer_killed_mid_pull_leaves_the_consumer_to_recompute(deployment)
                         period_s=0.2), f"the consumer's pull did not start within {FETCH_SEEN_S} s:\n{consumer.tail()}"
     finally:
         doomed.kill()  # SIGKILL, stopped or not
-    doomed.process.wait(vllm_servers.STOP_S)
+    doomed.wait_gone()
     sender.join(CLIENT_TIMEOUT_S)
 
     after = vllm_servers.prompt_tokens_by_source(consumer.metrics())
@@ -219,7 +219,7 @@ def test_a_consumer_killed_with_its_request_in_flight_lets_the_producer_free_by_
     sender = threading.Thread(target=decode, daemon=True)
     sender.start()
     consumer.kill()
-    consumer.process.wait(vllm_servers.STOP_S)
+    consumer.wait_gone()
     sender.join(CLIENT_TIMEOUT_S)
 
     assert wait_for(lambda: holds_no_block(producer), FREED_WITHIN_S, period_s=0.5), (
