@@ -68,8 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def allow_the_wait_for_memory(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A vLLM test's setup may wait for another copy's engines to give the machine's memory back
     (``tests/support/memory_share.py``) before its own engines start: its pytest-timeout deadline is its own (the
-    suite's ``timeout`` where it states none) plus the longest that wait may take. Seen when it was not: two copies side by side, one copy's
-    TestNixl failed at 300 s waiting for the other's TestKpoolPd engines."""
+    suite's ``timeout`` where it states none) plus the longest that wait may take. Seen when it was not: two copies
+    side by side, one copy's TestNixl failed at 300 s waiting for the other's TestKpoolPd engines."""
     from tests.support.memory_share import SHARE_WAIT_S
 
     suite_s = float(config.getini("timeout") or 0)

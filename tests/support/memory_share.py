@@ -1,8 +1,8 @@
 """The machine's memory shared by every copy of the suite running on it, in GiB: a test that starts vLLM engines
 takes its share (``memory_share``) before it starts them and gives it back once they are gone, and a test process
-that starts engines holds a share for itself and its fork server for the rest of its life (``hold_for_this_process``). Two copies of the suite side by
-side on the 24 GiB, 2-core machine then wait for each other's engines instead of filling the machine (they did: the
-kernel's OOM killer ended engine processes).
+that starts engines holds a share for itself and its fork server for the rest of its life
+(``hold_for_this_process``). Two copies of the suite side by side on the 24 GiB, 2-core machine then wait for each
+other's engines instead of filling the machine (they did: the kernel's OOM killer ended engine processes).
 
 The shares are slots, one file a GiB in the machine's temporary folder, each taken with an exclusive ``flock``: a
 holder that dies, however it dies, gives its slots back. A request takes all its slots at once or none, so no holder
