@@ -13,7 +13,8 @@ from pathlib import Path
 from tests.support.polling import wait_for
 
 
-def _taken(handle) -> bool:
+def try_flock(handle) -> bool:
+    """An exclusive ``flock`` on ``handle``'s file, taken now or not at all (no wait)."""
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -27,7 +28,7 @@ def machine_lock(name: str, within_s: float) -> Iterator[None]:
     ``within_s`` (on an idle machine; ``wait_for`` stretches it for the load)."""
     path = Path(tempfile.gettempdir()) / f"kpool-pd-tests-{name}.lock"
     with open(path, "a+") as handle:
-        assert wait_for(lambda: _taken(handle), within_s, period_s=0.5), \
+        assert wait_for(lambda: try_flock(handle), within_s, period_s=0.5), \
             f"another copy of the suite held the machine's lock {path} past the deadline"
         try:
             yield

@@ -27,6 +27,7 @@ from typing import IO
 import pytest
 
 from tests.support.deadlines import patient
+from tests.support.machine_lock import try_flock
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,6 @@ def largest_share() -> int:
     return max(1, slot_count() - MOST_PROCESSES * PROCESS_GIB)
 
 
-def _try_lock(handle: IO) -> bool:
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
 def _release(handles: list[IO]) -> None:
     for handle in handles:
         fcntl.flock(handle, fcntl.LOCK_UN)
@@ -82,7 +75,7 @@ def _take_all_or_none(gib: int) -> list[IO] | None:
     taken: list[IO] = []
     for index in range(slot_count()):
         handle = open(_folder() / f"slot-{index}.lock", "a+")
-        if _try_lock(handle):
+        if try_flock(handle):
             taken.append(handle)
             if len(taken) == gib:
                 return taken
@@ -98,7 +91,7 @@ def _take(gib: int, within_s: float, what: str) -> list[IO]:
     deadline = time.monotonic() + patient(within_s)
     started = time.monotonic()
     with open(_folder() / "turnstile.lock", "a+") as turnstile:
-        while not _try_lock(turnstile):
+        while not try_flock(turnstile):
             assert time.monotonic() < deadline, f"{what}: waited past the deadline for the turn to take {gib} GiB"
             time.sleep(WAIT_PERIOD_S)
         try:
