@@ -186,8 +186,10 @@ class IdleClosingProxy:
     without a byte either way, as vLLM's server does after 5 s, the way a client meets that close in the
     race: the client sends its next request on a connection the server has just closed, before the close
     reached it. Here the close is made when that next request's first bytes arrive (a reset, nothing of the
-    request read), so each request sent after ``idle_s`` or more on a kept connection meets it; ``resets``
-    counts them. ``url`` while serving (``async with``)."""
+    request read), so each request sent ``idle_s`` or more after the last answer on a kept connection meets
+    it; ``resets`` counts them. As vLLM's server, it times only a connection between requests (its last
+    bytes an answer's): a new connection's first request and a pause inside a request, as a loaded machine
+    makes, are never reset. ``url`` while serving (``async with``)."""
 
     def __init__(self, target: str, idle_s: float) -> None:
         self.target, self.idle_s = target, idle_s
@@ -213,10 +215,11 @@ class IdleClosingProxy:
         up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), WAIT_S)
         loop = asyncio.get_running_loop()
         last = [loop.time()]  # the last byte either way
+        answered = [False]  # the last bytes were the instance's (an answer): the connection is between requests
 
         async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, from_client: bool) -> None:
             while data := await source.read(1 << 16):
-                if from_client and loop.time() - last[0] >= self.idle_s:
+                if from_client and answered[0] and loop.time() - last[0] >= self.idle_s:
                     self.resets += 1
                     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                                               struct.pack("ii", 1, 0))
@@ -224,7 +227,7 @@ class IdleClosingProxy:
                     return
                 sink.write(data)
                 await sink.drain()
-                last[0] = loop.time()
+                last[0], answered[0] = loop.time(), not from_client
 
         try:
             done, pending = await asyncio.wait([loop.create_task(pump(reader, up_writer, True)),
