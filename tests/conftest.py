@@ -11,14 +11,23 @@ daemon the tests start inherit it: an OpenMP thread with no work then sleeps whe
 machine the suite runs several vLLM engines at once, and the spinning threads of idle ones took the cores from the
 busy ones: ``tests/vllm/test_vllm_ranks.py`` and ``tests/vllm/test_vllm_hostile.py`` side by side (``-n 2``) took
 221 s and 106 user CPU-seconds without it, 185 s and 77 with it (2026-12-07, one run each).
+
+``VLLM_RPC_BASE_PATH`` (unless set already) is a folder of this test process's own, removed when its session ends:
+vLLM makes its engines' IPC sockets there, and a killed vLLM process leaves them behind (in the temporary folder
+itself, about 70 a suite run: 276 in four runs, 2026-12-07). A short path: a socket's must fit in 108 bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+VLLM_SOCKETS = None if "VLLM_RPC_BASE_PATH" in os.environ else tempfile.mkdtemp(prefix="kpoolpd-vllm-")
+if VLLM_SOCKETS is not None:
+    os.environ["VLLM_RPC_BASE_PATH"] = VLLM_SOCKETS
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -127,3 +136,9 @@ def entries_within_rule(q: torch.Tensor, scale: torch.Tensor, q_ref: torch.Tenso
 def entry_rule():
     """The softmax comparison rule (``entries_within_rule``) for tests in any folder."""
     return entries_within_rule
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's vLLM socket folder goes (each pytest-xdist worker has its own; its engines have ended)."""
+    if VLLM_SOCKETS is not None:
+        shutil.rmtree(VLLM_SOCKETS, ignore_errors=True)

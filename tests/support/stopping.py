@@ -73,4 +73,4 @@ def stop_servers(servers: Iterable[vllm_servers.Server], grace_s: float = GRACE_
     for server in servers:
         server.kill(signal.SIGKILL)
     for server in servers:
-        server.wait_gone()  # under a deadline stretched for the load; its scratch folder goes with it
+        server.wait_gone()  # under a deadline stretched for the load

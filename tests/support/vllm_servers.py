@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from tests.support.deadlines import patient
 from tests.support.paths import REPO
@@ -35,12 +32,10 @@ IN_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class Server:
-    """A process serving HTTP on ``127.0.0.1:port``, its output in ``log``; ``scratch``, a folder of its own
-    (vLLM's IPC sockets), is removed once the process has ended."""
+    """A process serving HTTP on ``127.0.0.1:port``, its output in ``log``."""
 
-    def __init__(self, name: str, command: list[str], port: int, log: Path, env: dict[str, str], *,
-                 scratch: Path | None = None) -> None:
-        self.name, self.port, self.log, self.scratch = name, port, log, scratch
+    def __init__(self, name: str, command: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        self.name, self.port, self.log = name, port, log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
@@ -87,11 +82,8 @@ class Server:
 
     def wait_gone(self) -> None:
         """Until the process has ended (after a kill), under a deadline stretched for the load: a process of a few
-        GiB took over 30 s to end after SIGKILL on the 2-core machine with two copies of the suite running. Its
-        scratch folder goes with it."""
+        GiB took over 30 s to end after SIGKILL on the 2-core machine with two copies of the suite running."""
         self.process.wait(patient(STOP_S))
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def server_env(**extra: str) -> dict[str, str]:
@@ -114,12 +106,7 @@ def vllm_server(name: str, model: str, port: int, transfer: dict | None, log_dir
                "--distributed-executor-backend", "uni", *flags]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
-    # vLLM makes its engine's IPC sockets in VLLM_RPC_BASE_PATH (the temporary folder by default) and a killed
-    # server leaves them there: about a hundred a suite run. A short folder of the server's own keeps them, and
-    # goes once the server ended (a socket's path must fit in 108 bytes, so not under pytest's tmp_path).
-    scratch = Path(tempfile.mkdtemp(prefix="kpoolpd-vllm-rpc-"))
-    return Server(name, command, port, log_dir / f"{name}.log",
-                  server_env(**(IN_ENGINE_PROCESS | {"VLLM_RPC_BASE_PATH": str(scratch)} | env)), scratch=scratch)
+    return Server(name, command, port, log_dir / f"{name}.log", server_env(**(IN_ENGINE_PROCESS | env)))
 
 
 def router_server(port: int, prefill: list[str], decode: list[str], log_dir: Path, *flags: str, name: str = "router",
