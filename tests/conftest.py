@@ -139,6 +139,7 @@ def entry_rule():
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The session's vLLM socket folder goes (each pytest-xdist worker has its own; its engines have ended)."""
+    """The run's vLLM socket folder goes, in the process that made it (pytest-xdist's workers inherit the
+    controller's folder and leave it be; the controller ends after them, and their engines before them)."""
     if VLLM_SOCKETS is not None:
         shutil.rmtree(VLLM_SOCKETS, ignore_errors=True)
