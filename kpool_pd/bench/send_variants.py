@@ -28,8 +28,9 @@ import time
 
 import torch
 
-from kpool_pd.bench.ucxx_baseline import (REQUEST_BYTES, START_S, end_children, import_ucxx, sent_bytes,
-                                          ucxx_buffer)
+from kpool_pd.bench.arguments import count, counts
+from kpool_pd.bench.ucxx_baseline import (REQUEST_BYTES, START_S, baseline_progress_mode, end_children, import_ucxx,
+                                          sent_bytes, ucxx_buffer)
 from kpool_pd.connector import UCX_NO_SHARED_MEMORY, UcxNode
 from kpool_pd.runtime.launch import child_context, start_child
 
@@ -69,7 +70,7 @@ def message_view(pool: torch.Tensor, standalone: torch.Tensor, variant: SendVari
 
 def _sender(conn, nbytes: int, reps: int, device: str, variants: tuple[SendVariant, ...]) -> None:
     async def main() -> None:
-        node = UcxNode(UCX_NO_SHARED_MEMORY)
+        node = UcxNode(UCX_NO_SHARED_MEMORY, progress_mode=baseline_progress_mode(device))
         ucxx = import_ucxx()
         standalone = sent_bytes(nbytes).to(device)
         pool = standalone.repeat(POOL_SLOTS)
@@ -91,7 +92,7 @@ def _sender(conn, nbytes: int, reps: int, device: str, variants: tuple[SendVaria
 
 def _receiver(conn, peer: bytes, nbytes: int, reps: int, device: str, variants: tuple[SendVariant, ...]) -> None:
     async def main() -> dict[str, list[float]]:
-        node = UcxNode(UCX_NO_SHARED_MEMORY)
+        node = UcxNode(UCX_NO_SHARED_MEMORY, progress_mode=baseline_progress_mode(device))
         ucxx = import_ucxx()
         conn.send(node.address)
         ep = await node.endpoint_to(peer)
@@ -153,11 +154,12 @@ def send_variant_ms(nbytes: int, reps: int, device: str,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--mib", default="41,164", help="message sizes in MiB, comma-separated (default 41,164)")
-    parser.add_argument("--reps", type=int, default=9, help="timed reps a variant (default 9)")
+    parser.add_argument("--mib", type=counts, default=[41, 164],
+                        help="message sizes in whole MiB, comma-separated (default 41,164)")
+    parser.add_argument("--reps", type=count, default=9, help="timed reps a variant (default 9)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sizes = [int(s) for s in args.mib.split(",") if s.strip()]
+    sizes = args.mib
     header = f"{'MiB':>6} " + " ".join(f"{v.value:>12}" for v in SendVariant) + "   (ms, median; receiver's clock)"
     logger.info(header)
     for mib in sizes:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kpool_pd.connector import ucx_available
+from kpool_pd.connector import UcxProgress, progress_mode_for, ucx_available
 from kpool_pd.runtime.launch import child_context, start_child
 
 REQUEST_BYTES = 8
@@ -65,6 +65,12 @@ def message_parts(tensor: torch.Tensor, messages: int) -> list[torch.Tensor]:
     return list(tensor.tensor_split(messages))
 
 
+def baseline_progress_mode(device: str) -> str | None:
+    """The progress mode a connector node with its pool on ``device`` gives ucxx (``ConnectorConfig``'s default),
+    so that the baseline's processes progress their workers as the connector's do."""
+    return progress_mode_for(UcxProgress.AUTO, torch.device(device).type)
+
+
 def worker_address_endpoint(ucxx, address: bytes):
     """An endpoint to a peer's worker ``address``, as the connector makes them (error handling off)."""
     return ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address),
@@ -76,7 +82,7 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
     ucxx = import_ucxx()
 
     async def main() -> None:
-        ucxx.init(options=dict(options))
+        ucxx.init(options=dict(options), progress_mode=baseline_progress_mode(device))
         src = sent_bytes(nbytes).to(device)
         parts = message_parts(src, messages)
         request = torch.empty(REQUEST_BYTES, dtype=torch.uint8)
@@ -114,7 +120,7 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
     ucxx = import_ucxx()
 
     async def main() -> list[float]:
-        ucxx.init(options=dict(options))
+        ucxx.init(options=dict(options), progress_mode=baseline_progress_mode(device))
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
         parts = message_parts(dst, messages)
         request = torch.zeros(REQUEST_BYTES, dtype=torch.uint8)

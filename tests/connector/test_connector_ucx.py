@@ -60,3 +60,27 @@ def test_ucxx_import_defaults_leave_the_environment_for_the_options():
     left, defaults = proc.stdout.strip().splitlines()[-1].split("] [")
     assert left == "['UCX_MEMTYPE_CACHE'", left  # ours, set before the import on purpose
     assert "'RNDV_THRESH'" in defaults, defaults
+
+
+def _progress_report(progress: str = "", **env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k != "UCXPY_PROGRESS_MODE"}
+    code = f"from tests.support.connector_procs import ucx_env_report; ucx_env_report({progress!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean | env, capture_output=True, text=True,
+                          timeout=90)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("UCX-REPORT ")]
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1].removeprefix("UCX-REPORT "))
+
+
+@pytest.mark.parametrize("progress,env,expected", [
+    ("", {}, "thread"),  # AUTO, a pool in host memory: the sleeping thread
+    ("THREAD_POLLING", {}, "thread-polling"),  # the connector's setting
+    ("THREAD_POLLING", {"UCXPY_PROGRESS_MODE": "thread"}, "thread"),  # the operator's variable wins
+    ("", {"UCXPY_PROGRESS_MODE": "thread-polling"}, "thread-polling"),
+], ids=["auto-host-pool", "config-polling", "env-over-config", "env-over-auto"])
+def test_the_worker_is_progressed_as_configured_and_bytes_land(progress, env, expected):
+    """ConnectorConfig.ucx_progress reaches ucxx (each case a fresh process: ucxx takes its mode once), an
+    operator's UCXPY_PROGRESS_MODE wins over it, and a pull's bytes land the same under either mode."""
+    report = _progress_report(progress, **env)
+    assert report["progress"] == expected, report
+    assert report["bytes_equal"] is True and report["freed"] is True

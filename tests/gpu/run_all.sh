@@ -10,7 +10,7 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SEND_VARIANTS=1 adds the send-variants probe; SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
+# SEND_VARIANTS=1 adds the send-variants probe; PROGRESS_MODES="auto thread" ucxx's progress modes side by side; SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
 # H200 without pytest-xdist, 2026-12-02: add "-n 8" to GPU_TESTS, or run the benches in a second call);
 # NO_NIXL leaves out the transfer bench's NIXL baseline; HOPS=1 adds its hop-by-hop stamps of a pull; KERNELS=N lists the N costliest kernels of a decode and
 # a prefill step;
@@ -91,6 +91,25 @@ if [ "$gpus" -ge 1 ] && [ -n "${SEND_VARIANTS:-}" ]; then
     --reps 9 > "$OUT/variants.txt" 2>&1
   variants_rc=$?
 fi
+progress_rc=0
+# ucxx's progress modes side by side (PROGRESS_MODES="auto thread", PROGRESS_ROUNDS rounds, the modes in turn within a
+# round): the transfer bench at TRANSFER_TOKENS with hop stamps, "auto" the connector's own choice (no
+# UCXPY_PROGRESS_MODE), any other name given to every process of the run as UCXPY_PROGRESS_MODE; tables in
+# progress.txt, the runs' JSON in transfer-progress.tgz.
+if [ "$gpus" -ge 1 ] && [ -n "${PROGRESS_MODES:-}" ]; then
+  for round in $(seq 1 "${PROGRESS_ROUNDS:-2}"); do
+    for mode in $PROGRESS_MODES; do
+      if [ "$mode" = auto ]; then mode_env=(); else mode_env=(UCXPY_PROGRESS_MODE="$mode"); fi
+      echo "== round $round, progress $mode" >> "$OUT/progress.txt"
+      timeout "${TRANSFER_TIMEOUT:-240}" env "${mode_env[@]}" python3 -m kpool_pd.bench.transfer --device cuda \
+        "${placement[@]}" --layers 61 --tokens "${TRANSFER_TOKENS:-1024,4096}" --reps "${TRANSFER_REPS:-5}" --no-nixl \
+        --block-size 256 --prefill-block-size "${PREFILL_BLOCK_SIZE:-128}" --hops --out "$OUT/progress/$round-$mode" \
+        2>&1 | grep -v 'UCX  WARN' >> "$OUT/progress.txt"
+      [ "${PIPESTATUS[0]}" -ne 0 ] && progress_rc=1
+    done
+  done
+  tar -czf "$OUT/transfer-progress.tgz" -C "$OUT" progress && rm -rf "$OUT/progress"
+fi
 up_rc=0
 # Warm daemons end to end (UP_RUNS=1): kpool-pd up on cuda, 61 layers, three loads, then the 32k chunked-prefill
 # pipeline (SKIP_PIPELINE leaves it out); summaries in up.txt.
@@ -128,5 +147,9 @@ if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
   echo "== prefill step bench (rc $prefill_rc)"; grep -v '^USDT\|^STAGE' "$OUT/prefill.txt" | tail -n 60
 fi
 if [ -n "${SEND_VARIANTS:-}" ]; then echo "== send variants (rc $variants_rc)"; tail -n 4 "$OUT/variants.txt"; fi
+if [ -n "${PROGRESS_MODES:-}" ]; then
+  echo "== progress modes (rc $progress_rc)"
+  grep -E '^== round|^ucx progress|raw ucxx tag  |connector ucx (push|from 128)? *[0-9]|^ +[0-9]+ tokens:' "$OUT/progress.txt"
+fi
 if [ -n "${UP_RUNS:-}" ]; then echo "== kpool-pd up (rc $up_rc)"; cat "$OUT/up.txt"; fi
-exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || variants_rc || up_rc ))
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || variants_rc || progress_rc || up_rc ))

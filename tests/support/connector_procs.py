@@ -313,16 +313,19 @@ def refusal_main(conn, *, address: str, what: str) -> None:
     asyncio.run(main())
 
 
-def ucx_env_report() -> None:
-    """In a fresh process: make a UcxNode with the connector's default options, move one request
-    over UCX between two connectors of this process, and print what UCX reports as one JSON line
-    (prefixed ``UCX-REPORT``) on stdout."""
+def ucx_env_report(progress: str = "") -> None:
+    """In a fresh process: make a UcxNode with the connector's default options (and ``ConnectorConfig.ucx_progress``
+    named ``progress``, else its default), move one request over UCX between two connectors of this process, and
+    print what UCX reports as one JSON line (prefixed ``UCX-REPORT``) on stdout."""
     import json
 
+    from kpool_pd.connector import UcxProgress
     from tests.support.connector_harness import InProcessPair
 
     async def main():
-        async with InProcessPair(transports=(Transport.UCX,)) as pair:
+        config = ConnectorConfig(peer_token=TOKEN, rpc_timeout_s=patient(10), transfer_timeout_s=patient(10),
+                                 ucx_progress=UcxProgress[progress]) if progress else None
+        async with InProcessPair(transports=(Transport.UCX,), config=config) as pair:
             start = pair.free()
             peer = await pair.decode.connect(pair.address)
             grant = await peer.prefill("env", [9] * 150)
@@ -333,7 +336,7 @@ def ucx_env_report() -> None:
             config = ucx.ucx_config()
             return {"tls": config.get("TLS"), "rndv_thresh": config.get("RNDV_THRESH"),
                     "zcopy_thresh": config.get("ZCOPY_THRESH"), "transports": sorted(ucx.active_transports()),
-                    "bytes_equal": same, "freed": pair.free() == start}
+                    "progress": ucx.progress_mode, "bytes_equal": same, "freed": pair.free() == start}
     report = asyncio.run(asyncio.wait_for(main(), 30))
     print("UCX-REPORT " + json.dumps(report), flush=True)
     os._exit(0)  # skip interpreter teardown of the UCX worker

@@ -21,6 +21,7 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.shared.channels import open_channel
 from kpool_pd.connector.shared.compat import MAX_MODEL_IDENTITY_CHARS, model_differences, peer_layout
 from kpool_pd.connector.shared.config import ConnectorConfig, ucx_options_for
+from kpool_pd.connector.shared.ucx_progress import progress_mode_for
 from kpool_pd.connector.shared.errors import StatusError, rpc_failure
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
 from kpool_pd.connector.decode.engine_secrets import EngineSecrets
@@ -61,7 +62,8 @@ class DecodeConnector:
     async def start(self) -> "DecodeConnector":
         """Make the UCX worker when UCX is among ``transports`` (idempotent); returns self."""
         if Transport.UCX in self.transports and self.ucx is None:
-            self.ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type))
+            self.ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type),
+                               progress_mode=progress_mode_for(self.config.ucx_progress, self.pool.device.type))
             if self.config.tls is not None:
                 logger.warning(NOT_ENCRYPTED)
         return self

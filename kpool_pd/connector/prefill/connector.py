@@ -49,6 +49,7 @@ from kpool_pd.connector.shared import pull_frames
 from kpool_pd.connector.shared.auth import Credential
 from kpool_pd.connector.shared.compat import MAX_MODEL_IDENTITY_CHARS
 from kpool_pd.connector.shared.config import ConnectorConfig, ucx_options_for
+from kpool_pd.connector.shared.ucx_progress import progress_mode_for
 from kpool_pd.connector.shared.errors import StatusError
 from kpool_pd.connector.shared.metrics import ConnectorMetrics
 from kpool_pd.connector.shared.ucx import NOT_ENCRYPTED, UcxNode
@@ -125,7 +126,8 @@ class PrefillConnector(pb.PrefillServiceServicer):
         """Make the UCX worker (when UCX is offered) and start the lease reaper; call it on the
         event loop that will serve the RPCs, before the server starts. Idempotent."""
         if Transport.UCX in self.transports and self._ucx is None:
-            self._ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type))
+            self._ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type),
+                            progress_mode=progress_mode_for(self.config.ucx_progress, self.pool.device.type))
             self._vetting = AddressVetting(self._ucx.options, unified_mode=self._ucx.unified_mode)
             await self._vetting.ready()  # before the server serves: no Handshake waits for the probe's start
             self.handshakes.ucx, self.handshakes.vetting = self._ucx, self._vetting

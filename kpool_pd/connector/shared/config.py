@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kpool_pd.connector.shared.ucx_progress import UcxProgress
+
 MiB = 1 << 20
 
 # UCX options (see ConnectorConfig.ucx_options for the trade-off)
@@ -91,6 +93,11 @@ class ConnectorConfig:
     manifest can restrict transports and devices without code (``UCX_TLS=tcp,self``;
     ``UCX_NET_DEVICES=mlx5_0:1``). ``UcxNode.active_transports()`` reports what UCX chose. The
     options apply once per process (UCX keeps the first initialisation).
+
+    ``ucx_progress`` is how ucxx progresses the worker (``kpool_pd.connector.shared.ucx_progress``): ``AUTO``
+    spins a progress thread (one core busy) for a GPU pool on a machine of 8 cores or more, where the end of a
+    cuda_ipc copy is otherwise seen only at the sleeping thread's next pass; an operator's
+    ``UCXPY_PROGRESS_MODE`` wins. Like the options, it applies once per process.
     """
 
     lease_s: float = 30.0
@@ -108,8 +115,12 @@ class ConnectorConfig:
     # state freed; a decode node reopens its session at its next pull (it closes its own idle one sooner).
     pull_session_idle_s: float = 120.0
     ucx_options: tuple[tuple[str, str], ...] = UCX_NO_SHARED_MEMORY
+    ucx_progress: UcxProgress = UcxProgress.AUTO
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ucx_progress, UcxProgress):
+            raise ValueError(f"ucx_progress must be one of {[p.name for p in UcxProgress]} (a UcxProgress), "
+                             f"got {self.ucx_progress!r}")
         for name in ("lease_s", "rpc_timeout_s", "transfer_timeout_s"):
             value = getattr(self, name)
             if not value > 0:

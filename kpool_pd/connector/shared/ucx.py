@@ -140,21 +140,25 @@ class UcxNode:
     failed, so that nothing lands in its memory once it is reused.
     """
 
-    def __init__(self, options: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, options: Sequence[tuple[str, str]] = (), *, progress_mode: str | None = None) -> None:
         self._ucxx = _import_ucxx()
         self._request_types = _request_types()
         self.options: dict[str, str] = dict(options)
         try:  # an operator's UCX_<KEY> in the environment overrides our option <KEY>
-            self._ucxx.init(options=_ucxx_defaults | self.options, env_takes_precedence=True)
+            self._ucxx.init(options=_ucxx_defaults | self.options, env_takes_precedence=True,
+                            progress_mode=progress_mode)
         except RuntimeError:
-            logger.info("ucxx already initialised in this process; keeping its options")
+            logger.info("ucxx already initialised in this process; keeping its options and progress mode")
+        # how ucxx progresses the worker (``kpool_pd.connector.shared.ucx_progress``): "thread", "thread-polling", ...
+        context = getattr(getattr(self._ucxx, "core", None), "_ctx", None)
+        self.progress_mode: str = str(getattr(context, "progress_mode", None) or progress_mode or "thread")
         self.address: bytes = bytes(self._ucxx.get_worker_address())
         self._lock = asyncio.Lock()
         self._self_endpoint = None
         config = self.ucx_config()
         self.unified_mode = config.get("UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1")
-        logger.debug("UCX worker up: transports %s, network devices %s", ",".join(sorted(self.active_transports())),
-                    config.get("NET_DEVICES", "all"))
+        logger.debug("UCX worker up: transports %s, network devices %s, progress %s",
+                     ",".join(sorted(self.active_transports())), config.get("NET_DEVICES", "all"), self.progress_mode)
 
     def active_transports(self) -> frozenset[str]:
         """The UCX transports this process's context uses (e.g. {"tcp", "self", "sysv"})."""
