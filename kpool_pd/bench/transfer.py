@@ -38,9 +38,8 @@ from kpool_pd.bench.pull_hops import hop_lines
 from kpool_pd.bench.transfer_baselines import copy_gbps, import_nixl, nixl_read_gbps, socket_stream_gbps
 from kpool_pd.bench.transfer_connector import PHASES, bench_config, connector_rows
 from kpool_pd.bench.ucxx_baseline import UcxxEndpoint, ucxx_tag_gbps
-from kpool_pd.connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, Transport, UcxProgress, progress_mode_for,
-                               ucx_available)
-from kpool_pd.connector.shared.ucx_progress import PROGRESS_ENV, usable_cores
+from kpool_pd.connector import (UCX_NO_SHARED_MEMORY, UCX_SAME_HOST_ZERO_COPY, Transport, UcxProgress,
+                               describe_progress_mode, ucx_available)
 from kpool_pd.kvcache import BlockLayout
 
 RAW_UCXX = "raw ucxx tag"  # one message: the "x ucxx" column's baseline
@@ -68,10 +67,7 @@ def _run(args) -> tuple[list[dict], dict]:
     notes = {"nixl": "measured" if nixl else f"skipped: {nixl_reason}",
              "ucx": "measured" if use_ucx else ("skipped: --no-ucx" if args.no_ucx else "skipped: ucxx does not import")}
     if use_ucx:  # every UCX row of this run (the connector's and the raw baselines') progressed its worker so
-        operator = os.environ.get(PROGRESS_ENV)
-        notes["ucx progress"] = (f"{operator} ({PROGRESS_ENV})" if operator else
-                                 f"{progress_mode_for(UcxProgress.AUTO, args.device)} (the connector's default for a "
-                                 f"{args.device} pool on {usable_cores()} cores)")
+        notes["ucx progress"] = describe_progress_mode(UcxProgress.AUTO, args.device)
     rows = []
     for tokens in args.tokens:
         nbytes = config.blocks_for_tokens(tokens) * layout.block_bytes

@@ -51,8 +51,8 @@ Decode side (``DecodeConnector(pool, ...)``, one per decode node):
 - The peer keeps itself alive (one loop: Heartbeats renewing the grants it is pulling, a new Handshake
   when the prefill node forgot it) until it is closed.
 
-Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``; ``UcxProgress`` and
-``progress_mode_for``, how ucxx progresses the worker; ``pull_budget_s``) and
+Both: ``ConnectorConfig`` (``UCX_NO_SHARED_MEMORY``, ``UCX_SAME_HOST_ZERO_COPY``; ``UcxProgress``,
+``progress_mode_for`` and ``describe_progress_mode``, how ucxx progresses the worker; ``pull_budget_s``) and
 ``TlsConfig``, ``Transport`` (``ucx_available``, ``ucx_context_info``; ``bind_ucx_options`` keeps UCX on a
 daemon's host; ``dial_host`` and ``dial_target``: the address a local client dials for a bound host),
 ``StatusError`` (a gRPC status and a message) and ``status_of`` (the one mapping from an exception to
@@ -91,7 +91,7 @@ from kpool_pd.connector.prefill.handshake import MAX_ID_CHARS
 from kpool_pd.connector.prefill.prefills import MAX_DCP_RANKS
 from kpool_pd.connector.shared.ucx import UcxNode, ucx_available, ucx_context_info
 from kpool_pd.connector.shared.ucx_host import bind_ucx_options
-from kpool_pd.connector.shared.ucx_progress import UcxProgress, progress_mode_for
+from kpool_pd.connector.shared.ucx_progress import UcxProgress, describe_progress_mode, progress_mode_for
 from kpool_pd.connector.shared.wire import Transport
 
 __all__ = [
@@ -102,5 +102,5 @@ __all__ = [
     "RingRange", "StagingBuffers", "StatusError", "WHOLE_REQUEST",
     "TlsConfig", "TransferTimes", "Transport", "UcxNode", "UcxProgress",
     "UCX_NO_SHARED_MEMORY", "UCX_SAME_HOST_ZERO_COPY", "auth_metadata", "bind_ucx_options", "dcp_transfer_bytes",
-    "can_pack", "dial_host", "dial_target", "open_channel", "progress_mode_for", "pull_packed", "prefill_api", "status_of", "ucx_available", "ucx_context_info",
+    "can_pack", "describe_progress_mode", "dial_host", "dial_target", "open_channel", "progress_mode_for", "pull_packed", "prefill_api", "status_of", "ucx_available", "ucx_context_info",
 ]
