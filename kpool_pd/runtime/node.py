@@ -60,7 +60,7 @@ class NodeContext:
         s = self.settings
         return ConnectorConfig(lease_s=s["lease_s"], peer_token=s["peer_token"] or None, tls=self.tls,
                                rpc_timeout_s=s["rpc_timeout_s"], transfer_timeout_s=s["transfer_timeout_s"],
-                               pull_session_idle_s=s["pull_session_idle_s"],
+                               pull_session_idle_s=s["pull_session_idle_s"], ucx_progress=s["ucx_progress"],
                                ucx_options=bind_ucx_options(UCX_NO_SHARED_MEMORY, s["host"], s.get("prefill", "")))
 
 

@@ -1,5 +1,5 @@
 """The options every daemon has: where it listens, auth, logs, threads, drain, readiness file,
-connector deadlines, transports and device. A daemon's table is these, the TLS options, the
+connector deadlines, transports, device and UCX's progress mode. A daemon's table is these, the TLS options, the
 model options and its own.
 
 Auth is two credentials, never one (DESIGN section 5):
@@ -25,7 +25,7 @@ from typing import Any
 
 from kpool_pd.runtime.device import device_name
 from kpool_pd.runtime.logs import LEVELS, LogFormat, log_level
-from kpool_pd.connector import MAX_ID_CHARS, ConnectorConfig
+from kpool_pd.connector import MAX_ID_CHARS, ConnectorConfig, UcxProgress
 from kpool_pd.runtime.options import Option, Role, SettingsError, int_in, one_of, parse_port, seconds, text_value
 from kpool_pd.runtime.transports import transport_list
 
@@ -104,6 +104,10 @@ def service_options(*, grpc_port: int, metrics_port: int) -> tuple[Option, ...]:
         Option("transports", transport_list, "auto", "ucx, grpc, or both comma-separated (auto: ucx when installed, "
                                                      "and grpc)"),
         Option("device", device_name, "cpu", "where the cache pool and the model live: cpu, cuda or cuda:N"),
+        Option("ucx-progress", one_of(UcxProgress), _CONNECTOR.ucx_progress, "how UCX's worker is progressed: "
+               "thread (sleeps between events), thread-polling (spins: one core kept busy, lower latency), "
+               "auto (thread-polling for a GPU pool on 8 or more cores, else thread); UCXPY_PROGRESS_MODE "
+               "wins", choices=tuple(p.value for p in UcxProgress)),
         Option("health-port", parse_port, -1, "a plaintext port serving only grpc.health.v1, for probes that "
                                         "cannot speak TLS (0: any free port, -1: off)"),
     )

