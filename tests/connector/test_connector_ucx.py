@@ -84,3 +84,19 @@ def test_the_worker_is_progressed_as_configured_and_bytes_land(progress, env, ex
     report = _progress_report(progress, **env)
     assert report["progress"] == expected, report
     assert report["bytes_equal"] is True and report["freed"] is True
+
+
+def test_the_worker_says_how_it_is_progressed_at_start():
+    """An operator reads the progress mode (and the transports) in the log when the worker comes up."""
+    code = ("import asyncio, logging\n"
+            "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
+            "from kpool_pd.connector import UcxNode\n"
+            "async def main():\n"
+            "    UcxNode((), progress_mode='thread')\n"
+            "asyncio.run(main())\n"
+            "import os; os._exit(0)\n")
+    clean = {k: v for k, v in os.environ.items() if k != "UCXPY_PROGRESS_MODE"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "UCX worker up: transports " in line]
+    assert len(lines) == 1 and lines[0].endswith(", progress thread"), proc.stderr[-2000:]

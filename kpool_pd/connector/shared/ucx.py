@@ -157,7 +157,7 @@ class UcxNode:
         self._self_endpoint = None
         config = self.ucx_config()
         self.unified_mode = config.get("UNIFIED_MODE", "n").lower() in ("y", "yes", "on", "1")
-        logger.debug("UCX worker up: transports %s, network devices %s, progress %s",
+        logger.info("UCX worker up: transports %s, network devices %s, progress %s",
                      ",".join(sorted(self.active_transports())), config.get("NET_DEVICES", "all"), self.progress_mode)
 
     def active_transports(self) -> frozenset[str]:
