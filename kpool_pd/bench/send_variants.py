@@ -108,8 +108,8 @@ def _receiver(conn, peer: bytes, nbytes: int, reps: int, device: str, variants: 
                 started = time.perf_counter()
                 if variant.through_node:
                     landed = node.post_receives([view], tag).wait()
-                else:
-                    landed = ucxx.recv(ucxx_buffer(view), tag=tag)
+                else:  # a task, so that the receive is posted before the request leaves, as the node's are
+                    landed = asyncio.ensure_future(ucxx.recv(ucxx_buffer(view), tag=tag))
                 request.view(torch.int64)[0] = tag
                 await ep.send(ucxx_buffer(request), tag=REQUEST_TAG, force_tag=True)
                 await landed
