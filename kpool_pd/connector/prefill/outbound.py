@@ -177,8 +177,15 @@ class OutboundPull:
             raise PullAborted(grpc.StatusCode.UNAVAILABLE, str(exc), "ucx_send") from None
         self.clock.start(index, started)
         sent.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
-                               else self.clock.add(index, started, time.perf_counter()))
+                               else self._completed(index, started))
         self.sends.append(sent)
+
+    def _completed(self, index: int, started: float) -> None:
+        """Region ``index``'s send (posted at ``started``) completed: the clock notes it (and the hop stamps the
+        last send's completion)."""
+        self.clock.add(index, started, time.perf_counter())
+        if not self.clock.running and self._next == len(self.views):
+            hops.stamp(self.grant.grant_id, "completed")
 
     def _start_ready_sends(self, index: int) -> int:
         """UCX: post the sends of regions ``index``, ``index + 1``, ... that may move now; the next one not posted."""

@@ -12,8 +12,9 @@ begins), ``request`` (the pull's message handed to the session's writer), ``post
 gRPC has the request),
 ``written`` (the writer gave it to gRPC); prefill ``read`` (the session read it), ``checked`` (the pull
 checked and planned), ``lent`` (its endpoint lent), ``send`` (the first region's send handed to UCX),
-``sent`` (the last send completed); decode ``landed`` (the last receive seen complete), ``returned``
-(run returns).
+``completed`` (the last send's completion reached the event loop: its callback; a push's exposed time ends
+there), ``sent`` (the pull saw every send complete: for a push, once its PrefillDone went out too); decode
+``landed`` (the last receive seen complete: for a push, once its grant came), ``returned`` (run returns).
 
 A process that runs its event loop as a ``StepCountingLoop`` (the bench's prefill node, with --hops) also
 stamps how many steps its loop had taken (a step: one pass over the callbacks ready then); ``HopRecorder.steps``
@@ -29,7 +30,8 @@ import time
 
 logger = logging.getLogger("kpool_pd.connector.hops")
 
-HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "send", "sent", "landed", "returned")
+HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "send", "completed", "sent", "landed",
+        "returned")
 
 
 _recorders: list["HopRecorder"] = []  # installed in this process (``HopRecorder.install``)
