@@ -78,3 +78,9 @@ def test_the_choice_is_described_with_its_reason(monkeypatch):
         "thread-polling (ucx_progress=THREAD_POLLING for a cpu pool")
     monkeypatch.setenv(PROGRESS_ENV, "blocking")
     assert describe_progress_mode(UcxProgress.AUTO, "cuda") == f"blocking ({PROGRESS_ENV})"
+
+
+def test_a_zero_or_negative_cgroup_quota_counts_as_none(tmp_path):
+    for text in ("100000 0\n", "0 100000\n", "-1 100000\n"):
+        (tmp_path / "cpu.max").write_text(text)
+        assert cgroup_cpu_limit(tmp_path) is None, text

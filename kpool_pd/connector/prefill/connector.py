@@ -127,7 +127,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
         event loop that will serve the RPCs, before the server starts. Idempotent."""
         if Transport.UCX in self.transports and self._ucx is None:
             self._ucx = UcxNode(ucx_options_for(self.config.ucx_options, self.pool.device.type),
-                            progress_mode=progress_mode_for(self.config.ucx_progress, self.pool.device.type))
+                                progress_mode=progress_mode_for(self.config.ucx_progress, self.pool.device.type))
             self._vetting = AddressVetting(self._ucx.options, unified_mode=self._ucx.unified_mode)
             await self._vetting.ready()  # before the server serves: no Handshake waits for the probe's start
             self.handshakes.ucx, self.handshakes.vetting = self._ucx, self._vetting

@@ -95,8 +95,8 @@ class ConnectorConfig:
     options apply once per process (UCX keeps the first initialisation).
 
     ``ucx_progress`` is how ucxx progresses the worker (``kpool_pd.connector.shared.ucx_progress``): ``AUTO``
-    spins a progress thread (one core busy) for a GPU pool on a machine of 8 cores or more, where the end of a
-    cuda_ipc copy is otherwise seen only at the sleeping thread's next pass; an operator's
+    spins a progress thread (one core busy) for a GPU pool where the process may keep 8 cores or more busy: a GPU
+    transfer's completion reaches ucxx's sleeping thread late (measured there; why is not isolated); an operator's
     ``UCXPY_PROGRESS_MODE`` wins. Like the options, it applies once per process.
     """
 

@@ -42,7 +42,10 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
     ``cpu.max`` ("max 100000" or "<quota> <period>"), else v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``."""
     try:
         quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+        if quota == "max":
+            return None
+        if int(quota) > 0 and int(period) > 0:
+            return int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
