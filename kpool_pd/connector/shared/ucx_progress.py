@@ -5,7 +5,7 @@ ucxx's default progress thread (``thread``) waits in ``epoll_wait`` (1 ms at mos
 spinning one (``thread-polling``) never waits. On one H100 (2026-12-07, both processes on cuda:0, 61 layers) a
 connector pull's send at 41 MiB took 0.75 ms from post to completion with the sleeping thread and 0.32 ms with the
 spinning one; side by side, twice (``bench/results/transfer-2026-12-07-h100-progress-53cd4ef.txt``), the spinning
-thread shortened a push's exposed time in five of six pairs (1,024 / 4,096 / 32,768 tokens), by 0.2-0.7 ms. Why the
+thread shortened a push's exposed time in five of six pairs (1,024 / 4,096 / 32,768 tokens), by 0.18-0.67 ms. Why the
 sleeping thread is late is not isolated (a cuda_ipc copy's end does not seem to wake it). The spinning thread keeps
 one core busy for as long as the process lives, so ``AUTO`` spins only where the pool is on a GPU and the process may
 keep at least ``POLLING_MIN_CORES`` cores busy (its affinity, capped by its cgroup's CPU quota: a pod's
