@@ -10,7 +10,8 @@ prompts. Prints per connector and scenario the median prefill phase (the produce
 the median consumer phase (the pull of the prompts' KV plus the new tokens' compute: the compute is the same
 whatever the connector, so the difference between connectors is the transfer), their sum, the consumer
 phase's and the sum's ratio to the fastest of vLLM's connectors in the run (for vLLM's own: the fastest
-other one), and whether the consumer's tokens equal one engine's.
+other one), and whether the consumer's tokens equal one engine's (where not, how many requests of a rep
+differed at most, and from which new token: 0 the first).
 
     python -m kpool_pd.bench.vllm_pd --tokens 1024,8192 --reps 3     (kpool-pd bench vllm)
 
@@ -42,7 +43,7 @@ from pathlib import Path
 from kpool_pd.bench import vllm_engines, vllm_mooncake
 from kpool_pd.bench.arguments import bench_parser, count, counts
 from kpool_pd.bench.vllm_rows import (MIXED_LONGEST, MIXED_SHORTEST, VLLM_CONNECTORS, Connector, Rep, Row,
-                                      Scenario, label, mixed_lengths, row_of, table)
+                                      Scenario, label, mixed_lengths, row_of, table, token_mismatch)
 from kpool_pd.runtime.ports import spare_ports
 
 logger = logging.getLogger("kpool_pd.bench.vllm_pd")
@@ -196,9 +197,11 @@ class PdPair:
                                     self.handover.decode_params(prefill, [a[2] for a in answers]))
         done = time.perf_counter()
         alone = self.consumer.run(prompts, scenario.new_tokens)  # no params: the consumer computes the prompts itself
-        return Rep(prefill_s=prefilled - started, consumer_s=done - prefilled,
-                   same_tokens=[o[0] for o in decoded.outputs] == [o[0] for o in alone.outputs],
-                   pulled_tokens=decoded.prompt_tokens.get("external_kv_transfer", 0))
+        got, want = [o[0] for o in decoded.outputs], [o[0] for o in alone.outputs]
+        differing, first = token_mismatch(got, want)
+        return Rep(prefill_s=prefilled - started, consumer_s=done - prefilled, same_tokens=got == want,
+                   pulled_tokens=decoded.prompt_tokens.get("external_kv_transfer", 0),
+                   differing_requests=differing, first_difference=first)
 
     def stop(self) -> None:
         self.consumer.process.stop()
@@ -225,9 +228,11 @@ class FloorEngine:
         started = time.perf_counter()
         cached = self.engine.run(prompts, scenario.new_tokens)
         done = time.perf_counter()
-        return Rep(prefill_s=None, consumer_s=done - started,
-                   same_tokens=[o[0] for o in cached.outputs] == [o[0] for o in computed.outputs],
-                   pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0))
+        got, want = [o[0] for o in cached.outputs], [o[0] for o in computed.outputs]
+        differing, first = token_mismatch(got, want)
+        return Rep(prefill_s=None, consumer_s=done - started, same_tokens=got == want,
+                   pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0),
+                   differing_requests=differing, first_difference=first)
 
     def stop(self) -> None:
         self.engine.process.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -70,6 +71,8 @@ class Row:
     new_tokens: int = 1  # the consumer makes for each request
     consumer_ms_reps: tuple[float, ...] = ()  # each rep's consumer phase, in the order the reps ran
     prefill_ms_reps: tuple[float, ...] = ()  # each rep's prefill phase (none for the floor)
+    differing_requests: int = 0  # the most requests of one rep whose tokens differ from one engine's
+    first_difference: int = -1  # the earliest new token (0: the first) at which one differs; -1: none does
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,25 @@ class Rep:
     consumer_s: float
     same_tokens: bool
     pulled_tokens: int
+    differing_requests: int = 0  # requests whose tokens differ from one engine's
+    first_difference: int = -1  # the earliest new token at which one differs (-1: none)
+
+
+def token_mismatch(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(how many requests' tokens in ``got`` differ from ``want``'s, the earliest position at which one differs;
+    -1 when none does). A request with fewer or more tokens differs where the shorter one ends.
+
+    # got, want: one token list per request, in the same order -> (requests, position)
+    """
+    if len(got) != len(want):
+        raise ValueError(f"got tokens of {len(got)} requests, want {len(want)}")
+    positions = []
+    for mine, theirs in zip(got, want):
+        mine, theirs = list(mine), list(theirs)
+        if mine != theirs:
+            positions.append(next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                                  min(len(mine), len(theirs))))
+    return len(positions), min(positions, default=-1)
 
 
 def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
@@ -93,13 +115,24 @@ def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
                same_tokens=all(r.same_tokens for r in reps), pulled_tokens=sum(r.pulled_tokens for r in reps),
                requests=scenario.requests, new_tokens=scenario.new_tokens,
                consumer_ms_reps=tuple(round(r.consumer_s * 1e3, 1) for r in reps),
-               prefill_ms_reps=tuple(round(r.prefill_s * 1e3, 1) for r in reps if r.prefill_s is not None))
+               prefill_ms_reps=tuple(round(r.prefill_s * 1e3, 1) for r in reps if r.prefill_s is not None),
+               differing_requests=max(r.differing_requests for r in reps),
+               first_difference=min((r.first_difference for r in reps if r.first_difference >= 0), default=-1))
 
 
 def label(scenario: Scenario) -> str:
     if scenario.requests == 1:
         return f"{scenario.tokens} tokens"
     return f"{scenario.requests} requests at once ({scenario.tokens} tokens)"
+
+
+def _same(row: Row) -> str:
+    """yes, or NO with how many requests of a rep differed (at most) and from which new token (0: the first)."""
+    if row.same_tokens:
+        return "yes"
+    if not row.differing_requests:
+        return "NO"
+    return f"NO ({row.differing_requests} of {row.requests}, from token {row.first_difference})"
 
 
 def _ratio(value: float | None, best: float | None) -> str:
@@ -129,5 +162,5 @@ def table(rows: list[Row]) -> str:
                      f"{ms(r.decode_first_token_ms):>11} {ms(r.ttft_ms):>8} "
                      f"{_ratio(r.decode_first_token_ms, best(r, 'decode_first_token_ms')):>16} "
                      f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {r.pulled_tokens:>7} "
-                     f"{'yes' if r.same_tokens else 'NO'}")
+                     f"{_same(r)}")
     return "\n".join(lines)

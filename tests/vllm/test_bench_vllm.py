@@ -216,6 +216,27 @@ def test_the_ratio_is_to_the_fastest_of_vllms_connectors_and_the_floor_has_no_pr
     assert by_name["floor"][4:9] == ["-", "5.0", "-", "0.25x", "-"]
 
 
+def test_a_token_mismatch_says_how_many_requests_and_from_which_token():
+    from kpool_pd.bench.vllm_rows import Rep, token_mismatch
+    want = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert token_mismatch(want, want) == (0, -1)
+    assert token_mismatch([[1, 2, 3], [4, 0, 6], [7, 8, 0]], want) == (2, 1)
+    assert token_mismatch([[1, 2], [4, 5, 6], [7, 8, 9]], want) == (1, 2)  # shorter: differs where it ends
+    with pytest.raises(ValueError, match="got tokens of 2 requests, want 3"):
+        token_mismatch(want[:2], want)
+    scenario = vllm_pd.Scenario(lengths=(10, 10, 10), new_tokens=3)
+    reps = [Rep(prefill_s=0.01, consumer_s=0.02, same_tokens=False, pulled_tokens=30, differing_requests=2,
+                first_difference=4),
+            Rep(prefill_s=0.01, consumer_s=0.02, same_tokens=False, pulled_tokens=30, differing_requests=1,
+                first_difference=1),
+            Rep(prefill_s=0.01, consumer_s=0.02, same_tokens=True, pulled_tokens=30)]
+    row = vllm_pd.row_of(vllm_pd.Connector.KPOOL_UCX, scenario, reps)
+    assert (row.same_tokens, row.differing_requests, row.first_difference) == (False, 2, 1)
+    assert vllm_pd.table([row]).splitlines()[1].endswith("NO (2 of 3, from token 1)")
+    same = vllm_pd.row_of(vllm_pd.Connector.KPOOL_UCX, scenario, reps[2:])
+    assert vllm_pd.table([same]).splitlines()[1].endswith(" yes")
+
+
 def test_a_child_process_output_goes_to_its_log_and_not_the_terminal(tmp_path, capfd):
     log = tmp_path / "engine.log"
     context = multiprocessing.get_context("spawn")
