@@ -199,7 +199,7 @@ class PdPair:
         alone = self.consumer.run(prompts, scenario.new_tokens)  # no params: the consumer computes the prompts itself
         got, want = [o[0] for o in decoded.outputs], [o[0] for o in alone.outputs]
         differing, first = token_mismatch(got, want)
-        return Rep(prefill_s=prefilled - started, consumer_s=done - prefilled, same_tokens=got == want,
+        return Rep(prefill_s=prefilled - started, consumer_s=done - prefilled, same_tokens=not differing,
                    pulled_tokens=decoded.prompt_tokens.get("external_kv_transfer", 0),
                    differing_requests=differing, first_difference=first)
 
@@ -230,7 +230,7 @@ class FloorEngine:
         done = time.perf_counter()
         got, want = [o[0] for o in cached.outputs], [o[0] for o in computed.outputs]
         differing, first = token_mismatch(got, want)
-        return Rep(prefill_s=None, consumer_s=done - started, same_tokens=got == want,
+        return Rep(prefill_s=None, consumer_s=done - started, same_tokens=not differing,
                    pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0),
                    differing_requests=differing, first_difference=first)
 

@@ -17,10 +17,14 @@ from tests.support.paths import REPO
 
 
 
-def _report(**env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k not in ("UCX_TLS", "UCX_RNDV_THRESH", "UCX_ZCOPY_THRESH")}
-    proc = subprocess.run([sys.executable, "-c", "from tests.support.connector_procs import ucx_env_report; ucx_env_report()"],
-                          cwd=REPO, env=clean | env, capture_output=True, text=True, timeout=90)
+def _report(progress: str = "", **env: str) -> dict:
+    """ucx_env_report in a fresh process (ConnectorConfig.ucx_progress named ``progress``, else its default), with
+    ``env`` over this process's environment less the UCX variables the cases set."""
+    set_here = ("UCX_TLS", "UCX_RNDV_THRESH", "UCX_ZCOPY_THRESH", "UCXPY_PROGRESS_MODE")
+    clean = {k: v for k, v in os.environ.items() if k not in set_here}
+    code = f"from tests.support.connector_procs import ucx_env_report; ucx_env_report({progress!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean | env, capture_output=True, text=True,
+                          timeout=90)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("UCX-REPORT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("UCX-REPORT "))
@@ -62,16 +66,6 @@ def test_ucxx_import_defaults_leave_the_environment_for_the_options():
     assert "'RNDV_THRESH'" in defaults, defaults
 
 
-def _progress_report(progress: str = "", **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k != "UCXPY_PROGRESS_MODE"}
-    code = f"from tests.support.connector_procs import ucx_env_report; ucx_env_report({progress!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean | env, capture_output=True, text=True,
-                          timeout=90)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("UCX-REPORT ")]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1].removeprefix("UCX-REPORT "))
-
-
 @pytest.mark.parametrize("progress,env,expected", [
     ("", {}, "thread"),  # AUTO, a pool in host memory: the sleeping thread
     ("THREAD_POLLING", {}, "thread-polling"),  # the connector's setting
@@ -81,7 +75,7 @@ def _progress_report(progress: str = "", **env: str) -> dict:
 def test_the_worker_is_progressed_as_configured_and_bytes_land(progress, env, expected):
     """ConnectorConfig.ucx_progress reaches ucxx (each case a fresh process: ucxx takes its mode once), an
     operator's UCXPY_PROGRESS_MODE wins over it, and a pull's bytes land the same under either mode."""
-    report = _progress_report(progress, **env)
+    report = _report(progress, **env)
     assert report["progress"] == expected, report
     assert report["bytes_equal"] is True and report["freed"] is True
 

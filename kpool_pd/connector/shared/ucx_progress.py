@@ -86,8 +86,9 @@ def progress_mode_for(progress: UcxProgress, device_type: str, *, cores: int | N
 
 def describe_progress_mode(progress: UcxProgress, device_type: str) -> str:
     """The mode ``progress_mode_for`` gives a node with its pool on ``device_type`` here, and why, in words."""
-    chosen = progress_mode_for(progress, device_type)
+    cores = usable_cores()  # read once: the quota's files are read for the choice and the words alike
+    chosen = progress_mode_for(progress, device_type, cores=cores)
     if chosen is None:
         return f"{os.environ[PROGRESS_ENV]} ({PROGRESS_ENV})"
     why = "the connector's default" if progress is UcxProgress.AUTO else f"ucx_progress={progress.name}"
-    return f"{chosen} ({why} for a {device_type} pool on {usable_cores()} cores)"
+    return f"{chosen} ({why} for a {device_type} pool on {cores} cores)"
