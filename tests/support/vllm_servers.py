@@ -15,6 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from tests.support.deadlines import patient
 from tests.support.paths import REPO
