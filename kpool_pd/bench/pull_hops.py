@@ -24,7 +24,8 @@ def hop_offsets(starts: dict[str, float], *stamps: dict[str, dict[str, float]]) 
 def hop_lines(rows: list[dict]) -> str:
     """One line per row that has hops: each hop's median ms from the call of ``pull``, and the pull's."""
     lines = ["where a pull's time went, hop by hop (ms from the call of pull, median; decode: pull request posted "
-             "written landed returned; prefill: read checked lent send completed sent)"]
+             "written received prefilled landed returned; prefill: read checked lent prompt send completed "
+             "announced sent)"]
     for r in rows:
         if "hops_ms" in r:
             hops = " ".join(f"{hop} {ms:.3f}" for hop, ms in r["hops_ms"].items())

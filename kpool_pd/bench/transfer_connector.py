@@ -1,7 +1,12 @@
 """The transfer benchmark's connector rows (``kpool_pd.bench.transfer`` prints them beside its baselines): pulls
 between a decode node and one or two prefill nodes, each node in a process of its own (``kpool_pd.runtime.launch``),
 timed from ``pull`` (or, for a push, from the prompt's end) to the last byte landed, with each row's phases, UCX
-messages per pull and, with --hops, the hop stamps of both nodes."""
+messages per pull and, with --hops, the hop stamps of both nodes.
+
+A push's time is read off the one clock both processes share: from the prefill node's ``prompt`` stamp (its
+engine said the prompt is written) to the decode node's ``received`` (every receive's completion reached its
+loop). ``TransferTimes.exposed_transfer_ms``, which a decode node on another host reports, leaves PrefillDone's
+way across out; its median goes in the row beside (``stated_ms``)."""
 
 from __future__ import annotations
 
@@ -31,15 +36,19 @@ def bench_config(layers: int, block_size: int, kpool: int) -> CacheConfig:
 
 
 class _TemplateEngine:
-    """Fills a request's blocks, allocated from its node cache, from a random template (the fill is not timed)."""
+    """Fills a request's blocks, allocated from its node cache, from a random template (the fill is not timed),
+    ``compute_s`` after it served them: the time a real engine's kernels take, during which its loop runs on (a
+    push's grant is made and its sends wait on the prompt, as behind a real prefill; with no such time the prompt
+    would be written before the grant is made, and a push's exposed time would count the grant's making)."""
 
-    def __init__(self, cache: NodeCache, template: torch.Tensor) -> None:
-        self.cache, self.template = cache, template
+    def __init__(self, cache: NodeCache, template: torch.Tensor, compute_s: float) -> None:
+        self.cache, self.template, self.compute_s = cache, template, compute_s
 
     async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
         allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(n))
         progress.serve_from(allocation)
+        await asyncio.sleep(self.compute_s)
         pool = self.cache.pool
         pool.blocks[list(allocation.block_ids)] = self.template[: allocation.num_blocks]
         if pool.device.type == "cuda":  # the bytes must be written before UCX reads them
@@ -48,7 +57,7 @@ class _TemplateEngine:
 
 
 def _prefill_proc(conn, args: dict) -> None:
-    recorder = HopRecorder().install() if args["hops"] else None
+    recorder = HopRecorder().install()  # a push's exposed time is read off its stamps
 
     async def main():
         config = bench_config(args["layers"], args["block_size"], args["kpool"])
@@ -58,7 +67,7 @@ def _prefill_proc(conn, args: dict) -> None:
         template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8, device=device)
         transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
         config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]))
-        node = PrefillConnector(cache.pool, _TemplateEngine(cache, template),
+        node = PrefillConnector(cache.pool, _TemplateEngine(cache, template, args["prefill_ms"] / 1000),
                                 engine_id="bench-prefill", config=config,
                                 registry=CollectorRegistry(), transports=transports)
         await node.start()  # UCX first, then the server's threads (see runtime.daemon.serve)
@@ -69,10 +78,10 @@ def _prefill_proc(conn, args: dict) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, conn.recv)
         # the pulls are over; the node's stop may take long
-        conn.send((recorder.stamps, recorder.steps) if recorder else ({}, {}))
+        conn.send((recorder.stamps, recorder.steps))
         await server.stop(0)
         await node.stop()
-    with asyncio.Runner(loop_factory=StepCountingLoop if recorder else None) as runner:  # --hops: count loop steps
+    with asyncio.Runner(loop_factory=StepCountingLoop if args["hops"] else None) as runner:  # --hops: count steps
         runner.run(main())
     os._exit(0)
 
@@ -89,6 +98,8 @@ class _Series:
     starts: dict[str, float] = dataclasses.field(default_factory=dict)  # grant id -> when its timed pull began
     landed: LandedRequest | None = None  # the last pull's
     push: bool = False  # PrefillPush: the time is what the transfer exposes after the prompt
+    stated: list[float] = dataclasses.field(default_factory=list)  # a push's exposed time as TransferTimes states it
+    push_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # grant id -> the push's stamp key before it
 
 
 def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: tuple[Transport, ...]):
@@ -98,7 +109,7 @@ def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: 
     proc = start_child(_prefill_proc, child, dict(
         layers=args["layers"], block_size=block_size, kpool=args["kpool"], num_blocks=blocks,
         ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options,
-        hops=args["hops"]))
+        hops=args["hops"], prefill_ms=args["prefill_ms"]))
     return proc, conn, conn.recv()
 
 
@@ -111,9 +122,10 @@ async def _push_once(series: _Series, cache: NodeCache, tokens: int, rep: int) -
         landed = await series.peer.push(request_id, [1] * tokens, into=allocation, transport=series.transport)
         if cache.pool.device.type == "cuda":
             torch.cuda.synchronize(cache.pool.device)
-        if rep:
-            series.starts[landed.grant.grant_id] = t0
-            series.times.append(landed.times.exposed_transfer_ms / 1000)
+        if rep:  # the decode node stamps a push by its request until the grant is known
+            key = series.push_keys[landed.grant.grant_id] = f"push-{request_id}"
+            series.starts[landed.grant.grant_id] = series.starts[key] = t0
+            series.stated.append(landed.times.exposed_transfer_ms / 1000)
             series.timelines.append(landed.timeline)
         series.landed = landed
         await series.peer.release(landed.grant.grant_id)
@@ -146,7 +158,7 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
     config = bench_config(args["layers"], args["block_size"], args["kpool"])
     layout = BlockLayout(config)
     other = args.get("prefill_block_size") or args["block_size"]
-    recorder = HopRecorder().install() if args["hops"] else None
+    recorder = HopRecorder().install()
     prefills = [_start_prefill(args, ucx_options, args["block_size"], transports)]
     hetero = (Transport.UCX if Transport.UCX in transports else Transport.GRPC_STREAM,)
     if other != args["block_size"]:
@@ -157,7 +169,7 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
                                  config=ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=ucx_options),
                                  registry=CollectorRegistry(), transports=transports).start()
     peers = [await node.connect(f"127.0.0.1:{port}") for _, _, port in prefills]
-    rows: list[tuple[dict, _Series]] = []
+    measured: list[tuple[int, _Series]] = []
     for tokens in args["tokens"]:
         series = [_Series(f"connector {t.label}{suffix}", peers[0], t) for t in transports]
         if Transport.UCX in transports and peers[0].pushes:
@@ -167,27 +179,47 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
         for rep in range(args["reps"] + 1):
             for one in series:
                 await _pull_once(one, cache, tokens, rep)
-        for one in series:
-            seconds = max(statistics.median(one.times), 1e-9)  # a push may expose nothing it can measure
-            messages = one.landed.regions if one.transport is Transport.UCX else None  # a tagged message a region
-            rows.append(({"tokens": tokens, "layers": args["layers"], "bytes": one.landed.nbytes, "path": one.path,
-                          "gbps": one.landed.nbytes / seconds / 1e9, "ms": seconds * 1e3, "regions": one.landed.regions,
-                          "messages": messages,
-                          "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in one.timelines),
-                                                    3) for name in PHASES}}, one))
+        measured += [(tokens, one) for one in series]
     await node.close()
     prefill_stamps, prefill_steps = [], []
-    for proc, conn, _ in prefills:
+    for proc, conn, _ in prefills:  # the prefill nodes' stamps come once they stop
         conn.send("stop")
         stamps, steps = conn.recv() if conn.poll(30) else ({}, {})
         prefill_stamps.append(stamps)
         prefill_steps.append(steps)
         proc.join(30)
-    if recorder is not None:  # the prefill nodes' stamps come once they stop
-        for row, one in rows:
+    rows = []
+    for tokens, one in measured:
+        if one.push:
+            one.times = push_exposed_s(one.push_keys, recorder.stamps, *prefill_stamps)
+        seconds = max(statistics.median(one.times), 1e-9) if one.times else float("nan")
+        messages = one.landed.regions if one.transport is Transport.UCX else None  # a tagged message a region
+        row = {"tokens": tokens, "layers": args["layers"], "bytes": one.landed.nbytes, "path": one.path,
+               "gbps": one.landed.nbytes / seconds / 1e9, "ms": seconds * 1e3, "regions": one.landed.regions,
+               "messages": messages,
+               "phases_ms": {name: round(statistics.median(getattr(t, f"{name}_ms") for t in one.timelines), 3)
+                             for name in PHASES}}
+        if one.push:
+            row["stated_ms"] = round(statistics.median(one.stated) * 1e3, 3)
+        if args["hops"]:
             row["hops_ms"] = hop_offsets(one.starts, recorder.stamps, *prefill_stamps)
             row["prefill_steps"] = loop_steps(one.starts, "read", "send", *prefill_steps)
-    return [row for row, _ in rows]
+        rows.append(row)
+    return rows
+
+
+def push_exposed_s(push_keys: dict[str, str], decode: dict[str, dict[str, float]],
+                   *prefill: dict[str, dict[str, float]]) -> list[float]:
+    """Each push's exposed time in seconds, on the one clock of both processes: from the prefill node's ``prompt``
+    stamp to the decode node's ``received`` (under the grant's id or, stamped before the grant came, the push's
+    key: ``push_keys`` maps the one to the other), for the pushes that have both stamps."""
+    times = []
+    for grant_id, key in push_keys.items():
+        prompt = next((p[grant_id]["prompt"] for p in prefill if "prompt" in p.get(grant_id, {})), None)
+        received = [decode[k]["received"] for k in (grant_id, key) if "received" in decode.get(k, {})]
+        if prompt is not None and received:
+            times.append(max(0.0, min(received) - prompt))
+    return times
 
 
 def _decode_proc(conn, args: dict, ucx_options: tuple, transports: tuple, suffix: str) -> None:

@@ -257,6 +257,8 @@ class InboundPull:
 
     def _landed(self, _future: asyncio.Future) -> None:
         self.last_landed = max(self.last_landed, time.perf_counter())
+        if self.receives is not None and not self.receives.pending():
+            hops.stamp(self.key, "received")
 
     async def _land_on_receives(self) -> None:
         """UCX without integrity: the bytes are in place once every receive completed, and the pull ends when
@@ -317,6 +319,7 @@ class InboundPull:
                 continue
             if kind == "prefilled" and self.grant.pipelined and self.prefill_done is None:
                 self.prefill_done = (time.perf_counter(), msg.prefilled)
+                hops.stamp(self.key, "prefilled")
                 self.first_token = msg.prefilled.first_token
                 if msg.prefilled.HasField("after_prompt_ms"):
                     self.known.set()

@@ -165,6 +165,7 @@ class OutboundPull:
         if written := self._prompt_written_at():  # the decode node's anchor for what the transfer exposes
             now = time.perf_counter()
             done.after_prompt_ms, done.sent_ms = self.clock.exposed_ms(written, now), self.clock.busy_until_ms(now)
+        hops.stamp(self.grant.grant_id, "announced")
         return pb.PullResponse(prefilled=done)
 
     def _post(self, index: int) -> None:
@@ -202,6 +203,8 @@ class OutboundPull:
         is kept for ``messages`` (and wakes it)."""
         if self._failure is not None:
             return
+        if self.grant.progress.prefilled >= self.grant.prompt_len:
+            hops.stamp(self.grant.grant_id, "prompt")
         try:
             self._next = self._start_ready_sends(self._next)
         except PullAborted as exc:

@@ -11,10 +11,13 @@ The hops, in the order a UCX pull on a session passes them (``HOPS``): decode ``
 begins), ``request`` (the pull's message handed to the session's writer), ``posted`` (its receives posted, once
 gRPC has the request),
 ``written`` (the writer gave it to gRPC); prefill ``read`` (the session read it), ``checked`` (the pull
-checked and planned), ``lent`` (its endpoint lent), ``send`` (the first region's send handed to UCX),
-``completed`` (the last send's completion reached the event loop: its callback; a push's exposed time ends
-there), ``sent`` (the pull saw every send complete: for a push, once its PrefillDone went out too); decode
-``landed`` (the last receive seen complete: for a push, once its grant came), ``returned`` (run returns).
+checked and planned), ``lent`` (its endpoint lent), ``prompt`` (a pipelined grant's: the engine said its
+prompt's last chunk is written, where a push's exposed time begins), ``send`` (the first region's send handed
+to UCX), ``completed`` (the last send's completion reached the event loop: its callback), ``announced``
+(PrefillDone made, stating the times so far), ``sent`` (the pull saw every send complete: for a push, once its
+PrefillDone went out too); decode ``received`` (every receive's completion reached the event loop: where the
+exposed time ends), ``prefilled`` (PrefillDone arrived), ``landed`` (the last receive seen complete: for a
+push, once its grant came), ``returned`` (run returns).
 
 A process that runs its event loop as a ``StepCountingLoop`` (the bench's prefill node, with --hops) also
 stamps how many steps its loop had taken (a step: one pass over the callbacks ready then); ``HopRecorder.steps``
@@ -30,8 +33,8 @@ import time
 
 logger = logging.getLogger("kpool_pd.connector.hops")
 
-HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "send", "completed", "sent", "landed",
-        "returned")
+HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "prompt", "send", "completed", "announced",
+        "sent", "received", "prefilled", "landed", "returned")
 
 
 _recorders: list["HopRecorder"] = []  # installed in this process (``HopRecorder.install``)
