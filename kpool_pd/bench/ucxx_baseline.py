@@ -34,6 +34,11 @@ START_S = 120.0
 class UcxxEndpoint(enum.Enum):
     LISTENER = "listener"  # the receiver connects to the sender's listener; request and bytes on that connection
     WORKER_ADDRESS = "worker address"  # as the connector: endpoints from worker addresses, a forced tag
+    WORKER_ADDRESS_PEER_ERRORS = "worker address, error handling on"  # the same with UCX's peer error handling
+
+    @property
+    def from_worker_address(self) -> bool:
+        return self is not UcxxEndpoint.LISTENER
 
 
 def import_ucxx():
@@ -71,10 +76,11 @@ def baseline_progress_mode(device: str) -> str | None:
     return progress_mode_for(UcxProgress.AUTO, torch.device(device).type)
 
 
-def worker_address_endpoint(ucxx, address: bytes):
-    """An endpoint to a peer's worker ``address``, as the connector makes them (error handling off)."""
+def worker_address_endpoint(ucxx, address: bytes, error_handling: bool = False):
+    """An endpoint to a peer's worker ``address``, as the connector makes them (error handling off unless
+    ``error_handling``)."""
     return ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(address),
-                                                    endpoint_error_handling=False)
+                                                    endpoint_error_handling=error_handling)
 
 
 def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[str, str]],
@@ -86,9 +92,9 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
         src = sent_bytes(nbytes).to(device)
         parts = message_parts(src, messages)
         request = torch.empty(REQUEST_BYTES, dtype=torch.uint8)
-        if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's address in, ours out; each request names a tag
+        if endpoint.from_worker_address:  # the receiver's address in, ours out; each request names a tag
             conn.send(bytes(ucxx.get_worker_address()))
-            ep = await worker_address_endpoint(ucxx, conn.recv())
+            ep = await worker_address_endpoint(ucxx, conn.recv(), endpoint is UcxxEndpoint.WORKER_ADDRESS_PEER_ERRORS)
             for _ in range(reps + 1):
                 await ucxx.recv(ucxx_buffer(request), tag=REQUEST_TAG)
                 base = int(request.view(torch.int64)[0])
@@ -125,9 +131,9 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
         parts = message_parts(dst, messages)
         request = torch.zeros(REQUEST_BYTES, dtype=torch.uint8)
         times = []
-        if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # ``peer``: the sender's worker address
+        if endpoint.from_worker_address:  # ``peer``: the sender's worker address
             conn.send(bytes(ucxx.get_worker_address()))
-            ep = await worker_address_endpoint(ucxx, peer)
+            ep = await worker_address_endpoint(ucxx, peer, endpoint is UcxxEndpoint.WORKER_ADDRESS_PEER_ERRORS)
             for rep in range(reps + 1):
                 started = time.perf_counter()
                 base = REQUEST_TAG + 1 + rep * messages  # part i under base + i
@@ -184,14 +190,14 @@ def ucxx_tag_gbps(nbytes: int, reps: int, src_device: str, dst_device: str, opti
             raise RuntimeError("the ucxx sender process did not start")
         receiver = start_child(_receiver, receiver_end, sender_conn.recv(), nbytes, reps, dst_device, tuple(options),
                                endpoint, messages)
-        if endpoint is UcxxEndpoint.WORKER_ADDRESS:  # the receiver's worker address, to the sender
+        if endpoint.from_worker_address:  # the receiver's worker address, to the sender
             if not receiver_conn.poll(START_S):
                 raise RuntimeError("the ucxx receiver process did not start")
             sender_conn.send(receiver_conn.recv())
         if not receiver_conn.poll(START_S + 60 * (reps + 1)):
             raise RuntimeError(f"the ucxx receiver got no {nbytes} B within the deadline")
         times, intact = receiver_conn.recv()
-        if endpoint is UcxxEndpoint.WORKER_ADDRESS:
+        if endpoint.from_worker_address:
             sender_conn.send("done")
     finally:
         end_children(receiver, sender)
