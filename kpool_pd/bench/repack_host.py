@@ -1,0 +1,75 @@
+"""The host's time to enqueue the repack of a pull from a prefill node of another block size (what a pull from
+128-token blocks spends between its last byte landed and its return, ``Landing.convert``), in parts: the public
+op (``kernels.repack_tokens``: its checks, then its launches), the launches alone (``repack_tokens_triton``), and
+the readiness event recorded behind them (``BlocksReady.behind_current_work``). The device is synchronised
+between calls, outside the clock, so that no call waits on a full launch queue.
+
+    python -m kpool_pd.bench.repack_host --tokens 1024,4096,32768 --reps 200     (CUDA)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from kpool_pd.bench.arguments import bench_parser, count, counts
+from kpool_pd.connector.decode.staging import BlocksReady
+from kpool_pd.kernels import repack_tokens
+from kpool_pd.kernels.token_repack.triton import repack_tokens_triton
+from kpool_pd.kvcache import BlockLayout, CacheConfig
+
+LAYERS = tuple(f"layer.{i}" for i in range(61))
+
+
+def _host_us(call, reps: int, device: torch.device) -> float:
+    """Median host time of ``call()`` in microseconds, the device idle before each call (after 5 warm-ups)."""
+    times = []
+    for rep in range(reps + 5):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - started
+        if rep >= 5:
+            times.append(elapsed * 1e6)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def measure(tokens: int, reps: int, device: torch.device, src_block: int = 128, dst_block: int = 256) -> dict[str, float]:
+    """Host microseconds of each part of one repack of ``tokens`` tokens from ``src_block``- into ``dst_block``-token
+    blocks of a 61-layer kpool cache, block tables on the device as a pull has them."""
+    src_layout = BlockLayout(CacheConfig(layer_names=LAYERS, block_size=src_block, kpool=4, num_spec=3))
+    dst_layout = BlockLayout(CacheConfig(layer_names=LAYERS, block_size=dst_block, kpool=4, num_spec=3))
+    src_n, dst_n = src_layout.config.blocks_for_tokens(tokens), dst_layout.config.blocks_for_tokens(tokens)
+    src = torch.randint(0, 256, (src_n, src_layout.block_bytes), dtype=torch.uint8, device=device)
+    dst = torch.zeros(dst_n + 2, dst_layout.block_bytes, dtype=torch.uint8, device=device)
+    src_ids, dst_ids = torch.arange(src_n, device=device), torch.arange(2, dst_n + 2, device=device)
+    return {
+        "public op": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens), reps, device),
+        "launches": _host_us(lambda: repack_tokens_triton(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens),
+                             reps, device),
+        "event": _host_us(lambda: BlocksReady.behind_current_work(device), reps, device),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser("python -m kpool_pd.bench.repack_host", __doc__)
+    parser.add_argument("--tokens", type=counts, default=[1024, 4096, 32768], help="request sizes (default 1024,4096,32768)")
+    parser.add_argument("--reps", type=count, default=200, help="timed calls a part and size (default 200)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (the repack runs its Triton kernels there)")
+    device = torch.device("cuda:0")
+    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'launches us':>12} {'event us':>9}   (host time, median of "
+                     f"{args.reps}; {torch.cuda.get_device_name(device)})\n")
+    for tokens in args.tokens:
+        parts = measure(tokens, args.reps, device)
+        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
