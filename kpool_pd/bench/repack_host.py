@@ -16,7 +16,7 @@ import time
 import torch
 
 from kpool_pd.bench.arguments import bench_parser, count, counts
-from kpool_pd.connector.decode.staging import BlocksReady
+from kpool_pd.connector import BlocksReady
 from kpool_pd.kernels import repack_tokens
 from kpool_pd.kernels.token_repack.triton import repack_tokens_triton
 from kpool_pd.kvcache import BlockLayout, CacheConfig

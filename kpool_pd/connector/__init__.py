@@ -79,6 +79,7 @@ from kpool_pd.connector.shared.hops import HOPS, HopRecorder, StepCountingLoop
 from kpool_pd.connector.shared.hosts import dial_host, dial_target
 from kpool_pd.connector.decode.grant import PrefillGrant, PullTimeline, TransferTimes
 from kpool_pd.connector.decode.landed import LandedRequest
+from kpool_pd.connector.decode.staging import BlocksReady
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.packed_pull import (PackedLanded, PackedPullUnsupported, PackedTarget, can_pack,
                                                 pull_packed)
@@ -97,7 +98,7 @@ from kpool_pd.connector.shared.wire import Transport
 __all__ = [
     "HOPS", "StepCountingLoop", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
-    "LandedRequest", "PackedLanded", "PackedPullUnsupported", "PackedTarget", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
+    "BlocksReady", "LandedRequest", "PackedLanded", "PackedPullUnsupported", "PackedTarget", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",
     "PrefillInput", "PrefillOutput", "PrefillPeer", "PrefillProgress", "PullShare", "PullTimeline", "RankShare",
     "RingRange", "StagingBuffers", "StatusError", "WHOLE_REQUEST",
     "TlsConfig", "TransferTimes", "Transport", "UcxNode", "UcxProgress",
