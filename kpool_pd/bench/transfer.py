@@ -88,7 +88,7 @@ def _run(args) -> tuple[list[dict], dict]:
             rows.append(base | {"path": "nixl read", "gbps": nixl_read_gbps(nbytes, args.reps, prefill_device, decode_device)})
     shared = dict(tokens=args.tokens, layers=args.layers, block_size=args.block_size, kpool=args.kpool, reps=args.reps,
                   prefill_device=prefill_device, decode_device=decode_device, hops=args.hops,
-                  prefill_ms=args.prefill_ms)
+                  prefill_ms=args.prefill_ms, prefill_chunk=args.prefill_chunk)
     hetero = dict(prefill_block_size=args.prefill_block_size)  # pulled beside the same-layout pulls, in turn
     if use_ucx:
         rows += connector_rows(shared | hetero, UCX_NO_SHARED_MEMORY, (Transport.UCX, Transport.GRPC_STREAM))
@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the prefill nodes' modelled compute time a prompt, between their engine serving its "
                              "blocks and writing them; a push's sends wait on it as behind a real prefill "
                              "(default 5)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="the prefill nodes write a prompt in chunks of this many tokens, each after its share "
+                             "of --prefill-ms, as a chunked prefill does (a push's pieces move behind the later "
+                             "chunks); default 0: the whole prompt at once")
     parser.add_argument("--hops", action="store_true", help="also stamp each pull's hops on both nodes and print "
                                                             "where its time went, hop by hop (bench.pull_hops)")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")
@@ -231,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Before any child process starts (each takes this environment): a user's GRPC_VERBOSITY still wins.
     os.environ.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)
+    if args.prefill_ms < 0 or args.prefill_chunk < 0:
+        parser.error(f"--prefill-ms and --prefill-chunk must be >= 0, got {args.prefill_ms} and {args.prefill_chunk}")
     if args.two_gpu and args.device != "cuda":
         parser.error("--two-gpu needs --device cuda")
     try:  # a block size that kpool or the ring does not allow fails here, before any process starts

@@ -37,22 +37,33 @@ def bench_config(layers: int, block_size: int, kpool: int) -> CacheConfig:
 
 class _TemplateEngine:
     """Fills a request's blocks, allocated from its node cache, from a random template (the fill is not timed),
-    ``compute_s`` after it served them: the time a real engine's kernels take, during which its loop runs on (a
-    push's grant is made and its sends wait on the prompt, as behind a real prefill; with no such time the prompt
-    would be written before the grant is made, and a push's exposed time would count the grant's making)."""
+    after a modelled compute time of ``compute_s`` a prompt: the time a real engine's kernels take, during which its
+    loop runs on (a push's grant is made and its sends wait on the prompt, as behind a real prefill; with no such time
+    the prompt would be written before the grant is made, and a push's exposed time would count the grant's making).
+    ``chunk_tokens`` > 0 writes the prompt in chunks of that many tokens, each after its share of the time, and says
+    so after each (``progress.advance``), as a chunked prefill does: a push's pieces then move while the later chunks
+    compute, and its exposed time is what the last chunk leaves. 0: the whole prompt at once."""
 
-    def __init__(self, cache: NodeCache, template: torch.Tensor, compute_s: float) -> None:
-        self.cache, self.template, self.compute_s = cache, template, compute_s
+    def __init__(self, cache: NodeCache, template: torch.Tensor, compute_s: float, chunk_tokens: int = 0) -> None:
+        self.cache, self.template, self.compute_s, self.chunk_tokens = cache, template, compute_s, chunk_tokens
 
     async def prefill(self, request: PrefillInput, progress: PrefillProgress) -> PrefillOutput:
         n = len(request.prompt_token_ids)
-        allocation = self.cache.allocate(request.request_id, self.cache.config.blocks_for_tokens(n))
+        config = self.cache.config
+        allocation = self.cache.allocate(request.request_id, config.blocks_for_tokens(n))
         progress.serve_from(allocation)
-        await asyncio.sleep(self.compute_s)
-        pool = self.cache.pool
-        pool.blocks[list(allocation.block_ids)] = self.template[: allocation.num_blocks]
-        if pool.device.type == "cuda":  # the bytes must be written before UCX reads them
-            torch.cuda.synchronize(pool.device)
+        pool, ids = self.cache.pool, list(allocation.block_ids)
+        step = self.chunk_tokens or n
+        written = 0  # blocks filled so far
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            await asyncio.sleep(self.compute_s * (end - start) / n)  # this chunk's share of the compute
+            upto = config.blocks_for_tokens(end)
+            pool.blocks[ids[written:upto]] = self.template[written:upto]
+            written = upto
+            if pool.device.type == "cuda":  # the bytes must be written before UCX reads them
+                torch.cuda.synchronize(pool.device)
+            progress.advance(end)
         return PrefillOutput(prompt_len=n, first_token=0)
 
 
@@ -67,7 +78,8 @@ def _prefill_proc(conn, args: dict) -> None:
         template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8, device=device)
         transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
         config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]))
-        node = PrefillConnector(cache.pool, _TemplateEngine(cache, template, args["prefill_ms"] / 1000),
+        node = PrefillConnector(cache.pool, _TemplateEngine(cache, template, args["prefill_ms"] / 1000,
+                                                                 args["prefill_chunk"]),
                                 engine_id="bench-prefill", config=config,
                                 registry=CollectorRegistry(), transports=transports)
         await node.start()  # UCX first, then the server's threads (see runtime.daemon.serve)
@@ -109,7 +121,7 @@ def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: 
     proc = start_child(_prefill_proc, child, dict(
         layers=args["layers"], block_size=block_size, kpool=args["kpool"], num_blocks=blocks,
         ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options,
-        hops=args["hops"], prefill_ms=args["prefill_ms"]))
+        hops=args["hops"], prefill_ms=args["prefill_ms"], prefill_chunk=args["prefill_chunk"]))
     return proc, conn, conn.recv()
 
 
