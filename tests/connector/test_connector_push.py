@@ -16,6 +16,7 @@ import pytest
 
 from kpool_pd.connector import ConnectorConfig, StatusError, Transport
 from kpool_pd.connector import prefill_api as pb
+from kpool_pd.connector.shared import hops
 from kpool_pd.connector.shared.wire import region_message
 from kpool_pd.connector.shared.plan import PoolKind, Region
 from tests.support import connector_procs as procs
@@ -279,4 +280,25 @@ def test_a_node_that_does_not_offer_the_push_is_pulled_from_as_before(monkeypatc
             with pytest.raises(ValueError, match="takes no push"):
                 await peer.push("o", list(range(1, BLOCK + 1)), into=allocation)
             allocation.release()
+    run(scenario())
+
+
+def test_a_push_is_stamped_from_its_prompt_written_to_its_last_receive():
+    """The hops a push's exposed time is read off (the transfer bench's one clock): the prefill node's ``prompt``,
+    its sends, and the decode node's ``received`` once the last of its receives (one a piece) completed."""
+    async def scenario():
+        recorder = hops.HopRecorder().install()
+        try:
+            async with InProcessPair(config=CONFIG, transports=(Transport.UCX,), num_blocks=40) as pair:
+                peer = await pair.decode.connect(pair.address)
+                n = 4 * BLOCK + 5
+                with await push_into(pair, peer, "s", list(range(1, n + 1))) as landed:
+                    assert landed.regions == 6  # five one-block pieces and the ring: six receives
+                    stamps = {**recorder.stamps.get("push-s", {}), **recorder.stamps[landed.grant.grant_id]}
+                    assert await peer.release(landed.grant.grant_id)
+        finally:
+            recorder.uninstall()
+        assert {"prompt", "send", "completed", "received"} <= set(stamps), " ".join(sorted(stamps))
+        assert stamps["prompt"] <= stamps["send"] <= stamps["received"]
+        assert stamps["received"] <= stamps["returned"]
     run(scenario())

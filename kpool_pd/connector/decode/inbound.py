@@ -133,6 +133,7 @@ class InboundPull:
         self.first_token: int = grant.first_token
         self.prefill_done: tuple[float, pb.PrefillDone] | None = None  # a pipelined grant's, with when it arrived
         self.last_landed = 0.0  # when the last byte landed (perf_counter)
+        self.receives_landed = 0  # UCX receives completed so far
         self.done: pb.PullDone | None = None  # the stream's last message, once read
         # A push (PrefillPush): ``grant`` is the one planned from the prompt until the stream's first message states
         # the grant made; ``on_granted`` hears of it then, and ``granted_at`` is when it came (perf_counter).
@@ -257,7 +258,8 @@ class InboundPull:
 
     def _landed(self, _future: asyncio.Future) -> None:
         self.last_landed = max(self.last_landed, time.perf_counter())
-        if self.receives is not None and not self.receives.pending():
+        self.receives_landed += 1
+        if self.receives_landed == len(self.planned):  # the last receive: where a push's exposed time ends
             hops.stamp(self.key, "received")
 
     async def _land_on_receives(self) -> None:

@@ -192,6 +192,8 @@ class OutboundPull:
         """UCX: post the sends of regions ``index``, ``index + 1``, ... that may move now; the next one not posted."""
         self._prefill_outcome()
         progress = self.grant.progress
+        if progress.prefilled >= self.grant.prompt_len and progress.written_at:  # when the engine said so
+            hops.stamp(self.grant.grant_id, "prompt", progress.written_at)
         while index < len(self.views) and (not self.grant.computing or progress.prefilled >= self.ready[index]):
             self._post(index)
             index += 1
@@ -203,8 +205,6 @@ class OutboundPull:
         is kept for ``messages`` (and wakes it)."""
         if self._failure is not None:
             return
-        if self.grant.progress.prefilled >= self.grant.prompt_len:
-            hops.stamp(self.grant.grant_id, "prompt")
         try:
             self._next = self._start_ready_sends(self._next)
         except PullAborted as exc:

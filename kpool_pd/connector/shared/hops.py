@@ -40,16 +40,19 @@ HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "prom
 _recorders: list["HopRecorder"] = []  # installed in this process (``HopRecorder.install``)
 
 
-def stamp(grant_id: str, hop: str) -> None:
-    """Record that ``grant_id``'s pull passed ``hop`` now (nothing without a recorder installed or the hops
-    logger at DEBUG), with its loop's step count (-1 unless the running loop is a ``StepCountingLoop``)."""
+def stamp(grant_id: str, hop: str, when: float | None = None) -> None:
+    """Record that ``grant_id``'s pull passed ``hop`` now (or at ``when``, a perf_counter time noted before)
+    (nothing without a recorder installed or the hops logger at DEBUG), with its loop's step count (-1 unless the
+    running loop is a ``StepCountingLoop``)."""
     if _recorders:
-        when, steps = time.perf_counter(), getattr(asyncio._get_running_loop(), "steps", -1)
+        steps = getattr(asyncio._get_running_loop(), "steps", -1)
+        when = time.perf_counter() if when is None else when
         for recorder in _recorders:
             recorder.record(grant_id, hop, when, steps)
     if logger.isEnabledFor(logging.DEBUG):
         loop = asyncio._get_running_loop()
-        logger.debug("%s %s %.9f %d", grant_id, hop, time.perf_counter(), getattr(loop, "steps", -1))
+        logger.debug("%s %s %.9f %d", grant_id, hop, time.perf_counter() if when is None else when,
+                     getattr(loop, "steps", -1))
 
 
 class StepCountingLoop(asyncio.SelectorEventLoop):
