@@ -1,22 +1,25 @@
-"""Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer
-Llama of seeded weights on the CPU) with KpoolPdConnector over UCX and over the gRPC stream, with vLLM's
-NixlConnector (kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other
-in one run (--together: all of them up at once, each rep run on every connector in turn), each with both
-engines up before its first request; and the floor: the same generate served
-from one engine's own prefix cache (no transfer). Each scenario sends its requests at once: one request per
-prompt length (--tokens; the consumer makes one token, so the sum is TTFT), and --concurrent N requests of
-mixed lengths (7 to 2,000 tokens, the consumer makes --new-tokens each). Every connector gets the same
-prompts. Prints per connector and scenario the median prefill phase (the producer's generate of one token),
-the median consumer phase (the pull of the prompts' KV plus the new tokens' compute: the compute is the same
-whatever the connector, so the difference between connectors is the transfer), their sum, the consumer
-phase's and the sum's ratio to the fastest of vLLM's connectors in the run (for vLLM's own: the fastest
-other one), and whether the consumer's tokens equal one engine's (where not, how many requests of a rep
-differed at most, and from which new token: 0 the first).
+"""Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer Llama of
+seeded weights on the CPU) with KpoolPdConnector over UCX and over the gRPC stream, with vLLM's NixlConnector
+(kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other in one run
+(--together: all of them up at once, each rep run on every connector in turn), each with both engines up before its
+first request; the floor: the same generate served from one engine's own prefix cache (no transfer); and
+no-transfer: the consumer phase's compute alone, one engine with vLLM's DecodeBenchConnector, which claims the prompts'
+KV and moves none (what any connector's consumer phase would be if its transfer took no time; its tokens are not
+compared). Each scenario sends its requests at once: one request per prompt length (--tokens; the consumer makes one
+token, so the sum is TTFT), and --concurrent N requests of mixed lengths (7 to 2,000 tokens, the consumer makes
+--new-tokens each). Every connector gets the same prompts. Prints per connector and scenario the median prefill
+phase (the producer's generate of one token), the median consumer phase (the pull of the prompts' KV plus the new
+tokens' compute: the compute is the same whatever the connector, so the difference between connectors is the
+transfer), their sum, the consumer phase's and the sum's ratio to the fastest of vLLM's connectors in the run (for
+vLLM's own: the fastest other one), the consumer phase less the no-transfer engine's (what the transfer added), and
+whether the consumer's tokens equal one engine's (where not, how many requests of a rep differed at most, and from
+which new token: 0 the first).
 
     python -m kpool_pd.bench.vllm_pd --tokens 1024,8192 --reps 3     (kpool-pd bench vllm)
 
 Its first line names the folder it writes to (--out DIR, else a new temporary folder): vllm_pd.json, and
-each engine's log (<connector>-producer.log, <connector>-consumer.log; the floor's floor-engine.log), which
+each engine's log (<connector>-producer.log, <connector>-consumer.log; the floor's floor-engine.log, the
+no-transfer engine's no-transfer-engine.log), which
 takes everything the engine prints (vLLM's logging and warnings included). The terminal shows the bench's
 progress, a line a phase, and its table; an engine that fails shows the end of its log and the log's path.
 
@@ -238,10 +241,60 @@ class FloorEngine:
         self.engine.process.stop()
 
 
+# vLLM's DecodeBenchConnector: every prompt token but the last counted as loaded, no bytes moved; the KV cache
+# filled with a constant once, when the engine starts (startup_fill), so that a request's steps do no filling
+DECODE_BENCH_CONFIG = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"startup_fill": True, "fill_std": 0.0}}
+DECODE_BENCH_MODULE = Path("distributed", "kv_transfer", "kv_connector", "v1", "decode_bench_connector.py")
+
+
+class NoTransferEngine:
+    """The consumer phase of a transfer that takes no time: one engine with vLLM's DecodeBenchConnector
+    (``DECODE_BENCH_CONFIG``), which claims every prompt token but the last as loaded and moves nothing. A
+    rep sends the scenario's prompts, timed: the engine computes each prompt's last token and the new tokens
+    over a constant KV, the same compute as a consumer after a pull, with no pull before it. Its tokens are
+    not compared (its KV is not the prompts')."""
+
+    connector = Connector.NO_TRANSFER
+
+    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
+        [self.engine] = _start(Connector.NO_TRANSFER, [("engine", DECODE_BENCH_CONFIG, {})], model, max_model_len,
+                               out)
+
+    def ready(self) -> None:
+        self.engine.wait_ready()
+
+    def rep(self, scenario: Scenario, number: int) -> Rep:
+        prompts = scenario.prompts(number)
+        started = time.perf_counter()
+        job = self.engine.run(prompts, scenario.new_tokens)
+        done = time.perf_counter()
+        return Rep(prefill_s=None, consumer_s=done - started, same_tokens=None,
+                   pulled_tokens=job.prompt_tokens.get("external_kv_transfer", 0))
+
+    def stop(self) -> None:
+        self.engine.process.stop()
+
+
+def decode_bench_unavailable() -> str | None:
+    """Why this vLLM cannot run the no-transfer engine (it has no DecodeBenchConnector), or None."""
+    spec = importlib.util.find_spec("vllm")
+    folders = list(getattr(spec, "submodule_search_locations", None) or [])
+    if not folders or any((Path(folder) / DECODE_BENCH_MODULE).exists() for folder in folders):
+        return None
+    return f"this vLLM has no DecodeBenchConnector ({Path(folders[0]) / DECODE_BENCH_MODULE} is missing)"
+
+
+BENCHES = {Connector.FLOOR: FloorEngine, Connector.NO_TRANSFER: NoTransferEngine}  # the one-engine rows
+
+
 def starting(connector: Connector, out: Path) -> str:
     """The line that says which engines of ``connector`` start, and their logs."""
     if connector is Connector.FLOOR:
         return f"floor: starting one engine, its prefix cache on (log {engine_log(out, connector, 'engine').name})"
+    if connector is Connector.NO_TRANSFER:
+        return (f"no-transfer: starting one engine with vLLM's DecodeBenchConnector (log "
+                f"{engine_log(out, connector, 'engine').name})")
     return (f"{connector.value}: starting a producer and a consumer engine (logs "
             f"{engine_log(out, connector, 'producer').name}, {engine_log(out, connector, 'consumer').name})")
 
@@ -258,7 +311,7 @@ def measure(connectors: list[Connector], model: str, scenarios: list[Scenario], 
     try:
         for connector in connectors:
             progress(starting(connector, out))
-            benches.append(FloorEngine(model, max_model_len, out) if connector is Connector.FLOOR
+            benches.append(BENCHES[connector](model, max_model_len, out) if connector in BENCHES
                            else PdPair(connector, model, max_model_len, out))
         warm = [min(scenarios, key=lambda s: (s.requests, s.tokens))]
         warm += [s for s in scenarios if s.requests > 1][:1]
@@ -310,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connectors", default=",".join(c.value for c in Connector), metavar="NAME,NAME",
                         help="which connectors, in order (default: all of " +
                              ", ".join(c.value for c in Connector) + "; floor: no connector, one engine's "
-                             "prefix cache)")
+                             "prefix cache; no-transfer: one engine whose KV is claimed and not moved, vLLM's "
+                             "DecodeBenchConnector)")
     parser.add_argument("--together", action="store_true",
                         help="start every connector's engines at once and run each rep on every connector in turn "
                              "(the order turning from rep to rep), so that they share a loaded machine's spells "
@@ -334,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     if Connector.MOONCAKE in connectors and (why := vllm_mooncake.unavailable()) is not None:
         skipped[Connector.MOONCAKE] = f"{why}; {vllm_mooncake.ENABLE_HINT}"
         connectors.remove(Connector.MOONCAKE)
+    if Connector.NO_TRANSFER in connectors and (why := decode_bench_unavailable()) is not None:
+        skipped[Connector.NO_TRANSFER] = why
+        connectors.remove(Connector.NO_TRANSFER)
     if args.out is None:
         out = Path(tempfile.mkdtemp(prefix=OUT_PREFIX))
     else:
@@ -368,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     for connector, why in skipped.items():
         print(f"{connector.value}: skipped: {why}")
     _say(f"results: {results}")
-    return 0 if failure is None and all(r.same_tokens for r in rows) else 1
+    return 0 if failure is None and all(r.same_tokens is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class Connector(Enum):
     NIXL = "nixl"
     MOONCAKE = "mooncake"
     FLOOR = "floor"  # no connector: one engine, the prompts served from its own prefix cache
+    NO_TRANSFER = "no-transfer"  # one engine with vLLM's DecodeBenchConnector: the prompts' KV claimed, none moved
 
 
 VLLM_CONNECTORS = (Connector.NIXL, Connector.MOONCAKE)  # the connectors each row is compared with
@@ -65,7 +66,8 @@ class Row:
     prefill_ms: float | None  # median, the producer's generate of one token a request (None: the floor)
     decode_first_token_ms: float  # median, the consumer phase: the pull plus new_tokens a request
     ttft_ms: float | None  # prefill_ms + decode_first_token_ms (TTFT when new_tokens is 1)
-    same_tokens: bool  # the consumer's tokens equal one engine's, every request of every rep
+    same_tokens: bool | None  # the consumer's tokens equal one engine's, every request of every rep (None: not
+    # compared, the no-transfer engine's KV is a constant)
     pulled_tokens: int  # prompt tokens vLLM counted as loaded by the connector (the floor: found in its cache)
     requests: int = 1  # sent at once
     new_tokens: int = 1  # the consumer makes for each request
@@ -82,7 +84,7 @@ class Rep:
 
     prefill_s: float | None
     consumer_s: float
-    same_tokens: bool
+    same_tokens: bool | None  # None: not compared
     pulled_tokens: int
     differing_requests: int = 0  # requests whose tokens differ from one engine's
     first_difference: int = -1  # the earliest new token at which one differs (-1: none)
@@ -112,7 +114,8 @@ def row_of(connector: Connector, scenario: Scenario, reps: list[Rep]) -> Row:
     return Row(connector=connector.value, tokens=scenario.tokens, reps=len(reps),
                prefill_ms=None if prefill is None else prefill * 1e3, decode_first_token_ms=first * 1e3,
                ttft_ms=None if prefill is None else (prefill + first) * 1e3,
-               same_tokens=all(r.same_tokens for r in reps), pulled_tokens=sum(r.pulled_tokens for r in reps),
+               same_tokens=None if any(r.same_tokens is None for r in reps) else all(r.same_tokens for r in reps),
+               pulled_tokens=sum(r.pulled_tokens for r in reps),
                requests=scenario.requests, new_tokens=scenario.new_tokens,
                consumer_ms_reps=tuple(round(r.consumer_s * 1e3, 1) for r in reps),
                prefill_ms_reps=tuple(round(r.prefill_s * 1e3, 1) for r in reps if r.prefill_s is not None),
@@ -127,7 +130,10 @@ def label(scenario: Scenario) -> str:
 
 
 def _same(row: Row) -> str:
-    """yes, or NO with how many requests of a rep differed (at most) and from which new token (0: the first)."""
+    """yes, or NO with how many requests of a rep differed (at most) and from which new token (0: the first);
+    for a row whose tokens are not compared, why."""
+    if row.same_tokens is None:
+        return "- (KV not the prompt's)"
     if row.same_tokens:
         return "yes"
     if not row.differing_requests:
@@ -142,7 +148,9 @@ def _ratio(value: float | None, best: float | None) -> str:
 def table(rows: list[Row]) -> str:
     """The rows side by side, per scenario (requests at once, prompt tokens), each with the ratio of its
     consumer phase and of its prefill + consumer phase to the fastest of vLLM's connectors (NixlConnector,
-    MooncakeConnector) in the same scenario, for vLLM's own the fastest other one ("-": none in the run)."""
+    MooncakeConnector) in the same scenario, for vLLM's own the fastest other one ("-": none in the run), and
+    its consumer phase less the no-transfer engine's in the same scenario (what its transfer added to the
+    compute; "-": no such row)."""
     order = {c.value: i for i, c in enumerate(Connector)}
     vllm_names = {c.value for c in VLLM_CONNECTORS}
 
@@ -155,12 +163,20 @@ def table(rows: list[Row]) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
+    def over_no_transfer(row: Row) -> str:
+        floor = [r.decode_first_token_ms for r in rows if r.connector == Connector.NO_TRANSFER.value
+                 and (r.requests, r.tokens, r.new_tokens) == (row.requests, row.tokens, row.new_tokens)]
+        if not floor or row.connector == Connector.NO_TRANSFER.value:
+            return "-"
+        return f"{row.decode_first_token_ms - floor[0]:+.1f}"
+
     lines = [f"{'connector':<11} {'requests':>8} {'tokens':>6} {'new tok':>7} {'prefill ms':>10} {'consumer ms':>11} "
-             f"{'sum ms':>8} {'consumer vs best':>16} {'sum vs best':>11} {'pulled':>7} same tokens"]
+             f"{'sum ms':>8} {'consumer vs best':>16} {'sum vs best':>11} {'over no-transfer':>16} {'pulled':>7} "
+             "same tokens"]
     for r in sorted(rows, key=lambda r: (r.requests, r.tokens, order.get(r.connector, len(order)))):
         lines.append(f"{r.connector:<11} {r.requests:>8} {r.tokens:>6} {r.new_tokens:>7} {ms(r.prefill_ms):>10} "
                      f"{ms(r.decode_first_token_ms):>11} {ms(r.ttft_ms):>8} "
                      f"{_ratio(r.decode_first_token_ms, best(r, 'decode_first_token_ms')):>16} "
-                     f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {r.pulled_tokens:>7} "
+                     f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {over_no_transfer(r):>16} {r.pulled_tokens:>7} "
                      f"{_same(r)}")
     return "\n".join(lines)

@@ -216,6 +216,46 @@ def test_the_ratio_is_to_the_fastest_of_vllms_connectors_and_the_floor_has_no_pr
     assert by_name["floor"][4:9] == ["-", "5.0", "-", "0.25x", "-"]
 
 
+def test_each_row_says_what_its_transfer_added_over_the_no_transfer_engine():
+    def row(name: str, consumer: float, requests: int, same: bool | None = True) -> vllm_pd.Row:
+        prefill = None if name == "no-transfer" else 10.0
+        return vllm_pd.Row(connector=name, tokens=100 * requests, reps=3, prefill_ms=prefill,
+                           decode_first_token_ms=consumer, ttft_ms=None if prefill is None else prefill + consumer,
+                           same_tokens=same, pulled_tokens=300, requests=requests, new_tokens=12)
+    lines = vllm_pd.table([row("mooncake", 20.0, 8), row("kpool-ucx", 17.5, 8), row("no-transfer", 15.0, 8, None),
+                           row("kpool-ucx", 40.0, 64)]).splitlines()
+    assert lines[0].split()[-5:] == ["over", "no-transfer", "pulled", "same", "tokens"]
+    by_name = {(line.split()[0], line.split()[1]): line.split() for line in lines[1:]}
+    assert by_name["kpool-ucx", "8"][9] == "+2.5" and by_name["mooncake", "8"][9] == "+5.0"
+    assert by_name["no-transfer", "8"][7] == "0.75x"  # 15 / 20: below it no connector's phase can go
+    assert by_name["no-transfer", "8"][9] == "-" and lines[-2].endswith("- (KV not the prompt's)")
+    assert by_name["kpool-ucx", "64"][9] == "-"  # no no-transfer row for 64 requests
+
+
+def test_a_row_of_reps_whose_tokens_are_not_compared_says_so_and_does_not_fail_the_run():
+    scenario = vllm_pd.Scenario(lengths=(10, 10), new_tokens=3)
+    reps = [vllm_pd.Rep(prefill_s=None, consumer_s=0.02, same_tokens=None, pulled_tokens=18) for _ in range(2)]
+    row = vllm_pd.row_of(vllm_pd.Connector.NO_TRANSFER, scenario, reps)
+    assert row.same_tokens is None and row.pulled_tokens == 36 and row.prefill_ms is None
+    mixed = vllm_pd.row_of(vllm_pd.Connector.KPOOL_UCX, scenario, [reps[0], vllm_pd.Rep(
+        prefill_s=0.01, consumer_s=0.02, same_tokens=False, pulled_tokens=20)])
+    assert mixed.same_tokens is None  # a rep that was not compared makes the row not compared
+
+
+def test_the_no_transfer_rows_are_skipped_with_the_reason_where_vllm_has_no_decode_bench_connector(
+        chatty_engines, tmp_path, monkeypatch, capfd):
+    vllm_root = tmp_path / "vllm"
+    vllm_root.mkdir()
+    monkeypatch.setattr(vllm_pd.importlib.util, "find_spec",
+                        lambda name: type("Spec", (), {"submodule_search_locations": [str(vllm_root)]})())
+    assert vllm_pd.main(["--tokens", "8", "--reps", "1", "--concurrent", "none", "--connectors",
+                         "kpool-grpc,no-transfer", "--out", str(tmp_path)]) == 0
+    out, _ = capfd.readouterr()
+    assert out.splitlines()[-1] == (f"no-transfer: skipped: this vLLM has no DecodeBenchConnector "
+                                    f"({vllm_root / vllm_pd.DECODE_BENCH_MODULE} is missing)")
+    assert [r["connector"] for r in json.loads((tmp_path / "vllm_pd.json").read_text())] == ["kpool-grpc"]
+
+
 def test_a_token_mismatch_says_how_many_requests_and_from_which_token():
     from kpool_pd.bench.vllm_rows import Rep, token_mismatch
     want = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
@@ -297,3 +337,21 @@ def test_a_short_run_pulls_every_prompt_token_and_matches_one_engine(tmp_path):
     mixed = sum(vllm_pd.mixed_lengths(2))  # 7 and 2,000 tokens at once
     assert (concurrent["requests"], concurrent["tokens"], concurrent["new_tokens"]) == (2, mixed, 2)
     assert concurrent["same_tokens"] is True and concurrent["pulled_tokens"] == 2 * mixed
+
+
+@pytest.mark.vllm
+def test_the_no_transfer_engine_claims_all_but_each_prompts_last_token_and_compares_no_tokens(tmp_path, capfd):
+    """vLLM's DecodeBenchConnector in the bench's one-engine row: every prompt token but the last counted as
+    loaded by the connector, the row's tokens not compared, the run passing."""
+    if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":
+        pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
+    with memory_share(1, "bench vllm's no-transfer engine"):
+        assert vllm_pd.main(["--tokens", "40", "--reps", "2", "--concurrent", "2", "--new-tokens", "2",
+                             "--connectors", "no-transfer", "--out", str(tmp_path)]) == 0
+    single, concurrent = json.loads((tmp_path / "vllm_pd.json").read_text())
+    assert single["connector"] == concurrent["connector"] == "no-transfer"
+    assert single["same_tokens"] is None and single["prefill_ms"] is None and single["decode_first_token_ms"] > 0
+    assert single["pulled_tokens"] == 2 * (40 - 1)
+    mixed = vllm_pd.mixed_lengths(2)
+    assert concurrent["pulled_tokens"] == 2 * sum(n - 1 for n in mixed)
+    assert "no-transfer: starting one engine with vLLM's DecodeBenchConnector" in capfd.readouterr().err
