@@ -33,8 +33,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import multiprocessing
-import queue
 import secrets
 import sys
 import tempfile
@@ -45,6 +43,8 @@ from pathlib import Path
 
 from kpool_pd.bench import vllm_engines, vllm_mooncake
 from kpool_pd.bench.arguments import bench_parser, count, counts
+from kpool_pd.bench.vllm_bench_engines import EngineFailed, engine_log, log_tail, start_engines
+from kpool_pd.bench.vllm_one_engine import ONE_ENGINE, decode_bench_unavailable
 from kpool_pd.bench.vllm_rows import (MIXED_LONGEST, MIXED_SHORTEST, VLLM_CONNECTORS, Connector, Rep, Row,
                                       Scenario, label, mixed_lengths, row_of, table, token_mismatch)
 from kpool_pd.runtime.ports import spare_ports
@@ -52,8 +52,6 @@ from kpool_pd.runtime.ports import spare_ports
 logger = logging.getLogger("kpool_pd.bench.vllm_pd")
 
 OUT_PREFIX = "kpoolpd-bench-vllm-"  # a default output folder's name starts so
-LOG_TAIL_LINES = 40  # of a failed engine's log, shown on the terminal
-READY_POLL_S = 2.0  # how often a starting engine's process is checked for life
 
 
 @dataclass(frozen=True)
@@ -90,86 +88,6 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
     return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport}),
             kpool("kv_consumer", {"transport": transport, "producers": [f"127.0.0.1:{ports[0]}"]}), token, token)
 
-
-class EngineFailed(Exception):
-    """An engine of the bench failed: ``name`` (e.g. ``kpool-grpc consumer``), ``why`` in a line, and
-    ``log``, the file its output went to."""
-
-    def __init__(self, name: str, why: str, log: Path) -> None:
-        super().__init__(f"the {name} engine failed: {why}")
-        self.name, self.why, self.log = name, why, log
-
-
-def engine_log(out: Path, connector: Connector, role: str) -> Path:
-    """The file an engine's output goes to: ``<out>/<connector>-<role>.log``."""
-    return out / f"{connector.value}-{role}.log"
-
-
-def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``lines`` lines of ``log`` (none when it is missing)."""
-    try:
-        text = log.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    return text.splitlines()[-lines:]
-
-
-class _Engine:
-    """An EngineProcess under a name, whose failures (a traceback, no answer in time, a process that died)
-    are raised as EngineFailed naming it and its log."""
-
-    def __init__(self, name: str, log: Path, process: vllm_engines.EngineProcess) -> None:
-        self.name, self.log, self.process = name, log, process
-
-    def _failed(self, why: str) -> EngineFailed:
-        return EngineFailed(self.name, why, self.log)
-
-    @staticmethod
-    def _last_line(error: AssertionError) -> str:
-        """The exception's own line of the engine's traceback (the last one not indented), 200 characters."""
-        lines = str(error).splitlines()[1:]  # after "engine failed:"
-        found = next((line for line in reversed(lines) if line.strip() and not line[0].isspace()), "no traceback")
-        return found[:200]
-
-    def wait_ready(self, timeout_s: float = vllm_engines.ENGINE_START_S) -> None:
-        """Until the engine is ready; EngineFailed when it failed, its process died, or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.process.wait_ready(timeout_s=max(0.0, min(READY_POLL_S, deadline - time.monotonic())))
-                return
-            except AssertionError as error:
-                raise self._failed(self._last_line(error)) from None
-            except queue.Empty:
-                if not self.process.process.is_alive():
-                    raise self._failed(f"its process exited with code {self.process.process.exitcode} before it "
-                                       "was ready") from None
-                if time.monotonic() >= deadline:
-                    raise self._failed(f"not ready within {timeout_s:g} s") from None
-
-    def run(self, prompts: list[list[int]], max_tokens: int,
-            params: list[dict | None] | None = None) -> vllm_engines.Job:
-        try:
-            return self.process.run(prompts, max_tokens, params)
-        except AssertionError as error:
-            raise self._failed(self._last_line(error)) from None
-        except queue.Empty:
-            raise self._failed(f"no answer to a job within {vllm_engines.JOB_S} s") from None
-
-
-def _start(connector: Connector, roles: list[tuple[str, dict | None, dict]], model: str, max_model_len: int,
-           out: Path, **engine) -> list[_Engine]:
-    """One engine per (role, kv_transfer_config, env), its output in ``engine_log``."""
-    context = multiprocessing.get_context("spawn")
-    engines = []
-    for role, config, env in roles:
-        log = engine_log(out, connector, role)
-        log.write_text("")  # this run's output only
-        engines.append(_Engine(f"{connector.value} {role}", log, vllm_engines.EngineProcess(
-            context, model, config, max_model_len=max_model_len, env=env, log=log, **engine)))
-    return engines
-
-
 class PdPair:
     """A connector's producer and consumer engines, started at once (``ready`` waits for them); a rep sends the
     scenario's prompts to the producer at once, then to the consumer at once with the params the proxy makes
@@ -179,7 +97,7 @@ class PdPair:
         self.connector = connector
         self.ports = spare_ports(2)
         producer_config, consumer_config, producer_env, consumer_env = transfer_configs(connector, self.ports)
-        self.producer, self.consumer = _start(connector, [("producer", producer_config, producer_env),
+        self.producer, self.consumer = start_engines(connector, [("producer", producer_config, producer_env),
                                                           ("consumer", consumer_config, consumer_env)],
                                               model, max_model_len, out)
         self.handover = Handover()
@@ -211,83 +129,6 @@ class PdPair:
         self.producer.process.stop()
 
 
-class FloorEngine:
-    """The floor: one engine with no connector and its prefix cache on. A rep sends the scenario's prompts
-    (it computes them), then the same generate again, timed: the prompts' KV comes from its own cache (a
-    prompt's last token, and any tail short of a block, are computed again, as after a pull). Its tokens
-    must equal the first generate's."""
-
-    connector = Connector.FLOOR
-
-    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
-        [self.engine] = _start(Connector.FLOOR, [("engine", None, {})], model, max_model_len, out, prefix_caching=True)
-
-    def ready(self) -> None:
-        self.engine.wait_ready()
-
-    def rep(self, scenario: Scenario, number: int) -> Rep:
-        prompts = scenario.prompts(number)
-        computed = self.engine.run(prompts, scenario.new_tokens)
-        started = time.perf_counter()
-        cached = self.engine.run(prompts, scenario.new_tokens)
-        done = time.perf_counter()
-        got, want = [o[0] for o in cached.outputs], [o[0] for o in computed.outputs]
-        differing, first = token_mismatch(got, want)
-        return Rep(prefill_s=None, consumer_s=done - started, same_tokens=not differing,
-                   pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0),
-                   differing_requests=differing, first_difference=first)
-
-    def stop(self) -> None:
-        self.engine.process.stop()
-
-
-# vLLM's DecodeBenchConnector: every prompt token but the last counted as loaded, no bytes moved; the KV cache
-# filled with a constant once, when the engine starts (startup_fill), so that a request's steps do no filling
-DECODE_BENCH_CONFIG = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"startup_fill": True, "fill_std": 0.0}}
-DECODE_BENCH_MODULE = Path("distributed", "kv_transfer", "kv_connector", "v1", "decode_bench_connector.py")
-
-
-class NoTransferEngine:
-    """The consumer phase of a transfer that takes no time: one engine with vLLM's DecodeBenchConnector
-    (``DECODE_BENCH_CONFIG``), which claims every prompt token but the last as loaded and moves nothing. A
-    rep sends the scenario's prompts, timed: the engine computes each prompt's last token and the new tokens
-    over a constant KV, the same compute as a consumer after a pull, with no pull before it. Its tokens are
-    not compared (its KV is not the prompts')."""
-
-    connector = Connector.NO_TRANSFER
-
-    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
-        [self.engine] = _start(Connector.NO_TRANSFER, [("engine", DECODE_BENCH_CONFIG, {})], model, max_model_len,
-                               out)
-
-    def ready(self) -> None:
-        self.engine.wait_ready()
-
-    def rep(self, scenario: Scenario, number: int) -> Rep:
-        prompts = scenario.prompts(number)
-        started = time.perf_counter()
-        job = self.engine.run(prompts, scenario.new_tokens)
-        done = time.perf_counter()
-        return Rep(prefill_s=None, consumer_s=done - started, same_tokens=None,
-                   pulled_tokens=job.prompt_tokens.get("external_kv_transfer", 0))
-
-    def stop(self) -> None:
-        self.engine.process.stop()
-
-
-def decode_bench_unavailable() -> str | None:
-    """Why this vLLM cannot run the no-transfer engine (it has no DecodeBenchConnector), or None."""
-    spec = importlib.util.find_spec("vllm")
-    folders = list(getattr(spec, "submodule_search_locations", None) or [])
-    if not folders or any((Path(folder) / DECODE_BENCH_MODULE).exists() for folder in folders):
-        return None
-    return f"this vLLM has no DecodeBenchConnector ({Path(folders[0]) / DECODE_BENCH_MODULE} is missing)"
-
-
-BENCHES = {Connector.FLOOR: FloorEngine, Connector.NO_TRANSFER: NoTransferEngine}  # the one-engine rows
-
-
 def starting(connector: Connector, out: Path) -> str:
     """The line that says which engines of ``connector`` start, and their logs."""
     if connector is Connector.FLOOR:
@@ -301,17 +142,17 @@ def starting(connector: Connector, out: Path) -> str:
 
 def measure(connectors: list[Connector], model: str, scenarios: list[Scenario], reps: int, max_model_len: int,
             out: Path, progress: Callable[[str], None] = logger.info) -> list[Row]:
-    """The engines of every connector in ``connectors`` up at once (``PdPair``; the floor: ``FloorEngine``),
-    their output in their logs in ``out`` (``engine_log``); a warm-up rep on each (the connections, the first
-    pull) of the shortest single request and of the first concurrent scenario; then ``reps`` reps of each
-    scenario, each rep run on every connector in turn, the order turning by one from rep to rep, so that
-    the connectors share the machine's spells of load alike. ``progress`` gets a line per phase. EngineFailed
+    """The engines of every connector in ``connectors`` up at once (``PdPair``; the floor and no-transfer:
+    ``ONE_ENGINE``), their output in their logs in ``out`` (``engine_log``); a warm-up rep on each (the
+    connections, the first pull) of the shortest single request and of the first concurrent scenario; then
+    ``reps`` reps of each scenario, each rep run on every connector in turn, the order turning by one from rep
+    to rep, so that the connectors share the machine's spells of load alike. ``progress`` gets a line per phase. EngineFailed
     when an engine fails (every engine is stopped)."""
     benches = []
     try:
         for connector in connectors:
             progress(starting(connector, out))
-            benches.append(BENCHES[connector](model, max_model_len, out) if connector in BENCHES
+            benches.append(ONE_ENGINE[connector](model, max_model_len, out) if connector in ONE_ENGINE
                            else PdPair(connector, model, max_model_len, out))
         warm = [min(scenarios, key=lambda s: (s.requests, s.tokens))]
         warm += [s for s in scenarios if s.requests > 1][:1]

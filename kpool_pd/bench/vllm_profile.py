@@ -27,7 +27,8 @@ from pathlib import Path
 
 from kpool_pd.bench import vllm_engines
 from kpool_pd.bench.arguments import bench_parser, count
-from kpool_pd.bench.vllm_pd import Scenario, _Engine, mixed_lengths
+from kpool_pd.bench.vllm_bench_engines import NamedEngine
+from kpool_pd.bench.vllm_rows import Scenario, mixed_lengths
 from kpool_pd.runtime.ports import spare_ports
 
 TRACE_ENV = "KPOOLPD_TRACE"  # where the engines' traced connector (kpool_pd.bench.vllm_trace) writes its stamps
@@ -65,7 +66,7 @@ def run(transport: str, model: str, scenarios: list[Scenario], reps: int, max_mo
         log.write_text("")
         trace.write_text("")
         env = {"KPOOLPD_PEER_TOKEN": token, TRACE_ENV: str(trace)}
-        engines.append(_Engine(f"{transport} {role}", log, vllm_engines.EngineProcess(
+        engines.append(NamedEngine(f"{transport} {role}", log, vllm_engines.EngineProcess(
             context, model, config, max_model_len=max_model_len, env=env, log=log)))
     producer, consumer = engines
     def rep(scenario: Scenario, number: int) -> Window:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kpool_pd.bench import vllm_engines, vllm_pd
+from kpool_pd.bench import vllm_bench_engines, vllm_engines, vllm_one_engine, vllm_pd
 from tests.support.memory_share import memory_share
 from tests.support.paths import REPO
 
@@ -176,10 +176,10 @@ def test_a_failed_engine_shows_the_tail_of_its_log_and_its_path(chatty_engines, 
     out, err = capfd.readouterr()
     log = tmp_path / f"kpool-ucx-{role}.log"
     assert (f"error: the kpool-ucx {role} engine failed: RuntimeError: no room for the KV cache; the last "
-            f"{vllm_pd.LOG_TAIL_LINES} lines of its log, {log}:") in err.splitlines()
-    shown = [line.removeprefix("  ") for line in err[err.index(str(log)):].splitlines()[1:1 + vllm_pd.LOG_TAIL_LINES]]
+            f"{vllm_bench_engines.LOG_TAIL_LINES} lines of its log, {log}:") in err.splitlines()
+    shown = [line.removeprefix("  ") for line in err[err.index(str(log)):].splitlines()[1:1 + vllm_bench_engines.LOG_TAIL_LINES]]
     logged = log.read_text().splitlines()  # may have grown since: the engine's children write on as it stops
-    assert len(shown) == vllm_pd.LOG_TAIL_LINES and any(
+    assert len(shown) == vllm_bench_engines.LOG_TAIL_LINES and any(
         logged[i:i + len(shown)] == shown for i in range(len(logged) - len(shown) + 1)), (shown, logged[-50:])
     assert "Traceback (most recent call last):" in err
     assert f"{CHATTER} stdout 0" not in err  # the tail only
@@ -252,7 +252,7 @@ def test_the_no_transfer_rows_are_skipped_with_the_reason_where_vllm_has_no_deco
                          "kpool-grpc,no-transfer", "--out", str(tmp_path)]) == 0
     out, _ = capfd.readouterr()
     assert out.splitlines()[-1] == (f"no-transfer: skipped: this vLLM has no DecodeBenchConnector "
-                                    f"({vllm_root / vllm_pd.DECODE_BENCH_MODULE} is missing)")
+                                    f"({vllm_root / vllm_one_engine.DECODE_BENCH_MODULE} is missing)")
     assert [r["connector"] for r in json.loads((tmp_path / "vllm_pd.json").read_text())] == ["kpool-grpc"]
 
 
