@@ -16,13 +16,11 @@ import time
 import torch
 
 from kpool_pd.bench.arguments import bench_parser, count, counts
+from kpool_pd.bench.repack_cases import LAYERS
 from kpool_pd.connector import BlocksReady
 from kpool_pd.kernels import repack_tokens
 from kpool_pd.kernels.token_repack.triton import repack_tokens_triton
 from kpool_pd.kvcache import BlockLayout, CacheConfig
-
-LAYERS = tuple(f"layer.{i}" for i in range(61))
-
 
 def _host_us(call, reps: int, device: torch.device) -> float:
     """Median host time of ``call()`` in microseconds, the device idle before each call (after 5 warm-ups)."""

@@ -40,6 +40,10 @@ class UcxxEndpoint(enum.Enum):
     def from_worker_address(self) -> bool:
         return self is not UcxxEndpoint.LISTENER
 
+    @property
+    def peer_error_handling(self) -> bool:
+        return self is UcxxEndpoint.WORKER_ADDRESS_PEER_ERRORS
+
 
 def import_ucxx():
     """ucxx, imported as the connector imports it (its UCX defaults applied as its libraries load)."""
@@ -94,7 +98,7 @@ def _sender(conn, nbytes: int, reps: int, device: str, options: Sequence[tuple[s
         request = torch.empty(REQUEST_BYTES, dtype=torch.uint8)
         if endpoint.from_worker_address:  # the receiver's address in, ours out; each request names a tag
             conn.send(bytes(ucxx.get_worker_address()))
-            ep = await worker_address_endpoint(ucxx, conn.recv(), endpoint is UcxxEndpoint.WORKER_ADDRESS_PEER_ERRORS)
+            ep = await worker_address_endpoint(ucxx, conn.recv(), endpoint.peer_error_handling)
             for _ in range(reps + 1):
                 await ucxx.recv(ucxx_buffer(request), tag=REQUEST_TAG)
                 base = int(request.view(torch.int64)[0])
@@ -133,7 +137,7 @@ def _receiver(conn, peer, nbytes: int, reps: int, device: str, options: Sequence
         times = []
         if endpoint.from_worker_address:  # ``peer``: the sender's worker address
             conn.send(bytes(ucxx.get_worker_address()))
-            ep = await worker_address_endpoint(ucxx, peer, endpoint is UcxxEndpoint.WORKER_ADDRESS_PEER_ERRORS)
+            ep = await worker_address_endpoint(ucxx, peer, endpoint.peer_error_handling)
             for rep in range(reps + 1):
                 started = time.perf_counter()
                 base = REQUEST_TAG + 1 + rep * messages  # part i under base + i

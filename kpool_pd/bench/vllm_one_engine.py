@@ -11,20 +11,32 @@ from kpool_pd.bench.vllm_bench_engines import start_engines
 from kpool_pd.bench.vllm_rows import Connector, Rep, Scenario, token_mismatch
 
 
-class FloorEngine:
+class _OneEngine:
+    """A row's one engine: ``config`` its kv_transfer_config (None: no connector), ``prefix_caching`` vLLM's."""
+
+    connector: Connector
+    config: dict | None = None
+    prefix_caching = False
+
+    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
+        [self.engine] = start_engines(self.connector, [("engine", self.config, {})], model, max_model_len, out,
+                                      prefix_caching=self.prefix_caching)
+
+    def ready(self) -> None:
+        self.engine.wait_ready()
+
+    def stop(self) -> None:
+        self.engine.process.stop()
+
+
+class FloorEngine(_OneEngine):
     """The floor: one engine with no connector and its prefix cache on. A rep sends the scenario's prompts
     (it computes them), then the same generate again, timed: the prompts' KV comes from its own cache (a
     prompt's last token, and any tail short of a block, are computed again, as after a pull). Its tokens
     must equal the first generate's."""
 
     connector = Connector.FLOOR
-
-    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
-        [self.engine] = start_engines(Connector.FLOOR, [("engine", None, {})], model, max_model_len, out,
-                                      prefix_caching=True)
-
-    def ready(self) -> None:
-        self.engine.wait_ready()
+    prefix_caching = True
 
     def rep(self, scenario: Scenario, number: int) -> Rep:
         prompts = scenario.prompts(number)
@@ -38,9 +50,6 @@ class FloorEngine:
                    pulled_tokens=cached.prompt_tokens.get("local_cache_hit", 0),
                    differing_requests=differing, first_difference=first)
 
-    def stop(self) -> None:
-        self.engine.process.stop()
-
 
 # vLLM's DecodeBenchConnector: every prompt token but the last counted as loaded, no bytes moved; the KV cache
 # filled with a constant once, when the engine starts (startup_fill), so that a request's steps do no filling
@@ -49,7 +58,7 @@ DECODE_BENCH_CONFIG = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_bo
 DECODE_BENCH_MODULE = Path("distributed", "kv_transfer", "kv_connector", "v1", "decode_bench_connector.py")
 
 
-class NoTransferEngine:
+class NoTransferEngine(_OneEngine):
     """The consumer phase of a transfer that takes no time: one engine with vLLM's DecodeBenchConnector
     (``DECODE_BENCH_CONFIG``), which claims every prompt token but the last as loaded and moves nothing. A
     rep sends the scenario's prompts, timed: the engine computes each prompt's last token and the new tokens
@@ -57,13 +66,7 @@ class NoTransferEngine:
     not compared (its KV is not the prompts')."""
 
     connector = Connector.NO_TRANSFER
-
-    def __init__(self, model: str, max_model_len: int, out: Path) -> None:
-        [self.engine] = start_engines(Connector.NO_TRANSFER, [("engine", DECODE_BENCH_CONFIG, {})], model,
-                                      max_model_len, out)
-
-    def ready(self) -> None:
-        self.engine.wait_ready()
+    config = DECODE_BENCH_CONFIG
 
     def rep(self, scenario: Scenario, number: int) -> Rep:
         prompts = scenario.prompts(number)
@@ -72,9 +75,6 @@ class NoTransferEngine:
         done = time.perf_counter()
         return Rep(prefill_s=None, consumer_s=done - started, same_tokens=None,
                    pulled_tokens=job.prompt_tokens.get("external_kv_transfer", 0))
-
-    def stop(self) -> None:
-        self.engine.process.stop()
 
 
 def decode_bench_unavailable() -> str | None:

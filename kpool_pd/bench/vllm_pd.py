@@ -45,8 +45,8 @@ from kpool_pd.bench import vllm_engines, vllm_mooncake
 from kpool_pd.bench.arguments import bench_parser, count, counts
 from kpool_pd.bench.vllm_bench_engines import EngineFailed, engine_log, log_tail, start_engines
 from kpool_pd.bench.vllm_one_engine import ONE_ENGINE, decode_bench_unavailable
-from kpool_pd.bench.vllm_rows import (MIXED_LONGEST, MIXED_SHORTEST, VLLM_CONNECTORS, Connector, Rep, Row,
-                                      Scenario, label, mixed_lengths, row_of, table, token_mismatch)
+from kpool_pd.bench.vllm_rows import (MIXED_LONGEST, MIXED_SHORTEST, Connector, Rep, Row, Scenario,
+                                      label, mixed_lengths, row_of, table, token_mismatch)
 from kpool_pd.runtime.ports import spare_ports
 
 logger = logging.getLogger("kpool_pd.bench.vllm_pd")
