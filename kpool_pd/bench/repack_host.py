@@ -1,7 +1,9 @@
 """The host's time to enqueue the repack of a pull from a prefill node of another block size (what a pull from
 128-token blocks spends between its last byte landed and its return, ``Landing.convert``), in parts: the public
-op (``kernels.repack_tokens``: its checks, then its launches), the launches alone (``repack_tokens_triton``), and
-the readiness event recorded behind them (``BlocksReady.behind_current_work``). The device is synchronised
+op (``kernels.repack_tokens``: its checks, then its launches), the launches alone (``repack_tokens_triton``), the
+readiness event recorded behind them (``BlocksReady.behind_current_work``), and the block table put on the device
+(``kernels.block_ids_on``, which ``Landing.prepare`` does while the bytes travel); beside them the launches' time on
+the device (CUDA events). The device is synchronised
 between calls, outside the clock, so that no call waits on a full launch queue.
 
     python -m kpool_pd.bench.repack_host --tokens 1024,4096,32768 --reps 200     (CUDA)
@@ -18,7 +20,7 @@ import torch
 from kpool_pd.bench.arguments import bench_parser, count, counts
 from kpool_pd.bench.repack_cases import LAYERS
 from kpool_pd.connector import BlocksReady
-from kpool_pd.kernels import repack_tokens
+from kpool_pd.kernels import block_ids_on, repack_tokens
 from kpool_pd.kernels.token_repack.triton import repack_tokens_triton
 from kpool_pd.kvcache import BlockLayout, CacheConfig
 
@@ -36,6 +38,20 @@ def _host_us(call, reps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def _device_us(call, reps: int, device: torch.device) -> float:
+    """Median device time of ``call()``'s kernels in microseconds (CUDA events around it; after 5 warm-ups)."""
+    times = []
+    for rep in range(reps + 5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        if rep >= 5:
+            times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
 def measure(tokens: int, reps: int, device: torch.device, src_block: int = 128, dst_block: int = 256) -> dict[str, float]:
     """Host microseconds of each part of one repack of ``tokens`` tokens from ``src_block``- into ``dst_block``-token
     blocks of a 61-layer kpool cache, block tables on the device as a pull has them."""
@@ -45,11 +61,13 @@ def measure(tokens: int, reps: int, device: torch.device, src_block: int = 128, 
     src = torch.randint(0, 256, (src_n, src_layout.block_bytes), dtype=torch.uint8, device=device)
     dst = torch.zeros(dst_n + 2, dst_layout.block_bytes, dtype=torch.uint8, device=device)
     src_ids, dst_ids = torch.arange(src_n, device=device), torch.arange(2, dst_n + 2, device=device)
+    launches = lambda: repack_tokens_triton(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens)  # noqa: E731
     return {
         "public op": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens), reps, device),
-        "launches": _host_us(lambda: repack_tokens_triton(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens),
-                             reps, device),
+        "launches": _host_us(launches, reps, device),
         "event": _host_us(lambda: BlocksReady.behind_current_work(device), reps, device),
+        "block table": _host_us(lambda: block_ids_on(range(2, dst_n + 2), device), reps, device),
+        "device": _device_us(launches, reps, device),
     }
 
 
@@ -61,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the repack runs its Triton kernels there)")
     device = torch.device("cuda:0")
-    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'launches us':>12} {'event us':>9}   (host time, median of "
-                     f"{args.reps}; {torch.cuda.get_device_name(device)})\n")
+    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'launches us':>12} {'event us':>9} {'block table us':>15} "
+                     f"{'device us':>10}   (host time but the last, median of {args.reps}; "
+                     f"{torch.cuda.get_device_name(device)})\n")
     for tokens in args.tokens:
         parts = measure(tokens, args.reps, device)
-        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f}\n")
+        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f} "
+                         f"{parts['block table']:>15.1f} {parts['device']:>10.1f}\n")
     return 0
 
 
