@@ -3,8 +3,9 @@
 op (``kernels.repack_tokens``: its checks, then its launches), the launches alone (``repack_tokens_triton``), the
 readiness event recorded behind them (``BlocksReady.behind_current_work``), and the block table put on the device
 (``kernels.block_ids_on``, which ``Landing.prepare`` does while the bytes travel); beside them the launches' time on
-the device (CUDA events). The device is synchronised
-between calls, outside the clock, so that no call waits on a full launch queue.
+the device (CUDA events), and the same launches one a field (a kpool cache's three fields are otherwise one fused
+launch), their bytes checked equal first. The device is synchronised between calls, outside the clock, so that no
+call waits on a full launch queue.
 
     python -m kpool_pd.bench.repack_host --tokens 1024,4096,32768 --reps 200     (CUDA)
 """
@@ -62,12 +63,23 @@ def measure(tokens: int, reps: int, device: torch.device, src_block: int = 128, 
     dst = torch.zeros(dst_n + 2, dst_layout.block_bytes, dtype=torch.uint8, device=device)
     src_ids, dst_ids = torch.arange(src_n, device=device), torch.arange(2, dst_n + 2, device=device)
     launches = lambda: repack_tokens_triton(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens)  # noqa: E731
+    per_field = lambda: repack_tokens_triton(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens,  # noqa: E731
+                                             per_field=True)
+    before = dst.clone()
+    launches()
+    fused = dst.clone()
+    dst.copy_(before)
+    per_field()
+    if not torch.equal(fused, dst):
+        raise SystemExit(f"{tokens} tokens: the fused launch's bytes differ from the per-field launches'")
     return {
         "public op": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens), reps, device),
         "launches": _host_us(launches, reps, device),
         "event": _host_us(lambda: BlocksReady.behind_current_work(device), reps, device),
         "block table": _host_us(lambda: block_ids_on(range(2, dst_n + 2), device), reps, device),
         "device": _device_us(launches, reps, device),
+        "per-field launches": _host_us(per_field, reps, device),
+        "per-field device": _device_us(per_field, reps, device),
     }
 
 
@@ -80,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs a CUDA device (the repack runs its Triton kernels there)")
     device = torch.device("cuda:0")
     sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'launches us':>12} {'event us':>9} {'block table us':>15} "
-                     f"{'device us':>10}   (host time but the last, median of {args.reps}; "
+                     f"{'device us':>10} {'per-field launches us':>22} {'per-field device us':>20}   (host time but the "
+                     f"device columns, median of {args.reps}; launches: as the op makes them; per-field: one a field; "
                      f"{torch.cuda.get_device_name(device)})\n")
     for tokens in args.tokens:
         parts = measure(tokens, args.reps, device)
         sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f} "
-                         f"{parts['block table']:>15.1f} {parts['device']:>10.1f}\n")
+                         f"{parts['block table']:>15.1f} {parts['device']:>10.1f} {parts['per-field launches']:>22.1f} "
+                         f"{parts['per-field device']:>20.1f}\n")
     return 0
 
 

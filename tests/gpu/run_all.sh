@@ -10,7 +10,9 @@
 # ./gpu-out), at most 8 files as the device tool returns: pytest_gpu.log (device details first), bench.log,
 # bench/kernels.{json,txt,png}, transfer/transfer-*.{json,png}. The tables come last. Each step has its own
 # deadline (TESTS_TIMEOUT, BENCH_TIMEOUT, TRANSFER_TIMEOUT seconds) so a slow step leaves the others' output;
-# SEND_VARIANTS=1 adds the send-variants probe; PROGRESS_MODES="auto thread" ucxx's progress modes side by side; SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
+# SEND_VARIANTS=1 adds the send-variants probe; REPACK_HOST=1 the repack's host and device time (repack_host.txt);
+# QSA_VARIANTS=1 the QSA decode update's candidates, three runs in a row (qsa.txt); PROTO_INFO=1 the UCX protocols
+# a same-layout and a from-128 pull select at 1,024 tokens (UCX_PROTO_INFO=y, proto.txt); PROGRESS_MODES="auto thread" ucxx's progress modes side by side; SKIP_TESTS, SKIP_BENCH, SKIP_TRANSFER, SKIP_DCP, SKIP_DECODE and SKIP_PREFILL leave a step out (the whole suite takes about 490 s on one
 # H200 without pytest-xdist, 2026-12-02: add "-n 8" to GPU_TESTS, or run the benches in a second call);
 # NO_NIXL leaves out the transfer bench's NIXL baseline; HOPS=1 adds its hop-by-hop stamps of a pull; KERNELS=N lists the N costliest kernels of a decode and
 # a prefill step;
@@ -91,6 +93,25 @@ if [ "$gpus" -ge 1 ] && [ -n "${SEND_VARIANTS:-}" ]; then
     --reps 9 > "$OUT/variants.txt" 2>&1
   variants_rc=$?
 fi
+extra_rc=0
+# The repack's host time in parts and its launches' device time (REPACK_HOST=1; kpool_pd.bench.repack_host).
+if [ "$gpus" -ge 1 ] && [ -n "${REPACK_HOST:-}" ]; then
+  timeout 120 python3 -m kpool_pd.bench.repack_host --tokens "${REPACK_TOKENS:-1024,4096,32768}" --reps 200 \
+    > "$OUT/repack_host.txt" 2>&1 || extra_rc=1
+fi
+# The QSA decode update's launch candidates, three runs in a row (QSA_VARIANTS=1; kpool_pd.bench.qsa_update_variants).
+if [ "$gpus" -ge 1 ] && [ -n "${QSA_VARIANTS:-}" ]; then
+  timeout 180 python3 -m kpool_pd.bench.qsa_update_variants --device cuda > "$OUT/qsa.txt" 2>&1 || extra_rc=1
+fi
+# Which UCX protocol each pull's send selects (PROTO_INFO=1): the transfer bench at 1,024 tokens, one rep, with
+# UCX_PROTO_INFO=y in every process; UCX's protocol lines for messages of 1 MiB and more kept.
+if [ "$gpus" -ge 1 ] && [ -n "${PROTO_INFO:-}" ]; then
+  timeout 180 env UCX_PROTO_INFO=y python3 -m kpool_pd.bench.transfer --device cuda "${placement[@]}" --layers 61 \
+    --tokens 1024 --reps 1 --no-nixl --block-size 256 --prefill-block-size "${PREFILL_BLOCK_SIZE:-128}" \
+    --out "$OUT/proto" > "$OUT/proto-raw.txt" 2>&1 || extra_rc=1
+  grep -E 'tag|rndv|cuda|MB|GB|inf' "$OUT/proto-raw.txt" | grep -v 'UCX  WARN' | head -n 400 > "$OUT/proto.txt"
+  rm -rf "$OUT/proto-raw.txt" "$OUT/proto"
+fi
 progress_rc=0
 # ucxx's progress modes side by side (PROGRESS_MODES="auto thread", PROGRESS_ROUNDS rounds, the modes in turn within a
 # round): the transfer bench at TRANSFER_TOKENS with hop stamps, "auto" the connector's own choice (no
@@ -147,9 +168,12 @@ if [ "$gpus" -ge 1 ] && [ -z "${SKIP_PREFILL:-}" ]; then
   echo "== prefill step bench (rc $prefill_rc)"; grep -v '^USDT\|^STAGE' "$OUT/prefill.txt" | tail -n 60
 fi
 if [ -n "${SEND_VARIANTS:-}" ]; then echo "== send variants (rc $variants_rc)"; tail -n 4 "$OUT/variants.txt"; fi
+if [ -n "${REPACK_HOST:-}" ]; then echo "== repack host"; cat "$OUT/repack_host.txt"; fi
+if [ -n "${QSA_VARIANTS:-}" ]; then echo "== qsa update"; tail -n 11 "$OUT/qsa.txt"; fi
+if [ -n "${PROTO_INFO:-}" ]; then echo "== ucx protocols: $(wc -l < "$OUT/proto.txt") lines in proto.txt"; fi
 if [ -n "${PROGRESS_MODES:-}" ]; then
   echo "== progress modes (rc $progress_rc)"
   grep -E '^== round|^ucx progress|raw ucxx tag  |connector ucx (push|from 128)? *[0-9]|^ +[0-9]+ tokens:' "$OUT/progress.txt"
 fi
 if [ -n "${UP_RUNS:-}" ]; then echo "== kpool-pd up (rc $up_rc)"; cat "$OUT/up.txt"; fi
-exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || variants_rc || progress_rc || up_rc ))
+exit $(( tests_rc || bench_rc || transfer_rc || dcp_rc || decode_rc || prefill_rc || variants_rc || progress_rc || up_rc || extra_rc ))

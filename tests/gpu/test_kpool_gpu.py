@@ -35,7 +35,8 @@ from tests.kernels.test_kpool_triton import (CONFIG, D, GEOMETRIES, assert_pools
                                      test_prefill_and_drafted_decode_give_the_same_bytes, test_write_and_read_entries)
 from tests.kernels.test_token_repack import (test_block_ids_on_the_device_are_the_ints,  # noqa: F401
                                      test_buffers_at_other_alignments_after_an_aligned_call,
-                                     test_device_ids_never_sync, test_python_id_lists_and_longer_tables,
+                                     test_device_ids_never_sync, test_fused_launch_writes_what_one_launch_a_field_writes,
+                                     test_python_id_lists_and_longer_tables,
                                      test_random_pairs_match_view_copy, test_rejects_bad_inputs,
                                      test_repack_matches_view_copy,
                                      test_valid_arguments_pass_and_unread_ids_are_not_checked)

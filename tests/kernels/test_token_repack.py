@@ -367,3 +367,37 @@ def test_block_ids_on_the_device_are_the_ints(backend):
     table = block_ids_on([5, 0, 2**40], backend.device)
     assert table.dtype == torch.int64 and table.device.type == torch.device(backend.device).type
     assert table.cpu().tolist() == [5, 0, 2**40]
+
+
+def _kernels_of(pair: Pair) -> list[str]:
+    from kpool_pd.kernels.token_repack.triton import launch_plan
+
+    src, dst = pair.config(pair.src), pair.config(pair.dst)
+    plan = launch_plan(src, dst, BlockLayout(src).block_bytes, BlockLayout(dst).block_bytes, 0, 0, True)
+    return [f"fused {len(launch.parts)}" if hasattr(launch, "parts") else launch.kernel.__name__ for launch in plan]
+
+
+def test_run_fields_go_in_one_launch_others_one_a_field():
+    """A kpool cache whose fields are all one-head runs on both sides (block sizes differ, order the same) is one
+    launch of its three fields; where a field needs the rows kernel (two heads, orders differ) each field is its own."""
+    assert _kernels_of(PAIRS["kpool8-256to512"]) == ["fused 3"]
+    assert _kernels_of(PAIRS["kpool2-128to256-P64to32-NHCtoHNC"]) == ["_rows_kernel", "_runs_kernel", "_runs_kernel"]
+
+
+@pytest.mark.parametrize("backend", backends(INTERPRETER, CUDA), indirect=True)
+def test_fused_launch_writes_what_one_launch_a_field_writes(backend):
+    """The fused launch and the per-field launches give the same bytes, the blocks around them untouched."""
+    from kpool_pd.kernels.token_repack.triton import repack_tokens_triton
+
+    pair = PAIRS["kpool8-256to512"]
+    src_layout, dst_layout = BlockLayout(pair.config(pair.src)), BlockLayout(pair.config(pair.dst))
+    src = torch.randint(0, 256, (4, src_layout.block_bytes), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(5)).to(backend.device)
+    results = []
+    for per_field in (False, True):
+        dst = torch.full((4, dst_layout.block_bytes), 7, dtype=torch.uint8, device=backend.device)
+        ids = torch.tensor([3, 0, 2, 1], device=backend.device), torch.tensor([2, 0], device=backend.device)
+        repack_tokens_triton(src, src_layout, ids[0], dst, dst_layout, ids[1], 777, per_field=per_field)
+        results.append(dst.cpu())
+    assert torch.equal(results[0], results[1])
+    assert bool((results[0][[1, 3]] == 7).all()) and bool((results[0][[0, 2]] != 7).any())

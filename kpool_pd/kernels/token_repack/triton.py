@@ -1,6 +1,8 @@
-"""Triton token-range repack: one launch per field (MLA, then kpool entry and scale, or the QSA keys).
+"""Triton token-range repack: one launch per field (MLA, then kpool entry and scale, or the QSA keys), or one
+launch for all of them where every field is a one-head run field (a kpool cache's three: ``_fused_runs_kernel``,
+grid ``(row tiles, layers, fields)``; on one H100 the three launches took 121 us of host time at 1,024 tokens).
 
-Each launch covers every layer and head of its field: grid ``(row tiles, layers, heads)``. Global row ``G``
+Each field's launch covers every layer and head of its field: grid ``(row tiles, layers, heads)``. Global row ``G``
 maps to its block through the id tables (loaded on the device: no host sync) and to its offset through
 ``kvcache.FieldGeometry`` on each side (int64 offsets). Two kernels:
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,19 +61,17 @@ def _ids_and_bases(src_ids_ptr, dst_ids_ptr, rows, live, src_count, dst_count, l
     return src, dst, live
 
 
-@triton.jit(do_not_specialize=["num_rows", "src_count", "dst_count"])
-def _runs_kernel(
-    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_rows, src_count, dst_count,
-    SRC_BLOCK: tl.constexpr, S_BASE: tl.constexpr, S_LAYER: tl.constexpr, S_RPB: tl.constexpr,
-    S_RPP: tl.constexpr, S_PAGE: tl.constexpr, S_ROW: tl.constexpr, S_HEAD: tl.constexpr,
-    DST_BLOCK: tl.constexpr, D_BASE: tl.constexpr, D_LAYER: tl.constexpr, D_RPB: tl.constexpr,
-    D_RPP: tl.constexpr, D_PAGE: tl.constexpr, D_ROW: tl.constexpr, D_HEAD: tl.constexpr,
-    PIECE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr,
-):
-    # src, dst: [blocks, *_BLOCK] words; rows [row0, row0 + BLOCK_R) of one page on both sides, PIECE words a row
-    row0 = tl.program_id(0) * BLOCK_R  # < num_rows: the grid holds cdiv(num_rows, BLOCK_R) tiles
-    src, dst, live = _ids_and_bases(src_ids_ptr, dst_ids_ptr, row0, row0 < num_rows, src_count, dst_count,
-                                    tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+@triton.jit
+def _run_tile(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_rows, src_count, dst_count, tile, layer, head,
+              SRC_BLOCK: tl.constexpr, S_BASE: tl.constexpr, S_LAYER: tl.constexpr, S_RPB: tl.constexpr,
+              S_RPP: tl.constexpr, S_PAGE: tl.constexpr, S_ROW: tl.constexpr, S_HEAD: tl.constexpr,
+              DST_BLOCK: tl.constexpr, D_BASE: tl.constexpr, D_LAYER: tl.constexpr, D_RPB: tl.constexpr,
+              D_RPP: tl.constexpr, D_PAGE: tl.constexpr, D_ROW: tl.constexpr, D_HEAD: tl.constexpr,
+              PIECE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    # src, dst: [blocks, *_BLOCK] words; rows [row0, row0 + BLOCK_R) of one page on both sides, PIECE words a row;
+    # a tile past num_rows moves nothing
+    row0 = tile * BLOCK_R
+    src, dst, live = _ids_and_bases(src_ids_ptr, dst_ids_ptr, row0, row0 < num_rows, src_count, dst_count, layer, head,
                                     SRC_BLOCK, S_BASE, S_LAYER, S_RPB, S_RPP, S_PAGE, S_ROW, S_HEAD,
                                     DST_BLOCK, D_BASE, D_LAYER, D_RPB, D_RPP, D_PAGE, D_ROW, D_HEAD)
     src = tl.multiple_of(src, VEC)
@@ -80,6 +81,63 @@ def _runs_kernel(
         e = e0 + tl.arange(0, CHUNK)
         m = e < words
         tl.store(dst_ptr + dst + e, tl.load(src_ptr + src + e, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["num_rows", "src_count", "dst_count"])
+def _runs_kernel(
+    src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_rows, src_count, dst_count,
+    SRC_BLOCK: tl.constexpr, S_BASE: tl.constexpr, S_LAYER: tl.constexpr, S_RPB: tl.constexpr,
+    S_RPP: tl.constexpr, S_PAGE: tl.constexpr, S_ROW: tl.constexpr, S_HEAD: tl.constexpr,
+    DST_BLOCK: tl.constexpr, D_BASE: tl.constexpr, D_LAYER: tl.constexpr, D_RPB: tl.constexpr,
+    D_RPP: tl.constexpr, D_PAGE: tl.constexpr, D_ROW: tl.constexpr, D_HEAD: tl.constexpr,
+    PIECE: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr,
+):
+    # src, dst: [blocks, *_BLOCK] words; grid (row tiles, layers, heads): one tile of one page on both sides
+    _run_tile(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, num_rows, src_count, dst_count, tl.program_id(0),
+              tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+              SRC_BLOCK, S_BASE, S_LAYER, S_RPB, S_RPP, S_PAGE, S_ROW, S_HEAD,
+              DST_BLOCK, D_BASE, D_LAYER, D_RPB, D_RPP, D_PAGE, D_ROW, D_HEAD, PIECE, BLOCK_R, CHUNK, VEC)
+
+
+@triton.jit(do_not_specialize=["rows_a", "rows_b", "rows_c", "src_count", "dst_count"])
+def _fused_runs_kernel(
+    src_a, dst_a, src_b, dst_b, src_c, dst_c, src_ids_ptr, dst_ids_ptr, rows_a, rows_b, rows_c, src_count, dst_count,
+    A_SRC_BLOCK: tl.constexpr, A_S_BASE: tl.constexpr, A_S_LAYER: tl.constexpr, A_S_RPB: tl.constexpr,
+    A_S_RPP: tl.constexpr, A_S_PAGE: tl.constexpr, A_S_ROW: tl.constexpr, A_S_HEAD: tl.constexpr,
+    A_DST_BLOCK: tl.constexpr, A_D_BASE: tl.constexpr, A_D_LAYER: tl.constexpr, A_D_RPB: tl.constexpr,
+    A_D_RPP: tl.constexpr, A_D_PAGE: tl.constexpr, A_D_ROW: tl.constexpr, A_D_HEAD: tl.constexpr,
+    A_PIECE: tl.constexpr, A_BLOCK_R: tl.constexpr, A_CHUNK: tl.constexpr, A_VEC: tl.constexpr,
+    B_SRC_BLOCK: tl.constexpr, B_S_BASE: tl.constexpr, B_S_LAYER: tl.constexpr, B_S_RPB: tl.constexpr,
+    B_S_RPP: tl.constexpr, B_S_PAGE: tl.constexpr, B_S_ROW: tl.constexpr, B_S_HEAD: tl.constexpr,
+    B_DST_BLOCK: tl.constexpr, B_D_BASE: tl.constexpr, B_D_LAYER: tl.constexpr, B_D_RPB: tl.constexpr,
+    B_D_RPP: tl.constexpr, B_D_PAGE: tl.constexpr, B_D_ROW: tl.constexpr, B_D_HEAD: tl.constexpr,
+    B_PIECE: tl.constexpr, B_BLOCK_R: tl.constexpr, B_CHUNK: tl.constexpr, B_VEC: tl.constexpr,
+    C_SRC_BLOCK: tl.constexpr, C_S_BASE: tl.constexpr, C_S_LAYER: tl.constexpr, C_S_RPB: tl.constexpr,
+    C_S_RPP: tl.constexpr, C_S_PAGE: tl.constexpr, C_S_ROW: tl.constexpr, C_S_HEAD: tl.constexpr,
+    C_DST_BLOCK: tl.constexpr, C_D_BASE: tl.constexpr, C_D_LAYER: tl.constexpr, C_D_RPB: tl.constexpr,
+    C_D_RPP: tl.constexpr, C_D_PAGE: tl.constexpr, C_D_ROW: tl.constexpr, C_D_HEAD: tl.constexpr,
+    C_PIECE: tl.constexpr, C_BLOCK_R: tl.constexpr, C_CHUNK: tl.constexpr, C_VEC: tl.constexpr,
+):
+    # Up to three one-head run fields (a, b, c; each its own word view of the same buffers) in one launch:
+    # grid (most row tiles of a field, layers, fields); a program moves one tile of the field program_id(2) names
+    tile = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    field = tl.program_id(2)
+    if field == 0:
+        _run_tile(src_a, dst_a, src_ids_ptr, dst_ids_ptr, rows_a, src_count, dst_count, tile, layer, 0,
+                  A_SRC_BLOCK, A_S_BASE, A_S_LAYER, A_S_RPB, A_S_RPP, A_S_PAGE, A_S_ROW, A_S_HEAD,
+                  A_DST_BLOCK, A_D_BASE, A_D_LAYER, A_D_RPB, A_D_RPP, A_D_PAGE, A_D_ROW, A_D_HEAD,
+                  A_PIECE, A_BLOCK_R, A_CHUNK, A_VEC)
+    elif field == 1:
+        _run_tile(src_b, dst_b, src_ids_ptr, dst_ids_ptr, rows_b, src_count, dst_count, tile, layer, 0,
+                  B_SRC_BLOCK, B_S_BASE, B_S_LAYER, B_S_RPB, B_S_RPP, B_S_PAGE, B_S_ROW, B_S_HEAD,
+                  B_DST_BLOCK, B_D_BASE, B_D_LAYER, B_D_RPB, B_D_RPP, B_D_PAGE, B_D_ROW, B_D_HEAD,
+                  B_PIECE, B_BLOCK_R, B_CHUNK, B_VEC)
+    else:
+        _run_tile(src_c, dst_c, src_ids_ptr, dst_ids_ptr, rows_c, src_count, dst_count, tile, layer, 0,
+                  C_SRC_BLOCK, C_S_BASE, C_S_LAYER, C_S_RPB, C_S_RPP, C_S_PAGE, C_S_ROW, C_S_HEAD,
+                  C_DST_BLOCK, C_D_BASE, C_D_LAYER, C_D_RPB, C_D_RPP, C_D_PAGE, C_D_ROW, C_D_HEAD,
+                  C_PIECE, C_BLOCK_R, C_CHUNK, C_VEC)
 
 
 @triton.jit(do_not_specialize=["num_rows", "src_count", "dst_count"])
@@ -145,6 +203,51 @@ class FieldLaunch:
     def grid(self, rows: int) -> tuple[int, int, int]:
         return (-(-rows // self.block_r), self.layers, self.heads)
 
+    def rows(self, num_tokens: int) -> int:
+        """The field's rows that hold positions [0, num_tokens)."""
+        return -(-num_tokens // self.tokens_per_row)
+
+    def launch(self, views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], src_ids: torch.Tensor,
+               dst_ids: torch.Tensor, num_tokens: int, src_count: int, dst_count: int) -> None:
+        """Enqueue the field's copy; ``views(word)`` gives both buffers viewed as words of that many bytes."""
+        rows = self.rows(num_tokens)
+        self.kernel[self.grid(rows)](*views(self.word), src_ids, dst_ids, rows, src_count, dst_count, *self.geometry,
+                                     **self.options)
+
+
+@dataclass(frozen=True)
+class FusedRunsLaunch:
+    """Two or three one-head run fields (``_runs_kernel`` launches) moved by one launch of ``_fused_runs_kernel``:
+    one host launch instead of one a field, and the small fields' tiles run beside the large one's."""
+
+    parts: tuple[FieldLaunch, ...]
+    # the kernel's constexprs in order (each part's geometry then PIECE, BLOCK_R, CHUNK, VEC; a missing third part
+    # repeats the second, whose programs never run) and the launch's options, made once
+    constants: tuple[int, ...] = field(init=False, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        assert 2 <= len(self.parts) <= 3 and all(p.kernel is _runs_kernel and p.heads == 1 for p in self.parts)
+        slots = (*self.parts, self.parts[-1])[:3]
+        constants = tuple(value for part in slots for value in (*part.geometry, *(v for _, v in part.meta)))
+        object.__setattr__(self, "constants", constants)
+
+    def launch(self, views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], src_ids: torch.Tensor,
+               dst_ids: torch.Tensor, num_tokens: int, src_count: int, dst_count: int) -> None:
+        slots = (*self.parts, self.parts[-1])[:3]
+        rows = [part.rows(num_tokens) for part in slots]
+        tiles = max(-(-r // part.block_r) for r, part in zip(rows, self.parts))
+        buffers = [buffer for part in slots for buffer in views(part.word)]
+        _fused_runs_kernel[(tiles, self.parts[0].layers, len(self.parts))](
+            *buffers, src_ids, dst_ids, *rows, src_count, dst_count, *self.constants, num_warps=NUM_WARPS)
+
+
+def fuse_runs(launches: tuple[FieldLaunch, ...]) -> tuple[FieldLaunch | FusedRunsLaunch, ...]:
+    """One ``FusedRunsLaunch`` where every field is a one-head run field and there are two or three of them (a
+    kpool cache's MLA rows, kpool entries and scales), else the launches as they are."""
+    if 2 <= len(launches) <= 3 and all(launch.kernel is _runs_kernel and launch.heads == 1 for launch in launches):
+        return (FusedRunsLaunch(launches),)
+    return launches
+
 
 def _field_launch(src_field: FieldGeometry, dst_field: FieldGeometry, src_stride: int, dst_stride: int,
                   src_address: int, dst_address: int, layers: int, interpreter: bool) -> FieldLaunch:
@@ -172,37 +275,42 @@ def _field_launch(src_field: FieldGeometry, dst_field: FieldGeometry, src_stride
 
 @functools.lru_cache(maxsize=256)
 def launch_plan(src_config: CacheConfig, dst_config: CacheConfig, src_stride: int, dst_stride: int, src_align: int,
-                dst_align: int, interpreter: bool) -> tuple[FieldLaunch, ...]:
+                dst_align: int, interpreter: bool) -> tuple[FieldLaunch | FusedRunsLaunch, ...]:
     """Every field's launch for a layout pair (the geometry is worked out once per pair, buffer row
-    strides in bytes, and buffer address alignments (address mod 16), not at every call)."""
+    strides in bytes, and buffer address alignments (address mod 16), not at every call), run fields fused into
+    one launch where ``fuse_runs`` can."""
     src_layout, dst_layout = BlockLayout(src_config), BlockLayout(dst_config)
-    return tuple(_field_launch(s, d, src_stride, dst_stride, src_align, dst_align, len(src_layout.layers), interpreter)
-                 for s, d in zip(src_layout.fields, dst_layout.fields, strict=True))
+    return fuse_runs(tuple(_field_launch(s, d, src_stride, dst_stride, src_align, dst_align, len(src_layout.layers),
+                                         interpreter)
+                           for s, d in zip(src_layout.fields, dst_layout.fields, strict=True)))
 
 
 @functools.lru_cache(maxsize=256)
 def _layouts_plan(src_layout: BlockLayout, dst_layout: BlockLayout, src_stride: int, dst_stride: int, src_align: int,
-                  dst_align: int, interpreter: bool) -> tuple[FieldLaunch, ...]:
+                  dst_align: int, interpreter: bool) -> tuple[FieldLaunch | FusedRunsLaunch, ...]:
     """``launch_plan`` looked up by the layout objects (kept alive here), which hash faster than their configs."""
     return launch_plan(src_layout.config, dst_layout.config, src_stride, dst_stride, src_align, dst_align, interpreter)
 
 
 def repack_tokens_triton(src_blocks: torch.Tensor, src_layout: BlockLayout, src_ids: torch.Tensor,
                          dst_blocks: torch.Tensor, dst_layout: BlockLayout, dst_ids: torch.Tensor,
-                         num_tokens: int) -> None:
+                         num_tokens: int, *, per_field: bool = False) -> None:
+    """The repack's launches (``per_field``: one a field, never fused; for the bench's side-by-side)."""
     # src_blocks: [Ns, src block_bytes] uint8; dst_blocks: [Nd, dst block_bytes] uint8 (in place);
     # src_ids: [>= ceil(n / src block_size)] int; dst_ids: [>= ceil(n / dst block_size)] int; n = num_tokens
     if num_tokens == 0:
         return
     plan = _layouts_plan(src_layout, dst_layout, src_blocks.stride(0), dst_blocks.stride(0),
                          src_blocks.data_ptr() % 16, dst_blocks.data_ptr() % 16, not src_blocks.is_cuda)
-    src_count, dst_count = src_blocks.shape[0], dst_blocks.shape[0]
-    words: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers as words of each size, viewed once
+    if per_field:
+        plan = tuple(part for launch in plan for part in getattr(launch, "parts", (launch,)))
+    viewed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers as words of each size, viewed once
+
+    def views(word: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if word not in viewed:
+            dtype = _WORDS[word]
+            viewed[word] = (src_blocks.view(dtype), dst_blocks.view(dtype))
+        return viewed[word]
+
     for launch in plan:
-        rows = -(-num_tokens // launch.tokens_per_row)
-        viewed = words.get(launch.word)
-        if viewed is None:
-            dtype = _WORDS[launch.word]
-            viewed = words[launch.word] = (src_blocks.view(dtype), dst_blocks.view(dtype))
-        launch.kernel[launch.grid(rows)](*viewed, src_ids, dst_ids, rows, src_count, dst_count, *launch.geometry,
-                                         **launch.options)
+        launch.launch(views, src_ids, dst_ids, num_tokens, src_blocks.shape[0], dst_blocks.shape[0])
