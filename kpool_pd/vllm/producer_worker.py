@@ -96,9 +96,16 @@ class ProducerWorker:
                     self.address)
 
     def offer(self, metadata: KpoolPdMetadata) -> None:
-        """Hold this step's computed prompts as grants (before the step's output leaves the engine)."""
-        if metadata.offers:
-            self.loop.call(lambda: self._offer_all(metadata))
+        """Hold this step's computed prompts as grants, without waiting for the loop. Each request counts as held
+        from here (``finished_sending`` keeps its blocks until its grants end), and its grants are lent by one
+        callback queued on the loop now: ahead of anything that reaches the loop later, so of every pull of them
+        (which can only come once this step's output left the engine) and of the next step's withdrawals. A
+        blocking call cost each step with offers a round trip to the loop thread: 0.7 ms (median of 52) on the
+        2-core CPU machine, 2026-12-07."""
+        if not metadata.offers:
+            return
+        planned = [(offer, self._hold(offer)) for offer in metadata.offers]
+        self.loop.loop.call_soon_threadsafe(self._lend_all, planned)
 
     def withdraw(self, metadata: KpoolPdMetadata) -> None:
         """Before the step's forward: end the grants of offered requests vLLM freed with no answer to their
@@ -139,30 +146,34 @@ class ProducerWorker:
                                                             slots=(slot,))) for slot in range(units)]
         return grants
 
-    async def _offer_all(self, metadata: KpoolPdMetadata) -> None:
-        for offer in metadata.offers:
-            self._offer_one(offer)
-            self.stats.count("grants_offered")
-
-    def _offer_one(self, offer) -> None:
-        """Hold ``offer`` as this rank's grants (on the loop). The whole grant's end releases this request's
-        own unclaimed slot grants: the keys are bound here, per offer, so that offers of one step (several
-        requests' prompts computed together) never hand each other's keys to their releases."""
+    def _hold(self, offer) -> list[tuple[str, tuple[int, ...]]]:
+        """Count ``offer``'s request as held by the grants it will be lent as (engine thread); none, counted as
+        one that ends at once, where its blocks are not this engine's."""
         rid = offer.request_id
         try:
             grants = self._grants_of(offer)
         except ValueError:
             logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
-            with self._lock:
-                self._holding[rid] = 1
-            self._grant_ended(rid)
-            return
+            grants = []
         with self._lock:
-            self._holding[rid] = len(grants)
+            self._holding[rid] = len(grants) or 1
             self._keys[rid] = tuple(key for key, _ in grants)
-        slot_keys = tuple(key for key, _ in grants[1:])
-        for index, (key, ids) in enumerate(grants):
-            self._lend(offer, key, ids, slot_keys if index == 0 else ())
+        return grants
+
+    def _lend_all(self, planned: list[tuple[object, list[tuple[str, tuple[int, ...]]]]]) -> None:
+        """Lend each held request's grants (on the loop). The whole grant's end releases this request's own
+        unclaimed slot grants: the keys are bound here, per offer, so that offers of one step (several requests'
+        prompts computed together) never hand each other's keys to their releases. A grant that cannot be lent
+        counts as ended, so that its request's blocks still go back to vLLM."""
+        for offer, grants in planned:
+            rid = offer.request_id
+            if not grants:
+                self._grant_ended(rid)
+                continue
+            slot_keys = tuple(key for key, _ in grants[1:])
+            for index, (key, ids) in enumerate(grants):
+                self._lend(offer, key, ids, slot_keys if index == 0 else ())
+            self.stats.count("grants_offered")
 
     def _lend(self, offer, key: str, ids: tuple[int, ...], slot_keys: tuple[str, ...]) -> None:
         """Offer one grant of ``offer`` (``key`` over the connector's ``ids``); its end counts down the
@@ -171,13 +182,13 @@ class ProducerWorker:
         rid = offer.request_id
         try:
             allocation = self.cache.lend(rid, ids, on_release=lambda: self._grant_ended(rid, slot_keys))
-        except ValueError:
+        except Exception:  # on the loop, where nobody waits for an error: it must end the grant, not escape
             logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
             self._grant_ended(rid)
             return
         try:
             self.node.offer(allocation, grant_id=key, request_id=rid, prompt_len=offer.prompt_len)
-        except ValueError:
+        except Exception:
             logger.exception("request %s could not be offered; its blocks go back to vLLM", rid)
             allocation.release()
 

@@ -90,3 +90,14 @@ def wait_freed(producer: ProducerWorker, deadline_s: float) -> float:
     while producer.cache.allocations_held and time.monotonic() - started < deadline_s:
         time.sleep(0.02)
     return time.monotonic() - started
+
+
+def offer_held(producer: ProducerWorker, metadata: KpoolPdMetadata) -> None:
+    """``producer.offer(metadata)``, then one turn of the producer's loop: ``offer`` queues the lending on the loop
+    and returns, so a test that looks at the held grants from this thread waits for that turn first."""
+
+    async def turn() -> None:
+        return None
+
+    producer.offer(metadata)
+    producer.loop.call(turn)

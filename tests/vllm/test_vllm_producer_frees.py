@@ -22,6 +22,7 @@ from kpool_pd.vllm.metadata import KpoolPdMetadata, Offer  # noqa: E402
 from kpool_pd.vllm.settings import KpoolPdSettings  # noqa: E402
 from kpool_pd.vllm.worker import ProducerWorker  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from tests.support.vllm_worker_pair import offer_held  # noqa: E402
 
 UNITS = 2  # head slots a block holds: a whole grant and two slot grants a request
 NUM_UNITS = 32  # the pool's units (16 vLLM blocks of two slots)
@@ -72,7 +73,7 @@ def test_requests_offered_in_one_step_each_free_their_own_slot_grants(producer):
     frees its own request's slot grants (not the last offered request's), and vLLM gets each request's
     blocks back once it finished."""
     step = offers()
-    producer.offer(KpoolPdMetadata(offers=step))
+    offer_held(producer, KpoolPdMetadata(offers=step))
     assert producer.cache.allocations_held == len(step) * (1 + UNITS)
     finished = set(REQUESTS)
     assert producer.finished_sending(finished) == set()  # no grant ended yet
@@ -90,7 +91,7 @@ def test_a_request_offered_alone_frees_its_blocks_once_vllm_finished_it(producer
     """One request: its blocks go back to vLLM only once the grant ended and vLLM said it finished, in either
     order."""
     (offer, *_) = offers()
-    producer.offer(KpoolPdMetadata(offers=[offer]))
+    offer_held(producer, KpoolPdMetadata(offers=[offer]))
     release_whole(producer, offer)
     assert producer.cache.allocations_held == 0
     assert producer.finished_sending(set()) == set()  # vLLM has not finished it yet

@@ -28,6 +28,7 @@ from tests.support.deadlines import patient  # noqa: E402
 from tests.support.ports import consecutive_ports  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import NUM_BLOCKS, pool_of, spec_digest  # noqa: E402
+from tests.support.vllm_worker_pair import offer_held  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, ports of its own
 
@@ -81,7 +82,7 @@ def test_a_replicated_cache_is_read_from_one_rank_of_one_dp_rank(ranks):
     offer = Offer(request_id="r", grant_id=secrets.token_hex(16), block_ids=SRC, prompt_len=100,
                   prompt_digest=spec_digest("r", SRC))
     for worker, _ in dp1:
-        worker.offer(KpoolPdMetadata(offers=[offer]))
+        offer_held(worker, KpoolPdMetadata(offers=[offer]))
     params = producer_params(offer, address=dp1[0][0].address, engine_id=dp1[0][0].engine_id, lease_s=60,
                              rank_addresses=[worker.address for worker, _ in dp1])
     decode = DecodeParams.parse(params)

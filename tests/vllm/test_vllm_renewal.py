@@ -22,7 +22,7 @@ from kpool_pd.vllm.worker import ConsumerWorker, ProducerWorker  # noqa: E402
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import spec_digest  # noqa: E402
-from tests.support.vllm_worker_pair import started, wait_finished, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import offer_held, started, wait_finished, worker_pair  # noqa: E402
 
 pytestmark = pytest.mark.vllm  # vLLM's config objects, a port of its own, timing over several leases
 
@@ -42,7 +42,7 @@ def workers():
 def offer(producer: ProducerWorker, request_id: str) -> dict:
     offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=SRC, prompt_len=100,
                   prompt_digest=spec_digest(request_id, SRC))
-    producer.offer(KpoolPdMetadata(offers=[offer]))
+    offer_held(producer, KpoolPdMetadata(offers=[offer]))
     return producer_params(offer, address=producer.settings.advertise, engine_id=producer.engine_id,
                            lease_s=LEASE_S)
 
