@@ -89,15 +89,18 @@ class Landing:
         if self.staging is not None and self._ours is None:
             self._ours = kernels.block_ids_on(self.block_ids, self.pool.device)
 
-    def convert(self) -> BlocksReady:
+    def convert(self, passed: Callable[[str], None] = lambda hop: None) -> BlocksReady:
         """Place the staged prompt (positions [0, num_tokens)) into our blocks: on CUDA the repack is enqueued on
         the pool device's current stream, and the returned ``BlocksReady`` is its event (the host waits for
-        nothing); on the CPU it runs here. ``BlocksReady.NOW`` without staging."""
+        nothing); on the CPU it runs here. ``BlocksReady.NOW`` without staging. ``passed(hop)`` is told when the
+        block table is on the device ("prepared") and the repack enqueued ("repacked"), for the hop stamps."""
         if self.staging is None:
             return BlocksReady.NOW
         self.prepare()
+        passed("prepared")
         kernels.repack_tokens(self.staging, self.peer_layout, self._staged.ids, self.pool.blocks, self.pool.layout,
                               self._ours, self.num_tokens)
+        passed("repacked")
         return BlocksReady.behind_current_work(self.pool.device)
 
     def release(self, ready: BlocksReady | None) -> None:
@@ -188,7 +191,7 @@ class InboundPull:
                 await self._wait_landed(plan, views, landed)
                 marks.append(time.perf_counter())
                 self._verify(views, done)
-            self.ready = self.landing.convert()
+            self.ready = self.landing.convert(lambda hop: hops.stamp(self.key, hop))
             marks.append(time.perf_counter())
             self.plan, self.timeline = plan, PullTimeline(*((b - a) * 1000 for a, b in zip(marks, marks[1:])))
             self.times = self._times(marks)

@@ -17,7 +17,8 @@ to UCX), ``completed`` (the last send's completion reached the event loop: its c
 (PrefillDone made, stating the times so far), ``sent`` (the pull saw every send complete: for a push, once its
 PrefillDone went out too); decode ``received`` (every receive's completion reached the event loop: where the
 exposed time ends), ``prefilled`` (PrefillDone arrived), ``landed`` (the last receive seen complete: for a
-push, once its grant came), ``returned`` (run returns).
+push, once its grant came), ``prepared`` and ``repacked`` (a pull from a peer of another layout: our block table on
+the device, then the repack enqueued), ``returned`` (run returns).
 
 A process that runs its event loop as a ``StepCountingLoop`` (the bench's prefill node, with --hops) also
 stamps how many steps its loop had taken (a step: one pass over the callbacks ready then); ``HopRecorder.steps``
@@ -34,7 +35,7 @@ import time
 logger = logging.getLogger("kpool_pd.connector.hops")
 
 HOPS = ("pull", "request", "posted", "written", "read", "checked", "lent", "prompt", "send", "completed", "announced",
-        "sent", "received", "prefilled", "landed", "returned")
+        "sent", "received", "prefilled", "landed", "prepared", "repacked", "returned")
 
 
 _recorders: list["HopRecorder"] = []  # installed in this process (``HopRecorder.install``)
