@@ -167,13 +167,13 @@ class ProducerWorker:
         counts as ended, so that its request's blocks still go back to vLLM."""
         for offer, grants in planned:
             rid = offer.request_id
+            self.stats.count("grants_offered")
             if not grants:
                 self._grant_ended(rid)
                 continue
             slot_keys = tuple(key for key, _ in grants[1:])
             for index, (key, ids) in enumerate(grants):
                 self._lend(offer, key, ids, slot_keys if index == 0 else ())
-            self.stats.count("grants_offered")
 
     def _lend(self, offer, key: str, ids: tuple[int, ...], slot_keys: tuple[str, ...]) -> None:
         """Offer one grant of ``offer`` (``key`` over the connector's ``ids``); its end counts down the

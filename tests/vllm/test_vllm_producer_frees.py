@@ -97,3 +97,19 @@ def test_a_request_offered_alone_frees_its_blocks_once_vllm_finished_it(producer
     assert producer.finished_sending(set()) == set()  # vLLM has not finished it yet
     assert producer.finished_sending({offer.request_id}) == {offer.request_id}
     assert producer.finished_sending({offer.request_id}) == set()  # reported once
+
+
+def test_an_offer_of_blocks_beyond_the_pool_holds_nothing_and_the_next_offer_is_held(producer):
+    """A request whose block ids lie past the pool (16 vLLM blocks here) cannot be lent: its grants count as
+    ended, so vLLM gets it back as soon as it finished it, and the loop goes on to lend the next step's offer."""
+    bad = Offer(request_id="beyond", grant_id=secrets.token_hex(16), block_ids=((15, 99),), prompt_len=20,
+                prompt_digest=secrets.token_hex(32))
+    offer_held(producer, KpoolPdMetadata(offers=[bad]))
+    assert producer.cache.allocations_held == 0
+    assert producer.finished_sending({"beyond"}) == {"beyond"}
+    (good, *_) = offers()
+    offer_held(producer, KpoolPdMetadata(offers=[good]))
+    assert producer.cache.allocations_held == 1 + UNITS
+    release_whole(producer, good)
+    assert producer.finished_sending({good.request_id}) == {good.request_id}
+    assert producer.take_stats().data["grants_offered"] == 2
