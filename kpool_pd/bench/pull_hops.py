@@ -21,6 +21,22 @@ def hop_offsets(starts: dict[str, float], *stamps: dict[str, dict[str, float]]) 
     return {hop: round(statistics.median(offsets[hop]), 3) for hop in HOPS if hop in offsets}
 
 
+def thread_work(grant_ids, stamps: dict[str, dict[str, float]], cpu: dict[str, dict[str, float]], first: str,
+                last: str) -> dict[str, float] | None:
+    """Median wall ms and median CPU ms of the stamping thread from hop ``first`` to hop ``last`` over the pulls
+    ``grant_ids`` that passed both, stamped by one thread of this process (``HopRecorder.stamps`` and ``.cpu``):
+    CPU well below wall says the thread waited there (a lock, the GIL, the driver). None where no pull passed both."""
+    wall, work = [], []
+    for grant_id in grant_ids:
+        when, used = stamps.get(grant_id, {}), cpu.get(grant_id, {})
+        if first in when and last in when and first in used and last in used:
+            wall.append((when[last] - when[first]) * 1e3)
+            work.append((used[last] - used[first]) * 1e3)
+    if not wall:
+        return None
+    return {"wall_ms": round(statistics.median(wall), 3), "cpu_ms": round(statistics.median(work), 3)}
+
+
 def hop_lines(rows: list[dict]) -> str:
     """One line per row that has hops: each hop's median ms from the call of ``pull``, and the pull's."""
     lines = ["where a pull's time went, hop by hop (ms from the call of pull, median; decode: pull request posted "

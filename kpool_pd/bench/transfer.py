@@ -165,8 +165,10 @@ def _heterogeneous_lines(rows: list[dict], prefill_block_size: int, block_size: 
             same = next((s for s in rows if s["tokens"] == r["tokens"] and s["path"] == r["path"].rsplit(" from ", 1)[0]),
                         None)
             ratio = f"{r['ms'] / same['ms']:.2f}x" if same else "-"
+            op = r.get("repack_op")
+            within = (f"; its op {op['wall_ms']:.3f} ms, {op['cpu_ms']:.3f} ms of its thread's CPU" if op else "")
             lines.append(f"{r['tokens']:>7} tokens: {r['ms']:.3f} ms vs {same['ms'] if same else float('nan'):.3f} ms = "
-                         f"{ratio} (repack {r['phases_ms'].get('verify', 0):.3f} ms)")
+                         f"{ratio} (repack {r['phases_ms'].get('verify', 0):.3f} ms{within})")
     return "\n".join(lines)
 
 

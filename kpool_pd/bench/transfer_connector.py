@@ -19,7 +19,7 @@ import time
 import torch
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.bench.pull_hops import hop_offsets
+from kpool_pd.bench.pull_hops import hop_offsets, thread_work
 from kpool_pd.connector import (HopRecorder, StepCountingLoop, ConnectorConfig, DecodeConnector, LandedRequest,
                                 PrefillConnector, PrefillInput, PrefillOutput, PrefillPeer, PrefillProgress, PullTimeline,
                                 Transport)
@@ -216,6 +216,8 @@ async def _connector_rows(args: dict, ucx_options: tuple, transports: tuple[Tran
         if args["hops"]:
             row["hops_ms"] = hop_offsets(one.starts, recorder.stamps, *prefill_stamps)
             row["prefill_steps"] = loop_steps(one.starts, "read", "send", *prefill_steps)
+            if (work := thread_work(one.starts, recorder.stamps, recorder.cpu, "prepared", "repacked")) is not None:
+                row["repack_op"] = work  # the repack's public op in the decode process: wall and its thread's CPU
         rows.append(row)
     return rows
 

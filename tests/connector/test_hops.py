@@ -1,8 +1,10 @@
 """The pull hop stamps (connector.shared.hops) and the bench's table of them (bench.pull_hops)."""
 
+import time
+
 import pytest
 
-from kpool_pd.bench.pull_hops import hop_lines, hop_offsets
+from kpool_pd.bench.pull_hops import hop_lines, hop_offsets, thread_work
 from kpool_pd.connector.shared import hops
 
 
@@ -40,3 +42,21 @@ def test_offsets_merge_both_processes_in_hop_order():
     assert offsets == pytest.approx({"pull": 2.0, "read": 3.0, "landed": 7.0})
     line = hop_lines([{"tokens": 16, "path": "connector ucx", "ms": 8.0, "hops_ms": offsets}])
     assert "read 3.000" in line and "end 8.000" in line
+
+
+def test_a_stamp_keeps_its_threads_cpu_time_which_tells_work_from_waiting(recorder):
+    """Between two stamps of one thread, work adds its CPU time and a sleep adds next to none: ``thread_work``
+    reports both (the busy loop runs until its thread has used 50 ms of CPU, however loaded the machine)."""
+    hops.stamp("busy", "prepared")
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:
+        pass
+    hops.stamp("busy", "repacked")
+    hops.stamp("idle", "prepared")
+    time.sleep(0.05)
+    hops.stamp("idle", "repacked")
+    busy = thread_work(["busy"], recorder.stamps, recorder.cpu, "prepared", "repacked")
+    idle = thread_work(["idle"], recorder.stamps, recorder.cpu, "prepared", "repacked")
+    assert busy["cpu_ms"] >= 50 and busy["wall_ms"] >= busy["cpu_ms"] - 1
+    assert idle["wall_ms"] >= 50 and idle["cpu_ms"] < 20
+    assert thread_work(["busy"], recorder.stamps, recorder.cpu, "prepared", "returned") is None

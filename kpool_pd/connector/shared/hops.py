@@ -48,8 +48,9 @@ def stamp(grant_id: str, hop: str, when: float | None = None) -> None:
     if _recorders:
         steps = getattr(asyncio._get_running_loop(), "steps", -1)
         when = time.perf_counter() if when is None else when
+        cpu = time.thread_time()
         for recorder in _recorders:
-            recorder.record(grant_id, hop, when, steps)
+            recorder.record(grant_id, hop, when, steps, cpu)
     if logger.isEnabledFor(logging.DEBUG):
         loop = asyncio._get_running_loop()
         logger.debug("%s %s %.9f %d", grant_id, hop, time.perf_counter() if when is None else when,
@@ -70,14 +71,18 @@ class StepCountingLoop(asyncio.SelectorEventLoop):
 class HopRecorder:
     """Collects the stamps of this process: ``stamps[grant_id][hop]`` is the first time (perf_counter
     seconds) that pull passed that hop, ``steps[grant_id][hop]`` its loop's step count then (a
-    ``StepCountingLoop``'s only). ``install()`` has ``stamp`` call it; ``uninstall()`` stops that."""
+    ``StepCountingLoop``'s only), ``cpu[grant_id][hop]`` the stamping thread's CPU seconds then. ``install()`` has ``stamp`` call it; ``uninstall()`` stops that."""
 
     def __init__(self) -> None:
         self.stamps: dict[str, dict[str, float]] = {}
         self.steps: dict[str, dict[str, int]] = {}  # the loop's step count at each hop, where counted
+        # the stamping thread's CPU time (time.thread_time) at each hop: between two hops of one thread, set against
+        # their wall time, it says whether the thread worked or waited (on a lock, the GIL, the driver)
+        self.cpu: dict[str, dict[str, float]] = {}
 
-    def record(self, grant_id: str, hop: str, when: float, steps: int) -> None:
+    def record(self, grant_id: str, hop: str, when: float, steps: int, cpu: float = float("nan")) -> None:
         self.stamps.setdefault(grant_id, {}).setdefault(hop, when)
+        self.cpu.setdefault(grant_id, {}).setdefault(hop, cpu)
         if steps >= 0:
             self.steps.setdefault(grant_id, {}).setdefault(hop, steps)
 
