@@ -77,7 +77,8 @@ class TransferProgress:
 
 
 class ConnectorLoop:
-    """An asyncio loop in a daemon thread; ``call`` runs a coroutine there and waits for its result."""
+    """An asyncio loop in a daemon thread; ``call`` runs a coroutine there and waits for its result, ``post`` queues
+    a plain callback without waiting."""
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
@@ -88,6 +89,11 @@ class ConnectorLoop:
         async def run():
             return await make()
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
+
+    def post(self, callback: Callable[..., None], *args) -> None:
+        """Queue ``callback(*args)`` on the loop and return: it runs after everything queued before it and before
+        everything that reaches the loop later (the loop runs its callbacks in order)."""
+        self.loop.call_soon_threadsafe(callback, *args)
 
     def submit(self, make: Callable[[], Awaitable]) -> None:
         async def run():

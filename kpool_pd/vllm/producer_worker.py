@@ -105,7 +105,7 @@ class ProducerWorker:
         if not metadata.offers:
             return
         planned = [(offer, self._hold(offer)) for offer in metadata.offers]
-        self.loop.loop.call_soon_threadsafe(self._lend_all, planned)
+        self.loop.post(self._lend_all, planned)
 
     def withdraw(self, metadata: KpoolPdMetadata) -> None:
         """Before the step's forward: end the grants of offered requests vLLM freed with no answer to their

@@ -221,22 +221,29 @@ class FusedRunsLaunch:
     one host launch instead of one a field, and the small fields' tiles run beside the large one's."""
 
     parts: tuple[FieldLaunch, ...]
-    # the kernel's constexprs in order (each part's geometry then PIECE, BLOCK_R, CHUNK, VEC; a missing third part
-    # repeats the second, whose programs never run) and the launch's options, made once
+    # the kernel's three field slots (a missing third part repeats the second, whose programs never run) and its
+    # constexprs in order (each slot's geometry then PIECE, BLOCK_R, CHUNK, VEC), made once
+    slots: tuple[FieldLaunch, ...] = field(init=False, compare=False, hash=False, repr=False)
     constants: tuple[int, ...] = field(init=False, compare=False, hash=False, repr=False)
 
+    @staticmethod
+    def fits(launches: tuple[FieldLaunch, ...]) -> bool:
+        """Whether one launch can move ``launches``: two or three of them, each a one-head run field."""
+        return 2 <= len(launches) <= 3 and all(launch.kernel is _runs_kernel and launch.heads == 1
+                                                for launch in launches)
+
     def __post_init__(self) -> None:
-        assert 2 <= len(self.parts) <= 3 and all(p.kernel is _runs_kernel and p.heads == 1 for p in self.parts)
+        assert self.fits(self.parts), self.parts
         slots = (*self.parts, self.parts[-1])[:3]
-        constants = tuple(value for part in slots for value in (*part.geometry, *(v for _, v in part.meta)))
-        object.__setattr__(self, "constants", constants)
+        object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "constants", tuple(value for part in slots
+                                                    for value in (*part.geometry, *(v for _, v in part.meta))))
 
     def launch(self, views: Callable[[int], tuple[torch.Tensor, torch.Tensor]], src_ids: torch.Tensor,
                dst_ids: torch.Tensor, num_tokens: int, src_count: int, dst_count: int) -> None:
-        slots = (*self.parts, self.parts[-1])[:3]
-        rows = [part.rows(num_tokens) for part in slots]
+        rows = [part.rows(num_tokens) for part in self.slots]
         tiles = max(-(-r // part.block_r) for r, part in zip(rows, self.parts))
-        buffers = [buffer for part in slots for buffer in views(part.word)]
+        buffers = [buffer for part in self.slots for buffer in views(part.word)]
         _fused_runs_kernel[(tiles, self.parts[0].layers, len(self.parts))](
             *buffers, src_ids, dst_ids, *rows, src_count, dst_count, *self.constants, num_warps=NUM_WARPS)
 
@@ -244,7 +251,7 @@ class FusedRunsLaunch:
 def fuse_runs(launches: tuple[FieldLaunch, ...]) -> tuple[FieldLaunch | FusedRunsLaunch, ...]:
     """One ``FusedRunsLaunch`` where every field is a one-head run field and there are two or three of them (a
     kpool cache's MLA rows, kpool entries and scales), else the launches as they are."""
-    if 2 <= len(launches) <= 3 and all(launch.kernel is _runs_kernel and launch.heads == 1 for launch in launches):
+    if FusedRunsLaunch.fits(launches):
         return (FusedRunsLaunch(launches),)
     return launches
 
