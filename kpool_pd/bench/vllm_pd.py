@@ -1,5 +1,7 @@
 """Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer Llama of
-seeded weights on the CPU) with KpoolPdConnector over UCX and over the gRPC stream, with vLLM's NixlConnector
+seeded weights on the CPU) with KpoolPdConnector over UCX (kpool-ucx: the proxy names the consumer in the prefill
+request, ``prefetch_by``, so the producer announces each grant to it and it pulls it before its request comes;
+kpool-ucx-pull: the same without, each grant pulled when its request comes) and over the gRPC stream, with vLLM's NixlConnector
 (kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other in one run
 (--together: all of them up at once, each rep run on every connector in turn), each with both engines up before its
 first request; the floor: the same generate served from one engine's own prefix cache (no transfer); and
@@ -60,10 +62,12 @@ class Handover:
     producer's answers. NixlConnector's protocol (KpoolPdConnector speaks it) unless ``mooncake``."""
 
     mooncake: vllm_mooncake.MooncakeProxy | None = None
+    prefetch_by: str = ""  # KpoolPdConnector: the consumer's vLLM engine_id, named to the producer (prefetch)
 
     def prefill_params(self, requests: int) -> list[dict]:
         if self.mooncake is None:
-            return [{"do_remote_decode": True} for _ in range(requests)]
+            named = {"prefetch_by": self.prefetch_by} if self.prefetch_by else {}
+            return [{"do_remote_decode": True} | named for _ in range(requests)]
         return [self.mooncake.prefill_params(self.mooncake.new_transfer_id()) for _ in range(requests)]
 
     def decode_params(self, prefill: list[dict], answers: list[dict | None]) -> list[dict | None]:
@@ -83,10 +87,16 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
         return (vllm_mooncake.transfer_config("kv_producer"), vllm_mooncake.transfer_config("kv_consumer"),
                 vllm_mooncake.engine_env(ports[0]), vllm_mooncake.engine_env(ports[1]))
     token = {"KPOOLPD_PEER_TOKEN": secrets.token_hex(16)}
-    transport = "ucx" if connector is Connector.KPOOL_UCX else "grpc"
+    transport = "grpc" if connector is Connector.KPOOL_GRPC else "ucx"
     kpool = vllm_engines.kpool_transfer_config
     return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport}),
-            kpool("kv_consumer", {"transport": transport, "producers": [f"127.0.0.1:{ports[0]}"]}), token, token)
+            kpool("kv_consumer", {"transport": transport, "producers": [f"127.0.0.1:{ports[0]}"]},
+                  engine_id=consumer_engine_id(ports)), token, token)
+
+
+def consumer_engine_id(ports: list[int]) -> str:
+    """The vLLM engine_id a KpoolPdConnector consumer of the pair on ``ports`` runs as (what its proxy names)."""
+    return f"bench-consumer-{ports[1]}"
 
 class PdPair:
     """A connector's producer and consumer engines, started at once (``ready`` waits for them); a rep sends the
@@ -100,7 +110,8 @@ class PdPair:
         self.producer, self.consumer = start_engines(connector, [("producer", producer_config, producer_env),
                                                           ("consumer", consumer_config, consumer_env)],
                                               model, max_model_len, out)
-        self.handover = Handover()
+        named = consumer_engine_id(self.ports) if connector is Connector.KPOOL_UCX else ""
+        self.handover = Handover(prefetch_by=named)
 
     def ready(self) -> None:
         self.producer.wait_ready()

@@ -48,6 +48,10 @@ Decode side (``DecodeConnector(pool, ...)``, one per decode node):
   (in pieces), through a ``StagingBuffers`` of the caller's;
   one outcome a pull (``PackedLanded`` or the exception that failed it alone), ``PackedPullUnsupported`` from
   a node that does not serve it (nothing landed: pull each alone).
+- ``prefetch_packed(peer, grants)``: a vLLM consumer, for grants the prefill node announced to it by name
+  (``AwaitOffers``; the prefill side posts them on its ``OfferBoard`` as ``Announcement``s): pulled whole into a
+  buffer of their own before their requests arrive, kept held on the prefill node (``keep_grants``) until the
+  consumer's Release; ``Prefetched.land(peer, target)`` copies a load's plan from it into the load's blocks.
 - The peer keeps itself alive (one loop: Heartbeats renewing the grants it is pulling, a new Handshake
   when the prefill node forgot it) until it is closed.
 
@@ -83,6 +87,8 @@ from kpool_pd.connector.decode.staging import BlocksReady
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.packed_pull import (PackedLanded, PackedPullUnsupported, PackedTarget, can_pack,
                                                 pull_packed)
+from kpool_pd.connector.decode.prefetch import Prefetched, prefetch_packed
+from kpool_pd.connector.prefill.offer_board import Announcement, OfferBoard
 from kpool_pd.connector.shared.packed_staging import StagingBuffers
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, RankShare
 from kpool_pd.connector.shared.peer_auth import MAX_PEER_SESSIONS, PeerAuthServicer, PeerSessions
@@ -96,6 +102,7 @@ from kpool_pd.connector.shared.ucx_progress import UcxProgress, describe_progres
 from kpool_pd.connector.shared.wire import Transport
 
 __all__ = [
+    "Announcement", "OfferBoard", "Prefetched", "prefetch_packed",
     "HOPS", "StepCountingLoop", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
     "BlocksReady", "LandedRequest", "PackedLanded", "PackedPullUnsupported", "PackedTarget", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",

@@ -15,6 +15,9 @@ from kpool_pd.connector._generated.kpoolpd.v1 import prefill_pb2 as _pb
 from kpool_pd.connector._generated.kpoolpd.v1 import prefill_pb2_grpc as _pb_grpc
 
 # messages
+AnnouncedOffer = _pb.AnnouncedOffer
+AwaitOffersRequest = _pb.AwaitOffersRequest
+AwaitOffersResponse = _pb.AwaitOffersResponse
 Chunk = _pb.Chunk
 HandshakeRequest = _pb.HandshakeRequest
 HandshakeResponse = _pb.HandshakeResponse

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kpool_pd.vllm.groups import sharding_of, transfer_rules
+from kpool_pd.vllm.metadata import connector_engine_id
 from kpool_pd.vllm.planes import engine_pool, head_units
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Sharding
 from kpool_pd.vllm.scheduler import ConsumerScheduler, ProducerScheduler
@@ -108,7 +109,7 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         self.produces, self.consumes = ROLES[transfer.kv_role]
         self.settings = KpoolPdSettings.from_extra_config(transfer.kv_connector_extra_config, producer=self.produces,
                                                           consumer=self.consumes)
-        self.engine_id = f"vllm-{transfer.engine_id}"
+        self.engine_id = connector_engine_id(transfer.engine_id)
         self.identity = model_identity(vllm_config)
         self.producer_scheduler: ProducerScheduler | None = None
         self.consumer_scheduler: ConsumerScheduler | None = None

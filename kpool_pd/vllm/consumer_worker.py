@@ -34,10 +34,11 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.connector import DecodeConnector, PrefillPeer, StagingBuffers, StatusError, Transport
+from kpool_pd.connector import DecodeConnector, PrefillPeer, StagingBuffers, StatusError, Transport, can_pack
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.transfer_params import grant_key
 from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, warm_staging
+from kpool_pd.vllm.prefetch import Prefetches
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Release, Renew, rank_grant, read_key
 from kpool_pd.vllm.ranks import EngineRanks, RankSeat, Read
 from kpool_pd.vllm.settings import KpoolPdSettings
@@ -97,6 +98,10 @@ class ConsumerWorker:
         self._peers: dict[str, PrefillPeer] = {}
         self.unpacked: set[str] = set()  # producers that do not serve PackedPull: their reads go one at a time
         self.staging = StagingBuffers(pool.device)  # a step's batches land here before their blocks
+        prefetching = settings.transport is Transport.UCX and seat.tp_size == 1 and units <= 1
+        self.prefetches = Prefetches(budget_bytes=(settings.prefetch_mib << 20) if prefetching else 0,
+                                     staging=StagingBuffers(pool.device), stats=self.stats,
+                                     integrity=settings.integrity, rpc_timeout_s=settings.rpc_timeout_s)
         self._connecting: dict[str, asyncio.Lock] = {}
         self._renewing: dict[tuple[str, str, str], tuple[Renew, float]] = {}  # (request, address, key) -> its
         # renewal, when it is next due
@@ -148,6 +153,8 @@ class ConsumerWorker:
             peer = self._peers.get(address)
             if peer is None or peer.closed:
                 peer = self._peers[address] = await self._connect(address)
+                if can_pack(peer):
+                    self.prefetches.follow(peer)  # the grants it announces to this engine come early
             return peer
 
     async def _connect(self, address: str) -> PrefillPeer:
@@ -342,7 +349,10 @@ class ConsumerWorker:
         return done, failed
 
     def close(self) -> None:
+        async def stop():
+            self.prefetches.close()
+            await self.node.close()
         try:
-            self.loop.call(self.node.close)
+            self.loop.call(stop)
         finally:
             self.loop.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kpool_pd.connector import PrefillGrant, RingRange
-from kpool_pd.transfer_params import DecodeParams, grant_key
+from kpool_pd.transfer_params import MAX_ID_CHARS, DecodeParams, grant_key
 from kpool_pd.kvcache import PlanarLayout
 from kpool_pd.vllm.rank_params import ADDRESSES_FIELD, TP_FIELD, RankParams
 from kpool_pd.vllm.ranks import Read, slot_key
@@ -35,11 +35,32 @@ class Offer:
     block_ids: BlockIds
     prompt_len: int
     prompt_digest: str  # ``kpool_pd.transfer_params.prompt_digest`` of the prompt and ``block_ids``' counts
+    prefetch_by: str = ""  # the connector's engine id of the consumer the request's params named (``prefetch_by``)
 
     @property
     def key(self) -> str:
         """The id the producer's connector holds the grant under (bound to the prompt)."""
         return grant_key(self.grant_id, self.prompt_digest)
+
+
+PREFETCH_FIELD = "prefetch_by"  # a producer request's: the vLLM engine_id of the consumer its decode request goes to
+
+
+def connector_engine_id(vllm_engine_id: str) -> str:
+    """The id a vLLM engine's connector presents to producers (``kv_transfer_config.engine_id``, prefixed)."""
+    return f"vllm-{vllm_engine_id}"
+
+
+def prefetch_target(params) -> str:
+    """The connector engine id a producer request's params name in ``prefetch_by`` ("" for none); ValueError for a
+    value that is not a non-empty string of at most MAX_ID_CHARS characters."""
+    if not isinstance(params, dict) or PREFETCH_FIELD not in params:
+        return ""
+    value = params[PREFETCH_FIELD]
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS - 5:
+        raise ValueError(f"kv_transfer_params[{PREFETCH_FIELD!r}] must be a consumer's vLLM engine_id (a string of "
+                         f"1 to {MAX_ID_CHARS - 5} characters), got {str(value)[:64]!r}")
+    return connector_engine_id(value)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,17 +18,21 @@ no consumer rank claimed.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import threading
 
+import torch
+
 from prometheus_client import CollectorRegistry
 
-from kpool_pd.connector import EngineUnavailable, PrefillConnector, PrefillInput, PrefillProgress, StatusError
+from kpool_pd.connector import Announcement, EngineUnavailable, PrefillConnector, PrefillInput, PrefillProgress, StatusError
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.kvcache import EngineCache, PlanarPool
 from kpool_pd.runtime import GrpcServer
 from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, rank_address, warm_staging
-from kpool_pd.vllm.metadata import KpoolPdMetadata
+from kpool_pd.vllm.metadata import KpoolPdMetadata, producer_params
 from kpool_pd.vllm.ranks import RankSeat, slot_key
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.stats import StatsRecorder
@@ -77,8 +81,10 @@ class ProducerWorker:
 
     def _pull_sent(self, outbound) -> None:
         """A pull sent its grant's every byte (on the loop, as its stream ends): the grant is released, and
-        freed as soon as no pull reads it (the pull's own end reaps it)."""
-        outbound.grant.release_requested = True
+        freed as soon as no pull reads it (the pull's own end reaps it); a prefetch's grant (``kept``) stays for
+        its consumer's Release or the lease (the request may yet go to another consumer)."""
+        if not getattr(outbound, "kept", False):
+            outbound.grant.release_requested = True
 
     def start(self) -> None:
         warm_staging(self.node.packed_pulls.staging, self.cache.pool)
@@ -105,7 +111,11 @@ class ProducerWorker:
         if not metadata.offers:
             return
         planned = [(offer, self._hold(offer)) for offer in metadata.offers]
-        self.loop.post(self._lend_all, planned)
+        computed = None  # where the pool is on a GPU, the step's kernels end before a prefetch may read them
+        if self.cache.pool.device.type == "cuda" and any(offer.prefetch_by for offer in metadata.offers):
+            computed = torch.cuda.Event()
+            computed.record()
+        self.loop.post(self._lend_all, planned, computed)
 
     def withdraw(self, metadata: KpoolPdMetadata) -> None:
         """Before the step's forward: end the grants of offered requests vLLM freed with no answer to their
@@ -160,11 +170,14 @@ class ProducerWorker:
             self._keys[rid] = tuple(key for key, _ in grants)
         return grants
 
-    def _lend_all(self, planned: list[tuple[object, list[tuple[str, tuple[int, ...]]]]]) -> None:
+    def _lend_all(self, planned: list[tuple[object, list[tuple[str, tuple[int, ...]]]]], computed=None) -> None:
         """Lend each held request's grants (on the loop). The whole grant's end releases this request's own
         unclaimed slot grants: the keys are bound here, per offer, so that offers of one step (several requests'
         prompts computed together) never hand each other's keys to their releases. A grant that cannot be lent
-        counts as ended, so that its request's blocks still go back to vLLM."""
+        counts as ended, so that its request's blocks still go back to vLLM. The whole grants of requests that
+        named their consumer (``prefetch_by``) are then announced to it, once ``computed`` (the step's CUDA
+        event, None in host memory) completed."""
+        announced = []
         for offer, grants in planned:
             rid = offer.request_id
             self.stats.count("grants_offered")
@@ -173,24 +186,47 @@ class ProducerWorker:
                 continue
             slot_keys = tuple(key for key, _ in grants[1:])
             for index, (key, ids) in enumerate(grants):
-                self._lend(offer, key, ids, slot_keys if index == 0 else ())
+                lent = self._lend(offer, key, ids, slot_keys if index == 0 else ())
+                if index == 0 and lent and offer.prefetch_by:
+                    announced.append(offer)
+        if announced:
+            announce = self._announce(announced, computed)
+            task = asyncio.ensure_future(announce)
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
-    def _lend(self, offer, key: str, ids: tuple[int, ...], slot_keys: tuple[str, ...]) -> None:
+    async def _announce(self, offers: list, computed) -> None:
+        """Announce each offer's whole grant to the consumer it names (``OfferBoard``), with the params its
+        decode request will carry. Only where a rank holds each request whole: one TP rank, one head slot a
+        block (a consumer engine's ranks otherwise pull shares this announcement does not describe)."""
+        if self.seat.tp_size != 1 or self.units > 1:
+            return
+        if computed is not None:
+            await asyncio.get_running_loop().run_in_executor(None, computed.synchronize)
+        for offer in offers:
+            params = producer_params(offer, address=self.address, engine_id=self.engine_id,
+                                     lease_s=self.settings.lease_s, rank_addresses=(self.address,),
+                                     released_after_pull=self.settings.release_after_pull)
+            if self.node.offer_board.post(offer.prefetch_by, Announcement(offer.key, json.dumps(params))):
+                self.stats.count("grants_announced")
+
+    def _lend(self, offer, key: str, ids: tuple[int, ...], slot_keys: tuple[str, ...]) -> bool:
         """Offer one grant of ``offer`` (``key`` over the connector's ``ids``); its end counts down the
         request's grants and releases ``slot_keys`` (the whole grant's own slot grants; none for a slot
-        grant). A grant that cannot be held counts as ended at once."""
+        grant). A grant that cannot be held counts as ended at once; returns whether it was offered."""
         rid = offer.request_id
         try:
             allocation = self.cache.lend(rid, ids, on_release=lambda: self._grant_ended(rid, slot_keys))
         except Exception:  # on the loop, where nobody waits for an error: it must end the grant, not escape
             logger.exception("request %s could not be offered: its blocks are not this engine's", rid)
             self._grant_ended(rid)
-            return
+            return False
         try:
             self.node.offer(allocation, grant_id=key, request_id=rid, prompt_len=offer.prompt_len)
         except Exception:
             logger.exception("request %s could not be offered; its blocks go back to vLLM", rid)
             allocation.release()
+            return False
+        return True
 
     def _grant_ended(self, request_id: str, slot_keys=()) -> None:
         """One of the request's grants ended (on the loop): once all did, its blocks are vLLM's again. The

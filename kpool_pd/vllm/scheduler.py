@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kpool_pd.vllm.groups import GroupRule, cached_block_ids, held_indices, request_blocks
 from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Release, Renew, is_idle, is_remote_prefill,
-                                    producer_params, read_key, released_after_pull)
+                                    prefetch_target, producer_params, read_key, released_after_pull)
 from kpool_pd.vllm.rank_params import RankParams
 from kpool_pd.vllm.ranks import EngineRanks, RankPlan
 from kpool_pd.transfer_params import DecodeParams, bounded_request_id, prompt_digest, release_target
@@ -71,8 +71,13 @@ class ProducerScheduler:
                     logger.exception("request %s is not offered: its blocks cannot be moved", request_id)
                     continue
                 digest = prompt_digest(request.prompt_token_ids[:n], [len(group) for group in blocks])
+                try:
+                    prefetch_by = prefetch_target(request.kv_transfer_params)
+                except ValueError as exc:
+                    logger.warning("request %s is announced to no consumer: %s", request_id, exc)
+                    prefetch_by = ""
                 offer = Offer(request_id=bounded_request_id(request_id), grant_id=secrets.token_hex(16),
-                              block_ids=blocks, prompt_len=n, prompt_digest=digest)
+                              block_ids=blocks, prompt_len=n, prompt_digest=digest, prefetch_by=prefetch_by)
                 self._offered[request_id] = offer
                 self._pending.append(offer)
         meta = KpoolPdMetadata(offers=self._pending, withdrawals=self._withdrawn, idle=is_idle(scheduler_output))

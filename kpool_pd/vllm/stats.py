@@ -15,6 +15,11 @@ across workers (``KpoolPdStats.aggregate``), logs them (``reduce``) and exports 
 | ``vllm:kpool_pd_grants_offered_total`` | prompts held as grants (producer) |
 | ``vllm:kpool_pd_grants_withdrawn_total`` | offered prompts whose request ended unanswered (aborted): freed at once (producer) |
 | ``vllm:kpool_pd_leases_expired_total`` | grants freed because no consumer came within the lease (producer) |
+| ``vllm:kpool_pd_grants_announced_total`` | grants announced to the consumer their request named (``prefetch_by``) (producer) |
+| ``vllm:kpool_pd_grants_prefetched_total`` | announced grants pulled before their request arrived (consumer) |
+| ``vllm:kpool_pd_prefetch_hits_total`` | loads served from prefetched bytes, no pull of their own (consumer) |
+| ``vllm:kpool_pd_prefetches_expired_total`` | prefetched grants dropped unclaimed after their lease (consumer) |
+| ``vllm:kpool_pd_prefetches_skipped_total`` | announced grants left to their pulls: ``prefetch_mib`` was full (consumer) |
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTS = ("pulls", "pull_failures", "pulled_bytes", "pulled_regions", "pulled_blocks", "held_blocks",
-          "grants_released", "grants_renewed", "grants_offered", "grants_withdrawn", "leases_expired")
+          "grants_released", "grants_renewed", "grants_offered", "grants_withdrawn", "leases_expired",
+          "grants_announced", "grants_prefetched", "prefetch_hits", "prefetches_expired", "prefetches_skipped")
 SECONDS = "pull_seconds"  # one value a pull
 PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -111,7 +117,12 @@ class KpoolPdPromMetrics(KVConnectorPromMetrics):
                  "grants_renewed": "Lease renewals of queued requests' grants",
                  "grants_offered": "Prompts held as grants for consumers",
                  "grants_withdrawn": "Offered prompts whose request ended unanswered, freed at once",
-                 "leases_expired": "Grants freed because no consumer came within the lease"}
+                 "leases_expired": "Grants freed because no consumer came within the lease",
+                 "grants_announced": "Grants announced to the consumer their request named",
+                 "grants_prefetched": "Announced grants pulled before their request arrived",
+                 "prefetch_hits": "Loads served from prefetched bytes",
+                 "prefetches_expired": "Prefetched grants dropped unclaimed after their lease",
+                 "prefetches_skipped": "Announced grants left to their pulls: the prefetch budget was full"}
         self._counters = {name: create_metric_per_engine(
             self._counter_cls(name=f"vllm:kpool_pd_{name}", documentation=about[name], labelnames=labelnames),
             per_engine_labelvalues) for name in COUNTS}

@@ -8,7 +8,8 @@ blocks. The loads then end together (``ConsumerWorker.ended``): one ``get_finish
 A load fails alone, with the reason logged, and what its rank did not pull is released: a refused grant, a plan
 its blocks cannot take, bytes that disagree with the plan; the other loads of the batch land. A producer that
 does not serve PackedPull (or a peer that needs a repack, or one that could not be reached) has its reads
-pulled one at a time (``ConsumerWorker.pull_read``), as before.
+pulled one at a time (``ConsumerWorker.pull_read``), as before. A read whose grant was prefetched
+(``kpool_pd.vllm.prefetch``) lands from those bytes instead, and its grant is released after.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kpool_pd.connector import (PackedLanded, PackedPullUnsupported, PackedTarge
                                 pull_packed)
 from kpool_pd.kvcache import CacheAllocation, EngineCache
 from kpool_pd.vllm.metadata import Load, rank_grant
+from kpool_pd.vllm.prefetch import Prefetches
 from kpool_pd.vllm.ranks import Read
 from kpool_pd.vllm.settings import KpoolPdSettings
 from kpool_pd.vllm.stats import StatsRecorder
@@ -37,6 +39,7 @@ class StepWorker(Protocol):
     stats: StatsRecorder
     staging: StagingBuffers
     unpacked: set[str]  # producers that do not serve PackedPull
+    prefetches: Prefetches
 
     async def peer(self, address: str) -> PrefillPeer: ...
 
@@ -60,6 +63,7 @@ class _StepRead:
     outcome: object = None  # PackedLanded, the pull's LandedRequest (pulled alone), or the exception
     allocation: CacheAllocation | None = None
     target: PackedTarget | None = None
+    prefetched: bool = False  # landed from a prefetch: its grant (kept by the producer) is released after
 
 
 async def pull_step(worker: StepWorker, loads: list[Load]) -> None:
@@ -88,23 +92,33 @@ async def _pulled(worker: StepWorker, loads: list[Load]) -> list[tuple[Load, Bas
     peers = await _peers(worker, {r.address for r in reads})
     by_peer: dict[str, list[_StepRead]] = {}
     alone: list[_StepRead] = []
+    prefetched: list[_StepRead] = []
     for step_read in reads:
         peer = peers.get(step_read.address)
         if isinstance(peer, PrefillPeer) and can_pack(peer) and step_read.address not in worker.unpacked:
             _lend(worker, step_read)
-            if step_read.target is not None:
+            if step_read.target is None:
+                continue
+            if worker.prefetches.has(step_read.address, step_read.target.grant.grant_id):
+                prefetched.append(step_read)
+            else:
                 by_peer.setdefault(step_read.address, []).append(step_read)
         else:
             alone.append(step_read)
     try:
+        landed = await asyncio.gather(*(_land_prefetched(worker, peers[r.address], r) for r in prefetched))
+        for step_read, done in zip(prefetched, landed):
+            if not done:  # its bytes are not here after all: pulled with the others
+                by_peer.setdefault(step_read.address, []).append(step_read)
         await asyncio.gather(*(_pull_packed(worker, peers[address], group) for address, group in by_peer.items()),
                              *(_pull_alone(worker, r) for r in alone))
     finally:
         for step_read in reads:
             if step_read.allocation is not None:
                 step_read.allocation.release()
-    for step_read in reads:  # the landed grants' Releases (a producer that frees them itself needs none)
-        if isinstance(step_read.outcome, PackedLanded) and not step_read.load.released_after_pull:
+    for step_read in reads:  # the landed grants' Releases (a producer that frees them itself after a pull needs none)
+        if isinstance(step_read.outcome, PackedLanded) and (step_read.prefetched
+                                                            or not step_read.load.released_after_pull):
             worker.release_after_pulls(peers[step_read.address], step_read.target.grant.grant_id)
     outcomes: dict[str, list] = {load.request_id: [] for load in loads}
     for step_read in reads:
@@ -133,6 +147,29 @@ def _lend(worker: StepWorker, step_read: _StepRead) -> None:
         step_read.outcome = exc
         return
     step_read.target = PackedTarget(grant=grant, into=step_read.allocation, held=held)
+
+
+async def _land_prefetched(worker: StepWorker, peer: PrefillPeer, step_read: _StepRead) -> bool:
+    """Land a read from its grant's prefetched bytes (waiting for a prefetch in flight, within the pull's bound);
+    False where they are not here (never came, dropped, or a plan they cannot serve: the read is then pulled)."""
+    key = step_read.target.grant.grant_id
+    entry = await worker.prefetches.claim(peer.address, key, worker.settings.pull_timeout_s)
+    if entry is None:
+        return False
+    try:
+        plan = entry.land(peer, step_read.target)
+    except ValueError as exc:
+        entry.drop()
+        logger.warning("prefetched grant %s of request %s not used (pulled instead): %s", key[:32],
+                       step_read.load.request_id, exc)
+        return False
+    step_read.outcome = PackedLanded(plan.total_bytes, len(plan), entry.seconds)
+    step_read.prefetched = True
+    slots = len(step_read.read.local_slots)
+    worker.stats.count("prefetch_hits")
+    worker.stats.pulled(plan.total_bytes, len(plan), entry.seconds, held=len(step_read.load.held),
+                        blocks=(len(step_read.target.into.block_ids) - len(step_read.target.held)) // slots)
+    return True
 
 
 async def _pull_packed(worker: StepWorker, peer: PrefillPeer, group: list[_StepRead]) -> None:

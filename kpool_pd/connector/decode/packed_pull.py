@@ -83,7 +83,7 @@ def can_pack(peer: PrefillPeer) -> bool:
             and peer.context.ucx is not None)
 
 
-def _plan(peer: PrefillPeer, target: PackedTarget) -> TransferPlan:
+def plan_target(peer: PrefillPeer, target: PackedTarget) -> TransferPlan:
     """The plan of one target (as ``PrefillPeer.pull`` plans the whole request); ValueError for an allocation
     that cannot take it."""
     pool, grant, into = peer.context.pool, target.grant, target.into
@@ -148,7 +148,7 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
     secret = context.secrets.get(peer.address)
     for index, target in enumerate(targets):
         try:
-            plan = _plan(peer, target)
+            plan = plan_target(peer, target)
             views = tuple(regions.region_view(pool, pair.dst) for pair in plan.pairs)
         except (ValueError, StatusError) as exc:
             outcomes[index] = exc
@@ -171,34 +171,15 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
     try:
         for request in requests:
             hops.stamp(request.grant_id, "written")
-        try:
-            answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag,
-                                                                      piece_bytes=PIECE_BYTES), timeout=budget)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                raise PackedPullUnsupported(f"{peer.address} does not serve PackedPull") from None
-            raise rpc_failure(exc, f"PackedPull of {len(requests)} pulls from {peer.address}") from None
-        if len(answer.results) != len(requests):
-            raise StatusError(grpc.StatusCode.INTERNAL, f"PackedPull from {peer.address} answered "
-                              f"{len(answer.results)} results for {len(requests)} pulls")
+        answers = await packed_call(peer, requests, tag, budget)
         served = []
-        for pull, result in zip(planned, answer.results):
-            if result.grant_id != targets[pull.index].grant.grant_id:
-                outcomes[pull.index] = StatusError(grpc.StatusCode.INTERNAL, f"PackedPull from {peer.address} "
-                                                   f"answered grant {result.grant_id!r} out of order")
-            elif result.WhichOneof("message") == "failure":
-                outcomes[pull.index] = StatusError(status_code(result.failure.code),
-                                                   f"Pull from {peer.address}: {result.failure.message}")
+        for pull, answer in zip(planned, answers):
+            if isinstance(answer, StatusError):
+                outcomes[pull.index] = answer
             else:
-                served.append((pull, result.response.done))
+                served.append((pull, answer))
         if served:
-            try:
-                await asyncio.wait_for(receive.wait(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"PackedPull from {peer.address}: its message "
-                                  f"did not land within {budget} s") from None
-            except Exception as exc:  # the receive failed in UCX
-                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"PackedPull from {peer.address}: {exc}") from None
+            await message_landed(peer, receive, deadline, budget)
             if landing is not None:
                 await landing
             landed = True
@@ -222,6 +203,46 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
             retire = asyncio.ensure_future(_retire(ucx, receive, staging, buffer))
             retire.add_done_callback(lambda task: task.cancelled() or task.exception())
     return outcomes
+
+
+async def packed_call(peer: PrefillPeer, requests: list[pb.PullRequest], tag: int, budget: float, *,
+                      keep_grants: bool = False) -> list[pb.PullDone | StatusError]:
+    """The PackedPull call of ``requests`` (UCX tag ``tag``): one outcome a request, in order: its PullDone, or
+    the StatusError that refused it alone. PackedPullUnsupported for a node that does not serve the call;
+    StatusError for a call that failed whole."""
+    try:
+        answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag, piece_bytes=PIECE_BYTES,
+                                                                  keep_grants=keep_grants), timeout=budget)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+            raise PackedPullUnsupported(f"{peer.address} does not serve PackedPull") from None
+        raise rpc_failure(exc, f"PackedPull of {len(requests)} pulls from {peer.address}") from None
+    if len(answer.results) != len(requests):
+        raise StatusError(grpc.StatusCode.INTERNAL, f"PackedPull from {peer.address} answered "
+                          f"{len(answer.results)} results for {len(requests)} pulls")
+    outcomes: list[pb.PullDone | StatusError] = []
+    for request, result in zip(requests, answer.results):
+        if result.grant_id != request.grant_id:
+            outcomes.append(StatusError(grpc.StatusCode.INTERNAL, f"PackedPull from {peer.address} answered grant "
+                                        f"{result.grant_id!r} out of order"))
+        elif result.WhichOneof("message") == "failure":
+            outcomes.append(StatusError(status_code(result.failure.code),
+                                        f"Pull from {peer.address}: {result.failure.message}"))
+        else:
+            outcomes.append(result.response.done)
+    return outcomes
+
+
+async def message_landed(peer: PrefillPeer, receive: ReceiveBatch, deadline: float, budget: float) -> None:
+    """Wait for a PackedPull's message (``receive``) until ``deadline`` (monotonic); StatusError DEADLINE_EXCEEDED
+    past it, UNAVAILABLE for a receive UCX failed."""
+    try:
+        await asyncio.wait_for(receive.wait(), max(deadline - time.monotonic(), 0))
+    except asyncio.TimeoutError:
+        raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"PackedPull from {peer.address}: its message "
+                          f"did not land within {budget} s") from None
+    except Exception as exc:  # the receive failed in UCX
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, f"PackedPull from {peer.address}: {exc}") from None
 
 
 def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, integrity: bool, *,

@@ -38,6 +38,7 @@ from kpool_pd.connector.prefill.engine import PrefillEngine
 from kpool_pd.connector.prefill.grants import GrantKeeper
 from kpool_pd.connector.prefill.handshake import HandshakeDesk
 from kpool_pd.connector.prefill.leases import LeaseTable
+from kpool_pd.connector.prefill.offer_board import MAX_WAIT_S, OfferBoard
 from kpool_pd.connector.prefill.outbound import OutboundPull
 from kpool_pd.connector.prefill.packed_pulls import PackedPullDesk
 from kpool_pd.connector.prefill.prefills import PrefillDesk
@@ -87,6 +88,7 @@ class PrefillConnector(pb.PrefillServiceServicer):
                               grants=self.grants, metrics=self.metrics)
         self.pushes = PushDesk(pool=pool, prefills=self.prefills, pulls=self.pulls)
         self.packed_pulls = PackedPullDesk(self.pulls)
+        self.offer_board = OfferBoard()  # grants held for decode engines named in advance (AwaitOffers)
         self._ucx: UcxNode | None = None
         self._vetting: AddressVetting | None = None
         self.pull_sessions_open = 0  # PullSession calls being served now
@@ -215,6 +217,20 @@ class PrefillConnector(pb.PrefillServiceServicer):
             return await self.packed_pulls.answer(request)
         except StatusError as exc:
             await context.abort(exc.code, exc.message)
+
+    async def AwaitOffers(self, request: pb.AwaitOffersRequest, context) -> pb.AwaitOffersResponse:
+        """The grants held for the calling engine by name since its last call (``offer_board``), waiting up to
+        ``wait_ms`` for the first."""
+        try:
+            self.grants.authenticate(request.engine_id, request.engine_secret, "AwaitOffers")
+            if request.wait_ms > MAX_WAIT_S * 1000:
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"wait_ms {request.wait_ms}: at most "
+                                  f"{int(MAX_WAIT_S * 1000)}")
+            taken = await self.offer_board.take(request.engine_id, request.wait_ms / 1000)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.AwaitOffersResponse(offers=[pb.AnnouncedOffer(grant_id=a.key, params_json=a.params_json)
+                                              for a in taken])
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         try:

@@ -276,14 +276,40 @@ class PullSessionResponse(_message.Message):
     def __init__(self, grant_id: _Optional[str] = ..., response: _Optional[_Union[PullResponse, _Mapping]] = ..., failure: _Optional[_Union[PullFailure, _Mapping]] = ...) -> None: ...
 
 class PackedPullRequest(_message.Message):
-    __slots__ = ("pulls", "ucx_tag", "piece_bytes")
+    __slots__ = ("pulls", "ucx_tag", "piece_bytes", "keep_grants")
     PULLS_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_GRANTS_FIELD_NUMBER: _ClassVar[int]
     pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
     ucx_tag: int
     piece_bytes: int
-    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
+    keep_grants: bool
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., keep_grants: _Optional[bool] = ...) -> None: ...
+
+class AwaitOffersRequest(_message.Message):
+    __slots__ = ("engine_id", "engine_secret", "wait_ms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    engine_secret: bytes
+    wait_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_secret: _Optional[bytes] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class AnnouncedOffer(_message.Message):
+    __slots__ = ("grant_id", "params_json")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    grant_id: str
+    params_json: str
+    def __init__(self, grant_id: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
+
+class AwaitOffersResponse(_message.Message):
+    __slots__ = ("offers",)
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
+    offers: _containers.RepeatedCompositeFieldContainer[AnnouncedOffer]
+    def __init__(self, offers: _Optional[_Iterable[_Union[AnnouncedOffer, _Mapping]]] = ...) -> None: ...
 
 class PackedPullResponse(_message.Message):
     __slots__ = ("results",)

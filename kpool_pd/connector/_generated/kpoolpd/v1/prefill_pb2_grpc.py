@@ -64,6 +64,11 @@ class PrefillServiceStub:
                 request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullRequest.SerializeToString,
                 response_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullResponse.FromString,
                 _registered_method=True)
+        self.AwaitOffers = channel.unary_unary(
+                '/kpoolpd.v1.PrefillService/AwaitOffers',
+                request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.AwaitOffersRequest.SerializeToString,
+                response_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.AwaitOffersResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kpoolpd.v1.PrefillService/Release',
                 request_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
@@ -115,6 +120,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitOffers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -159,6 +170,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.PackedPull,
                     request_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullRequest.FromString,
                     response_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullResponse.SerializeToString,
+            ),
+            'AwaitOffers': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitOffers,
+                    request_deserializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.AwaitOffersRequest.FromString,
+                    response_serializer=kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.AwaitOffersResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -333,6 +349,33 @@ class PrefillService:
             '/kpoolpd.v1.PrefillService/PackedPull',
             kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullRequest.SerializeToString,
             kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.PackedPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitOffers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kpoolpd.v1.PrefillService/AwaitOffers',
+            kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.AwaitOffersRequest.SerializeToString,
+            kpool__pd_dot_connector_dot___generated_dot_kpoolpd_dot_v1_dot_prefill__pb2.AwaitOffersResponse.FromString,
             options,
             channel_credentials,
             insecure,

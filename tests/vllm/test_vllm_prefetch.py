@@ -1,0 +1,187 @@
+"""A consumer prefetches the grants a producer announces to it by name (``prefetch_by``): the producer posts each
+held grant on its board, the consumer that asked for its announcements (``AwaitOffers``) pulls it at once into
+memory of its own, and the decode request's load then lands from those bytes, byte for byte, with no UCX message
+of its own; the producer keeps the grant until the consumer's Release (the request may go elsewhere). A load of
+another prompt, of held blocks, a full budget, an engine that never asked: each is served as before. The
+workers run in this process over vLLM's own GLM-5-Next cache specs (cross-layer blocks and a ring group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+
+import pytest
+
+if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a missing vLLM fails there
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
+
+from kpool_pd.connector import Announcement, ucx_available  # noqa: E402
+from kpool_pd.connector.shared.ucx import UcxNode  # noqa: E402
+from kpool_pd.transfer_params import DecodeParams  # noqa: E402
+from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, prefetch_target, producer_params,  # noqa: E402
+                                    released_after_pull)
+from tests.support.deadlines import patient  # noqa: E402
+from tests.support.polling import wait_for  # noqa: E402
+from tests.support.vllm_spec_caches import backing  # noqa: E402
+from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
+from tests.support.vllm_worker_pair import started, wait_finished, wait_freed, worker_pair  # noqa: E402
+
+pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
+              pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
+
+DONE_S = 60.0
+# per request: (source blocks per group, destination blocks per group); the groups: full attention, the ring
+MOVES = {"a": (((1, 2), (3,)), ((5, 6), (7,))),
+         "b": (((4, 8, 9), (10,)), ((12, 14, 15), (16,)))}
+
+
+@pytest.fixture
+def pair():
+    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "prefetch", transport="ucx")
+    with started(producer, consumer):
+        address = producer.settings.advertise
+        consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
+        assert wait_for(lambda: producer.node.offer_board.listening(consumer.engine_id), DONE_S), \
+            "the consumer never asked the producer for its announcements"
+        yield producer, producer_caches, consumer, consumer_caches
+
+
+@pytest.fixture
+def sends(monkeypatch):
+    """The byte count of every UCX message posted in this process (the producer's sends)."""
+    posted = []
+    original = UcxNode.post_send
+
+    def post_send(self, ep, view, tag, **kwargs):
+        posted.append(view.numel())
+        return original(self, ep, view, tag, **kwargs)
+    monkeypatch.setattr(UcxNode, "post_send", post_send)
+    return posted
+
+
+def offered(producer, request_id: str, prefetch_by: str) -> tuple[Offer, dict]:
+    src, _ = MOVES[request_id]
+    offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=src, prompt_len=200,
+                  prompt_digest=spec_digest(request_id, src), prefetch_by=prefetch_by)
+    producer.offer(KpoolPdMetadata(offers=[offer]))
+    return offer, producer_params(offer, address=producer.settings.advertise, engine_id=producer.engine_id,
+                                  lease_s=60.0, rank_addresses=(producer.settings.advertise,),
+                                  released_after_pull=True)
+
+
+def load_of(request_id: str, params: dict, *, digest_of: str | None = None, held=()) -> Load:
+    _, dst = MOVES[request_id]
+    return Load(request_id=request_id, params=DecodeParams.parse(params), block_ids=dst, held=tuple(held),
+                digest=spec_digest(digest_of or request_id, dst), released_after_pull=released_after_pull(params))
+
+
+def block_equal(producer_caches, consumer_caches, src: int, dst: int) -> bool:
+    theirs, ours = backing(producer_caches), backing(consumer_caches)
+    size = theirs.numel() // NUM_BLOCKS
+    return bool((ours[dst * size:(dst + 1) * size] == theirs[src * size:(src + 1) * size]).all())
+
+
+def landed_equal(producer_caches, consumer_caches, request_id: str, skip=()) -> bool:
+    src_all, dst_all = MOVES[request_id]
+    return all(block_equal(producer_caches, consumer_caches, s, d)
+               for theirs, ours in zip(src_all, dst_all) for s, d in zip(theirs, ours) if d not in skip)
+
+
+def prefetched(consumer, address: str, key: str) -> bool:
+    async def held():
+        return (address, key) in consumer.prefetches._held
+    return consumer.loop.call(held)
+
+
+def test_a_named_consumer_prefetches_and_its_load_sends_nothing(pair, sends):
+    producer, producer_caches, consumer, consumer_caches = pair
+    address = producer.settings.advertise
+    offer, params = offered(producer, "a", consumer.engine_id)
+    assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S), "the announced grant was not prefetched"
+    assert sends, "the prefetch sent nothing"
+    prefetch_sends = len(sends)
+    assert producer.cache.allocations_held == 1  # kept for the consumer's Release (the producer frees after a pull)
+    consumer.load(KpoolPdMetadata(loads=[load_of("a", params)]))
+    done, failed = wait_finished(consumer, "a", DONE_S)
+    assert done == {"a"} and failed == set()
+    assert len(sends) == prefetch_sends, "the load sent a UCX message of its own"
+    assert landed_equal(producer_caches, consumer_caches, "a")
+    stats = consumer.take_stats().data
+    assert stats["prefetch_hits"] == 1 and stats["grants_prefetched"] == 1 and stats["pulls"] == 1
+    assert wait_freed(producer, patient(DONE_S)) < patient(DONE_S), "the consumer's Release never freed the grant"
+    assert producer.take_stats().data["grants_announced"] == 1
+    assert consumer.cache.allocations_held == 0
+
+
+def test_a_load_with_held_blocks_lands_the_rest_from_the_prefetch(pair, sends):
+    producer, producer_caches, consumer, consumer_caches = pair
+    address = producer.settings.advertise
+    offer, params = offered(producer, "b", consumer.engine_id)
+    assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S)
+    prefetch_sends = len(sends)
+    before = backing(consumer_caches).clone()
+    consumer.load(KpoolPdMetadata(loads=[load_of("b", params, held=(1,))]))  # the prefix cache holds block 14
+    done, failed = wait_finished(consumer, "b", DONE_S)
+    assert done == {"b"} and failed == set() and len(sends) == prefetch_sends
+    assert landed_equal(producer_caches, consumer_caches, "b", skip=(14,))
+    size = before.numel() // NUM_BLOCKS
+    assert bool((backing(consumer_caches)[14 * size:15 * size] == before[14 * size:15 * size]).all()), \
+        "a held block was written"
+
+
+def test_a_load_of_another_prompt_does_not_take_the_prefetched_bytes(pair, sends):
+    producer, producer_caches, consumer, consumer_caches = pair
+    address = producer.settings.advertise
+    offer, params = offered(producer, "a", consumer.engine_id)
+    assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S)
+    consumer.load(KpoolPdMetadata(loads=[load_of("a", params, digest_of="not-a")]))
+    done, failed = wait_finished(consumer, "a", DONE_S)
+    assert done == {"a"} and failed == {"a"}  # its key is not the grant's: refused by the producer, as before
+    assert not landed_equal(producer_caches, consumer_caches, "a")
+    assert prefetched(consumer, address, offer.key), "the prefetch was dropped by a load that does not match it"
+    assert consumer.take_stats().data["prefetch_hits"] == 0
+
+
+def test_an_engine_that_never_asked_is_announced_nothing_and_its_load_pulls(pair, sends):
+    producer, producer_caches, consumer, consumer_caches = pair
+    assert not producer.node.offer_board.post("vllm-stranger", Announcement("k", "{}"))
+    offer, params = offered(producer, "a", "vllm-stranger")
+    consumer.load(KpoolPdMetadata(loads=[load_of("a", params)]))
+    done, failed = wait_finished(consumer, "a", DONE_S)
+    assert done == {"a"} and failed == set()
+    assert landed_equal(producer_caches, consumer_caches, "a")
+    stats = consumer.take_stats().data
+    assert stats["prefetch_hits"] == 0 and stats["grants_prefetched"] == 0 and stats["pulls"] == 1
+    assert producer.take_stats().data.get("grants_announced", 0) == 0
+
+
+def test_unclaimed_prefetches_are_dropped_after_their_lease(pair):
+    producer, _, consumer, _ = pair
+    address = producer.settings.advertise
+    offer, _ = offered(producer, "a", consumer.engine_id)
+    assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S)
+
+    async def expire_later():
+        return consumer.prefetches.expire(now=10**9)
+    assert consumer.loop.call(expire_later) == 1
+    assert not prefetched(consumer, address, offer.key)
+    assert consumer.take_stats().data["prefetches_expired"] == 1
+
+
+def test_prefetch_by_names_a_consumer_by_its_vllm_engine_id():
+    assert prefetch_target({"do_remote_decode": True, "prefetch_by": "d0"}) == "vllm-d0"
+    assert prefetch_target({"do_remote_decode": True}) == ""
+    for bad in ("", 7, "x" * 300, None):
+        with pytest.raises(ValueError, match="prefetch_by"):
+            prefetch_target({"prefetch_by": bad})
+
+
+def test_prefetch_mib_is_checked_and_zero_turns_prefetching_off():
+    from kpool_pd.vllm.settings import KpoolPdSettings
+    base = {"producers": ["127.0.0.1:1"], "transport": "grpc"}
+    assert KpoolPdSettings.from_extra_config(base, producer=False).prefetch_mib == 256
+    assert KpoolPdSettings.from_extra_config(base | {"prefetch_mib": 0}, producer=False).prefetch_mib == 0
+    for bad in (-1, 1.5, "64", True):
+        with pytest.raises(ValueError, match="prefetch_mib"):
+            KpoolPdSettings.from_extra_config(base | {"prefetch_mib": bad}, producer=False)
