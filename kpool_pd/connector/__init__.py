@@ -50,8 +50,8 @@ Decode side (``DecodeConnector(pool, ...)``, one per decode node):
   a node that does not serve it (nothing landed: pull each alone).
 - ``prefetch_packed(peer, grants)``: a vLLM consumer, for grants the prefill node announced to it by name
   (``AwaitOffers``; the prefill side posts them on its ``OfferBoard`` as ``Announcement``s): pulled whole into a
-  buffer of their own before their requests arrive, kept held on the prefill node (``keep_grants``) until the
-  consumer's Release; ``Prefetched.land(peer, target)`` copies a load's plan from it into the load's blocks.
+  buffer of their own before their requests arrive; ``Prefetched.land(peer, target)`` copies a load's plan from it
+  into the load's blocks.
 - The peer keeps itself alive (one loop: Heartbeats renewing the grants it is pulling, a new Handshake
   when the prefill node forgot it) until it is closed.
 

@@ -98,13 +98,15 @@ class ConsumerWorker:
         self._peers: dict[str, PrefillPeer] = {}
         self.unpacked: set[str] = set()  # producers that do not serve PackedPull: their reads go one at a time
         self.staging = StagingBuffers(pool.device)  # a step's batches land here before their blocks
-        prefetching = settings.transport is Transport.UCX and seat.tp_size == 1 and units <= 1
+        prefetching = settings.transport is Transport.UCX and seat.tp_size == 1
         self.prefetches = Prefetches(budget_bytes=(settings.prefetch_mib << 20) if prefetching else 0,
-                                     staging=StagingBuffers(pool.device), stats=self.stats,
+                                     reads_for=self.reads_for, staging=StagingBuffers(pool.device), stats=self.stats,
                                      integrity=settings.integrity, rpc_timeout_s=settings.rpc_timeout_s)
         self._connecting: dict[str, asyncio.Lock] = {}
         self._renewing: dict[tuple[str, str, str], tuple[Renew, float]] = {}  # (request, address, key) -> its
         # renewal, when it is next due
+        self._queued: dict[str, set[tuple[str, str]]] = {}  # request in vLLM's queue -> (address, key) of its grants
+        self.prefetches.kept = self.queued_grants  # a queued request's prefetched bytes stay, however long it waits
 
     def start(self) -> None:
         if self.settings.transport is Transport.UCX:  # PackedPull's staging: only a UCX consumer batches its loads
@@ -122,9 +124,12 @@ class ConsumerWorker:
             for renew in metadata.renewals:
                 if renew.rank == rank:
                     self._renewing[(renew.request_id, renew.address, renew.key)] = (renew, now + renew.lease_s / 3)
+                    self._queued.setdefault(renew.request_id, set()).add((renew.address, renew.key))
             ended = {e.request_id for e in (*metadata.loads, *metadata.releases)}
             if ended:
                 self._renewing = {k: v for k, v in self._renewing.items() if k[0] not in ended}
+                for request_id in ended:
+                    self._queued.pop(request_id, None)
         if metadata.loads or releases:
             self.progress.begin(len(metadata.loads))  # this step's idle wait waits for them
             loads = list(metadata.loads)
@@ -171,9 +176,14 @@ class ConsumerWorker:
 
     def reads_of(self, load: Load) -> tuple[tuple[Read, ...], int, int]:
         """(this rank's reads of ``load``, head slots a block holds here, in the producer's ranks) in this
-        pool's ids. ValueError naming the sizes for a plan this pool cannot pull (heterogeneous TP of caches
-        split by head needs a pool of head units)."""
-        plan = self.ranks.plan(load.producer_ranks.tp_size)
+        pool's ids: ``reads_for`` its producer's TP size."""
+        return self.reads_for(load.producer_ranks.tp_size)
+
+    def reads_for(self, producer_tp: int) -> tuple[tuple[Read, ...], int, int]:
+        """(this rank's reads of a request from a producer of ``producer_tp`` ranks, head slots a block holds
+        here, in the producer's ranks) in this pool's ids. ValueError naming the sizes for a plan this pool
+        cannot pull (heterogeneous TP of caches split by head needs a pool of head units)."""
+        plan = self.ranks.plan(producer_tp)
         reads = plan.reads[self.seat.tp_rank]
         if self.units:
             return reads, plan.local_units, plan.remote_units
@@ -331,6 +341,12 @@ class ConsumerWorker:
                 self._renewing.pop((renew.request_id, renew.address, renew.key), None)
         else:
             self.stats.count("grants_renewed")
+
+    def queued_grants(self) -> set[tuple[str, str]]:
+        """(producer address, grant key) of every grant a request in vLLM's queue here names (until its load or
+        release), whether or not the producer still holds it (a prefetch may have freed it there)."""
+        with self._lock:
+            return {grant for grants in self._queued.values() for grant in grants}
 
     def renewing(self) -> set[str]:
         """The queued requests whose grants are being kept alive."""

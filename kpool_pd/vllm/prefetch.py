@@ -4,16 +4,21 @@ A proxy that knows where a request will decode names that consumer in the produc
 (``{"do_remote_decode": true, "prefetch_by": "<the consumer's vLLM engine_id>"}``). The producer announces the
 grant to that consumer as soon as it holds it (``AwaitOffers``, ``kpool_pd.connector.OfferBoard``), with the
 ``kv_transfer_params`` the decode request will carry; the consumer pulls it at once into memory of its own
-(``kpool_pd.connector.prefetch_packed``: the producer keeps the grant held), while the proxy is still on its way.
-When the decode request's load comes, the step's batch (``kpool_pd.vllm.step_pulls``) copies those bytes into its
-blocks instead of pulling them, and releases the grant.
+(``kpool_pd.connector.prefetch_packed``), while the proxy is still on its way. When the decode request's load
+comes, the step's batch (``kpool_pd.vllm.step_pulls``) copies those bytes into its blocks instead of pulling them.
+The prefetch is the grant's pull: a producer that frees a grant once a pull sent it all (``release_after_pull``,
+the default) frees it then, and its blocks are vLLM's again before the decode request even arrives; otherwise the
+load's Release follows as after any pull. So a request the proxy then sends to another consumer than the one it
+named finds no grant there: that consumer recomputes its prompt (or fails it, as its ``kv_load_failure_policy``
+says), as when a grant's lease ran out.
 
 Nothing changes for a request whose bytes are not here: it is pulled as before. Prefetched bytes count against
 ``prefetch_mib`` (announcements beyond it are left to their pulls), are never written into a block before a load
 of this engine claims them under the same key (the grant bound to the prompt's digest: a load of another prompt
-does not match), and are dropped once their grant's lease has passed unclaimed (the producer's lease frees the
-grant; a request still queued renews it and pulls it). A consumer follows each producer it has handshaken with
-(one ``AwaitOffers`` call waiting at a time); only engines of one TP rank with whole blocks prefetch.
+does not match), and are dropped once their grant's lease has passed unclaimed, unless a request queued here
+names them (``expire``'s ``kept``: a queued request never loses its prompt, however long the queue). A consumer follows each producer it has handshaken with
+(one ``AwaitOffers`` call waiting at a time); only consumers of one TP rank prefetch, and only producers of one
+TP rank announce.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -30,6 +36,7 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector import prefetch_packed
 from kpool_pd.transfer_params import DecodeParams
 from kpool_pd.vllm.metadata import rank_grant
+from kpool_pd.vllm.rank_params import RankParams
 from kpool_pd.vllm.ranks import Read
 from kpool_pd.vllm.stats import StatsRecorder
 
@@ -37,22 +44,23 @@ logger = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # how long one AwaitOffers call waits for an announcement
 RETRY_S = 1.0  # after a failed AwaitOffers call, the wait before the next
-WHOLE = Read(remote_rank=0, remote_slots=(0,), local_slots=(0,), whole=True)
 
 
 class Prefetches:
     """The prefetched grants of one consumer rank, by (producer address, grant key), and the loops that fetch them
-    (on the connector's event loop only). ``budget_bytes``: the most held at once."""
+    (on the connector's event loop only). ``budget_bytes``: the most held at once; ``reads_for``: the consumer
+    rank's reads of a producer of that many TP ranks (``ConsumerWorker.reads_for``)."""
 
-    def __init__(self, *, budget_bytes: int, staging: StagingBuffers, stats: StatsRecorder, integrity: bool,
-                 rpc_timeout_s: float) -> None:
-        self.budget_bytes, self.staging, self.stats = budget_bytes, staging, stats
+    def __init__(self, *, budget_bytes: int, reads_for: Callable[[int], tuple[tuple[Read, ...], int, int]],
+                 staging: StagingBuffers, stats: StatsRecorder, integrity: bool, rpc_timeout_s: float) -> None:
+        self.budget_bytes, self.reads_for, self.staging, self.stats = budget_bytes, reads_for, staging, stats
         self.integrity, self.rpc_timeout_s = integrity, rpc_timeout_s
         self._held: dict[tuple[str, str], Prefetched] = {}
         self._coming: dict[tuple[str, str], asyncio.Future] = {}  # being pulled: resolves to the entry or None
         self._lease_s: dict[tuple[str, str], float] = {}
         self._following: dict[str, asyncio.Task] = {}
         self._room = asyncio.Event()
+        self.kept: Callable[[], set[tuple[str, str]]] = set  # (address, key) of the requests queued here
 
     @property
     def held_bytes(self) -> int:
@@ -95,11 +103,15 @@ class Prefetches:
     def _grant(self, peer: PrefillPeer, offer) -> tuple[object, float]:
         """The grant an announcement names (as its decode request's load will name it) and its lease; ValueError
         for params that fail their checks or name another producer or key."""
-        params = DecodeParams.parse(json.loads(offer.params_json))
-        if params.address != peer.address:
-            raise ValueError(f"announced by {peer.address} for {params.address}")
-        grant, _ = rank_grant(params, params.prompt_digest, peer.context.pool.layout, params.block_ids, WHOLE,
-                              local_units=1, remote_units=1)
+        raw = json.loads(offer.params_json)
+        params, ranks = DecodeParams.parse(raw), RankParams.parse(raw)
+        if params.address != peer.address or ranks.addresses != (peer.address,):
+            raise ValueError(f"announced by {peer.address} for {list(ranks.addresses)}")
+        reads, local_units, remote_units = self.reads_for(ranks.tp_size)
+        if len(reads) != 1 or not reads[0].whole:
+            raise ValueError(f"this rank reads {len(reads)} shares of a producer of {ranks.tp_size} ranks")
+        grant, _ = rank_grant(params, params.prompt_digest, peer.context.pool.layout, params.block_ids, reads[0],
+                              local_units=local_units, remote_units=remote_units)
         if grant.grant_id != offer.grant_id:
             raise ValueError(f"announced as {offer.grant_id!r}, its params name {grant.grant_id!r}")
         return grant, params.lease_s
@@ -165,10 +177,12 @@ class Prefetches:
         return (address, key) in self._held or (address, key) in self._coming
 
     def expire(self, now: float | None = None) -> int:
-        """Drop the entries held longer than their grant's lease (unclaimed: the producer's lease frees the
-        grant, or a queued request's renewal keeps it for its pull); returns how many."""
+        """Drop the entries held longer than their grant's lease that no request queued here names (``kept``,
+        set by the consumer: its queued requests' (producer address, grant key)); returns how many."""
         now = time.monotonic() if now is None else now
-        stale = [key for key, entry in self._held.items() if now - entry.landed_at > self._lease_s.get(key, 0.0)]
+        kept = self.kept()
+        stale = [key for key, entry in self._held.items()
+                 if now - entry.landed_at > self._lease_s.get(key, 0.0) and key not in kept]
         for key in stale:
             self._held.pop(key).drop()
             self._lease_s.pop(key, None)

@@ -41,6 +41,12 @@ from kpool_pd.vllm.units import unit_ids
 logger = logging.getLogger(__name__)
 
 
+def _logged_failure(task: asyncio.Task) -> None:
+    """A background task's end: its exception logged (nobody awaits it)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("announcing grants failed", exc_info=task.exception())
+
+
 class NoPrefillCalls:
     """A vLLM producer computes the prompts its own scheduler admits; it answers no Prefill call."""
 
@@ -81,10 +87,8 @@ class ProducerWorker:
 
     def _pull_sent(self, outbound) -> None:
         """A pull sent its grant's every byte (on the loop, as its stream ends): the grant is released, and
-        freed as soon as no pull reads it (the pull's own end reaps it); a prefetch's grant (``kept``) stays for
-        its consumer's Release or the lease (the request may yet go to another consumer)."""
-        if not getattr(outbound, "kept", False):
-            outbound.grant.release_requested = True
+        freed as soon as no pull reads it (the pull's own end reaps it)."""
+        outbound.grant.release_requested = True
 
     def start(self) -> None:
         warm_staging(self.node.packed_pulls.staging, self.cache.pool)
@@ -191,14 +195,13 @@ class ProducerWorker:
                     announced.append(offer)
         if announced:
             announce = self._announce(announced, computed)
-            task = asyncio.ensure_future(announce)
-            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+            asyncio.ensure_future(announce).add_done_callback(_logged_failure)
 
     async def _announce(self, offers: list, computed) -> None:
         """Announce each offer's whole grant to the consumer it names (``OfferBoard``), with the params its
-        decode request will carry. Only where a rank holds each request whole: one TP rank, one head slot a
-        block (a consumer engine's ranks otherwise pull shares this announcement does not describe)."""
-        if self.seat.tp_size != 1 or self.units > 1:
+        decode request will carry. Only where one rank holds each request (one TP rank: a consumer engine's ranks
+        otherwise pull shares of several)."""
+        if self.seat.tp_size != 1:
             return
         if computed is not None:
             await asyncio.get_running_loop().run_in_executor(None, computed.synchronize)

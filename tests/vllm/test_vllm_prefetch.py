@@ -1,8 +1,9 @@
 """A consumer prefetches the grants a producer announces to it by name (``prefetch_by``): the producer posts each
 held grant on its board, the consumer that asked for its announcements (``AwaitOffers``) pulls it at once into
 memory of its own, and the decode request's load then lands from those bytes, byte for byte, with no UCX message
-of its own; the producer keeps the grant until the consumer's Release (the request may go elsewhere). A load of
-another prompt, of held blocks, a full budget, an engine that never asked: each is served as before. The
+of its own. The prefetch is the grant's pull: a producer that frees grants after a pull frees it then, one that
+does not keeps it for the load's Release. A load of another prompt, of held blocks, an engine that never asked:
+each is served as before; a request queued here keeps its prefetched bytes past their lease. The
 workers run in this process over vLLM's own GLM-5-Next cache specs (cross-layer blocks and a ring group)."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 from kpool_pd.connector import Announcement, ucx_available  # noqa: E402
 from kpool_pd.connector.shared.ucx import UcxNode  # noqa: E402
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
-from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, prefetch_target, producer_params,  # noqa: E402
-                                    released_after_pull)
+from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Renew, prefetch_target,  # noqa: E402
+                                    producer_params, released_after_pull)
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
@@ -36,9 +37,10 @@ MOVES = {"a": (((1, 2), (3,)), ((5, 6), (7,))),
          "b": (((4, 8, 9), (10,)), ((12, 14, 15), (16,)))}
 
 
-@pytest.fixture
-def pair():
-    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "prefetch", transport="ucx")
+@pytest.fixture(params=[True, False], ids=["release_after_pull", "released_by_the_consumer"])
+def pair(request):
+    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "prefetch", transport="ucx",
+                                                                       release_after_pull=request.param)
     with started(producer, consumer):
         address = producer.settings.advertise
         consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
@@ -67,7 +69,7 @@ def offered(producer, request_id: str, prefetch_by: str) -> tuple[Offer, dict]:
     producer.offer(KpoolPdMetadata(offers=[offer]))
     return offer, producer_params(offer, address=producer.settings.advertise, engine_id=producer.engine_id,
                                   lease_s=60.0, rank_addresses=(producer.settings.advertise,),
-                                  released_after_pull=True)
+                                  released_after_pull=producer.settings.release_after_pull)
 
 
 def load_of(request_id: str, params: dict, *, digest_of: str | None = None, held=()) -> Load:
@@ -101,7 +103,10 @@ def test_a_named_consumer_prefetches_and_its_load_sends_nothing(pair, sends):
     assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S), "the announced grant was not prefetched"
     assert sends, "the prefetch sent nothing"
     prefetch_sends = len(sends)
-    assert producer.cache.allocations_held == 1  # kept for the consumer's Release (the producer frees after a pull)
+    if producer.settings.release_after_pull:  # the prefetch was the pull: the grant ended with it
+        assert wait_freed(producer, patient(DONE_S)) < patient(DONE_S), "the prefetch did not end the grant"
+    else:
+        assert producer.cache.allocations_held == 1  # kept for the load's Release
     consumer.load(KpoolPdMetadata(loads=[load_of("a", params)]))
     done, failed = wait_finished(consumer, "a", DONE_S)
     assert done == {"a"} and failed == set()
@@ -109,7 +114,7 @@ def test_a_named_consumer_prefetches_and_its_load_sends_nothing(pair, sends):
     assert landed_equal(producer_caches, consumer_caches, "a")
     stats = consumer.take_stats().data
     assert stats["prefetch_hits"] == 1 and stats["grants_prefetched"] == 1 and stats["pulls"] == 1
-    assert wait_freed(producer, patient(DONE_S)) < patient(DONE_S), "the consumer's Release never freed the grant"
+    assert wait_freed(producer, patient(DONE_S)) < patient(DONE_S), "the grant was never freed"
     assert producer.take_stats().data["grants_announced"] == 1
     assert consumer.cache.allocations_held == 0
 
@@ -156,17 +161,36 @@ def test_an_engine_that_never_asked_is_announced_nothing_and_its_load_pulls(pair
     assert producer.take_stats().data.get("grants_announced", 0) == 0
 
 
+def expire_later(consumer) -> int:
+    """``Prefetches.expire`` as if every lease had passed."""
+    async def expire():
+        return consumer.prefetches.expire(now=10**9)
+    return consumer.loop.call(expire)
+
+
 def test_unclaimed_prefetches_are_dropped_after_their_lease(pair):
     producer, _, consumer, _ = pair
     address = producer.settings.advertise
     offer, _ = offered(producer, "a", consumer.engine_id)
     assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S)
-
-    async def expire_later():
-        return consumer.prefetches.expire(now=10**9)
-    assert consumer.loop.call(expire_later) == 1
+    assert expire_later(consumer) == 1
     assert not prefetched(consumer, address, offer.key)
     assert consumer.take_stats().data["prefetches_expired"] == 1
+
+
+def test_a_queued_requests_prefetch_outlives_its_lease_and_lands(pair, sends):
+    producer, producer_caches, consumer, consumer_caches = pair
+    address = producer.settings.advertise
+    offer, params = offered(producer, "a", consumer.engine_id)
+    assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S)
+    consumer.load(KpoolPdMetadata(renewals=[Renew(request_id="a", address=address, key=offer.key, lease_s=60.0)]))
+    assert expire_later(consumer) == 0, "a queued request's prefetched bytes were dropped"
+    prefetch_sends = len(sends)
+    consumer.load(KpoolPdMetadata(loads=[load_of("a", params)]))
+    done, failed = wait_finished(consumer, "a", DONE_S)
+    assert done == {"a"} and failed == set() and len(sends) == prefetch_sends
+    assert landed_equal(producer_caches, consumer_caches, "a")
+    assert consumer.queued_grants() == set()
 
 
 def test_prefetch_by_names_a_consumer_by_its_vllm_engine_id():

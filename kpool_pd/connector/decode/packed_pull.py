@@ -205,14 +205,14 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
     return outcomes
 
 
-async def packed_call(peer: PrefillPeer, requests: list[pb.PullRequest], tag: int, budget: float, *,
-                      keep_grants: bool = False) -> list[pb.PullDone | StatusError]:
+async def packed_call(peer: PrefillPeer, requests: list[pb.PullRequest], tag: int,
+                      budget: float) -> list[pb.PullDone | StatusError]:
     """The PackedPull call of ``requests`` (UCX tag ``tag``): one outcome a request, in order: its PullDone, or
     the StatusError that refused it alone. PackedPullUnsupported for a node that does not serve the call;
     StatusError for a call that failed whole."""
     try:
-        answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag, piece_bytes=PIECE_BYTES,
-                                                                  keep_grants=keep_grants), timeout=budget)
+        answer = await peer._stub.PackedPull(pb.PackedPullRequest(pulls=requests, ucx_tag=tag, piece_bytes=PIECE_BYTES),
+                                   timeout=budget)
     except grpc.aio.AioRpcError as exc:
         if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
             raise PackedPullUnsupported(f"{peer.address} does not serve PackedPull") from None

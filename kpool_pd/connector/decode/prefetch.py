@@ -1,9 +1,9 @@
 """Prefetch on the decode node: grants a prefill node announced to this engine (``AwaitOffers``) pulled before
 their decode requests arrive, and landed into a request's blocks when its load comes.
 
-``prefetch_packed(peer, grants, staging)`` pulls whole grants in one PackedPull (``keep_grants``: the prefill node
-keeps them held until this node's Release or their lease, whatever its release policy, since the request may yet
-go elsewhere) into one buffer of their own, laid out by the grants' source regions. ``Prefetched.land(peer,
+``prefetch_packed(peer, grants, staging)`` pulls whole grants in one PackedPull (a pull like any other: a prefill
+node that frees a grant once a pull sent it all frees these too) into one buffer of their own, laid out by the
+grants' source regions. ``Prefetched.land(peer,
 target)`` plans the load as a pull of it would (``kpool_pd.connector.decode.packed_pull``), finds each region the
 plan reads inside the prefetched ones (a load's plan splits source runs where its own blocks are not consecutive,
 and skips held blocks), and copies the bytes into the target's blocks. The bytes are the prefill node's, checked
@@ -113,7 +113,7 @@ def whole_plan(peer: PrefillPeer, grant: PrefillGrant) -> TransferPlan:
 
 async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, staging: StagingBuffers,
                           integrity: bool = False) -> list[Prefetched | BaseException]:
-    """Pull ``grants`` (whole) from ``peer`` in one PackedPull that keeps them held there, into one buffer of
+    """Pull ``grants`` (whole) from ``peer`` in one PackedPull, into one buffer of
     ``staging``: one outcome a grant, in order (what is held here, or why that grant was not). PackedPullUnsupported
     when the node does not serve the call (nothing held); a failed call or message fails every grant."""
     context = peer.context
@@ -143,7 +143,7 @@ async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, 
     deadline = time.monotonic() + budget
     landed = False
     try:
-        answers = await packed_call(peer, requests, tag, budget, keep_grants=True)
+        answers = await packed_call(peer, requests, tag, budget)
         served = [(entry, done) for entry, done in zip(planned, answers) if not isinstance(done, StatusError)]
         for (index, _, _), done in zip(planned, answers):
             if isinstance(done, StatusError):

@@ -51,7 +51,6 @@ class PackedPullServed:
 
     grant: Grant
     plan: ServedPlan
-    kept: bool = False  # a prefetch (``keep_grants``): the grant stays held whatever the node's release policy
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ class PackedPullDesk:
             for pull in accepted:
                 pull.grant.pulls_in_flight -= 1
                 if finished and desk.on_pull_done is not None:
-                    desk.on_pull_done(PackedPullServed(pull.grant, pull.plan, request.keep_grants))
+                    desk.on_pull_done(PackedPullServed(pull.grant, pull.plan))
             desk.grants.reap()
 
 

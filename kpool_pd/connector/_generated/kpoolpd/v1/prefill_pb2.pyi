@@ -276,16 +276,14 @@ class PullSessionResponse(_message.Message):
     def __init__(self, grant_id: _Optional[str] = ..., response: _Optional[_Union[PullResponse, _Mapping]] = ..., failure: _Optional[_Union[PullFailure, _Mapping]] = ...) -> None: ...
 
 class PackedPullRequest(_message.Message):
-    __slots__ = ("pulls", "ucx_tag", "piece_bytes", "keep_grants")
+    __slots__ = ("pulls", "ucx_tag", "piece_bytes")
     PULLS_FIELD_NUMBER: _ClassVar[int]
     UCX_TAG_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KEEP_GRANTS_FIELD_NUMBER: _ClassVar[int]
     pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
     ucx_tag: int
     piece_bytes: int
-    keep_grants: bool
-    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., keep_grants: _Optional[bool] = ...) -> None: ...
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., ucx_tag: _Optional[int] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
 
 class AwaitOffersRequest(_message.Message):
     __slots__ = ("engine_id", "engine_secret", "wait_ms")
