@@ -68,7 +68,8 @@ def test_prefill_service_and_enums_match_the_connector():
     from kpool_pd.connector.shared.plan import PoolKind
 
     assert [m.name for m in pb.SERVICE_DESCRIPTOR.methods] == ["Handshake", "Prefill", "Pull", "PullSession",
-                                                               "PrefillPush", "PackedPull", "Release", "Heartbeat"]
+                                                               "PrefillPush", "PackedPull", "AwaitOffers", "Release",
+                                                               "Heartbeat"]
     assert PrefillConnector.service_name == pb.SERVICE_NAME == "kpoolpd.v1.PrefillService"
     assert {k.name: k.value for k in PoolKind} == {"BLOCKS": pb.POOL_KIND_BLOCKS, "RINGS": pb.POOL_KIND_RINGS}
     assert {t.value for t in Transport} == {pb.TRANSPORT_UCX, pb.TRANSPORT_GRPC_STREAM}

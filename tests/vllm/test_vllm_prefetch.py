@@ -209,3 +209,49 @@ def test_prefetch_mib_is_checked_and_zero_turns_prefetching_off():
     for bad in (-1, 1.5, "64", True):
         with pytest.raises(ValueError, match="prefetch_mib"):
             KpoolPdSettings.from_extra_config(base | {"prefetch_mib": bad}, producer=False)
+
+
+@pytest.mark.parametrize("engine, secret, wait_ms, code", [
+    ("own", b"not-its-secret", 0, "PERMISSION_DENIED"),
+    ("vllm-never-handshaken", b"", 0, "FAILED_PRECONDITION"),
+    ("own", None, 60_000, "INVALID_ARGUMENT"),
+], ids=["wrong_secret", "unknown_engine", "wait_too_long"])
+def test_await_offers_refuses_what_it_must_with_a_status_and_a_message(pair, engine, secret, wait_ms, code):
+    import grpc
+
+    from kpool_pd.connector import prefill_api as pb
+    producer, _, consumer, _ = pair
+    address = producer.settings.advertise
+
+    async def ask():
+        peer = await consumer.peer(address)
+        engine_id = consumer.engine_id if engine == "own" else engine
+        request = pb.AwaitOffersRequest(engine_id=engine_id, wait_ms=wait_ms,
+                                        engine_secret=peer.context.secrets.get(address) if secret is None else secret)
+        try:
+            await peer._stub.AwaitOffers(request, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, exc.details()
+        return "OK", ""
+    got, details = consumer.loop.call(ask)
+    assert got == code and details, (got, details)
+
+
+def test_an_announcement_for_another_producer_is_ignored(pair, caplog):
+    import json as jsonlib
+    import logging
+
+    from kpool_pd.connector import prefill_api as pb
+    producer, _, consumer, _ = pair
+    address = producer.settings.advertise
+    offer, params = offered(producer, "a", "")  # announced to nobody
+    forged = params | {"remote_address": "10.0.0.1:1", "remote_rank_addresses": ["10.0.0.1:1"]}
+    announced = pb.AnnouncedOffer(grant_id=offer.key, params_json=jsonlib.dumps(forged))
+
+    async def fetch():
+        peer = await consumer.peer(address)
+        await consumer.prefetches._fetch(peer, [announced])
+        return consumer.prefetches.held_bytes
+    with caplog.at_level(logging.WARNING, logger="kpool_pd.vllm.prefetch"):
+        assert consumer.loop.call(fetch) == 0
+    assert any("ignored" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

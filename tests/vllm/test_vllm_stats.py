@@ -28,7 +28,8 @@ def test_counts_are_taken_once_and_summed_across_workers():
     total = KpoolPdConnector.build_kv_connector_stats(first.to_dict()).aggregate(second)
     assert total.reduce() == {"pulls": 2, "pull_failures": 2, "pulled_blocks": 3, "held_blocks": 2,
                               "grants_released": 1, "grants_renewed": 0, "grants_offered": 0, "grants_withdrawn": 0,
-                              "leases_expired": 0,
+                              "leases_expired": 0, "grants_announced": 0, "grants_prefetched": 0, "prefetch_hits": 0,
+                              "prefetches_expired": 0, "prefetches_skipped": 0,
                               "pulled_MiB": 4.0, "avg_pull_ms": 20.0}
     assert not total.is_empty() and KpoolPdStats().is_empty()
     with pytest.raises(ValueError, match="no count"):
