@@ -1,7 +1,7 @@
 """Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer Llama of
-seeded weights on the CPU) with KpoolPdConnector over UCX (kpool-ucx: the proxy names the consumer in the prefill
-request, ``prefetch_by``, so the producer announces each grant to it and it pulls it before its request comes;
-kpool-ucx-pull: the same without, each grant pulled when its request comes) and over the gRPC stream, with vLLM's NixlConnector
+seeded weights on the CPU) with KpoolPdConnector over UCX (kpool-ucx: each grant pulled when its decode request
+comes; kpool-ucx-prefetch: the proxy names the consumer in the prefill request, ``prefetch_by``, so the producer
+announces each grant to it and it pulls the grant before its decode request comes) and over the gRPC stream, with vLLM's NixlConnector
 (kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other in one run
 (--together: all of them up at once, each rep run on every connector in turn), each with both engines up before its
 first request; the floor: the same generate served from one engine's own prefix cache (no transfer); and
@@ -110,7 +110,7 @@ class PdPair:
         self.producer, self.consumer = start_engines(connector, [("producer", producer_config, producer_env),
                                                           ("consumer", consumer_config, consumer_env)],
                                               model, max_model_len, out)
-        named = consumer_engine_id(self.ports) if connector is Connector.KPOOL_UCX else ""
+        named = consumer_engine_id(self.ports) if connector is Connector.KPOOL_UCX_PREFETCH else ""
         self.handover = Handover(prefetch_by=named)
 
     def ready(self) -> None:

@@ -16,8 +16,9 @@ MIXED_SHORTEST, MIXED_LONGEST = 7, 2000  # the prompt lengths of a concurrent sc
 
 
 class Connector(Enum):
-    KPOOL_UCX = "kpool-ucx"  # the proxy names the consumer (prefetch_by): the producer announces each grant to it
-    KPOOL_UCX_PULL = "kpool-ucx-pull"  # the same connector, the proxy naming no consumer: each grant pulled on arrival
+    KPOOL_UCX = "kpool-ucx"  # each grant pulled when its decode request comes
+    KPOOL_UCX_PREFETCH = "kpool-ucx-prefetch"  # the same connector, the proxy naming the consumer (prefetch_by): the
+    # producer announces each grant to it and it pulls the grant before its decode request comes
     KPOOL_GRPC = "kpool-grpc"
     NIXL = "nixl"
     MOONCAKE = "mooncake"

@@ -87,7 +87,7 @@ from kpool_pd.connector.decode.staging import BlocksReady
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.packed_pull import (PackedLanded, PackedPullUnsupported, PackedTarget, can_pack,
                                                 pull_packed)
-from kpool_pd.connector.decode.prefetch import Prefetched, prefetch_packed
+from kpool_pd.connector.decode.prefetch import Prefetched, prefetch_packed, whole_plan
 from kpool_pd.connector.prefill.offer_board import Announcement, OfferBoard
 from kpool_pd.connector.shared.packed_staging import StagingBuffers
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullShare, RankShare
@@ -102,7 +102,7 @@ from kpool_pd.connector.shared.ucx_progress import UcxProgress, describe_progres
 from kpool_pd.connector.shared.wire import Transport
 
 __all__ = [
-    "Announcement", "OfferBoard", "Prefetched", "prefetch_packed",
+    "Announcement", "OfferBoard", "Prefetched", "prefetch_packed", "whole_plan",
     "HOPS", "StepCountingLoop", "MAX_DCP_RANKS", "MAX_ID_CHARS", "MAX_PEER_SESSIONS", "HopRecorder", "CacheExhaustedError", "ConnectorConfig", "Credential",
     "CredentialInterceptor", "DecodeConnector", "EngineUnavailable",
     "BlocksReady", "LandedRequest", "PackedLanded", "PackedPullUnsupported", "PackedTarget", "PeerAuthServicer", "PeerSessions", "PrefillConnector", "PrefillEngine", "PrefillGrant",

@@ -33,7 +33,7 @@ import grpc
 
 from kpool_pd.connector import PrefillPeer, Prefetched, StagingBuffers
 from kpool_pd.connector import prefill_api as pb
-from kpool_pd.connector import prefetch_packed
+from kpool_pd.connector import prefetch_packed, whole_plan
 from kpool_pd.transfer_params import DecodeParams
 from kpool_pd.vllm.metadata import rank_grant
 from kpool_pd.vllm.rank_params import RankParams
@@ -74,31 +74,43 @@ class Prefetches:
         self._following[peer.address] = asyncio.ensure_future(self._follow(peer))
 
     async def _follow(self, peer: PrefillPeer) -> None:
-        """AwaitOffers on ``peer`` until it closes (or does not serve the call), prefetching what fits."""
+        """AwaitOffers on ``peer`` until it closes (or does not serve the call), prefetching what fits; a fault
+        of this code is logged and the loop goes on after ``RETRY_S`` (the loads then pull as before)."""
         while not peer.closed:
-            self.expire()
-            if self.held_bytes >= self.budget_bytes:
-                self._room.clear()
-                try:
-                    await asyncio.wait_for(self._room.wait(), RETRY_S)
-                except asyncio.TimeoutError:
-                    pass
-                continue
             try:
-                answer = await peer._stub.AwaitOffers(
-                    pb.AwaitOffersRequest(engine_id=peer.context.engine_id, wait_ms=WAIT_MS,
-                                          engine_secret=peer.context.secrets.get(peer.address)),
-                    timeout=WAIT_MS / 1000 + self.rpc_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                    logger.info("producer %s announces no grants (AwaitOffers): nothing is prefetched from it",
-                                peer.address)
+                if not await self._follow_once(peer):
                     return
-                logger.debug("AwaitOffers on %s: %s", peer.address, exc.details())
+            except Exception:
+                logger.exception("following %s's announcements failed; trying again in %s s", peer.address, RETRY_S)
                 await asyncio.sleep(RETRY_S)
-                continue
-            if answer.offers:
-                await self._fetch(peer, list(answer.offers))
+
+    async def _follow_once(self, peer: PrefillPeer) -> bool:
+        """One AwaitOffers call on ``peer`` and the prefetch of what it announced; False once the peer does not
+        serve the call."""
+        self.expire()
+        if self.held_bytes >= self.budget_bytes:
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), RETRY_S)
+            except asyncio.TimeoutError:
+                pass
+            return True
+        try:
+            answer = await peer._stub.AwaitOffers(
+                pb.AwaitOffersRequest(engine_id=peer.context.engine_id, wait_ms=WAIT_MS,
+                                      engine_secret=peer.context.secrets.get(peer.address)),
+                timeout=WAIT_MS / 1000 + self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("producer %s announces no grants (AwaitOffers): nothing is prefetched from it",
+                            peer.address)
+                return False
+            logger.debug("AwaitOffers on %s: %s", peer.address, exc.details())
+            await asyncio.sleep(RETRY_S)
+            return True
+        if answer.offers:
+            await self._fetch(peer, list(answer.offers))
+        return True
 
     def _grant(self, peer: PrefillPeer, offer) -> tuple[object, float]:
         """The grant an announcement names (as its decode request's load will name it) and its lease; ValueError
@@ -128,7 +140,12 @@ class Prefetches:
             key = (peer.address, grant.grant_id)
             if key in self._held or key in self._coming:
                 continue
-            size = grant.num_blocks * peer.context.pool.layout.block_bytes
+            try:
+                size = whole_plan(peer, grant).total_bytes
+            except ValueError as exc:
+                logger.warning("announced grant %s from %s cannot be planned (its load pulls it): %s",
+                               grant.grant_id[:32], peer.address, exc)
+                continue
             if size > room:
                 self.stats.count("prefetches_skipped")
                 continue

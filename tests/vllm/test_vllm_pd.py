@@ -35,6 +35,7 @@ LOGGED_S = 30  # a consumer's log line reaching its file
 
 
 FAILURE_POLICY = {"ucx": "recompute", "grpc": "fail"}  # vLLM's kv_load_failure_policy, one of each
+CONSUMER_ENGINE_IDS = {"ucx": "pd-test-consumer-ucx", "grpc": "pd-test-consumer-grpc"}  # what a proxy names
 
 
 def start_engines(model: str, logs: Path):
@@ -52,8 +53,8 @@ def start_engines(model: str, logs: Path):
         for transport in ("ucx", "grpc"):
             settings = {"peer_token": token, "transport": transport, "integrity": True, "producers": [listen]}
             consumers[transport] = vllm_engines.EngineProcess(context, model, connector(
-                "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport]),
-                log=logs / f"consumer-{transport}.log")
+                "kv_consumer", settings, kv_load_failure_policy=FAILURE_POLICY[transport],
+                engine_id=CONSUMER_ENGINE_IDS[transport]), log=logs / f"consumer-{transport}.log")
             started.append(consumers[transport])
         for engine in started:
             engine.wait_ready()
@@ -79,17 +80,22 @@ def hybrid_engines(vllm_memory, tmp_path_factory):
     yield from start_engines(str(vllm_engines.write_model(folder / "model", layers=vllm_engines.HYBRID_LAYERS)), folder)
 
 
-def check_pd_equals_single_engine(producer, consumer, seed: int, groups: int) -> None:
+def check_pd_equals_single_engine(producer, consumer, seed: int, groups: int, prefill: dict | None = None,
+                                  after_prefill=None) -> None:
     """PROMPT_LENGTHS prompts through producer and consumer give the consumer's own tokens, the consumer
-    computing none of the prompts; the params carry one block list per KV cache group."""
+    computing none of the prompts; the params carry one block list per KV cache group. ``prefill``: the
+    prefill requests' kv_transfer_params (default: do_remote_decode alone); ``after_prefill()`` runs between the
+    prefill and the decode requests."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
     total = sum(PROMPT_LENGTHS)
 
-    prefilled = producer.run(prompts, 1, [{"do_remote_decode": True} for _ in prompts])
+    prefilled = producer.run(prompts, 1, [prefill or {"do_remote_decode": True} for _ in prompts])
     params = [p for _, _, p in prefilled.outputs]
     assert all(p and p["do_remote_prefill"] and p["remote_num_tokens"] == len(q) for p, q in zip(params, prompts))
     assert all(len(p["remote_block_ids"]) == groups for p in params), [len(p["remote_block_ids"]) for p in params]
+    if after_prefill is not None:
+        after_prefill()
     decoded = consumer.run(prompts, MAX_TOKENS, params)
     alone = consumer.run(prompts, MAX_TOKENS)  # no params: the engine computes the prompts itself
 
@@ -105,6 +111,27 @@ def check_pd_equals_single_engine(producer, consumer, seed: int, groups: int) ->
 def test_pd_equals_single_engine(engines, transport):
     producer, consumers = engines
     check_pd_equals_single_engine(producer, consumers[transport], seed=len(transport), groups=1)
+
+
+@pytest.mark.parametrize("model", ["engines", "hybrid_engines"], ids=["one-group", "two-groups"])
+def test_pd_with_the_consumer_named_prefetches_and_equals_single_engine(request, model):
+    """The proxy names the consumer in the prefill requests (prefetch_by): the producer announces each grant, the
+    consumer pulls it before its request comes and lands it from those bytes; the tokens are one engine's, the
+    consumer computes none of the prompts. The prefetch was the grants' pull: the producer's blocks are all free
+    again before any decode request was sent (without it they stay held until the decode requests pull them)."""
+    producer, consumers = request.getfixturevalue(model)
+    consumer = consumers["ucx"]
+    warm = producer.run([[5, 6, 7]], 1, [{"do_remote_decode": True}]).outputs[0][2]
+    consumer.run([[5, 6, 7]], 1, [warm])  # the consumer has handshaken: it follows the producer's announcements
+    free = producer.free_blocks()
+    assert free is not None, "the producer's engine core runs in another process: its blocks cannot be counted"
+
+    def all_prefetched():
+        assert wait_for(lambda: producer.free_blocks() == free, LOGGED_S), \
+            f"the producer still holds {free - producer.free_blocks()} blocks: the grants were not prefetched"
+    check_pd_equals_single_engine(producer, consumer, seed=11, groups=2 if model == "hybrid_engines" else 1,
+                                  prefill={"do_remote_decode": True, "prefetch_by": CONSUMER_ENGINE_IDS["ucx"]},
+                                  after_prefill=all_prefetched)
 
 
 @pytest.mark.parametrize("transport", ["ucx", "grpc"])
