@@ -18,12 +18,12 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
 
 from kpool_pd.connector import ucx_available  # noqa: E402
 from kpool_pd.connector.shared.packed_staging import PIECE_BYTES  # noqa: E402
-from kpool_pd.connector.shared.ucx import UcxNode  # noqa: E402
 from kpool_pd.transfer_params import DecodeParams  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull  # noqa: E402
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
+from tests.support.ucx_sends import record_sends  # noqa: E402
 from tests.support.vllm_worker_pair import started, wait_finished, wait_freed, worker_pair  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
@@ -46,14 +46,7 @@ def pair():
 @pytest.fixture
 def sends(monkeypatch):
     """Every UCX message posted in this process (the producer's sends; the consumer sends none)."""
-    posted = []
-    original = UcxNode.post_send
-
-    def post_send(self, ep, view, tag, **kwargs):
-        posted.append(view.numel())
-        return original(self, ep, view, tag, **kwargs)
-    monkeypatch.setattr(UcxNode, "post_send", post_send)
-    return posted
+    return record_sends(monkeypatch)
 
 
 def offered(producer, request_id: str) -> tuple[Offer, dict]:

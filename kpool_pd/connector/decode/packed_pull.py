@@ -145,7 +145,6 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
     planned: list[_Planned] = []
     requests: list[pb.PullRequest] = []
     tag, offset = InboundPull.tag_base_for(Transport.UCX), 0
-    secret = context.secrets.get(peer.address)
     for index, target in enumerate(targets):
         try:
             plan = plan_target(peer, target)
@@ -155,9 +154,7 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
             continue
         planned.append(_Planned(index, plan, views, offset))
         offset += plan.total_bytes
-        requests.append(pb.PullRequest(grant_id=target.grant.grant_id, engine_id=context.engine_id,
-                                       engine_secret=secret, transport=Transport.UCX.value, integrity=integrity,
-                                       ucx_tag_base=tag, regions=[region_message(pair.src) for pair in plan.pairs]))
+        requests.append(packed_request(peer, target.grant.grant_id, plan, tag, integrity))
     if not planned:
         return outcomes
     buffer = staging.take(offset)
@@ -203,6 +200,14 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
             retire = asyncio.ensure_future(_retire(ucx, receive, staging, buffer))
             retire.add_done_callback(lambda task: task.cancelled() or task.exception())
     return outcomes
+
+
+def packed_request(peer: PrefillPeer, grant_id: str, plan: TransferPlan, tag: int, integrity: bool) -> pb.PullRequest:
+    """One pull of a PackedPull batch of this engine's (UCX tag ``tag``): ``plan``'s source regions of ``grant_id``."""
+    context = peer.context
+    return pb.PullRequest(grant_id=grant_id, engine_id=context.engine_id, engine_secret=context.secrets.get(peer.address),
+                          transport=Transport.UCX.value, integrity=integrity, ucx_tag_base=tag,
+                          regions=[region_message(pair.src) for pair in plan.pairs])
 
 
 async def packed_call(peer: PrefillPeer, requests: list[pb.PullRequest], tag: int,

@@ -26,14 +26,14 @@ from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.decode.grant import PrefillGrant
 from kpool_pd.connector.decode.inbound import InboundPull
 from kpool_pd.connector.decode.packed_pull import (PackedTarget, _retire, _settle, message_landed, packed_call,
-                                                   plan_target)
+                                                   packed_request, plan_target)
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
 from kpool_pd.connector.shared import regions
 from kpool_pd.connector.shared.errors import StatusError
 from kpool_pd.connector.shared.packed_staging import PIECE_BYTES, StagingBuffers, copy_all, pieces
 from kpool_pd.connector.shared.plan import Region, TransferPlan
-from kpool_pd.connector.shared.wire import Transport, region_message
+from kpool_pd.connector.shared.wire import Transport
 
 
 class PrefetchBuffer:
@@ -122,7 +122,6 @@ async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, 
     planned: list[tuple[int, TransferPlan, int]] = []  # (index, plan, offset in the message)
     requests: list[pb.PullRequest] = []
     tag, offset = InboundPull.tag_base_for(Transport.UCX), 0
-    secret = context.secrets.get(peer.address)
     for index, grant in enumerate(grants):
         try:
             plan = whole_plan(peer, grant)
@@ -131,9 +130,7 @@ async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, 
             continue
         planned.append((index, plan, offset))
         offset += plan.total_bytes
-        requests.append(pb.PullRequest(grant_id=grant.grant_id, engine_id=context.engine_id, engine_secret=secret,
-                                       transport=Transport.UCX.value, integrity=integrity, ucx_tag_base=tag,
-                                       regions=[region_message(pair.src) for pair in plan.pairs]))
+        requests.append(packed_request(peer, grant.grant_id, plan, tag, integrity))
     if not planned:
         return outcomes
     buffer = staging.take(offset)
