@@ -156,23 +156,31 @@ class Prefetches:
         if not grants:
             return
         try:
-            outcomes = await prefetch_packed(peer, grants, staging=self.staging, integrity=self.integrity)
-        except Exception as exc:  # every grant is left to its pull
-            logger.warning("prefetch of %d grants from %s failed: %s", len(grants), peer.address, exc)
-            outcomes = [exc] * len(grants)
-        for grant, outcome in zip(grants, outcomes):
-            key = (peer.address, grant.grant_id)
-            entry = outcome if isinstance(outcome, Prefetched) else None
-            if entry is not None:
-                self._held[key] = entry
-                self.stats.count("grants_prefetched")
-            else:
-                self._lease_s.pop(key, None)
-                logger.info("grant %s from %s not prefetched (its load pulls it): %s", grant.grant_id[:32],
-                            peer.address, outcome)
-            coming = self._coming.pop(key)
-            if not coming.done():
-                coming.set_result(entry)
+            try:
+                outcomes = await prefetch_packed(peer, grants, staging=self.staging, integrity=self.integrity)
+            except Exception as exc:  # every grant is left to its pull
+                logger.warning("prefetch of %d grants from %s failed: %s", len(grants), peer.address, exc)
+                outcomes = [exc] * len(grants)
+            for grant, outcome in zip(grants, outcomes):
+                key = (peer.address, grant.grant_id)
+                entry = outcome if isinstance(outcome, Prefetched) else None
+                if entry is not None:
+                    self._held[key] = entry
+                    self.stats.count("grants_prefetched")
+                else:
+                    self._lease_s.pop(key, None)
+                    logger.info("grant %s from %s not prefetched (its load pulls it): %s", grant.grant_id[:32],
+                                peer.address, outcome)
+                self._settle(key, entry)
+        finally:  # however this ends (cancelled included), no load waits for a prefetch that will not come
+            for grant in grants:
+                self._settle((peer.address, grant.grant_id), None)
+
+    def _settle(self, key: tuple[str, str], entry: Prefetched | None) -> None:
+        """The prefetch of ``key`` ended (``entry``: what it holds, None: nothing): a load waiting for it goes on."""
+        coming = self._coming.pop(key, None)
+        if coming is not None and not coming.done():
+            coming.set_result(entry)
 
     async def claim(self, address: str, key: str, timeout_s: float) -> Prefetched | None:
         """The entry of grant ``key`` from ``address``, no longer held here (the caller lands or drops it): at

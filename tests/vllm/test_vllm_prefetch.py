@@ -248,3 +248,26 @@ def test_an_announcement_for_another_producer_is_ignored(pair, caplog):
     with caplog.at_level(logging.WARNING, logger="kpool_pd.vllm.prefetch"):
         assert consumer.loop.call(fetch) == 0
     assert any("ignored" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_failed_prefetch_leaves_the_load_to_its_pull(pair, monkeypatch, caplog):
+    import logging
+
+    import kpool_pd.vllm.prefetch as prefetch_module
+    producer, producer_caches, consumer, consumer_caches = pair
+    address = producer.settings.advertise
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("the test breaks every prefetch")
+    monkeypatch.setattr(prefetch_module, "prefetch_packed", broken)
+    with caplog.at_level(logging.WARNING, logger="kpool_pd.vllm.prefetch"):
+        offer, params = offered(producer, "a", consumer.engine_id)
+        assert wait_for(lambda: any("the test breaks every prefetch" in r.getMessage() for r in caplog.records),
+                        DONE_S), "the prefetch was never tried"
+    assert not consumer.prefetches.has(address, offer.key), "a failed prefetch is still awaited"
+    consumer.load(KpoolPdMetadata(loads=[load_of("a", params)]))
+    done, failed = wait_finished(consumer, "a", DONE_S)
+    assert done == {"a"} and failed == set()
+    assert landed_equal(producer_caches, consumer_caches, "a")
+    stats = consumer.take_stats().data
+    assert stats["pulls"] == 1 and stats["prefetch_hits"] == 0
