@@ -38,17 +38,22 @@ class Attempts:
     """One request's tries in ``pool``. ``next`` gives the instance to try (None: none left; it may pause
     ``retry_pause_s`` before a role's only instance's second try); ``failed`` records a failure;
     ``exhausted`` is the 502 naming each. ``shape``: the request's prompt, for the choice by load and
-    prefix. One event loop; one request."""
+    prefix; ``first``: the instance to try first, chosen before (then the others by choice). One event loop; one
+    request."""
 
     def __init__(self, pool: InstancePool, metrics: RouterMetrics, retry_pause_s: float,
-                 shape: PromptShape | None = None) -> None:
-        self.pool, self.failures, self.shape = pool, [], shape
+                 shape: PromptShape | None = None, first: Instance | None = None) -> None:
+        self.pool, self.failures, self.shape, self._first = pool, [], shape, first
         self.timed_out = False
         self._metrics = metrics
         self._tried: set[str] = set()
         self._pause_s, self._again = retry_pause_s, len(pool.instances) == 1
 
     async def next(self) -> Instance | None:
+        if self._first is not None:  # chosen already (a decode planned before its prefill)
+            instance, self._first = self._first, None
+            self._tried.add(instance.url)
+            return instance
         if (instance := self.pool.choose(self._tried, self.shape)) is not None:
             self._tried.add(instance.url)
             return instance

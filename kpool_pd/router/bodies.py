@@ -92,10 +92,12 @@ def streams(body: dict) -> bool:
     return bool(body.get("stream", False))
 
 
-def prefill_body(body: dict) -> dict:
-    """The prefill instance's request: the client's, one token, no stream, its KV kept for a decode."""
+def prefill_body(body: dict, prefetch_by: str | None = None) -> dict:
+    """The prefill instance's request: the client's, one token, no stream, its KV kept for a decode (announced to
+    the decode instance of vLLM engine_id ``prefetch_by``, when given)."""
     prefill = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    prefill |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    params = {"do_remote_decode": True} | ({"prefetch_by": prefetch_by} if prefetch_by else {})
+    prefill |= {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
     if "max_completion_tokens" in body:
         prefill["max_completion_tokens"] = 1
     return prefill

@@ -1,6 +1,8 @@
 """One PD request: a prefill instance computes the prompt and keeps its KV (one token, ``do_remote_decode``),
 then a decode instance pulls that KV (``do_remote_prefill``, the prefill's ``kv_transfer_params``) and
-generates, its answer streamed back to the client as it comes.
+generates, its answer streamed back to the client as it comes. Where decode instances have vLLM engine_ids
+(``--decode-engine-id``), the decode instance is chosen before the prefill, named in it (``prefetch_by``: the
+producer announces the KV to it, which pulls it early) and tried first.
 
 Each role's instance is chosen by load and by prefix (``instances.InstancePool.choose``): a prefill
 instance by its outstanding prompt tokens, a decode instance by its outstanding requests and tokens, and
@@ -145,11 +147,13 @@ class PdRouter:
         InstanceRefused when a prefill instance refused the request (4xx). Releases the prefill's grant
         whenever no decode instance answered 200, whatever the way out (cancellation included)."""
         shape = prompt_shape(body, self.settings.prefix_block_tokens)
-        params, prefilled_on = await self.prefill(path, body, headers, request_id, shape)
+        planned = self.decode_pool.choose(set(), shape) if self.settings.decode_engine_ids else None
+        prefetch_by = self.settings.engine_id_of(planned.url) if planned is not None else None
+        params, prefilled_on = await self.prefill(path, body, headers, request_id, shape, prefetch_by)
         answered = [False]
         try:
             response, outcome = await self.decode(request, path, body, params, prefilled_on, headers, request_id,
-                                                  arrived, answered, shape)
+                                                  arrived, answered, shape, planned)
         except asyncio.CancelledError:
             if not answered[0]:
                 self._release(params, request_id, "the request was cancelled before a decode answered")
@@ -181,12 +185,13 @@ class PdRouter:
             await asyncio.wait(set(self._releases), timeout=self.settings.connect_timeout_s * 2)
 
     async def prefill(self, path: str, body: dict, headers: dict[str, str], request_id: str,
-                      shape: PromptShape) -> tuple[dict, str]:
-        """The ``kv_transfer_params`` of a prefill of ``body`` (its prompt's ``shape``) and the URL of the
-        instance that made it. RouterError (502) when every prefill instance failed; InstanceRefused when one
-        refused the request (4xx)."""
+                      shape: PromptShape, prefetch_by: str | None = None) -> tuple[dict, str]:
+        """The ``kv_transfer_params`` of a prefill of ``body`` (its prompt's ``shape``; ``prefetch_by``: the vLLM
+        engine_id of the decode instance planned for it, named to the producer) and the URL of the instance that
+        made it. RouterError (502) when every prefill instance failed; InstanceRefused when one refused the
+        request (4xx)."""
         attempts = Attempts(self.prefill_pool, self.metrics, self.settings.retry_pause_s, shape)
-        payload, timeout_s = prefill_body(body), self.settings.prefill_timeout_s
+        payload, timeout_s = prefill_body(body, prefetch_by), self.settings.prefill_timeout_s
         pool = attempts.pool
         while (instance := await attempts.next()) is not None:
             started = time.perf_counter()
@@ -218,13 +223,15 @@ class PdRouter:
 
     async def decode(self, request: web.Request, path: str, body: dict, params: dict, prefilled_on: str,
                      headers: dict[str, str], request_id: str, arrived: float,
-                     answered: list[bool], shape: PromptShape) -> tuple[web.StreamResponse, Outcome]:
+                     answered: list[bool], shape: PromptShape,
+                     planned: Instance | None = None) -> tuple[web.StreamResponse, Outcome]:
         """The decode instance's answer to the client (streamed when the client asked for a stream), and
         how it went; ``answered[0]`` is set once a decode instance answered 200 (it pulls the KV from
         ``prefilled_on``, the prefill instance's URL). An instance's 4xx is returned as it is. RouterError
         (502) when every decode instance failed before answering; a 5xx is named as a failure after the
-        prefill (its KV transfer, likely), with the instance's answer quoted."""
-        attempts = Attempts(self.decode_pool, self.metrics, self.settings.retry_pause_s, shape)
+        prefill (its KV transfer, likely), with the instance's answer quoted. ``planned``: the instance chosen
+        before the prefill (tried first)."""
+        attempts = Attempts(self.decode_pool, self.metrics, self.settings.retry_pause_s, shape, first=planned)
         payload, timeout_s = decode_body(body, params), self.settings.decode_timeout_s
         pool = attempts.pool
         while (instance := await attempts.next()) is not None:

@@ -26,6 +26,7 @@ DEFAULT_PREFIX_BLOCK_TOKENS = 16  # vLLM's default block size: its prefix cache 
 DEFAULT_PREFIX_TABLE_SIZE = 100_000  # prefix hashes kept (8 bytes each, with the URL it went to)
 DEFAULT_AFFINITY_MARGIN_TOKENS = 8192
 DEFAULT_DISCOVERY_S = 5.0
+MAX_ENGINE_ID_CHARS = 250  # a decode engine_id a request may name (the connector's limit, less its prefix)
 DNS_PREFIX = "dns:///"
 API_KEY_ENV = "KPOOLPD_ROUTER_API_KEY"
 BACKEND_API_KEY_ENV = "KPOOLPD_BACKEND_API_KEY"
@@ -101,6 +102,7 @@ class RouterSettings:
     prefix_table_size: int = DEFAULT_PREFIX_TABLE_SIZE
     affinity_margin_tokens: int = DEFAULT_AFFINITY_MARGIN_TOKENS
     discovery_s: float = DEFAULT_DISCOVERY_S
+    decode_engine_ids: tuple[tuple[str, str], ...] = ()  # (decode URL, its vLLM engine_id): named to the producer
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -135,6 +137,21 @@ class RouterSettings:
             value = getattr(self, name)
             if value is not None and (not value or not value.isascii() or not value.isprintable()):
                 raise ValueError(f"{name} must be a non-empty printable ASCII string (its value is not shown)")
+        named = tuple((instance_url(url), engine_id) for url, engine_id in self.decode_engine_ids)
+        for url, engine_id in named:
+            if url not in self.listed("decode"):
+                raise ValueError(f"--decode-engine-id names {url}, which is not a decode instance given by URL "
+                                 f"(--decode: {list(self.listed('decode'))})")
+            if not 0 < len(engine_id) <= MAX_ENGINE_ID_CHARS or not engine_id.isascii() or not engine_id.isprintable():
+                raise ValueError(f"--decode-engine-id for {url}: the engine_id must be 1 to {MAX_ENGINE_ID_CHARS} "
+                                 f"printable ASCII characters, got {engine_id[:64]!r}")
+        if len({url for url, _ in named}) != len(named):
+            raise ValueError(f"--decode-engine-id names a decode instance twice: {[url for url, _ in named]}")
+        object.__setattr__(self, "decode_engine_ids", named)
+
+    def engine_id_of(self, url: str) -> str | None:
+        """The vLLM engine_id ``--decode-engine-id`` gives the decode instance at ``url``, else None."""
+        return dict(self.decode_engine_ids).get(url)
 
     def listed(self, role: str) -> tuple[str, ...]:
         """The URLs of ``role`` ("prefill" or "decode") given as URLs."""
@@ -155,6 +172,12 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                              f"or {DNS_PREFIX}NAME:PORT for every address NAME resolves to (a headless Service)")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
                         help=f"base URLs of the decode vllm serve instances (kv_consumer), or {DNS_PREFIX}NAME:PORT")
+    parser.add_argument("--decode-engine-id", action="append", default=[], metavar="URL=ENGINE_ID",
+                        help="the vLLM engine_id of a decode instance given by URL (its --kv-transfer-config's "
+                             "engine_id); a request whose decode instance has one is planned to it before its "
+                             "prefill, which names it (kv_transfer_params prefetch_by) so that the producer announces "
+                             "the prompt's KV to it and it pulls the KV before the decode request arrives; repeat "
+                             "for each instance (default: none, each KV pulled when its decode request comes)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     backends = parser.add_argument_group("toward the instances")
@@ -236,4 +259,13 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           backend_api_key=_from_env(args.backend_api_key, BACKEND_API_KEY_ENV),
                           peer_token=_from_env(args.peer_token, PEER_TOKEN_ENV),
                           discovery_s=args.discovery_s, prefix_block_tokens=args.prefix_block_tokens,
-                          prefix_table_size=args.prefix_table_size, affinity_margin_tokens=args.affinity_margin_tokens)
+                          prefix_table_size=args.prefix_table_size, affinity_margin_tokens=args.affinity_margin_tokens,
+                          decode_engine_ids=tuple(engine_pair(text) for text in args.decode_engine_id))
+
+
+def engine_pair(text: str) -> tuple[str, str]:
+    """``--decode-engine-id URL=ENGINE_ID`` as (URL, ENGINE_ID); ValueError naming the value otherwise."""
+    url, sep, engine_id = text.rpartition("=")
+    if not sep or not url or not engine_id:
+        raise ValueError(f"--decode-engine-id takes URL=ENGINE_ID, got {text!r}")
+    return url, engine_id

@@ -258,3 +258,53 @@ def test_settings_normalise_instance_urls():
 def test_the_command_refuses_bad_flags_with_a_message(capsys):
     assert router_main(["--prefill", "ftp://p", "--decode", "http://d"]) == 2
     assert "error: instance URL 'ftp://p' is not http(s)://HOST[:PORT]" in capsys.readouterr().err
+
+
+def test_a_decode_instance_with_an_engine_id_is_planned_before_the_prefill_and_named_to_it():
+    async def scenario():
+        prefill, d0, d1 = FakeInstance("p0"), FakeInstance("d0"), FakeInstance("d1")
+        async with serving(prefill, d0, d1), router([prefill.url], [d0.url, d1.url], decode_engine_ids=(
+                (d0.url, "engine-d0"), (d1.url, "engine-d1"))) as (client, base):
+            served = []
+            for _ in range(4):
+                status, raw = await post(client, base + "/v1/completions", PROMPT)
+                assert status == 200, raw
+                served.append(as_json(raw)["served_by"])
+        named = [sent.body["kv_transfer_params"] for sent in prefill.sent]
+        assert [p["prefetch_by"] for p in named] == [f"engine-{d}" for d in served], (named, served)
+        assert set(served) == {"d0", "d1"}  # still chosen by load: both served
+    run(scenario())
+
+
+def test_a_planned_decode_that_fails_leaves_the_request_to_the_next_one():
+    async def scenario():
+        prefill, broken, decode = FakeInstance("p0"), FakeInstance("d0", fail_status=503), FakeInstance("d1")
+        async with serving(prefill, broken, decode), router([prefill.url], [broken.url, decode.url],
+                                                           decode_engine_ids=((broken.url, "engine-d0"),)) as (
+                client, base):
+            status, raw = await post(client, base + "/v1/completions", PROMPT)
+        assert status == 200 and as_json(raw)["served_by"] == "d1"
+        assert prefill.sent[0].body["kv_transfer_params"] == {"do_remote_decode": True, "prefetch_by": "engine-d0"}
+        assert len(broken.sent) == 1  # planned and tried first
+    run(scenario())
+
+
+def test_without_engine_ids_the_prefill_names_no_decode():
+    async def scenario():
+        prefill, decode = FakeInstance("p0"), FakeInstance("d0")
+        async with serving(prefill, decode), router([prefill.url], [decode.url]) as (client, base):
+            status, _ = await post(client, base + "/v1/completions", PROMPT)
+        assert status == 200 and prefill.sent[0].body["kv_transfer_params"] == {"do_remote_decode": True}
+    run(scenario())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--decode-engine-id", "http://10.0.0.9:8000=e9"], "not a decode instance given by URL"),
+    (["--decode-engine-id", "http://10.0.0.2:8000"], "takes URL=ENGINE_ID"),
+    (["--decode-engine-id", "http://10.0.0.2:8000=" + "x" * 300], "1 to 250 printable ASCII characters"),
+    (["--decode-engine-id", "http://10.0.0.2:8000=a", "--decode-engine-id", "http://10.0.0.2:8000=b"], "twice"),
+], ids=["unknown_url", "no_engine_id", "too_long", "twice"])
+def test_bad_decode_engine_ids_are_refused_naming_the_value(flags, message, capsys):
+    argv = ["--prefill", "http://10.0.0.1:8000", "--decode", "http://10.0.0.2:8000", *flags]
+    assert router_main(argv) == 2
+    assert message in capsys.readouterr().err
