@@ -100,13 +100,13 @@ class ConsumerWorker:
         self.staging = StagingBuffers(pool.device)  # a step's batches land here before their blocks
         prefetching = settings.transport is Transport.UCX and seat.tp_size == 1
         self.prefetches = Prefetches(budget_bytes=(settings.prefetch_mib << 20) if prefetching else 0,
-                                     reads_for=self.reads_for, staging=StagingBuffers(pool.device), stats=self.stats,
+                                     reads_for=self.reads_for, kept=self.queued_grants,
+                                     staging=StagingBuffers(pool.device), stats=self.stats,
                                      integrity=settings.integrity, rpc_timeout_s=settings.rpc_timeout_s)
         self._connecting: dict[str, asyncio.Lock] = {}
         self._renewing: dict[tuple[str, str, str], tuple[Renew, float]] = {}  # (request, address, key) -> its
         # renewal, when it is next due
         self._queued: dict[str, set[tuple[str, str]]] = {}  # request in vLLM's queue -> (address, key) of its grants
-        self.prefetches.kept = self.queued_grants  # a queued request's prefetched bytes stay, however long it waits
 
     def start(self) -> None:
         if self.settings.transport is Transport.UCX:  # PackedPull's staging: only a UCX consumer batches its loads

@@ -16,9 +16,9 @@ Nothing changes for a request whose bytes are not here: it is pulled as before. 
 ``prefetch_mib`` (announcements beyond it are left to their pulls), are never written into a block before a load
 of this engine claims them under the same key (the grant bound to the prompt's digest: a load of another prompt
 does not match), and are dropped once their grant's lease has passed unclaimed, unless a request queued here
-names them (``expire``'s ``kept``: a queued request never loses its prompt, however long the queue). A consumer follows each producer it has handshaken with
-(one ``AwaitOffers`` call waiting at a time); only consumers of one TP rank prefetch, and only producers of one
-TP rank announce.
+names them (``kept``: a queued request never loses its prompt, however long the queue). A consumer follows each
+producer it has handshaken with (one ``AwaitOffers`` call waiting at a time); only consumers of one TP rank
+prefetch, and only producers of one TP rank announce.
 """
 
 from __future__ import annotations
@@ -49,18 +49,20 @@ RETRY_S = 1.0  # after a failed AwaitOffers call, the wait before the next
 class Prefetches:
     """The prefetched grants of one consumer rank, by (producer address, grant key), and the loops that fetch them
     (on the connector's event loop only). ``budget_bytes``: the most held at once; ``reads_for``: the consumer
-    rank's reads of a producer of that many TP ranks (``ConsumerWorker.reads_for``)."""
+    rank's reads of a producer of that many TP ranks (``ConsumerWorker.reads_for``); ``kept``: the (producer
+    address, grant key) of the requests queued in vLLM here (``ConsumerWorker.queued_grants``), never expired."""
 
     def __init__(self, *, budget_bytes: int, reads_for: Callable[[int], tuple[tuple[Read, ...], int, int]],
-                 staging: StagingBuffers, stats: StatsRecorder, integrity: bool, rpc_timeout_s: float) -> None:
-        self.budget_bytes, self.reads_for, self.staging, self.stats = budget_bytes, reads_for, staging, stats
+                 kept: Callable[[], set[tuple[str, str]]], staging: StagingBuffers, stats: StatsRecorder,
+                 integrity: bool, rpc_timeout_s: float) -> None:
+        self.budget_bytes, self.reads_for, self.kept = budget_bytes, reads_for, kept
+        self.staging, self.stats = staging, stats
         self.integrity, self.rpc_timeout_s = integrity, rpc_timeout_s
         self._held: dict[tuple[str, str], Prefetched] = {}
         self._coming: dict[tuple[str, str], asyncio.Future] = {}  # being pulled: resolves to the entry or None
         self._lease_s: dict[tuple[str, str], float] = {}
         self._following: dict[str, asyncio.Task] = {}
         self._room = asyncio.Event()
-        self.kept: Callable[[], set[tuple[str, str]]] = set  # (address, key) of the requests queued here
 
     @property
     def held_bytes(self) -> int:
