@@ -143,16 +143,16 @@ class Prefetches:
             if key in self._held or key in self._coming:
                 continue
             try:
-                size = whole_plan(peer, grant).total_bytes
+                plan = whole_plan(peer, grant)
             except ValueError as exc:
                 logger.warning("announced grant %s from %s cannot be planned (its load pulls it): %s",
                                grant.grant_id[:32], peer.address, exc)
                 continue
-            if size > room:
+            if plan.total_bytes > room:
                 self.stats.count("prefetches_skipped")
                 continue
-            room -= size
-            grants.append(grant)
+            room -= plan.total_bytes
+            grants.append((grant, plan))
             self._lease_s[key] = lease_s
             self._coming[key] = asyncio.get_running_loop().create_future()
         if not grants:
@@ -163,7 +163,7 @@ class Prefetches:
             except Exception as exc:  # every grant is left to its pull
                 logger.warning("prefetch of %d grants from %s failed: %s", len(grants), peer.address, exc)
                 outcomes = [exc] * len(grants)
-            for grant, outcome in zip(grants, outcomes):
+            for (grant, _), outcome in zip(grants, outcomes):
                 key = (peer.address, grant.grant_id)
                 entry = outcome if isinstance(outcome, Prefetched) else None
                 if entry is not None:
@@ -175,7 +175,7 @@ class Prefetches:
                                 peer.address, outcome)
                 self._settle(key, entry)
         finally:  # however this ends (cancelled included), no load waits for a prefetch that will not come
-            for grant in grants:
+            for grant, _ in grants:
                 self._settle((peer.address, grant.grant_id), None)
 
     def _settle(self, key: tuple[str, str], entry: Prefetched | None) -> None:

@@ -111,9 +111,9 @@ def whole_plan(peer: PrefillPeer, grant: PrefillGrant) -> TransferPlan:
     return WHOLE_REQUEST.plan(grant, target, ())
 
 
-async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, staging: StagingBuffers,
-                          integrity: bool = False) -> list[Prefetched | BaseException]:
-    """Pull ``grants`` (whole) from ``peer`` in one PackedPull, into one buffer of
+async def prefetch_packed(peer: PrefillPeer, grants: Sequence[tuple[PrefillGrant, TransferPlan]], *,
+                          staging: StagingBuffers, integrity: bool = False) -> list[Prefetched | BaseException]:
+    """Pull ``grants`` (each whole, with its ``whole_plan``) from ``peer`` in one PackedPull, into one buffer of
     ``staging``: one outcome a grant, in order (what is held here, or why that grant was not). PackedPullUnsupported
     when the node does not serve the call (nothing held); a failed call or message fails every grant."""
     context = peer.context
@@ -122,12 +122,7 @@ async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, 
     planned: list[tuple[int, TransferPlan, int]] = []  # (index, plan, offset in the message)
     requests: list[pb.PullRequest] = []
     tag, offset = InboundPull.tag_base_for(Transport.UCX), 0
-    for index, grant in enumerate(grants):
-        try:
-            plan = whole_plan(peer, grant)
-        except ValueError as exc:
-            outcomes[index] = exc
-            continue
+    for index, (grant, plan) in enumerate(grants):
         planned.append((index, plan, offset))
         offset += plan.total_bytes
         requests.append(packed_request(peer, grant.grant_id, plan, tag, integrity))
@@ -159,22 +154,18 @@ async def prefetch_packed(peer: PrefillPeer, grants: Sequence[PrefillGrant], *, 
     if not landed:
         return outcomes
     seconds, now = time.perf_counter() - started, time.monotonic()
-    held = [_held(grants[index], plan, at, done, message, seconds, now, integrity, peer.address)
-            for (index, plan, at), done in served]
-    owner = PrefetchBuffer(staging, buffer, sum(isinstance(h, Prefetched) for h in held))
-    for ((index, _, _), _), entry in zip(served, held):
-        if isinstance(entry, Prefetched):
-            entry.owner = owner
-        outcomes[index] = entry
+    owner = PrefetchBuffer(staging, buffer, 0)
+    for (index, plan, at), done in served:
+        outcomes[index] = _held(grants[index][0], plan, at, done, message, seconds, now, integrity, peer.address, owner)
     if owner.holders == 0:
         staging.give(buffer)
     return outcomes
 
 
 def _held(grant: PrefillGrant, plan: TransferPlan, at: int, done: pb.PullDone, message: torch.Tensor, seconds: float,
-          now: float, integrity: bool, address: str) -> Prefetched | StatusError:
-    """A served grant's entry, or DATA_LOSS where its PullDone disagrees with the plan (or its crc32s with the
-    bytes, with ``integrity``)."""
+          now: float, integrity: bool, address: str, owner: PrefetchBuffer) -> Prefetched | StatusError:
+    """A served grant's entry (one more holder of ``owner``), or DATA_LOSS where its PullDone disagrees with the plan
+    (or its crc32s with the bytes, with ``integrity``)."""
     if done.bytes != plan.total_bytes or done.regions != len(plan):
         return StatusError(grpc.StatusCode.DATA_LOSS, f"prefetch from {address}: PullDone states {done.bytes} bytes "
                            f"in {done.regions} regions, the plan {plan.total_bytes} in {len(plan)}")
@@ -187,8 +178,9 @@ def _held(grant: PrefillGrant, plan: TransferPlan, at: int, done: pb.PullDone, m
         if list(done.crc32) != spans:
             return StatusError(grpc.StatusCode.DATA_LOSS, f"prefetch from {address}: a region's crc32 differs from "
                                "the prefill node's")
+    owner.holders += 1
     entry = Prefetched(grant_id=grant.grant_id, nbytes=plan.total_bytes, regions=len(plan), seconds=seconds,
-                       landed_at=now, data=data, owner=None)  # type: ignore[arg-type]  (set by the caller)
+                       landed_at=now, data=data, owner=owner)
     where = 0
     for pair in plan.pairs:
         entry.add(pair.src, where)
