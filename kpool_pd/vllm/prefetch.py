@@ -24,6 +24,7 @@ prefetch, and only producers of one TP rank announce.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 WAIT_MS = 5000  # how long one AwaitOffers call waits for an announcement
 RETRY_S = 1.0  # after a failed AwaitOffers call, the wait before the next
+MAX_LOADED = 4096  # grants remembered as pulled by their loads (an announcement of one coming late is ignored)
 
 
 class Prefetches:
@@ -63,6 +65,8 @@ class Prefetches:
         self._lease_s: dict[tuple[str, str], float] = {}
         self._following: dict[str, asyncio.Task] = {}
         self._room = asyncio.Event()
+        self._loaded: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()  # the latest
+        # MAX_LOADED grants a load pulled itself (none was here): announced later, they are not prefetched
 
     @property
     def held_bytes(self) -> int:
@@ -140,7 +144,7 @@ class Prefetches:
                 logger.warning("announcement of grant %r by %s ignored: %s", offer.grant_id[:64], peer.address, exc)
                 continue
             key = (peer.address, grant.grant_id)
-            if key in self._held or key in self._coming:
+            if key in self._held or key in self._coming or key in self._loaded:
                 continue
             try:
                 plan = whole_plan(peer, grant)
@@ -202,6 +206,14 @@ class Prefetches:
 
     def has(self, address: str, key: str) -> bool:
         return (address, key) in self._held or (address, key) in self._coming
+
+    def loading(self, address: str, key: str) -> None:
+        """A load pulls grant ``key`` from ``address`` itself: an announcement of it that comes later is ignored
+        (its pull has it, or will)."""
+        self._loaded[(address, key)] = None
+        self._loaded.move_to_end((address, key))
+        while len(self._loaded) > MAX_LOADED:
+            self._loaded.popitem(last=False)
 
     def expire(self, now: float | None = None) -> int:
         """Drop the entries held longer than their grant's lease that no request queued here names (``kept``,

@@ -34,7 +34,7 @@ from kpool_pd.runtime import GrpcServer
 from kpool_pd.vllm.loop import ConnectorLoop, TransferProgress, connector_config, rank_address, warm_staging
 from kpool_pd.vllm.metadata import KpoolPdMetadata, producer_params
 from kpool_pd.vllm.ranks import RankSeat, slot_key
-from kpool_pd.vllm.settings import KpoolPdSettings
+from kpool_pd.vllm.settings import AnnounceWhen, KpoolPdSettings
 from kpool_pd.vllm.stats import StatsRecorder
 from kpool_pd.vllm.units import unit_ids
 
@@ -82,6 +82,10 @@ class ProducerWorker:
                                      config=connector_config(settings), registry=self._registry,
                                      model_identity=model_identity)
         self.server: GrpcServer | None = None
+        self.announce = settings.announce.resolved(pool.device.type)
+        self._announcing = False  # an offer with prefetch_by since the last idle step (engine thread)
+        self._held_announcements: list[tuple[list, object]] = []  # (offers, their step's CUDA event): the loop's,
+        # waiting for an idle step (``AnnounceWhen.IDLE``)
         if settings.release_after_pull:
             self.node.on_pull_done = self._pull_sent
 
@@ -116,16 +120,23 @@ class ProducerWorker:
             return
         planned = [(offer, self._hold(offer)) for offer in metadata.offers]
         computed = None  # where the pool is on a GPU, the step's kernels end before a prefetch may read them
-        if self.cache.pool.device.type == "cuda" and any(offer.prefetch_by for offer in metadata.offers):
+        named = any(offer.prefetch_by for offer in metadata.offers)
+        if self.cache.pool.device.type == "cuda" and named:
             computed = torch.cuda.Event()
             computed.record()
+        self._announcing = self._announcing or named
         self.loop.post(self._lend_all, planned, computed)
 
     def withdraw(self, metadata: KpoolPdMetadata) -> None:
         """Before the step's forward: end the grants of offered requests vLLM freed with no answer to their
-        client (their blocks are vLLM's again and may be written in this very step)."""
+        client (their blocks are vLLM's again and may be written in this very step). A step that computes
+        nothing announces the grants held for it (``AnnounceWhen.IDLE``): queued on the loop after the offers'
+        lending, so after every grant offered so far."""
         if metadata.withdrawals:
             self.loop.call(lambda: self._withdraw_all(metadata.withdrawals))
+        if metadata.idle and self._announcing and self.announce is AnnounceWhen.IDLE:
+            self._announcing = False
+            self.loop.post(self._announce_held)
 
     async def _withdraw_all(self, request_ids) -> None:
         for rid in request_ids:
@@ -180,7 +191,7 @@ class ProducerWorker:
         prompts computed together) never hand each other's keys to their releases. A grant that cannot be lent
         counts as ended, so that its request's blocks still go back to vLLM. The whole grants of requests that
         named their consumer (``prefetch_by``) are then announced to it, once ``computed`` (the step's CUDA
-        event, None in host memory) completed."""
+        event, None in host memory) completed: at once, or at the next idle step (``AnnounceWhen.IDLE``)."""
         announced = []
         for offer, grants in planned:
             rid = offer.request_id
@@ -193,9 +204,22 @@ class ProducerWorker:
                 lent = self._lend(offer, key, ids, slot_keys if index == 0 else ())
                 if index == 0 and lent and offer.prefetch_by:
                     announced.append(offer)
-        if announced:
-            announce = self._announce(announced, computed)
-            asyncio.ensure_future(announce).add_done_callback(_logged_failure)
+        if not announced:
+            return
+        if self.announce is AnnounceWhen.IDLE:
+            self._held_announcements.append((announced, computed))
+            return
+        asyncio.ensure_future(self._announce(announced, computed)).add_done_callback(_logged_failure)
+
+    def _announce_held(self) -> None:
+        """An idle step (on the loop): announce the held grants whose requests still hold them (one pulled or
+        withdrawn meanwhile is not announced: its consumer would find it gone)."""
+        held, self._held_announcements = self._held_announcements, []
+        for offers, computed in held:
+            with self._lock:
+                live = [offer for offer in offers if offer.request_id in self._keys]
+            if live:
+                asyncio.ensure_future(self._announce(live, computed)).add_done_callback(_logged_failure)
 
     async def _announce(self, offers: list, computed) -> None:
         """Announce each offer's whole grant to the consumer it names (``OfferBoard``), with the params its

@@ -102,6 +102,7 @@ async def _pulled(worker: StepWorker, loads: list[Load]) -> list[tuple[Load, Bas
             if worker.prefetches.has(step_read.address, step_read.target.grant.grant_id):
                 prefetched.append(step_read)
             else:
+                worker.prefetches.loading(step_read.address, step_read.target.grant.grant_id)
                 by_peer.setdefault(step_read.address, []).append(step_read)
         else:
             alone.append(step_read)

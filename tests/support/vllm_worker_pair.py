@@ -20,18 +20,19 @@ from tests.support.ports import free_port
 from tests.support.vllm_spec_procs import pool_of
 
 
-def worker_pair(lease_s: float, name: str, *, release_after_pull: bool = True,
-                transport: str = "grpc") -> tuple[ProducerWorker, list, ConsumerWorker, list]:
+def worker_pair(lease_s: float, name: str, *, release_after_pull: bool = True, transport: str = "grpc",
+                announce: str = "auto") -> tuple[ProducerWorker, list, ConsumerWorker, list]:
     """(producer, its caches, consumer, its caches); engine ids ``{name}-producer`` and ``{name}-consumer``;
-    ``release_after_pull``: the producer's setting (False: its grants end by Release or lease only);
-    ``transport``: the consumer's ("grpc" or "ucx")."""
+    ``release_after_pull`` and ``announce``: the producer's settings (False: its grants end by Release or lease
+    only; when it announces grants to a consumer named in advance); ``transport``: the consumer's ("grpc" or
+    "ucx")."""
     token = secrets.token_hex(16)
     port = free_port()
     _, producer_caches, producer_pool = pool_of("glm5next", seed=1)
     _, consumer_caches, consumer_pool = pool_of("glm5next", seed=2)
     producer = ProducerWorker(KpoolPdSettings.from_extra_config(
         {"listen": f"127.0.0.1:{port}", "peer_token": token, "lease_s": lease_s,
-         "release_after_pull": release_after_pull}, producer=True),
+         "release_after_pull": release_after_pull, "announce": announce}, producer=True),
         producer_pool, engine_id=f"{name}-producer", model_identity="glm5next")
     consumer = ConsumerWorker(KpoolPdSettings.from_extra_config(
         {"peer_token": token, "transport": transport, "producers": [f"127.0.0.1:{port}"]}, producer=False),

@@ -8,9 +8,7 @@ workers run in this process over vLLM's own GLM-5-Next cache specs (cross-layer 
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 
 import pytest
 
@@ -18,13 +16,12 @@ if os.environ.get("KPOOLPD_REQUIRE_VLLM") != "1":  # CI (.ci/run) requires it: a
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kpool-pd[vllm]', see README)")
 
 from kpool_pd.connector import Announcement, ucx_available  # noqa: E402
-from kpool_pd.transfer_params import DecodeParams  # noqa: E402
-from kpool_pd.vllm.metadata import (KpoolPdMetadata, Load, Offer, Renew, prefetch_target,  # noqa: E402
-                                    producer_params, released_after_pull)
+from kpool_pd.vllm.metadata import KpoolPdMetadata, Renew, prefetch_target  # noqa: E402
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
+from tests.support.vllm_prefetch import landed_equal, load_of, offered, prefetched  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
-from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest  # noqa: E402
+from tests.support.vllm_spec_procs import NUM_BLOCKS  # noqa: E402
 from tests.support.ucx_sends import record_sends  # noqa: E402
 from tests.support.vllm_worker_pair import started, wait_finished, wait_freed, worker_pair  # noqa: E402
 
@@ -32,15 +29,11 @@ pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
 
 DONE_S = 60.0
-# per request: (source blocks per group, destination blocks per group); the groups: full attention, the ring
-MOVES = {"a": (((1, 2), (3,)), ((5, 6), (7,))),
-         "b": (((4, 8, 9), (10,)), ((12, 14, 15), (16,)))}
-
-
 @pytest.fixture(params=[True, False], ids=["release_after_pull", "released_by_the_consumer"])
 def pair(request):
     producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "prefetch", transport="ucx",
-                                                                       release_after_pull=request.param)
+                                                                       release_after_pull=request.param,
+                                                                       announce="computed")
     with started(producer, consumer):
         address = producer.settings.advertise
         consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
@@ -53,40 +46,6 @@ def pair(request):
 def sends(monkeypatch):
     """The byte count of every UCX message posted in this process (the producer's sends)."""
     return record_sends(monkeypatch)
-
-
-def offered(producer, request_id: str, prefetch_by: str) -> tuple[Offer, dict]:
-    src, _ = MOVES[request_id]
-    offer = Offer(request_id=request_id, grant_id=secrets.token_hex(16), block_ids=src, prompt_len=200,
-                  prompt_digest=spec_digest(request_id, src), prefetch_by=prefetch_by)
-    producer.offer(KpoolPdMetadata(offers=[offer]))
-    return offer, producer_params(offer, address=producer.settings.advertise, engine_id=producer.engine_id,
-                                  lease_s=60.0, rank_addresses=(producer.settings.advertise,),
-                                  released_after_pull=producer.settings.release_after_pull)
-
-
-def load_of(request_id: str, params: dict, *, digest_of: str | None = None, held=()) -> Load:
-    _, dst = MOVES[request_id]
-    return Load(request_id=request_id, params=DecodeParams.parse(params), block_ids=dst, held=tuple(held),
-                digest=spec_digest(digest_of or request_id, dst), released_after_pull=released_after_pull(params))
-
-
-def block_equal(producer_caches, consumer_caches, src: int, dst: int) -> bool:
-    theirs, ours = backing(producer_caches), backing(consumer_caches)
-    size = theirs.numel() // NUM_BLOCKS
-    return bool((ours[dst * size:(dst + 1) * size] == theirs[src * size:(src + 1) * size]).all())
-
-
-def landed_equal(producer_caches, consumer_caches, request_id: str, skip=()) -> bool:
-    src_all, dst_all = MOVES[request_id]
-    return all(block_equal(producer_caches, consumer_caches, s, d)
-               for theirs, ours in zip(src_all, dst_all) for s, d in zip(theirs, ours) if d not in skip)
-
-
-def prefetched(consumer, address: str, key: str) -> bool:
-    async def held():
-        return (address, key) in consumer.prefetches._held
-    return consumer.loop.call(held)
 
 
 def test_a_named_consumer_prefetches_and_its_load_sends_nothing(pair, sends):
