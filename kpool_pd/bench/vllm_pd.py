@@ -1,7 +1,8 @@
 """Time to first token of a vLLM PD pair (a kv_producer and a kv_consumer engine, two processes, a 2-layer Llama of
 seeded weights on the CPU) with KpoolPdConnector over UCX (kpool-ucx: each grant pulled when its decode request
 comes; kpool-ucx-prefetch: the proxy names the consumer in the prefill request, ``prefetch_by``, so the producer
-announces each grant to it and it pulls the grant before its decode request comes) and over the gRPC stream, with vLLM's NixlConnector
+announces each grant to it and it pulls the grant before its decode request comes; kpool-ucx-prefetch-idle: the same,
+the producer announcing at its first step that computes nothing) and over the gRPC stream, with vLLM's NixlConnector
 (kv_buffer_device cpu) and with vLLM's MooncakeConnector (TCP), one connector after the other in one run
 (--together: all of them up at once, each rep run on every connector in turn), each with both engines up before its
 first request; the floor: the same generate served from one engine's own prefix cache (no transfer); and
@@ -89,9 +90,13 @@ def transfer_configs(connector: Connector, ports: list[int]) -> tuple[dict, dict
     token = {"KPOOLPD_PEER_TOKEN": secrets.token_hex(16)}
     transport = "grpc" if connector is Connector.KPOOL_GRPC else "ucx"
     kpool = vllm_engines.kpool_transfer_config
-    return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport}),
+    announce = "idle" if connector is Connector.KPOOL_UCX_PREFETCH_IDLE else "computed"
+    return (kpool("kv_producer", {"listen": f"127.0.0.1:{ports[0]}", "transport": transport, "announce": announce}),
             kpool("kv_consumer", {"transport": transport, "producers": [f"127.0.0.1:{ports[0]}"]},
                   engine_id=consumer_engine_id(ports)), token, token)
+
+
+PREFETCHING = (Connector.KPOOL_UCX_PREFETCH, Connector.KPOOL_UCX_PREFETCH_IDLE)  # rows whose proxy names the consumer
 
 
 def consumer_engine_id(ports: list[int]) -> str:
@@ -110,7 +115,7 @@ class PdPair:
         self.producer, self.consumer = start_engines(connector, [("producer", producer_config, producer_env),
                                                           ("consumer", consumer_config, consumer_env)],
                                               model, max_model_len, out)
-        named = consumer_engine_id(self.ports) if connector is Connector.KPOOL_UCX_PREFETCH else ""
+        named = consumer_engine_id(self.ports) if connector in PREFETCHING else ""
         self.handover = Handover(prefetch_by=named)
 
     def ready(self) -> None:

@@ -19,6 +19,8 @@ class Connector(Enum):
     KPOOL_UCX = "kpool-ucx"  # each grant pulled when its decode request comes
     KPOOL_UCX_PREFETCH = "kpool-ucx-prefetch"  # the same connector, the proxy naming the consumer (prefetch_by): the
     # producer announces each grant to it and it pulls the grant before its decode request comes
+    KPOOL_UCX_PREFETCH_IDLE = "kpool-ucx-prefetch-idle"  # the same, the producer announcing at its first step that
+    # computes nothing (``announce`` "idle"): no transfer beside its forward
     KPOOL_GRPC = "kpool-grpc"
     NIXL = "nixl"
     MOONCAKE = "mooncake"

@@ -82,7 +82,7 @@ class ProducerWorker:
                                      config=connector_config(settings), registry=self._registry,
                                      model_identity=model_identity)
         self.server: GrpcServer | None = None
-        self.announce = settings.announce.resolved(pool.device.type)
+        self.announce = settings.announce
         self._announcing = False  # an offer with prefetch_by since the last idle step (engine thread)
         self._held_announcements: list[tuple[list, object]] = []  # (offers, their step's CUDA event): the loop's,
         # waiting for an idle step (``AnnounceWhen.IDLE``)

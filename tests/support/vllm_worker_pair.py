@@ -21,7 +21,7 @@ from tests.support.vllm_spec_procs import pool_of
 
 
 def worker_pair(lease_s: float, name: str, *, release_after_pull: bool = True, transport: str = "grpc",
-                announce: str = "auto") -> tuple[ProducerWorker, list, ConsumerWorker, list]:
+                announce: str = "computed") -> tuple[ProducerWorker, list, ConsumerWorker, list]:
     """(producer, its caches, consumer, its caches); engine ids ``{name}-producer`` and ``{name}-consumer``;
     ``release_after_pull`` and ``announce``: the producer's settings (False: its grants end by Release or lease
     only; when it announces grants to a consumer named in advance); ``transport``: the consumer's ("grpc" or

@@ -355,3 +355,16 @@ def test_the_no_transfer_engine_claims_all_but_each_prompts_last_token_and_compa
     mixed = vllm_pd.mixed_lengths(2)
     assert concurrent["pulled_tokens"] == 2 * sum(n - 1 for n in mixed)
     assert "no-transfer: starting one engine with vLLM's DecodeBenchConnector" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("connector, announce", [(vllm_pd.Connector.KPOOL_UCX_PREFETCH, "computed"),
+                                                 (vllm_pd.Connector.KPOOL_UCX_PREFETCH_IDLE, "idle")])
+def test_the_prefetch_rows_name_the_consumer_and_set_when_the_producer_announces(connector, announce):
+    """Both prefetch rows run KpoolPdConnector over UCX with the consumer's engine_id named to the producer (the
+    proxy's prefetch_by); they differ only in the producer's ``announce``. The pull row names nobody."""
+    ports = [5001, 5002]
+    producer, consumer, _, _ = vllm_pd.transfer_configs(connector, ports)
+    assert producer["kv_connector_extra_config"]["announce"] == announce
+    assert consumer["kv_connector_extra_config"]["transport"] == "ucx"
+    assert consumer["engine_id"] == vllm_pd.consumer_engine_id(ports)
+    assert connector in vllm_pd.PREFETCHING and vllm_pd.Connector.KPOOL_UCX not in vllm_pd.PREFETCHING

@@ -1,6 +1,6 @@
-"""When a producer announces a grant to the consumer its request named (``announce``). A pool in host memory shares
-its cores with the forward, so by default (``auto``) such a producer holds its announcements until a step computes
-nothing, and then announces only the grants still held; a grant its load pulled meanwhile is announced to nobody.
+"""When a producer announces a grant to the consumer its request named (``announce``): at once (``computed``, the
+default), or, where a pool in host memory shares its cores with the forward, held until a step computes nothing
+(``idle``), and then only the grants still held; a grant its load pulled meanwhile is announced to nobody.
 A consumer ignores an announcement of a grant its own load already pulled. The workers run in this process over
 vLLM's own GLM-5-Next cache specs."""
 
@@ -30,7 +30,8 @@ BUSY, IDLE = KpoolPdMetadata(idle=False), KpoolPdMetadata(idle=True)
 
 @pytest.fixture
 def pair():
-    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "announce", transport="ucx")
+    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "announce", transport="ucx",
+                                                                       announce="idle")
     with started(producer, consumer):
         address = producer.settings.advertise
         consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
@@ -51,9 +52,9 @@ def announced(producer) -> int:
     return producer.take_stats().data.get("grants_announced", 0)
 
 
-def test_a_host_memory_producer_announces_at_the_first_idle_step(pair):
+def test_an_idle_announcing_producer_announces_at_the_first_idle_step(pair):
     producer, producer_caches, consumer, consumer_caches = pair
-    assert producer.announce is AnnounceWhen.IDLE  # "auto" on a pool in host memory
+    assert producer.announce is AnnounceWhen.IDLE
     address = producer.settings.advertise
     offer, params = offered(producer, "a", consumer.engine_id)
     producer.withdraw(BUSY)  # a step that computes: nothing is announced beside its forward
@@ -108,15 +109,12 @@ def test_a_consumer_ignores_an_announcement_of_a_grant_its_load_pulled(pair, mon
     assert tried == [], "a grant its load pulled was fetched again"
 
 
-def test_announce_is_checked_and_auto_follows_the_pool():
+def test_announce_is_checked_and_computed_by_default():
     base = {"listen": "127.0.0.1:1"}
-    settings = KpoolPdSettings.from_extra_config(base, producer=True)
-    assert settings.announce is AnnounceWhen.AUTO
-    assert settings.announce.resolved("cpu") is AnnounceWhen.IDLE
-    assert settings.announce.resolved("cuda") is AnnounceWhen.COMPUTED
+    assert KpoolPdSettings.from_extra_config(base, producer=True).announce is AnnounceWhen.COMPUTED
     for value in ("idle", "computed"):
-        chosen = KpoolPdSettings.from_extra_config(base | {"announce": value}, producer=True).announce
-        assert chosen.resolved("cpu") is chosen.resolved("cuda") is AnnounceWhen(value)
-    for bad in ("later", 1, None):
+        assert KpoolPdSettings.from_extra_config(base | {"announce": value}, producer=True).announce \
+            is AnnounceWhen(value)
+    for bad in ("later", "auto", 1, None):
         with pytest.raises(ValueError, match="announce"):
             KpoolPdSettings.from_extra_config(base | {"announce": bad}, producer=True)

@@ -32,8 +32,7 @@ DONE_S = 60.0
 @pytest.fixture(params=[True, False], ids=["release_after_pull", "released_by_the_consumer"])
 def pair(request):
     producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "prefetch", transport="ucx",
-                                                                       release_after_pull=request.param,
-                                                                       announce="computed")
+                                                                       release_after_pull=request.param)
     with started(producer, consumer):
         address = producer.settings.advertise
         consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
