@@ -174,11 +174,12 @@ def table(rows: list[Row]) -> str:
             return "-"
         return f"{row.decode_first_token_ms - floor[0]:+.1f}"
 
-    lines = [f"{'connector':<11} {'requests':>8} {'tokens':>6} {'new tok':>7} {'prefill ms':>10} {'consumer ms':>11} "
+    width = max([len("connector")] + [len(r.connector) for r in rows])
+    lines = [f"{'connector':<{width}} {'requests':>8} {'tokens':>6} {'new tok':>7} {'prefill ms':>10} {'consumer ms':>11} "
              f"{'sum ms':>8} {'consumer vs best':>16} {'sum vs best':>11} {'over no-transfer':>16} {'pulled':>7} "
              "same tokens"]
     for r in sorted(rows, key=lambda r: (r.requests, r.tokens, order.get(r.connector, len(order)))):
-        lines.append(f"{r.connector:<11} {r.requests:>8} {r.tokens:>6} {r.new_tokens:>7} {ms(r.prefill_ms):>10} "
+        lines.append(f"{r.connector:<{width}} {r.requests:>8} {r.tokens:>6} {r.new_tokens:>7} {ms(r.prefill_ms):>10} "
                      f"{ms(r.decode_first_token_ms):>11} {ms(r.ttft_ms):>8} "
                      f"{_ratio(r.decode_first_token_ms, best(r, 'decode_first_token_ms')):>16} "
                      f"{_ratio(r.ttft_ms, best(r, 'ttft_ms')):>11} {over_no_transfer(r):>16} {r.pulled_tokens:>7} "

@@ -214,6 +214,9 @@ def test_the_ratio_is_to_the_fastest_of_vllms_connectors_and_the_floor_has_no_pr
     assert by_name["kpool-ucx"][7:9] == ["0.50x", "0.67x"]  # 10 / 20, (10 + 10) / (10 + 20)
     assert by_name["mooncake"][7] == "0.50x" and by_name["nixl"][7] == "2.00x"  # each against the other
     assert by_name["floor"][4:9] == ["-", "5.0", "-", "0.25x", "-"]
+    named = vllm_pd.table([row("kpool-ucx-prefetch-idle", 10.0), row("nixl", 40.0)]).splitlines()
+    ends = {line.index(" 8 ") + 2 for line in named[1:]} | {named[0].index("requests") + len("requests")}
+    assert len(ends) == 1, "the columns do not line up under a long connector name:\n" + "\n".join(named)
 
 
 def test_each_row_says_what_its_transfer_added_over_the_no_transfer_engine():
