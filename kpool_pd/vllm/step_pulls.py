@@ -107,11 +107,8 @@ async def _pulled(worker: StepWorker, loads: list[Load]) -> list[tuple[Load, Bas
         else:
             alone.append(step_read)
     try:
-        landed = await asyncio.gather(*(_land_prefetched(worker, peers[r.address], r) for r in prefetched))
-        for step_read, done in zip(prefetched, landed):
-            if not done:  # its bytes are not here after all: pulled with the others
-                by_peer.setdefault(step_read.address, []).append(step_read)
-        await asyncio.gather(*(_pull_packed(worker, peers[address], group) for address, group in by_peer.items()),
+        await asyncio.gather(_land_or_pull(worker, peers, prefetched),
+                             *(_pull_packed(worker, peers[address], group) for address, group in by_peer.items()),
                              *(_pull_alone(worker, r) for r in alone))
     finally:
         for step_read in reads:
@@ -125,6 +122,17 @@ async def _pulled(worker: StepWorker, loads: list[Load]) -> list[tuple[Load, Bas
     for step_read in reads:
         outcomes[step_read.load.request_id].append(step_read.outcome)
     return [(load, failed.get(load.request_id), outcomes[load.request_id]) for load in loads]
+
+
+async def _land_or_pull(worker: StepWorker, peers: dict, prefetched: list[_StepRead]) -> None:
+    """Land the reads whose grants were prefetched (waiting for prefetches in flight, beside the step's other
+    pulls); those whose bytes are not here after all are pulled then, one PackedPull a producer rank."""
+    landed = await asyncio.gather(*(_land_prefetched(worker, peers[r.address], r) for r in prefetched))
+    missed: dict[str, list[_StepRead]] = {}
+    for step_read, done in zip(prefetched, landed):
+        if not done:
+            missed.setdefault(step_read.address, []).append(step_read)
+    await asyncio.gather(*(_pull_packed(worker, peers[address], group) for address, group in missed.items()))
 
 
 async def _peers(worker: StepWorker, addresses: set[str]) -> dict[str, PrefillPeer | BaseException]:

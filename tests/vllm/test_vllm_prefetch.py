@@ -229,3 +229,37 @@ def test_a_failed_prefetch_leaves_the_load_to_its_pull(pair, monkeypatch, caplog
     assert landed_equal(producer_caches, consumer_caches, "a")
     stats = consumer.take_stats().data
     assert stats["pulls"] == 1 and stats["prefetch_hits"] == 0
+
+
+def test_a_prefetch_in_flight_does_not_hold_back_the_steps_other_pulls(pair, monkeypatch):
+    """Two loads in one step, one of them waiting for its grant's prefetch (still in flight here, and then missing):
+    the other one's pull lands meanwhile; the first is pulled once its prefetch ended without its bytes, and both
+    end together."""
+    import asyncio
+
+    producer, producer_caches, consumer, consumer_caches = pair
+    offer_a, params_a = offered(producer, "a", "")  # announced to nobody: the test plays its prefetch
+    _, params_b = offered(producer, "b", "")
+
+    async def gate():
+        return asyncio.Event()
+    ended = consumer.loop.call(gate)
+    claims = []
+
+    async def claim(address, key, timeout_s):
+        claims.append(key)
+        await ended.wait()
+        return None  # the prefetch brought nothing: the load pulls it
+    monkeypatch.setattr(consumer.prefetches, "has", lambda address, key: key == offer_a.key)
+    monkeypatch.setattr(consumer.prefetches, "claim", claim)
+    consumer.load(KpoolPdMetadata(loads=[load_of("a", params_a), load_of("b", params_b)]))
+    assert wait_for(lambda: landed_equal(producer_caches, consumer_caches, "b"), DONE_S), \
+        "the other load waited for the prefetch in flight"
+    assert claims == [offer_a.key] and not landed_equal(producer_caches, consumer_caches, "a")
+
+    async def end_prefetch():
+        ended.set()
+    consumer.loop.call(end_prefetch)
+    done, failed = wait_finished(consumer, "a", DONE_S)
+    assert {"a", "b"} <= done and failed == set()
+    assert landed_equal(producer_caches, consumer_caches, "a")

@@ -100,12 +100,13 @@ def plan_target(peer: PrefillPeer, target: PackedTarget) -> TransferPlan:
     return WHOLE_REQUEST.plan(grant, target_ids, target.held)
 
 
-def _settle(views: Sequence[torch.Tensor]) -> None:
+def settle_views(views: Sequence[torch.Tensor]) -> None:
+    """Wait for the copies queued into ``views`` on their GPUs' current streams (nothing for host memory)."""
     for device in {v.device for v in views if v.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
 
 
-async def _retire(ucx: UcxNode, receive: ReceiveBatch, staging: StagingBuffers, buffer: torch.Tensor) -> None:
+async def retire_receive(ucx: UcxNode, receive: ReceiveBatch, staging: StagingBuffers, buffer: torch.Tensor) -> None:
     """Retire a failed batch's receives; their buffer is kept for a later batch once none is pending."""
     if await ucx.abandon(receive) == 0:
         staging.give(buffer)
@@ -197,7 +198,7 @@ async def pull_packed(peer: PrefillPeer, targets: Sequence[PackedTarget], *, sta
         if landed:
             staging.give(buffer)
         else:  # retire the receives (they land in ``buffer`` only, never in the caller's blocks)
-            retire = asyncio.ensure_future(_retire(ucx, receive, staging, buffer))
+            retire = asyncio.ensure_future(retire_receive(ucx, receive, staging, buffer))
             retire.add_done_callback(lambda task: task.cancelled() or task.exception())
     return outcomes
 
@@ -270,7 +271,7 @@ def _unpack(message: torch.Tensor, served: list, outcomes: list, address: str, i
             at += view.numel()
     if not copied:
         copy_all(dst, src)
-    _settle([view for pull, _ in served for view in pull.views])
+    settle_views([view for pull, _ in served for view in pull.views])
     if integrity:
         for pull, done in served:
             if outcomes[pull.index] is None and list(done.crc32) != [regions.crc32(v) for v in pull.views]:

@@ -25,8 +25,8 @@ import torch
 from kpool_pd.connector import prefill_api as pb
 from kpool_pd.connector.decode.grant import PrefillGrant
 from kpool_pd.connector.decode.inbound import InboundPull
-from kpool_pd.connector.decode.packed_pull import (PackedTarget, _retire, _settle, message_landed, packed_call,
-                                                   packed_request, plan_target)
+from kpool_pd.connector.decode.packed_pull import (PackedTarget, message_landed, packed_call, packed_request,
+                                                   plan_target, retire_receive, settle_views)
 from kpool_pd.connector.decode.peer import PrefillPeer
 from kpool_pd.connector.decode.share import WHOLE_REQUEST, PullTarget
 from kpool_pd.connector.shared import regions
@@ -91,7 +91,7 @@ class Prefetched:
         dst = [regions.region_view(pool, pair.dst) for _, pair in sources]
         src = [self.data[at:at + pair.src.nbytes] for at, pair in sources]
         copy_all(dst, src)
-        _settle(dst)
+        settle_views(dst)
         self.drop()
         return plan
 
@@ -149,7 +149,7 @@ async def prefetch_packed(peer: PrefillPeer, grants: Sequence[tuple[PrefillGrant
                 outcomes[index] = exc
     finally:
         if not landed:  # the receives land in ``buffer`` only: retired before it is reused
-            retire = asyncio.ensure_future(_retire(context.ucx, receive, staging, buffer))
+            retire = asyncio.ensure_future(retire_receive(context.ucx, receive, staging, buffer))
             retire.add_done_callback(lambda task: task.cancelled() or task.exception())
     if not landed:
         return outcomes
