@@ -4,16 +4,34 @@ has checked that vLLM is installed."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 
 from kpool_pd.transfer_params import DecodeParams
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Load, Offer, producer_params, released_after_pull
+from tests.support.polling import wait_for
 from tests.support.vllm_spec_caches import backing
 from tests.support.vllm_spec_procs import NUM_BLOCKS, spec_digest
+from tests.support.vllm_worker_pair import started, worker_pair
+
+FOLLOW_S = 60.0  # the longest a consumer may take to ask its new producer for announcements
 
 # per request: (source blocks per group, destination blocks per group); the groups: full attention, the ring
 MOVES = {"a": (((1, 2), (3,)), ((5, 6), (7,))),
          "b": (((4, 8, 9), (10,)), ((12, 14, 15), (16,)))}
+
+
+@contextlib.contextmanager
+def following_pair(name: str, **settings):
+    """A started producer and UCX consumer worker (``worker_pair`` with ``settings``), the consumer handshaken and
+    asking the producer for its announcements: (producer, its caches, consumer, its caches)."""
+    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, name, transport="ucx", **settings)
+    with started(producer, consumer):
+        address = producer.settings.advertise
+        consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
+        assert wait_for(lambda: producer.node.offer_board.listening(consumer.engine_id), FOLLOW_S), \
+            "the consumer never asked the producer for its announcements"
+        yield producer, producer_caches, consumer, consumer_caches
 
 
 def offered(producer, request_id: str, prefetch_by: str) -> tuple[Offer, dict]:

@@ -18,8 +18,8 @@ from kpool_pd.connector import prefill_api as pb  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata  # noqa: E402
 from kpool_pd.vllm.settings import AnnounceWhen, KpoolPdSettings  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
-from tests.support.vllm_prefetch import landed_equal, load_of, offered, prefetched  # noqa: E402
-from tests.support.vllm_worker_pair import started, wait_finished, worker_pair  # noqa: E402
+from tests.support.vllm_prefetch import following_pair, landed_equal, load_of, offered, prefetched  # noqa: E402
+from tests.support.vllm_worker_pair import wait_finished  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
@@ -30,14 +30,8 @@ BUSY, IDLE = KpoolPdMetadata(idle=False), KpoolPdMetadata(idle=True)
 
 @pytest.fixture
 def pair():
-    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "announce", transport="ucx",
-                                                                       announce="idle")
-    with started(producer, consumer):
-        address = producer.settings.advertise
-        consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
-        assert wait_for(lambda: producer.node.offer_board.listening(consumer.engine_id), DONE_S), \
-            "the consumer never asked the producer for its announcements"
-        yield producer, producer_caches, consumer, consumer_caches
+    with following_pair("announce", announce="idle") as workers:
+        yield workers
 
 
 def settled(producer) -> int:

@@ -19,26 +19,22 @@ from kpool_pd.connector import Announcement, ucx_available  # noqa: E402
 from kpool_pd.vllm.metadata import KpoolPdMetadata, Renew, prefetch_target  # noqa: E402
 from tests.support.deadlines import patient  # noqa: E402
 from tests.support.polling import wait_for  # noqa: E402
-from tests.support.vllm_prefetch import landed_equal, load_of, offered, prefetched  # noqa: E402
+from tests.support.vllm_prefetch import following_pair, landed_equal, load_of, offered, prefetched  # noqa: E402
 from tests.support.vllm_spec_caches import backing  # noqa: E402
 from tests.support.vllm_spec_procs import NUM_BLOCKS  # noqa: E402
 from tests.support.ucx_sends import record_sends  # noqa: E402
-from tests.support.vllm_worker_pair import started, wait_finished, wait_freed, worker_pair  # noqa: E402
+from tests.support.vllm_worker_pair import wait_finished, wait_freed  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,  # vLLM's config objects, a port of its own
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (pip install 'kpool-pd[ucx]')")]
 
 DONE_S = 60.0
+
+
 @pytest.fixture(params=[True, False], ids=["release_after_pull", "released_by_the_consumer"])
 def pair(request):
-    producer, producer_caches, consumer, consumer_caches = worker_pair(60.0, "prefetch", transport="ucx",
-                                                                       release_after_pull=request.param)
-    with started(producer, consumer):
-        address = producer.settings.advertise
-        consumer.loop.call(lambda: consumer.peer(address))  # handshaken: the consumer follows the producer
-        assert wait_for(lambda: producer.node.offer_board.listening(consumer.engine_id), DONE_S), \
-            "the consumer never asked the producer for its announcements"
-        yield producer, producer_caches, consumer, consumer_caches
+    with following_pair("prefetch", release_after_pull=request.param) as workers:
+        yield workers
 
 
 @pytest.fixture
