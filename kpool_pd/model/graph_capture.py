@@ -3,7 +3,9 @@ persistent on the device, copied over in one transfer), and the capture of a for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -46,6 +48,19 @@ class PackedInput:
         self._device.copy_(self._host, non_blocking=True)
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """No garbage collection inside: Python's collector, run by an allocation, may free a dead cycle that holds a
+    CUDA graph, and the graph's reset (its memory given back) is an operation a stream capture forbids."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture(forward: Callable[[], Result], memory, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Result]:
     """Run ``forward`` once on a side stream (it compiles every kernel outside the capture), then capture it into
     a graph whose memory comes from the pool ``memory`` (``torch.cuda.graph_pool_handle``); returns the graph and
@@ -53,16 +68,18 @@ def capture(forward: Callable[[], Result], memory, device: torch.device) -> tupl
 
     The capture checks this thread only (``thread_local``): a decode node captures while other threads of its
     process may use the device (UCX's progress thread, a pull landing), and in the default global mode such a call
-    from another thread invalidates the capture. The GPU suite (``-n 8``, H100, 2026-12-07) saw
-    ``cudaErrorStreamCaptureInvalidated`` in ``test_graphed_decode_equals_eager[4-3]``, in a test process that had
-    run other tests first; which call invalidated it was not isolated."""
+    from another thread invalidates the capture. And no garbage is collected while it runs
+    (``collection_paused``): the GPU suite (``-n 8``, H100, 2026-12-07, twice) saw ``cudaErrorStreamCaptureInvalidated``
+    in ``test_graphed_decode_equals_eager[4-3]`` beside CUDA's warning "operation not permitted when stream is
+    capturing (function reset)": a collection inside the capture freed an earlier engine's graph (torch's
+    ``torch.cuda.graph`` no longer collects before it captures)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         forward()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=memory, capture_error_mode="thread_local"):
+    with collection_paused(), torch.cuda.graph(graph, pool=memory, capture_error_mode="thread_local"):
         result = forward()
     return graph, result
 

@@ -134,3 +134,22 @@ def test_a_prefill_step_replays_the_smallest_bucket_that_holds_it_with_a_request
     assert bucket(100, 100, 100, 100) is None  # the padding would be a fifth request
     assert bucket(2049) is None and bucket() is None
     assert bucket(10, blocks=5).table_width == 8
+
+
+def test_no_collection_runs_while_a_capture_is_paused_and_the_collector_comes_back_as_it_was():
+    import gc
+
+    from kpool_pd.model.graph_capture import collection_paused
+    was = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            with collection_paused():
+                assert not gc.isenabled()
+            assert gc.isenabled() is before
+        gc.enable()
+        with pytest.raises(RuntimeError), collection_paused():
+            raise RuntimeError("a failed capture")
+        assert gc.isenabled(), "a failed capture left the collector off"
+    finally:
+        (gc.enable if was else gc.disable)()
