@@ -181,10 +181,16 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's worker, once its caches are registered: a producer rank's address, for the scheduler side."""
         return None if self.producer_worker is None else KpoolPdRankInfo(self.producer_worker.address)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's worker, every step, before the step's forward: the producer withdraws the grants of requests vLLM
+        freed unanswered before that forward can write into their blocks (vLLM starts a step's loads, and so
+        ``start_load_kv``, after its forward unless the step has synchronous loads)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.producer_worker is not None:
+            self.producer_worker.withdraw(connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if self.producer_worker is not None:  # before the forward can write into a withdrawn request's blocks
-            self.producer_worker.withdraw(self._get_connector_metadata())
-        if self.consumer_worker is not None:
+        if self.consumer_worker is not None:  # where vLLM orders it: after any zeroing of the step's new blocks
             self.consumer_worker.load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:

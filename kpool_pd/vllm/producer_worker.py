@@ -128,8 +128,9 @@ class ProducerWorker:
         self.loop.post(self._lend_all, planned, computed)
 
     def withdraw(self, metadata: KpoolPdMetadata) -> None:
-        """Before the step's forward: end the grants of offered requests vLLM freed with no answer to their
-        client (their blocks are vLLM's again and may be written in this very step). A step that computes
+        """Before the step's forward (``KpoolPdConnector.bind_connector_metadata``): end the grants of offered
+        requests vLLM freed with no answer to their client (their blocks are vLLM's again and may be written in
+        this very step). A step that computes
         nothing announces the grants held for it (``AnnounceWhen.IDLE``): queued on the loop after the offers'
         lending, so after every grant offered so far."""
         if metadata.withdrawals:

@@ -72,3 +72,18 @@ def test_a_withdrawn_request_frees_its_grants_and_is_never_reported(producer):
     assert producer.take_stats().data["grants_withdrawn"] == 1
     producer.withdraw(KpoolPdMetadata(withdrawals=["never-offered"]))  # nothing held here: a no-op
     assert producer.finished_sending({"never-offered"}) == set()
+
+
+def test_the_worker_withdraws_when_vllm_binds_the_steps_metadata_before_the_forward():
+    """vLLM binds a step's metadata before its forward and calls start_load_kv after it (unless the step loads
+    synchronously): the withdrawals go with the binding, never after the forward that may reuse the blocks."""
+    from kpool_pd.vllm.connector import KpoolPdConnector
+    calls = []
+    connector = object.__new__(KpoolPdConnector)  # its worker side only: no vLLM config needed
+    connector.producer_worker = SimpleNamespace(withdraw=lambda meta: calls.append(("withdraw", meta)))
+    connector.consumer_worker = SimpleNamespace(load=lambda meta: calls.append(("load", meta)))
+    meta = KpoolPdMetadata(withdrawals=["gone"])
+    connector.bind_connector_metadata(meta)
+    assert calls == [("withdraw", meta)], "the binding did not withdraw"
+    connector.start_load_kv(None)
+    assert calls == [("withdraw", meta), ("load", meta)], "start_load_kv withdrew again or did not load"
