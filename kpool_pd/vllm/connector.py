@@ -184,10 +184,11 @@ class KpoolPdConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's worker, every step, before the step's forward: the producer withdraws the grants of requests vLLM
         freed unanswered before that forward can write into their blocks (vLLM starts a step's loads, and so
-        ``start_load_kv``, after its forward unless the step has synchronous loads)."""
+        ``start_load_kv``, after its forward unless the step has synchronous loads), and announces at an idle
+        step what it held for one (``ProducerWorker.before_forward``)."""
         super().bind_connector_metadata(connector_metadata)
         if self.producer_worker is not None:
-            self.producer_worker.withdraw(connector_metadata)
+            self.producer_worker.before_forward(connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.consumer_worker is not None:  # where vLLM orders it: after any zeroing of the step's new blocks

@@ -83,7 +83,7 @@ class ProducerWorker:
                                      model_identity=model_identity)
         self.server: GrpcServer | None = None
         self.announce = settings.announce
-        self._announcing = False  # an offer with prefetch_by since the last idle step (engine thread)
+        self._announcing = False  # announcements held since the last idle step (AnnounceWhen.IDLE; engine thread)
         self._held_announcements: list[tuple[list, object]] = []  # (offers, their step's CUDA event): the loop's,
         # waiting for an idle step (``AnnounceWhen.IDLE``)
         if settings.release_after_pull:
@@ -124,18 +124,18 @@ class ProducerWorker:
         if self.cache.pool.device.type == "cuda" and named:
             computed = torch.cuda.Event()
             computed.record()
-        self._announcing = self._announcing or named
+        self._announcing = self._announcing or (named and self.announce is AnnounceWhen.IDLE)
         self.loop.post(self._lend_all, planned, computed)
 
-    def withdraw(self, metadata: KpoolPdMetadata) -> None:
-        """Before the step's forward (``KpoolPdConnector.bind_connector_metadata``): end the grants of offered
-        requests vLLM freed with no answer to their client (their blocks are vLLM's again and may be written in
-        this very step). A step that computes
-        nothing announces the grants held for it (``AnnounceWhen.IDLE``): queued on the loop after the offers'
-        lending, so after every grant offered so far."""
+    def before_forward(self, metadata: KpoolPdMetadata) -> None:
+        """A step's metadata, before its forward (``KpoolPdConnector.bind_connector_metadata``): end the grants of
+        offered requests vLLM freed with no answer to their client (their blocks are vLLM's again and may be
+        written in this very step); and, at a step that computes nothing, announce the grants held for it
+        (``AnnounceWhen.IDLE``), queued on the loop after the offers' lending, so after every grant offered so
+        far."""
         if metadata.withdrawals:
             self.loop.call(lambda: self._withdraw_all(metadata.withdrawals))
-        if metadata.idle and self._announcing and self.announce is AnnounceWhen.IDLE:
+        if metadata.idle and self._announcing:
             self._announcing = False
             self.loop.post(self._announce_held)
 

@@ -51,10 +51,10 @@ def test_an_idle_announcing_producer_announces_at_the_first_idle_step(pair):
     assert producer.announce is AnnounceWhen.IDLE
     address = producer.settings.advertise
     offer, params = offered(producer, "a", consumer.engine_id)
-    producer.withdraw(BUSY)  # a step that computes: nothing is announced beside its forward
+    producer.before_forward(BUSY)  # a step that computes: nothing is announced beside its forward
     assert settled(producer) == 0 and not prefetched(consumer, address, offer.key)
     assert announced(producer) == 0
-    producer.withdraw(IDLE)
+    producer.before_forward(IDLE)
     assert wait_for(lambda: prefetched(consumer, address, offer.key), DONE_S), "the idle step announced nothing"
     consumer.load(KpoolPdMetadata(loads=[load_of("a", params)]))
     done, failed = wait_finished(consumer, "a", DONE_S)
@@ -71,7 +71,7 @@ def test_a_grant_pulled_before_the_idle_step_is_announced_to_nobody(pair):
     done, failed = wait_finished(consumer, "a", DONE_S)
     assert done == {"a"} and failed == set() and landed_equal(producer_caches, consumer_caches, "a")
     assert wait_for(lambda: producer.cache.allocations_held == 0, DONE_S), "the pulled grant was never freed"
-    producer.withdraw(IDLE)
+    producer.before_forward(IDLE)
     assert settled(producer) == 0, "a grant already pulled was announced"
     assert announced(producer) == 0
     assert consumer.take_stats().data.get("grants_prefetched", 0) == 0

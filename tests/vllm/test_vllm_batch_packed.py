@@ -129,5 +129,5 @@ def test_a_refused_request_fails_alone_and_the_rest_land(pair, sends, caplog):
     assert stats["pulls"] == 2 and stats["pull_failures"] == 1
     # the producer still holds b's grant for its own prompt (prompt binding); a and c ended with the send
     assert producer.cache.allocations_held == 1
-    producer.withdraw(KpoolPdMetadata(withdrawals=["b"]))
+    producer.before_forward(KpoolPdMetadata(withdrawals=["b"]))
     assert wait_freed(producer, patient(DONE_S)) < patient(DONE_S)

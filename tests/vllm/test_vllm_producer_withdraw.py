@@ -60,7 +60,7 @@ def test_a_withdrawn_request_frees_its_grants_and_is_never_reported(producer):
     step = offers()
     producer.offer(KpoolPdMetadata(offers=step))
     gone, kept, *_ = step
-    producer.withdraw(KpoolPdMetadata(withdrawals=[gone.request_id]))
+    producer.before_forward(KpoolPdMetadata(withdrawals=[gone.request_id]))
     assert producer.cache.allocations_held == (len(step) - 1) * (1 + UNITS)  # its whole and slot grants ended
 
     async def release_again():
@@ -70,7 +70,7 @@ def test_a_withdrawn_request_frees_its_grants_and_is_never_reported(producer):
     release_whole(producer, kept)
     assert producer.finished_sending(set()) == {kept.request_id}  # the others go on as before
     assert producer.take_stats().data["grants_withdrawn"] == 1
-    producer.withdraw(KpoolPdMetadata(withdrawals=["never-offered"]))  # nothing held here: a no-op
+    producer.before_forward(KpoolPdMetadata(withdrawals=["never-offered"]))  # nothing held here: a no-op
     assert producer.finished_sending({"never-offered"}) == set()
 
 
@@ -80,7 +80,7 @@ def test_the_worker_withdraws_when_vllm_binds_the_steps_metadata_before_the_forw
     from kpool_pd.vllm.connector import KpoolPdConnector
     calls = []
     connector = object.__new__(KpoolPdConnector)  # its worker side only: no vLLM config needed
-    connector.producer_worker = SimpleNamespace(withdraw=lambda meta: calls.append(("withdraw", meta)))
+    connector.producer_worker = SimpleNamespace(before_forward=lambda meta: calls.append(("withdraw", meta)))
     connector.consumer_worker = SimpleNamespace(load=lambda meta: calls.append(("load", meta)))
     meta = KpoolPdMetadata(withdrawals=["gone"])
     connector.bind_connector_metadata(meta)
