@@ -171,11 +171,7 @@ def _held(grant: PrefillGrant, plan: TransferPlan, at: int, done: pb.PullDone, m
                            f"in {done.regions} regions, the plan {plan.total_bytes} in {len(plan)}")
     data = message[at:at + plan.total_bytes]
     if integrity:
-        spans, where = [], 0
-        for pair in plan.pairs:
-            spans.append(regions.crc32(data[where:where + pair.src.nbytes]))
-            where += pair.src.nbytes
-        if list(done.crc32) != spans:
+        if list(done.crc32) != regions.back_to_back_crc32s(data, [pair.src.nbytes for pair in plan.pairs]):
             return StatusError(grpc.StatusCode.DATA_LOSS, f"prefetch from {address}: a region's crc32 differs from "
                                "the prefill node's")
     owner.holders += 1

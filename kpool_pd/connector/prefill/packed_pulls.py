@@ -176,7 +176,9 @@ class PackedPullDesk:
             for pull in accepted:
                 hops.stamp(pull.grant.grant_id, "sent")
                 desk.metrics.transferred(Transport.UCX.label, pull.plan.total_bytes, len(pull.plan), seconds)
-                checksums = _region_crcs(_served_span(message, buffer, pull), pull.plan) if pull.integrity else []
+                checksums = (regions.back_to_back_crc32s(_served_span(message, buffer, pull),
+                                                         [region.nbytes for region in pull.plan.regions])
+                             if pull.integrity else [])
                 results[pull.index] = pb.PullSessionResponse(grant_id=pull.grant.grant_id, response=pb.PullResponse(
                     done=pb.PullDone(bytes=pull.plan.total_bytes, regions=len(pull.plan), crc32=checksums,
                                      send_ms=seconds * 1000)))
@@ -201,12 +203,3 @@ def _served_span(message: PackedMessage, buffer: torch.Tensor, pull: _Accepted) 
     """``pull``'s bytes as sent (uint8 [its plan's bytes]): its pieces lie back to back in ``buffer``."""
     at = message.at(pull.offset) if pull.plan.total_bytes else 0
     return buffer[at:at + pull.plan.total_bytes]
-
-
-def _region_crcs(span: torch.Tensor, plan: ServedPlan) -> list[int]:
-    """crc32 of each region of ``plan`` as laid out back to back in ``span`` (uint8)."""
-    checksums, at = [], 0
-    for region in plan.regions:
-        checksums.append(regions.crc32(span[at:at + region.nbytes]))
-        at += region.nbytes
-    return checksums

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -64,3 +65,12 @@ def crc32(view: torch.Tensor) -> int:
     """crc32 of the view's bytes (GPU memory is read through host)."""
     host = view if view.device.type == "cpu" else view.cpu()
     return zlib.crc32(memoryview(host.numpy())) & 0xFFFFFFFF
+
+
+def back_to_back_crc32s(span: torch.Tensor, sizes: Sequence[int]) -> list[int]:
+    """crc32 of each of the regions of ``sizes`` bytes laid back to back from the start of ``span`` (uint8)."""
+    checksums, at = [], 0
+    for nbytes in sizes:
+        checksums.append(crc32(span[at:at + nbytes]))
+        at += nbytes
+    return checksums
