@@ -63,12 +63,18 @@ class KvLayout(enum.Enum):
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> "KvLayout":
         """The ``kv_layout`` of ``extra`` (default per layer); ValueError naming the choices otherwise."""
-        value = (extra or {}).get("kv_layout", cls.PER_LAYER.value)
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"kv_connector_extra_config['kv_layout'] must be one of "
-                             f"{[m.value for m in cls]}, got {value!r}") from None
+        return choice(extra or {}, "kv_layout", cls.PER_LAYER)
+
+
+def choice(extra: Mapping[str, Any], key: str, default: enum.Enum) -> Any:
+    """The member of ``default``'s enum whose value ``extra[key]`` is (``default`` when the key is missing);
+    ValueError naming the key and the choices otherwise."""
+    kind, value = type(default), extra.get(key, default.value)
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be one of {[m.value for m in kind]}, "
+                         f"got {value!r}") from None
 
 
 def split_address(value: str, key: str) -> tuple[str, int]:
@@ -140,22 +146,12 @@ class KpoolPdSettings:
         if not isinstance(release_after_pull, bool):
             raise ValueError(f"kv_connector_extra_config['release_after_pull'] must be true or false, "
                              f"got {release_after_pull!r}")
-        progress = extra.get("ucx_progress", _CONNECTOR["ucx_progress"].value)
-        try:
-            ucx_progress = UcxProgress(progress)
-        except ValueError:
-            raise ValueError(f"kv_connector_extra_config['ucx_progress'] must be one of "
-                             f"{[p.value for p in UcxProgress]}, got {progress!r}") from None
+        ucx_progress = choice(extra, "ucx_progress", _CONNECTOR["ucx_progress"])
         prefetch_mib = extra.get("prefetch_mib", DEFAULT_PREFETCH_MIB)
         if isinstance(prefetch_mib, bool) or not isinstance(prefetch_mib, int) or not 0 <= prefetch_mib <= 1 << 20:
             raise ValueError(f"kv_connector_extra_config['prefetch_mib'] must be an integer in [0, {1 << 20}] "
                              f"(0: off), got {prefetch_mib!r}")
-        when = extra.get("announce", AnnounceWhen.COMPUTED.value)
-        try:
-            announce = AnnounceWhen(when)
-        except ValueError:
-            raise ValueError(f"kv_connector_extra_config['announce'] must be one of "
-                             f"{[a.value for a in AnnounceWhen]}, got {when!r}") from None
+        announce = choice(extra, "announce", AnnounceWhen.COMPUTED)
         token = extra.get("peer_token") or environ.get(PEER_TOKEN_ENV) or None
         return cls(listen=listen, advertise=advertise, peer_token=token, transport=_TRANSPORTS[name],
                    lease_s=numbers["lease_s"], integrity=bool(extra.get("integrity", False)),
