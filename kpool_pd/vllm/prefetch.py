@@ -209,7 +209,9 @@ class Prefetches:
 
     def loading(self, address: str, key: str) -> None:
         """A load pulls grant ``key`` from ``address`` itself: an announcement of it that comes later is ignored
-        (its pull has it, or will)."""
+        (its pull has it, or will). Nothing to remember where this rank does not prefetch."""
+        if self.budget_bytes <= 0:
+            return
         self._loaded[(address, key)] = None
         self._loaded.move_to_end((address, key))
         while len(self._loaded) > MAX_LOADED:
