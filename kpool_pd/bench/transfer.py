@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default 5)")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="the prefill nodes write a prompt in chunks of this many tokens, each after its share "
-                             "of --prefill-ms, as a chunked prefill does (a push's pieces move behind the later "
-                             "chunks); default 0: the whole prompt at once")
+                             "of --prefill-ms, as a chunked prefill does (a push moves in pieces of a chunk, "
+                             "the later ones behind the later chunks); default 0: the whole prompt at once (a "
+                             "push is one piece, as kpool-pd prefill-worker sets it for a prompt computed whole)")
     parser.add_argument("--hops", action="store_true", help="also stamp each pull's hops on both nodes and print "
                                                             "where its time went, hop by hop (bench.pull_hops)")
     parser.add_argument("--machine", default=platform.node() or "machine", help="name in the result file names")

@@ -77,7 +77,8 @@ def _prefill_proc(conn, args: dict) -> None:
         cache = NodeCache(layout, num_blocks=args["num_blocks"], num_rings=4, device=device)
         template = torch.randint(0, 256, (args["num_blocks"], layout.block_bytes), dtype=torch.uint8, device=device)
         transports = (Transport.UCX, Transport.GRPC_STREAM) if args["ucx"] else (Transport.GRPC_STREAM,)
-        config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]))
+        config = ConnectorConfig(transfer_timeout_s=120, rpc_timeout_s=120, ucx_options=tuple(args["ucx_options"]),
+                                 piece_tokens=args["piece_tokens"])
         node = PrefillConnector(cache.pool, _TemplateEngine(cache, template, args["prefill_ms"] / 1000,
                                                                  args["prefill_chunk"]),
                                 engine_id="bench-prefill", config=config,
@@ -121,8 +122,16 @@ def _start_prefill(args: dict, ucx_options: tuple, block_size: int, transports: 
     proc = start_child(_prefill_proc, child, dict(
         layers=args["layers"], block_size=block_size, kpool=args["kpool"], num_blocks=blocks,
         ucx=Transport.UCX in transports, prefill_device=args["prefill_device"], ucx_options=ucx_options,
-        hops=args["hops"], prefill_ms=args["prefill_ms"], prefill_chunk=args["prefill_chunk"]))
+        hops=args["hops"], prefill_ms=args["prefill_ms"], prefill_chunk=args["prefill_chunk"],
+        piece_tokens=push_piece_tokens(args["prefill_chunk"], args["tokens"])))
     return proc, conn, conn.recv()
+
+
+def push_piece_tokens(prefill_chunk: int, tokens: list[int]) -> int:
+    """The prefill node's piece size, as ``kpool-pd prefill-worker`` sets it: a step's worth of prompt tokens (its
+    chunk), so that a push's pieces move as the chunks are written; a prompt computed whole (``prefill_chunk`` 0)
+    is one piece, however long (one message, where pieces of the default size would cut it into many)."""
+    return prefill_chunk or max(tokens)
 
 
 async def _push_once(series: _Series, cache: NodeCache, tokens: int, rep: int) -> None:

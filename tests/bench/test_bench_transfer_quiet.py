@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kpool_pd.connector import ucx_available
 
 
@@ -43,3 +45,24 @@ def test_bench_transfer_leaves_no_grpc_log_lines_on_stderr(tmp_path):
         assert all(row["messages"] is None for row in rows if row["path"] == "connector grpc")
         header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("tokens"))
         assert "msgs" in header and "x ucxxK" in header, header
+
+
+def _push_messages(tmp_path, *extra: str) -> int:
+    """The messages a push of 4,096 tokens took in ``kpool-pd bench transfer`` (256-token blocks, one layer)."""
+    proc = subprocess.run([sys.executable, "-m", "kpool_pd", "bench", "transfer", "--tokens", "4096", "--reps", "1",
+                           "--layers", "1", "--no-nixl", "--machine", "pieces", "--out", str(tmp_path), *extra],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    (result,) = tmp_path.glob("transfer-*-pieces-cpu.json")
+    [push] = [row for row in json.loads(result.read_text())["rows"] if row["path"] == "connector ucx push"]
+    return push["messages"]
+
+
+def test_a_push_moves_in_pieces_of_the_prefills_chunk(tmp_path):
+    """The bench's prefill node cuts a push as ``kpool-pd prefill-worker`` does, in pieces of a step's tokens: a
+    prompt computed whole goes as one message (pieces of the default 2,048 tokens would make it two), a prompt
+    computed in 1,024-token chunks as four."""
+    if not ucx_available():
+        pytest.skip("the push rows need ucxx")
+    assert _push_messages(tmp_path / "whole") == 1
+    assert _push_messages(tmp_path / "chunked", "--prefill-chunk", "1024") == 4
