@@ -1,6 +1,7 @@
 """The host's time to enqueue the repack of a pull from a prefill node of another block size (what a pull from
 128-token blocks spends between its last byte landed and its return, ``Landing.convert``), in parts: the public
-op (``kernels.repack_tokens``: its checks, then its launches), the launches alone (``repack_tokens_triton``), the
+op (``kernels.repack_tokens``: its checks, then its launches; warm, back to back, and cold, after the caches were
+evicted and the thread slept, as a pull's repack comes after its wait on the receives), the launches alone (``repack_tokens_triton``), the
 readiness event recorded behind them (``BlocksReady.behind_current_work``), and the block table put on the device
 (``kernels.block_ids_on``, which ``Landing.prepare`` does while the bytes travel); beside them the launches' time on
 the device (CUDA events), and the same launches one a field (a kpool cache's three fields are otherwise one fused
@@ -25,11 +26,21 @@ from kpool_pd.kernels import block_ids_on, repack_tokens
 from kpool_pd.kernels.token_repack.triton import repack_tokens_triton
 from kpool_pd.kvcache import BlockLayout, CacheConfig
 
-def _host_us(call, reps: int, device: torch.device) -> float:
-    """Median host time of ``call()`` in microseconds, the device idle before each call (after 5 warm-ups)."""
+COLD_BYTES = 64 << 20  # host memory written before a cold call: more than the last-level cache of one core's complex
+COLD_SLEEP_S = 0.002  # and the thread asleep that long, as a pull's thread waits on its receives before the repack
+
+
+def _host_us(call, reps: int, device: torch.device, cold: bool = False) -> float:
+    """Median host time of ``call()`` in microseconds, the device idle before each call (after 5 warm-ups);
+    ``cold``: before each call (outside the clock) ``COLD_BYTES`` of host memory written and the thread asleep
+    ``COLD_SLEEP_S``, so that the call finds the caches and the core as a pull's repack does after its wait."""
     times = []
+    evict = torch.empty(COLD_BYTES, dtype=torch.uint8) if cold else None
     for rep in range(reps + 5):
         torch.cuda.synchronize(device)
+        if evict is not None:
+            evict.fill_(rep % 251)
+            time.sleep(COLD_SLEEP_S)
         started = time.perf_counter()
         call()
         elapsed = time.perf_counter() - started
@@ -74,6 +85,8 @@ def measure(tokens: int, reps: int, device: torch.device, src_block: int = 128, 
         raise SystemExit(f"{tokens} tokens: the fused launch's bytes differ from the per-field launches'")
     return {
         "public op": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens), reps, device),
+        "public op, cold": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens),
+                                    reps, device, cold=True),
         "launches": _host_us(launches, reps, device),
         "event": _host_us(lambda: BlocksReady.behind_current_work(device), reps, device),
         "block table": _host_us(lambda: block_ids_on(range(2, dst_n + 2), device), reps, device),
@@ -91,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the repack runs its Triton kernels there)")
     device = torch.device("cuda:0")
-    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'launches us':>12} {'event us':>9} {'block table us':>15} "
+    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'cold op us':>11} {'launches us':>12} {'event us':>9} {'block table us':>15} "
                      f"{'device us':>10} {'per-field launches us':>22} {'per-field device us':>20}   (host time but the "
-                     f"device columns, median of {args.reps}; launches: as the op makes them; per-field: one a field; "
+                     f"device columns, median of {args.reps}; cold: caches evicted and the thread asleep before each call; "
+                     f"launches: as the op makes them; per-field: one a field; "
                      f"{torch.cuda.get_device_name(device)})\n")
     for tokens in args.tokens:
         parts = measure(tokens, args.reps, device)
-        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f} "
+        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['public op, cold']:>11.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f} "
                          f"{parts['block table']:>15.1f} {parts['device']:>10.1f} {parts['per-field launches']:>22.1f} "
                          f"{parts['per-field device']:>20.1f}\n")
     return 0
