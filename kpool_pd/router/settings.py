@@ -151,7 +151,7 @@ class RouterSettings:
 
     def engine_id_of(self, url: str) -> str | None:
         """The vLLM engine_id ``--decode-engine-id`` gives the decode instance at ``url``, else None."""
-        return dict(self.decode_engine_ids).get(url)
+        return next((engine_id for known, engine_id in self.decode_engine_ids if known == url), None)
 
     def listed(self, role: str) -> tuple[str, ...]:
         """The URLs of ``role`` ("prefill" or "decode") given as URLs."""
