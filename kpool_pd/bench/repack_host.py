@@ -1,12 +1,12 @@
 """The host's time to enqueue the repack of a pull from a prefill node of another block size (what a pull from
 128-token blocks spends between its last byte landed and its return, ``Landing.convert``), in parts: the public
 op (``kernels.repack_tokens``: its checks, then its launches; warm, back to back, and cold, after the caches were
-evicted and the thread slept, as a pull's repack comes after its wait on the receives), the launches alone (``repack_tokens_triton``), the
-readiness event recorded behind them (``BlocksReady.behind_current_work``), and the block table put on the device
-(``kernels.block_ids_on``, which ``Landing.prepare`` does while the bytes travel); beside them the launches' time on
-the device (CUDA events), and the same launches one a field (a kpool cache's three fields are otherwise one fused
-launch), their bytes checked equal first. The device is synchronised between calls, outside the clock, so that no
-call waits on a full launch queue.
+evicted and the thread slept, as a pull's repack comes after its wait on the receives), the launches alone
+(``repack_tokens_triton``), the readiness event recorded behind them (``BlocksReady.behind_current_work``), and
+the block table put on the device (``kernels.block_ids_on``, which ``Landing.prepare`` does while the bytes
+travel); beside them the launches' time on the device (CUDA events), and the same launches one a field (a kpool
+cache's three fields are otherwise one fused launch), their bytes checked equal first. The device is synchronised
+between calls, outside the clock, so that no call waits on a full launch queue.
 
     python -m kpool_pd.bench.repack_host --tokens 1024,4096,32768 --reps 200     (CUDA)
 """
@@ -104,14 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the repack runs its Triton kernels there)")
     device = torch.device("cuda:0")
-    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'cold op us':>11} {'launches us':>12} {'event us':>9} {'block table us':>15} "
-                     f"{'device us':>10} {'per-field launches us':>22} {'per-field device us':>20}   (host time but the "
-                     f"device columns, median of {args.reps}; cold: caches evicted and the thread asleep before each call; "
-                     f"launches: as the op makes them; per-field: one a field; "
-                     f"{torch.cuda.get_device_name(device)})\n")
+    sys.stdout.write(f"{'tokens':>7} {'public op us':>13} {'cold op us':>11} {'launches us':>12} {'event us':>9} "
+                     f"{'block table us':>15} {'device us':>10} {'per-field launches us':>22} "
+                     f"{'per-field device us':>20}   (host time but the device columns, median of {args.reps}; "
+                     f"cold: caches evicted and the thread asleep before each call; launches: as the op makes "
+                     f"them; per-field: one a field; {torch.cuda.get_device_name(device)})\n")
     for tokens in args.tokens:
         parts = measure(tokens, args.reps, device)
-        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['public op, cold']:>11.1f} {parts['launches']:>12.1f} {parts['event']:>9.1f} "
+        sys.stdout.write(f"{tokens:>7} {parts['public op']:>13.1f} {parts['public op, cold']:>11.1f} "
+                         f"{parts['launches']:>12.1f} {parts['event']:>9.1f} "
                          f"{parts['block table']:>15.1f} {parts['device']:>10.1f} {parts['per-field launches']:>22.1f} "
                          f"{parts['per-field device']:>20.1f}\n")
     return 0
