@@ -68,9 +68,12 @@ def crc32(view: torch.Tensor) -> int:
 
 
 def back_to_back_crc32s(span: torch.Tensor, sizes: Sequence[int]) -> list[int]:
-    """crc32 of each of the regions of ``sizes`` bytes laid back to back from the start of ``span`` (uint8)."""
+    """crc32 of each of the regions of ``sizes`` bytes laid back to back from the start of ``span`` (uint8); a
+    span in GPU memory is read through host once, not once a region."""
+    host = span[:sum(sizes)]
+    host = host if host.device.type == "cpu" else host.cpu()
     checksums, at = [], 0
     for nbytes in sizes:
-        checksums.append(crc32(span[at:at + nbytes]))
+        checksums.append(crc32(host[at:at + nbytes]))
         at += nbytes
     return checksums
