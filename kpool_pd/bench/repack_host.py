@@ -83,10 +83,10 @@ def measure(tokens: int, reps: int, device: torch.device, src_block: int = 128, 
     per_field()
     if not torch.equal(fused, dst):
         raise SystemExit(f"{tokens} tokens: the fused launch's bytes differ from the per-field launches'")
+    public_op = lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens)  # noqa: E731
     return {
-        "public op": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens), reps, device),
-        "public op, cold": _host_us(lambda: repack_tokens(src, src_layout, src_ids, dst, dst_layout, dst_ids, tokens),
-                                    reps, device, cold=True),
+        "public op": _host_us(public_op, reps, device),
+        "public op, cold": _host_us(public_op, reps, device, cold=True),
         "launches": _host_us(launches, reps, device),
         "event": _host_us(lambda: BlocksReady.behind_current_work(device), reps, device),
         "block table": _host_us(lambda: block_ids_on(range(2, dst_n + 2), device), reps, device),
